@@ -1,0 +1,22 @@
+# The README's two commands are `make demo` and `make test`; both set everything up first.
+PY := .venv/bin/python
+
+.PHONY: setup build demo test bench clean
+
+setup:
+	@bash scripts/setup.sh
+
+build:
+	@.venv/bin/pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
+
+demo: setup
+	@$(PY) -m libmccl.demo
+
+test: setup
+	@bash scripts/test.sh
+
+bench: setup
+	@$(PY) -m libmccl.bench
+
+clean:
+	rm -rf build .venv *.egg-info

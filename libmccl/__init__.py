@@ -1,0 +1,1 @@
+"""MCCL: a torch.distributed backend ("mccl") on a C++ ring engine over TCP."""

@@ -1,0 +1,153 @@
+"""Every MCCL_* setting, declared once.
+
+Each field of a settings dataclass below *is* the declaration: its environment
+variable, default, unit and help text live in the field's metadata, next to the
+default. ``load(Cls)`` reads the environment (and, for the daemon, an optional TOML
+file) into a frozen instance. ``python -m libmccl.config`` prints the table that the
+README carries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Mapping, TypeVar
+
+from .errors import ConfigError
+
+T = TypeVar("T")
+
+_SIZE_SUFFIX = {"": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
+                "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+
+
+def setting(env: str, default: Any, unit: str, help: str) -> Any:
+    """Declare one setting: a dataclass field that knows its environment variable."""
+    return field(default=default, metadata={"env": env, "unit": unit, "help": help})
+
+
+def _parse(raw: str, typ: Any, unit: str, env: str) -> Any:
+    text = raw.strip()
+    try:
+        if typ in (bool, "bool"):
+            low = text.lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off", ""):
+                return False
+            raise ValueError(text)
+        if typ in (int, "int"):
+            if unit == "bytes":
+                m = re.fullmatch(r"(\d+)\s*([A-Za-z]*)", text)
+                if not m or m.group(2).upper() not in _SIZE_SUFFIX:
+                    raise ValueError(text)
+                return int(m.group(1)) * _SIZE_SUFFIX[m.group(2).upper()]
+            return int(text, 0)
+        if typ in (float, "float"):
+            return float(text)
+        return text
+    except ValueError:
+        kind = getattr(typ, "__name__", str(typ))
+        raise ConfigError(
+            f"[config] {env}={raw!r} is not a valid {kind} ({unit}); "
+            f"fix or unset {env} (see the settings table in README.md)") from None
+
+
+def load(cls: type[T], env: Mapping[str, str] | None = None, overrides: Mapping[str, Any] | None = None) -> T:
+    """Build a frozen settings object from the environment, then ``overrides`` (e.g. TOML)."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        name = f.metadata["env"]
+        if overrides and f.name in overrides:
+            values[f.name] = overrides[f.name]
+        if name in env:
+            values[f.name] = _parse(env[name], f.type, f.metadata["unit"], name)
+    obj = cls(**values)
+    check = getattr(obj, "validate", None)
+    if check is not None:
+        check()
+    return obj
+
+
+def _require(ok: bool, env: str, value: Any, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"[config] {env}={value!r} is out of range: {why}; fix or unset {env}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Settings of the in-process engine (libmccl)."""
+
+    sockets_per_peer: int = setting(
+        "MCCL_SOCKETS_PER_PEER", 2, "sockets",
+        "TCP sockets per peer link; large messages are striped across them")
+    socket_buffer_bytes: int = setting(
+        "MCCL_SOCKET_BUFFER_BYTES", 4 << 20, "bytes",
+        "SO_SNDBUF/SO_RCVBUF asked for on every link socket (the kernel may cap it)")
+    segment_bytes: int = setting(
+        "MCCL_SEGMENT_BYTES", 0, "bytes",
+        "pipeline segment of the ring algorithms; 0 picks one from the message size")
+    small_allreduce_bytes: int = setting(
+        "MCCL_SMALL_ALLREDUCE_BYTES", 64 << 10, "bytes",
+        "all-reduces up to this size use the one-round low-latency algorithm instead of the ring")
+    bind_addr: str = setting(
+        "MCCL_BIND_ADDR", "", "address",
+        "address the engine listens on and advertises; empty: the address that routes to MASTER_ADDR")
+    socket_ifname: str = setting(
+        "MCCL_SOCKET_IFNAME", "", "interface",
+        "network interface to listen on (its first IPv4 address); overridden by MCCL_BIND_ADDR")
+    connect_timeout_s: float = setting(
+        "MCCL_CONNECT_TIMEOUT", 0.0, "seconds",
+        "time to build the mesh of links; 0 uses the process group's timeout")
+    daemon: bool = setting(
+        "MCCL_DAEMON", False, "bool",
+        "hand collectives to the local mccld instead of running the engine in-process")
+    unified_collective: bool = setting(
+        "MCCL_UNIFIED_COLLECTIVE", True, "bool",
+        "macOS/MPS: reduce in unified memory ordered by Metal shared events; 0 stages through a CPU copy")
+
+    def validate(self) -> None:
+        _require(1 <= self.sockets_per_peer <= 16, "MCCL_SOCKETS_PER_PEER", self.sockets_per_peer,
+                 "must be between 1 and 16")
+        _require(self.socket_buffer_bytes >= 64 << 10, "MCCL_SOCKET_BUFFER_BYTES",
+                 self.socket_buffer_bytes, "must be at least 64K")
+        _require(self.segment_bytes == 0 or self.segment_bytes >= 4 << 10, "MCCL_SEGMENT_BYTES",
+                 self.segment_bytes, "must be 0 (auto) or at least 4K")
+        _require(self.small_allreduce_bytes >= 0, "MCCL_SMALL_ALLREDUCE_BYTES",
+                 self.small_allreduce_bytes, "must not be negative")
+        _require(self.connect_timeout_s >= 0, "MCCL_CONNECT_TIMEOUT", self.connect_timeout_s,
+                 "must not be negative")
+
+
+# Settings classes whose fields the README tabulates, in order.
+ALL_SETTINGS: list[type] = [EngineConfig]
+
+
+def register(cls: type[T]) -> type[T]:
+    """Class decorator for settings dataclasses declared in other components (mccld, ...)."""
+    if cls not in ALL_SETTINGS:
+        ALL_SETTINGS.append(cls)
+    return cls
+
+
+def markdown_table() -> str:
+    rows = ["| variable | default | unit | meaning |", "|---|---|---|---|"]
+    for cls in ALL_SETTINGS:
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else ""
+            if isinstance(default, bool):
+                default = int(default)
+            rows.append(f"| `{f.metadata['env']}` | `{default!s}` | {f.metadata['unit']} | {f.metadata['help']} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":  # pragma: no cover - a documentation helper
+    try:  # pull in the other components' declarations when they are importable
+        import mccld.config  # noqa: F401
+    except ImportError:
+        pass
+    sys.stdout.write(markdown_table() + "\n")

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Idempotent set-up for a fresh Debian machine: system tools the tests use, a virtual
+# environment with the pinned CPU build of torch, and MCCL built in editable mode.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# torch is pinned: a bare `torch` resolves to several GB of CUDA wheels.
+PY_PKGS=(torch==2.13.0 "pybind11>=2.12" "scikit-build-core>=0.10" ninja cmake "pyzmq>=25"
+         "zeroconf>=0.130" "prometheus-client>=0.19" "pytest>=8" "pytest-timeout>=2.3" numpy matplotlib)
+APT_PKGS=(prometheus iperf3 iproute2 procps)
+
+need_apt=()
+command -v prometheus >/dev/null || need_apt+=(prometheus)
+command -v iperf3 >/dev/null || need_apt+=(iperf3)
+command -v ip >/dev/null || need_apt+=(iproute2)
+command -v pgrep >/dev/null || need_apt+=(procps)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ]; then
+    echo "[setup] apt-get install ${need_apt[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${APT_PKGS[@]}" >/dev/null
+    # The Debian package may start its own server; the tests start theirs on their own ports.
+    pkill -x prometheus 2>/dev/null || true
+  else
+    echo "[setup] not root: skipping apt-get (${need_apt[*]}); fleet and Prometheus tests will skip" >&2
+  fi
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating .venv"
+  python3 -m venv .venv
+fi
+if ! .venv/bin/python -c "import torch, zmq, zeroconf, prometheus_client, pytest_timeout, pybind11, scikit_build_core" 2>/dev/null; then
+  echo "[setup] pip install ${PY_PKGS[*]}"
+  .venv/bin/pip install -q --disable-pip-version-check "${PY_PKGS[@]}"
+fi
+echo "[setup] building MCCL (C++ engine + Python packages)"
+.venv/bin/pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Runs the whole suite with a hard per-test timeout, then checks nothing was left behind.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+cleanup() { bash scripts/cleanup.sh >/dev/null 2>&1 || true; }
+trap cleanup EXIT
+.venv/bin/python -m pytest -p no:cacheprovider --timeout=300 "$@" tests
+rc=$?
+# pytest's 5 means "no tests collected": that is a failure of this script, not a pass.
+exit $rc
