@@ -1,1 +1,47 @@
-"""MCCL: a torch.distributed backend ("mccl") on a C++ ring engine over TCP."""
+"""MCCL: a torch.distributed backend ("mccl") on a C++ ring engine over TCP.
+
+Registration happens three ways, all idempotent:
+- torch calls ``_autoload`` (entry point group ``torch.backends``) at the end of
+  ``import torch``, so an unchanged script can call ``init_process_group("mccl")``;
+- ``import libmccl`` registers when torch is already imported (or torch's own
+  autoload is switched off, in which case nobody else would);
+- ``libmccl.register()`` registers explicitly and raises on failure.
+
+Importing libmccl alone does not import torch otherwise: the daemon and the CLI use
+the engine and the settings without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+_log = logging.getLogger(__name__)
+
+BACKEND_NAME = "mccl"
+_registered = False
+
+
+def register() -> None:
+    """Register the ``mccl`` backend with torch.distributed; raises if that is impossible."""
+    global _registered
+    if _registered:
+        return
+    from .backend import register_backend  # imports torch
+
+    register_backend()
+    _registered = True
+
+
+def _autoload() -> None:
+    """torch's entry point hook: must be cheap and must never raise (it runs inside ``import torch``)."""
+    try:
+        register()
+    except Exception as exc:  # noqa: BLE001 - a failure here would break `import torch` for everyone
+        _log.warning("[libmccl] could not register the 'mccl' torch.distributed backend: %s; "
+                     "init_process_group('mccl') will fail until this is fixed", exc)
+
+
+if "torch" in sys.modules or os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "1") != "1":
+    _autoload()
