@@ -1,0 +1,304 @@
+"""Live state of one daemon: what the exporter and the status endpoint read.
+
+The daemon writes from its hot paths (one ``record_collective`` per completed
+collective, traffic deltas from the link threads), so every writer takes one lock for
+a handful of dict updates and a bisect, and allocates nothing per call once a key
+exists. Readers call ``snapshot()``, which copies everything under the same lock into
+plain JSON-serialisable data; formatting happens outside the lock.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+from collections import deque
+from typing import Any
+
+# Upper bounds (seconds) of the collective duration histogram. Fixed, so that
+# histogram_quantile() can aggregate across hosts: 10 us (a loopback barrier) up to a
+# minute (a multi-GB all-reduce on a loaded 10 GbE link).
+DURATION_BUCKETS_S: tuple[float, ...] = (
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05,
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+# Message-size classes (label, inclusive upper bound in bytes). Latency and bandwidth
+# differ by orders of magnitude between them, so one histogram per class.
+SIZE_BUCKETS: tuple[tuple[str, float], ...] = (
+    ("le_4KiB", 4 << 10),
+    ("le_64KiB", 64 << 10),
+    ("le_1MiB", 1 << 20),
+    ("le_16MiB", 16 << 20),
+    ("le_256MiB", 256 << 20),
+    ("gt_256MiB", float("inf")),
+)
+_SIZE_BOUNDS = [b for _, b in SIZE_BUCKETS]
+
+STATES = ("idle", "training")
+
+# Seconds of completed collectives that the bus-bandwidth gauge averages over.
+BUSBW_WINDOW_S = 10.0
+# A job (or a rank of it) that reported nothing for this long is dropped from the
+# per-job series, so finished jobs do not linger as label sets forever.
+JOB_STALE_AFTER_S = 300.0
+
+
+def bus_factor(op: str, world: int) -> float:
+    """Bytes each link carries per byte of the collective's buffer (nccl-tests' busbw).
+
+    ``nbytes`` passed to ``record_collective`` is the per-rank buffer size, following
+    nccl-tests: all-reduce/broadcast/reduce: the tensor; all-gather: the gathered output;
+    reduce-scatter: the input; all-to-all: the whole send buffer. Multiplying the
+    algorithm bandwidth by this factor gives a figure comparable with link speed.
+    """
+    n = max(int(world), 1)
+    if n == 1:
+        return 0.0
+    if op == "allreduce":
+        return 2.0 * (n - 1) / n
+    if op in ("allgather", "reduce_scatter", "alltoall", "alltoallv", "gather", "scatter"):
+        return (n - 1) / n
+    if op in ("broadcast", "reduce", "send", "recv"):
+        return 1.0
+    return 0.0  # barrier and unknown ops move no payload worth a bandwidth figure
+
+
+def size_bucket(nbytes: int) -> str:
+    return SIZE_BUCKETS[bisect.bisect_left(_SIZE_BOUNDS, nbytes)][0]
+
+
+class _OpStats:
+    __slots__ = ("count", "bytes", "bus_bytes", "seconds", "window")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.bytes = 0
+        self.bus_bytes = 0.0
+        self.seconds = 0.0
+        # [whole second, bus bytes, busy seconds] per second with activity: bounded by
+        # the window length however many collectives complete per second.
+        self.window: deque[list[float]] = deque()
+
+
+class _Histogram:
+    __slots__ = ("counts", "sum_s")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(DURATION_BUCKETS_S) + 1)  # last slot: above the top bound
+        self.sum_s = 0.0
+
+
+class _Peer:
+    __slots__ = ("sent", "received", "up", "changed_at", "ceiling_bps", "ceiling_at")
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.received = 0
+        self.up: bool | None = None
+        self.changed_at = 0.0
+        self.ceiling_bps: float | None = None
+        self.ceiling_at = 0.0
+
+
+class _Overlap:
+    __slots__ = ("latest", "total", "samples", "seen")
+
+    def __init__(self) -> None:
+        self.latest = 0.0
+        self.total = 0.0
+        self.samples = 0
+        self.seen = 0.0
+
+
+class _Job:
+    __slots__ = ("world", "ops", "bytes", "seen")
+
+    def __init__(self) -> None:
+        self.world = 0
+        self.ops = 0
+        self.bytes = 0
+        self.seen = 0.0
+
+
+class DaemonStats:
+    """Thread-safe counters and gauges of one daemon (see docs/dev/interfaces.md §2)."""
+
+    def __init__(self, clock=time.monotonic, wall_clock=time.time) -> None:
+        self._lock = threading.Lock()
+        self._clock = clock
+        self._wall = wall_clock
+        self._start_mono = clock()
+        self._start_wall = wall_clock()
+        self._hist: dict[tuple[str, str], _Histogram] = {}
+        self._ops: dict[str, _OpStats] = {}
+        self._peers: dict[str, _Peer] = {}
+        self._errors: dict[str, int] = {}
+        self._overlap: dict[tuple[str, int], _Overlap] = {}
+        self._jobs: dict[str, _Job] = {}
+        self._attached = 0
+        self._state = "idle"
+
+    # ---- writers (hot path) -------------------------------------------------------
+
+    def record_collective(self, job: str, op: str, nbytes: int, seconds: float, world: int) -> None:
+        """One completed collective of ``nbytes`` (per-rank buffer) that took ``seconds``."""
+        if nbytes < 0 or seconds < 0:
+            raise ValueError(f"[stats] record_collective({op!r}): negative size or duration "
+                             f"(nbytes={nbytes}, seconds={seconds}); the caller's timing is wrong")
+        now = self._clock()
+        bus = nbytes * bus_factor(op, world)
+        slot = bisect.bisect_left(DURATION_BUCKETS_S, seconds)
+        key = (op, size_bucket(nbytes))
+        with self._lock:
+            h = self._hist.get(key)
+            if h is None:
+                h = self._hist[key] = _Histogram()
+            h.counts[slot] += 1
+            h.sum_s += seconds
+            o = self._ops.get(op)
+            if o is None:
+                o = self._ops[op] = _OpStats()
+            o.count += 1
+            o.bytes += nbytes
+            o.bus_bytes += bus
+            o.seconds += seconds
+            sec = float(int(now))
+            if o.window and o.window[-1][0] == sec:
+                o.window[-1][1] += bus
+                o.window[-1][2] += seconds
+            else:
+                o.window.append([sec, bus, seconds])
+                self._trim(o.window, now)
+            j = self._jobs.get(job)
+            if j is None:
+                j = self._jobs[job] = _Job()
+            j.world = world
+            j.ops += 1
+            j.bytes += nbytes
+            j.seen = now
+
+    def record_peer_traffic(self, peer: str, sent: int, received: int) -> None:
+        """Byte deltas on the link to ``peer`` (host:port) since the previous call."""
+        if sent < 0 or received < 0:
+            raise ValueError(f"[stats] record_peer_traffic: negative delta, peer={peer} "
+                             f"(sent={sent}, received={received}); pass deltas, not totals")
+        with self._lock:
+            p = self._peer(peer)
+            p.sent += sent
+            p.received += received
+
+    def set_peer_up(self, peer: str, up: bool) -> None:
+        now = self._wall()
+        with self._lock:
+            p = self._peer(peer)
+            if p.up is not bool(up):
+                p.up = bool(up)
+                p.changed_at = now
+
+    def record_error(self, kind: str) -> None:
+        """``kind`` is the exception class name, e.g. ``PeerLostError``."""
+        with self._lock:
+            self._errors[kind] = self._errors.get(kind, 0) + 1
+
+    def record_overlap(self, job: str, rank: int, ratio: float) -> None:
+        """Overlap a training process measured: 1 - exposed comm time / total comm time."""
+        if not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"[stats] overlap ratio {ratio} from job={job} rank={rank} is outside "
+                             f"[0, 1]; the process measured exposed > total communication time")
+        now = self._clock()
+        with self._lock:
+            key = (job, int(rank))
+            ov = self._overlap.get(key)
+            if ov is None:
+                ov = self._overlap[key] = _Overlap()
+            ov.latest = ratio
+            ov.total += ratio
+            ov.samples += 1
+            ov.seen = now
+
+    def set_link_ceiling(self, peer: str, bits_per_s: float) -> None:
+        """TCP goodput to ``peer`` measured by the last link test."""
+        if bits_per_s <= 0:
+            raise ValueError(f"[stats] link ceiling {bits_per_s} bit/s for peer={peer} is not "
+                             f"positive; the link test measured nothing")
+        now = self._wall()
+        with self._lock:
+            p = self._peer(peer)
+            p.ceiling_bps = float(bits_per_s)
+            p.ceiling_at = now
+
+    def set_attached(self, n: int) -> None:
+        with self._lock:
+            self._attached = int(n)
+
+    def set_state(self, state: str) -> None:
+        if state not in STATES:
+            raise ValueError(f"[stats] unknown daemon state {state!r}; expected one of {STATES}")
+        with self._lock:
+            self._state = state
+
+    def forget_peer(self, peer: str) -> None:
+        """Drop a peer that left the fleet for good (its series disappear)."""
+        with self._lock:
+            self._peers.pop(peer, None)
+
+    # ---- reader -------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """A consistent copy of everything, as plain JSON-serialisable data."""
+        with self._lock:
+            now = self._clock()
+            ops = {}
+            for op, o in self._ops.items():
+                self._trim(o.window, now)
+                busy = sum(w[2] for w in o.window)
+                busbw = (sum(w[1] for w in o.window) / busy) if busy > 0 else None
+                ops[op] = {"count": o.count, "bytes": o.bytes, "bus_bytes": o.bus_bytes,
+                           "seconds": o.seconds, "busbw_bytes_per_s": busbw}
+            collectives = []
+            for (op, sb), h in self._hist.items():
+                cumulative, acc = [], 0
+                for c in h.counts:
+                    acc += c
+                    cumulative.append(acc)
+                collectives.append({"op": op, "size_bucket": sb, "count": acc, "sum_s": h.sum_s,
+                                    "cumulative": cumulative[:-1]})
+            peers = {name: {"up": p.up, "changed_at": p.changed_at, "sent_bytes": p.sent,
+                            "received_bytes": p.received, "ceiling_bits_per_s": p.ceiling_bps,
+                            "ceiling_at": p.ceiling_at}
+                     for name, p in self._peers.items()}
+            for key in [k for k, v in self._overlap.items() if now - v.seen > JOB_STALE_AFTER_S]:
+                del self._overlap[key]
+            overlap = [{"job": job, "rank": rank, "latest": v.latest,
+                        "mean": v.total / v.samples, "samples": v.samples}
+                       for (job, rank), v in self._overlap.items()]
+            for key in [k for k, v in self._jobs.items() if now - v.seen > JOB_STALE_AFTER_S]:
+                del self._jobs[key]
+            jobs = {job: {"world": j.world, "ops": j.ops, "bytes": j.bytes,
+                          "idle_s": now - j.seen} for job, j in self._jobs.items()}
+            return {
+                "start_time": self._start_wall,
+                "uptime_s": now - self._start_mono,
+                "state": self._state,
+                "attached": self._attached,
+                "duration_buckets_s": list(DURATION_BUCKETS_S),
+                "collectives": collectives,
+                "ops": ops,
+                "peers": peers,
+                "errors": dict(self._errors),
+                "overlap": overlap,
+                "jobs": jobs,
+            }
+
+    # ---- internals ----------------------------------------------------------------
+
+    def _peer(self, peer: str) -> _Peer:
+        p = self._peers.get(peer)
+        if p is None:
+            p = self._peers[peer] = _Peer()
+        return p
+
+    @staticmethod
+    def _trim(window: deque, now: float) -> None:
+        while window and window[0][0] < now - BUSBW_WINDOW_S:
+            window.popleft()
