@@ -10,6 +10,7 @@ plain JSON-serialisable data; formatting happens outside the lock.
 from __future__ import annotations
 
 import bisect
+import importlib.metadata
 import threading
 import time
 from collections import deque
@@ -41,6 +42,14 @@ BUSBW_WINDOW_S = 10.0
 # A job (or a rank of it) that reported nothing for this long is dropped from the
 # per-job series, so finished jobs do not linger as label sets forever.
 JOB_STALE_AFTER_S = 300.0
+
+
+def mccl_version() -> str:
+    """The installed MCCL version: what mcclctl compares against each daemon's."""
+    try:
+        return importlib.metadata.version("mccl")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"  # running from a source tree that was never `make build`-installed
 
 
 def bus_factor(op: str, world: int) -> float:
@@ -137,6 +146,7 @@ class DaemonStats:
         self._jobs: dict[str, _Job] = {}
         self._attached = 0
         self._state = "idle"
+        self._version = mccl_version()
 
     # ---- writers (hot path) -------------------------------------------------------
 
@@ -277,6 +287,7 @@ class DaemonStats:
             jobs = {job: {"world": j.world, "ops": j.ops, "bytes": j.bytes,
                           "idle_s": now - j.seen} for job, j in self._jobs.items()}
             return {
+                "version": self._version,
                 "start_time": self._start_wall,
                 "uptime_s": now - self._start_mono,
                 "state": self._state,

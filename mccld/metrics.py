@@ -1,0 +1,193 @@
+"""Prometheus exporter: a Collector that renders ``DaemonStats.snapshot()`` at each scrape.
+
+Nothing is copied into prometheus_client's own metric objects: the collector reads the
+daemon's live state when Prometheus asks, so there is one source of truth and no
+update cost on the daemon's hot path. Names use base units (seconds, bytes) and
+``_total`` on counters, all prefixed ``mccl_``.
+
+``MetricsServer`` binds 0.0.0.0 by default (``MCCL_METRICS_ADDR``): Prometheus
+normally scrapes from another machine of the fleet, and the endpoint is read-only and
+carries no secrets (counters, peer addresses, job ids). Set ``MCCL_METRICS_ADDR`` to
+the fleet interface's address or 127.0.0.1 to restrict who can read it.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import socket
+import threading
+from typing import Iterable
+
+from prometheus_client.core import (CollectorRegistry, CounterMetricFamily, GaugeMetricFamily,
+                                    HistogramMetricFamily, InfoMetricFamily, Metric)
+from prometheus_client.exposition import start_http_server
+from prometheus_client.registry import Collector
+
+from libmccl.errors import ConfigError
+
+from .stats import STATES, DaemonStats
+
+log = logging.getLogger(__name__)
+
+
+def _fmt_bound(b: float) -> str:
+    return repr(float(b))
+
+
+class StatsCollector(Collector):
+    """Renders one DaemonStats as Prometheus metric families, live at every scrape."""
+
+    def __init__(self, stats: DaemonStats, host: str | None = None) -> None:
+        self._stats = stats
+        self._host = host or socket.gethostname()
+
+    def collect(self) -> Iterable[Metric]:
+        snap = self._stats.snapshot()
+        yield from self._host_metrics(snap)
+        yield from self._collective_metrics(snap)
+        yield from self._peer_metrics(snap)
+        yield from self._job_metrics(snap)
+
+    def _host_metrics(self, snap: dict) -> Iterable[Metric]:
+        info = InfoMetricFamily("mccl_build", "MCCL build running on this host")
+        info.add_metric([], {"version": snap["version"], "host": self._host,
+                             "python": platform.python_version(), "system": platform.system()})
+        yield info
+        yield GaugeMetricFamily("mccl_start_time_seconds", "Daemon start time, seconds since the epoch",
+                                value=snap["start_time"])
+        yield GaugeMetricFamily("mccl_uptime_seconds", "Seconds since the daemon started",
+                                value=snap["uptime_s"])
+        state = GaugeMetricFamily("mccl_host_state", "1 for the daemon's current state, 0 for the others",
+                                  labels=["state"])
+        for name in STATES:
+            state.add_metric([name], 1.0 if snap["state"] == name else 0.0)
+        yield state
+        yield GaugeMetricFamily("mccl_attached_processes",
+                                "Training processes attached to this daemon", value=snap["attached"])
+        errors = CounterMetricFamily("mccl_errors", "Errors seen by the daemon, by exception class",
+                                     labels=["kind"])
+        for kind, n in sorted(snap["errors"].items()):
+            errors.add_metric([kind], n)
+        yield errors
+
+    def _collective_metrics(self, snap: dict) -> Iterable[Metric]:
+        bounds = [_fmt_bound(b) for b in snap["duration_buckets_s"]] + ["+Inf"]
+        hist = HistogramMetricFamily("mccl_collective_duration_seconds",
+                                     "Duration of completed collectives, by op and message size class",
+                                     labels=["op", "size_bucket"])
+        for c in sorted(snap["collectives"], key=lambda c: (c["op"], c["size_bucket"])):
+            buckets = list(zip(bounds, c["cumulative"] + [c["count"]]))
+            hist.add_metric([c["op"], c["size_bucket"]], buckets, c["sum_s"])
+        yield hist
+        nbytes = CounterMetricFamily("mccl_collective_bytes", "Buffer bytes of completed collectives "
+                                     "(per-rank buffer, nccl-tests convention)", labels=["op"])
+        bus = CounterMetricFamily("mccl_collective_bus_bytes", "Bytes each link carried for completed "
+                                  "collectives (buffer bytes x bus factor)", labels=["op"])
+        busbw = GaugeMetricFamily("mccl_busbw_bytes_per_second", "Bus bandwidth over the collectives "
+                                  "completed in the last 10 s", labels=["op"])
+        ratio = GaugeMetricFamily("mccl_busbw_link_ratio", "Bus bandwidth as a fraction of the slowest "
+                                  "live link's goodput ceiling from the last link test", labels=["op"])
+        ceiling = self._slowest_ceiling_bytes(snap)
+        for op, o in sorted(snap["ops"].items()):
+            nbytes.add_metric([op], o["bytes"])
+            bus.add_metric([op], o["bus_bytes"])
+            if o["busbw_bytes_per_s"] is not None and o["bus_bytes"] > 0:
+                busbw.add_metric([op], o["busbw_bytes_per_s"])
+                if ceiling:
+                    ratio.add_metric([op], o["busbw_bytes_per_s"] / ceiling)
+        yield from (nbytes, bus, busbw, ratio)
+
+    @staticmethod
+    def _slowest_ceiling_bytes(snap: dict) -> float | None:
+        # A ring runs at the pace of its slowest link, so that is the ceiling to compare
+        # with; peers known to be down are excluded, peers never tested are unknown.
+        ceilings = [p["ceiling_bits_per_s"] / 8.0 for p in snap["peers"].values()
+                    if p["ceiling_bits_per_s"] and p["up"] is not False]
+        return min(ceilings) if ceilings else None
+
+    @staticmethod
+    def _peer_metrics(snap: dict) -> Iterable[Metric]:
+        sent = CounterMetricFamily("mccl_peer_sent_bytes", "Bytes sent to a peer daemon", labels=["peer"])
+        recv = CounterMetricFamily("mccl_peer_received_bytes", "Bytes received from a peer daemon",
+                                   labels=["peer"])
+        up = GaugeMetricFamily("mccl_peer_up", "1 while the link to the peer is up", labels=["peer"])
+        ceiling = GaugeMetricFamily("mccl_link_ceiling_bytes_per_second",
+                                    "TCP goodput to the peer measured by the last link test", labels=["peer"])
+        for peer, p in sorted(snap["peers"].items()):
+            sent.add_metric([peer], p["sent_bytes"])
+            recv.add_metric([peer], p["received_bytes"])
+            if p["up"] is not None:
+                up.add_metric([peer], 1.0 if p["up"] else 0.0)
+            if p["ceiling_bits_per_s"]:
+                ceiling.add_metric([peer], p["ceiling_bits_per_s"] / 8.0)
+        yield from (sent, recv, up, ceiling)
+
+    @staticmethod
+    def _job_metrics(snap: dict) -> Iterable[Metric]:
+        latest = GaugeMetricFamily("mccl_overlap_ratio", "Latest overlap ratio a training process "
+                                   "reported: 1 - exposed comm time / total comm time",
+                                   labels=["job", "rank"])
+        mean = GaugeMetricFamily("mccl_overlap_ratio_mean", "Running mean of the overlap ratio "
+                                 "reported by a training process", labels=["job", "rank"])
+        for ov in sorted(snap["overlap"], key=lambda o: (o["job"], o["rank"])):
+            labels = [ov["job"], str(ov["rank"])]
+            latest.add_metric(labels, ov["latest"])
+            mean.add_metric(labels, ov["mean"])
+        world = GaugeMetricFamily("mccl_job_world_size", "Ranks of a job seen in the last 5 minutes",
+                                  labels=["job"])
+        for job, j in sorted(snap["jobs"].items()):
+            world.add_metric([job], j["world"])
+        yield from (latest, mean, world)
+
+
+def make_registry(stats: DaemonStats, host: str | None = None) -> CollectorRegistry:
+    """A registry holding only this daemon's collector (no process/GC default metrics)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StatsCollector(stats, host))
+    return registry
+
+
+class MetricsServer:
+    """Serves ``/metrics`` over HTTP for one DaemonStats. ``port=0`` picks a free port."""
+
+    def __init__(self, stats: DaemonStats, addr: str = "0.0.0.0", port: int = 29652,
+                 host: str | None = None) -> None:
+        self._registry = make_registry(stats, host)
+        self._addr = addr
+        self._port = port
+        self._httpd = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        return self._httpd.server_address[1] if self._httpd else self._port
+
+    @property
+    def address(self) -> str:
+        return f"{self._addr}:{self.port}"
+
+    def start(self) -> None:
+        if self._httpd is not None:
+            return
+        try:
+            self._httpd, self._thread = start_http_server(self._port, addr=self._addr,
+                                                          registry=self._registry)
+        except OSError as e:
+            raise ConfigError(
+                f"[metrics] cannot serve /metrics on {self._addr}:{self._port}: {e.strerror}; "
+                f"another process (a second mccld?) holds the port or the address is not local; "
+                f"stop it or set MCCL_METRICS_PORT / MCCL_METRICS_ADDR") from e
+        log.info("serving Prometheus metrics on http://%s/metrics", self.address)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        httpd, thread = self._httpd, self._thread
+        if httpd is None:
+            return
+        httpd.shutdown()
+        httpd.server_close()
+        if thread is not None:
+            thread.join(timeout=timeout_s)
+            if thread.is_alive():
+                log.warning("metrics server thread did not stop within %.1f s", timeout_s)
+        self._httpd = self._thread = None
