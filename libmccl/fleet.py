@@ -1,0 +1,361 @@
+"""An emulated fleet of hosts on one Linux machine, built from network namespaces.
+
+Each host is a network namespace ``mccl<id>h<i>`` with one interface ``eth0`` (a veth)
+whose peer sits on a bridge ``mccl<id>br`` in the root namespace, like machines on one
+switch. Host ``i`` has address ``10.77.<id % 250>.<i + 1>/24``; that subnet exists only
+inside our namespaces (the bridge itself has no address), so two fleets never see each
+other and nothing leaves the machine. Links can be shaped to a line rate with a token
+bucket on both ends of every veth, so each host's send *and* receive side is capped,
+like a NIC on a switch port.
+
+Usage::
+
+    with Fleet(3, rate="1gbit") as fleet:
+        srv = fleet.popen(0, ["iperf3", "-s", "-1"])
+        fleet.run(1, ["iperf3", "-c", fleet.hosts[0].addr, "-t", "1"], timeout=10)
+
+Teardown (``stop``, also on exceptions and at interpreter exit) kills every process in
+the namespaces by pid, then deletes the namespaces, veths and the bridge. It is
+idempotent and keeps going past individual failures so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from .errors import ConfigError, MCCLError
+
+log = logging.getLogger(__name__)
+
+PREFIX = "mccl"
+MAX_HOSTS = 64
+# tbf parameters: 256 KB of burst keeps a 10 Gbit/s bucket from starving between timer
+# ticks, 10 ms of queue bounds the latency the shaper itself adds.
+TBF_BURST = "256kb"
+TBF_LATENCY = "10ms"
+_CMD_TIMEOUT_S = 20.0
+_KILL_WAIT_S = 5.0
+_NAME_RE = re.compile(r"^[a-z0-9]{1,5}$")
+
+
+def _is_root() -> bool:
+    return os.geteuid() == 0
+
+
+def check_prerequisites() -> None:
+    """Raise ConfigError unless this process can build namespaces (root, Linux, ip, tc)."""
+    if not sys.platform.startswith("linux"):
+        raise ConfigError(
+            f"[fleet] network namespaces need Linux, this is {sys.platform}; "
+            "run the fleet tests and benchmarks on a Linux machine")
+    if not _is_root():
+        raise ConfigError(
+            "[fleet] needs root (network namespaces, veths and tc qdiscs), running as uid "
+            f"{os.geteuid()}; run as root, or use loopback mode (mccl-bench --hosts 0)")
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            raise ConfigError(
+                f"[fleet] the '{tool}' command is missing; install iproute2 "
+                "(apt-get install iproute2) or put it on PATH")
+
+
+def parse_rate_bits(rate: str) -> float:
+    """'2.5gbit' -> 2.5e9 bits/s (tc's units: bit = bits/s, bps = bytes/s)."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgt]?)(bit|bps)", rate.strip().lower())
+    if not m:
+        raise ConfigError(f"[fleet] rate={rate!r} is not a tc rate; use e.g. '1gbit', '2.5gbit', '200mbit'")
+    scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2)]
+    return float(m.group(1)) * scale * (8 if m.group(3) == "bps" else 1)
+
+
+def _sh(argv: Sequence[str], *, check: bool = True, timeout: float = _CMD_TIMEOUT_S) -> subprocess.CompletedProcess:
+    try:
+        res = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise MCCLError(f"[fleet] '{' '.join(argv)}' did not finish in {timeout:.0f}s; "
+                        "the machine may be overloaded, retry") from None
+    if check and res.returncode != 0:
+        raise MCCLError(f"[fleet] '{' '.join(argv)}' failed (rc={res.returncode}): "
+                        f"{res.stderr.strip() or res.stdout.strip()}")
+    return res
+
+
+def list_namespaces() -> list[str]:
+    out = _sh(["ip", "netns", "list"], check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def list_links(kind: str | None = None) -> list[str]:
+    argv = ["ip", "-o", "link", "show"] + (["type", kind] if kind else [])
+    out = _sh(argv, check=False).stdout
+    names = []
+    for line in out.splitlines():
+        parts = line.split(": ")
+        if len(parts) >= 2:
+            names.append(parts[1].split("@")[0])
+    return names
+
+
+@dataclass(frozen=True)
+class Host:
+    index: int
+    ns: str       # network namespace name
+    addr: str     # IPv4 address of eth0 inside ns
+    veth: str     # bridge-side end of the host's veth, in the root namespace
+    ifname: str = "eth0"
+
+
+class Fleet:
+    """N emulated hosts on one bridge; a context manager with explicit start()/stop()."""
+
+    def __init__(self, n_hosts: int, rate: str | None = "1gbit", name: str | None = None):
+        if not 1 <= int(n_hosts) <= MAX_HOSTS:
+            raise ConfigError(f"[fleet] n_hosts={n_hosts} is out of range; use 1..{MAX_HOSTS}")
+        if rate is not None:
+            parse_rate_bits(rate)
+        if name is not None and not _NAME_RE.match(name):
+            raise ConfigError(f"[fleet] name={name!r} must be 1-5 lowercase letters/digits "
+                              "(interface names are limited to 15 characters)")
+        self.n_hosts = int(n_hosts)
+        self.rate = rate
+        self.rate_bits = parse_rate_bits(rate) if rate else None
+        self._name = name
+        self.id: str | None = None
+        self.hosts: list[Host] = []
+        self._procs: list[subprocess.Popen] = []
+        self._lock = threading.Lock()
+        self._started = False
+        self._stopped = False
+
+    # ---- names -------------------------------------------------------------------
+    @property
+    def bridge(self) -> str:
+        return f"{PREFIX}{self.id}br"
+
+    def _subnet_octet(self) -> int:
+        assert self.id is not None
+        return int(self.id) % 250 if self.id.isdigit() else zlib.crc32(self.id.encode()) % 250
+
+    # ---- lifecycle ---------------------------------------------------------------
+    def __enter__(self) -> "Fleet":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> "Fleet":
+        if self._started:
+            raise MCCLError("[fleet] start() called twice; a Fleet is started once, then stopped")
+        check_prerequisites()
+        self._started = True
+        atexit.register(self.stop)
+        try:
+            self._claim_id()
+            octet = self._subnet_octet()
+            self.hosts = [Host(i, f"{PREFIX}{self.id}h{i}", f"10.77.{octet}.{i + 1}", f"{PREFIX}{self.id}v{i}")
+                          for i in range(self.n_hosts)]
+            # Without snooping off the bridge drops mDNS until a multicast querier shows up.
+            _sh(["ip", "link", "set", self.bridge, "type", "bridge", "mcast_snooping", "0"])
+            _sh(["ip", "link", "set", self.bridge, "up"])
+            for h in self.hosts:
+                self._add_host(h)
+        except BaseException:
+            self.stop()
+            raise
+        log.info("fleet %s up: %d hosts on %s, rate %s", self.id, self.n_hosts, self.bridge, self.rate or "unshaped")
+        return self
+
+    def _claim_id(self) -> None:
+        """Pick an id nobody uses; creating the bridge is the atomic claim across processes."""
+        existing_ns = list_namespaces()
+        candidates = [self._name] if self._name else [str(random.randint(1, 9999)) for _ in range(50)]
+        for cand in candidates:
+            if any(ns.startswith(f"{PREFIX}{cand}h") for ns in existing_ns):
+                continue
+            res = _sh(["ip", "link", "add", f"{PREFIX}{cand}br", "type", "bridge"], check=False)
+            if res.returncode == 0:
+                self.id = cand
+                return
+            if "exists" not in res.stderr:
+                raise MCCLError(f"[fleet] could not create bridge {PREFIX}{cand}br: {res.stderr.strip()}")
+        raise ConfigError(
+            f"[fleet] no free fleet id (tried {', '.join(candidates[:5])}...); a fleet with that name "
+            "is already up or a crashed run left namespaces behind: run 'python -m libmccl.fleet down' "
+            "for it, or scripts/cleanup.sh")
+
+    def _add_host(self, h: Host) -> None:
+        tmp = f"{PREFIX}{self.id}p{h.index}"  # host end before it moves into the namespace
+        _sh(["ip", "netns", "add", h.ns])
+        _sh(["ip", "link", "add", h.veth, "type", "veth", "peer", "name", tmp])
+        _sh(["ip", "link", "set", tmp, "netns", h.ns])
+        _sh(["ip", "link", "set", h.veth, "master", self.bridge])
+        _sh(["ip", "link", "set", h.veth, "up"])
+        n = ["ip", "-n", h.ns]
+        _sh(n + ["link", "set", tmp, "name", h.ifname])
+        _sh(n + ["addr", "add", f"{h.addr}/24", "dev", h.ifname])
+        _sh(n + ["link", "set", h.ifname, "multicast", "on", "up"])
+        _sh(n + ["link", "set", "lo", "up"])
+        # mDNS sends to 224.0.0.251; with no default route it would find no way out.
+        _sh(n + ["route", "add", "224.0.0.0/4", "dev", h.ifname])
+        if self.rate:
+            tbf = ["root", "tbf", "rate", self.rate, "burst", TBF_BURST, "latency", TBF_LATENCY]
+            _sh(["tc", "-n", h.ns, "qdisc", "replace", "dev", h.ifname] + tbf)   # host -> switch
+            _sh(["tc", "qdisc", "replace", "dev", h.veth] + tbf)                # switch -> host
+
+    def stop(self) -> None:
+        """Kill every process in the fleet, delete namespaces, veths and bridge. Idempotent."""
+        with self._lock:
+            if self._stopped or not self._started:
+                self._stopped = self._stopped or self._started
+                return
+            self._stopped = True
+        try:
+            atexit.unregister(self.stop)
+        except Exception:  # pragma: no cover - interpreter shutting down
+            pass
+        if self.id is None:
+            return
+        self._kill_all()
+        teardown(self.id)
+        log.info("fleet %s down", self.id)
+
+    def _kill_all(self) -> None:
+        for p in self._procs:
+            if p.poll() is None:
+                # Each child leads its own session, so its pid is also its group's id.
+                for kill in (lambda: os.killpg(p.pid, signal.SIGKILL), lambda: os.kill(p.pid, signal.SIGKILL)):
+                    try:
+                        kill()
+                    except (ProcessLookupError, PermissionError):
+                        pass
+        kill_namespace_pids([h.ns for h in self.hosts])
+        for p in self._procs:
+            try:
+                p.wait(timeout=_KILL_WAIT_S)
+            except subprocess.TimeoutExpired:
+                log.warning("[fleet] pid %d survived SIGKILL for %.0fs (stuck in the kernel?)", p.pid, _KILL_WAIT_S)
+
+    def release(self) -> None:
+        """Forget the fleet without tearing it down (``python -m libmccl.fleet up``);
+        ``python -m libmccl.fleet down <id>`` or ``teardown(id)`` removes it later."""
+        with self._lock:
+            self._stopped = True
+        atexit.unregister(self.stop)
+
+    # ---- running things inside hosts ----------------------------------------------
+    def _host(self, i: int) -> Host:
+        if not self._started or self._stopped:
+            raise MCCLError("[fleet] the fleet is not running; call start() (or use 'with Fleet(...)') first")
+        if not 0 <= i < len(self.hosts):
+            raise ConfigError(f"[fleet] host index {i} is out of range; this fleet has {len(self.hosts)} hosts")
+        return self.hosts[i]
+
+    def exec_argv(self, i: int, argv: Sequence[str]) -> list[str]:
+        """The argv that runs ``argv`` inside host i (``ip netns exec`` execs, so pids match)."""
+        return ["ip", "netns", "exec", self._host(i).ns, *argv]
+
+    def popen(self, i: int, argv: Sequence[str], env: Mapping[str, str] | None = None, **kw) -> subprocess.Popen:
+        """Start ``argv`` inside host i. ``env`` is added on top of this process's environment.
+
+        The process leads its own session (so teardown can kill its children too) and is
+        tracked: stop() kills it.
+        """
+        full_env = dict(os.environ)
+        if env:
+            full_env.update(env)
+        kw.setdefault("start_new_session", True)
+        p = subprocess.Popen(self.exec_argv(i, argv), env=full_env, **kw)
+        self._procs.append(p)
+        return p
+
+    def run(self, i: int, argv: Sequence[str], timeout: float, env: Mapping[str, str] | None = None,
+            check: bool = False, **kw) -> subprocess.CompletedProcess:
+        """Run ``argv`` inside host i to completion, output captured as text.
+
+        After ``timeout`` seconds the process group is killed and subprocess.TimeoutExpired
+        raised, so a wedged command never stalls the caller."""
+        kw.setdefault("stdout", subprocess.PIPE)
+        kw.setdefault("stderr", subprocess.PIPE)
+        kw.setdefault("text", True)
+        p = self.popen(i, argv, env=env, **kw)
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.communicate(timeout=_KILL_WAIT_S)
+            raise
+        res = subprocess.CompletedProcess(p.args, p.returncode, out, err)
+        if check:
+            res.check_returncode()
+        return res
+
+    def pids(self) -> list[int]:
+        """Pids of every process currently inside any of this fleet's namespaces."""
+        out: list[int] = []
+        for h in self.hosts:
+            res = _sh(["ip", "netns", "pids", h.ns], check=False)
+            out += [int(x) for x in res.stdout.split() if x.isdigit()]
+        return out
+
+    def __repr__(self) -> str:
+        return f"Fleet(id={self.id}, n_hosts={self.n_hosts}, rate={self.rate})"
+
+
+def kill_namespace_pids(namespaces: Sequence[str]) -> None:
+    """SIGKILL every process inside the given namespaces and wait until they are gone."""
+    deadline = time.monotonic() + _KILL_WAIT_S
+    while True:
+        alive = []
+        for ns in namespaces:
+            res = _sh(["ip", "netns", "pids", ns], check=False)
+            alive += [int(x) for x in res.stdout.split() if x.isdigit()]
+        if not alive:
+            return
+        if time.monotonic() > deadline:
+            log.warning("[fleet] pids %s still in namespaces %s after SIGKILL; deleting anyway", alive, namespaces)
+            return
+        for pid in alive:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05)
+
+
+def teardown(fleet_id: str) -> None:
+    """Delete whatever exists of fleet ``fleet_id``: namespaces (with their processes),
+    bridge-side veths and the bridge. Safe to call on a half-built or already deleted fleet."""
+    prefix = f"{PREFIX}{fleet_id}"
+    namespaces = [ns for ns in list_namespaces() if re.fullmatch(rf"{prefix}h\d+", ns)]
+    kill_namespace_pids(namespaces)
+    for ns in namespaces:
+        # Deleting the namespace destroys its veth end, and with it the bridge-side peer.
+        res = _sh(["ip", "netns", "del", ns], check=False)
+        if res.returncode != 0 and ns in list_namespaces():
+            log.warning("[fleet] could not delete namespace %s: %s", ns, res.stderr.strip())
+    for link in list_links():
+        if re.fullmatch(rf"{prefix}(v|p)\d+", link) or link == f"{prefix}br":
+            _sh(["ip", "link", "del", link], check=False)
+
+
+if __name__ == "__main__":
+    from .fleet_cli import main
+
+    sys.exit(main())
