@@ -37,7 +37,7 @@ _SIZE_BOUNDS = [b for _, b in SIZE_BUCKETS]
 
 STATES = ("idle", "training")
 
-# Seconds of completed collectives that the bus-bandwidth gauge averages over.
+# Seconds of recent activity that the bus-bandwidth gauge and per-peer rates average over.
 BUSBW_WINDOW_S = 10.0
 # A job (or a rank of it) that reported nothing for this long is dropped from the
 # per-job series, so finished jobs do not linger as label sets forever.
@@ -98,11 +98,12 @@ class _Histogram:
 
 
 class _Peer:
-    __slots__ = ("sent", "received", "up", "changed_at", "ceiling_bps", "ceiling_at")
+    __slots__ = ("sent", "received", "up", "changed_at", "ceiling_bps", "ceiling_at", "window")
 
     def __init__(self) -> None:
         self.sent = 0
         self.received = 0
+        self.window: deque[list[float]] = deque()  # [whole second, sent, received]
         self.up: bool | None = None
         self.changed_at = 0.0
         self.ceiling_bps: float | None = None
@@ -192,10 +193,18 @@ class DaemonStats:
         if sent < 0 or received < 0:
             raise ValueError(f"[stats] record_peer_traffic: negative delta, peer={peer} "
                              f"(sent={sent}, received={received}); pass deltas, not totals")
+        now = self._clock()
+        sec = float(int(now))
         with self._lock:
             p = self._peer(peer)
             p.sent += sent
             p.received += received
+            if p.window and p.window[-1][0] == sec:
+                p.window[-1][1] += sent
+                p.window[-1][2] += received
+            else:
+                p.window.append([sec, sent, received])
+                self._trim(p.window, now)
 
     def set_peer_up(self, peer: str, up: bool) -> None:
         now = self._wall()
@@ -273,10 +282,15 @@ class DaemonStats:
                     cumulative.append(acc)
                 collectives.append({"op": op, "size_bucket": sb, "count": acc, "sum_s": h.sum_s,
                                     "cumulative": cumulative[:-1]})
-            peers = {name: {"up": p.up, "changed_at": p.changed_at, "sent_bytes": p.sent,
-                            "received_bytes": p.received, "ceiling_bits_per_s": p.ceiling_bps,
-                            "ceiling_at": p.ceiling_at}
-                     for name, p in self._peers.items()}
+            peers = {}
+            for name, p in self._peers.items():
+                self._trim(p.window, now)
+                span = self._window_span(now)
+                peers[name] = {"up": p.up, "changed_at": p.changed_at, "sent_bytes": p.sent,
+                               "received_bytes": p.received,
+                               "tx_bytes_per_s": sum(w[1] for w in p.window) / span,
+                               "rx_bytes_per_s": sum(w[2] for w in p.window) / span,
+                               "ceiling_bits_per_s": p.ceiling_bps, "ceiling_at": p.ceiling_at}
             for key in [k for k, v in self._overlap.items() if now - v.seen > JOB_STALE_AFTER_S]:
                 del self._overlap[key]
             overlap = [{"job": job, "rank": rank, "latest": v.latest,
@@ -308,6 +322,11 @@ class DaemonStats:
         if p is None:
             p = self._peers[peer] = _Peer()
         return p
+
+    def _window_span(self, now: float) -> float:
+        # Rates average over the whole window, or over the daemon's life while it is
+        # younger than the window; never less than one second (the slot granularity).
+        return max(1.0, min(BUSBW_WINDOW_S, now - self._start_mono))
 
     @staticmethod
     def _trim(window: deque, now: float) -> None:

@@ -135,3 +135,19 @@ def test_concurrent_writers_lose_nothing():
     assert snap["ops"]["allreduce"]["count"] == n_threads * n
     assert sum(p["sent_bytes"] for p in snap["peers"].values()) == 3 * n_threads * n
     assert len(reader_snaps) == 20
+
+
+@pytest.mark.timeout(10)
+def test_peer_rates_average_over_the_window():
+    clock = FakeClock()
+    s = st.DaemonStats(clock=clock)
+    clock.t += 100  # an old daemon: rates average over the full window
+    s.record_peer_traffic("p", 5000, 1000)
+    clock.t += 1
+    s.record_peer_traffic("p", 5000, 1000)
+    p = s.snapshot()["peers"]["p"]
+    assert p["tx_bytes_per_s"] == pytest.approx(10000 / st.BUSBW_WINDOW_S)
+    assert p["rx_bytes_per_s"] == pytest.approx(2000 / st.BUSBW_WINDOW_S)
+    clock.t += st.BUSBW_WINDOW_S + 2
+    p = s.snapshot()["peers"]["p"]
+    assert p["tx_bytes_per_s"] == 0 and p["sent_bytes"] == 10000
