@@ -1,0 +1,93 @@
+"""mccl-bench: ``mccl-bench [options]`` runs a sweep; ``mccl-bench plot RESULTS.json... OUT.png`` plots.
+
+Examples::
+
+    mccl-bench --ranks 2 --max-bytes 64M               # 2 ranks on loopback
+    mccl-bench --hosts 4 --rate 1gbit --json n4.json   # 4 emulated hosts (root)
+    mccl-bench --hosts 4 --ops all_reduce --sizes 8    # small-message latency
+    mccl-bench plot n4.json docs/img/n4-1gbit.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from ..errors import MCCLError
+from .metrics import OPS, parse_bytes, sweep_sizes
+from .sweep import BACKENDS, BenchConfig, run_bench
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="mccl-bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    where = ap.add_argument_group("where the ranks run")
+    where.add_argument("--hosts", type=int, default=0,
+                       help="emulated hosts, one rank each (needs root); 0 = loopback (default)")
+    where.add_argument("--ranks", type=int, default=2, help="ranks on loopback (with --hosts 0)")
+    where.add_argument("--rate", default="1gbit", help="link rate per emulated host (tc syntax) or 'none'")
+    what = ap.add_argument_group("what is measured")
+    what.add_argument("--backends", type=_csv, default=list(BACKENDS), help="comma list (default mccl,gloo)")
+    what.add_argument("--ops", type=_csv, default=list(OPS), help=f"comma list of {', '.join(OPS)}")
+    what.add_argument("--min-bytes", type=parse_bytes, default=4 << 10, help="default 4K")
+    what.add_argument("--max-bytes", type=parse_bytes, default=256 << 20, help="default 256M")
+    what.add_argument("--step-factor", type=float, default=2.0)
+    what.add_argument("--sizes", type=lambda t: [parse_bytes(x) for x in _csv(t)], default=None,
+                      help="explicit comma list of sizes, instead of the min/max/step sweep")
+    what.add_argument("--warmup", type=int, default=1, help="untimed ops per size (after the correctness check)")
+    what.add_argument("--iters", type=int, default=0,
+                      help="ops per timed loop; 0 = enough for about --target-seconds (default)")
+    what.add_argument("--target-seconds", type=float, default=0.2)
+    what.add_argument("--max-iters", type=int, default=200)
+    what.add_argument("--repeats", type=int, default=3, help="timed loops per size; the median is reported (>= 3)")
+    what.add_argument("--ceiling-seconds", type=float, default=3.0, help="duration of the ring ceiling measurement")
+    what.add_argument("--ceiling-tool", choices=("auto", "iperf3", "probe", "none"), default="auto")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per backend sweep")
+    ap.add_argument("--json", dest="json_out", help="write the full result here")
+    ap.add_argument("-v", "--verbose", action="store_true", help="show rank 0's progress")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["plot"]:
+        if len(argv) < 3:
+            print("usage: mccl-bench plot RESULTS.json [MORE.json...] OUT.png", file=sys.stderr)
+            return 2
+        from .plot import plot
+
+        plot(argv[1:-1], argv[-1])
+        print(f"wrote {argv[-1]}")
+        return 0
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        sizes = args.sizes or sweep_sizes(args.min_bytes, args.max_bytes, args.step_factor)
+        cfg = BenchConfig(hosts=args.hosts, ranks=args.ranks, rate=None if args.rate == "none" else args.rate,
+                          backends=args.backends, ops=args.ops, sizes=sizes, warmup=args.warmup,
+                          iters=args.iters, repeats=args.repeats, target_s=args.target_seconds,
+                          max_iters=args.max_iters, ceiling_seconds=args.ceiling_seconds,
+                          ceiling_tool=args.ceiling_tool, timeout_s=args.timeout, verbose=args.verbose)
+        result = run_bench(cfg)
+    except (MCCLError, ValueError) as e:
+        print(e, file=sys.stderr)
+        return 2
+    from .report import render
+
+    print(render(result))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(result, f, indent=1)
+    # A backend that failed (or is not built yet) is reported above, never papered over.
+    return 0 if all(b["ok"] for b in result["backends"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

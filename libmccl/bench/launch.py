@@ -1,0 +1,138 @@
+"""Where benchmark processes run: N local processes on loopback, or one per fleet host.
+
+A launcher starts one process per host and knows each host's address; ``run_group``
+starts a set of processes, fails fast when one of them fails (killing the rest), and
+kills everything at its deadline, so a wedged backend never hangs the benchmark.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from ..errors import CollectiveTimeout
+
+
+class LocalLauncher:
+    """N "hosts" that are all this machine, reached over 127.0.0.1."""
+
+    kind = "loopback"
+
+    def __init__(self, n: int):
+        self.n = n
+        self.rate = None
+
+    def addr(self, i: int) -> str:
+        return "127.0.0.1"
+
+    def popen(self, i: int, argv: Sequence[str], env: Mapping[str, str] | None = None, **kw) -> subprocess.Popen:
+        full = dict(os.environ)
+        full.update(env or {})
+        return subprocess.Popen(list(argv), env=full, start_new_session=True, **kw)
+
+    def free_port(self, preferred: int) -> int:
+        # Other programs share loopback: ask the kernel for a port nobody holds right now.
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    def close(self) -> None:
+        pass
+
+
+class FleetLauncher:
+    """One emulated host (network namespace) per process; see libmccl.fleet."""
+
+    kind = "fleet"
+
+    def __init__(self, n: int, rate: str | None):
+        from ..fleet import Fleet
+
+        self.n = n
+        self.rate = rate
+        self.fleet = Fleet(n, rate=rate).start()
+
+    def addr(self, i: int) -> str:
+        return self.fleet.hosts[i].addr
+
+    def popen(self, i: int, argv: Sequence[str], env: Mapping[str, str] | None = None, **kw) -> subprocess.Popen:
+        return self.fleet.popen(i, argv, env=env, **kw)
+
+    def free_port(self, preferred: int) -> int:
+        return preferred  # the namespaces are ours alone
+
+    def close(self) -> None:
+        self.fleet.stop()
+
+
+@dataclass
+class Finished:
+    returncode: int
+    log: str  # the tail of the process's stdout+stderr
+
+
+def _kill(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            p.kill()
+    try:
+        p.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def run_group(launcher, argvs: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str]], log_dir: str,
+              timeout_s: float, what: str, stream_first: bool = False) -> list[Finished]:
+    """Run argvs[i] on host i, all at once; wait for all of them, at most timeout_s.
+
+    When one exits non-zero the others are killed at once (they would only wait for it
+    until their own timeouts). Raises CollectiveTimeout at the deadline; returns each
+    process's exit code and log tail otherwise. ``stream_first`` lets process 0 write
+    to our stderr (progress lines) instead of its log file.
+    """
+    procs, logs = [], []
+    try:
+        for i, (argv, env) in enumerate(zip(argvs, envs)):
+            path = os.path.join(log_dir, f"{what}-{i}.log")
+            logs.append(path)
+            with open(path, "wb") as f:
+                err = None if (stream_first and i == 0) else subprocess.STDOUT
+                procs.append(launcher.popen(i, argv, env=env, stdout=f, stderr=err))
+        deadline = time.monotonic() + timeout_s
+        while any(p.poll() is None for p in procs):
+            if any(p.returncode not in (None, 0) for p in procs):
+                break
+            if time.monotonic() > deadline:
+                raise CollectiveTimeout(
+                    f"[bench] {what} did not finish within {timeout_s:.0f}s on {launcher.n} hosts; the backend "
+                    f"may be hung or the sizes too large for the link rate; logs in {log_dir}")
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            _kill(p)
+    out = []
+    for p, path in zip(procs, logs):
+        with open(path, "rb") as f:
+            tail = f.read()[-4000:].decode(errors="replace")
+        out.append(Finished(p.returncode, tail))
+    return out
+
+
+def first_failure(results: Sequence[Finished]) -> str | None:
+    """A readable reason from the process that failed first (non-zero, not killed by us)."""
+    own = [(i, r) for i, r in enumerate(results) if r.returncode not in (0, -signal.SIGKILL)]
+    if not own and any(r.returncode != 0 for r in results):
+        own = [(i, r) for i, r in enumerate(results) if r.returncode != 0]
+    if not own:
+        return None
+    i, r = own[0]
+    lines = [ln for ln in r.log.strip().splitlines() if ln.strip()]
+    return f"host {i} exited with {r.returncode}: " + " | ".join(lines[-3:])[-600:]
+

@@ -1,0 +1,64 @@
+"""``mccl-bench plot results.json out.png``: bus bandwidth against size, per op, with the
+ring ceiling as a line: how close each backend comes to what the network can carry."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from ..errors import ConfigError
+from .metrics import fmt_bytes
+
+_STYLE = {"mccl": dict(color="#d62728", marker="o"), "gloo": dict(color="#1f77b4", marker="s")}
+
+
+def plot(results_paths: list[str], out_png: str, title: str | None = None) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("[bench] plotting needs matplotlib: pip install 'mccl[bench]'") from None
+    results = []
+    for p in results_paths:
+        with open(p) as f:
+            results.append(json.load(f))
+    ops = list(dict.fromkeys(r["op"] for res in results for r in res["results"]))
+    if not ops:
+        raise ConfigError(f"[bench] {', '.join(results_paths)} hold no measurements to plot")
+    cols = min(2, len(ops))
+    rows_n = math.ceil(len(ops) / cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(6.5 * cols, 4.2 * rows_n), squeeze=False)
+    for ax, op in zip(axes.flat, ops):
+        for res in results:
+            m = res["meta"]
+            tag = f"N={m['world']} {m['rate'] or 'loopback'}" if len(results) > 1 else ""
+            for backend in dict.fromkeys(r["backend"] for r in res["results"]):
+                pts = sorted((r["bytes"], r["busbw_Gbps"]) for r in res["results"]
+                             if r["op"] == op and r["backend"] == backend)
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"{backend} {tag}".strip(),
+                            **_STYLE.get(backend, {}), markersize=4)
+            if res["ceiling"]:
+                c = res["ceiling"]["mean_bps"] / 1e9
+                ax.axhline(c, color="black", linestyle="--", linewidth=1,
+                           label=f"ring ceiling ({res['ceiling']['tool']}) {tag}".strip() + f" {c:.2f}")
+        ax.set_xscale("log", base=2)
+        ticks = sorted({r["bytes"] for res in results for r in res["results"] if r["op"] == op})
+        ax.set_xticks(ticks[::2])
+        ax.set_xticklabels([fmt_bytes(t) for t in ticks[::2]], rotation=45, fontsize=8)
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("message size (bytes)")
+        ax.set_ylabel("bus bandwidth (Gbit/s per rank)")
+        ax.set_title(op)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(ops):]:
+        ax.set_visible(False)
+    m = results[0]["meta"]
+    fig.suptitle(title or (f"mccl-bench: {m['world']} {'hosts at ' + m['rate'] if m['rate'] else 'ranks on loopback'}"
+                           f" ({m['machine']}, {m['started']})"), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,47 @@
+"""The human-readable table of a benchmark result (nccl-tests layout, one block per op)."""
+
+from __future__ import annotations
+
+from .metrics import fmt_bytes
+
+
+def _cell(row: dict | None) -> str:
+    if row is None:
+        return f"{'-':>10} {'-':>7} {'-':>7} {'-':>6} {'-':>6}"
+    pct = f"{row['busbw_pct_ceiling']:5.1f}%" if row["busbw_pct_ceiling"] is not None else "     -"
+    cpu = f"{row['cpu_s_per_wire_gb']:6.2f}" if row["cpu_s_per_wire_gb"] is not None else "     -"
+    return f"{row['time_us']:10.1f} {row['algbw_GBps']:7.3f} {row['busbw_GBps']:7.3f} {pct} {cpu}"
+
+
+def render(result: dict) -> str:
+    meta, ceiling = result["meta"], result["ceiling"]
+    where = (f"{meta['world']} emulated hosts at {meta['rate'] or 'unshaped'}" if meta["mode"] == "fleet"
+             else f"{meta['world']} ranks on loopback")
+    lines = [f"# mccl-bench: {where}, machine {meta['machine']} ({meta['cpus']} CPUs, load "
+             f"{meta['loadavg_start'][0]:.1f}), commit {meta['commit']}"]
+    if ceiling:
+        cpu = f", {ceiling['cpu_s_per_gb']:.2f} CPU s/GB" if ceiling.get("cpu_s_per_gb") else ""
+        lines.append(f"# ring ceiling ({ceiling['tool']}, every host -> right neighbour): "
+                     f"{ceiling['mean_bps'] / 1e9:.3f} Gbit/s per host = {ceiling['mean_bps'] / 8e9:.3f} GB/s "
+                     f"(min {ceiling['min_bps'] / 1e9:.3f}){cpu}")
+    for name, b in result["backends"].items():
+        if not b["ok"]:
+            lines.append(f"# {name}: FAILED, no numbers: {b['error']}")
+    backends = [b for b, v in result["backends"].items() if v["ok"]]
+    rows = {(r["backend"], r["op"], r["bytes"]): r for r in result["results"]}
+    ratios = {(c["op"], c["bytes"]): c for c in result["comparison"]}
+    ops = list(dict.fromkeys(r["op"] for r in result["results"]))
+    head_one = f"{'time(us)':>10} {'algbw':>7} {'busbw':>7} {'%ceil':>6} {'cpu/GB':>6}"
+    for op in ops:
+        lines.append("")
+        lines.append(f"# {op}  (algbw/busbw in GB/s, cpu/GB = CPU seconds over all ranks per GB on the wire)")
+        lines.append(f"{'size':>8}  " + "  |  ".join(f"{b:^44}" for b in backends)
+                     + ("  |  mccl/gloo busbw" if len(ratios) else ""))
+        lines.append(f"{'':>8}  " + "  |  ".join(head_one for _ in backends))
+        for size in sorted({r["bytes"] for r in result["results"] if r["op"] == op}):
+            cells = "  |  ".join(_cell(rows.get((b, op, size))) for b in backends)
+            c = ratios.get((op, size))
+            lines.append(f"{fmt_bytes(size):>8}  {cells}" + (f"  |  {c['busbw_mccl_over_gloo']:6.2f}x" if c else ""))
+    lines.append("")
+    lines.append(f"# {meta['seconds']:.0f} s in all, load average at the end {meta['loadavg_end'][0]:.1f}")
+    return "\n".join(lines)

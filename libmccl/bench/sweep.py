@@ -1,0 +1,184 @@
+"""One benchmark run: the ring ceiling, then every backend's sweep, on the same hosts.
+
+Per (backend, op, size) the ranks report wall time per op for each repeat and their CPU
+time. A repeat's time is the slowest rank's (an op is done when every rank is done);
+the reported time is the median over repeats. CPU seconds per wire GB sums user+sys
+time over all ranks and divides by the bytes all ranks put on the wire (metrics.py).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+from ..errors import ConfigError, MCCLError
+from .ceiling import ring_ceiling
+from .launch import FleetLauncher, LocalLauncher, first_failure, run_group
+from .metrics import OPS
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("mccl", "gloo")
+_PKG_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@dataclass
+class BenchConfig:
+    hosts: int = 0                 # 0: loopback; N: one rank per emulated host
+    ranks: int = 2                 # loopback only; with hosts > 0 there is one rank per host
+    rate: str | None = "1gbit"     # fleet link rate (tc syntax); None: unshaped
+    backends: list[str] = field(default_factory=lambda: list(BACKENDS))
+    ops: list[str] = field(default_factory=lambda: list(OPS))
+    sizes: list[int] = field(default_factory=list)
+    warmup: int = 1
+    iters: int = 0                 # 0: pick per size so one timed loop lasts about target_s
+    repeats: int = 3
+    target_s: float = 0.2
+    max_iters: int = 200
+    ceiling_seconds: float = 3.0
+    ceiling_tool: str = "auto"     # auto | iperf3 | probe | none
+    timeout_s: float = 1800.0      # per backend sweep
+    verbose: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.hosts if self.hosts > 0 else self.ranks
+
+    def validate(self) -> None:
+        if self.world < 2:
+            raise ConfigError(f"[bench] needs at least 2 ranks, got {self.world}; use --hosts N or --ranks N")
+        bad = [b for b in self.backends if b not in BACKENDS]
+        if bad:
+            raise ConfigError(f"[bench] unknown backend(s) {bad}; choose from {', '.join(BACKENDS)}")
+        bad = [o for o in self.ops if o not in OPS]
+        if bad:
+            raise ConfigError(f"[bench] unknown op(s) {bad}; choose from {', '.join(OPS)}")
+        if self.repeats < 3:
+            raise ConfigError(f"[bench] --repeats {self.repeats}: the median needs at least 3 repeats")
+        if not self.sizes:
+            raise ConfigError("[bench] no sizes to run; check --min-bytes/--max-bytes")
+
+
+def _git_commit() -> str | None:
+    try:
+        res = subprocess.run(["git", "-C", _PKG_ROOT, "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, timeout=5)
+        return res.stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def _run_backend(launcher, cfg: BenchConfig, backend: str, tmp: str) -> list[dict]:
+    """Run one backend's whole sweep; returns the per-rank JSON documents."""
+    out_dir = os.path.join(tmp, backend)
+    os.makedirs(out_dir)
+    plan = {"backend": backend, "ops": cfg.ops, "sizes": cfg.sizes, "warmup": cfg.warmup, "iters": cfg.iters,
+            "repeats": cfg.repeats, "target_s": cfg.target_s, "max_iters": cfg.max_iters,
+            "timeout_s": min(cfg.timeout_s, 600.0), "out_dir": out_dir}
+    port = launcher.free_port(29500)
+    n = cfg.world
+    pypath = os.pathsep.join(p for p in (_PKG_ROOT, os.environ.get("PYTHONPATH")) if p)
+    envs = [{"RANK": str(r), "LOCAL_RANK": "0" if launcher.kind == "fleet" else str(r), "WORLD_SIZE": str(n),
+             "MASTER_ADDR": launcher.addr(0), "MASTER_PORT": str(port), "PYTHONPATH": pypath,
+             "OMP_NUM_THREADS": "1"} for r in range(n)]
+    argv = [sys.executable, "-m", "libmccl.bench.worker", json.dumps(plan)]
+    done = run_group(launcher, [argv] * n, envs, tmp, cfg.timeout_s, f"{backend}-rank", stream_first=cfg.verbose)
+    why = first_failure(done)
+    if why:
+        raise MCCLError(f"[bench] backend {backend} failed: {why}")
+    docs = []
+    for r in range(n):
+        with open(os.path.join(out_dir, f"{backend}-rank{r}.json")) as f:
+            docs.append(json.load(f))
+    return docs
+
+
+def aggregate(backend: str, docs: list[dict], ceiling: dict | None) -> list[dict]:
+    n = len(docs)
+    rows = []
+    for k, first in enumerate(docs[0]["results"]):
+        per_rank = [d["results"][k] for d in docs]
+        if any((p["op"], p["bytes"]) != (first["op"], first["bytes"]) for p in per_rank):
+            raise MCCLError(f"[bench] ranks of {backend} disagree on measurement {k}; results are unusable")
+        repeats = len(first["times_s"])
+        times = [max(p["times_s"][i] for p in per_rank) for i in range(repeats)]
+        t = statistics.median(times)
+        size, spec = first["bytes"], OPS[first["op"]]
+        algbw = size / t
+        busbw = algbw * spec.bus_factor(n)
+        wire = spec.wire_factor(n) * size * n * first["iters"] * repeats
+        cpu = sum(p["cpu_s"] for p in per_rank)
+        rows.append({
+            "backend": backend, "op": first["op"], "bytes": size, "count": first["count"],
+            "iters": first["iters"], "repeats": repeats, "time_us": t * 1e6,
+            "time_us_repeats": [x * 1e6 for x in times],
+            "algbw_GBps": algbw / 1e9, "busbw_GBps": busbw / 1e9, "busbw_Gbps": busbw * 8 / 1e9,
+            "busbw_pct_ceiling": 100 * busbw * 8 / ceiling["mean_bps"] if ceiling else None,
+            "cpu_s": cpu, "wire_bytes": wire, "cpu_s_per_wire_gb": cpu / (wire / 1e9) if wire else None,
+        })
+    return rows
+
+
+def compare(rows: list[dict], ceiling: dict | None) -> list[dict]:
+    """MCCL relative to Gloo, per (op, size) both measured."""
+    by = {(r["backend"], r["op"], r["bytes"]): r for r in rows}
+    out = []
+    for r in rows:
+        if r["backend"] != "mccl" or ("gloo", r["op"], r["bytes"]) not in by:
+            continue
+        g = by[("gloo", r["op"], r["bytes"])]
+        cpu_ratio = (r["cpu_s_per_wire_gb"] / g["cpu_s_per_wire_gb"]
+                     if r["cpu_s_per_wire_gb"] and g["cpu_s_per_wire_gb"] else None)
+        iperf_cpu = ceiling.get("cpu_s_per_gb") if ceiling else None
+        out.append({"op": r["op"], "bytes": r["bytes"],
+                    "busbw_mccl_over_gloo": r["busbw_GBps"] / g["busbw_GBps"],
+                    "latency_gloo_over_mccl": g["time_us"] / r["time_us"],
+                    "cpu_mccl_over_gloo": cpu_ratio,
+                    "cpu_mccl_over_ceiling_tool": (r["cpu_s_per_wire_gb"] / iperf_cpu
+                                                   if iperf_cpu and r["cpu_s_per_wire_gb"] else None)})
+    return out
+
+
+def run_bench(cfg: BenchConfig) -> dict:
+    cfg.validate()
+    started = time.time()
+    meta = {"started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "mode": "fleet" if cfg.hosts else "loopback", "world": cfg.world,
+            "rate": cfg.rate if cfg.hosts else None, "machine": platform.node(), "cpus": os.cpu_count(),
+            "python": platform.python_version(), "commit": _git_commit(), "loadavg_start": os.getloadavg(),
+            "config": asdict(cfg)}
+    backends: dict[str, dict] = {}
+    rows: list[dict] = []
+    ceiling = None
+    launcher = FleetLauncher(cfg.hosts, cfg.rate) if cfg.hosts else LocalLauncher(cfg.ranks)
+    try:
+        with tempfile.TemporaryDirectory(prefix="mccl-bench-") as tmp:
+            if cfg.ceiling_tool != "none":
+                ceiling = ring_ceiling(launcher, cfg.ceiling_seconds, tmp, cfg.ceiling_tool)
+                log.info("ring ceiling (%s): %.3f Gbit/s per host", ceiling["tool"], ceiling["mean_bps"] / 1e9)
+            for b in cfg.backends:
+                t0 = time.time()
+                try:
+                    docs = _run_backend(launcher, cfg, b, tmp)
+                except MCCLError as e:
+                    log.error("%s", e)
+                    backends[b] = {"ok": False, "error": str(e), "seconds": time.time() - t0}
+                    continue
+                backends[b] = {"ok": True, "error": None, "seconds": time.time() - t0,
+                               "init_s": max(d["init_s"] for d in docs), "torch": docs[0]["torch"]}
+                rows += aggregate(b, docs, ceiling)
+    finally:
+        launcher.close()
+    meta["seconds"] = time.time() - started
+    meta["loadavg_end"] = os.getloadavg()
+    return {"meta": meta, "ceiling": ceiling, "backends": backends, "results": rows,
+            "comparison": compare(rows, ceiling)}

@@ -1,0 +1,163 @@
+"""One rank of a benchmark run: ``python -m libmccl.bench.worker '<json plan>'``.
+
+Reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT from the environment like any
+torch.distributed program. For each (op, size) it first checks the result of one op on
+known data (a wrong answer fails the run: no number is reported for a backend that
+corrupts data), then warms up, picks an iteration count all ranks agree on, and times
+``repeats`` loops of ``iters`` ops, recording wall time per op and this process's
+user+sys CPU time (all its threads, so engine and Gloo threads count) around each loop.
+Writes its measurements as JSON to ``<out_dir>/<backend>-rank<r>.json``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import sys
+import time
+from typing import Callable
+
+from .metrics import OPS, op_elements
+
+
+def _cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def _collective(dist, name: str):
+    """The tensor-in/tensor-out API, whichever spelling this torch has (2.11 lacks *_single)."""
+    return getattr(dist, name + "_single", None) or getattr(dist, {"all_gather": "all_gather_into_tensor",
+                                                                    "reduce_scatter": "reduce_scatter_tensor"}[name])
+
+
+class _Op:
+    """Buffers and a zero-argument callable for one (op, element count)."""
+
+    def __init__(self, torch, dist, op: str, count: int, rank: int, world: int):
+        self.torch, self.dist, self.op, self.count, self.rank, self.world = torch, dist, op, count, rank, world
+        z = lambda n: torch.zeros(n, dtype=torch.float32)  # noqa: E731
+        if op == "all_reduce":
+            self.buf = z(count)
+            self.run: Callable[[], None] = lambda: dist.all_reduce(self.buf)
+        elif op == "broadcast":
+            self.buf = z(count)
+            self.run = lambda: dist.broadcast(self.buf, src=0)
+        elif op == "all_gather":
+            self.inp, self.out = z(count // world), z(count)
+            fn = _collective(dist, "all_gather")
+            self.run = lambda: fn(self.out, self.inp)
+        elif op == "reduce_scatter":
+            self.inp, self.out = z(count), z(count // world)
+            fn = _collective(dist, "reduce_scatter")
+            self.run = lambda: fn(self.out, self.inp)
+        else:
+            raise ValueError(f"unknown op {op!r}; choose from {', '.join(OPS)}")
+
+    def check(self) -> None:
+        """Run once on data whose answer is known; raise naming the first wrong element."""
+        torch, r, n = self.torch, self.rank, self.world
+        pattern = lambda k: (torch.arange(k) % 7).to(torch.float32)  # noqa: E731
+        if self.op == "all_reduce":
+            self.buf.copy_(pattern(self.count) + (r + 1))
+            self.run()
+            got, want = self.buf, pattern(self.count) * n + n * (n + 1) / 2
+        elif self.op == "broadcast":
+            self.buf.copy_(pattern(self.count) + 3 if r == 0 else torch.zeros(self.count))
+            self.run()
+            got, want = self.buf, pattern(self.count) + 3
+        elif self.op == "all_gather":
+            blk = self.count // n
+            self.inp.copy_(pattern(blk) + (r + 1))
+            self.run()
+            got, want = self.out, torch.cat([pattern(blk) + (q + 1) for q in range(n)])
+        else:  # reduce_scatter: block b of rank q's input holds (q+1)*(b+1)
+            blk = self.count // n
+            self.inp.copy_(torch.cat([torch.full((blk,), float(b + 1)) for b in range(n)]))
+            self.inp.mul_(r + 1)
+            self.run()
+            got, want = self.out, torch.full((blk,), (r + 1) * n * (n + 1) / 2)
+        bad = (got != want).nonzero()
+        if len(bad):
+            i = int(bad[0])
+            raise RuntimeError(f"[bench] {self.op} of {self.count} float32 returned a wrong result on rank "
+                               f"{r}: element {i} is {float(got[i])}, expected {float(want[i])} "
+                               f"({len(bad)} elements wrong)")
+        # Timed loops run on zeros: sums stay finite however many iterations run.
+        for t in (getattr(self, a) for a in ("buf", "inp", "out") if hasattr(self, a)):
+            t.zero_()
+
+
+def _agree_iters(torch, dist, seconds_per_op: float, target_s: float, max_iters: int) -> int:
+    """Every rank must run the same number of ops: take the slowest rank's estimate."""
+    t = torch.tensor([seconds_per_op], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return max(1, min(max_iters, math.ceil(target_s / max(float(t[0]), 1e-7))))
+
+
+def run(plan: dict) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    if plan["backend"] == "mccl":
+        import libmccl
+
+        libmccl.register()
+    torch.set_num_threads(1)  # ranks share the host's cores; give both backends the same budget
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    t_init = time.perf_counter()
+    dist.init_process_group(plan["backend"], rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=plan["timeout_s"]))
+    out = {"rank": rank, "world": world, "backend": plan["backend"], "torch": torch.__version__,
+           "init_s": time.perf_counter() - t_init, "results": []}
+    try:
+        for op in plan["ops"]:
+            for size in plan["sizes"]:
+                count = op_elements(op, size, world)
+                if count == 0:
+                    continue
+                o = _Op(torch, dist, op, count, rank, world)
+                o.check()
+                for _ in range(plan["warmup"]):
+                    o.run()
+                iters = plan["iters"]
+                if iters <= 0:
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    o.run()
+                    iters = _agree_iters(torch, dist, time.perf_counter() - t0, plan["target_s"], plan["max_iters"])
+                times, cpu = [], 0.0
+                for _ in range(plan["repeats"]):
+                    dist.barrier()
+                    c0, t0 = _cpu_seconds(), time.perf_counter()
+                    for _ in range(iters):
+                        o.run()
+                    t1, c1 = time.perf_counter(), _cpu_seconds()
+                    times.append((t1 - t0) / iters)
+                    cpu += c1 - c0
+                out["results"].append({"op": op, "bytes": count * 4, "count": count, "iters": iters,
+                                       "times_s": times, "cpu_s": cpu})
+                if rank == 0:
+                    print(f"[bench] {plan['backend']} {op} {count * 4} B: {min(times) * 1e6:.1f} us/op "
+                          f"x{iters}", file=sys.stderr, flush=True)
+                del o
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+def main() -> int:
+    plan = json.loads(sys.argv[1])
+    result = run(plan)
+    path = os.path.join(plan["out_dir"], f"{plan['backend']}-rank{result['rank']}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(path + ".tmp", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
