@@ -1,0 +1,206 @@
+"""Tensors -> engine buffers: validation, dtype/op codes, staging and copy-back.
+
+The engine sees only (pointer, bytes, dtype code). Everything torch-specific about
+turning a user's tensor into such a buffer lives here: refusing what cannot be sent
+(with a message naming the op and the argument), making non-contiguous or MPS
+tensors contiguous CPU buffers, and recording the copy-back that must run when the
+operation completes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from . import _torch_compat as compat
+from .errors import ConfigError
+
+# Values of mccl::DType (csrc/dtype.h): part of the engine ABI, append-only.
+DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.float32: 0,
+    torch.float64: 1,
+    torch.float16: 2,
+    torch.bfloat16: 3,
+    torch.int8: 4,
+    torch.uint8: 5,
+    torch.int32: 6,
+    torch.int64: 7,
+    torch.bool: 8,
+}
+# Reductions over complex numbers that are element-wise on (re, im) pairs.
+_COMPLEX_AS_REAL = {torch.complex64: torch.float32, torch.complex128: torch.float64}
+
+_R = compat.ReduceOp.RedOpType
+# Values of mccl::ReduceOp (csrc/dtype.h).
+REDUCE_OP_CODES: dict[Any, int] = {
+    _R.SUM: 0, _R.AVG: 1, _R.MIN: 2, _R.MAX: 3, _R.PRODUCT: 4, _R.BAND: 5, _R.BOR: 6, _R.BXOR: 7,
+}
+_COMPLEX_OK = {0, 1}  # SUM, AVG
+
+SUPPORTED_DEVICES = ("cpu", "mps")
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def check_tensor(t: Any, op: str, what: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ConfigError(f"[mccl] {op}: {what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise ConfigError(f"[mccl] {op}: {what} has layout {t.layout}; only dense (strided) tensors can be "
+                          "sent, convert with .to_dense()")
+    if t.device.type not in SUPPORTED_DEVICES:
+        raise ConfigError(f"[mccl] {op}: {what} is on device {t.device}; the mccl backend handles "
+                          f"{'/'.join(SUPPORTED_DEVICES)} tensors (use gloo/nccl for others)")
+    return t
+
+
+def single(tensors: Any, op: str, what: str = "tensors") -> Any:
+    """The one entry of a per-device list: MCCL runs one device per process."""
+    if isinstance(tensors, torch.Tensor):
+        return tensors
+    if not isinstance(tensors, (list, tuple)) or len(tensors) != 1:
+        n = len(tensors) if isinstance(tensors, (list, tuple)) else type(tensors).__name__
+        raise ConfigError(f"[mccl] {op}: expected exactly one entry in {what} (one device per process), got {n}")
+    return tensors[0]
+
+
+def tensor_list(tensors: Any, op: str, what: str, expected_len: int | None = None) -> list[torch.Tensor]:
+    if not isinstance(tensors, (list, tuple)):
+        raise ConfigError(f"[mccl] {op}: {what} must be a list of tensors, got {type(tensors).__name__}")
+    if expected_len is not None and len(tensors) != expected_len:
+        raise ConfigError(f"[mccl] {op}: {what} has {len(tensors)} tensors, expected {expected_len} "
+                          "(one per rank of the group)")
+    return [check_tensor(t, op, f"{what}[{i}]") for i, t in enumerate(tensors)]
+
+
+def check_like(t: torch.Tensor, ref: torch.Tensor, op: str, what: str, ref_what: str, numel: int | None = None) -> None:
+    want = ref.numel() if numel is None else numel
+    if t.dtype != ref.dtype:
+        raise ConfigError(f"[mccl] {op}: {what} has dtype {t.dtype} but {ref_what} has {ref.dtype}; "
+                          "they must match")
+    if t.numel() != want:
+        raise ConfigError(f"[mccl] {op}: {what} has {t.numel()} elements, expected {want} "
+                          f"(from {ref_what} {tuple(ref.shape)})")
+
+
+def check_rank(r: int, size: int, op: str, what: str) -> int:
+    r = int(r)
+    if not 0 <= r < size:
+        raise ConfigError(f"[mccl] {op}: {what}={r} is not a rank of this group (size {size})")
+    return r
+
+
+def reduce_codes(t: torch.Tensor, op: Any, name: str) -> tuple[int, int, int]:
+    """(dtype code, element count, op code) for a reduction over ``t``."""
+    try:
+        kind = compat.reduce_op_kind(op)
+    except TypeError as exc:
+        raise ConfigError(f"[mccl] {name}: {exc}") from None
+    code = REDUCE_OP_CODES.get(kind)
+    if code is None:
+        raise ConfigError(f"[mccl] {name}: reduce op {kind.name} is not supported by mccl "
+                          "(supported: SUM, AVG, MIN, MAX, PRODUCT, BAND, BOR, BXOR); "
+                          "for PREMUL_SUM scale the tensor first and use SUM")
+    dtype, count = t.dtype, t.numel()
+    if dtype in _COMPLEX_AS_REAL:
+        if code not in _COMPLEX_OK:
+            raise ConfigError(f"[mccl] {name}: {kind.name} is undefined for complex tensors ({dtype}); "
+                              "only SUM and AVG are")
+        dtype, count = _COMPLEX_AS_REAL[dtype], count * 2
+    dcode = DTYPE_CODES.get(dtype)
+    if dcode is None:
+        raise ConfigError(f"[mccl] {name}: dtype {t.dtype} cannot be reduced by mccl; supported: "
+                          + ", ".join(str(d).replace("torch.", "") for d in DTYPE_CODES))
+    return dcode, count, code
+
+
+def _unified() -> Any:
+    from . import unified  # the MPS staging helpers; imported only when an mps tensor shows up
+
+    return unified
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + nbytes(b) and b0 < a0 + nbytes(a)
+
+
+class Staging:
+    """Contiguous CPU buffers for one operation, plus what to do when it completes.
+
+    ``keep`` holds every buffer whose address was handed to the engine. On
+    completion, ``then`` steps (unpacking a flat receive buffer into per-tensor
+    buffers) run first, then the copy-backs into the caller's tensors
+    (non-contiguous, MPS), which may read what the unpacking wrote.
+    """
+
+    def __init__(self) -> None:
+        self.keep: list[torch.Tensor] = []
+        self._unpack: list[Callable[[], None]] = []
+        self._copy_back: list[Callable[[], None]] = []
+
+    def _hold(self, buf: torch.Tensor) -> torch.Tensor:
+        self.keep.append(buf)
+        return buf
+
+    def input(self, t: torch.Tensor) -> torch.Tensor:
+        """A buffer the engine only reads."""
+        if t.device.type == "mps":
+            return self._hold(_unified().staging_copy_to_cpu(t).contiguous())
+        return self._hold(t if t.is_contiguous() else t.contiguous())
+
+    def inout(self, t: torch.Tensor) -> torch.Tensor:
+        """A buffer the engine reads and overwrites in place."""
+        buf = self.input(t)
+        if buf is not t:
+            self.copy_back(t, buf)
+        return buf
+
+    def output(self, t: torch.Tensor) -> torch.Tensor:
+        """A buffer the engine only writes."""
+        if t.device.type == "cpu" and t.is_contiguous():
+            return self._hold(t)
+        buf = self._hold(torch.empty(t.shape, dtype=t.dtype))
+        self.copy_back(t, buf)
+        return buf
+
+    def scratch(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return self._hold(torch.empty(numel, dtype=dtype))
+
+    def packed(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Inputs concatenated into one flat byte buffer (dtypes may differ)."""
+        flat = [as_bytes(self.input(p)) for p in parts]
+        return self._hold(torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8))
+
+    def copy_back(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if dst.device.type == "mps":
+            self._copy_back.append(lambda: _unified().copy_back(dst, src.view(dst.shape)))
+        else:
+            self._copy_back.append(lambda: dst.copy_(src.view(dst.shape)))
+
+    def unpack(self, dst: torch.Tensor, src_bytes: torch.Tensor) -> None:
+        """On completion, copy a slice of a flat byte buffer into contiguous ``dst``."""
+        self._unpack.append(lambda: as_bytes(dst).copy_(src_bytes))
+
+    def post(self) -> Callable[[], None] | None:
+        steps = self._unpack + self._copy_back
+        if not steps:
+            return None
+
+        def run() -> None:
+            for step in steps:
+                step()
+        return run
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor's storage."""
+    flat = t.reshape(-1)
+    if flat.dtype in _COMPLEX_AS_REAL:
+        flat = torch.view_as_real(flat).reshape(-1)
+    return flat.view(torch.uint8)

@@ -1,0 +1,103 @@
+"""Every private or experimental torch API MCCL relies on, in one place.
+
+torch.distributed's extension surface for out-of-tree backends moves between
+releases (method renames, constructor overloads, group-name plumbing). Nothing else
+in libmccl touches ``torch._C`` or underscore attributes; tests/test_compat.py pins
+each assumption below against the installed torch so an upgrade fails loudly there
+instead of deep inside a collective.
+
+Verified against torch 2.13 (distributed_c10d.py, _C/_distributed_c10d.pyi,
+include/torch/csrc/distributed/c10d/PyProcessGroup.hpp).
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch._C import _distributed_c10d as _c10d
+
+# A Python subclass of ProcessGroup is driven by torch's PyProcessGroup trampoline:
+# C++ callers (DDP's reducer, functional collectives, FSDP) reach our Python methods
+# for the collectives it forwards. Only the (rank, size) constructor builds the
+# trampoline ("alias") instance; the (store, rank, size) overload fails with
+# "returned holder-wrapped instance is not an alias instance".
+ProcessGroupBase = _c10d.ProcessGroup
+
+# Subclassing Work gives PyWork: C++ wait() and getFuture() dispatch to Python, so a
+# typed Python exception raised in wait() reaches the caller unchanged.
+WorkBase = dist.Work
+
+ReduceOp = dist.ReduceOp
+
+# Methods torch renamed: the trampoline (and distributed_c10d.py) look for either
+# spelling, so the backend defines both. new name -> old name.
+RENAMED_METHODS: dict[str, str] = {
+    "all_gather_single": "_allgather_base",
+    "reduce_scatter_single": "_reduce_scatter_base",
+    "all_to_all_single": "alltoall_base",
+    "all_gather_single_coalesced": "allgather_into_tensor_coalesced",
+    "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced",
+}
+
+# Sentinel torch passes for "no per-call timeout" (c10d kUnsetTimeout is -1 ms and
+# Work::wait's kNoTimeout is 0 ms).
+_UNSET_MS = (-1, 0)
+
+
+def register_backend(name: str, creator: Callable[..., Any], devices: list[str]) -> None:
+    """Register ``creator(dist_backend_opts, backend_options)`` under ``name``.
+
+    extended_api=True hands us c10d's DistributedBackendOptions, which carries the
+    group id (used in log messages and store keys) besides store/rank/size/timeout.
+    """
+    dist.Backend.register_backend(name, creator, extended_api=True, devices=devices)
+
+
+def is_backend_registered(name: str) -> bool:
+    return name.upper() in getattr(dist.Backend, "_plugins", {})
+
+
+def declare_devices(pg: Any, devices: list[str]) -> None:
+    """Make ``pg._device_types`` list our devices (DCP, state-dict broadcast and
+    DeviceMesh read it) without a C++ Backend object behind them."""
+    custom = ProcessGroupBase.BackendType.CUSTOM
+    for device in devices:
+        pg._register_backend(torch.device(device), custom, None)
+
+
+def device_types(pg: Any) -> list[torch.device]:
+    return list(pg._device_types)
+
+
+def reduce_op_kind(op: Any) -> Any:
+    """The RedOpType of ``op``, which may be a ReduceOp instance, a RedOpType or an
+    options object's ``reduceOp`` field."""
+    if isinstance(op, ReduceOp.RedOpType):
+        return op
+    if isinstance(op, ReduceOp):
+        # A ReduceOp instance compares equal to its RedOpType; recover the latter.
+        for kind in ReduceOp.RedOpType.__members__.values():
+            if op == kind:
+                return kind
+    raise TypeError(f"not a torch.distributed.ReduceOp: {op!r}")
+
+
+def timedelta_seconds(value: Any) -> float | None:
+    """Seconds in a c10d timeout argument, or None when it means "unset"."""
+    if value is None:
+        return None
+    if isinstance(value, datetime.timedelta):
+        ms = round(value.total_seconds() * 1000)
+    else:  # some bindings hand over an int of milliseconds
+        ms = int(value)
+    if ms in _UNSET_MS or ms < 0:
+        return None
+    return ms / 1000.0
+
+
+def options_timeout(opts: Any) -> float | None:
+    """Per-call timeout in a collective's options object, if the caller set one."""
+    return timedelta_seconds(getattr(opts, "timeout", None))

@@ -1,0 +1,565 @@
+"""The ``mccl`` torch.distributed backend: a ProcessGroup driving the MCCL engine.
+
+Each collective validates its tensors, turns them into contiguous CPU buffers
+(``_buffers.Staging``), enqueues one engine operation and returns an ``MCCLWork``
+at once; the engine's completion thread finishes the Work through the
+``CompletionRouter``. Coalesced variants are flattened into one buffer, so they
+cost one engine operation.
+
+Every collective torch offers is overridden, under both of its spellings where
+torch renamed it: a method left to the C++ base class fails with "No backend type
+associated with device type cpu", because this group has no C++ Backend behind it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import weakref
+from typing import Any, Callable, Sequence
+
+import torch
+
+from . import _buffers as B
+from . import _torch_compat as compat
+from . import rendezvous
+from .config import EngineConfig, load
+from .errors import AbortedError, ConfigError, DaemonUnavailableError
+from .work import CompletionRouter, MCCLWork, completed_work, shutdown_error
+
+_log = logging.getLogger(__name__)
+
+BACKEND_NAME = "mccl"
+_R = compat.ReduceOp
+_c10d = torch.distributed
+
+
+def _options(opts: Any, cls: Any) -> Any:
+    return cls() if opts is None else opts
+
+
+class ProcessGroupMCCL(compat.ProcessGroupBase):
+    def __init__(self, store: Any, rank: int, size: int, timeout: datetime.timedelta,
+                 group_id: str = "", cfg: EngineConfig | None = None) -> None:
+        super().__init__(rank, size)
+        compat.declare_devices(self, list(B.SUPPORTED_DEVICES))
+        self._group_name = group_id
+        self._group_desc = ""
+        self._cfg = cfg if cfg is not None else load(EngineConfig)
+        self._timeout_s = compat.timedelta_seconds(timeout) or 1800.0
+        self._router = CompletionRouter(rank)
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._coalescing: list[MCCLWork] | None = None
+        self._comm = self._connect(store, group_id)
+        # An interpreter exiting without destroy_process_group() still stops the
+        # engine's threads and closes its links; holds the comm, not self.
+        self._finalizer = weakref.finalize(self, _shutdown_quietly, self._comm)
+
+    # -- construction ---------------------------------------------------------
+    def _engine_options(self) -> Any:
+        from . import _core
+
+        cfg, opts = self._cfg, _core.Options()
+        opts.sockets_per_peer = cfg.sockets_per_peer
+        opts.socket_buffer_bytes = cfg.socket_buffer_bytes
+        opts.segment_bytes = cfg.segment_bytes
+        opts.small_allreduce_bytes = cfg.small_allreduce_bytes
+        opts.timeout_s = self._timeout_s
+        opts.connect_timeout_s = cfg.connect_timeout_s or self._timeout_s
+        return opts
+
+    def _connect(self, store: Any, group_id: str) -> Any:
+        from . import _core
+
+        rank, size, opts = self.rank(), self.size(), self._engine_options()
+        if self._cfg.daemon:
+            try:
+                from .daemon_client import DaemonCommunicator
+            except ImportError as exc:
+                raise DaemonUnavailableError(f"[mccl] MCCL_DAEMON=1 but the daemon client cannot be imported ({exc}); "
+                                             "install MCCL with its daemon, or unset MCCL_DAEMON") from exc
+            rv = rendezvous.exchange(store, rank, size, None, self._cfg, opts.connect_timeout_s, group_id)
+            return DaemonCommunicator(rank=rank, size=size, comm_id=rv.comm_id, store=rv.store, opts=opts,
+                                      on_complete=self._router.on_complete, timeout_s=opts.connect_timeout_s)
+        rv = rendezvous.exchange(store, rank, size, _core.Listener, self._cfg, opts.connect_timeout_s, group_id)
+        return _core.Communicator(rank, size, rv.comm_id, rv.listener, rv.peer_addrs, opts, self._router.on_complete)
+
+    # -- identity (torch's PyProcessGroup trampoline forwards these) -------------
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    @property
+    def group_desc(self) -> str:
+        return self._group_desc
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self._timeout_s = compat.timedelta_seconds(timeout) or self._timeout_s
+
+    @property
+    def communicator(self) -> Any:
+        """The engine communicator (stats(), peer_address()); for tools and tests."""
+        return self._comm
+
+    # -- lifecycle -------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop the engine (drain, join threads, close links); idempotent."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._finalizer.detach()
+        try:
+            self._comm.shutdown(10.0)
+        finally:
+            self._router.fail_all(shutdown_error(self.rank()))
+
+    def abort(self) -> None:
+        """Fail every pending op with AbortedError and tell live peers; idempotent."""
+        with self._close_lock:
+            already = self._closed
+            self._closed = True
+        if not already:
+            self._finalizer.detach()
+            self._comm.abort(f"process group {self._group_name!r} aborted by rank {self.rank()}")
+            self._comm.shutdown(10.0)
+        self._router.fail_all(AbortedError(f"[mccl] process group {self._group_name!r} was aborted on "
+                                           f"rank {self.rank()}; create a new process group to continue"))
+
+    # -- submission --------------------------------------------------------------
+    def _submit(self, name: str, launch: Callable[[], int], outputs: Sequence[torch.Tensor], st: B.Staging,
+                opts: Any = None) -> MCCLWork:
+        if self._closed:
+            raise AbortedError(f"[mccl] {name} on rank {self.rank()}: the process group was shut down or aborted; "
+                               "create a new one with init_process_group()/new_group()")
+        timeout = compat.options_timeout(opts) if opts is not None else None
+        work = MCCLWork(name, self.rank(), outputs, st.keep, st.post(), timeout or self._timeout_s)
+        self._router.track(launch(), work)
+        if self._coalescing is not None:
+            self._coalescing.append(work)
+        return work
+
+    def _nothing_to_move(self, name: str, outputs: Sequence[torch.Tensor]) -> MCCLWork:
+        # Zero bytes on every rank (sizes must agree), so every rank skips the engine.
+        return completed_work(name, self.rank(), outputs)
+
+    # -- all-reduce ---------------------------------------------------------------
+    def allreduce(self, tensors: Any, opts: Any = None) -> MCCLWork:
+        opts = _options(opts, _c10d.AllreduceOptions)
+        t = B.check_tensor(B.single(tensors, "allreduce"), "allreduce", "tensor")
+        dtype, count, op = B.reduce_codes(t, opts.reduceOp, "allreduce")
+        if count == 0:
+            return self._nothing_to_move("allreduce", [t])
+        st = B.Staging()
+        buf = st.inout(t)
+        return self._submit("allreduce", lambda: self._comm.allreduce(buf.data_ptr(), count, dtype, op),
+                            [t], st, opts)
+
+    def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> MCCLWork:
+        opts = _options(opts, _c10d.AllreduceCoalescedOptions)
+        ts = B.tensor_list(tensors, "allreduce_coalesced", "tensors")
+        if not ts:
+            return self._nothing_to_move("allreduce_coalesced", [])
+        for i, t in enumerate(ts[1:], 1):
+            if t.dtype != ts[0].dtype:
+                raise ConfigError(f"[mccl] allreduce_coalesced: tensors[{i}] has dtype {t.dtype} but tensors[0] "
+                                  f"has {ts[0].dtype}; coalesced all-reduce needs one dtype")
+        st = B.Staging()
+        flat = st.scratch(sum(t.numel() for t in ts), ts[0].dtype)
+        offset = 0
+        for t in ts:
+            part = flat[offset:offset + t.numel()]
+            part.copy_(st.input(t).reshape(-1))
+            st.copy_back(t, part)
+            offset += t.numel()
+        dtype, count, op = B.reduce_codes(flat, opts.reduceOp, "allreduce_coalesced")
+        if count == 0:
+            return self._nothing_to_move("allreduce_coalesced", ts)
+        return self._submit("allreduce_coalesced",
+                            lambda: self._comm.allreduce(flat.data_ptr(), count, dtype, op), ts, st, opts)
+
+    # -- broadcast / reduce -----------------------------------------------------------
+    def broadcast(self, tensors: Any, opts: Any = None) -> MCCLWork:
+        opts = _options(opts, _c10d.BroadcastOptions)
+        t = B.check_tensor(B.single(tensors, "broadcast"), "broadcast", "tensor")
+        root = B.check_rank(opts.rootRank, self.size(), "broadcast", "root")
+        if B.nbytes(t) == 0:
+            return self._nothing_to_move("broadcast", [t])
+        st = B.Staging()
+        buf = st.input(t) if root == self.rank() else st.inout(t)
+        return self._submit("broadcast", lambda: self._comm.broadcast(buf.data_ptr(), B.nbytes(buf), root),
+                            [t], st, opts)
+
+    def reduce(self, tensors: Any, opts: Any = None) -> MCCLWork:
+        opts = _options(opts, _c10d.ReduceOptions)
+        t = B.check_tensor(B.single(tensors, "reduce"), "reduce", "tensor")
+        root = B.check_rank(opts.rootRank, self.size(), "reduce", "root")
+        dtype, count, op = B.reduce_codes(t, opts.reduceOp, "reduce")
+        if count == 0:
+            return self._nothing_to_move("reduce", [t])
+        st = B.Staging()
+        # The engine leaves non-root buffers unchanged: only the root needs a copy-back.
+        buf = st.inout(t) if root == self.rank() else st.input(t)
+        return self._submit("reduce", lambda: self._comm.reduce(buf.data_ptr(), count, dtype, op, root),
+                            [t], st, opts)
+
+    # -- all-gather --------------------------------------------------------------------
+    def allgather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> MCCLWork:
+        inp = B.check_tensor(B.single(input_tensors, "allgather", "input_tensors"), "allgather", "input")
+        outs = B.tensor_list(B.single(output_tensors, "allgather", "output_tensors"), "allgather",
+                             "output_tensors", self.size())
+        for r, o in enumerate(outs):
+            B.check_like(o, inp, "allgather", f"output_tensors[{r}]", "the input")
+        n = B.nbytes(inp)
+        if n == 0:
+            return self._nothing_to_move("allgather", outs)
+        st = B.Staging()
+        src = st.input(inp)
+        recv = st.scratch(self.size() * inp.numel(), inp.dtype)
+        for r, o in enumerate(outs):
+            st.copy_back(o, recv[r * inp.numel():(r + 1) * inp.numel()])
+        return self._submit("allgather", lambda: self._comm.allgather(src.data_ptr(), recv.data_ptr(), n),
+                            [outs], st, opts)
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> MCCLWork:
+        B.check_tensor(input, "all_gather_into_tensor", "input")
+        B.check_tensor(output, "all_gather_into_tensor", "output")
+        B.check_like(output, input, "all_gather_into_tensor", "output", "input", self.size() * input.numel())
+        n = B.nbytes(input)
+        if n == 0:
+            return self._nothing_to_move("all_gather_into_tensor", [output])
+        st = B.Staging()
+        dst = st.output(output)
+        # In-place gathers (FSDP passes this rank's block of the output as input) would
+        # hand the engine overlapping send/recv buffers.
+        src = st.input(input.clone() if B.overlaps(input, dst) else input)
+        return self._submit("all_gather_into_tensor",
+                            lambda: self._comm.allgather(src.data_ptr(), dst.data_ptr(), n), [output], st, opts)
+
+    _allgather_base = all_gather_single
+
+    def allgather_coalesced(self, output_lists: Any, input_list: Any, opts: Any = None) -> MCCLWork:
+        name = "allgather_coalesced"
+        ins = B.tensor_list(input_list, name, "input_list")
+        if not isinstance(output_lists, (list, tuple)) or len(output_lists) != self.size():
+            raise ConfigError(f"[mccl] {name}: output_lists must hold one list per rank ({self.size()})")
+        outs = [B.tensor_list(lst, name, f"output_lists[{r}]", len(ins)) for r, lst in enumerate(output_lists)]
+        for r, lst in enumerate(outs):
+            for i, o in enumerate(lst):
+                B.check_like(o, ins[i], name, f"output_lists[{r}][{i}]", f"input_list[{i}]")
+        st = B.Staging()
+        bufs = [[st.output(o) for o in lst] for lst in outs]
+        return self._gather_packed(name, st, ins, lambda r, i: bufs[r][i], [t for lst in outs for t in lst], opts)
+
+    def all_gather_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> MCCLWork:
+        name = "all_gather_into_tensor_coalesced"
+        ins = B.tensor_list(inputs, name, "inputs")
+        outs = B.tensor_list(outputs, name, "outputs", len(ins))
+        for i, (o, x) in enumerate(zip(outs, ins)):
+            B.check_like(o, x, name, f"outputs[{i}]", f"inputs[{i}]", self.size() * x.numel())
+        st = B.Staging()
+        # Rank r's block of outputs[i] is row r of a (size, numel) view.
+        blocks = [st.output(o).view(self.size(), x.numel()) for o, x in zip(outs, ins)]
+        return self._gather_packed(name, st, ins, lambda r, i: blocks[i][r], outs, opts)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def _gather_packed(self, name: str, st: B.Staging, ins: list[torch.Tensor],
+                       out_block: Callable[[int, int], torch.Tensor], outputs: list[torch.Tensor],
+                       opts: Any) -> MCCLWork:
+        """All-gather several tensors (any dtypes) as one packed byte buffer per rank;
+        ``out_block(r, i)`` is the contiguous CPU buffer for rank r's tensor i."""
+        sizes = [B.nbytes(x) for x in ins]
+        total = sum(sizes)
+        if total == 0:
+            return self._nothing_to_move(name, outputs)
+        send = st.packed(ins)
+        recv = st.scratch(self.size() * total, torch.uint8)
+        offset = 0
+        for r in range(self.size()):
+            for i, nb in enumerate(sizes):
+                st.unpack(out_block(r, i), recv[offset:offset + nb])
+                offset += nb
+        return self._submit(name, lambda: self._comm.allgather(send.data_ptr(), recv.data_ptr(), total),
+                            outputs, st, opts)
+
+    # -- reduce-scatter ----------------------------------------------------------------
+    def reduce_scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> MCCLWork:
+        opts = _options(opts, _c10d.ReduceScatterOptions)
+        out = B.check_tensor(B.single(output_tensors, "reduce_scatter", "output_tensors"), "reduce_scatter", "output")
+        ins = B.tensor_list(B.single(input_tensors, "reduce_scatter", "input_tensors"), "reduce_scatter",
+                            "input_list", self.size())
+        for r, x in enumerate(ins):
+            B.check_like(x, out, "reduce_scatter", f"input_list[{r}]", "the output")
+        dtype, count, op = B.reduce_codes(out, opts.reduceOp, "reduce_scatter")
+        if count == 0:
+            return self._nothing_to_move("reduce_scatter", [out])
+        st = B.Staging()
+        send = st.scratch(self.size() * out.numel(), out.dtype)
+        for r, x in enumerate(ins):
+            send[r * out.numel():(r + 1) * out.numel()].copy_(st.input(x).reshape(-1))
+        dst = st.output(out)
+        return self._submit("reduce_scatter", lambda: self._comm.reduce_scatter(
+            send.data_ptr(), dst.data_ptr(), count, dtype, op), [out], st, opts)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> MCCLWork:
+        opts = _options(opts, _c10d.ReduceScatterOptions)
+        name = "reduce_scatter_tensor"
+        B.check_tensor(input, name, "input")
+        B.check_tensor(output, name, "output")
+        B.check_like(input, output, name, "input", "output", self.size() * output.numel())
+        dtype, count, op = B.reduce_codes(output, opts.reduceOp, name)
+        if count == 0:
+            return self._nothing_to_move(name, [output])
+        st = B.Staging()
+        dst = st.output(output)
+        src = st.input(input.clone() if B.overlaps(input, dst) else input)
+        return self._submit(name, lambda: self._comm.reduce_scatter(src.data_ptr(), dst.data_ptr(), count, dtype, op),
+                            [output], st, opts)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> MCCLWork:
+        opts = _options(opts, _c10d.ReduceScatterOptions)
+        name = "reduce_scatter_tensor_coalesced"
+        outs = B.tensor_list(outputs, name, "outputs")
+        ins = B.tensor_list(inputs, name, "inputs", len(outs))
+        if not outs:
+            return self._nothing_to_move(name, [])
+        for i, (o, x) in enumerate(zip(outs, ins)):
+            B.check_like(o, outs[0], name, f"outputs[{i}]", "outputs[0]", o.numel())
+            B.check_like(x, o, name, f"inputs[{i}]", f"outputs[{i}]", self.size() * o.numel())
+        counts = [o.numel() for o in outs]
+        chunk = sum(counts)
+        dtype, count, op = B.reduce_codes(outs[0].new_empty(chunk), opts.reduceOp, name)
+        if count == 0:
+            return self._nothing_to_move(name, outs)
+        st = B.Staging()
+        # Rank-major layout: block r holds every input's r-th slice, so one
+        # reduce-scatter hands rank r all of its outputs at once.
+        send = st.scratch(self.size() * chunk, outs[0].dtype).view(self.size(), chunk)
+        recv = st.scratch(chunk, outs[0].dtype)
+        offset = 0
+        for x, n, o in zip(ins, counts, outs):
+            send[:, offset:offset + n].copy_(st.input(x).reshape(self.size(), n))
+            st.copy_back(o, recv[offset:offset + n])
+            offset += n
+        return self._submit(name, lambda: self._comm.reduce_scatter(send.data_ptr(), recv.data_ptr(), count, dtype, op),
+                            outs, st, opts)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    # -- rooted data movement -----------------------------------------------------------
+    def scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> MCCLWork:
+        opts = _options(opts, _c10d.ScatterOptions)
+        out = B.check_tensor(B.single(output_tensors, "scatter", "output_tensors"), "scatter", "output")
+        root = B.check_rank(opts.rootRank, self.size(), "scatter", "root")
+        n = B.nbytes(out)
+        st = B.Staging()
+        send_ptr = 0
+        if self.rank() == root:
+            ins = B.tensor_list(B.single(input_tensors, "scatter", "input_tensors"), "scatter", "scatter_list",
+                                self.size())
+            for r, x in enumerate(ins):
+                B.check_like(x, out, "scatter", f"scatter_list[{r}]", "the output")
+            send = st.packed(ins)
+            send_ptr = send.data_ptr()
+        elif input_tensors and any(len(lst) for lst in input_tensors):
+            raise ConfigError(f"[mccl] scatter: rank {self.rank()} passed a scatter_list but is not the root ({root}); "
+                              "only the root may")
+        if n == 0:
+            return self._nothing_to_move("scatter", [out])
+        dst = st.output(out)
+        return self._submit("scatter", lambda: self._comm.scatter(send_ptr, dst.data_ptr(), n, root), [out], st, opts)
+
+    def gather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> MCCLWork:
+        opts = _options(opts, _c10d.GatherOptions)
+        inp = B.check_tensor(B.single(input_tensors, "gather", "input_tensors"), "gather", "input")
+        root = B.check_rank(opts.rootRank, self.size(), "gather", "root")
+        n = B.nbytes(inp)
+        st = B.Staging()
+        outs: list[torch.Tensor] = []
+        recv_ptr = 0
+        if self.rank() == root:
+            outs = B.tensor_list(B.single(output_tensors, "gather", "output_tensors"), "gather", "gather_list",
+                                 self.size())
+            for r, o in enumerate(outs):
+                B.check_like(o, inp, "gather", f"gather_list[{r}]", "the input")
+            recv = st.scratch(self.size() * inp.numel(), inp.dtype)
+            for r, o in enumerate(outs):
+                st.copy_back(o, recv[r * inp.numel():(r + 1) * inp.numel()])
+            recv_ptr = recv.data_ptr()
+        elif output_tensors and any(len(lst) for lst in output_tensors):
+            raise ConfigError(f"[mccl] gather: rank {self.rank()} passed a gather_list but is not the root ({root}); "
+                              "only the root may")
+        if n == 0:
+            return self._nothing_to_move("gather", [outs] if outs else [])
+        src = st.input(inp)
+        return self._submit("gather", lambda: self._comm.gather(src.data_ptr(), recv_ptr, n, root),
+                            [outs] if outs else [], st, opts)
+
+    # -- all-to-all ---------------------------------------------------------------------
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int],
+                          input_split_sizes: Sequence[int], opts: Any = None) -> MCCLWork:
+        name = "all_to_all_single"
+        B.check_tensor(input, name, "input")
+        B.check_tensor(output, name, "output")
+        if output.dtype != input.dtype:
+            raise ConfigError(f"[mccl] {name}: output dtype {output.dtype} differs from input dtype {input.dtype}")
+        st = B.Staging()
+        dst = st.output(output)
+        src = st.input(input.clone() if B.overlaps(input, dst) else input)
+        if not output_split_sizes and not input_split_sizes:
+            if input.numel() != output.numel() or input.numel() % self.size():
+                raise ConfigError(f"[mccl] {name}: without split sizes input ({input.numel()} elements) and output "
+                                  f"({output.numel()}) must be equal and divisible by the group size {self.size()}")
+            n = B.nbytes(input) // self.size()
+            if n == 0:
+                return self._nothing_to_move(name, [output])
+            return self._submit(name, lambda: self._comm.alltoall(src.data_ptr(), dst.data_ptr(), n),
+                                [output], st, opts)
+        send_sizes = self._split_bytes(input, input_split_sizes, name, "input")
+        recv_sizes = self._split_bytes(output, output_split_sizes, name, "output")
+        return self._alltoallv(name, src, send_sizes, dst, recv_sizes, [output], st, opts)
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> MCCLWork:
+        name = "alltoall"
+        ins = B.tensor_list(input_tensors, name, "input_tensor_list", self.size())
+        outs = B.tensor_list(output_tensors, name, "output_tensor_list", self.size())
+        for r, (o, x) in enumerate(zip(outs, ins)):
+            if o.dtype != x.dtype:
+                raise ConfigError(f"[mccl] {name}: output_tensor_list[{r}] dtype {o.dtype} differs from "
+                                  f"input_tensor_list[{r}] dtype {x.dtype}")
+        st = B.Staging()
+        send = st.packed(ins)
+        recv_sizes = [B.nbytes(o) for o in outs]
+        recv = st.scratch(sum(recv_sizes), torch.uint8)
+        offset = 0
+        for o, nb in zip(outs, recv_sizes):
+            st.unpack(st.output(o), recv[offset:offset + nb])
+            offset += nb
+        return self._alltoallv(name, send, [B.nbytes(x) for x in ins], recv, recv_sizes, outs, st, opts)
+
+    def _split_bytes(self, t: torch.Tensor, splits: Sequence[int], name: str, what: str) -> list[int]:
+        rows = t.shape[0] if t.dim() else 1
+        row_bytes = B.nbytes(t) // rows if rows else 0
+        if not splits:
+            if rows % self.size():
+                raise ConfigError(f"[mccl] {name}: {what} has {rows} rows, not divisible by the group size "
+                                  f"{self.size()}; pass {what}_split_sizes")
+            return [rows // self.size() * row_bytes] * self.size()
+        if len(splits) != self.size() or sum(splits) != rows or min(splits) < 0:
+            raise ConfigError(f"[mccl] {name}: {what}_split_sizes={list(splits)} must have {self.size()} "
+                              f"non-negative entries summing to {what}.size(0)={rows}")
+        return [int(s) * row_bytes for s in splits]
+
+    def _alltoallv(self, name: str, send: torch.Tensor, send_sizes: list[int], recv: torch.Tensor,
+                   recv_sizes: list[int], outputs: list[torch.Tensor], st: B.Staging, opts: Any) -> MCCLWork:
+        send_offsets = _offsets(send_sizes)
+        recv_offsets = _offsets(recv_sizes)
+        return self._submit(name, lambda: self._comm.alltoallv(send.data_ptr(), send_sizes, send_offsets,
+                                                               recv.data_ptr(), recv_sizes, recv_offsets),
+                            outputs, st, opts)
+
+    # -- barrier and point-to-point ---------------------------------------------------------
+    def barrier(self, opts: Any = None) -> MCCLWork:
+        return self._submit("barrier", self._comm.barrier, [], B.Staging(), opts)
+
+    def send(self, tensors: Any, dstRank: int, tag: int = 0) -> MCCLWork:
+        t = B.check_tensor(B.single(tensors, "send"), "send", "tensor")
+        dst = self._peer(dstRank, "send", "dst")
+        st = B.Staging()
+        buf = st.input(t)
+        return self._submit("send", lambda: self._comm.send(buf.data_ptr(), B.nbytes(buf), dst, int(tag)), [t], st)
+
+    def recv(self, tensors: Any, srcRank: int, tag: int = 0) -> MCCLWork:
+        t = B.check_tensor(B.single(tensors, "recv"), "recv", "tensor")
+        src = self._peer(srcRank, "recv", "src")
+        return self._recv(t, src, int(tag))
+
+    def recv_anysource(self, tensors: Any, tag: int = 0) -> MCCLWork:
+        t = B.check_tensor(B.single(tensors, "recv"), "recv", "tensor")
+        return self._recv(t, -1, int(tag))
+
+    def _recv(self, t: torch.Tensor, src: int, tag: int) -> MCCLWork:
+        st = B.Staging()
+        buf = st.output(t)
+        return self._submit("recv", lambda: self._comm.recv(buf.data_ptr(), B.nbytes(buf), src, tag), [t], st)
+
+    def _peer(self, r: int, op: str, what: str) -> int:
+        r = B.check_rank(r, self.size(), op, what)
+        if r == self.rank():
+            raise ConfigError(f"[mccl] {op}: {what}={r} is this rank itself; point-to-point needs another rank")
+        return r
+
+    # -- coalescing manager (dist._coalescing_manager with a device) -------------------------
+    def _start_coalescing(self, device: torch.device) -> None:
+        if self._coalescing is not None:
+            raise ConfigError("[mccl] _start_coalescing: already coalescing; nested coalescing is not supported")
+        self._coalescing = []
+
+    def _end_coalescing(self, device: torch.device) -> MCCLWork:
+        works, self._coalescing = self._coalescing or [], None
+        return _AllOf(works, self.rank(), self._timeout_s)
+
+
+class _AllOf(MCCLWork):
+    """A Work done when every Work issued inside a coalescing block is done."""
+
+    def __init__(self, works: list[MCCLWork], rank: int, timeout_s: float) -> None:
+        super().__init__("coalesced", rank, [], (), None, timeout_s)
+        self._works = works
+        futures = [w.get_future() for w in works]
+        if not futures:
+            self._complete(None, -1)
+            return
+        torch.futures.collect_all(futures).then(self._collected)
+
+    def _collected(self, fut: torch.futures.Future) -> None:
+        errors = [w.exception() for w in self._works if w.exception() is not None]
+        self._complete(errors[0] if errors else None, -1)
+
+
+def _offsets(sizes: Sequence[int]) -> list[int]:
+    out, acc = [], 0
+    for s in sizes:
+        out.append(acc)
+        acc += s
+    return out
+
+
+def _shutdown_quietly(comm: Any) -> None:
+    try:
+        comm.shutdown(2.0)
+    except Exception:  # noqa: BLE001 - interpreter exit: nothing left to report to
+        pass
+
+
+def _create(dist_opts: Any, backend_options: Any = None) -> ProcessGroupMCCL:
+    """torch's creator hook (extended API): one ProcessGroupMCCL per group."""
+    return ProcessGroupMCCL(dist_opts.store, dist_opts.group_rank, dist_opts.group_size, dist_opts.timeout,
+                            group_id=str(getattr(dist_opts, "group_id", "") or ""))
+
+
+def register_backend() -> None:
+    if not compat.is_backend_registered(BACKEND_NAME):
+        compat.register_backend(BACKEND_NAME, _create, list(B.SUPPORTED_DEVICES))

@@ -1,0 +1,121 @@
+"""Shared helpers: spawning ranks as processes, free ports, leftover cleanup.
+
+Multi-process tests run each rank in a spawned process (a fresh interpreter, as
+torchrun would give). ``run_ranks`` always reaps its children: whatever happens in
+the test, no rank outlives it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import signal
+import socket
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+import pytest
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_pg(rank: int, world: int, timeout_s: float = 60.0, backend: str = "mccl") -> None:
+    """init_process_group from the env the harness set (MASTER_ADDR/PORT)."""
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, env: dict, results: Any) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
+    os.environ.update(env)
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        results.put((rank, "ok", fn(rank, world, *args)))
+    except BaseException:  # noqa: BLE001 - report every failure to the parent
+        results.put((rank, "error", traceback.format_exc()))
+
+
+class RankFailure(AssertionError):
+    pass
+
+
+def spawn_ranks(fn: Callable[..., Any], world: int, *args: Any, env: dict | None = None) -> tuple[list, Any, int]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        p = ctx.Process(target=_entry, args=(fn, rank, world, port, args, env or {}, results), daemon=True)
+        p.start()
+        procs.append(p)
+    return procs, results, port
+
+
+def reap(procs: list) -> None:
+    """SIGKILL and join every process still alive."""
+    for p in procs:
+        if p.is_alive():
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        p.join(5)
+
+
+def collect(procs: list, results: Any, timeout_s: float, expect: int | None = None) -> dict[int, tuple[str, Any]]:
+    """Results of ``expect`` ranks (default: all), failing the test past ``timeout_s``."""
+    expect = len(procs) if expect is None else expect
+    deadline = time.monotonic() + timeout_s
+    out: dict[int, tuple[str, Any]] = {}
+    while len(out) < expect:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RankFailure(f"only ranks {sorted(out)} reported within {timeout_s}s; "
+                              f"alive: {[i for i, p in enumerate(procs) if p.is_alive()]}")
+        try:
+            rank, status, value = results.get(timeout=min(left, 1.0))
+        except queue.Empty:
+            if not any(p.is_alive() for p in procs) and results.empty():
+                codes = [p.exitcode for p in procs]
+                raise RankFailure(f"ranks exited without reporting (exit codes {codes}); got {sorted(out)}") from None
+            continue
+        out[rank] = (status, value)
+    return out
+
+
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 120.0,
+              env: dict | None = None) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` in ``world`` spawned processes; return their results.
+
+    ``fn`` must be a module-level function. Any rank's exception fails the test with
+    that rank's traceback.
+    """
+    procs, results, _ = spawn_ranks(fn, world, *args, env=env)
+    try:
+        out = collect(procs, results, timeout_s)
+    finally:
+        reap(procs)
+    errors = [f"--- rank {r} ---\n{v}" for r, (s, v) in sorted(out.items()) if s != "ok"]
+    if errors:
+        raise RankFailure("\n".join(errors))
+    return [out[r][1] for r in range(world)]
+
+
+@pytest.fixture
+def ranks() -> Callable[..., list[Any]]:
+    return run_ranks
