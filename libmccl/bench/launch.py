@@ -41,6 +41,9 @@ class LocalLauncher:
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
 
+    def rank_env(self, i: int) -> dict[str, str]:
+        return {}
+
     def close(self) -> None:
         pass
 
@@ -65,6 +68,11 @@ class FleetLauncher:
 
     def free_port(self, preferred: int) -> int:
         return preferred  # the namespaces are ours alone
+
+    def rank_env(self, i: int) -> dict[str, str]:
+        # Gloo binds to what the hostname resolves to (127.0.0.1 here, shared by every
+        # namespace's own loopback), so it must be told the host's interface.
+        return {"GLOO_SOCKET_IFNAME": self.fleet.hosts[i].ifname}
 
     def close(self) -> None:
         self.fleet.stop()

@@ -89,7 +89,7 @@ def _run_backend(launcher, cfg: BenchConfig, backend: str, tmp: str) -> list[dic
     pypath = os.pathsep.join(p for p in (_PKG_ROOT, os.environ.get("PYTHONPATH")) if p)
     envs = [{"RANK": str(r), "LOCAL_RANK": "0" if launcher.kind == "fleet" else str(r), "WORLD_SIZE": str(n),
              "MASTER_ADDR": launcher.addr(0), "MASTER_PORT": str(port), "PYTHONPATH": pypath,
-             "OMP_NUM_THREADS": "1"} for r in range(n)]
+             "OMP_NUM_THREADS": "1", **launcher.rank_env(r)} for r in range(n)]
     argv = [sys.executable, "-m", "libmccl.bench.worker", json.dumps(plan)]
     done = run_group(launcher, [argv] * n, envs, tmp, cfg.timeout_s, f"{backend}-rank", stream_first=cfg.verbose)
     why = first_failure(done)
