@@ -4,6 +4,9 @@
 // which is what torch's CPU kernels do, so a single a+b matches torch bit for bit.
 // Every function is branch-free (selects, no early returns) so that loops calling
 // them auto-vectorise; the Metal shim reuses them to emulate `half` and `bfloat`.
+// Selects go through pick() on precomputed values: a ternary lets the compiler sink
+// a float operation into a branch, and with -ftrapping-math (the default) it then
+// refuses to turn that branch back into a vector blend.
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -22,18 +25,23 @@ inline float bits_float(uint32_t u) {
   return f;
 }
 
+// c ? a : b, computed as a bit blend of two already-evaluated values.
+inline uint32_t pick(bool c, uint32_t a, uint32_t b) {
+  const uint32_t m = 0u - static_cast<uint32_t>(c);
+  return (a & m) | (b & ~m);
+}
+
 inline float half_to_float(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t exp = (h >> 10) & 0x1fu;
   const uint32_t mant = h & 0x3ffu;
   // Normal numbers only need the exponent re-biased (15 -> 127).
   const uint32_t normal = ((exp + 112u) << 23) | (mant << 13);
-  // Inf and NaN keep their payload; the exponent becomes all ones.
-  const uint32_t special = 0x7f800000u | (mant << 13);
+  // Inf stays inf; NaN keeps its payload and comes out quiet, as the hardware does.
+  const uint32_t special = 0x7f800000u | (mant << 13) | pick(mant != 0, 0x400000u, 0u);
   // Subnormals: (1.mant * 2^-14) - 2^-14 == mant * 2^-24, exact in float32.
-  const float sub = bits_float(0x38800000u | (mant << 13)) - bits_float(0x38800000u);
-  const uint32_t magnitude = exp == 0 ? float_bits(sub) : (exp == 31 ? special : normal);
-  return bits_float(sign | magnitude);
+  const uint32_t sub = float_bits(bits_float(0x38800000u | (mant << 13)) - bits_float(0x38800000u));
+  return bits_float(sign | pick(exp == 0, sub, pick(exp == 31, special, normal)));
 }
 
 inline uint16_t float_to_half(float f) {
@@ -44,21 +52,15 @@ inline uint16_t float_to_half(float f) {
   // nearest-even. A carry out of the mantissa correctly bumps the exponent, up to
   // 0x7c00 (inf) for values at or above 65520; larger values are clamped to inf.
   const uint32_t rounded = (a - 0x38000000u + 0xfffu + ((a >> 13) & 1u)) >> 13;
-  const uint32_t normal = rounded > 0x7c00u ? 0x7c00u : rounded;
-  // Below 2^-14 the result is a subnormal count of 2^-24 units: shift the full
-  // 24-bit significand right and round the remainder to nearest-even. Shifts are
-  // capped at 31 (anything that small rounds to zero anyway).
-  const uint32_t e = a >> 23;
-  const uint32_t sig = (a & 0x7fffffu) | 0x800000u;
-  const uint32_t shift_raw = e > 126u - 14u ? 14u : 126u - e;
-  const uint32_t shift = shift_raw > 31u ? 31u : shift_raw;
-  const uint32_t q = sig >> shift;
-  const uint32_t rem = sig & ((1u << shift) - 1u);
-  const uint32_t halfway = 1u << (shift - 1u);
-  const uint32_t sub = q + ((rem > halfway) | ((rem == halfway) & (q & 1u)));
-  const uint32_t finite = a < 0x38800000u ? sub : normal;
+  const uint32_t normal = pick(rounded > 0x7c00u, 0x7c00u, rounded);
+  // Below 2^-14 the result is a subnormal count of 2^-24 units. Adding 0.5 (whose
+  // ulp is exactly 2^-24) makes the float adder round to that grid, nearest-even;
+  // the low bits of the sum are then the count. A count of 0x400 is the smallest
+  // normal half, so rounding up across the boundary needs no special case.
+  const uint32_t sub = float_bits(bits_float(a) + 0.5f) - 0x3f000000u;
+  const uint32_t finite = pick(a < 0x38800000u, sub, normal);
   // Every NaN becomes the canonical quiet NaN (torch does the same).
-  const uint32_t magnitude = a > 0x7f800000u ? 0x7e00u : finite;
+  const uint32_t magnitude = pick(a > 0x7f800000u, 0x7e00u, finite);
   return static_cast<uint16_t>(sign | magnitude);
 }
 
@@ -70,7 +72,7 @@ inline uint16_t float_to_bfloat16(float f) {
   // correct result (including overflow to inf).
   const uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
   const bool nan = (x & 0x7fffffffu) > 0x7f800000u;
-  return static_cast<uint16_t>(nan ? ((x >> 16) | 0x0040u) : rounded);
+  return static_cast<uint16_t>(pick(nan, (x >> 16) | 0x0040u, rounded));
 }
 
 }  // namespace mccl

@@ -13,6 +13,7 @@
 //   is undefined behaviour in C++, unsigned wraps, and torch wraps too.
 // - Float MIN/MAX propagate NaN (like torch.minimum/maximum) and order -0.0 below
 //   +0.0, so the result does not depend on which rank's value arrives first.
+// - Loop bodies stay branch-free (selects are bit blends) so every kernel vectorises.
 #include "reduce.h"
 
 #include <cstring>
@@ -108,14 +109,39 @@ struct Product {
   }
 };
 
-// For equal floats the bit patterns agree except for the sign of zero: OR of the
-// bits picks -0.0 (MIN), AND picks +0.0 (MAX). Unordered pairs (a NaN) fall
-// through to a + b, which is a quiet NaN.
+// Float MIN/MAX order values by an integer key (sign-magnitude bits mapped to two's
+// complement): a total order in which -0.0 < +0.0. Integer compares and blends
+// vectorise; float compares under a ternary do not (see pick() in half.h). A NaN
+// operand is returned as is.
+template <class V>
+struct FloatOrder {
+  using U = Bits<V>;
+  using S = std::make_signed_t<U>;
+  static constexpr U kAbs = ~U{0} >> 1;
+  static constexpr U kInf = static_cast<U>(sizeof(V) == 8 ? 0x7ff0000000000000ull : 0x7f800000ull);
+  static S key(U b) {
+    const U negative = static_cast<U>(0) - (b >> (sizeof(U) * 8 - 1));
+    return static_cast<S>(b ^ (negative & kAbs));
+  }
+  static U blend(bool c, U a, U b) {
+    const U m = static_cast<U>(0) - static_cast<U>(c);
+    return (a & m) | (b & ~m);
+  }
+  // The smaller (kMax == false) or larger operand; NaN wins.
+  template <bool kMax>
+  static V pick(V a, V b) {
+    const U ba = to_bits(a), bb = to_bits(b);
+    const bool a_first = kMax ? key(ba) >= key(bb) : key(ba) <= key(bb);
+    const U r = blend((ba & kAbs) > kInf, ba, blend((bb & kAbs) > kInf, bb, blend(a_first, ba, bb)));
+    return from_bits<V>(r);
+  }
+};
+
 struct Min {
   template <class V>
   static V apply(V a, V b) {
     if constexpr (std::is_integral_v<V>) return b < a ? b : a;
-    else return a < b ? a : (b < a ? b : (a == b ? from_bits<V>(to_bits(a) | to_bits(b)) : a + b));
+    else return FloatOrder<V>::template pick<false>(a, b);
   }
 };
 
@@ -123,7 +149,7 @@ struct Max {
   template <class V>
   static V apply(V a, V b) {
     if constexpr (std::is_integral_v<V>) return a < b ? b : a;
-    else return a > b ? a : (b > a ? b : (a == b ? from_bits<V>(to_bits(a) & to_bits(b)) : a + b));
+    else return FloatOrder<V>::template pick<true>(a, b);
   }
 };
 
