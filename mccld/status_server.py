@@ -3,7 +3,7 @@
 Plain TCP, one newline-terminated JSON object per message, one request per
 connection::
 
-    server -> {"mccl_status": PROTO, "version": ..., "nonce": <hex>}
+    server -> {"mccl_status": PROTO, "version": ..., "nonce": <hex>, "time": <epoch s>}
     client -> {"body": "<json {method, args}>", "cnonce": <hex>, "mac": <hex>}
     server -> {"ok": true, "body": "<json result>", "mac": <hex>}
               | {"ok": false, "error": {"kind", "message"}, "mac": <hex>}
@@ -246,7 +246,9 @@ class StatusServer:
             sock.settimeout(IO_TIMEOUT_S)
             conn = _Conn(sock, peer)
             nonce = os.urandom(16).hex()
-            conn.send({"mccl_status": PROTO, "version": mccl_version(), "nonce": nonce})
+            # The wall clock lets mcclctl doctor estimate clock skew between hosts.
+            conn.send({"mccl_status": PROTO, "version": mccl_version(), "nonce": nonce,
+                       "time": time.time()})
             req = conn.recv("request")
             body, cnonce, mac = req.get("body"), req.get("cnonce"), req.get("mac")
             if not all(isinstance(x, str) for x in (body, cnonce, mac)):
@@ -270,7 +272,10 @@ class StatusServer:
                 result, error = None, {"kind": "ProtocolError",
                                        "message": f"[status] bad request from peer={peer}: {e!r}"}
             self._reply(conn, nonce, cnonce, result, error)
-        except (OSError, ConnectionError, ProtocolError) as e:
+        except ConnectionError as e:
+            # Port probes (mcclctl doctor, load balancers) connect and leave: not a problem.
+            log.debug("status connection from peer=%s closed early: %s", peer, e)
+        except (OSError, ProtocolError) as e:
             self._warn_once(peer, f"status connection from peer={peer} failed: {e}")
         except Exception:
             log.exception("status endpoint: unexpected failure serving peer=%s", peer)

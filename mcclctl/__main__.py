@@ -1,0 +1,65 @@
+"""mcclctl command line: argument parsing and dispatch only."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from libmccl.errors import MCCLError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mcclctl", description="Inspect and diagnose an MCCL fleet.")
+    p.add_argument("-v", "--verbose", action="store_true", help="log debug output to stderr")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp, hosts=True):
+        if hosts:
+            sp.add_argument("--host", action="append", metavar="H[:PORT]",
+                            help="daemon status endpoint (repeatable); default: find daemons by mDNS")
+        sp.add_argument("--json", action="store_true", help="machine-readable output")
+        sp.add_argument("--key-file", help="fleet key file (default: MCCL_KEY_FILE or the standard paths)")
+        sp.add_argument("--timeout", type=float, default=5.0, help="seconds per daemon request")
+        sp.add_argument("--discover-timeout", type=float, default=3.0,
+                        help="seconds to listen for mDNS announcements")
+        return sp
+
+    st = common(sub.add_parser("status", help="one row per daemon"))
+    st.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
+    common(sub.add_parser("links", help="per-peer links: sockets, bytes, goodput, retransmits"))
+    common(sub.add_parser("jobs", help="jobs and ranks attached to each daemon"))
+    lt = common(sub.add_parser("linktest", help="measure TCP goodput A -> B; A records it as the "
+                                                "link's ceiling"), hosts=False)
+    lt.add_argument("a", help="measuring daemon: mDNS host id or host[:status port]")
+    lt.add_argument("b", help="target daemon: mDNS host id or host[:status port]")
+    lt.add_argument("--seconds", type=float, default=3.0)
+    lt.add_argument("--streams", type=int, default=2, help="parallel TCP streams (like MCCL_SOCKETS_PER_PEER)")
+    common(sub.add_parser("doctor", help="check this host and print a fix for each problem"))
+    sd = common(sub.add_parser("prometheus-sd", help="write a Prometheus file_sd target list from mDNS"))
+    sd.add_argument("-o", "--output", help="file to write atomically (default: stdout)")
+    sd.add_argument("--fleet", help="value of the fleet label (default: MCCL_FLEET)")
+    sd.add_argument("--metrics-port", type=int, help="metrics port of --host targets (default 29652)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    from . import commands, doctor, prometheus_sd
+    handlers = {"status": commands.cmd_status, "links": commands.cmd_links, "jobs": commands.cmd_jobs,
+                "linktest": commands.cmd_linktest, "doctor": doctor.cmd_doctor,
+                "prometheus-sd": prometheus_sd.cmd_prometheus_sd}
+    if args.command == "prometheus-sd" and args.fleet is None:
+        from mccld.config import load_config
+        args.fleet = load_config().fleet
+    try:
+        return handlers[args.command](args)
+    except MCCLError as e:
+        print(f"mcclctl: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

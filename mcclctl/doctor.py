@@ -1,0 +1,248 @@
+"""``mcclctl doctor``: checks of this host that explain most slow or failing fleets.
+
+Each check returns ``{"name", "status": ok|warn|fail|skip, "detail", "fix"}``; the
+checks read the system through small functions with injectable roots so they can be
+tested against fake /proc and /sys trees.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+from libmccl.config import EngineConfig, load
+from libmccl.errors import ConfigError
+
+SKEW_WARN_S = 0.5     # beyond this, log lines and timeouts of two hosts no longer line up
+CONNECT_TIMEOUT_S = 2.0
+
+
+def check(name: str, status: str, detail: str, fix: str = "") -> dict:
+    return {"name": name, "status": status, "detail": detail, "fix": fix}
+
+
+# ---- interface, speed, MTU -------------------------------------------------------------
+
+def read_sys(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def interface_checks(ifname: str, addr: str, sys_root: Path = Path("/sys/class/net")) -> list[dict]:
+    out = [check("interface", "ok", f"{ifname or '?'} with address {addr}")]
+    if sys.platform == "darwin":
+        speed, mtu = _macos_media(ifname)
+    else:
+        raw_speed = read_sys(sys_root / ifname / "speed")
+        speed = int(raw_speed) if raw_speed and raw_speed.lstrip("-").isdigit() else None
+        raw_mtu = read_sys(sys_root / ifname / "mtu")
+        mtu = int(raw_mtu) if raw_mtu and raw_mtu.isdigit() else None
+    if speed is None or speed <= 0:
+        out.append(check("link speed", "skip", f"the OS does not report a speed for {ifname} "
+                         "(virtual interface?)"))
+    elif speed < 10000:
+        out.append(check("link speed", "warn", f"{ifname} negotiated {speed} Mbit/s",
+                         "use a 10 GbE (or Thunderbolt) port and cable; check the switch port with "
+                         f"`ethtool {ifname}` (Linux) or System Settings > Network > Hardware (macOS)"))
+    else:
+        out.append(check("link speed", "ok", f"{ifname} at {speed / 1000:g} Gbit/s"))
+    if mtu is None:
+        out.append(check("MTU", "skip", f"cannot read the MTU of {ifname}"))
+    elif mtu < 9000:
+        out.append(check("MTU", "warn", f"{ifname} MTU {mtu}; jumbo frames cut per-packet CPU cost "
+                         "at 10 Gbit/s",
+                         f"if every host and the switch support it: `ip link set {ifname} mtu 9000` "
+                         f"(Linux) or `networksetup -setMTU <service> 9000` (macOS), on ALL hosts"))
+    else:
+        out.append(check("MTU", "ok", f"{ifname} MTU {mtu}"))
+    return out
+
+
+def _macos_media(ifname: str) -> tuple[int | None, int | None]:
+    try:
+        text = subprocess.run(["ifconfig", ifname], capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+    speed = mtu = None
+    for line in text.splitlines():
+        parts = line.split()
+        if "mtu" in parts:
+            mtu = int(parts[parts.index("mtu") + 1])
+        if line.strip().startswith("media:"):
+            for token, mbit in (("10Gbase", 10000), ("5000base", 5000), ("2500base", 2500),
+                                ("1000base", 1000), ("100base", 100)):
+                if token in line:
+                    speed = mbit
+                    break
+    return speed, mtu
+
+
+# ---- socket buffers --------------------------------------------------------------------
+
+def buffer_checks(wanted: int, sysctl: Callable[[str], int | None]) -> list[dict]:
+    if sys.platform == "darwin":
+        limit = sysctl("kern.ipc.maxsockbuf")
+        if limit is None:
+            return [check("socket buffers", "skip", "cannot read kern.ipc.maxsockbuf")]
+        if limit < wanted:
+            return [check("socket buffers", "warn", f"kern.ipc.maxsockbuf={limit} < {wanted} bytes "
+                          "that MCCL asks for per socket",
+                          f"sudo sysctl -w kern.ipc.maxsockbuf={wanted * 2}")]
+        return [check("socket buffers", "ok", f"kern.ipc.maxsockbuf={limit}")]
+    out = []
+    for name in ("net.core.rmem_max", "net.core.wmem_max"):
+        limit = sysctl(name)
+        if limit is None:
+            out.append(check(name, "skip", f"cannot read {name}"))
+        elif limit < wanted:
+            out.append(check(name, "warn", f"{name}={limit} caps SO_RCVBUF/SO_SNDBUF below the "
+                             f"{wanted} bytes MCCL asks for (MCCL_SOCKET_BUFFER_BYTES); a 10 GbE "
+                             "link then cannot keep its bandwidth-delay product in flight",
+                             f"sudo sysctl -w {name}={wanted}  (persist it in /etc/sysctl.d/90-mccl.conf)"))
+        else:
+            out.append(check(name, "ok", f"{name}={limit}"))
+    return out
+
+
+def read_sysctl(name: str, proc_root: Path = Path("/proc/sys")) -> int | None:
+    if sys.platform.startswith("linux"):
+        raw = read_sys(proc_root / name.replace(".", "/"))
+    else:
+        try:
+            raw = subprocess.run(["sysctl", "-n", name], capture_output=True, text=True,
+                                 timeout=5).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            raw = None
+    try:
+        return int(raw.split()[0]) if raw else None
+    except ValueError:
+        return None
+
+
+# ---- ports -----------------------------------------------------------------------------
+
+def can_connect(addr: str, port: int, timeout_s: float = CONNECT_TIMEOUT_S) -> str | None:
+    """None when a TCP connection succeeds, else why not."""
+    try:
+        with socket.create_connection((addr, port), timeout=timeout_s):
+            return None
+    except OSError as e:
+        return e.strerror or str(e)
+
+
+def port_checks(addr: str, ports: dict[str, int], peers: list[tuple[str, str, int]]) -> list[dict]:
+    out = []
+    for name, port in ports.items():
+        if port == 0:
+            out.append(check(f"{name} port", "skip", f"{name} endpoint disabled (port 0)"))
+            continue
+        why = can_connect(addr, port)
+        if why is None:
+            out.append(check(f"{name} port", "ok", f"{addr}:{port} accepts connections"))
+        else:
+            out.append(check(f"{name} port", "fail", f"{addr}:{port}: {why}",
+                             "start mccld on this host, or check that the MCCL_*_PORT settings of "
+                             "mccld and mcclctl agree and that no firewall blocks the port"))
+    for host, peer_addr, port in peers:
+        why = can_connect(peer_addr, port)
+        if why is None:
+            out.append(check(f"peer {host}", "ok", f"status endpoint {peer_addr}:{port} reachable"))
+        else:
+            out.append(check(f"peer {host}", "fail", f"{peer_addr}:{port}: {why}",
+                             f"check routing to {peer_addr} from the fleet interface, the firewall "
+                             f"(macOS: System Settings > Network > Firewall must allow python/mccld) "
+                             f"and that mccld runs there"))
+    return out
+
+
+# ---- clock skew ------------------------------------------------------------------------
+
+def skew_checks(offsets: list[tuple[str, float | None, float | None]]) -> list[dict]:
+    """``offsets``: (host, daemon clock - ours, round trip) per peer that answered."""
+    out = []
+    for host, offset, rtt in offsets:
+        if offset is None:
+            continue
+        bound = (rtt or 0.0) / 2
+        if abs(offset) - bound > SKEW_WARN_S:
+            out.append(check(f"clock {host}", "warn",
+                             f"{host}'s clock is {offset:+.3f} s off ours (+/- {bound:.3f} s)",
+                             "enable NTP on every host (`timedatectl set-ntp true` / macOS: "
+                             "System Settings > General > Date & Time > Set automatically)"))
+        else:
+            out.append(check(f"clock {host}", "ok", f"{offset:+.3f} s (+/- {bound:.3f} s)"))
+    if not out:
+        out.append(check("clock skew", "skip", "no peer daemon answered; cannot compare clocks"))
+    return out
+
+
+# ---- key file --------------------------------------------------------------------------
+
+def key_checks(read_key: Callable[[], bytes], key_file: str) -> list[dict]:
+    try:
+        key = read_key()
+    except ConfigError as e:
+        return [check("fleet key", "fail", str(e),
+                      "create one with `mccld keygen /etc/mccl/fleet.key`, copy it to every host, "
+                      "and `chmod 600` it")]
+    if key_file:
+        mode = stat.S_IMODE(os.stat(key_file).st_mode)
+        return [check("fleet key", "ok", f"{key_file} mode {mode:04o}, {len(key)} bytes")]
+    return [check("fleet key", "ok", f"{len(key)}-byte key loaded (MCCL_FLEET_KEY or default path)")]
+
+
+def engine_socket_buffer() -> int:
+    return load(EngineConfig).socket_buffer_bytes
+
+
+def cmd_doctor(args) -> int:
+    from mccld.config import load_config
+    from mccld.netif import choose_address
+
+    from . import formatting as fmt
+    from .targets import discover, fetch, from_hosts
+
+    cfg = load_config()
+    checks: list[dict] = []
+    try:
+        ifname, addr = choose_address(cfg.iface, cfg.listen_addr, cfg.allow_wifi)
+        checks += interface_checks(ifname, addr)
+    except ConfigError as e:
+        ifname, addr = "", "127.0.0.1"
+        checks.append(check("interface", "fail", str(e),
+                            "set MCCL_IFACE to the 10 GbE interface or MCCL_LISTEN_ADDR to its address"))
+    checks += buffer_checks(engine_socket_buffer(), read_sysctl)
+    key_file = os.environ.get("MCCL_KEY_FILE") if args.key_file is None else args.key_file
+    key = None
+
+    def read_key() -> bytes:
+        nonlocal key
+        from .targets import load_key
+        key = load_key(args.key_file)
+        return key
+
+    checks += key_checks(read_key, key_file or "")
+    try:
+        targets = from_hosts(args.host) if args.host else discover(args.discover_timeout)
+    except ConfigError as e:
+        targets = []
+        checks.append(check("discovery", "warn", str(e), "name peers with --host H[:port]"))
+    peers = [t for t in targets if not t.status_addr.startswith(f"{addr}:")]
+    checks += port_checks(addr, {"link": cfg.port, "status": cfg.status_port,
+                                 "metrics": cfg.metrics_port},
+                          [(t.host, t.status_addr.rsplit(":", 1)[0], int(t.status_addr.rsplit(":", 1)[1]))
+                           for t in peers])
+    if key is not None and peers:
+        replies = fetch(peers, key, "status", timeout_s=args.timeout)
+        checks += skew_checks([(r.target.host, r.clock_offset_s, r.rtt_s) for r in replies])
+    else:
+        checks += skew_checks([])
+    print(fmt.to_json(checks) if args.json else fmt.doctor_report(checks))
+    return 1 if any(c["status"] == "fail" for c in checks) else 0

@@ -1,0 +1,191 @@
+"""Pure formatters: plain data in, text out. No I/O here, so all of it is unit-tested."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterable, Sequence
+
+NA = "-"
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None:
+        return NA
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024.0
+    raise AssertionError("unreachable")
+
+
+def human_bits_rate(bits_per_s: float | None) -> str:
+    """Link speeds are quoted in bits: 9.41 Gbit/s reads against a 10 GbE port."""
+    if bits_per_s is None:
+        return NA
+    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bits_per_s >= scale:
+            return f"{bits_per_s / scale:.2f} {unit}"
+    return f"{bits_per_s:.0f} bit/s"
+
+
+def human_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return NA
+    s = int(seconds)
+    days, s = divmod(s, 86400)
+    hours, s = divmod(s, 3600)
+    minutes, s = divmod(s, 60)
+    if days:
+        return f"{days}d {hours}h"
+    if hours:
+        return f"{hours}h {minutes}m"
+    if minutes:
+        return f"{minutes}m {s}s"
+    return f"{s}s"
+
+
+def truncate(text: str | None, width: int) -> str:
+    if not text:
+        return NA
+    text = " ".join(str(text).split())
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    rows = [[NA if c is None else str(c) for c in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def to_json(data: Any) -> str:
+    return json.dumps(data, indent=2, sort_keys=True, default=str)
+
+
+# ---- status --------------------------------------------------------------------------
+
+STATUS_HEADERS = ("HOST", "ADDRESS", "VERSION", "STATE", "JOBS/RANKS", "LINKS", "TX", "RX",
+                  "LAST ERROR", "UPTIME")
+
+
+def status_row(host: str, status: dict | None, error: str | None, our_version: str) -> list[str]:
+    """One row of ``mcclctl status``; an unreachable daemon still gets its row."""
+    if status is None:
+        return [host, NA, NA, "unreachable", NA, NA, NA, NA, truncate(error, 60), NA]
+    jobs = status.get("jobs") or []
+    ranks = sum(len(j.get("ranks") or []) for j in jobs)
+    version = status.get("version") or NA
+    if version not in (NA, our_version):
+        version += " (!)"
+    return [
+        status.get("host") or host,
+        status.get("address") or NA,
+        version,
+        status.get("state") or NA,
+        f"{len(jobs)}/{ranks}",
+        f"{status.get('links_up', 0)}/{status.get('links_total', 0)}",
+        human_bits_rate(_bits(status.get("tx_bytes_per_s"))),
+        human_bits_rate(_bits(status.get("rx_bytes_per_s"))),
+        truncate(status.get("last_error"), 40),
+        human_duration(status.get("uptime_s")),
+    ]
+
+
+def status_table(rows: list[tuple[str, dict | None, str | None]], our_version: str,
+                 warnings: Sequence[str] = ()) -> str:
+    text = table(STATUS_HEADERS, [status_row(h, s, e, our_version) for h, s, e in rows])
+    if warnings:
+        text += "\n" + "\n".join(f"warning: {w}" for w in warnings)
+    return text
+
+
+def _bits(bytes_per_s: float | None) -> float | None:
+    return None if bytes_per_s is None else bytes_per_s * 8.0
+
+
+# ---- links ---------------------------------------------------------------------------
+
+LINK_HEADERS = ("HOST", "PEER", "PEER HOST", "UP", "SOCKETS", "SENT", "RECEIVED", "TX", "RX",
+                "CEILING", "RETRANS", "RTT")
+
+
+def link_rows(host: str, links: list[dict]) -> list[list[str]]:
+    rows = []
+    for link in sorted(links, key=lambda x: str(x.get("peer"))):
+        up = link.get("up")
+        rows.append([
+            host, link.get("peer") or NA, link.get("host") or NA,
+            NA if up is None else ("up" if up else "DOWN"),
+            NA if link.get("sockets") is None else str(link["sockets"]),
+            human_bytes(link.get("sent_bytes")), human_bytes(link.get("received_bytes")),
+            human_bits_rate(_bits(link.get("tx_bytes_per_s"))),
+            human_bits_rate(_bits(link.get("rx_bytes_per_s"))),
+            human_bits_rate(link.get("ceiling_bits_per_s")),
+            "n/a" if link.get("retransmits") is None else str(link["retransmits"]),
+            NA if link.get("rtt_ms") is None else f"{link['rtt_ms']:.2f} ms",
+        ])
+    return rows
+
+
+def links_table(per_host: list[tuple[str, list[dict] | None, str | None]]) -> str:
+    rows, errors = [], []
+    for host, links, error in per_host:
+        if links is None:
+            errors.append(f"{host}: {error}")
+        else:
+            rows.extend(link_rows(host, links))
+    text = table(LINK_HEADERS, rows) if rows else "no links"
+    return text + "".join(f"\nunreachable: {e}" for e in errors)
+
+
+# ---- jobs ----------------------------------------------------------------------------
+
+JOB_HEADERS = ("HOST", "JOB", "RANKS", "WORLD", "COLLECTIVES", "BYTES", "OVERLAP")
+
+
+def job_rows(host: str, jobs: list[dict]) -> list[list[str]]:
+    rows = []
+    for job in sorted(jobs, key=lambda j: str(j.get("job"))):
+        overlap = job.get("overlap") or {}
+        ov = NA if not overlap else f"{sum(overlap.values()) / len(overlap):.2f}"
+        ranks = job.get("ranks")
+        rows.append([host, job.get("job") or NA,
+                     NA if ranks is None else ",".join(str(r) for r in ranks),
+                     NA if job.get("world") is None else str(job["world"]),
+                     str(job.get("collectives", NA)), human_bytes(job.get("bytes")), ov])
+    return rows
+
+
+def jobs_table(per_host: list[tuple[str, list[dict] | None, str | None]]) -> str:
+    rows, errors = [], []
+    for host, jobs, error in per_host:
+        if jobs is None:
+            errors.append(f"{host}: {error}")
+        else:
+            rows.extend(job_rows(host, jobs))
+    text = table(JOB_HEADERS, rows) if rows else "no jobs"
+    return text + "".join(f"\nunreachable: {e}" for e in errors)
+
+
+# ---- linktest, doctor ------------------------------------------------------------------
+
+def linktest_line(a: str, b: str, result: dict) -> str:
+    return (f"{a} -> {b} ({result.get('peer_address')}): {human_bits_rate(result.get('bits_per_s'))} "
+            f"goodput, {human_bytes(result.get('bytes'))} in {result.get('seconds', 0):.2f} s over "
+            f"{result.get('streams')} stream(s); recorded as the link's ceiling on {a}")
+
+
+DOCTOR_MARK = {"ok": "[ ok ]", "warn": "[warn]", "fail": "[FAIL]", "skip": "[skip]"}
+
+
+def doctor_report(checks: list[dict]) -> str:
+    lines = []
+    for c in checks:
+        lines.append(f"{DOCTOR_MARK.get(c['status'], '[ ?? ]')} {c['name']}: {c['detail']}")
+        if c.get("fix") and c["status"] in ("warn", "fail"):
+            lines.append(f"       fix: {c['fix']}")
+    failed = sum(1 for c in checks if c["status"] == "fail")
+    warned = sum(1 for c in checks if c["status"] == "warn")
+    lines.append(f"{len(checks)} checks: {failed} failed, {warned} warnings")
+    return "\n".join(lines)

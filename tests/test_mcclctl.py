@@ -1,0 +1,215 @@
+"""mcclctl: pure formatters, doctor checks on fake system trees, and commands end to end
+against real status endpoints on loopback."""
+
+import json
+import os
+
+import pytest
+
+from mccld.stats import DaemonStats, mccl_version
+from mccld.status_server import StatusServer
+from mcclctl import doctor, formatting as fmt, prometheus_sd
+from mcclctl.__main__ import main
+from mcclctl.targets import Target, from_record
+
+KEY = b"0123456789abcdef0123456789abcdef"
+
+
+# ---- formatters ------------------------------------------------------------------------
+
+@pytest.mark.timeout(10)
+def test_human_units():
+    assert fmt.human_bytes(512) == "512 B"
+    assert fmt.human_bytes(3 * 1024 ** 3) == "3.0 GiB"
+    assert fmt.human_bits_rate(9.41e9) == "9.41 Gbit/s"
+    assert fmt.human_bits_rate(2.5e6) == "2.50 Mbit/s"
+    assert fmt.human_bits_rate(None) == fmt.NA
+    assert fmt.human_duration(59) == "59s"
+    assert fmt.human_duration(3 * 3600 + 120) == "3h 2m"
+    assert fmt.human_duration(2 * 86400 + 3600) == "2d 1h"
+    assert fmt.truncate("a\nlong   message", 8) == "a long …"
+
+
+@pytest.mark.timeout(10)
+def test_status_row_fields_and_version_flag():
+    status = {"host": "mac1", "address": "10.0.0.1:29650", "version": "0.0.9", "state": "training",
+              "jobs": [{"job": "j", "ranks": [0, 1]}, {"job": "k", "ranks": [2]}],
+              "links_up": 2, "links_total": 3, "tx_bytes_per_s": 1.25e9, "rx_bytes_per_s": 0.0,
+              "last_error": None, "uptime_s": 3700}
+    row = fmt.status_row("mac1", status, None, our_version="0.1.0")
+    assert row == ["mac1", "10.0.0.1:29650", "0.0.9 (!)", "training", "2/3", "2/3",
+                   "10.00 Gbit/s", "0 bit/s", "-", "1h 1m"]
+    down = fmt.status_row("mac9", None, "DaemonUnavailableError: refused", "0.1.0")
+    assert down[0] == "mac9" and down[3] == "unreachable" and "refused" in down[8]
+    text = fmt.status_table([("mac1", status, None)], "0.1.0", ["mac1 runs mccld 0.0.9"])
+    lines = text.splitlines()
+    assert lines[0].split()[:3] == ["HOST", "ADDRESS", "VERSION"]
+    assert lines[-1] == "warning: mac1 runs mccld 0.0.9"
+
+
+@pytest.mark.timeout(10)
+def test_links_and_jobs_tables():
+    links = [{"peer": "10.0.0.2:29650", "host": "mac2", "up": False, "sockets": 2, "sent_bytes": 2048,
+              "received_bytes": 0, "tx_bytes_per_s": None, "rx_bytes_per_s": None,
+              "ceiling_bits_per_s": 9.4e9, "retransmits": None, "rtt_ms": 0.25}]
+    (row,) = fmt.link_rows("mac1", links)
+    assert row == ["mac1", "10.0.0.2:29650", "mac2", "DOWN", "2", "2.0 KiB", "0 B", "-", "-",
+                   "9.40 Gbit/s", "n/a", "0.25 ms"]
+    text = fmt.links_table([("mac1", links, None), ("mac3", None, "AuthError: bad key")])
+    assert "unreachable: mac3: AuthError: bad key" in text
+    jobs = [{"job": "train", "ranks": [0, 1], "world": 4, "collectives": 10, "bytes": 1 << 20,
+             "overlap": {"0": 0.5, "1": 0.7}}]
+    assert fmt.job_rows("mac1", jobs) == [["mac1", "train", "0,1", "4", "10", "1.0 MiB", "0.60"]]
+    assert fmt.jobs_table([]) == "no jobs"
+
+
+@pytest.mark.timeout(10)
+def test_doctor_report_counts():
+    checks = [doctor.check("a", "ok", "fine"), doctor.check("b", "fail", "bad", "do x"),
+              doctor.check("c", "warn", "meh", "do y")]
+    text = fmt.doctor_report(checks)
+    assert "[FAIL] b: bad\n       fix: do x" in text
+    assert text.endswith("3 checks: 1 failed, 1 warnings")
+
+
+@pytest.mark.timeout(10)
+def test_discovery_records_become_targets():
+    t = from_record({"host": "mac2", "address": "10.0.0.2:29650", "status_port": 30001})
+    assert t == Target("mac2", "10.0.0.2:30001", "10.0.0.2:29652")
+    t = from_record({"host_id": "mac3", "ip": "10.0.0.3", "properties": {"metrics_port": 9999}})
+    assert t.metrics_addr == "10.0.0.3:9999" and t.status_addr == "10.0.0.3:29651"
+
+
+@pytest.mark.timeout(10)
+def test_file_sd_groups():
+    groups = prometheus_sd.file_sd([Target("b", "10.0.0.2:29651", "10.0.0.2:29652"),
+                                    Target("a", "10.0.0.1:29651", "10.0.0.1:29652")], "lab")
+    assert groups == [{"targets": ["10.0.0.1:29652"], "labels": {"host": "a", "fleet": "lab"}},
+                      {"targets": ["10.0.0.2:29652"], "labels": {"host": "b", "fleet": "lab"}}]
+
+
+# ---- doctor checks against fake trees --------------------------------------------------
+
+@pytest.mark.timeout(10)
+def test_interface_checks_read_sysfs(tmp_path):
+    (tmp_path / "en0").mkdir()
+    (tmp_path / "en0" / "speed").write_text("1000\n")
+    (tmp_path / "en0" / "mtu").write_text("9000\n")
+    by_name = {c["name"]: c for c in doctor.interface_checks("en0", "10.0.0.1", tmp_path)}
+    assert by_name["link speed"]["status"] == "warn" and "ethtool en0" in by_name["link speed"]["fix"]
+    assert by_name["MTU"]["status"] == "ok"
+
+
+@pytest.mark.timeout(10)
+def test_buffer_checks_flag_small_limits(tmp_path):
+    core = tmp_path / "net" / "core"
+    core.mkdir(parents=True)
+    (core / "rmem_max").write_text("212992\n")
+    (core / "wmem_max").write_text("8388608\n")
+    checks = doctor.buffer_checks(4 << 20, lambda n: doctor.read_sysctl(n, tmp_path))
+    by_name = {c["name"]: c for c in checks}
+    assert by_name["net.core.rmem_max"]["status"] == "warn"
+    assert "sysctl -w net.core.rmem_max=4194304" in by_name["net.core.rmem_max"]["fix"]
+    assert by_name["net.core.wmem_max"]["status"] == "ok"
+
+
+@pytest.mark.timeout(10)
+def test_skew_and_key_checks(tmp_path):
+    checks = doctor.skew_checks([("mac2", 2.0, 0.01), ("mac3", 0.01, 0.01), ("mac4", None, None)])
+    assert [c["status"] for c in checks] == ["warn", "ok"]
+    from libmccl.errors import ConfigError
+
+    def bad():
+        raise ConfigError("[config] key file /k has mode 0644; ... run `chmod 600 /k`")
+    (c,) = doctor.key_checks(bad, "/k")
+    assert c["status"] == "fail" and "0644" in c["detail"]
+    key = tmp_path / "fleet.key"
+    key.write_text("x" * 32)
+    key.chmod(0o600)
+    (c,) = doctor.key_checks(lambda: b"x" * 32, str(key))
+    assert c["status"] == "ok" and "0600" in c["detail"]
+
+
+# ---- commands against live status endpoints --------------------------------------------
+
+@pytest.fixture
+def fleet_of_two(tmp_path, monkeypatch):
+    key_file = tmp_path / "fleet.key"
+    key_file.write_bytes(KEY)
+    key_file.chmod(0o600)
+    monkeypatch.setenv("MCCL_KEY_FILE", str(key_file))
+    monkeypatch.delenv("MCCL_FLEET_KEY", raising=False)
+    servers = []
+    for i, state in ((1, "training"), (2, "idle")):
+        stats = DaemonStats()
+        stats.set_state(state)
+        stats.set_peer_up(f"127.0.0.{3 - i}:29650", True)
+
+        def provider(i=i):
+            return {"host": f"mac{i}", "address": f"127.0.0.{i}:29650", "last_error": None,
+                    "jobs": [{"job": "j", "ranks": [i], "world": 2}] if i == 1 else []}
+        srv = StatusServer(provider, KEY, "127.0.0.1", 0, stats=stats)
+        srv.start()
+        servers.append((srv, stats))
+    yield servers
+    for srv, _ in servers:
+        srv.stop()
+
+
+@pytest.mark.timeout(30)
+def test_status_command_json_and_table(fleet_of_two, capsys):
+    hosts = [a for srv, _ in fleet_of_two for a in ("--host", f"127.0.0.1:{srv.port}")]
+    assert main(["status", "--json", *hosts]) == 0
+    data = json.loads(capsys.readouterr().out)
+    states = {d["status"]["host"]: d["status"]["state"] for d in data["daemons"]}
+    assert states == {"mac1": "training", "mac2": "idle"}
+    assert data["mcclctl_version"] == mccl_version() and data["warnings"] == []
+    assert main(["status", *hosts]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].split()[:4] == ["mac1", "127.0.0.1:29650", mccl_version(), "training"]
+    assert out[2].split()[3] == "idle"
+
+
+@pytest.mark.timeout(30)
+def test_status_reports_an_unreachable_daemon(fleet_of_two, capsys):
+    srv, _ = fleet_of_two[0]
+    rc = main(["status", "--host", f"127.0.0.1:{srv.port}", "--host", "127.0.0.1:1", "--timeout", "2"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "unreachable" in out and "mac1" in out
+
+
+@pytest.mark.timeout(30)
+def test_wrong_key_is_reported(fleet_of_two, capsys, tmp_path):
+    other = tmp_path / "other.key"
+    other.write_bytes(b"z" * 32)
+    other.chmod(0o600)
+    srv, _ = fleet_of_two[0]
+    assert main(["status", "--json", "--key-file", str(other), "--host", f"127.0.0.1:{srv.port}"]) == 1
+    (d,) = json.loads(capsys.readouterr().out)["daemons"]
+    assert d["error"].startswith("AuthError")
+
+
+@pytest.mark.timeout(30)
+def test_links_jobs_linktest_commands(fleet_of_two, capsys):
+    (a, stats_a), (b, _) = fleet_of_two
+    assert main(["jobs", "--json", "--host", f"127.0.0.1:{a.port}"]) == 0
+    (entry,) = json.loads(capsys.readouterr().out)
+    assert entry["jobs"][0]["ranks"] == [1]
+    assert main(["linktest", "--json", f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}",
+                 "--seconds", "0.3"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["peer_address"] == "127.0.0.2:29650" and result["bits_per_s"] > 0
+    assert stats_a.snapshot()["peers"]["127.0.0.2:29650"]["ceiling_bits_per_s"] == result["bits_per_s"]
+    assert main(["links", "--host", f"127.0.0.1:{a.port}"]) == 0
+    out = capsys.readouterr().out
+    assert "127.0.0.2:29650" in out and fmt.human_bits_rate(result["bits_per_s"]) in out
+
+
+@pytest.mark.timeout(30)
+def test_prometheus_sd_writes_file(tmp_path, capsys):
+    out = tmp_path / "mccl.json"
+    assert main(["prometheus-sd", "--host", "10.0.0.1", "--host", "10.0.0.2:29651", "--fleet", "lab",
+                 "-o", str(out)]) == 0
+    groups = json.loads(out.read_text())
+    assert [g["targets"] for g in groups] == [["10.0.0.1:29652"], ["10.0.0.2:29652"]]
+    assert oct(os.stat(out).st_mode & 0o777) == "0o644"
