@@ -24,11 +24,18 @@ from prometheus_client.core import (CollectorRegistry, CounterMetricFamily, Gaug
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
+from libmccl import errors as _errors
 from libmccl.errors import ConfigError
 
 from .stats import STATES, DaemonStats
 
 log = logging.getLogger(__name__)
+
+ERROR_KINDS = tuple(sorted(name for name in _errors.__all__
+                           if isinstance(getattr(_errors, name), type)))
+
+# Training-job series use "job_id": Prometheus already attaches "job" (the scrape job)
+# to every series, and a clash would rename ours to "exported_job".
 
 
 def _fmt_bound(b: float) -> str:
@@ -51,7 +58,7 @@ class StatsCollector(Collector):
 
     def _host_metrics(self, snap: dict) -> Iterable[Metric]:
         info = InfoMetricFamily("mccl_build", "MCCL build running on this host")
-        info.add_metric([], {"version": snap["version"], "host": self._host,
+        info.add_metric([], {"version": snap["version"], "hostname": self._host,
                              "python": platform.python_version(), "system": platform.system()})
         yield info
         yield GaugeMetricFamily("mccl_start_time_seconds", "Daemon start time, seconds since the epoch",
@@ -67,7 +74,11 @@ class StatsCollector(Collector):
                                 "Training processes attached to this daemon", value=snap["attached"])
         errors = CounterMetricFamily("mccl_errors", "Errors seen by the daemon, by exception class",
                                      labels=["kind"])
-        for kind, n in sorted(snap["errors"].items()):
+        # Every known kind is exported from the start (at 0), so rate()/increase() work
+        # from the first error on and "no errors" reads as 0, not as missing data.
+        counts = dict.fromkeys(ERROR_KINDS, 0)
+        counts.update(snap["errors"])
+        for kind, n in sorted(counts.items()):
             errors.add_metric([kind], n)
         yield errors
 
@@ -127,18 +138,24 @@ class StatsCollector(Collector):
     def _job_metrics(snap: dict) -> Iterable[Metric]:
         latest = GaugeMetricFamily("mccl_overlap_ratio", "Latest overlap ratio a training process "
                                    "reported: 1 - exposed comm time / total comm time",
-                                   labels=["job", "rank"])
+                                   labels=["job_id", "rank"])
         mean = GaugeMetricFamily("mccl_overlap_ratio_mean", "Running mean of the overlap ratio "
-                                 "reported by a training process", labels=["job", "rank"])
+                                 "reported by a training process", labels=["job_id", "rank"])
         for ov in sorted(snap["overlap"], key=lambda o: (o["job"], o["rank"])):
             labels = [ov["job"], str(ov["rank"])]
             latest.add_metric(labels, ov["latest"])
             mean.add_metric(labels, ov["mean"])
-        world = GaugeMetricFamily("mccl_job_world_size", "Ranks of a job seen in the last 5 minutes",
-                                  labels=["job"])
+        world = GaugeMetricFamily("mccl_job_world_size", "Ranks of a job active in the last 5 minutes",
+                                  labels=["job_id"])
+        ops = CounterMetricFamily("mccl_job_collectives", "Collectives this daemon completed for a job",
+                                  labels=["job_id"])
+        nbytes = CounterMetricFamily("mccl_job_bytes", "Buffer bytes of a job's completed collectives",
+                                     labels=["job_id"])
         for job, j in sorted(snap["jobs"].items()):
             world.add_metric([job], j["world"])
-        yield from (latest, mean, world)
+            ops.add_metric([job], j["ops"])
+            nbytes.add_metric([job], j["bytes"])
+        yield from (latest, mean, world, ops, nbytes)
 
 
 def make_registry(stats: DaemonStats, host: str | None = None) -> CollectorRegistry:

@@ -77,10 +77,13 @@ def test_collector_names_labels_values():
     assert value(samples, "mccl_attached_processes") == 2
     assert value(samples, "mccl_host_state", state="training") == 1
     assert value(samples, "mccl_host_state", state="idle") == 0
-    assert value(samples, "mccl_overlap_ratio", job="jobA", rank="1") == pytest.approx(0.7)
-    assert value(samples, "mccl_overlap_ratio_mean", job="jobA", rank="1") == pytest.approx(0.6)
-    assert value(samples, "mccl_job_world_size", job="jobA") == 4
-    assert value(samples, "mccl_build_info", version=st.mccl_version(), host="mac1",
+    assert value(samples, "mccl_overlap_ratio", job_id="jobA", rank="1") == pytest.approx(0.7)
+    assert value(samples, "mccl_overlap_ratio_mean", job_id="jobA", rank="1") == pytest.approx(0.6)
+    assert value(samples, "mccl_job_world_size", job_id="jobA") == 4
+    assert value(samples, "mccl_job_collectives_total", job_id="jobA") == 4
+    assert value(samples, "mccl_job_bytes_total", job_id="jobA") == 3 * (8 << 20) + 1000
+    assert value(samples, "mccl_errors_total", kind="CollectiveTimeout") == 0  # known kinds start at 0
+    assert value(samples, "mccl_build_info", version=st.mccl_version(), hostname="mac1",
                  python=__import__("platform").python_version(),
                  system=__import__("platform").system()) == 1
     assert value(samples, "mccl_uptime_seconds") >= 0
@@ -92,6 +95,7 @@ def test_collector_reads_live_state_at_each_scrape():
     registry = make_registry(s)
     samples, _ = scrape_text(generate_latest(registry).decode())
     assert not any(name == "mccl_peer_up" for name, _ in samples)
+    assert value(samples, "mccl_errors_total", kind="CollectiveTimeout") == 0
     s.set_peer_up(PEER_A, True)
     s.record_error("CollectiveTimeout")
     samples, _ = scrape_text(generate_latest(registry).decode())
