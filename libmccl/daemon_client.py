@@ -1,0 +1,495 @@
+"""``MCCL_DAEMON=1``: hand this process's collectives to the local mccld.
+
+``DaemonCommunicator`` has the engine communicator's API (docs/dev/interfaces.md §1),
+so the torch glue drives either one the same way. Tensor data moves through one
+POSIX shared-memory segment per rank (``/dev/shm/mccl-<job>-<rank>-<pid>-<gen>``,
+regrown on demand); control messages go over ZeroMQ to the daemon's ``ipc://`` socket.
+
+Ops run one at a time in call order, like the engine's own thread: the next op's
+input is copied into the segment only when the previous op completed, so the segment
+is never overwritten under the daemon. A single I/O thread owns the ZeroMQ socket;
+callers hand it ops through an inproc pipe, and completions (ZeroMQ push from the
+daemon) run ``on_complete`` on that thread. If the daemon goes away, every pending and
+later op fails with DaemonUnavailableError; nothing waits longer than ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import datetime
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from . import errors
+from .config import load
+from .errors import (AbortedError, CollectiveTimeout, ConfigError, DaemonUnavailableError, MCCLError,
+                     PeerLostError, ProtocolError)
+
+log = logging.getLogger(__name__)
+
+_DTYPE_SIZE = [4, 8, 2, 2, 1, 1, 4, 8, 1]      # mccl::DType order (csrc/dtype.h)
+_ALIGN = 64
+_HELLO_TIMEOUT_S = 5.0
+_RESULTS_KEPT = 4096                             # completions remembered for wait()
+UNSUPPORTED = ("alltoall", "alltoallv", "send", "recv")
+_KIND_OF = {cls: kind for kind, cls in errors._KINDS.items()}
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _err_tuple(exc: MCCLError) -> tuple[int, str, int, str]:
+    kind = _KIND_OF.get(type(exc), 0)
+    return (kind, str(exc), exc.peer_rank if exc.peer_rank is not None else -1, exc.peer_addr or "")
+
+
+@dataclass
+class _Op:
+    op_id: int
+    name: str
+    args: dict[str, Any]
+    span: int                                  # segment bytes needed
+    copy_in: list[tuple[int, int, int]]        # (segment offset, user ptr, nbytes)
+    copy_out: list[tuple[int, int, int]]
+    nbytes: int = 0
+    deadline: float = 0.0
+    req: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class DaemonCommunicator:
+    """Same API as ``_core.Communicator``; see docs/dev/interfaces.md §1."""
+
+    def __init__(self, rank: int, size: int, comm_id: int, store: Any, opts: Any = None,
+                 on_complete: Callable[[list], None] | None = None, timeout_s: float = 1800.0):
+        from mccld import shm
+        from mccld.config import DaemonConfig, runtime_dir
+        from mccld import protocol
+
+        if not (0 <= rank < size):
+            raise ConfigError(f"[daemon-client] rank {rank} outside world size {size}")
+        self._shm, self._proto = shm, protocol
+        self.rank, self.size, self.comm_id = rank, size, int(comm_id)
+        self.timeout_s = float(getattr(opts, "timeout_s", 0) or timeout_s)
+        self._on_complete = on_complete or (lambda batch: None)
+        self._job = f"{self.comm_id & 0xFFFFFFFF:08x}"
+        self._rdir = runtime_dir(load(DaemonConfig), create=False)
+        self.endpoint = protocol.endpoint(self._rdir)
+        self._ctx = zmq.Context.instance()
+        self._sock: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
+        self._req = 0
+        self._next_op = 0
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._queue: collections.deque[_Op] = collections.deque()
+        self._inflight: _Op | None = None
+        self._failed: MCCLError | None = None
+        self._results: collections.OrderedDict[int, MCCLError | None] = collections.OrderedDict()
+        self._done_cv = threading.Condition(self._lock)
+        self._segment = None
+        self._gen = 0
+        self._stats = {"ops_completed": 0, "bytes_sent": 0, "bytes_received": 0}
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._wake_push: zmq.Socket | None = None
+        self._wake_addr = f"inproc://mccl-client-{id(self)}"
+        self._host_ids: list[str] = []
+        self._link_addrs: list[str] = []
+        try:
+            self._connect()
+            self._rendezvous(store)
+            self._start_io()
+        except BaseException:
+            self._close_sockets()
+            raise
+
+    # -- set-up --------------------------------------------------------------------------
+    def _unavailable(self, why: str) -> DaemonUnavailableError:
+        return DaemonUnavailableError(
+            f"[daemon] no mccld answers at {self.endpoint} ({why}); start it with `mccld` "
+            "(or `systemctl start mccld` / `launchctl kickstart gui/$UID/com.mccl.mccld`), check "
+            "MCCL_RUNTIME_DIR matches the daemon's, or unset MCCL_DAEMON to run in-process")
+
+    def _connect(self) -> None:
+        try:
+            token = (self._rdir / self._proto.TOKEN_NAME).read_text().strip()
+        except OSError as e:
+            raise self._unavailable(f"cannot read its token: {e.strerror}") from None
+        s = self._ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        # Heartbeats make a wedged (stopped) daemon look like a dead one within ~3 intervals.
+        s.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        s.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+        self._monitor = s.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
+        s.connect(self.endpoint)
+        self._sock = s
+        reply = self._call({"type": "hello", "token": token, "pid": os.getpid()}, _HELLO_TIMEOUT_S,
+                           unavailable="it did not answer hello")
+        self.host_id, self.daemon_addr = reply["host_id"], reply["link_addr"]
+
+    def _call(self, msg: dict[str, Any], timeout_s: float, unavailable: str | None = None) -> dict[str, Any]:
+        """Synchronous request, used before the I/O thread runs."""
+        self._req += 1
+        req = self._req
+        self._sock.send(self._proto.encode({**msg, "req": req}))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._sock.poll(int(left * 1000) + 1):
+                if unavailable:
+                    raise self._unavailable(unavailable)
+                raise CollectiveTimeout(f"[daemon-client] mccld did not answer {msg['type']} within "
+                                        f"{timeout_s:.0f}s (rank {self.rank}); other ranks of the job "
+                                        "may not have started, or the daemon is overloaded")
+            reply = self._proto.decode_reply(self._sock.recv())
+            if reply["req"] != req:
+                continue  # a late reply to an earlier request that timed out
+            if not reply.get("ok"):
+                raise self._proto.error_from_payload(reply.get("error") or {})
+            return reply
+
+    def _rendezvous(self, store: Any) -> None:
+        """Members publish (host id, daemon link address) in the store; the daemons do the rest."""
+        me = json.dumps({"host_id": self.host_id, "link_addr": self.daemon_addr})
+        store.set(f"mccld/member/{self.rank}", me)
+        keys = [f"mccld/member/{r}" for r in range(self.size)]
+        try:
+            store.wait(keys, datetime.timedelta(seconds=self.timeout_s))
+        except Exception as e:  # torch raises DistStoreError (a RuntimeError) on timeout
+            raise CollectiveTimeout(f"[daemon-client] rank {self.rank}: not every rank published its daemon "
+                                    f"within {self.timeout_s:.0f}s ({e}); a rank did not start or cannot "
+                                    "reach its mccld") from None
+        members = [json.loads(store.get(k)) for k in keys]
+        hosts: dict[str, dict[str, Any]] = {}
+        for r, m in enumerate(members):
+            h = hosts.setdefault(m["host_id"], {"host_id": m["host_id"], "link_addr": m["link_addr"], "ranks": []})
+            h["ranks"].append(r)
+        ordered = sorted(hosts.values(), key=lambda h: h["ranks"][0])
+        self._host_ids = [m["host_id"] for m in members]
+        self._link_addrs = [m["link_addr"] for m in members]
+        self._call({"type": "join", "job": self._job, "rank": self.rank, "size": self.size, "hosts": ordered,
+                    "timeout_s": self.timeout_s, "opts": {}}, self.timeout_s + 5.0)
+
+    def _start_io(self) -> None:
+        pull = self._ctx.socket(zmq.PULL)
+        pull.setsockopt(zmq.LINGER, 0)
+        pull.bind(self._wake_addr)
+        self._wake_push = self._ctx.socket(zmq.PUSH)
+        self._wake_push.setsockopt(zmq.LINGER, 0)
+        self._wake_push.connect(self._wake_addr)
+        self._thread = threading.Thread(target=self._io_loop, args=(pull,), name=f"mccl-daemon-client-{self.rank}",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- the engine API -------------------------------------------------------------------------
+    def _check_reduce(self, count: int, dtype: int, op: int) -> int:
+        if not (0 <= int(dtype) < len(_DTYPE_SIZE)) or not (0 <= int(op) < 8) or count < 0:
+            raise ConfigError(f"[daemon-client] bad count/dtype/op ({count}, {dtype}, {op}) on rank {self.rank}")
+        return count * _DTYPE_SIZE[dtype]
+
+    def _check_root(self, root: int) -> None:
+        if not (0 <= root < self.size):
+            raise ConfigError(f"[daemon-client] root {root} outside world size {self.size}")
+
+    def allreduce(self, ptr: int, count: int, dtype: int, op: int) -> int:
+        n = self._check_reduce(count, dtype, op)
+        return self._enqueue("allreduce", {"count": count, "dtype": dtype, "op": op, "offset": 0}, n,
+                             [(0, ptr, n)], [(0, ptr, n)], n)
+
+    def broadcast(self, ptr: int, nbytes: int, root: int) -> int:
+        self._check_root(root)
+        mine = self.rank == root
+        return self._enqueue("broadcast", {"nbytes": nbytes, "root": root}, nbytes,
+                             [(0, ptr, nbytes)] if mine else [], [] if mine else [(0, ptr, nbytes)], nbytes)
+
+    def allgather(self, send_ptr: int, recv_ptr: int, nbytes: int) -> int:
+        off = _align(nbytes)
+        return self._enqueue("allgather", {"send_off": 0, "recv_off": off, "nbytes": nbytes},
+                             off + self.size * nbytes, [(0, send_ptr, nbytes)],
+                             [(off, recv_ptr, self.size * nbytes)], self.size * nbytes)
+
+    def reduce_scatter(self, send_ptr: int, recv_ptr: int, count: int, dtype: int, op: int) -> int:
+        n = self._check_reduce(count, dtype, op)
+        off = _align(n * self.size)
+        return self._enqueue("reduce_scatter", {"send_off": 0, "recv_off": off, "count": count, "dtype": dtype,
+                                                "op": op}, off + n, [(0, send_ptr, n * self.size)],
+                             [(off, recv_ptr, n)], n * self.size)
+
+    def reduce(self, ptr: int, count: int, dtype: int, op: int, root: int) -> int:
+        n = self._check_reduce(count, dtype, op)
+        self._check_root(root)
+        return self._enqueue("reduce", {"count": count, "dtype": dtype, "op": op, "root": root}, n,
+                             [(0, ptr, n)], [(0, ptr, n)] if self.rank == root else [], n)
+
+    def gather(self, send_ptr: int, recv_ptr: int, nbytes: int, root: int) -> int:
+        self._check_root(root)
+        off = _align(nbytes)
+        out = [(off, recv_ptr, self.size * nbytes)] if self.rank == root else []
+        return self._enqueue("gather", {"send_off": 0, "recv_off": off, "nbytes": nbytes, "root": root},
+                             off + self.size * nbytes, [(0, send_ptr, nbytes)], out, nbytes)
+
+    def scatter(self, send_ptr: int, recv_ptr: int, nbytes: int, root: int) -> int:
+        self._check_root(root)
+        off = _align(nbytes * self.size)
+        cin = [(0, send_ptr, self.size * nbytes)] if self.rank == root else []
+        return self._enqueue("scatter", {"send_off": 0, "recv_off": off, "nbytes": nbytes, "root": root},
+                             off + nbytes, cin, [(off, recv_ptr, nbytes)], nbytes)
+
+    def barrier(self) -> int:
+        return self._enqueue("barrier", {}, 0, [], [], 0)
+
+    def _unsupported(self, name: str) -> None:
+        raise ConfigError(f"[daemon-client] {name} is not supported in daemon mode (MCCL_DAEMON=1); "
+                          "unset MCCL_DAEMON to run it with the in-process engine")
+
+    def alltoall(self, *args) -> int:
+        self._unsupported("alltoall")
+
+    def alltoallv(self, *args) -> int:
+        self._unsupported("alltoallv")
+
+    def send(self, *args) -> int:
+        self._unsupported("send")
+
+    def recv(self, *args) -> int:
+        self._unsupported("recv")
+
+    def wait(self, op_id: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        with self._done_cv:
+            while op_id not in self._results:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CollectiveTimeout(f"[daemon-client] op {op_id} not done within {timeout_s:.1f}s "
+                                            f"on rank {self.rank}")
+                self._done_cv.wait(left)
+            err = self._results.pop(op_id)
+        if err is not None:
+            raise err
+
+    def abort(self, reason: str = "") -> None:
+        self._fail(AbortedError(f"[daemon-client] communicator aborted on rank {self.rank}: "
+                                f"{reason or 'no reason given'}"), leave_abort=reason or "aborted")
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        if self._closed:
+            return
+        deadline = time.monotonic() + timeout_s
+        with self._done_cv:
+            while (self._inflight is not None or self._queue) and self._failed is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._done_cv.wait(left)
+        self._fail(AbortedError(f"[daemon-client] communicator shut down on rank {self.rank}"), leave_abort=None)
+
+    def peer_address(self, r: int) -> str:
+        return self._link_addrs[r]
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {**self._stats, "per_peer": {}}
+
+    # -- internals -----------------------------------------------------------------------------
+    def _enqueue(self, name: str, args: dict[str, Any], span: int, copy_in, copy_out, nbytes: int) -> int:
+        with self._lock:
+            op_id = self._next_op
+            self._next_op += 1
+            op = _Op(op_id, name, args, span, [c for c in copy_in if c[1] and c[2]],
+                     [c for c in copy_out if c[1] and c[2]], nbytes)
+            if self._failed is not None:
+                self._finish_locked(op, self._failed)
+                failed = True
+            else:
+                self._queue.append(op)
+                failed = False
+        if failed:
+            self._on_complete([(op_id, _err_tuple(self._failed), -1)])
+        else:
+            self._wake()
+        return op_id
+
+    def _wake(self) -> None:
+        with self._lock:
+            if self._wake_push is not None:
+                self._wake_push.send(b"", zmq.NOBLOCK)
+
+    def _finish_locked(self, op: _Op, err: MCCLError | None) -> None:
+        self._results[op.op_id] = err
+        while len(self._results) > _RESULTS_KEPT:
+            self._results.popitem(last=False)
+        self._done_cv.notify_all()
+
+    def _ensure_segment(self, span: int) -> None:
+        seg = self._segment
+        if seg is not None and seg.nbytes >= span:
+            return
+        size = max(span, 1 << 20, 2 * seg.nbytes if seg else 0)
+        self._gen += 1
+        name = self._shm.segment_name(self._job, self.rank, os.getpid(), self._gen)
+        new = self._shm.Segment(name, size, create=True)
+        self._req += 1
+        self._sock.send(self._proto.encode({"type": "register", "req": self._req, "job": self._job,
+                                            "rank": self.rank, "segment": name, "nbytes": size}))
+        self._segment = new
+        if seg is not None:
+            seg.close()
+            seg.unlink()
+
+    def _start_next(self) -> None:
+        with self._lock:
+            if self._inflight is not None or not self._queue or self._failed is not None:
+                return
+            op = self._queue.popleft()
+            self._inflight = op
+        if op.span:
+            self._ensure_segment(op.span)
+        base = self._segment.addr if op.span else 0
+        for off, ptr, n in op.copy_in:
+            ctypes.memmove(base + off, ptr, n)
+        args = dict(op.args)
+        if op.span:
+            args["segment"] = self._segment.name
+        self._req += 1
+        op.req = self._req
+        op.deadline = time.monotonic() + self.timeout_s
+        self._seq += 1
+        self._sock.send(self._proto.encode({"type": "op", "req": op.req, "job": self._job, "rank": self.rank,
+                                            "seq": self._seq, "op": op.name, "args": args}))
+
+    def _complete_inflight(self, reply: dict[str, Any]) -> None:
+        op = self._inflight
+        if op is None or reply["req"] != op.req:
+            if not reply.get("ok"):  # a failed register: the segment is unusable
+                self._fail(self._proto.error_from_payload(reply.get("error") or {}), leave_abort=None)
+            return
+        err = None
+        if reply.get("ok"):
+            base = self._segment.addr if op.span else 0
+            for off, ptr, n in op.copy_out:
+                ctypes.memmove(ptr, base + off, n)
+        else:
+            err = self._proto.error_from_payload(reply.get("error") or {})
+        with self._lock:
+            self._inflight = None
+            self._stats["ops_completed"] += 1
+            self._stats["bytes_sent"] += sum(c[2] for c in op.copy_in)
+            self._stats["bytes_received"] += sum(c[2] for c in op.copy_out)
+            self._finish_locked(op, err)
+            if err is not None and self._failed is None and not isinstance(err, ConfigError):
+                self._failed = err
+        self._on_complete([(op.op_id, None if err is None else _err_tuple(err), -1)])
+        if err is not None and not isinstance(err, ConfigError):
+            self._fail(err, leave_abort=None)
+
+    def _io_loop(self, pull: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(pull, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        try:
+            while not self._closed:
+                with self._lock:
+                    deadline = self._inflight.deadline if self._inflight is not None else None
+                wait_ms = 1000 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000) + 1)
+                events = dict(poller.poll(min(wait_ms, 1000)))
+                if pull in events:
+                    while True:
+                        try:
+                            pull.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                if self._monitor in events:
+                    ev = parse_monitor_message(self._monitor.recv_multipart())
+                    if ev["event"] in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED) and not self._closed:
+                        self._fail(DaemonUnavailableError(
+                            f"[daemon-client] the local mccld ({self.endpoint}) went away on rank {self.rank}; "
+                            "it crashed, was stopped or stopped answering heartbeats; restart it and the job"),
+                            leave_abort=None)
+                        return
+                if self._sock in events:
+                    while True:
+                        try:
+                            frame = self._sock.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        try:
+                            self._complete_inflight(self._proto.decode_reply(frame))
+                        except ProtocolError as e:
+                            self._fail(e, leave_abort=None)
+                            return
+                with self._lock:
+                    op = self._inflight
+                if op is not None and time.monotonic() > op.deadline:
+                    self._fail(CollectiveTimeout(
+                        f"[daemon-client] {op.name} (op {op.op_id}) did not complete within {self.timeout_s:.0f}s "
+                        f"on rank {self.rank}; a peer rank is stuck, slow or skipped this collective"),
+                        leave_abort=None)
+                    return
+                if self._failed is None:
+                    self._start_next()
+        except Exception as e:  # noqa: BLE001 - surface it to every pending op
+            log.exception("[daemon-client] I/O thread failed")
+            self._fail(MCCLError(f"[daemon-client] I/O thread failed on rank {self.rank}: {e}"), leave_abort=None)
+        finally:
+            pull.close(0)
+
+    def _fail(self, exc: MCCLError, leave_abort: str | None) -> None:
+        """Fail every pending and later op with ``exc``, tell the daemon we leave, free the segment."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._failed is None:
+                self._failed = exc
+            exc = self._failed
+            ops = ([self._inflight] if self._inflight is not None else []) + list(self._queue)
+            self._inflight = None
+            self._queue.clear()
+            for op in ops:
+                self._finish_locked(op, exc)
+        if ops:
+            self._on_complete([(op.op_id, _err_tuple(exc), -1) for op in ops])
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._wake()
+            self._thread.join(timeout=5.0)
+        if self._sock is not None and not isinstance(exc, DaemonUnavailableError):
+            msg = {"type": "leave", "req": self._req + 1, "job": self._job, "rank": self.rank}
+            if leave_abort is not None:
+                msg["abort"] = leave_abort
+            try:
+                self._sock.send(self._proto.encode(msg), zmq.NOBLOCK)
+                self._sock.poll(1000)  # let the daemon free our segment before we vanish
+            except zmq.ZMQError:
+                pass
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        seg, self._segment = self._segment, None
+        if seg is not None:
+            seg.close()
+            seg.unlink()
+        with self._lock:
+            push, self._wake_push = self._wake_push, None
+        for s in (push, self._monitor, self._sock):
+            if s is not None:
+                s.close(0)
+        self._monitor = self._sock = None
+
+    def __del__(self) -> None:
+        try:
+            if not self._closed:
+                self._fail(AbortedError("[daemon-client] communicator garbage-collected"), leave_abort=None)
+        except Exception:  # noqa: BLE001 - never raise from a finalizer
+            pass

@@ -1,0 +1,55 @@
+"""``mccld``: run the daemon in the foreground (logs to stderr), or ``mccld keygen PATH``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+from libmccl.errors import MCCLError
+
+from . import __version__
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mccld", description="MCCL per-host daemon")
+    parser.add_argument("--config", help="TOML file whose keys are DaemonConfig field names")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    parser.add_argument("--version", action="version", version=f"mccld {__version__}")
+    sub = parser.add_subparsers(dest="cmd")
+    keygen = sub.add_parser("keygen", help="write a new random fleet key file (mode 0600)")
+    keygen.add_argument("path")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .config import load_config, write_key_file
+    if args.cmd == "keygen":
+        try:
+            path = write_key_file(args.path)
+        except FileExistsError:
+            print(f"mccld: {args.path} exists; refusing to overwrite a fleet key", file=sys.stderr)
+            return 1
+        print(f"wrote fleet key {path}; copy it (mode 0600) to every host of the fleet")
+        return 0
+
+    from .daemon import Daemon
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        daemon = Daemon(load_config(args.config)).start()
+    except MCCLError as e:
+        logging.getLogger("mccld").error("%s", e)
+        return 2
+    try:
+        while not stop.wait(1.0):  # wakes up to stay responsive to signals
+            pass
+    finally:
+        daemon.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

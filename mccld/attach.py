@@ -1,0 +1,174 @@
+"""The attach endpoint: a ZeroMQ ROUTER on an ``ipc://`` socket in the runtime dir.
+
+Only processes of this user can reach the socket (the directory is 0700), and a
+client must prove it can read the daemon's token file (0600) in its ``hello`` before
+any other request is served. Malformed or unauthenticated messages get an error reply
+and a log line; the server keeps serving.
+
+The ROUTER socket is owned by the server thread. Other threads (job threads finishing
+collectives) hand replies over an inproc PUSH/PULL pair, so a completion reaches its
+client as soon as it is ready, without polling.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import secrets
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+import zmq
+
+from libmccl.errors import AuthError, MCCLError, ProtocolError
+
+from . import protocol
+from .logutil import OnceLogger
+
+log = logging.getLogger(__name__)
+
+# (identity, decoded request) -> reply payload, or None when the reply comes later via reply().
+Handler = Callable[[bytes, dict[str, Any]], "dict[str, Any] | None"]
+
+
+class AttachServer:
+    def __init__(self, runtime_dir: Path, handler: Handler):
+        self.runtime_dir = runtime_dir
+        self.endpoint = protocol.endpoint(runtime_dir)
+        self._handler = handler
+        self._ctx = zmq.Context.instance()
+        self._token = secrets.token_hex(32)
+        self._authenticated: set[bytes] = set()
+        self._auth_lock = threading.Lock()
+        self._once = OnceLogger(log)
+        self._push_lock = threading.Lock()
+        self._push: zmq.Socket | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._inproc = f"inproc://mccld-replies-{id(self)}"
+        self._start_error: BaseException | None = None
+
+    def start(self) -> None:
+        sock_path = self.runtime_dir / protocol.SOCKET_NAME
+        if sock_path.exists():
+            sock_path.unlink()  # a stale socket of a dead daemon (the caller checked none answers)
+        token_path = self.runtime_dir / protocol.TOKEN_NAME
+        tmp = token_path.with_suffix(".tmp")
+        tmp.write_text(self._token)
+        tmp.chmod(0o600)
+        tmp.replace(token_path)
+        self._thread = threading.Thread(target=self._serve, name="mccld-attach", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(10.0) or self._start_error is not None:
+            raise MCCLError(f"[daemon] attach endpoint {self.endpoint} failed to start: {self._start_error}")
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.connect(self._inproc)
+        log.info("attach endpoint %s", self.endpoint)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        with self._push_lock:
+            if self._push is not None:
+                self._push.close(0)
+                self._push = None
+        for name in (protocol.SOCKET_NAME, protocol.TOKEN_NAME):
+            try:
+                (self.runtime_dir / name).unlink()
+            except FileNotFoundError:
+                pass
+
+    def reply(self, ident: bytes, req: int, payload: dict[str, Any]) -> None:
+        """Send a reply from any thread."""
+        frame = protocol.encode({"type": "reply", "req": req, **payload})
+        with self._push_lock:
+            if self._push is not None:
+                self._push.send_multipart([ident, frame])
+
+    def reply_error(self, ident: bytes, req: int, exc: BaseException) -> None:
+        self.reply(ident, req, {"ok": False, "error": protocol.error_payload(exc)})
+
+    # -- server thread ----------------------------------------------------------------------
+    def _serve(self) -> None:
+        try:
+            router = self._ctx.socket(zmq.ROUTER)
+            router.setsockopt(zmq.LINGER, 0)
+            router.setsockopt(zmq.ROUTER_MANDATORY, 0)  # replies to a vanished client are dropped
+            router.bind(self.endpoint)
+            pull = self._ctx.socket(zmq.PULL)
+            pull.setsockopt(zmq.LINGER, 0)
+            pull.bind(self._inproc)
+            monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        except zmq.ZMQError as e:
+            self._start_error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(pull, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(200))
+                if pull in events:
+                    while True:
+                        try:
+                            router.send_multipart(pull.recv_multipart(zmq.NOBLOCK))
+                        except zmq.Again:
+                            break
+                if router in events:
+                    while True:
+                        try:
+                            frames = router.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._handle(router, frames)
+                if monitor in events:
+                    # ROUTER cannot say which identity went; the daemon's pid check does that.
+                    monitor.recv_multipart()
+        finally:
+            router.disable_monitor()
+            monitor.close(0)
+            router.close(0)
+            pull.close(0)
+
+    def _handle(self, router: zmq.Socket, frames: list[bytes]) -> None:
+        ident = frames[0]
+        req = -1
+        try:
+            if len(frames) != 2:
+                raise ProtocolError(f"[daemon] control message with {len(frames) - 1} frames, expected 1")
+            msg = protocol.decode_request(frames[1])
+            req = msg["req"]
+            if msg["type"] == "hello":
+                if not hmac.compare_digest(msg["token"].encode(), self._token.encode()):
+                    raise AuthError("[daemon] client presented a wrong attach token; it read the token "
+                                    f"of another daemon (check MCCL_RUNTIME_DIR={self.runtime_dir})")
+                with self._auth_lock:
+                    self._authenticated.add(ident)
+            elif not self._is_authenticated(ident):
+                raise AuthError(f"[daemon] {msg['type']} request before hello; the client must "
+                                "authenticate with the daemon's token first")
+            payload = self._handler(ident, msg)
+        except MCCLError as e:
+            self._once.warn(f"bad:{ident.hex()}", "%s (client %s)", e, ident.hex())
+            payload = {"ok": False, "error": protocol.error_payload(e)}
+        except Exception as e:  # noqa: BLE001 - the server must keep serving
+            log.exception("[daemon] handling a control message failed")
+            payload = {"ok": False, "error": protocol.error_payload(e)}
+        if payload is not None:
+            router.send_multipart([ident, protocol.encode({"type": "reply", "req": req, **payload})])
+
+    def _is_authenticated(self, ident: bytes) -> bool:
+        with self._auth_lock:
+            return ident in self._authenticated
+
+    def forget(self, ident: bytes) -> None:
+        """The client is gone: a new connection reusing its identity must say hello again."""
+        with self._auth_lock:
+            self._authenticated.discard(ident)

@@ -1,0 +1,160 @@
+"""Mutual fleet-key authentication of a daemon-to-daemon link, and per-frame MACs.
+
+Handshake (HMAC-SHA256, both sides prove the key, nonces from both sides so neither
+a recorded exchange nor a reflected one authenticates):
+  A -> B  hello      proto, fleet, host_id=A, nonce nA
+  B -> A  challenge  proto, fleet, host_id=B, nonce nB, mac_B = H(key, "resp", fleet, A, B, nA, nB)
+  A -> B  auth       mac_A = H(key, "init", fleet, A, B, nA, nB)
+  B -> A  ok
+Afterwards every frame carries H(session, direction, seq, payload) with
+session = H(key, "session", nA, nB), so frames cannot be injected, replayed or reordered.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+import socket
+import struct
+from typing import Any
+
+from libmccl.errors import AuthError, ProtocolError
+
+from . import PROTO_VERSION
+
+NONCE_BYTES = 32
+MAC_BYTES = 32
+MAX_FRAME = 1 << 20
+_LEN = struct.Struct("!I")
+
+
+def _mac(key: bytes, *parts: str | bytes) -> bytes:
+    h = hmac.new(key, digestmod=hashlib.sha256)
+    for p in parts:
+        b = p.encode() if isinstance(p, str) else p
+        h.update(_LEN.pack(len(b)) + b)  # length-prefixed: no ambiguity between field boundaries
+    return h.digest()
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("link closed by peer")
+        buf += chunk
+    return bytes(buf)
+
+
+def send_plain(sock: socket.socket, msg: dict[str, Any]) -> None:
+    body = json.dumps(msg).encode()
+    sock.sendall(_LEN.pack(len(body)) + body)
+
+
+def recv_plain(sock: socket.socket, peer: str) -> dict[str, Any]:
+    (n,) = _LEN.unpack(_recv_exact(sock, 4))
+    if n > MAX_FRAME:
+        raise ProtocolError(f"[link] handshake frame of {n} bytes from peer={peer}; not an mccld")
+    try:
+        msg = json.loads(_recv_exact(sock, n))
+    except ValueError:
+        raise ProtocolError(f"[link] handshake frame from peer={peer} is not JSON; not an mccld") from None
+    if not isinstance(msg, dict):
+        raise ProtocolError(f"[link] handshake frame from peer={peer} is not an object; not an mccld")
+    return msg
+
+
+class Session:
+    """Per-link frame authentication after the handshake."""
+
+    def __init__(self, key: bytes, nonce_a: bytes, nonce_b: bytes, initiator: bool, peer: str):
+        self._key = _mac(key, "session", nonce_a, nonce_b)
+        self._out_dir, self._in_dir = ("a2b", "b2a") if initiator else ("b2a", "a2b")
+        self._send_seq = 0
+        self._recv_seq = 0
+        self.peer = peer
+
+    def seal(self, msg: dict[str, Any]) -> bytes:
+        body = json.dumps(msg, separators=(",", ":")).encode()
+        tag = _mac(self._key, self._out_dir, str(self._send_seq), body)
+        self._send_seq += 1
+        return _LEN.pack(MAC_BYTES + len(body)) + tag + body
+
+    def open(self, sock: socket.socket) -> dict[str, Any]:
+        (n,) = _LEN.unpack(_recv_exact(sock, 4))
+        if n < MAC_BYTES or n > MAX_FRAME:
+            raise ProtocolError(f"[link] frame of {n} bytes from peer={self.peer} is malformed; "
+                                "dropping the link (it will be redialled when needed)")
+        raw = _recv_exact(sock, n)
+        tag, body = raw[:MAC_BYTES], raw[MAC_BYTES:]
+        if not hmac.compare_digest(tag, _mac(self._key, self._in_dir, str(self._recv_seq), body)):
+            raise AuthError(f"[link] frame from peer={self.peer} failed its MAC check (injected, "
+                            "replayed or corrupted); dropping the link")
+        self._recv_seq += 1
+        try:
+            msg = json.loads(body)
+        except ValueError:
+            raise ProtocolError(f"[link] frame from peer={self.peer} is not JSON") from None
+        if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
+            raise ProtocolError(f"[link] frame from peer={self.peer} has no message type")
+        return msg
+
+
+def initiate(sock: socket.socket, key: bytes, fleet: str, host_id: str, peer: str) -> tuple[str, Session]:
+    """Client side of the handshake; returns the peer's host id and the session."""
+    na = secrets.token_bytes(NONCE_BYTES)
+    send_plain(sock, {"type": "hello", "proto": PROTO_VERSION, "fleet": fleet, "host_id": host_id,
+                      "nonce": na.hex()})
+    msg = recv_plain(sock, peer)
+    if msg.get("type") == "refused":
+        raise AuthError(f"[link] peer={peer} refused our link: {msg.get('reason')}; check that both "
+                        "hosts use the same MCCL_FLEET and fleet key")
+    try:
+        nb = bytes.fromhex(msg["nonce"])
+        peer_host, their_mac = str(msg["host_id"]), bytes.fromhex(msg["mac"])
+    except (KeyError, ValueError, TypeError):
+        raise ProtocolError(f"[link] malformed challenge from peer={peer}; not an mccld") from None
+    if msg.get("proto") != PROTO_VERSION or msg.get("fleet") != fleet:
+        raise AuthError(f"[link] peer={peer} speaks proto {msg.get('proto')} of fleet "
+                        f"{msg.get('fleet')!r}, we speak {PROTO_VERSION} of {fleet!r}")
+    if len(nb) != NONCE_BYTES or not hmac.compare_digest(
+            their_mac, _mac(key, "resp", fleet, host_id, peer_host, na, nb)):
+        raise AuthError(f"[link] peer={peer} ({peer_host}) failed fleet-key authentication; "
+                        "it does not hold our fleet key: copy the key file to it")
+    send_plain(sock, {"type": "auth", "mac": _mac(key, "init", fleet, host_id, peer_host, na, nb).hex()})
+    done = recv_plain(sock, peer)
+    if done.get("type") != "ok":
+        raise AuthError(f"[link] peer={peer} rejected our key: {done.get('reason')}; "
+                        "the hosts hold different fleet keys")
+    return peer_host, Session(key, na, nb, initiator=True, peer=peer)
+
+
+def respond(sock: socket.socket, key: bytes, fleet: str, host_id: str, peer: str) -> tuple[str, Session]:
+    """Server side of the handshake; refuses (and raises AuthError) on any mismatch."""
+    msg = recv_plain(sock, peer)
+    try:
+        na, peer_host = bytes.fromhex(msg["nonce"]), str(msg["host_id"])
+        if msg.get("type") != "hello" or len(na) != NONCE_BYTES:
+            raise ValueError
+    except (KeyError, ValueError, TypeError):
+        raise ProtocolError(f"[link] malformed hello from peer={peer}; not an mccld") from None
+    if msg.get("proto") != PROTO_VERSION or msg.get("fleet") != fleet:
+        send_plain(sock, {"type": "refused", "reason": f"fleet/proto mismatch (we are {fleet!r}/{PROTO_VERSION})"})
+        raise AuthError(f"[link] refused peer={peer} ({peer_host}): fleet {msg.get('fleet')!r} proto "
+                        f"{msg.get('proto')}, we are fleet {fleet!r} proto {PROTO_VERSION}")
+    nb = secrets.token_bytes(NONCE_BYTES)
+    send_plain(sock, {"type": "challenge", "proto": PROTO_VERSION, "fleet": fleet, "host_id": host_id,
+                      "nonce": nb.hex(), "mac": _mac(key, "resp", fleet, peer_host, host_id, na, nb).hex()})
+    reply = recv_plain(sock, peer)
+    try:
+        their_mac = bytes.fromhex(reply["mac"])
+    except (KeyError, ValueError, TypeError):
+        their_mac = b""
+    if not hmac.compare_digest(their_mac, _mac(key, "init", fleet, peer_host, host_id, na, nb)):
+        send_plain(sock, {"type": "refused", "reason": "bad fleet key"})
+        raise AuthError(f"[link] refused peer={peer} ({peer_host}): it failed fleet-key authentication; "
+                        "it does not hold this fleet's key")
+    send_plain(sock, {"type": "ok"})
+    return peer_host, Session(key, na, nb, initiator=False, peer=peer)

@@ -1,0 +1,166 @@
+"""Hierarchical collectives: this host's ranks through shared memory, then across hosts.
+
+One ``Hierarchy`` per job. Inputs are the local ranks' shared-memory regions (integer
+addresses); the inter-host step runs on the engine communicator among the job's
+daemons (one rank per host), directly on the first local rank's region, so the data
+is never copied on its way to the network. Each method is one small algorithm:
+reduce locally -> engine op across hosts -> write back to every local rank.
+
+Ops built from others are noted where they move more bytes than a dedicated
+algorithm would (reduce_scatter, gather, scatter); their results are exact.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from libmccl.errors import ConfigError
+
+from .reduce import AVG, DTYPE_SIZE, SUM, ReducePool, check
+
+# Runs one engine op: (method name, *args) -> None once done, raises its typed error.
+EngineRun = Callable[..., None]
+
+SUPPORTED = ("allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "gather",
+             "scatter", "barrier")
+
+
+def _copy(dst: int, src: int, nbytes: int) -> None:
+    if nbytes and dst != src:
+        ctypes.memmove(dst, src, nbytes)
+
+
+@dataclass
+class Topology:
+    size: int                    # world size of the job
+    hosts: list[list[int]]       # global ranks of each host, hosts in host-rank order
+    host_rank: int               # this daemon's index in ``hosts``
+
+    @property
+    def local(self) -> list[int]:
+        return self.hosts[self.host_rank]
+
+    def host_of(self, rank: int) -> int:
+        for h, ranks in enumerate(self.hosts):
+            if rank in ranks:
+                return h
+        raise ConfigError(f"[daemon] rank {rank} is in no host of this job (size {self.size})")
+
+
+class Hierarchy:
+    def __init__(self, topo: Topology, pool: ReducePool, engine: EngineRun | None):
+        self.topo = topo
+        self.pool = pool
+        self.engine = engine  # None: single-host job
+        self._scratch = np.empty(0, dtype=np.uint8)
+
+    def run(self, op: str, bases: dict[int, int], args: dict[str, Any]) -> None:
+        """``bases``: local rank -> address of its region; ``args`` as sent by the clients."""
+        fn = getattr(self, "_" + op, None) if op in SUPPORTED else None
+        if fn is None:
+            raise ConfigError(f"[daemon] collective {op!r} is not supported in daemon mode "
+                              f"(supported: {', '.join(SUPPORTED)}); unset MCCL_DAEMON to run it in-process")
+        fn(bases, **{k: v for k, v in args.items() if k not in ("segment",)})
+
+    # -- helpers -------------------------------------------------------------------------
+    def _leader_reduce(self, bases: dict[int, int], off: int, count: int, dtype: int, op: int) -> int:
+        """Reduce every local region into the first local rank's; returns its address."""
+        check(dtype, op)
+        local = self.topo.local
+        dst = bases[local[0]] + off
+        for r in local[1:]:
+            self.pool.reduce(bases[r] + off, dst, count, dtype, SUM if op == AVG else op)
+        return dst
+
+    def _scratch_addr(self, nbytes: int) -> int:
+        if self._scratch.nbytes < nbytes:
+            self._scratch = np.empty(nbytes, dtype=np.uint8)
+        return self._scratch.ctypes.data
+
+    def _gather_all(self, bases: dict[int, int], send_off: int, nbytes: int) -> int:
+        """Every rank's ``nbytes`` block in global rank order; returns the scratch address."""
+        topo = self.topo
+        width = max(len(h) for h in topo.hosts) * nbytes    # hosts padded to the widest
+        scratch = self._scratch_addr(width * (len(topo.hosts) + 1) + topo.size * nbytes)
+        stage_recv = scratch + width
+        out = stage_recv + width * len(topo.hosts)
+        for j, r in enumerate(topo.local):
+            _copy(scratch + j * nbytes, bases[r] + send_off, nbytes)
+        if self.engine is not None:
+            self.engine("allgather", scratch, stage_recv, width)
+        else:
+            _copy(stage_recv, scratch, width)
+        for h, ranks in enumerate(topo.hosts):
+            for j, r in enumerate(ranks):
+                _copy(out + r * nbytes, stage_recv + h * width + j * nbytes, nbytes)
+        return out
+
+    # -- algorithms ------------------------------------------------------------------------
+    def _allreduce(self, bases, count: int, dtype: int, op: int, offset: int = 0) -> None:
+        buf = self._leader_reduce(bases, offset, count, dtype, op)
+        if self.engine is not None:
+            self.engine("allreduce", buf, count, dtype, SUM if op == AVG else op)
+        if op == AVG:
+            self.pool.finalize_avg(buf, count, dtype, self.topo.size)
+        for r in self.topo.local[1:]:
+            _copy(bases[r] + offset, buf, count * DTYPE_SIZE[dtype])
+
+    def _broadcast(self, bases, nbytes: int, root: int) -> None:
+        local = self.topo.local
+        src = bases[root] if root in local else bases[local[0]]
+        if self.engine is not None:
+            self.engine("broadcast", src, nbytes, self.topo.host_of(root))
+        for r in local:
+            _copy(bases[r], src, nbytes)
+
+    def _allgather(self, bases, send_off: int, recv_off: int, nbytes: int) -> None:
+        out = self._gather_all(bases, send_off, nbytes)
+        for r in self.topo.local:
+            _copy(bases[r] + recv_off, out, self.topo.size * nbytes)
+
+    def _gather(self, bases, send_off: int, recv_off: int, nbytes: int, root: int) -> None:
+        # All-gather, then only the root keeps it: world*nbytes crosses every link.
+        out = self._gather_all(bases, send_off, nbytes)
+        if root in self.topo.local:
+            _copy(bases[root] + recv_off, out, self.topo.size * nbytes)
+
+    def _reduce_scatter(self, bases, send_off: int, recv_off: int, count: int, dtype: int, op: int) -> None:
+        # All-reduce of the whole input, then each rank keeps its block: correct, but moves
+        # the full buffer rather than 1/world of it.
+        total = count * self.topo.size
+        buf = self._leader_reduce(bases, send_off, total, dtype, op)
+        if self.engine is not None:
+            self.engine("allreduce", buf, total, dtype, SUM if op == AVG else op)
+        if op == AVG:
+            self.pool.finalize_avg(buf, total, dtype, self.topo.size)
+        block = count * DTYPE_SIZE[dtype]
+        for r in self.topo.local:
+            _copy(bases[r] + recv_off, buf + r * block, block)
+
+    def _reduce(self, bases, count: int, dtype: int, op: int, root: int) -> None:
+        local = self.topo.local
+        buf = self._leader_reduce(bases, 0, count, dtype, op)
+        if self.engine is not None:
+            self.engine("reduce", buf, count, dtype, SUM if op == AVG else op, self.topo.host_of(root))
+        if root in local:
+            if op == AVG:
+                self.pool.finalize_avg(buf, count, dtype, self.topo.size)
+            _copy(bases[root], buf, count * DTYPE_SIZE[dtype])
+
+    def _scatter(self, bases, send_off: int, recv_off: int, nbytes: int, root: int) -> None:
+        # Broadcast of the root's whole send buffer, then each rank takes its block.
+        local = self.topo.local
+        total = nbytes * self.topo.size
+        src = bases[root] + send_off if root in local else bases[local[0]] + send_off
+        if self.engine is not None:
+            self.engine("broadcast", src, total, self.topo.host_of(root))
+        for r in local:
+            _copy(bases[r] + recv_off, src + r * nbytes, nbytes)
+
+    def _barrier(self, bases) -> None:
+        if self.engine is not None:
+            self.engine("barrier")

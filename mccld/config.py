@@ -1,0 +1,154 @@
+"""Settings of the daemon, declared once each (env var, default, unit, help).
+
+``load_config(path)`` reads an optional TOML file whose keys are the field names,
+then the environment on top (the environment wins, so a one-off override needs no
+file edit).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from libmccl.config import _require, load, register, setting
+from libmccl.errors import ConfigError
+
+DEFAULT_KEY_FILES = ("/etc/mccl/fleet.key", "~/.config/mccl/fleet.key")
+
+
+@register
+@dataclass(frozen=True)
+class DaemonConfig:
+    """Settings of mccld (and of the MCCL_DAEMON=1 client, which needs the runtime dir)."""
+
+    fleet: str = setting(
+        "MCCL_FLEET", "default", "name",
+        "fleet name; daemons only link with daemons of the same fleet")
+    fleet_key: str = setting(
+        "MCCL_FLEET_KEY", "", "secret",
+        "shared fleet key for link authentication (prefer MCCL_KEY_FILE)")
+    key_file: str = setting(
+        "MCCL_KEY_FILE", "", "path",
+        "file holding the fleet key, mode 0600; empty: /etc/mccl/fleet.key or ~/.config/mccl/fleet.key")
+    iface: str = setting(
+        "MCCL_IFACE", "", "interface",
+        "interface the daemon listens and advertises on; empty: the first wired interface")
+    listen_addr: str = setting(
+        "MCCL_LISTEN_ADDR", "", "address",
+        "IPv4 address to listen and advertise on; overrides MCCL_IFACE")
+    port: int = setting(
+        "MCCL_PORT", 29650, "port",
+        "TCP port of the authenticated daemon-to-daemon links")
+    status_port: int = setting(
+        "MCCL_STATUS_PORT", 29651, "port",
+        "authenticated read-only status endpoint; 0 disables it")
+    metrics_port: int = setting(
+        "MCCL_METRICS_PORT", 29652, "port",
+        "Prometheus /metrics port; 0 disables it")
+    metrics_addr: str = setting(
+        "MCCL_METRICS_ADDR", "0.0.0.0", "address",
+        "address the Prometheus /metrics endpoint binds")
+    runtime_dir: str = setting(
+        "MCCL_RUNTIME_DIR", "", "path",
+        "directory (mode 0700) of the attach socket; empty: /run/mccl, $XDG_RUNTIME_DIR/mccl or /tmp/mccl-<uid>")
+    allow_wifi: bool = setting(
+        "MCCL_ALLOW_WIFI", False, "bool",
+        "allow a Wi-Fi interface for links (slow and jittery; off by default)")
+    host_id: str = setting(
+        "MCCL_HOST_ID", "", "name",
+        "identity of this host in the fleet; empty: derived from hostname and machine id")
+    mdns_ttl_s: int = setting(
+        "MCCL_MDNS_TTL", 60, "seconds",
+        "TTL of the mDNS records; a host that vanishes without goodbye expires after it")
+    link_timeout_s: float = setting(
+        "MCCL_LINK_TIMEOUT", 10.0, "seconds",
+        "time to connect and authenticate a daemon-to-daemon link")
+    client_check_s: float = setting(
+        "MCCL_CLIENT_CHECK_INTERVAL", 0.25, "seconds",
+        "how often the daemon checks that its attached processes are still alive")
+
+    def validate(self) -> None:
+        for env, port in (("MCCL_PORT", self.port), ("MCCL_STATUS_PORT", self.status_port),
+                          ("MCCL_METRICS_PORT", self.metrics_port)):
+            _require(0 <= port <= 65535, env, port, "must be a TCP port (0-65535)")
+        _require(self.mdns_ttl_s >= 1, "MCCL_MDNS_TTL", self.mdns_ttl_s, "must be at least 1")
+        _require(self.link_timeout_s > 0, "MCCL_LINK_TIMEOUT", self.link_timeout_s, "must be positive")
+        _require(self.client_check_s > 0, "MCCL_CLIENT_CHECK_INTERVAL", self.client_check_s,
+                 "must be positive")
+        _require(bool(self.fleet) and all(c.isalnum() or c in "-_." for c in self.fleet),
+                 "MCCL_FLEET", self.fleet, "use letters, digits, '-', '_' or '.'")
+
+    def read_key(self) -> bytes:
+        """The fleet key; a key file readable by others is refused (the key is the fleet's only secret)."""
+        if self.fleet_key:
+            return self.fleet_key.encode()
+        candidates = [self.key_file] if self.key_file else list(DEFAULT_KEY_FILES)
+        for raw in candidates:
+            path = Path(raw).expanduser()
+            if not path.exists():
+                if self.key_file:
+                    raise ConfigError(f"[config] MCCL_KEY_FILE={raw!r} does not exist; "
+                                      f"create it with `mccld keygen {raw}` and copy it to every host")
+                continue
+            mode = stat.S_IMODE(path.stat().st_mode)
+            if mode & 0o077:
+                raise ConfigError(f"[config] key file {path} has mode {mode:04o}; it must not be readable "
+                                  f"by group or others: run `chmod 600 {path}`")
+            key = path.read_bytes().strip()
+            if len(key) < 16:
+                raise ConfigError(f"[config] key file {path} holds {len(key)} bytes; use at least 16 "
+                                  f"(`mccld keygen {path}` writes a good one)")
+            return key
+        raise ConfigError("[config] no fleet key: set MCCL_KEY_FILE (mode 0600) or MCCL_FLEET_KEY; "
+                          "create one with `mccld keygen /etc/mccl/fleet.key` and copy it to every host")
+
+
+def load_config(path: str | None = None, env: dict | None = None) -> DaemonConfig:
+    """Settings from an optional TOML file (keys = field names), then MCCL_* variables."""
+    overrides: dict = {}
+    if path:
+        import tomllib
+        try:
+            with open(path, "rb") as fh:
+                overrides = tomllib.load(fh)
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"[config] cannot read config file {path}: {e}; fix the file or drop --config")
+        known = set(DaemonConfig.__dataclass_fields__)
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ConfigError(f"[config] unknown key(s) {unknown} in {path}; valid keys: {sorted(known)}")
+    return load(DaemonConfig, env=env, overrides=overrides)
+
+
+def runtime_dir(cfg: DaemonConfig, create: bool) -> Path:
+    """Directory of the attach socket, private to this user (mode 0700)."""
+    if cfg.runtime_dir:
+        path = Path(cfg.runtime_dir)
+    elif os.geteuid() == 0 and Path("/run").is_dir():
+        path = Path("/run/mccl")
+    elif os.environ.get("XDG_RUNTIME_DIR"):
+        path = Path(os.environ["XDG_RUNTIME_DIR"]) / "mccl"
+    else:
+        path = Path(f"/tmp/mccl-{os.getuid()}")
+    if create:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = path.stat()
+        if st.st_uid != os.geteuid():
+            raise ConfigError(f"[config] runtime dir {path} belongs to uid {st.st_uid}, not to us "
+                              f"({os.geteuid()}); set MCCL_RUNTIME_DIR to a directory of ours")
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.chmod(path, 0o700)
+    return path
+
+
+def write_key_file(path: str) -> Path:
+    """Write a fresh random fleet key with mode 0600 (``mccld keygen``)."""
+    target = Path(path).expanduser()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(secrets.token_hex(32) + "\n")
+    return target

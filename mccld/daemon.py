@@ -1,0 +1,465 @@
+"""The daemon: wires config, links, discovery, the attach endpoint and jobs together.
+
+``Daemon(cfg).start()`` brings everything up (or raises a typed error saying what
+blocked it); ``stop()`` fails the running jobs with AbortedError, frees their
+segments and closes everything; both are idempotent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from libmccl.config import EngineConfig, load
+from libmccl.errors import AbortedError, CollectiveTimeout, ConfigError, MCCLError, ProtocolError
+
+from . import PROTO_VERSION, __version__, protocol, shm
+from .attach import AttachServer
+from .config import DaemonConfig, runtime_dir
+from .jobs import Job
+from .links import LinkManager
+from .netif import choose_address
+from .reduce import ReducePool
+
+log = logging.getLogger(__name__)
+
+SEGMENT_RECORD = "segments"
+
+
+def default_host_id() -> str:
+    name = socket.gethostname().split(".")[0] or "host"
+    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            mid = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if mid:
+            return f"{name}-{hashlib.sha256(mid.encode()).hexdigest()[:6]}"
+    return name
+
+
+def _optional(module: str):
+    """Observability parts are optional: a daemon without them still serves jobs."""
+    try:
+        return __import__(f"mccld.{module}", fromlist=["_"])
+    except ImportError as e:
+        log.info("mccld.%s unavailable (%s); running without it", module, e)
+        return None
+
+
+class Daemon:
+    def __init__(self, cfg: DaemonConfig, engine_cfg: EngineConfig | None = None):
+        self.cfg = cfg
+        self.engine_cfg = engine_cfg or load(EngineConfig)
+        self.host_id = cfg.host_id or default_host_id()
+        self.addr = ""
+        self.iface = ""
+        self.pool: ReducePool | None = None
+        self.links: LinkManager | None = None
+        self.attach: AttachServer | None = None
+        self.stats = None
+        self.fleet = None
+        self.advertiser = None
+        self._servers: list[Any] = []
+        self.jobs: dict[str, Job] = {}
+        self.clients: dict[bytes, dict[str, Any]] = {}   # ident -> {pid, memberships: {(job, rank)}}
+        self._lock = threading.RLock()
+        self._mailbox: dict[tuple[str, int], tuple[str, str, float]] = {}
+        self._mail_cv = threading.Condition(self._lock)
+        self._stop = threading.Event()
+        self._checker: threading.Thread | None = None
+        self._traffic: dict[tuple[str, int], tuple[int, int]] = {}
+        self.last_error = ""
+        self.started = False
+        self.runtime_dir: Path | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> "Daemon":
+        if self.started:
+            return self
+        cfg = self.cfg
+        key = cfg.read_key()
+        self.iface, self.addr = choose_address(cfg.iface, cfg.listen_addr, cfg.allow_wifi)
+        self.runtime_dir = runtime_dir(cfg, create=True)
+        self._refuse_if_running()
+        self._sweep_segments()
+        stats_mod = _optional("stats")
+        self.stats = stats_mod.DaemonStats() if stats_mod else None
+        self._stat("set_state", "idle")
+        self.pool = ReducePool()
+        try:
+            self.links = LinkManager(key, cfg.fleet, self.host_id, self.addr, cfg.port, cfg.link_timeout_s,
+                                     self._on_link_message, self._on_peer)
+            self.links.start()
+            self.attach = AttachServer(self.runtime_dir, self._handle)
+            self.attach.start()
+            self._start_discovery()
+            self._start_servers(key)
+        except BaseException:
+            self.stop()
+            raise
+        self._checker = threading.Thread(target=self._check_loop, name="mccld-checker", daemon=True)
+        self._checker.start()
+        self.started = True
+        log.info("mccld %s up: host %s fleet %s on %s (%s), attach %s", __version__, self.host_id,
+                 cfg.fleet, self.links.address, self.iface or "address given", self.attach.endpoint)
+        return self
+
+    def stop(self, reason: str = "mccld is stopping") -> None:
+        self._stop.set()
+        with self._lock:
+            jobs = list(self.jobs.values())
+        for job in jobs:
+            job.fail(AbortedError(f"[daemon] job {job.id}: {reason}; restart the job once mccld is back"),
+                     local=True)
+            with job._lock:
+                members = list(job.members.values())
+            for m in members:
+                m.free()
+        for srv in reversed(self._servers):
+            try:
+                srv.stop()
+            except Exception:  # noqa: BLE001 - keep tearing down
+                log.debug("stopping %r failed", srv, exc_info=True)
+        self._servers.clear()
+        if self.advertiser is not None:
+            self.advertiser.stop()
+            self.advertiser = None
+        if self.fleet is not None:
+            self.fleet.stop()
+            self.fleet = None
+        if self.attach is not None:
+            self.attach.stop()
+            self.attach = None
+        if self.links is not None:
+            self.links.stop()
+            self.links = None
+        if self._checker is not None:
+            self._checker.join(timeout=2.0)
+            self._checker = None
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+        if self.started:
+            log.info("mccld stopped")
+        self.started = False
+
+    def abort(self, reason: str) -> None:
+        """Stop at once because something is badly wrong; clients see ``reason``."""
+        log.error("[daemon] aborting: %s", reason)
+        self.stop(reason)
+
+    def _refuse_if_running(self) -> None:
+        """Two daemons on one runtime dir would steal each other's clients."""
+        sock_path = self.runtime_dir / protocol.SOCKET_NAME
+        if not sock_path.exists():
+            return
+        ctx = zmq.Context.instance()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        try:
+            s.connect(protocol.endpoint(self.runtime_dir))
+            s.send(protocol.encode({"type": "status", "req": 0}))
+            if s.poll(500):
+                raise ConfigError(f"[daemon] another mccld already serves {sock_path}; stop it first "
+                                  "(or give this one its own MCCL_RUNTIME_DIR)")
+        finally:
+            s.close(0)
+
+    def _sweep_segments(self) -> None:
+        record = self.runtime_dir / SEGMENT_RECORD
+        try:
+            names = record.read_text().split()
+        except FileNotFoundError:
+            names = []
+        shm.sweep(names)
+        record.write_text("")
+
+    def _start_discovery(self) -> None:
+        disc = _optional("discovery")
+        if disc is None:
+            return
+        self.fleet = disc.FleetTable(self.cfg.fleet, [self.addr], on_change=self._on_fleet_change)
+        self.fleet.start()
+        self.advertiser = disc.Advertiser(self.cfg, self.host_id, self.addr, self.links.address)
+        self.advertiser.start()
+
+    def _start_servers(self, key: bytes) -> None:
+        if self.stats is None:
+            return
+        if self.cfg.metrics_port:
+            metrics = _optional("metrics")
+            if metrics is not None:
+                srv = metrics.MetricsServer(self.stats, self.cfg.metrics_addr, self.cfg.metrics_port,
+                                            host=self.host_id)
+                srv.start()
+                self._servers.append(srv)
+        if self.cfg.status_port:
+            status = _optional("status_server")
+            if status is not None:
+                srv = status.StatusServer(self.status_provider, key, self.addr, self.cfg.status_port,
+                                          stats=self.stats)
+                srv.start()
+                self._servers.append(srv)
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _stat(self, method: str, *args) -> None:
+        if self.stats is not None:
+            try:
+                getattr(self.stats, method)(*args)
+            except ValueError:
+                log.debug("stats.%s%r refused", method, args, exc_info=True)
+
+    def reply(self, ident: bytes, req: int, payload: dict[str, Any]) -> None:
+        if self.attach is not None:
+            self.attach.reply(ident, req, payload)
+
+    def reply_error(self, ident: bytes, req: int, exc: BaseException) -> None:
+        self._stat("record_error", type(exc).__name__)
+        self.last_error = str(exc)
+        if self.attach is not None:
+            self.attach.reply_error(ident, req, exc)
+
+    def record_collective(self, job: Job, op: str, nbytes: int, seconds: float) -> None:
+        self._stat("record_collective", job.id, op, nbytes, seconds, job.size)
+
+    def job_closed(self, job: Job) -> None:
+        with self._lock:
+            if self.jobs.get(job.id) is job:
+                del self.jobs[job.id]
+            for key in [k for k in self._traffic if k[0] == job.id]:
+                del self._traffic[key]
+
+    # -- the attach protocol ---------------------------------------------------------------
+    def _handle(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any] | None:
+        kind = msg["type"]
+        if kind == "hello":
+            with self._lock:
+                self.clients[ident] = {"pid": msg["pid"], "memberships": set()}
+            self._stat("set_attached", len(self.clients))
+            return {"ok": True, "host_id": self.host_id, "link_addr": self.links.address,
+                    "daemon_version": __version__, "proto": PROTO_VERSION}
+        if kind == "status":
+            return {"ok": True, "status": self.status_provider()}
+        if kind == "probe":
+            threading.Thread(target=self._probe, args=(ident, msg), daemon=True).start()
+            return None
+        job_id = msg["job"]
+        if kind == "join":
+            return self._join(ident, msg)
+        job = self.jobs.get(job_id)
+        if job is None:
+            raise ProtocolError(f"[daemon] unknown job {job_id!r}; join it first")
+        if kind == "register":
+            job.register(msg["rank"], ident, msg["segment"], msg["nbytes"])
+            with open(self.runtime_dir / SEGMENT_RECORD, "a") as fh:
+                fh.write(msg["segment"] + "\n")
+            return {"ok": True}
+        if kind == "op":
+            job.submit(ident, msg["req"], msg)
+            return None
+        if kind == "overlap":
+            self._stat("record_overlap", job_id, msg["rank"], float(msg["ratio"]))
+            return {"ok": True}
+        if kind == "leave":
+            abort = msg.get("abort")
+            job.leave(msg["rank"], ident, str(abort) if abort is not None else None)
+            with self._lock:
+                client = self.clients.get(ident)
+                if client:
+                    client["memberships"].discard((job_id, msg["rank"]))
+                    if not client["memberships"]:
+                        # One connection per communicator: its leave ends the attachment.
+                        del self.clients[ident]
+                        if self.attach is not None:
+                            self.attach.forget(ident)
+            self._stat("set_attached", len(self.clients))
+            return {"ok": True}
+        raise ProtocolError(f"[daemon] unhandled request type {kind!r}")
+
+    def _join(self, ident: bytes, msg: dict[str, Any]) -> None:
+        job_id, hosts = msg["job"], msg["hosts"]
+        if not (1 <= len(job_id) <= 12 and all(c in "0123456789abcdef" for c in job_id)):
+            raise ProtocolError(f"[daemon] job id {job_id!r} must be 1-12 lowercase hex digits")
+        for h in hosts:
+            if not (isinstance(h, dict) and isinstance(h.get("host_id"), str)
+                    and isinstance(h.get("link_addr"), str) and isinstance(h.get("ranks"), list)
+                    and all(isinstance(r, int) for r in h["ranks"])):
+                raise ProtocolError("[daemon] join: every host needs host_id, link_addr and ranks")
+        with self._lock:
+            job = self.jobs.get(job_id)
+            if job is None or job.state in ("failed", "closed") and not job.members:
+                job = Job(self, job_id, msg["size"], hosts, msg["timeout_s"], msg["opts"])
+                self.jobs[job_id] = job
+            client = self.clients.get(ident)
+            if client is None:
+                raise ProtocolError("[daemon] join from a client that never said hello")
+            job.join(ident, msg["req"], msg["rank"], client["pid"], msg["size"], hosts)
+            client["memberships"].add((job_id, msg["rank"]))
+        self._stat("set_state", "training")
+        return None
+
+    def _probe(self, ident: bytes, msg: dict[str, Any]) -> None:
+        started = time.monotonic()
+        try:
+            link = self.links.link_to(msg["addr"])
+        except MCCLError as e:
+            self.reply_error(ident, msg["req"], e)
+            return
+        self.reply(ident, msg["req"], {"ok": True, "host_id": link.peer_host,
+                                       "seconds": time.monotonic() - started})
+
+    # -- daemon-to-daemon --------------------------------------------------------------------
+    def _on_link_message(self, peer_host: str, msg: dict[str, Any]) -> None:
+        kind = msg.get("type")
+        if kind == "job_setup":
+            job_id, host_rank, addr = msg.get("job"), msg.get("host_rank"), msg.get("engine_addr")
+            if not (isinstance(job_id, str) and isinstance(host_rank, int) and isinstance(addr, str)):
+                raise ProtocolError(f"[link] malformed job_setup from {peer_host}: {msg}")
+            with self._mail_cv:
+                self._mailbox[(job_id, host_rank)] = (peer_host, addr, time.monotonic())
+                self._mail_cv.notify_all()
+        elif kind == "job_failed":
+            job = self.jobs.get(str(msg.get("job")))
+            if job is None or all(h["host_id"] != peer_host for h in job.hosts):
+                return
+            err = protocol.error_from_payload(msg.get("error") or {})
+            job.fail(err, local=False)
+        else:
+            raise ProtocolError(f"[link] unknown message type {kind!r} from {peer_host}")
+
+    def _on_peer(self, peer_host: str, up: bool) -> None:
+        self._stat("set_peer_up", peer_host, up)
+
+    def _on_fleet_change(self, host_id: str, entry: dict | None) -> None:
+        log.debug("fleet: %s %s", host_id, "left" if entry is None else "seen")
+
+    def build_engine(self, job: Job) -> Any:
+        """The engine communicator among the job's daemons, one rank per host."""
+        try:
+            from libmccl import _core
+            Communicator, Listener, Options = _core.Communicator, _core.Listener, _core.Options
+        except (ImportError, AttributeError):
+            raise ConfigError("[daemon] this build's engine has no Communicator, so a job spanning hosts "
+                              "cannot run in daemon mode; rebuild MCCL (`make build`)") from None
+        me = job.topo.host_rank
+        listener = Listener(self.addr, 0)
+        setup = {"type": "job_setup", "job": job.id, "host_rank": me, "engine_addr": listener.address}
+        for h, host in enumerate(job.hosts):
+            if h != me:
+                self.links.send(host["link_addr"], setup)
+        deadline = time.monotonic() + job.timeout_s
+        addrs: list[str] = []
+        with self._mail_cv:
+            for h, host in enumerate(job.hosts):
+                if h == me:
+                    addrs.append(listener.address)
+                    continue
+                while (job.id, h) not in self._mailbox:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or job.failed is not None:
+                        raise job.failed or CollectiveTimeout(
+                            f"[daemon] job {job.id}: host {host['host_id']} ({host['link_addr']}) sent no "
+                            f"engine address within {job.timeout_s:.0f}s; its ranks did not join",
+                            peer_addr=host["link_addr"])
+                    self._mail_cv.wait(min(left, 0.5))
+                peer_host, addr, _ = self._mailbox.pop((job.id, h))
+                if peer_host != host["host_id"]:
+                    raise ProtocolError(f"[daemon] job {job.id}: host rank {h} should be {host['host_id']}, "
+                                        f"but {peer_host} announced it; conflicting host lists")
+                addrs.append(addr)
+        opts = Options()
+        opts.sockets_per_peer = self.engine_cfg.sockets_per_peer
+        opts.socket_buffer_bytes = self.engine_cfg.socket_buffer_bytes
+        opts.segment_bytes = self.engine_cfg.segment_bytes
+        opts.small_allreduce_bytes = self.engine_cfg.small_allreduce_bytes
+        opts.timeout_s = job.timeout_s
+        opts.connect_timeout_s = job.timeout_s
+        return Communicator(me, len(job.hosts), job.comm_id, listener, addrs, opts, lambda batch: None)
+
+    def notify_peers_failed(self, job: Job, exc: MCCLError) -> None:
+        msg = {"type": "job_failed", "job": job.id, "error": protocol.error_payload(exc)}
+        targets = [h["link_addr"] for i, h in enumerate(job.hosts) if i != job.topo.host_rank]
+
+        def send() -> None:  # off the caller's thread: it may hold the job's lock
+            for addr in targets:
+                try:
+                    self.links.send(addr, msg)
+                except (MCCLError, AttributeError) as e:
+                    log.debug("could not tell %s that job %s failed: %s", addr, job.id, e)
+        threading.Thread(target=send, name="mccld-notify", daemon=True).start()
+
+    # -- periodic checks -----------------------------------------------------------------------
+    def _check_loop(self) -> None:
+        while not self._stop.wait(self.cfg.client_check_s):
+            try:
+                self._check_once()
+            except Exception:  # noqa: BLE001 - the checker must survive anything
+                log.exception("[daemon] periodic check failed")
+
+    def _check_once(self) -> None:
+        with self._lock:
+            clients = list(self.clients.items())
+            jobs = list(self.jobs.values())
+        for ident, client in clients:
+            if not shm.pid_alive(client["pid"]):
+                log.info("client pid %d is gone; freeing its segments", client["pid"])
+                with self._lock:
+                    self.clients.pop(ident, None)
+                    memberships = list(client["memberships"])
+                for job_id, rank in memberships:
+                    job = self.jobs.get(job_id)
+                    if job is not None:
+                        job.client_died(rank)
+                if self.attach is not None:
+                    self.attach.forget(ident)
+                self._stat("set_attached", len(self.clients))
+        now = time.monotonic()
+        for job in jobs:
+            job.check_timeouts(now)
+            self._poll_traffic(job)
+        with self._lock:
+            for key in [k for k, v in self._mailbox.items() if now - v[2] > 600]:
+                del self._mailbox[key]
+            busy = any(j.state == "ready" for j in self.jobs.values())
+        self._stat("set_state", "training" if busy else "idle")
+        if self.advertiser is not None:
+            self.advertiser.set_state("training" if busy else "idle")
+
+    def _poll_traffic(self, job: Job) -> None:
+        engine = job.engine
+        if engine is None:
+            return
+        try:
+            per_peer = engine.stats().get("per_peer", {})
+        except Exception:  # noqa: BLE001 - stats are best effort
+            return
+        for rank, counters in per_peer.items():
+            rank = int(rank)
+            sent, recv = int(counters.get("sent", 0)), int(counters.get("received", 0))
+            last = self._traffic.get((job.id, rank), (0, 0))
+            self._traffic[(job.id, rank)] = (sent, recv)
+            if (sent, recv) != last and 0 <= rank < len(job.hosts):
+                self._stat("record_peer_traffic", job.hosts[rank]["link_addr"],
+                           max(0, sent - last[0]), max(0, recv - last[1]))
+
+    def status_provider(self) -> dict[str, Any]:
+        with self._lock:
+            jobs = [{"job": j.id, "state": j.state, "world": j.size, "hosts": len(j.hosts),
+                     "local_ranks": j.local_ranks, "attached": sorted(j.members)}
+                    for j in self.jobs.values()]
+            attached = len(self.clients)
+        return {
+            "host": self.host_id, "fleet": self.cfg.fleet, "address": self.links.address if self.links else "",
+            "version": __version__, "proto": PROTO_VERSION, "attached": attached, "jobs": jobs,
+            "links": self.links.peers() if self.links else [],
+            "fleet_table": self.fleet.entries() if self.fleet is not None else [],
+            "last_error": self.last_error,
+        }

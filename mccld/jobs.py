@@ -1,0 +1,366 @@
+"""One job (communicator) as the daemon sees it: its local ranks, their segments, and
+the ordered stream of collectives they submit.
+
+Lifecycle: created by the first ``join`` -> *joining* until every local rank joined
+and (multi-host) the engine communicator among the job's daemons is built -> *ready*
+-> *failed* (any error: every pending and later op gets it) or *closed* (every local
+rank left). All work runs on the job's own thread, in submission order; the attach
+thread only files requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from libmccl.errors import (AbortedError, CollectiveMismatch, CollectiveTimeout, ConfigError,
+                            MCCLError, PeerLostError, ProtocolError)
+
+from . import shm
+from .collectives import Hierarchy, Topology
+from .reduce import DTYPE_SIZE, ReducePool
+
+log = logging.getLogger(__name__)
+
+_SETUP_TIMEOUT_FLOOR_S = 5.0
+
+
+class JobHost(Protocol):
+    """What a job needs from its daemon."""
+    host_id: str
+    pool: ReducePool
+
+    def reply(self, ident: bytes, req: int, payload: dict[str, Any]) -> None: ...
+    def reply_error(self, ident: bytes, req: int, exc: BaseException) -> None: ...
+    def build_engine(self, job: "Job") -> Any: ...          # engine communicator among hosts
+    def notify_peers_failed(self, job: "Job", exc: MCCLError) -> None: ...
+    def record_collective(self, job: "Job", op: str, nbytes: int, seconds: float) -> None: ...
+    def job_closed(self, job: "Job") -> None: ...
+
+
+@dataclass
+class Member:
+    rank: int
+    ident: bytes
+    pid: int
+    join_req: int
+    segments: dict[str, shm.Segment] = field(default_factory=dict)
+
+    def free(self) -> None:
+        for seg in self.segments.values():
+            seg.close()
+            seg.unlink()
+        self.segments.clear()
+
+
+@dataclass
+class _Pending:
+    ident: bytes
+    req: int
+    msg: dict[str, Any]
+    since: float
+
+
+def _byte_span(op: str, args: dict[str, Any], size: int) -> int:
+    """Bytes of a rank's segment the op touches (for bounds checks)."""
+    def n(key: str) -> int:
+        v = args.get(key, 0)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ProtocolError(f"[daemon] {op}: argument {key!r}={v!r} is not a non-negative integer")
+        return v
+    es = DTYPE_SIZE[n("dtype")] if "dtype" in args and n("dtype") < len(DTYPE_SIZE) else 1
+    if op in ("allreduce", "reduce"):
+        return n("offset") + n("count") * es
+    if op == "broadcast":
+        return n("nbytes")
+    if op in ("allgather", "gather"):
+        return max(n("send_off") + n("nbytes"), n("recv_off") + size * n("nbytes"))
+    if op == "reduce_scatter":
+        return max(n("send_off") + size * n("count") * es, n("recv_off") + n("count") * es)
+    if op == "scatter":
+        return max(n("send_off") + size * n("nbytes"), n("recv_off") + n("nbytes"))
+    return 0
+
+
+class Job:
+    def __init__(self, host: JobHost, job_id: str, size: int, hosts: list[dict[str, Any]],
+                 timeout_s: float, opts: dict[str, Any]):
+        self.host = host
+        self.id = job_id
+        self.size = size
+        self.hosts = hosts
+        self.timeout_s = float(timeout_s)
+        self.opts = opts
+        ranks = sorted(r for h in hosts for r in h["ranks"])
+        if ranks != list(range(size)):
+            raise ProtocolError(f"[daemon] job {job_id}: host list covers ranks {ranks}, expected 0..{size - 1}")
+        mine = [i for i, h in enumerate(hosts) if h["host_id"] == host.host_id]
+        if len(mine) != 1:
+            raise ProtocolError(f"[daemon] job {job_id}: this host ({host.host_id}) appears {len(mine)} "
+                                "times in the job's host list; are two daemons sharing a host id?")
+        self.topo = Topology(size=size, hosts=[sorted(h["ranks"]) for h in hosts], host_rank=mine[0])
+        self.members: dict[int, Member] = {}
+        self.pending: dict[int, dict[int, _Pending]] = {}   # seq -> rank -> request
+        self.failed: MCCLError | None = None
+        self.state = "joining"
+        self.engine = None
+        self.hierarchy: Hierarchy | None = None
+        self.aborting = False        # we aborted the engine ourselves (vs. a peer aborting it)
+        self._lock = threading.RLock()
+        self._tasks: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._worker, name=f"mccld-job-{job_id}", daemon=True)
+        self._thread.start()
+
+    @property
+    def local_ranks(self) -> list[int]:
+        return self.topo.local
+
+    @property
+    def comm_id(self) -> int:
+        return int(self.id, 16)
+
+    # -- requests from the attach thread ---------------------------------------------------
+    def join(self, ident: bytes, req: int, rank: int, pid: int, size: int, hosts: list) -> None:
+        with self._lock:
+            if size != self.size or hosts != self.hosts:
+                raise CollectiveMismatch(f"[daemon] job {self.id}: rank {rank} joined with size {size} and "
+                                         f"hosts {hosts}, others with size {self.size} and {self.hosts}")
+            if rank not in self.local_ranks:
+                raise ProtocolError(f"[daemon] job {self.id}: rank {rank} is not placed on this host "
+                                    f"({self.host.host_id}); local ranks are {self.local_ranks}")
+            if rank in self.members:
+                raise ProtocolError(f"[daemon] job {self.id}: rank {rank} joined twice")
+            if self.failed is not None:
+                raise self.failed
+            self.members[rank] = Member(rank, ident, pid, req)
+            if len(self.members) == len(self.local_ranks):
+                self._tasks.put(("setup", None))
+
+    def register(self, rank: int, ident: bytes, name: str, nbytes: int) -> None:
+        member = self._member(rank, ident)
+        if shm.owner_pid(name) != member.pid:
+            raise ProtocolError(f"[daemon] job {self.id} rank {rank}: segment {name} is not named after the "
+                                f"client's pid {member.pid}")
+        seg = shm.Segment(name, nbytes, create=False)
+        with self._lock:
+            old = member.segments.pop(name, None)
+            member.segments[name] = seg
+        if old is not None:
+            old.close()
+
+    def submit(self, ident: bytes, req: int, msg: dict[str, Any]) -> None:
+        rank = msg["rank"]
+        member = self._member(rank, ident)
+        seg = member.segments.get(msg["args"].get("segment", ""))
+        need = _byte_span(msg["op"], msg["args"], self.size)
+        if need and (seg is None or seg.nbytes < need):
+            raise ProtocolError(f"[daemon] job {self.id} rank {rank}: {msg['op']} needs {need} bytes of a "
+                                "registered segment; register it first")
+        with self._lock:
+            if self.failed is not None:
+                raise self.failed
+            if self.state != "ready":
+                raise ProtocolError(f"[daemon] job {self.id}: collective before the job is ready")
+            waiting = self.pending.setdefault(msg["seq"], {})
+            if rank in waiting:
+                raise ProtocolError(f"[daemon] job {self.id} rank {rank}: sequence number {msg['seq']} reused")
+            waiting[rank] = _Pending(ident, req, msg, time.monotonic())
+            if len(waiting) == len(self.local_ranks):
+                del self.pending[msg["seq"]]
+                self._tasks.put(("op", waiting))
+
+    def leave(self, rank: int, ident: bytes, abort_reason: str | None) -> None:
+        with self._lock:
+            member = self.members.get(rank)
+            if member is None or member.ident != ident:
+                return
+            if abort_reason is not None:
+                self.fail(AbortedError(f"[daemon] job {self.id}: rank {rank} aborted the communicator: "
+                                       f"{abort_reason or 'no reason given'}", peer_rank=rank), local=True)
+            del self.members[rank]
+            member.free()
+            if not self.members:
+                self._tasks.put(("close", None))
+
+    def client_died(self, rank: int) -> None:
+        with self._lock:
+            member = self.members.pop(rank, None)
+            if member is None:
+                return
+            member.free()
+            self.fail(PeerLostError(f"[daemon] job {self.id}: rank {rank} (pid {member.pid}) on host "
+                                    f"{self.host.host_id} died; its process crashed or was killed; "
+                                    "restart the job", peer_rank=rank), local=True)
+            if not self.members:
+                self._tasks.put(("close", None))
+
+    def check_timeouts(self, now: float) -> None:
+        with self._lock:
+            for seq, waiting in self.pending.items():
+                oldest = min(p.since for p in waiting.values())
+                if now - oldest > self.timeout_s:
+                    missing = sorted(set(self.local_ranks) - set(waiting))
+                    self.fail(CollectiveTimeout(
+                        f"[daemon] job {self.id}: local rank(s) {missing} did not submit collective #{seq} "
+                        f"within {self.timeout_s:.0f}s while {sorted(waiting)} waited; a rank is stuck or "
+                        "took another code path", peer_rank=missing[0]), local=True)
+                    return
+
+    def fail(self, exc: MCCLError, local: bool) -> None:
+        """Fail every pending and later op with ``exc``; ``local``: tell the peer daemons too."""
+        with self._lock:
+            if self.failed is not None:
+                return
+            self.failed = exc
+            self.state = "failed"
+            pending = [p for waiting in self.pending.values() for p in waiting.values()]
+            self.pending.clear()
+            joining = [(m.ident, m.join_req) for m in self.members.values()] if self.hierarchy is None else []
+        log.warning("%s", exc)
+        for p in pending:
+            self.host.reply_error(p.ident, p.req, exc)
+        for ident, req in joining:
+            self.host.reply_error(ident, req, exc)
+        if local and len(self.topo.hosts) > 1:
+            self.host.notify_peers_failed(self, exc)
+        engine = self.engine
+        if engine is not None:
+            self.aborting = True
+            try:
+                engine.abort(str(exc))
+            except Exception:  # noqa: BLE001 - aborting is best effort, the job is failed anyway
+                log.debug("engine abort of job %s raised", self.id, exc_info=True)
+
+    def close(self) -> None:
+        self._tasks.put(("close", None))
+
+    # -- the job's thread ------------------------------------------------------------------
+    def _member(self, rank: int, ident: bytes) -> Member:
+        member = self.members.get(rank)
+        if member is None or member.ident != ident:
+            raise ProtocolError(f"[daemon] job {self.id}: rank {rank} is not joined from this connection")
+        return member
+
+    def _worker(self) -> None:
+        while True:
+            try:
+                kind, item = self._tasks.get(timeout=max(self.timeout_s, _SETUP_TIMEOUT_FLOOR_S))
+            except queue.Empty:
+                if self.state == "joining" and self.failed is None:
+                    with self._lock:
+                        missing = sorted(set(self.local_ranks) - set(self.members))
+                    self.fail(CollectiveTimeout(
+                        f"[daemon] job {self.id}: local rank(s) {missing} never joined within "
+                        f"{self.timeout_s:.0f}s; they did not start or use another daemon",
+                        peer_rank=missing[0] if missing else -1), local=True)
+                continue
+            if kind == "setup":
+                self._setup()
+            elif kind == "op":
+                self._run(item)
+            elif kind == "close":
+                with self._lock:
+                    if self.members:
+                        continue
+                self._shutdown()
+                return
+
+    def _setup(self) -> None:
+        try:
+            engine = self.host.build_engine(self) if len(self.topo.hosts) > 1 else None
+        except MCCLError as e:
+            self.fail(e, local=True)
+            return
+        except Exception as e:  # noqa: BLE001 - surfaced to the clients, not swallowed
+            self.fail(ProtocolError(f"[daemon] job {self.id}: building the host communicator failed: {e}"),
+                      local=True)
+            return
+        with self._lock:
+            if self.failed is not None:
+                if engine is not None:
+                    engine.abort(str(self.failed))
+                return
+            self.engine = engine
+            self.hierarchy = Hierarchy(self.topo, self.host.pool, self._engine_run if engine else None)
+            self.state = "ready"
+            joined = [(m.ident, m.join_req) for m in self.members.values()]
+        log.info("job %s ready: %d rank(s), %d here, %d host(s)", self.id, self.size,
+                 len(self.local_ranks), len(self.topo.hosts))
+        for ident, req in joined:
+            self.host.reply(ident, req, {"ok": True, "local_ranks": self.local_ranks,
+                                         "hosts": len(self.topo.hosts)})
+
+    def _engine_run(self, method: str, *args) -> None:
+        op_id = getattr(self.engine, method)(*args)
+        try:
+            self.engine.wait(op_id, self.timeout_s)
+        except AbortedError as e:
+            if self.failed is not None:
+                raise self.failed from None
+            if not self.aborting:
+                # A peer daemon aborted the engine: that only happens when it lost a rank.
+                raise PeerLostError(f"[daemon] job {self.id}: a peer host aborted the job ({e}); "
+                                    "a rank on another host died or left", peer_rank=e.peer_rank,
+                                    peer_addr=e.peer_addr) from None
+            raise
+
+    def _run(self, waiting: dict[int, _Pending]) -> None:
+        first = waiting[self.local_ranks[0]].msg
+        started = time.monotonic()
+        try:
+            if self.failed is not None:
+                raise self.failed
+            for p in waiting.values():
+                a, b = dict(p.msg["args"]), dict(first["args"])
+                a.pop("segment", None), b.pop("segment", None)
+                if p.msg["op"] != first["op"] or a != b:
+                    raise CollectiveMismatch(
+                        f"[daemon] job {self.id} collective #{first['seq']}: rank {p.msg['rank']} called "
+                        f"{p.msg['op']}{a}, rank {first['rank']} called {first['op']}{b}; every rank must "
+                        "issue the same collectives in the same order", peer_rank=p.msg["rank"])
+            bases = {r: self.members[r].segments[p.msg["args"].get("segment", "")].addr
+                     if p.msg["args"].get("segment") else 0 for r, p in waiting.items()}
+            self.hierarchy.run(first["op"], bases, first["args"])
+        except MCCLError as e:
+            if not isinstance(e, ConfigError):
+                self.fail(e, local=True)
+            for p in waiting.values():
+                self.host.reply_error(p.ident, p.req, e)
+            return
+        except KeyError as e:
+            err = ProtocolError(f"[daemon] job {self.id}: a rank left or its segment vanished mid-op ({e})")
+            self.fail(err, local=True)
+            for p in waiting.values():
+                self.host.reply_error(p.ident, p.req, err)
+            return
+        seconds = time.monotonic() - started
+        self.host.record_collective(self, first["op"], _nbytes_for_stats(first["op"], first["args"], self.size),
+                                    seconds)
+        for p in waiting.values():
+            self.host.reply(p.ident, p.req, {"ok": True})
+
+    def _shutdown(self) -> None:
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            try:
+                engine.shutdown(5.0)
+            except Exception:  # noqa: BLE001 - the job is over either way
+                log.debug("engine shutdown of job %s raised", self.id, exc_info=True)
+        self.state = "closed" if self.failed is None else self.state
+        log.info("job %s closed", self.id)
+        self.host.job_closed(self)
+
+
+def _nbytes_for_stats(op: str, args: dict[str, Any], size: int) -> int:
+    es = DTYPE_SIZE[args["dtype"]] if "dtype" in args else 1
+    if op in ("allreduce", "reduce"):
+        return args["count"] * es
+    if op == "reduce_scatter":
+        return args["count"] * es * size
+    if op in ("allgather", "gather", "scatter"):
+        return args["nbytes"] * size
+    return args.get("nbytes", 0)

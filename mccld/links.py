@@ -1,0 +1,218 @@
+"""Persistent authenticated TCP links between daemons.
+
+A link is dialled the first time a job needs a peer and kept for later jobs. Links
+carry the daemons' control traffic (job set-up: engine listener addresses; job
+failure notices); tensor data flows over the engine's own sockets, whose addresses
+are only ever learnt through an authenticated link.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from typing import Any, Callable
+
+from libmccl.errors import AuthError, MCCLError, PeerLostError, ProtocolError
+
+from . import auth
+from .logutil import OnceLogger
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[str, dict[str, Any]], None]  # (peer host id, message)
+
+
+class Link:
+    def __init__(self, sock: socket.socket, session: auth.Session, peer_host: str, peer_addr: str):
+        self.sock = sock
+        self.session = session
+        self.peer_host = peer_host
+        self.peer_addr = peer_addr
+        self._send_lock = threading.Lock()
+        self.closed = False
+
+    def send(self, msg: dict[str, Any]) -> None:
+        with self._send_lock:
+            if self.closed:
+                raise PeerLostError(f"[link] link to peer={self.peer_addr} ({self.peer_host}) is closed")
+            try:
+                self.sock.sendall(self.session.seal(msg))
+            except OSError as e:
+                self.close()
+                raise PeerLostError(f"[link] send to peer={self.peer_addr} ({self.peer_host}) failed: {e}; "
+                                    "the peer daemon died or the network is down") from None
+
+    def close(self) -> None:
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+class LinkManager:
+    """Listens for, dials, authenticates and keeps links; hands received messages to ``on_message``."""
+
+    def __init__(self, key: bytes, fleet: str, host_id: str, addr: str, port: int, timeout_s: float,
+                 on_message: Handler, on_peer: Callable[[str, bool], None] | None = None):
+        self._key, self._fleet, self.host_id = key, fleet, host_id
+        self._bind = (addr, port)
+        self._timeout = timeout_s
+        self._on_message = on_message
+        self._on_peer = on_peer or (lambda peer, up: None)
+        self._links: dict[str, Link] = {}        # peer host id -> live link
+        self._by_addr: dict[str, str] = {}       # "ip:port" dialled -> peer host id
+        self._lock = threading.Lock()
+        self._dial_locks: dict[str, threading.Lock] = {}
+        self._once = OnceLogger(log)
+        self._server: socket.socket | None = None
+        self._threads: list[threading.Thread] = []
+        self._stopping = threading.Event()
+        self.address = ""
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def start(self) -> None:
+        srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            srv.bind(self._bind)
+        except OSError as e:
+            srv.close()
+            raise MCCLError(f"[link] cannot listen on {self._bind[0]}:{self._bind[1]}: {e}; another mccld "
+                            "may be running, or set MCCL_PORT / MCCL_LISTEN_ADDR") from None
+        srv.listen(64)
+        srv.settimeout(0.5)
+        self._server = srv
+        host, port = srv.getsockname()
+        self.address = f"{host}:{port}"
+        t = threading.Thread(target=self._accept_loop, name="mccld-link-accept", daemon=True)
+        t.start()
+        self._threads.append(t)
+        log.info("link listener on %s", self.address)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._server is not None:
+            self._server.close()
+        with self._lock:
+            links = list(self._links.values())
+            self._links.clear()
+        for link in links:
+            link.close()
+        for t in self._threads:
+            t.join(timeout=2.0)
+
+    # -- public ------------------------------------------------------------------------
+    def link_to(self, addr: str) -> Link:
+        """An authenticated link to the daemon at ``ip:port``, dialled if none is up."""
+        with self._lock:
+            host = self._by_addr.get(addr)
+            link = self._links.get(host) if host else None
+            if link is not None and not link.closed:
+                return link
+            dial_lock = self._dial_locks.setdefault(addr, threading.Lock())
+        with dial_lock:
+            with self._lock:
+                host = self._by_addr.get(addr)
+                link = self._links.get(host) if host else None
+                if link is not None and not link.closed:
+                    return link
+            link = self._dial(addr)
+            with self._lock:
+                self._by_addr[addr] = link.peer_host
+            return link
+
+    def send(self, addr: str, msg: dict[str, Any]) -> None:
+        self.link_to(addr).send(msg)
+
+    def peers(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [{"host_id": h, "addr": l.peer_addr} for h, l in self._links.items() if not l.closed]
+
+    # -- internals ---------------------------------------------------------------------
+    def _dial(self, addr: str) -> Link:
+        host, _, port = addr.rpartition(":")
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=self._timeout)
+        except (OSError, ValueError) as e:
+            self._once.warn(f"dial:{addr}", "[link] cannot connect to peer=%s: %s", addr, e)
+            raise PeerLostError(f"[link] cannot connect to peer={addr}: {e}; is mccld running there "
+                                "and reachable on MCCL_PORT?") from None
+        try:
+            peer_host, session = auth.initiate(sock, self._key, self._fleet, self.host_id, addr)
+        except (AuthError, ProtocolError) as e:
+            sock.close()
+            self._once.warn(f"auth:{addr}", "%s", e)
+            raise
+        except OSError as e:
+            sock.close()
+            raise PeerLostError(f"[link] handshake with peer={addr} failed: {e}; the peer daemon "
+                                "closed the link (wrong fleet key on one side?)") from None
+        self._once.forget(f"dial:{addr}")
+        return self._adopt(sock, session, peer_host, addr)
+
+    def _accept_loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                sock, (ip, port) = self._server.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=self._handshake, args=(sock, f"{ip}:{port}"),
+                             name="mccld-link-handshake", daemon=True).start()
+
+    def _handshake(self, sock: socket.socket, peer: str) -> None:
+        sock.settimeout(self._timeout)
+        try:
+            peer_host, session = auth.respond(sock, self._key, self._fleet, self.host_id, peer)
+        except (AuthError, ProtocolError) as e:
+            self._once.warn(f"auth:{peer.rpartition(':')[0]}", "%s", e)
+            sock.close()
+            return
+        except (OSError, ValueError) as e:
+            self._once.warn(f"hs:{peer.rpartition(':')[0]}",
+                            "[link] handshake with peer=%s failed: %s (it may hold another fleet key)",
+                            peer, e)
+            sock.close()
+            return
+        self._adopt(sock, session, peer_host, peer)
+
+    def _adopt(self, sock: socket.socket, session: auth.Session, peer_host: str, addr: str) -> Link:
+        sock.settimeout(None)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        link = Link(sock, session, peer_host, addr)
+        with self._lock:
+            old = self._links.get(peer_host)
+            # Two daemons dialling each other at once keep both links; either works for sending.
+            if old is None or old.closed:
+                self._links[peer_host] = link
+        log.info("link up: peer=%s (%s)", addr, peer_host)
+        self._on_peer(peer_host, True)
+        t = threading.Thread(target=self._read_loop, args=(link,), name="mccld-link-read", daemon=True)
+        t.start()
+        return link
+
+    def _read_loop(self, link: Link) -> None:
+        while not self._stopping.is_set():
+            try:
+                msg = link.session.open(link.sock)
+            except (AuthError, ProtocolError) as e:
+                self._once.warn(f"frame:{link.peer_host}", "%s", e)
+                break
+            except (OSError, ConnectionError):
+                break
+            try:
+                self._on_message(link.peer_host, msg)
+            except Exception:  # a bad message must not kill the link's reader
+                log.exception("[link] handling %s from %s failed", msg.get("type"), link.peer_host)
+        link.close()
+        with self._lock:
+            if self._links.get(link.peer_host) is link:
+                del self._links[link.peer_host]
+        if not self._stopping.is_set():
+            log.info("link down: peer=%s (%s)", link.peer_addr, link.peer_host)
+            self._on_peer(link.peer_host, False)

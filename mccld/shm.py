@@ -1,0 +1,129 @@
+"""POSIX shared-memory segments that carry tensor data between a client and the daemon.
+
+Segments are named ``mccl-<job>-<rank>-<pid>-<gen>`` (short: macOS caps names at 31
+characters). The owner pid in the name lets any daemon tell a live client's segment
+from one a crash left behind, so a sweep never frees memory that is still in use,
+even when several daemons share one /dev/shm (network-namespace tests).
+
+``shm_open`` is called directly rather than through ``multiprocessing.shared_memory``:
+its resource tracker would unlink a segment when the *daemon's* reference goes away,
+pulling it from under the client.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import re
+import sys
+from pathlib import Path
+
+import _posixshmem
+
+from libmccl.errors import ConfigError, ProtocolError
+
+log = logging.getLogger(__name__)
+
+PREFIX = "mccl-"
+_NAME_RE = re.compile(r"^mccl-[0-9a-f]{1,12}-\d{1,6}-(\d{1,9})-\d{1,6}$")
+MAX_NAME = 31
+
+
+def segment_name(job: str, rank: int, pid: int, gen: int) -> str:
+    name = f"{PREFIX}{job}-{rank}-{pid}-{gen}"
+    if not _NAME_RE.match(name) or len(name) > MAX_NAME:
+        raise ConfigError(f"[daemon] shared-memory name {name!r} is malformed or longer than "
+                          f"{MAX_NAME} characters; job ids must be short hex strings")
+    return name
+
+
+def owner_pid(name: str) -> int | None:
+    m = _NAME_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Segment:
+    """One mapped segment. The creator (client) or the daemon may unlink it."""
+
+    def __init__(self, name: str, nbytes: int, create: bool):
+        if not _NAME_RE.match(name):
+            raise ProtocolError(f"[daemon] refused shared-memory segment name {name!r}; "
+                                "expected mccl-<job>-<rank>-<pid>-<gen>")
+        self.name = name
+        self.nbytes = nbytes
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = _posixshmem.shm_open("/" + name, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, nbytes)
+            else:
+                have = os.fstat(fd).st_size
+                if have < nbytes:
+                    raise ProtocolError(f"[daemon] segment {name} holds {have} bytes, client "
+                                        f"claimed {nbytes}; the client is out of sync")
+            self._map = mmap.mmap(fd, max(nbytes, 1))
+        finally:
+            os.close(fd)
+        self._buf = (ctypes.c_char * max(nbytes, 1)).from_buffer(self._map)
+        self.addr = ctypes.addressof(self._buf)
+
+    def view(self, offset: int = 0, nbytes: int | None = None) -> memoryview:
+        end = self.nbytes if nbytes is None else offset + nbytes
+        if offset < 0 or end > self.nbytes:
+            raise ProtocolError(f"[daemon] range [{offset}, {end}) outside segment {self.name} "
+                                f"of {self.nbytes} bytes")
+        return memoryview(self._map)[offset:end]
+
+    def close(self) -> None:
+        if self._map is None:
+            return
+        del self._buf
+        try:
+            self._map.close()
+        except BufferError:
+            # A view is still exported (an in-flight numpy array); the mapping goes when it does.
+            log.debug("segment %s still referenced; unmapped later", self.name)
+        self._map = None
+
+    def unlink(self) -> None:
+        unlink(self.name)
+
+
+def unlink(name: str) -> bool:
+    try:
+        _posixshmem.shm_unlink("/" + name)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def sweep(names: list[str] | None = None) -> list[str]:
+    """Unlink MCCL segments whose owner process is gone; returns what was removed.
+
+    Linux lists /dev/shm; macOS cannot list POSIX shm, so the daemon passes the names
+    it recorded in its runtime directory.
+    """
+    if names is None:
+        names = []
+    if sys.platform.startswith("linux") and Path("/dev/shm").is_dir():
+        names = list(names) + [p.name for p in Path("/dev/shm").glob(PREFIX + "*")]
+    removed = []
+    for name in sorted(set(names)):
+        pid = owner_pid(name)
+        if pid is not None and not pid_alive(pid) and unlink(name):
+            removed.append(name)
+    if removed:
+        log.info("swept %d shared-memory segment(s) left by dead processes", len(removed))
+    return removed
