@@ -129,3 +129,13 @@ def test_fleet_sweep_is_capped_by_the_link(tmp_path):
     (r,) = doc["results"]
     # A collective cannot beat the shaped link: busbw stays below the ceiling (+5% noise).
     assert 0 < r["busbw_Gbps"] * 1e9 <= 1.05 * doc["ceiling"]["mean_bps"]
+
+
+@pytest.mark.timeout(60)
+def test_bench_and_fleet_import_neither_zmq_nor_zeroconf():
+    # The device runner has torch and the engine only; the bench must not need the daemon's deps.
+    code = ("import sys, libmccl.bench.__main__, libmccl.bench.sweep, libmccl.bench.worker, libmccl.bench.plot, "
+            "libmccl.fleet, libmccl.fleet_cli; bad = {'zmq', 'zeroconf', 'torch'} & set(sys.modules); "
+            "assert not bad, bad")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-1000:]
