@@ -139,6 +139,7 @@ class Fleet:
         self._lock = threading.Lock()
         self._started = False
         self._stopped = False
+        self._owner_pid = os.getpid()
 
     # ---- names -------------------------------------------------------------------
     @property
@@ -162,6 +163,7 @@ class Fleet:
             raise MCCLError("[fleet] start() called twice; a Fleet is started once, then stopped")
         check_prerequisites()
         self._started = True
+        self._owner_pid = os.getpid()
         atexit.register(self.stop)
         try:
             self._claim_id()
@@ -217,7 +219,12 @@ class Fleet:
             _sh(["tc", "qdisc", "replace", "dev", h.veth] + tbf)                # switch -> host
 
     def stop(self) -> None:
-        """Kill every process in the fleet, delete namespaces, veths and bridge. Idempotent."""
+        """Kill every process in the fleet, delete namespaces, veths and bridge. Idempotent.
+
+        Only the process that started the fleet tears it down: a forked child inherits the
+        atexit hook, and its exit must not pull the network out from under its parent."""
+        if os.getpid() != self._owner_pid:
+            return
         with self._lock:
             if self._stopped or not self._started:
                 self._stopped = self._stopped or self._started
