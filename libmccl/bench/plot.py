@@ -46,9 +46,10 @@ def plot(results_paths: list[str], out_png: str, title: str | None = None) -> No
                            label=f"ring ceiling ({res['ceiling']['tool']}) {tag}".strip() + f" {c:.2f}")
         ax.set_xscale("log", base=2)
         ticks = sorted({r["bytes"] for res in results for r in res["results"] if r["op"] == op})
-        ax.set_xticks(ticks[::2])
-        ax.set_xticklabels([fmt_bytes(t) for t in ticks[::2]], rotation=45, fontsize=8)
-        ax.set_ylim(bottom=0)
+        ticks = ticks[::2] if len(ticks) > 10 else ticks
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([fmt_bytes(t) for t in ticks], rotation=45, fontsize=8)
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.12)  # room above the ceiling line for the legend
         ax.set_xlabel("message size (bytes)")
         ax.set_ylabel("bus bandwidth (Gbit/s per rank)")
         ax.set_title(op)
