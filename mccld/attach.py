@@ -172,3 +172,30 @@ class AttachServer:
         """The client is gone: a new connection reusing its identity must say hello again."""
         with self._auth_lock:
             self._authenticated.discard(ident)
+
+
+def local_request(runtime_dir: Path, msg: dict[str, Any], timeout_s: float = 5.0) -> dict[str, Any]:
+    """One request to the daemon serving ``runtime_dir`` (hello first); for CLIs and tests."""
+    import os
+    from libmccl.errors import DaemonUnavailableError
+    try:
+        token = (runtime_dir / protocol.TOKEN_NAME).read_text().strip()
+    except OSError as e:
+        raise DaemonUnavailableError(f"[daemon] no mccld token in {runtime_dir} ({e.strerror}); is mccld "
+                                     "running with this MCCL_RUNTIME_DIR?") from None
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(protocol.endpoint(runtime_dir))
+        reply: dict[str, Any] = {}
+        for req, m in enumerate(({"type": "hello", "token": token, "pid": os.getpid()}, msg), start=1):
+            sock.send(protocol.encode({**m, "req": req}))
+            if not sock.poll(int(timeout_s * 1000)):
+                raise DaemonUnavailableError(f"[daemon] mccld at {protocol.endpoint(runtime_dir)} did not "
+                                             f"answer {m['type']} within {timeout_s:.0f}s")
+            reply = protocol.decode_reply(sock.recv())
+            if not reply.get("ok"):
+                raise protocol.error_from_payload(reply.get("error") or {})
+        return reply
+    finally:
+        sock.close(0)

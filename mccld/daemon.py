@@ -186,9 +186,12 @@ class Daemon:
         disc = _optional("discovery")
         if disc is None:
             return
-        self.fleet = disc.FleetTable(self.cfg.fleet, [self.addr], on_change=self._on_fleet_change)
+        self.fleet = disc.FleetTable(self.cfg.fleet, [self.addr], on_change=self._on_fleet_change,
+                                     ttl_s=self.cfg.mdns_ttl_s)
         self.fleet.start()
-        self.advertiser = disc.Advertiser(self.cfg, self.host_id, self.addr, self.links.address)
+        port = int(self.links.address.rpartition(":")[2])
+        self.advertiser = disc.Advertiser(self.fleet.zc, self.cfg.fleet, self.host_id, self.addr, port,
+                                          self.cfg.mdns_ttl_s)
         self.advertiser.start()
 
     def _start_servers(self, key: bytes) -> None:
