@@ -58,24 +58,34 @@ def _field(rec: Any, *names: str, default: Any = None) -> Any:
     return default
 
 
-def from_record(rec: Any) -> Target:
-    """A Target from one ``mccld.discovery.browse_fleet`` record (dict or object)."""
-    host = str(_field(rec, "host", "host_id", "name", default="?"))
-    addr = str(_field(rec, "ip", "address", "addr", default=host))
-    ip = split_addr(addr, 0)[0] if ":" in addr else addr
-    status_port = int(_field(rec, "status_port", default=DEFAULT_STATUS_PORT))
-    metrics_port = int(_field(rec, "metrics_port", default=DEFAULT_METRICS_PORT))
+def from_record(rec: Any, status_port: int = DEFAULT_STATUS_PORT,
+                metrics_port: int = DEFAULT_METRICS_PORT) -> Target:
+    """A Target from one ``mccld.discovery.browse_fleet`` record (dict or object).
+
+    The ports come from the record when the daemon advertises them, else from this
+    host's settings (a fleet normally uses one MCCL_STATUS_PORT / MCCL_METRICS_PORT).
+    """
+    host = str(_field(rec, "host_id", "host", "name", default="?"))
+    addresses = _field(rec, "addresses", default=None)
+    addr = str(addresses[0]) if addresses else str(_field(rec, "ip", "address", "addr", default=host))
+    ip = split_addr(addr, 0)[0] if addr.count(":") == 1 else addr
+    status_port = int(_field(rec, "status_port", default=status_port))
+    metrics_port = int(_field(rec, "metrics_port", default=metrics_port))
     return Target(host=host, status_addr=f"{ip}:{status_port}", metrics_addr=f"{ip}:{metrics_port}")
 
 
 def discover(timeout_s: float) -> list[Target]:
-    """Daemons of this host's fleet announced over mDNS, sorted by host id."""
+    """Daemons of this host's fleet (MCCL_FLEET) announced over mDNS, sorted by host id."""
     try:
+        from mccld.config import load_config
         from mccld.discovery import browse_fleet
     except ImportError as e:
         raise ConfigError(f"[mcclctl] mDNS discovery is unavailable ({e}); name daemons with --host") from None
-    records = browse_fleet(timeout_s)
-    return sorted((from_record(r) for r in records), key=lambda t: t.host)
+    cfg = load_config()
+    records = browse_fleet(timeout_s, fleet=cfg.fleet)
+    return sorted((from_record(r, cfg.status_port or DEFAULT_STATUS_PORT,
+                               cfg.metrics_port or DEFAULT_METRICS_PORT) for r in records),
+                  key=lambda t: t.host)
 
 
 def load_key(key_file: str | None) -> bytes:

@@ -74,6 +74,10 @@ def test_doctor_report_counts():
 
 @pytest.mark.timeout(10)
 def test_discovery_records_become_targets():
+    # The shape mccld.discovery.browse_fleet returns.
+    rec = {"host_id": "mac1", "fleet": "lab", "addresses": ["10.0.0.1"], "port": 29650, "state": "idle"}
+    assert from_record(rec) == Target("mac1", "10.0.0.1:29651", "10.0.0.1:29652")
+    assert from_record(rec, 31000, 32000) == Target("mac1", "10.0.0.1:31000", "10.0.0.1:32000")
     t = from_record({"host": "mac2", "address": "10.0.0.2:29650", "status_port": 30001})
     assert t == Target("mac2", "10.0.0.2:30001", "10.0.0.2:29652")
     t = from_record({"host_id": "mac3", "ip": "10.0.0.3", "properties": {"metrics_port": 9999}})
