@@ -1,0 +1,157 @@
+"""Training on mccl: DDP matches Gloo and single-process training; FSDP2, DeviceMesh /
+DTensor redistribution and new_group subgroups work."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import init_pg
+
+STEPS = 5
+LOCAL_BATCH = 8
+
+
+def _model():
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+
+
+def _batches(world: int):
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(world * LOCAL_BATCH, 16, generator=g), torch.randn(world * LOCAL_BATCH, 4, generator=g))
+            for _ in range(STEPS)]
+
+
+def _train(model, batches, rank: int, world: int):
+    """SGD steps; each rank uses its slice of every global batch (all of it if world is 1)."""
+    import torch
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in batches:
+        lo, hi = rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH
+        if world > 1:
+            x, y = x[lo:hi], y[lo:hi]
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return model
+
+
+def _reference(world: int):
+    return [p.detach().clone() for p in _train(_model(), _batches(world), 0, 1).parameters()]
+
+
+def _ddp_rank(rank: int, world: int) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    init_pg(rank, world)
+    try:
+        gloo = dist.new_group(backend="gloo")
+        mccl_model = _train(DDP(_model()), _batches(world), rank, world).module
+        gloo_model = _train(DDP(_model(), process_group=gloo), _batches(world), rank, world).module
+        ref = _reference(world)
+        for pm, pg, pr in zip(mccl_model.parameters(), gloo_model.parameters(), ref):
+            assert torch.allclose(pm, pg, atol=1e-6), (pm - pg).abs().max()
+            assert torch.allclose(pm, pr, atol=1e-5), (pm - pr).abs().max()
+        # The parameters moved: the comparison above is not between untouched models.
+        assert not torch.allclose(next(mccl_model.parameters()), next(_model().parameters()))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world", [2, 3])
+def test_ddp_matches_gloo_and_single_process(world: int, ranks) -> None:
+    ranks(_ddp_rank, world, timeout_s=150)
+
+
+def _fsdp_rank(rank: int, world: int) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    init_pg(rank, world)
+    try:
+        model = _model()
+        for layer in (model[0], model[2]):
+            fully_shard(layer)
+        fully_shard(model)
+        _train(model, _batches(world), rank, world)
+        ref = _reference(world)
+        for p, r in zip(model.parameters(), ref):
+            full = p.full_tensor()  # all-gathers the shards over mccl
+            assert torch.allclose(full, r, atol=1e-5), (full - r).abs().max()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+def test_fsdp2_fully_shard(ranks) -> None:
+    ranks(_fsdp_rank, 2, timeout_s=150)
+
+
+def _mesh_rank(rank: int, world: int) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    init_pg(rank, world)
+    try:
+        full = torch.arange(world * 6 * 4, dtype=torch.float32).reshape(world * 6, 4)
+        mesh = init_device_mesh("cpu", (world,))
+        sharded = distribute_tensor(full, mesh, [Shard(0)])
+        assert torch.equal(sharded.to_local(), full.chunk(world)[rank])
+        assert torch.equal(sharded.redistribute(mesh, [Replicate()]).to_local(), full)   # all-gather
+        assert torch.equal(sharded.redistribute(mesh, [Shard(1)]).full_tensor(), full)   # all-to-all
+        # Partial -> Replicate is an all-reduce: every rank contributes full, so the sum is world * full.
+        partial = DTensor.from_local(full.clone(), mesh, [Partial()])
+        assert torch.equal(partial.redistribute(mesh, [Replicate()]).to_local(), world * full)
+        mesh2 = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+        t = distribute_tensor(full, mesh2, [Shard(0), Shard(1)])
+        assert torch.equal(t.full_tensor(), full)
+        assert torch.equal(t.redistribute(mesh2, [Replicate(), Shard(1)]).to_local(), full.chunk(world // 2, 1)[
+            mesh2.get_local_rank("tp")])
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+def test_device_mesh_dtensor_redistribute(ranks) -> None:
+    ranks(_mesh_rank, 4, timeout_s=150)
+
+
+def _subgroup_rank(rank: int, world: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    init_pg(rank, world)
+    try:
+        evens = dist.new_group([0, 2])
+        odds = dist.new_group([1, 3])
+        mine = evens if rank % 2 == 0 else odds
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=mine)
+        assert t.item() == (2.0 if rank % 2 == 0 else 4.0), t
+        # Groups are independent: the world group still works and sees everyone.
+        w = torch.ones(3)
+        dist.all_reduce(w)
+        assert torch.equal(w, torch.full((3,), float(world)))
+        out = [torch.empty(1) for _ in range(2)]
+        dist.all_gather(out, torch.tensor([float(rank)]), group=mine)
+        assert [o.item() for o in out] == ([0.0, 2.0] if rank % 2 == 0 else [1.0, 3.0])
+        dist.destroy_process_group(mine)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+def test_new_group_subgroups(ranks) -> None:
+    ranks(_subgroup_rank, 4, timeout_s=150)
