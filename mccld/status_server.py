@@ -116,12 +116,17 @@ def merge_status(daemon: dict, snap: dict | None, tcp_text: str | None = None) -
     if tcp_text is None and local:
         tcp_text = tcpinfo.run_ss()
     for link in links:
-        ps = peers.get(link.get("peer"), {})
+        # Daemons may name a link by "addr"/"host_id"; the answer always has "peer"/"host".
+        link.setdefault("peer", link.get("addr"))
+        link.setdefault("host", link.get("host_id"))
+        ps = peers.get(link.get("peer")) or peers.get(link.get("host")) or {}
+        if "up" not in link and ps.get("up") is None:
+            link["up"] = True  # listed by the daemon without a state: it is a live link
         for key in ("sent_bytes", "received_bytes", "tx_bytes_per_s", "rx_bytes_per_s",
                     "ceiling_bits_per_s"):
             link.setdefault(key, ps.get(key))
         if ps.get("up") is not None:
-            link.setdefault("up", ps["up"])
+            link.setdefault("up", bool(ps["up"]))
         if local and link.get("peer") and tcp_text is not None:
             tcp = tcpinfo.summarize(tcpinfo.link_sockets(local, link["peer"], tcp_text))
         else:
@@ -129,6 +134,14 @@ def merge_status(daemon: dict, snap: dict | None, tcp_text: str | None = None) -
         for key, value in tcp.items():
             if link.get(key) is None:
                 link[key] = value
+    # Links the daemon no longer lists but the stats saw go down still count (as down).
+    listed = {link.get("peer") for link in links} | {link.get("host") for link in links}
+    for name, ps in sorted(peers.items()):
+        if ps.get("up") is False and name not in listed:
+            links.append({"peer": name, "host": None, "up": False, "sent_bytes": ps.get("sent_bytes"),
+                          "received_bytes": ps.get("received_bytes"), "tx_bytes_per_s": 0.0,
+                          "rx_bytes_per_s": 0.0, "ceiling_bits_per_s": ps.get("ceiling_bits_per_s"),
+                          **tcpinfo.summarize(None)})
     out["links"] = links
     out.setdefault("links_up", sum(1 for link in links if link.get("up")))
     out.setdefault("links_total", len(links))
@@ -143,6 +156,7 @@ def merge_status(daemon: dict, snap: dict | None, tcp_text: str | None = None) -
     jobs = [dict(j) for j in out.get("jobs") or
             [{"job": name, "world": j["world"]} for name, j in snap.get("jobs", {}).items()]]
     for job in jobs:
+        job.setdefault("ranks", job.get("local_ranks"))
         js = snap.get("jobs", {}).get(job.get("job"), {})
         job.setdefault("world", js.get("world"))
         job.setdefault("collectives", js.get("ops", 0))
