@@ -1,0 +1,135 @@
+"""Asynchronous use: many ops in flight, DDP comm hooks chaining futures, re-init."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+
+import pytest
+
+from conftest import free_port, init_pg
+
+IN_FLIGHT = 40
+
+
+def _in_flight_rank(rank: int, world: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    init_pg(rank, world)
+    try:
+        dist.barrier()
+        if rank == world - 1:
+            # No op can complete anywhere until the last rank joins, so on the other
+            # ranks every op below is provably in flight together.
+            time.sleep(1.0)
+        started = time.monotonic()
+        tensors = [torch.full((1000 + i,), float(rank + i)) for i in range(IN_FLIGHT)]
+        works = [dist.all_reduce(t, async_op=True) for t in tensors]
+        gathers = [torch.empty(world * 3, dtype=torch.int64) for _ in range(IN_FLIGHT // 4)]
+        works += [dist.all_gather_into_tensor(g, torch.full((3,), rank + i, dtype=torch.int64), async_op=True)
+                  for i, g in enumerate(gathers)]
+        issued = time.monotonic() - started
+        if rank != world - 1:
+            assert issued < 0.5, f"issuing {len(works)} async ops took {issued:.2f}s: they block"
+            assert not any(w.is_completed() for w in works), "an op completed before every rank issued it"
+        for w in works:
+            assert w.wait()
+        assert all(w.is_completed() and w.is_success() for w in works)
+        total = sum(range(world))
+        for i, t in enumerate(tensors):
+            assert torch.equal(t, torch.full((1000 + i,), float(total + world * i))), i
+        for i, g in enumerate(gathers):
+            want = torch.cat([torch.full((3,), r + i, dtype=torch.int64) for r in range(world)])
+            assert torch.equal(g, want), i
+        # Futures complete with the op's outputs.
+        t = torch.ones(4)
+        fut = dist.all_reduce(t, async_op=True).get_future()
+        assert torch.equal(fut.wait()[0], torch.full((4,), float(world)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_many_async_ops_in_flight(ranks) -> None:
+    ranks(_in_flight_rank, 3, timeout_s=100)
+
+
+def _hook_rank(rank: int, world: int) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    init_pg(rank, world)
+    calls = []
+
+    def chained_hook(state, bucket):
+        # allreduce -> divide -> record: two chained callbacks on the work's future.
+        fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+
+        def divide(f):
+            return f.value()[0].div_(world)
+
+        def record(f):
+            calls.append(bucket.index())
+            return f.value()
+        return fut.then(divide).then(record)
+
+    def train(hook):
+        torch.manual_seed(0)
+        model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)))
+        if hook is not None:
+            model.register_comm_hook(None, hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(4, 8, generator=g)).pow(2).mean().backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    try:
+        plain = train(None)
+        chained = train(chained_hook)
+        assert calls, "the comm hook never ran"
+        fp16 = train(default_hooks.fp16_compress_hook)
+        for a, b, c in zip(plain, chained, fp16):
+            assert torch.allclose(a, b, atol=1e-6)
+            assert torch.allclose(a, c, atol=1e-2)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_ddp_comm_hook_chaining_futures(ranks) -> None:
+    ranks(_hook_rank, 2, timeout_s=100)
+
+
+def _reinit_rank(rank: int, world: int, second_port: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    # One store for every incarnation: keys of the first group must not leak into the next.
+    store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, rank == 0,
+                          timeout=datetime.timedelta(seconds=30))
+    for round_ in range(3):
+        dist.init_process_group("mccl", store=store, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=30))
+        t = torch.full((5,), float(rank + round_))
+        dist.all_reduce(t)
+        assert torch.equal(t, torch.full((5,), float(sum(range(world)) + world * round_))), (round_, t)
+        dist.destroy_process_group()
+    # And through env:// (a fresh store each time), as torchrun-style scripts do.
+    os.environ["MASTER_PORT"] = str(second_port)
+    init_pg(rank, world)
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((2,), float(world)))
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_reinit_after_destroy(ranks) -> None:
+    ranks(_reinit_rank, 3, free_port(), timeout_s=100)
