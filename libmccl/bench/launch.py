@@ -81,7 +81,8 @@ class FleetLauncher:
 @dataclass
 class Finished:
     returncode: int
-    log: str  # the tail of the process's stdout+stderr
+    log: str        # the tail of the process's stdout+stderr, for error messages
+    log_path: str   # all of it
 
 
 def _kill(p: subprocess.Popen) -> None:
@@ -129,7 +130,7 @@ def run_group(launcher, argvs: Sequence[Sequence[str]], envs: Sequence[Mapping[s
     for p, path in zip(procs, logs):
         with open(path, "rb") as f:
             tail = f.read()[-4000:].decode(errors="replace")
-        out.append(Finished(p.returncode, tail))
+        out.append(Finished(p.returncode, tail, path))
     return out
 
 

@@ -23,7 +23,8 @@ def render(result: dict) -> str:
         cpu = f", {ceiling['cpu_s_per_gb']:.2f} CPU s/GB" if ceiling.get("cpu_s_per_gb") else ""
         lines.append(f"# ring ceiling ({ceiling['tool']}, every host -> right neighbour): "
                      f"{ceiling['mean_bps'] / 1e9:.3f} Gbit/s per host = {ceiling['mean_bps'] / 8e9:.3f} GB/s "
-                     f"(min {ceiling['min_bps'] / 1e9:.3f}){cpu}")
+                     f"(slowest host {ceiling['min_bps'] / 1e9:.3f}; before/after the backends: "
+                     f"{' / '.join(f'{b / 1e9:.3f}' for b in ceiling.get('runs_mean_bps', []))}){cpu}")
     for name, b in result["backends"].items():
         if not b["ok"]:
             lines.append(f"# {name}: FAILED, no numbers: {b['error']}")
