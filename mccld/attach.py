@@ -33,10 +33,11 @@ Handler = Callable[[bytes, dict[str, Any]], "dict[str, Any] | None"]
 
 
 class AttachServer:
-    def __init__(self, runtime_dir: Path, handler: Handler):
+    def __init__(self, runtime_dir: Path, handler: Handler, on_disconnect: Callable[[], None] | None = None):
         self.runtime_dir = runtime_dir
         self.endpoint = protocol.endpoint(runtime_dir)
         self._handler = handler
+        self._on_disconnect = on_disconnect or (lambda: None)
         self._ctx = zmq.Context.instance()
         self._token = secrets.token_hex(32)
         self._authenticated: set[bytes] = set()
@@ -129,8 +130,9 @@ class AttachServer:
                             break
                         self._handle(router, frames)
                 if monitor in events:
-                    # ROUTER cannot say which identity went; the daemon's pid check does that.
+                    # ROUTER cannot say which identity went: have the daemon check its clients now.
                     monitor.recv_multipart()
+                    self._on_disconnect()
         finally:
             router.disable_monitor()
             monitor.close(0)

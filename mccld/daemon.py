@@ -74,6 +74,7 @@ class Daemon:
         self._mailbox: dict[tuple[str, int], tuple[str, str, float]] = {}
         self._mail_cv = threading.Condition(self._lock)
         self._stop = threading.Event()
+        self._poke = threading.Event()      # a client disconnected: check clients now
         self._checker: threading.Thread | None = None
         self._traffic: dict[tuple[str, int], tuple[int, int]] = {}
         self.last_error = ""
@@ -98,7 +99,7 @@ class Daemon:
             self.links = LinkManager(key, cfg.fleet, self.host_id, self.addr, cfg.port, cfg.link_timeout_s,
                                      self._on_link_message, self._on_peer)
             self.links.start()
-            self.attach = AttachServer(self.runtime_dir, self._handle)
+            self.attach = AttachServer(self.runtime_dir, self._handle, on_disconnect=self._poke.set)
             self.attach.start()
             self._start_discovery()
             self._start_servers(key)
@@ -114,6 +115,7 @@ class Daemon:
 
     def stop(self, reason: str = "mccld is stopping") -> None:
         self._stop.set()
+        self._poke.set()
         with self._lock:
             jobs = list(self.jobs.values())
         for job in jobs:
@@ -401,7 +403,9 @@ class Daemon:
 
     # -- periodic checks -----------------------------------------------------------------------
     def _check_loop(self) -> None:
-        while not self._stop.wait(self.cfg.client_check_s):
+        while not self._stop.is_set():
+            self._poke.wait(self.cfg.client_check_s)
+            self._poke.clear()
             try:
                 self._check_once()
             except Exception:  # noqa: BLE001 - the checker must survive anything

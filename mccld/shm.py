@@ -45,12 +45,20 @@ def owner_pid(name: str) -> int | None:
 
 
 def pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs. A zombie (killed, not yet reaped by its parent) counts as dead:
+    its memory and sockets are gone, and a launcher may take a while to reap it."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
+    if sys.platform.startswith("linux"):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        return stat.rpartition(")")[2].split()[:1] not in (["Z"], ["X"])
     return True
 
 
