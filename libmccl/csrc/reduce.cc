@@ -8,7 +8,7 @@
 // - `in` and `inout` must not overlap (they are `__restrict`); the engine always
 //   reduces a received segment into a separate destination.
 // - 16-bit floats are computed in float32 and rounded back once (as torch's CPU
-//   kernels do); bool is loaded as (byte != 0) and stored as 0/1.
+//   kernels do), a block at a time; bool is loaded as (byte != 0) and stored as 0/1.
 // - Integer SUM/PRODUCT run in the unsigned type of the same width: signed overflow
 //   is undefined behaviour in C++, unsigned wraps, and torch wraps too.
 // - Float MIN/MAX propagate NaN (like torch.minimum/maximum) and order -0.0 below
@@ -21,7 +21,7 @@
 #include <type_traits>
 
 #include "errors.h"
-#include "half.h"
+#include "reduce_convert.h"
 
 // One binary runs the AVX2 variant where the CPU has it. target_clones needs ifunc
 // support (ELF); elsewhere (Apple arm64) the plain -O3 loop is auto-vectorised for NEON.
@@ -40,27 +40,31 @@ template <class T>
 struct Native {
   using Storage = T;
   using Value = T;
+  static constexpr bool kWidened = false;
   static Value load(Storage s) { return s; }
   static Storage store(Value v) { return v; }
 };
 
+// 16-bit floats are widened a block at a time (reduce_convert.h), so their conversions
+// run as separate tight loops (F16C on x86-64) and the float32 operator loop is shared.
 struct Float16 {
   using Storage = uint16_t;
-  using Value = float;
-  static Value load(Storage s) { return half_to_float(s); }
-  static Storage store(Value v) { return float_to_half(v); }
+  static constexpr bool kWidened = true;
+  static void widen(const void* s, float* d, size_t n) { half_to_float_block(s, d, n); }
+  static void narrow(const float* s, void* d, size_t n) { float_to_half_block(s, d, n); }
 };
 
 struct BFloat16 {
   using Storage = uint16_t;
-  using Value = float;
-  static Value load(Storage s) { return bfloat16_to_float(s); }
-  static Storage store(Value v) { return float_to_bfloat16(v); }
+  static constexpr bool kWidened = true;
+  static void widen(const void* s, float* d, size_t n) { bfloat16_to_float_block(s, d, n); }
+  static void narrow(const float* s, void* d, size_t n) { float_to_bfloat16_block(s, d, n); }
 };
 
 struct Bool {
   using Storage = uint8_t;
   using Value = bool;
+  static constexpr bool kWidened = false;
   static Value load(Storage s) { return s != 0; }
   static Storage store(Value v) { return static_cast<Storage>(v); }
 };
@@ -196,6 +200,46 @@ MCCL_VECTOR_CLONES void divide_loop(void* buf, size_t n, Div divisor) {
   }
 }
 
+// Widened types: blocks of this many elements (two float blocks, 4 KiB, stay in L1).
+constexpr size_t kBlock = 512;
+
+template <class Op>
+MCCL_VECTOR_CLONES void combine_floats(float* __restrict acc, const float* __restrict x, size_t n) {
+  for (size_t i = 0; i < n; ++i) acc[i] = Op::apply(acc[i], x[i]);
+}
+
+template <class Elem, class Op>
+void reduce_widened(const void* in, void* inout, size_t n) {
+  const unsigned char* src = static_cast<const unsigned char*>(in);
+  unsigned char* dst = static_cast<unsigned char*>(inout);
+  float acc[kBlock], x[kBlock];
+  for (size_t done = 0; done < n; done += kBlock) {
+    const size_t m = n - done < kBlock ? n - done : kBlock;
+    const size_t at = done * sizeof(typename Elem::Storage);
+    Elem::widen(dst + at, acc, m);
+    Elem::widen(src + at, x, m);
+    combine_floats<Op>(acc, x, m);
+    Elem::narrow(acc, dst + at, m);
+  }
+}
+
+MCCL_VECTOR_CLONES void divide_floats(float* __restrict acc, size_t n, float divisor) {
+  for (size_t i = 0; i < n; ++i) acc[i] = acc[i] / divisor;
+}
+
+template <class Elem>
+void divide_widened(void* buf, size_t n, float divisor) {
+  unsigned char* p = static_cast<unsigned char*>(buf);
+  float acc[kBlock];
+  for (size_t done = 0; done < n; done += kBlock) {
+    const size_t m = n - done < kBlock ? n - done : kBlock;
+    const size_t at = done * sizeof(typename Elem::Storage);
+    Elem::widen(p + at, acc, m);
+    divide_floats(acc, m, divisor);
+    Elem::narrow(acc, p + at, m);
+  }
+}
+
 // ---- the table ------------------------------------------------------------------
 
 // One row per element type, in ReduceOp order; nullptr marks an undefined pair.
@@ -206,8 +250,9 @@ struct Row {
 // nullptr for a pair that is not defined; the kernel is never instantiated for it.
 template <class Elem, class Op, bool kDefined = true>
 constexpr ReduceFn entry() {
-  if constexpr (kDefined) return &reduce_loop<Elem, Op>;
-  else return nullptr;
+  if constexpr (!kDefined) return nullptr;
+  else if constexpr (Elem::kWidened) return &reduce_widened<Elem, Op>;
+  else return &reduce_loop<Elem, Op>;
 }
 
 template <class Elem, bool kBitwise, bool kAvg>
@@ -281,8 +326,8 @@ void finalize_avg(void* buf, size_t n, DType dtype, size_t divisor) {
     // Floats divide (not multiply by a reciprocal) so the result equals torch's sum / n.
     case DType::kFloat32: return divide_loop<Native<float>>(buf, n, static_cast<float>(divisor));
     case DType::kFloat64: return divide_loop<Native<double>>(buf, n, static_cast<double>(divisor));
-    case DType::kFloat16: return divide_loop<Float16>(buf, n, static_cast<float>(divisor));
-    case DType::kBFloat16: return divide_loop<BFloat16>(buf, n, static_cast<float>(divisor));
+    case DType::kFloat16: return divide_widened<Float16>(buf, n, static_cast<float>(divisor));
+    case DType::kBFloat16: return divide_widened<BFloat16>(buf, n, static_cast<float>(divisor));
     // C++ integer division truncates toward zero.
     case DType::kInt8: return divide_loop<Native<int8_t>>(buf, n, static_cast<int64_t>(divisor));
     case DType::kUInt8: return divide_loop<Native<uint8_t>>(buf, n, static_cast<uint64_t>(divisor));

@@ -6,7 +6,9 @@
 //
 // Build: the CMake target metal_kernel_check, or directly (tests/test_metal_kernels.py):
 //   c++ -std=c++17 -Imetal -Ilibmccl/csrc metal/tests/kernel_check.cc
-//       libmccl/csrc/reduce.cc libmccl/csrc/dtype.cc libmccl/csrc/errors.cc
+//       libmccl/csrc/reduce*.cc libmccl/csrc/dtype.cc libmccl/csrc/errors.cc
+// On x86-64 with F16C the CPU path converts float16 in hardware while the shim's `half`
+// uses the portable code of half.h, so this also cross-checks the two.
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
