@@ -1,12 +1,18 @@
 #include <pybind11/pybind11.h>
 
 #include "dtype.h"
+#include "errors.h"
+#include "bindings/engine_bindings.h"
 #include "reduce_bindings.h"
 
 namespace py = pybind11;
 
 PYBIND11_MODULE(_core, m) {
-  m.doc() = "MCCL engine: bytes, dtypes and reduce ops; no torch.";
+  m.doc() = "MCCL engine: communicators over TCP, dtypes and reduce ops; no torch.";
   mccl::register_reduce_bindings(m);
-  m.def("dtype_size", [](int t) { return mccl::dtype_size(static_cast<mccl::DType>(t)); });
+  mccl::register_engine_bindings(m);
+  m.def("dtype_size", [](int t) {
+    if (!mccl::dtype_is_valid(t)) mccl::throw_error(mccl::ErrorKind::kConfig, "[engine] unknown dtype code " + std::to_string(t));
+    return mccl::dtype_size(static_cast<mccl::DType>(t));
+  });
 }

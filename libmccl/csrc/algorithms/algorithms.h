@@ -1,0 +1,31 @@
+// The collective algorithms. Each is a small unit over a Collective (transport +
+// deadline + scratch); reductions come from reduce.h. Sizes are bytes unless named
+// `count` (elements). Every rank of the communicator calls the same function with
+// the same sizes; the transport checks that (frame signatures).
+#pragma once
+#include <cstddef>
+#include <vector>
+
+#include "algorithms/collective.h"
+#include "dtype.h"
+
+namespace mccl {
+
+void allreduce(Collective& c, void* buf, size_t count, DType dt, ReduceOp op);
+void allreduce_ring(Collective& c, void* buf, size_t count, DType dt, ReduceOp op);
+void allreduce_small(Collective& c, void* buf, size_t count, DType dt, ReduceOp op);
+
+void allgather_ring(Collective& c, const void* send, void* recv, size_t nbytes);
+void reduce_scatter_ring(Collective& c, const void* send, void* recv, size_t count, DType dt,
+                         ReduceOp op);
+void broadcast(Collective& c, void* buf, size_t nbytes, int root);
+void reduce_to_root(Collective& c, void* buf, size_t count, DType dt, ReduceOp op, int root);
+void gather(Collective& c, const void* send, void* recv, size_t nbytes, int root);
+void scatter(Collective& c, const void* send, void* recv, size_t nbytes, int root);
+void alltoall(Collective& c, const void* send, void* recv, size_t nbytes);
+void alltoallv(Collective& c, const void* send, const std::vector<size_t>& send_sizes,
+               const std::vector<size_t>& send_offsets, void* recv,
+               const std::vector<size_t>& recv_sizes, const std::vector<size_t>& recv_offsets);
+void barrier(Collective& c);
+
+}  // namespace mccl

@@ -1,0 +1,40 @@
+// All-gather: the all-gather half of the ring, every rank starting from its own block.
+#include <cstring>
+
+#include "algorithms/algorithms.h"
+#include "algorithms/ring.h"
+
+namespace mccl {
+
+void allgather_ring(Collective& c, const void* send, void* recv, size_t nbytes) {
+  const int n = c.size(), r = c.rank();
+  if (nbytes == 0) return;
+  uint8_t* out = static_cast<uint8_t*>(recv);
+  uint8_t* mine = out + size_t(r) * nbytes;
+  if (send != mine) {
+    // An input aliasing another block of the output would be overwritten in flight.
+    if (ranges_overlap(send, nbytes, out, nbytes * n)) {
+      uint8_t* copy = c.scratch.get(2, nbytes);
+      std::memcpy(copy, send, nbytes);
+      send = copy;
+    }
+    std::memcpy(mine, send, nbytes);
+  }
+  if (n == 1) return;
+  RingLayout L;
+  L.n = n;
+  L.elem = 1;
+  L.count = nbytes * n;
+  for (int b = 0; b < n; ++b) {
+    L.off.push_back(size_t(b) * nbytes);
+    L.len.push_back(nbytes);
+  }
+  size_t seg = auto_segment_bytes(c.opts, nbytes);
+  L.segs = (nbytes + seg - 1) / seg;
+  RingPhases ph;
+  ph.reduce_scatter = false;
+  ph.shift = -1;  // rank r starts owning block r
+  ring_pipeline(c, out, L, ph);
+}
+
+}  // namespace mccl

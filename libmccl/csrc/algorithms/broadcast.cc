@@ -1,0 +1,52 @@
+// Broadcast: direct fan-out from the root for small buffers; for large ones a
+// pipelined chain root -> root+1 -> ... where each rank forwards a segment the moment
+// it has landed, so the time is ~ size/bandwidth + (N-2) segments, not N-1 full copies
+// out of the root's link.
+#include <algorithm>
+
+#include "algorithms/algorithms.h"
+
+namespace mccl {
+
+void broadcast(Collective& c, void* buf, size_t nbytes, int root) {
+  const int n = c.size(), r = c.rank();
+  if (nbytes == 0 || n == 1) return;
+  uint8_t* p = static_cast<uint8_t*>(buf);
+  if (nbytes <= c.opts.small_allreduce_bytes || n == 2) {
+    if (r == root) {
+      for (int q = 0; q < n; ++q) {
+        if (q != root) c.send(q, p, nbytes, 0);
+      }
+      c.wait_all(n - 1);
+    } else {
+      c.recv(root, p, nbytes, 0);
+      c.wait_all(1);
+    }
+    return;
+  }
+  const int pos = ring_mod(r - root, n);  // place in the chain
+  const int next = pos + 1 < n ? ring_mod(r + 1, n) : -1;
+  const int prev = ring_mod(r - 1, n);
+  size_t seg = c.opts.segment_bytes ? c.opts.segment_bytes
+                                    : std::clamp<size_t>(nbytes / 8, 64 << 10, 4 << 20);
+  const size_t segs = (nbytes + seg - 1) / seg;
+  auto at = [&](size_t j) { return p + part_begin(nbytes, segs, j); };
+  auto len = [&](size_t j) { return part_len(nbytes, segs, j); };
+  size_t outstanding = 0;
+  if (pos == 0) {
+    for (size_t j = 0; j < segs; ++j, ++outstanding) c.send(next, at(j), len(j), uint32_t(j));
+  } else {
+    for (size_t j = 0; j < segs; ++j, ++outstanding) c.recv(prev, at(j), len(j), uint32_t(j), j);
+  }
+  while (outstanding > 0) {
+    RequestPtr req = c.next();
+    --outstanding;
+    if (!req->is_send && next >= 0) {
+      size_t j = req->cookie;
+      c.send(next, at(j), len(j), uint32_t(j));
+      ++outstanding;
+    }
+  }
+}
+
+}  // namespace mccl

@@ -1,0 +1,48 @@
+// The pipelined ring shared by all-reduce, reduce-scatter and all-gather.
+//
+// The buffer is cut into N chunks (one per rank) and every chunk into S segments.
+// Reduce-scatter runs N-1 steps: at step s a rank sends chunk (r - s + shift) to its
+// right neighbour and reduces chunk (r - s - 1 + shift) arriving from its left; after
+// it, rank r owns the fully reduced chunk (r + 1 + shift). All-gather then runs N-1
+// steps forwarding owned chunks around the ring, receiving straight into place.
+//
+// It runs as a dataflow, segment by segment: the moment segment j of step s arrives it
+// is reduced and sent on as segment j of step s+1, so all links and the reduction work
+// at once instead of in lock-step rounds. Receives are posted ahead: reduce-scatter
+// receives land in two scratch chunks alternating by step parity, all-gather receives
+// are posted for every step up front, directly into the final buffer (data can only
+// arrive there after this rank is done with that region: it has to go round the ring).
+#pragma once
+#include <cstddef>
+#include <vector>
+
+#include "algorithms/collective.h"
+#include "reduce.h"
+
+namespace mccl {
+
+struct RingLayout {
+  int n = 1;                // ranks
+  size_t elem = 1;          // bytes per element
+  size_t count = 0;         // elements in the whole buffer
+  size_t segs = 1;          // segments per chunk
+  std::vector<size_t> off;  // chunk c starts at element off[c]
+  std::vector<size_t> len;  // and holds len[c] elements
+
+  // Balanced chunks of `count` elements; segments of about `seg_bytes`.
+  static RingLayout balanced(int n, size_t count, size_t elem, size_t seg_bytes);
+  size_t max_chunk() const;
+  size_t seg_begin(int c, size_t j) const { return part_begin(len[c], segs, j); }  // within chunk
+  size_t seg_len(int c, size_t j) const { return part_len(len[c], segs, j); }
+};
+
+struct RingPhases {
+  bool reduce_scatter = true;
+  bool all_gather = true;
+  int shift = 0;
+  ReduceFn fn = nullptr;  // needed for reduce_scatter
+};
+
+void ring_pipeline(Collective& c, uint8_t* buf, const RingLayout& layout, const RingPhases& ph);
+
+}  // namespace mccl

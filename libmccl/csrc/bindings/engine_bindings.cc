@@ -1,0 +1,225 @@
+// _core.Listener, _core.Options, _core.Communicator, _core.DType, _core.ReduceOp and
+// the translation of mccl::Error into libmccl.errors classes. Thin: checks argument
+// types, releases the GIL around everything that blocks, and nothing else.
+#include "bindings/engine_bindings.h"
+
+#include <pybind11/stl.h>
+
+#include <memory>
+
+#include "communicator.h"
+#include "dtype.h"
+#include "errors.h"
+#include "listener.h"
+#include "options.h"
+
+namespace py = pybind11;
+
+namespace mccl {
+
+namespace {
+
+DType to_dtype(int v) {
+  if (!dtype_is_valid(v)) {
+    throw_error(ErrorKind::kConfig, "[engine] unknown dtype code " + std::to_string(v) +
+                                        "; use the values of _core.DType");
+  }
+  return static_cast<DType>(v);
+}
+
+ReduceOp to_op(int v) {
+  if (!reduce_op_is_valid(v)) {
+    throw_error(ErrorKind::kConfig, "[engine] unknown reduce op code " + std::to_string(v) +
+                                        "; use the values of _core.ReduceOp");
+  }
+  return static_cast<ReduceOp>(v);
+}
+
+void* ptr(uintptr_t p) { return reinterpret_cast<void*>(p); }
+
+py::object error_tuple(const Error& e) {
+  return py::make_tuple(static_cast<int>(e.kind()), std::string(e.what()), e.peer_rank(),
+                        e.peer_addr());
+}
+
+// Owns the engine and the Python callback. The engine is destroyed first, with the GIL
+// released, because its completion thread may be waiting for the GIL to deliver.
+class PyCommunicator {
+ public:
+  PyCommunicator(int rank, int size, uint64_t comm_id, Listener& listener,
+                 std::vector<std::string> peer_addrs, const Options& opts, py::object on_complete)
+      : on_complete_(std::move(on_complete)) {
+    if (listener.closed()) {
+      throw_error(ErrorKind::kConfig,
+                  "[engine] this Listener already served a communicator; create a new one");
+    }
+    Communicator::Deliver deliver;
+    if (!on_complete_.is_none()) {
+      PyObject* cb = on_complete_.ptr();  // kept alive by on_complete_, which outlives core_
+      deliver = [cb](std::vector<Completion>& batch) { deliver_batch(cb, batch); };
+    }
+    {
+      py::gil_scoped_release nogil;
+      core_ = std::make_unique<Communicator>(rank, size, comm_id, listener.fd(),
+                                             std::move(peer_addrs), opts, std::move(deliver));
+    }
+    listener.close();
+  }
+
+  ~PyCommunicator() {
+    py::gil_scoped_release nogil;
+    core_.reset();
+  }
+
+  Communicator& core() { return *core_; }
+
+ private:
+  static void deliver_batch(PyObject* cb, std::vector<Completion>& batch) {
+    // Taking the GIL while the interpreter shuts down would hang or kill this thread.
+    if (!Py_IsInitialized() || _Py_IsFinalizing()) return;
+    py::gil_scoped_acquire gil;
+    try {
+      py::list out(batch.size());
+      for (size_t i = 0; i < batch.size(); ++i) {
+        const Completion& c = batch[i];
+        py::object err = c.error ? error_tuple(*c.error) : py::none();
+        out[i] = py::make_tuple(c.op_id, err, c.info);
+      }
+      py::handle(cb)(out);
+    } catch (py::error_already_set& e) {
+      e.discard_as_unraisable("libmccl on_complete callback");
+    }
+  }
+
+  py::object on_complete_;
+  std::unique_ptr<Communicator> core_;
+};
+
+}  // namespace
+
+void register_engine_bindings(py::module_& m) {
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const Error& e) {
+      py::object exc = py::module_::import("libmccl.errors")
+                           .attr("from_kind")(static_cast<int>(e.kind()), std::string(e.what()),
+                                              e.peer_rank(), e.peer_addr());
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+    }
+  });
+
+  py::enum_<DType>(m, "DType", py::arithmetic())
+      .value("float32", DType::kFloat32)
+      .value("float64", DType::kFloat64)
+      .value("float16", DType::kFloat16)
+      .value("bfloat16", DType::kBFloat16)
+      .value("int8", DType::kInt8)
+      .value("uint8", DType::kUInt8)
+      .value("int32", DType::kInt32)
+      .value("int64", DType::kInt64)
+      .value("bool", DType::kBool);
+  py::enum_<ReduceOp>(m, "ReduceOp", py::arithmetic())
+      .value("SUM", ReduceOp::kSum)
+      .value("AVG", ReduceOp::kAvg)
+      .value("MIN", ReduceOp::kMin)
+      .value("MAX", ReduceOp::kMax)
+      .value("PRODUCT", ReduceOp::kProduct)
+      .value("BAND", ReduceOp::kBand)
+      .value("BOR", ReduceOp::kBor)
+      .value("BXOR", ReduceOp::kBxor);
+
+  py::class_<Listener>(m, "Listener")
+      .def(py::init<const std::string&, int>(), py::arg("host"), py::arg("port") = 0)
+      .def_property_readonly("address", &Listener::address)
+      .def_property_readonly("port", &Listener::port)
+      .def("close", &Listener::close);
+
+  py::class_<Options>(m, "Options")
+      .def(py::init<>())
+      .def_readwrite("sockets_per_peer", &Options::sockets_per_peer)
+      .def_readwrite("socket_buffer_bytes", &Options::socket_buffer_bytes)
+      .def_readwrite("segment_bytes", &Options::segment_bytes)
+      .def_readwrite("small_allreduce_bytes", &Options::small_allreduce_bytes)
+      .def_readwrite("timeout_s", &Options::timeout_s)
+      .def_readwrite("connect_timeout_s", &Options::connect_timeout_s);
+
+  using PC = PyCommunicator;
+  py::class_<PC>(m, "Communicator")
+      .def(py::init<int, int, uint64_t, Listener&, std::vector<std::string>, const Options&,
+                    py::object>(),
+           py::arg("rank"), py::arg("size"), py::arg("comm_id"), py::arg("listener"),
+           py::arg("peer_addrs"), py::arg("opts"), py::arg("on_complete") = py::none())
+      .def("allreduce", [](PC& c, uintptr_t p, size_t count, int dt, int op) {
+        return c.core().allreduce(ptr(p), count, to_dtype(dt), to_op(op));
+      })
+      .def("broadcast", [](PC& c, uintptr_t p, size_t nbytes, int root) {
+        return c.core().broadcast(ptr(p), nbytes, root);
+      })
+      .def("allgather", [](PC& c, uintptr_t s, uintptr_t r, size_t nbytes) {
+        return c.core().allgather(ptr(s), ptr(r), nbytes);
+      })
+      .def("reduce_scatter", [](PC& c, uintptr_t s, uintptr_t r, size_t count, int dt, int op) {
+        return c.core().reduce_scatter(ptr(s), ptr(r), count, to_dtype(dt), to_op(op));
+      })
+      .def("reduce", [](PC& c, uintptr_t p, size_t count, int dt, int op, int root) {
+        return c.core().reduce(ptr(p), count, to_dtype(dt), to_op(op), root);
+      })
+      .def("gather", [](PC& c, uintptr_t s, uintptr_t r, size_t nbytes, int root) {
+        return c.core().gather(ptr(s), ptr(r), nbytes, root);
+      })
+      .def("scatter", [](PC& c, uintptr_t s, uintptr_t r, size_t nbytes, int root) {
+        return c.core().scatter(ptr(s), ptr(r), nbytes, root);
+      })
+      .def("alltoall", [](PC& c, uintptr_t s, uintptr_t r, size_t nbytes) {
+        return c.core().alltoall(ptr(s), ptr(r), nbytes);
+      })
+      .def("alltoallv",
+           [](PC& c, uintptr_t s, std::vector<size_t> ss, std::vector<size_t> so, uintptr_t r,
+              std::vector<size_t> rs, std::vector<size_t> ro) {
+             return c.core().alltoallv(ptr(s), std::move(ss), std::move(so), ptr(r),
+                                       std::move(rs), std::move(ro));
+           })
+      .def("barrier", [](PC& c) { return c.core().barrier(); })
+      .def("send", [](PC& c, uintptr_t p, size_t nbytes, int dst, int64_t tag) {
+        return c.core().send(ptr(p), nbytes, dst, tag);
+      }, py::arg("ptr"), py::arg("nbytes"), py::arg("dst"), py::arg("tag") = 0)
+      .def("recv", [](PC& c, uintptr_t p, size_t nbytes, int src, int64_t tag) {
+        return c.core().recv(ptr(p), nbytes, src, tag);
+      }, py::arg("ptr"), py::arg("nbytes"), py::arg("src"), py::arg("tag") = 0)
+      .def("wait", [](PC& c, uint64_t id, double timeout_s) {
+        py::gil_scoped_release nogil;
+        c.core().wait(id, timeout_s);
+      }, py::arg("op_id"), py::arg("timeout_s") = 1800.0)
+      .def("abort", [](PC& c, const std::string& reason) {
+        py::gil_scoped_release nogil;
+        c.core().abort(reason);
+      }, py::arg("reason") = "")
+      .def("shutdown", [](PC& c, double timeout_s) {
+        py::gil_scoped_release nogil;
+        c.core().shutdown(timeout_s);
+      }, py::arg("timeout_s") = 10.0)
+      .def_property_readonly("rank", [](PC& c) { return c.core().rank(); })
+      .def_property_readonly("size", [](PC& c) { return c.core().size(); })
+      .def_property_readonly("comm_id", [](PC& c) { return c.core().comm_id(); })
+      .def("peer_address", [](PC& c, int r) { return c.core().peer_address(r); })
+      .def("stats", [](PC& c) {
+        CommStats s = c.core().stats();
+        py::dict per_peer;
+        for (size_t r = 0; r < s.per_peer.size(); ++r) {
+          if (static_cast<int>(r) == c.core().rank()) continue;
+          py::dict d;
+          d["sent"] = s.per_peer[r].first;
+          d["received"] = s.per_peer[r].second;
+          per_peer[py::int_(r)] = d;
+        }
+        py::dict out;
+        out["ops_completed"] = s.ops_completed;
+        out["bytes_sent"] = s.bytes_sent;
+        out["bytes_received"] = s.bytes_received;
+        out["per_peer"] = per_peer;
+        return out;
+      });
+}
+
+}  // namespace mccl

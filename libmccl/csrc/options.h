@@ -1,0 +1,20 @@
+// Engine knobs, filled from libmccl.config.EngineConfig by the Python side (which
+// declares the MCCL_* variables, defaults and units once). Plain data.
+#pragma once
+#include <cstddef>
+
+namespace mccl {
+
+struct Options {
+  int sockets_per_peer = 2;             // sockets per peer link (1..16)
+  int socket_buffer_bytes = 4 << 20;    // SO_SNDBUF/SO_RCVBUF, bytes
+  size_t segment_bytes = 0;             // ring pipeline segment, bytes; 0 = by message size
+  size_t small_allreduce_bytes = 65536; // one-round all-reduce up to this size, bytes
+  double timeout_s = 1800.0;            // per operation, seconds
+  double connect_timeout_s = 1800.0;    // building the mesh, seconds
+
+  // Throws ConfigError naming the bad field.
+  void validate() const;
+};
+
+}  // namespace mccl

@@ -1,0 +1,147 @@
+#include "transport/frame.h"
+
+#include "errors.h"
+
+namespace mccl {
+
+namespace {
+
+template <typename T>
+void put(uint8_t*& p, T v) {
+  for (size_t i = 0; i < sizeof(T); ++i) *p++ = static_cast<uint8_t>(uint64_t(v) >> (8 * i));
+}
+
+template <typename T>
+T get(const uint8_t*& p) {
+  uint64_t v = 0;
+  for (size_t i = 0; i < sizeof(T); ++i) v |= uint64_t(*p++) << (8 * i);
+  return static_cast<T>(v);
+}
+
+[[noreturn]] void bad_frame(const std::string& why, int peer_rank, const std::string& addr) {
+  throw_error(ErrorKind::kProtocol,
+              "[transport] malformed frame from peer=" + addr + " (rank " +
+                  std::to_string(peer_rank) + "): " + why +
+                  "; likely cause: a process that is not MCCL or a different MCCL version "
+                  "is connected; restart all ranks with the same build",
+              peer_rank, addr);
+}
+
+}  // namespace
+
+const char* op_kind_name(OpKind k) {
+  switch (k) {
+    case OpKind::kAllreduce: return "allreduce";
+    case OpKind::kBroadcast: return "broadcast";
+    case OpKind::kAllgather: return "allgather";
+    case OpKind::kReduceScatter: return "reduce_scatter";
+    case OpKind::kReduce: return "reduce";
+    case OpKind::kGather: return "gather";
+    case OpKind::kScatter: return "scatter";
+    case OpKind::kAlltoall: return "alltoall";
+    case OpKind::kAlltoallv: return "alltoallv";
+    case OpKind::kBarrier: return "barrier";
+    case OpKind::kP2P: return "send/recv";
+    case OpKind::kAbort: return "abort";
+    case OpKind::kBye: return "bye";
+  }
+  return "unknown";
+}
+
+bool op_kind_is_collective(OpKind k) {
+  return k >= OpKind::kAllreduce && k <= OpKind::kBarrier;
+}
+
+void encode_header(const FrameHeader& h, uint8_t out[kFrameHeaderBytes]) {
+  uint8_t* p = out;
+  put<uint32_t>(p, h.magic);
+  put<uint16_t>(p, h.version);
+  put<uint16_t>(p, static_cast<uint16_t>(h.kind));
+  put<uint64_t>(p, h.comm_id);
+  put<uint64_t>(p, h.seq);
+  put<uint32_t>(p, h.tag);
+  put<uint32_t>(p, h.flags);
+  put<uint64_t>(p, h.offset);
+  put<uint64_t>(p, h.length);
+  put<uint64_t>(p, h.total);
+  put<uint64_t>(p, h.op_bytes);
+  put<uint8_t>(p, h.dtype);
+  put<uint8_t>(p, h.redop);
+  put<uint16_t>(p, h.reserved);
+  put<uint32_t>(p, static_cast<uint32_t>(h.root));
+}
+
+FrameHeader decode_header(const uint8_t in[kFrameHeaderBytes]) {
+  const uint8_t* p = in;
+  FrameHeader h;
+  h.magic = get<uint32_t>(p);
+  h.version = get<uint16_t>(p);
+  h.kind = static_cast<OpKind>(get<uint16_t>(p));
+  h.comm_id = get<uint64_t>(p);
+  h.seq = get<uint64_t>(p);
+  h.tag = get<uint32_t>(p);
+  h.flags = get<uint32_t>(p);
+  h.offset = get<uint64_t>(p);
+  h.length = get<uint64_t>(p);
+  h.total = get<uint64_t>(p);
+  h.op_bytes = get<uint64_t>(p);
+  h.dtype = get<uint8_t>(p);
+  h.redop = get<uint8_t>(p);
+  h.reserved = get<uint16_t>(p);
+  h.root = static_cast<int32_t>(get<uint32_t>(p));
+  return h;
+}
+
+void validate_header(const FrameHeader& h, uint64_t comm_id, int peer_rank,
+                     const std::string& peer_addr) {
+  if (h.magic != kFrameMagic) bad_frame("bad magic", peer_rank, peer_addr);
+  if (h.version != kProtocolVersion) {
+    bad_frame("protocol version " + std::to_string(h.version) + ", this rank speaks " +
+                  std::to_string(kProtocolVersion),
+              peer_rank, peer_addr);
+  }
+  if (h.comm_id != comm_id) bad_frame("frame of another communicator", peer_rank, peer_addr);
+  auto k = static_cast<uint16_t>(h.kind);
+  if (k < static_cast<uint16_t>(OpKind::kAllreduce) || k > static_cast<uint16_t>(OpKind::kBye)) {
+    bad_frame("unknown frame kind " + std::to_string(k), peer_rank, peer_addr);
+  }
+  if (h.total > kMaxFrameBytes || h.length > h.total || h.offset > h.total - h.length) {
+    bad_frame("payload range [" + std::to_string(h.offset) + ", +" + std::to_string(h.length) +
+                  ") outside a message of " + std::to_string(h.total) + " bytes",
+              peer_rank, peer_addr);
+  }
+  if (h.kind == OpKind::kAbort && h.total > kMaxAbortPayload) {
+    bad_frame("oversized abort frame", peer_rank, peer_addr);
+  }
+  if (h.kind == OpKind::kBye && h.total != 0) bad_frame("bye frame with payload", peer_rank, peer_addr);
+}
+
+std::string encode_abort(const AbortInfo& a) {
+  std::string addr = a.lost_addr.substr(0, 256);
+  std::string msg = a.message.substr(0, kMaxAbortPayload - 512);
+  std::string out(4 * 5 + addr.size() + msg.size(), '\0');
+  auto* p = reinterpret_cast<uint8_t*>(&out[0]);
+  put<uint32_t>(p, static_cast<uint32_t>(a.origin_rank));
+  put<uint32_t>(p, static_cast<uint32_t>(a.lost_rank));
+  put<uint32_t>(p, static_cast<uint32_t>(a.kind));
+  put<uint32_t>(p, static_cast<uint32_t>(addr.size()));
+  put<uint32_t>(p, static_cast<uint32_t>(msg.size()));
+  std::copy(addr.begin(), addr.end(), p);
+  std::copy(msg.begin(), msg.end(), p + addr.size());
+  return out;
+}
+
+bool decode_abort(const uint8_t* p, size_t n, AbortInfo* out) {
+  if (n < 20) return false;
+  out->origin_rank = static_cast<int32_t>(get<uint32_t>(p));
+  out->lost_rank = static_cast<int32_t>(get<uint32_t>(p));
+  out->kind = static_cast<int32_t>(get<uint32_t>(p));
+  uint32_t alen = get<uint32_t>(p);
+  uint32_t mlen = get<uint32_t>(p);
+  if (size_t(alen) + mlen != n - 20) return false;
+  out->lost_addr.assign(reinterpret_cast<const char*>(p), alen);
+  out->message.assign(reinterpret_cast<const char*>(p) + alen, mlen);
+  return out->kind >= 0 && out->kind <= 6;
+}
+
+}  // namespace mccl

@@ -1,0 +1,106 @@
+#include "transport/mesh.h"
+
+#include <atomic>
+#include <exception>
+#include <thread>
+
+#include "errors.h"
+#include "transport/handshake.h"
+
+namespace mccl {
+
+namespace {
+
+void accept_lower_ranks(const MeshSpec& spec, int listen_fd, Deadline deadline,
+                        const std::atomic<bool>& stop, std::vector<std::vector<Fd>>* links) {
+  const int k = spec.sockets_per_peer;
+  int expected = spec.rank * k;
+  Hello mine;
+  mine.comm_id = spec.comm_id;
+  mine.from_rank = static_cast<uint32_t>(spec.rank);  // judged as "the rank that was reached"
+  mine.world = static_cast<uint32_t>(spec.size);
+  mine.socks_per_peer = static_cast<uint32_t>(k);
+  auto seen = [&](uint32_t r, uint32_t s) { return (*links)[r][s].valid(); };
+  while (expected > 0) {
+    if (stop.load()) return;
+    if (Clock::now() >= deadline) {
+      std::string missing;
+      for (int r = 0; r < spec.rank; ++r) {
+        for (int s = 0; s < k; ++s) {
+          if (!(*links)[r][s].valid()) {
+            missing = "rank " + std::to_string(r) + " (" + spec.peer_addrs[r] + ")";
+            break;
+          }
+        }
+        if (!missing.empty()) break;
+      }
+      throw_error(ErrorKind::kTimeout,
+                  "[transport] building links timed out waiting for " + missing +
+                      " to connect to this rank; likely cause: that rank did not start or "
+                      "cannot reach " + spec.peer_addrs[spec.rank] +
+                      "; check it runs and that the address is reachable (MCCL_BIND_ADDR)");
+    }
+    // Poll in short slices so a failure on the dialing side stops us promptly.
+    Deadline slice = std::min(deadline, Clock::now() + std::chrono::milliseconds(200));
+    Fd fd = accept_tcp(listen_fd, slice);
+    if (!fd.valid()) continue;
+    // A peer that connected but stays silent must not stall the whole set-up.
+    Deadline hs = std::min(deadline, Clock::now() + std::chrono::seconds(10));
+    auto hello = handshake_accept(fd.get(), mine, hs, seen);
+    if (!hello) continue;
+    configure_link_socket(fd.get(), spec.socket_buffer_bytes);
+    set_nonblocking(fd.get(), true);
+    (*links)[hello->from_rank][hello->sock_index] = std::move(fd);
+    --expected;
+  }
+}
+
+}  // namespace
+
+std::vector<std::vector<Fd>> build_mesh(const MeshSpec& spec, int listen_fd, Deadline deadline) {
+  const int k = spec.sockets_per_peer;
+  std::vector<std::vector<Fd>> links(spec.size);
+  for (int r = 0; r < spec.size; ++r) {
+    if (r != spec.rank) links[r].resize(k);
+  }
+  std::atomic<bool> stop{false};
+  std::exception_ptr accept_error;
+  std::thread acceptor([&] {
+    try {
+      accept_lower_ranks(spec, listen_fd, deadline, stop, &links);
+    } catch (...) {
+      accept_error = std::current_exception();
+      stop.store(true);
+    }
+  });
+  std::exception_ptr dial_error;
+  try {
+    for (int peer = spec.rank + 1; peer < spec.size && !stop.load(); ++peer) {
+      HostPort hp = parse_host_port(spec.peer_addrs[peer], "rank " + std::to_string(peer));
+      for (int s = 0; s < k && !stop.load(); ++s) {
+        Fd fd = connect_tcp(hp, deadline, peer, &stop);
+        if (!fd.valid()) break;
+        Hello h;
+        h.comm_id = spec.comm_id;
+        h.from_rank = static_cast<uint32_t>(spec.rank);
+        h.to_rank = static_cast<uint32_t>(peer);
+        h.world = static_cast<uint32_t>(spec.size);
+        h.sock_index = static_cast<uint32_t>(s);
+        h.socks_per_peer = static_cast<uint32_t>(k);
+        handshake_dial(fd.get(), h, hp.str(), deadline);
+        configure_link_socket(fd.get(), spec.socket_buffer_bytes);
+        set_nonblocking(fd.get(), true);
+        links[peer][s] = std::move(fd);
+      }
+    }
+  } catch (...) {
+    dial_error = std::current_exception();
+    stop.store(true);
+  }
+  acceptor.join();
+  if (dial_error) std::rethrow_exception(dial_error);
+  if (accept_error) std::rethrow_exception(accept_error);
+  return links;
+}
+
+}  // namespace mccl

@@ -1,0 +1,26 @@
+// Builds the full mesh of links of a communicator: rank i dials every j > i
+// (K sockets each) and accepts K sockets from every j < i, all under one deadline.
+// Dialing and accepting run concurrently so set-up time does not grow with the
+// chain of ranks waiting for each other.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "transport/socket.h"
+
+namespace mccl {
+
+struct MeshSpec {
+  int rank = 0;
+  int size = 1;
+  uint64_t comm_id = 0;
+  int sockets_per_peer = 2;
+  int socket_buffer_bytes = 4 << 20;
+  std::vector<std::string> peer_addrs;  // one per rank, "host:port"
+};
+
+// Returns links[peer][k] (empty for peer == rank), configured and nonblocking.
+std::vector<std::vector<Fd>> build_mesh(const MeshSpec& spec, int listen_fd, Deadline deadline);
+
+}  // namespace mccl

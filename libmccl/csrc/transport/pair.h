@@ -1,0 +1,167 @@
+// The link to one peer: K sockets, their send queues and frame parsers, and the
+// tables that match incoming frames with posted receives.
+//
+// Sends are zero-copy (sendmsg of [header, payload] straight from the caller's buffer);
+// messages of at least kStripeBytes are split into K stripes, one per socket, each
+// with its own header and offset. Receives read the header, look the key up among the
+// posted receives and then read the payload straight into the posted buffer at the
+// frame's offset. A frame nobody waits for yet is "unexpected": it is read into a
+// buffer of the message's size (bounded by the transport) and copied out when the
+// receive is posted.
+#pragma once
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "transport/frame.h"
+#include "transport/request.h"
+#include "transport/socket.h"
+
+namespace mccl {
+
+class Pair;
+
+// What a pair needs from the transport that owns it.
+class PairHost {
+ public:
+  virtual ~PairHost() = default;
+  virtual void request_done(const RequestPtr& req) = 0;
+  // Called on the first frame of each collective message; throws CollectiveMismatch.
+  virtual void check_collective_frame(Pair& pair, const FrameHeader& h) = 0;
+  // A p2p frame without a posted receive: may hand it to a waiting any-source receive.
+  virtual RequestPtr claim_for_any_source(Pair& pair, const FrameHeader& h) = 0;
+  // Accounting of buffered unexpected bytes; throws when over the cap.
+  virtual void reserve_unexpected(Pair& pair, const FrameHeader& h) = 0;
+  virtual void release_unexpected(size_t bytes) = 0;
+  // Transport-wide arrival stamp: any-source receives take the earliest message.
+  virtual uint64_t next_arrival() = 0;
+};
+
+// An ABORT frame from a peer, as an error: the kind and blamed peer of the original
+// failure, plus who reported it so the transport can forward it unchanged.
+class RemoteAbort : public Error {
+ public:
+  RemoteAbort(ErrorKind kind, const std::string& msg, int lost_rank, std::string lost_addr,
+              int origin, std::string original_message)
+      : Error(kind, msg, lost_rank, std::move(lost_addr)),
+        origin_(origin),
+        original_message_(std::move(original_message)) {}
+  int origin() const { return origin_; }
+  const std::string& original_message() const { return original_message_; }
+
+ private:
+  int origin_;
+  std::string original_message_;
+};
+
+struct Unexpected {
+  FrameHeader first;
+  std::unique_ptr<uint8_t[]> data;  // uninitialised: every byte is written by a frame
+  size_t received = 0;
+  uint64_t arrival = 0;
+  RequestPtr waiting;  // a receive posted while the message was still arriving
+};
+
+class Pair {
+ public:
+  static constexpr size_t kStripeBytes = 256 << 10;
+
+  Pair(PairHost& host, int peer_rank, std::string peer_addr, uint64_t comm_id,
+       std::vector<Fd> fds);
+
+  int peer_rank() const { return peer_rank_; }
+  const std::string& peer_addr() const { return peer_addr_; }
+  std::string who() const;  // "peer=host:port (rank r)"
+  size_t num_conns() const { return conns_.size(); }
+  int conn_fd(size_t i) const { return conns_[i].fd.get(); }
+  bool conn_wants_write(size_t i) const { return !conns_[i].sendq.empty(); }
+  bool conn_open(size_t i) const { return conns_[i].fd.valid(); }
+  bool closed_by_peer() const { return bye_received_; }
+
+  void post_send(const RequestPtr& req);
+  void post_recv(const RequestPtr& req);
+
+  // Unexpected p2p message with this key, if any (for any-source matching).
+  Unexpected* find_unexpected(const MsgKey& key);
+  // Binds `req` to the unexpected message of `key` (completing it if fully arrived).
+  void take_unexpected(const MsgKey& key, const RequestPtr& req);
+  // Registers `req` (already given peer/key) as the receive of frames with its key.
+  void add_posted(const RequestPtr& req) { posted_[req->key] = req; }
+
+  // Event handlers; throw Error on a broken link or a bad frame.
+  void on_readable(size_t conn);
+  void on_writable(size_t conn);
+
+  // Best effort, bounded by `deadline`: queue-jump a control frame on every socket
+  // that is at a frame boundary (finishing a half-written frame first if needed).
+  void send_control(const FrameHeader& h, const std::string& payload, Deadline deadline);
+
+  // Fails everything this pair holds and closes its sockets.
+  void fail_all(const std::shared_ptr<const Error>& err, std::vector<RequestPtr>* failed);
+  void close();
+
+  // Oldest pending request of a channel (for timeout messages), or null.
+  RequestPtr oldest_pending(Channel chan) const;
+  bool has_pending() const;
+  // Headers of the collective messages buffered before their op started.
+  std::vector<FrameHeader> unexpected_collective_headers() const;
+
+  uint64_t bytes_sent() const { return bytes_sent_.load(std::memory_order_relaxed); }
+  uint64_t bytes_received() const { return bytes_received_.load(std::memory_order_relaxed); }
+
+ private:
+  struct SendItem {
+    RequestPtr req;            // null for control frames
+    uint8_t header[kFrameHeaderBytes];
+    size_t header_sent = 0;
+    const uint8_t* payload = nullptr;
+    size_t length = 0;
+    size_t sent = 0;
+    std::string owned;         // control payload storage
+    bool started() const { return header_sent > 0; }
+  };
+  struct Conn {
+    Fd fd;
+    std::deque<SendItem> sendq;
+    // receive state
+    bool in_payload = false;
+    uint8_t header_buf[kFrameHeaderBytes];
+    size_t header_have = 0;
+    FrameHeader cur;
+    uint8_t* dst = nullptr;
+    size_t left = 0;
+    RequestPtr target;          // posted receive being filled
+    Unexpected* unexpected = nullptr;
+    std::string control;        // abort payload being read
+    std::vector<uint8_t> rbuf;  // staging for headers and small payloads
+    size_t rb_begin = 0, rb_end = 0;
+  };
+
+  void enqueue(size_t conn, SendItem&& item);
+  void flush(size_t conn);  // writes what the socket takes now
+  void on_header(Conn& c);
+  void on_payload_done(Conn& c);
+  void on_eof(size_t conn);
+  [[noreturn]] void lost(const std::string& what, int err);
+  void finish_recv(const RequestPtr& req);
+  void copy_out(Unexpected& u, const RequestPtr& req);
+  void check_recv_size(const RequestPtr& req, const FrameHeader& h);
+
+  PairHost& host_;
+  const int peer_rank_;
+  const std::string peer_addr_;
+  const uint64_t comm_id_;
+  std::vector<Conn> conns_;
+  size_t next_conn_ = 0;  // round-robin socket for small messages
+  bool bye_received_ = false;
+  std::unordered_map<MsgKey, RequestPtr, MsgKeyHash> posted_;
+  std::unordered_map<MsgKey, Unexpected, MsgKeyHash> unexpected_;
+  std::atomic<uint64_t> bytes_sent_{0};
+  std::atomic<uint64_t> bytes_received_{0};
+};
+
+}  // namespace mccl

@@ -1,0 +1,499 @@
+#include "transport/transport.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+
+#include "dtype.h"
+
+namespace mccl {
+
+namespace {
+
+uint64_t p2p_slot(int peer, uint32_t tag) { return uint64_t(uint32_t(peer)) << 32 | tag; }
+
+std::string fmt_seconds(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.1f", s);
+  return buf;
+}
+
+}  // namespace
+
+Transport::Transport(int rank, int size, uint64_t comm_id, std::vector<std::vector<Fd>> links,
+                     std::vector<std::string> addrs)
+    : rank_(rank), size_(size), comm_id_(comm_id), addrs_(std::move(addrs)) {
+  pairs_.resize(size);
+  for (int r = 0; r < size; ++r) {
+    if (r == rank) continue;
+    pairs_[r] = std::make_unique<Pair>(*this, r, addrs_[r], comm_id, std::move(links[r]));
+  }
+  int fds[2];
+  if (::pipe(fds) != 0) {
+    throw_error(ErrorKind::kGeneric, std::string("[transport] pipe() failed: ") +
+                                         std::strerror(errno) + "; raise ulimit -n");
+  }
+  wake_read_ = Fd(fds[0]);
+  wake_write_ = Fd(fds[1]);
+  for (int fd : fds) {
+    set_nonblocking(fd, true);
+    ::fcntl(fd, F_SETFD, FD_CLOEXEC);
+  }
+}
+
+Transport::~Transport() {
+  for (auto& p : pairs_) {
+    if (p) p->close();
+  }
+}
+
+std::string Transport::who(int r) const {
+  return "peer=" + addrs_[r] + " (rank " + std::to_string(r) + ")";
+}
+
+template <typename F>
+auto Transport::guarded(F&& f) -> decltype(f()) {
+  throw_if_failed();
+  try {
+    return f();
+  } catch (const Error& e) {
+    fail(e);
+    throw;
+  }
+}
+
+void Transport::throw_if_failed() const {
+  if (failed_) throw *failed_;
+}
+
+void Transport::check_peer(int peer, const char* what) const {
+  if (peer < 0 || peer >= size_ || peer == rank_) {
+    throw_error(ErrorKind::kConfig, std::string("[transport] ") + what + " with invalid peer rank " +
+                                        std::to_string(peer) + " (world size " +
+                                        std::to_string(size_) + ", this rank " +
+                                        std::to_string(rank_) + ")");
+  }
+}
+
+RequestPtr Transport::make_request(bool is_send, int peer, const void* buf, size_t n,
+                                   const MsgKey& key) {
+  auto req = std::make_shared<Request>();
+  req->is_send = is_send;
+  req->peer = peer;
+  req->buf = static_cast<uint8_t*>(const_cast<void*>(buf));
+  req->size = n;
+  req->key = key;
+  req->post_order = ++post_counter_;
+  return req;
+}
+
+// ---------------------------------------------------------------- collectives
+
+RequestPtr Transport::isend(int peer, const void* buf, size_t n, uint32_t tag, uint64_t cookie) {
+  return guarded([&] {
+    check_peer(peer, "send");
+    auto req = make_request(true, peer, buf, n, {Channel::kCollective, active_seq_, tag});
+    req->sig = active_sig_;
+    req->cookie = cookie;
+    pairs_[peer]->post_send(req);
+    return req;
+  });
+}
+
+RequestPtr Transport::irecv(int peer, void* buf, size_t n, uint32_t tag, uint64_t cookie) {
+  return guarded([&] {
+    check_peer(peer, "receive");
+    auto req = make_request(false, peer, buf, n, {Channel::kCollective, active_seq_, tag});
+    req->sig = active_sig_;
+    req->cookie = cookie;
+    pairs_[peer]->post_recv(req);
+    return req;
+  });
+}
+
+void Transport::begin_collective(uint64_t seq, const Signature& sig) {
+  guarded([&] {
+    active_ = true;
+    active_seq_ = seq;
+    active_sig_ = sig;
+    done_q_.clear();
+    // Frames of this op that arrived before it started were only buffered: check them now.
+    for (auto& p : pairs_) {
+      if (!p) continue;
+      for (const FrameHeader& h : p->unexpected_collective_headers()) {
+        check_collective_frame(*p, h);
+      }
+    }
+  });
+}
+
+void Transport::end_collective() {
+  active_ = false;
+  next_coll_seq_ = active_seq_ + 1;
+}
+
+void Transport::check_collective_frame(Pair& pair, const FrameHeader& h) {
+  if (active_ && h.seq == active_seq_) {
+    compare_signature(pair, h);
+  } else if (h.seq < next_coll_seq_ || (active_ && h.seq < active_seq_)) {
+    throw_error(ErrorKind::kMismatch,
+                std::string("[") + op_kind_name(h.kind) + "] " + pair.who() + " sent data for " +
+                    op_kind_name(h.kind) + " op #" + std::to_string(h.seq) +
+                    ", which this rank has already finished; likely cause: ranks issue "
+                    "collectives in different orders or counts; make every rank call the same "
+                    "sequence",
+                pair.peer_rank(), pair.peer_addr());
+  }
+}
+
+void Transport::compare_signature(Pair& pair, const FrameHeader& h) const {
+  const Signature& s = active_sig_;
+  const std::string op = op_kind_name(s.kind);
+  const std::string opno = "op #" + std::to_string(h.seq);
+  auto mismatch = [&](const std::string& what) {
+    throw_error(ErrorKind::kMismatch, "[" + op + "] " + what, pair.peer_rank(), pair.peer_addr());
+  };
+  if (h.kind != s.kind) {
+    mismatch("collective mismatch with " + pair.who() + ": it runs " + op_kind_name(h.kind) +
+             " as " + opno + ", this rank runs " + op +
+             "; every rank must call the same collectives in the same order");
+  }
+  if (h.op_bytes != s.op_bytes) {
+    mismatch("size mismatch with " + pair.who() + ": it sent " + std::to_string(h.op_bytes) +
+             " bytes for " + opno + ", this rank expects " + std::to_string(s.op_bytes) +
+             "; every rank must pass tensors of the same size");
+  }
+  if (h.dtype != s.dtype) {
+    mismatch("dtype mismatch with " + pair.who() + " for " + opno + ": it uses " +
+             dtype_name(static_cast<DType>(h.dtype)) + ", this rank " +
+             dtype_name(static_cast<DType>(s.dtype)) + "; every rank must pass the same dtype");
+  }
+  if (h.redop != s.redop) {
+    mismatch("reduce-op mismatch with " + pair.who() + " for " + opno + ": it uses " +
+             reduce_op_name(static_cast<ReduceOp>(h.redop)) + ", this rank " +
+             reduce_op_name(static_cast<ReduceOp>(s.redop)) +
+             "; every rank must pass the same op");
+  }
+  if (h.root != s.root) {
+    mismatch("root mismatch with " + pair.who() + " for " + opno + ": it uses root " +
+             std::to_string(h.root) + ", this rank " + std::to_string(s.root) +
+             "; every rank must pass the same root");
+  }
+}
+
+RequestPtr Transport::wait_next(Deadline deadline, double timeout_s) {
+  while (done_q_.empty()) {
+    throw_if_failed();
+    if (Clock::now() >= deadline) {
+      std::string waiting = "nothing";
+      int peer = -1;
+      RequestPtr oldest;
+      for (auto& p : pairs_) {
+        if (!p) continue;
+        RequestPtr r = p->oldest_pending(Channel::kCollective);
+        if (r && (!oldest || r->post_order < oldest->post_order)) oldest = r;
+      }
+      if (oldest) {
+        peer = oldest->peer;
+        waiting = std::string(oldest->is_send ? "sending to " : "data from ") + who(peer) +
+                  " (message tag " + std::to_string(oldest->key.tag) + ")";
+      }
+      Error e(ErrorKind::kTimeout,
+              std::string("[") + op_kind_name(active_sig_.kind) + "] op #" +
+                  std::to_string(active_seq_) + " (" + std::to_string(active_sig_.op_bytes) +
+                  " bytes) timed out after " + fmt_seconds(timeout_s) + " s waiting for " +
+                  waiting +
+                  "; likely cause: that rank is stalled (stopped, deadlocked, overloaded) or did "
+                  "not call this collective; check it, or raise the process group timeout",
+              peer, peer >= 0 ? addrs_[peer] : "");
+      fail(e);
+      throw e;
+    }
+    progress(deadline);
+  }
+  RequestPtr r = std::move(done_q_.front());
+  done_q_.pop_front();
+  return r;
+}
+
+// ---------------------------------------------------------------- point-to-point
+
+RequestPtr Transport::send_p2p(int peer, const void* buf, size_t n, uint32_t tag, DoneFn on_done) {
+  return guarded([&] {
+    check_peer(peer, "send");
+    uint64_t seq = p2p_send_seq_[p2p_slot(peer, tag)]++;
+    auto req = make_request(true, peer, buf, n, {Channel::kP2P, seq, tag});
+    req->sig.kind = OpKind::kP2P;
+    req->sig.op_bytes = n;
+    req->on_done = std::move(on_done);
+    pairs_[peer]->post_send(req);
+    return req;
+  });
+}
+
+RequestPtr Transport::recv_p2p(int peer, void* buf, size_t n, uint32_t tag, DoneFn on_done) {
+  return guarded([&] {
+    RequestPtr req;
+    if (peer >= 0) {
+      check_peer(peer, "receive");
+      uint64_t seq = p2p_recv_seq_[p2p_slot(peer, tag)]++;
+      req = make_request(false, peer, buf, n, {Channel::kP2P, seq, tag});
+      req->sig.kind = OpKind::kP2P;
+      req->on_done = std::move(on_done);
+      pairs_[peer]->post_recv(req);
+      any_source_dirty_ = true;  // the next message of (peer, tag) may now be claimable
+    } else {
+      req = make_request(false, -1, buf, n, {Channel::kP2P, 0, tag});
+      req->sig.kind = OpKind::kP2P;
+      req->on_done = std::move(on_done);
+      any_source_[tag].push_back(req);
+      any_source_dirty_ = true;
+    }
+    match_any_source();
+    return req;
+  });
+}
+
+RequestPtr Transport::claim_for_any_source(Pair& pair, const FrameHeader& h) {
+  auto it = any_source_.find(h.tag);
+  if (it == any_source_.end() || it->second.empty()) return nullptr;
+  uint64_t& next = p2p_recv_seq_[p2p_slot(pair.peer_rank(), h.tag)];
+  if (h.seq != next) return nullptr;  // an earlier message of this peer is still in flight
+  RequestPtr req = std::move(it->second.front());
+  it->second.pop_front();
+  ++next;
+  req->peer = pair.peer_rank();
+  req->key = {Channel::kP2P, h.seq, h.tag};
+  pair.add_posted(req);
+  any_source_dirty_ = true;
+  return req;
+}
+
+void Transport::match_any_source() {
+  if (!any_source_dirty_) return;
+  any_source_dirty_ = false;
+  for (auto& kv : any_source_) {
+    const uint32_t tag = kv.first;
+    auto& waiting = kv.second;
+    while (!waiting.empty()) {
+      // The earliest buffered message that is next in its peer's sequence for this tag.
+      Pair* best = nullptr;
+      Unexpected* best_u = nullptr;
+      for (auto& p : pairs_) {
+        if (!p) continue;
+        uint64_t next = p2p_recv_seq_[p2p_slot(p->peer_rank(), tag)];
+        Unexpected* u = p->find_unexpected({Channel::kP2P, next, tag});
+        if (u && (!best_u || u->arrival < best_u->arrival)) {
+          best = p.get();
+          best_u = u;
+        }
+      }
+      if (!best) break;
+      RequestPtr req = std::move(waiting.front());
+      waiting.pop_front();
+      uint64_t seq = p2p_recv_seq_[p2p_slot(best->peer_rank(), tag)]++;
+      req->peer = best->peer_rank();
+      req->key = {Channel::kP2P, seq, tag};
+      best->take_unexpected(req->key, req);
+    }
+  }
+}
+
+bool Transport::has_pending_p2p() const {
+  for (auto& kv : any_source_) {
+    if (!kv.second.empty()) return true;
+  }
+  for (auto& p : pairs_) {
+    if (p && p->oldest_pending(Channel::kP2P)) return true;
+  }
+  return false;
+}
+
+void Transport::p2p_timeout(double timeout_s) {
+  RequestPtr oldest;
+  for (auto& p : pairs_) {
+    if (!p) continue;
+    RequestPtr r = p->oldest_pending(Channel::kP2P);
+    if (r && (!oldest || r->post_order < oldest->post_order)) oldest = r;
+  }
+  std::string what = "an any-source receive";
+  int peer = -1;
+  if (oldest) {
+    peer = oldest->peer;
+    what = std::string(oldest->is_send ? "a send to " : "a receive from ") + who(peer) +
+           " (tag " + std::to_string(oldest->key.tag) + ")";
+  }
+  Error e(ErrorKind::kTimeout,
+          "[send/recv] " + what + " did not complete within " + fmt_seconds(timeout_s) +
+              " s; likely cause: the peer never posted the matching recv/send or is stalled; "
+              "check both sides issue matching calls",
+          peer, peer >= 0 ? addrs_[peer] : "");
+  fail(e);
+  throw e;
+}
+
+// ---------------------------------------------------------------- progress
+
+void Transport::request_done(const RequestPtr& req) {
+  if (req->on_done) {
+    req->on_done(*req);
+  } else {
+    done_q_.push_back(req);
+  }
+}
+
+void Transport::reserve_unexpected(Pair& pair, const FrameHeader& h) {
+  if (unexpected_bytes_ + h.total > kMaxUnexpectedBytes) {
+    throw_error(ErrorKind::kMismatch,
+                "[transport] " + pair.who() + " sent a " + std::to_string(h.total) + "-byte " +
+                    op_kind_name(h.kind) + " message nobody asked for yet, beyond the " +
+                    std::to_string(kMaxUnexpectedBytes >> 20) +
+                    " MiB this rank buffers; likely cause: sends without matching receives, or "
+                    "ranks running different collectives; post the matching recv first",
+                pair.peer_rank(), pair.peer_addr());
+  }
+  unexpected_bytes_ += h.total;
+}
+
+void Transport::wake() {
+  if (!wake_pending_.exchange(true)) {
+    char b = 1;
+    ssize_t rc = ::write(wake_write_.get(), &b, 1);
+    (void)rc;  // a full pipe already guarantees a wake-up
+  }
+}
+
+void Transport::request_abort(const Error& reason) {
+  {
+    std::lock_guard<std::mutex> lk(abort_mu_);
+    if (!abort_reason_) abort_reason_ = std::make_unique<Error>(reason);
+  }
+  abort_requested_.store(true);
+  wake();
+}
+
+void Transport::progress(Deadline until) {
+  throw_if_failed();
+  if (abort_requested_.load()) {
+    Error e = [&] {
+      std::lock_guard<std::mutex> lk(abort_mu_);
+      return *abort_reason_;
+    }();
+    fail(e);
+    throw e;
+  }
+  guarded([&] {
+    match_any_source();
+    std::vector<pollfd> fds;
+    std::vector<std::pair<Pair*, size_t>> owner;
+    fds.push_back({wake_read_.get(), POLLIN, 0});
+    owner.push_back({nullptr, 0});
+    for (auto& p : pairs_) {
+      if (!p) continue;
+      for (size_t i = 0; i < p->num_conns(); ++i) {
+        if (!p->conn_open(i)) continue;
+        short ev = POLLIN;
+        if (p->conn_wants_write(i)) ev |= POLLOUT;
+        fds.push_back({p->conn_fd(i), ev, 0});
+        owner.push_back({p.get(), i});
+      }
+    }
+    int n = ::poll(fds.data(), fds.size(), ms_until(until, 1000));
+    if (n < 0) {
+      if (errno == EINTR) return;
+      throw_error(ErrorKind::kGeneric, std::string("[transport] poll failed: ") +
+                                           std::strerror(errno));
+    }
+    if (n == 0) return;
+    if (fds[0].revents) {
+      char buf[64];
+      while (::read(wake_read_.get(), buf, sizeof(buf)) > 0) {
+      }
+      wake_pending_.store(false);
+    }
+    for (size_t i = 1; i < fds.size(); ++i) {
+      short re = fds[i].revents;
+      if (!re) continue;
+      Pair* p = owner[i].first;
+      size_t c = owner[i].second;
+      if (re & POLLOUT) p->on_writable(c);
+      if (re & (POLLIN | POLLHUP | POLLERR)) p->on_readable(c);
+    }
+    match_any_source();
+  });
+  if (abort_requested_.load()) progress(Clock::now());  // surfaces the abort right away
+}
+
+// ---------------------------------------------------------------- failure
+
+void Transport::fail(const Error& e) {
+  if (failed_) return;
+  failed_ = std::make_shared<const Error>(e);
+  AbortInfo info;
+  info.origin_rank = rank_;
+  info.lost_rank = e.peer_rank();
+  info.kind = static_cast<int32_t>(e.kind());
+  info.lost_addr = e.peer_addr();
+  info.message = e.what();
+  if (auto* remote = dynamic_cast<const RemoteAbort*>(&e)) {
+    info.origin_rank = remote->origin();
+    info.message = remote->original_message();
+  }
+  FrameHeader h;
+  h.kind = OpKind::kAbort;
+  h.comm_id = comm_id_;
+  std::string payload = encode_abort(info);
+  h.length = h.total = payload.size();
+  // Tell every live peer first, so survivors report the original cause rather than
+  // "connection closed" by us. Bounded: a stalled peer must not hold up the failure.
+  Deadline deadline = Clock::now() + std::chrono::milliseconds(200);
+  for (auto& p : pairs_) {
+    if (!p) continue;
+    if (e.kind() == ErrorKind::kPeerLost && p->peer_rank() == e.peer_rank()) continue;
+    p->send_control(h, payload, deadline);
+  }
+  std::vector<RequestPtr> failed;
+  for (auto& p : pairs_) {
+    if (p) p->fail_all(failed_, &failed);
+  }
+  for (auto& kv : any_source_) {
+    for (auto& r : kv.second) {
+      r->state = Request::State::kFailed;
+      r->error = failed_;
+      failed.push_back(r);
+    }
+  }
+  any_source_.clear();
+  done_q_.clear();
+  for (auto& r : failed) {
+    if (r->on_done) r->on_done(*r);
+  }
+}
+
+void Transport::close_gracefully(Deadline deadline) {
+  if (!failed_) {
+    FrameHeader h;
+    h.kind = OpKind::kBye;
+    h.comm_id = comm_id_;
+    for (auto& p : pairs_) {
+      if (p) p->send_control(h, std::string(), deadline);
+    }
+  }
+  for (auto& p : pairs_) {
+    if (p) p->close();
+  }
+}
+
+uint64_t Transport::bytes_sent(int peer) const {
+  return pairs_[peer] ? pairs_[peer]->bytes_sent() : 0;
+}
+
+uint64_t Transport::bytes_received(int peer) const {
+  return pairs_[peer] ? pairs_[peer]->bytes_received() : 0;
+}
+
+}  // namespace mccl

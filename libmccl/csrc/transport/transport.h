@@ -1,0 +1,124 @@
+// All links of one communicator and its progress engine.
+//
+// MPI-style progress, no I/O thread: the thread that runs the algorithms drives the
+// nonblocking sockets itself while it waits (wait_next/progress). Every wait polls
+// every peer's sockets, so a peer that dies is noticed at once by every rank, not only
+// by its ring neighbours. A failure (lost peer, timeout, mismatch, local abort) is
+// sticky: every pending request fails with it, live peers get an ABORT frame naming
+// the original culprit, and all sockets are closed.
+//
+// Thread safety: everything runs on the owning (worker) thread except wake(),
+// request_abort() and the byte counters.
+#pragma once
+#include <atomic>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "transport/pair.h"
+#include "transport/request.h"
+#include "transport/socket.h"
+
+namespace mccl {
+
+class Transport : public PairHost {
+ public:
+  // Unexpected (not yet received-for) bytes a rank buffers before it declares a mismatch.
+  static constexpr uint64_t kMaxUnexpectedBytes = uint64_t(1) << 30;
+
+  Transport(int rank, int size, uint64_t comm_id, std::vector<std::vector<Fd>> links,
+            std::vector<std::string> addrs);
+  ~Transport() override;
+  Transport(const Transport&) = delete;
+  Transport& operator=(const Transport&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  const std::string& addr(int r) const { return addrs_[r]; }
+  std::string who(int r) const;  // "peer=host:port (rank r)"
+
+  // Collective traffic. Completions are queued for wait_next().
+  RequestPtr isend(int peer, const void* buf, size_t n, uint32_t tag, uint64_t cookie = 0);
+  RequestPtr irecv(int peer, void* buf, size_t n, uint32_t tag, uint64_t cookie = 0);
+  // Frames of collective `seq` are checked against `sig` as they arrive.
+  void begin_collective(uint64_t seq, const Signature& sig);
+  void end_collective();
+  // Drives I/O until one of the running collective's requests completes. At the
+  // deadline it fails the transport with CollectiveTimeout naming the awaited peer.
+  RequestPtr wait_next(Deadline deadline, double timeout_s);
+
+  // Point-to-point. `on_done` runs on this thread when the request completes or fails.
+  using DoneFn = std::function<void(Request&)>;
+  RequestPtr send_p2p(int peer, const void* buf, size_t n, uint32_t tag, DoneFn on_done);
+  RequestPtr recv_p2p(int peer, void* buf, size_t n, uint32_t tag, DoneFn on_done);  // peer -1: any
+  bool has_pending_p2p() const;
+  // Fails the transport with CollectiveTimeout describing the oldest pending p2p request.
+  [[noreturn]] void p2p_timeout(double timeout_s);
+
+  // One round of I/O: returns after handling events, at `until`, or when woken.
+  void progress(Deadline until);
+  void wake();                              // any thread
+  void request_abort(const Error& reason);  // any thread: next progress fails with it
+  bool abort_requested() const { return abort_requested_.load(); }
+
+  // Idempotent. Tells live peers (ABORT), fails everything pending, closes the links.
+  void fail(const Error& e);
+  std::shared_ptr<const Error> failure() const { return failed_; }
+  // Orderly close: BYE on every socket so peers do not mistake the EOF for a crash.
+  void close_gracefully(Deadline deadline);
+
+  uint64_t bytes_sent(int peer) const;
+  uint64_t bytes_received(int peer) const;
+
+  // PairHost
+  void request_done(const RequestPtr& req) override;
+  void check_collective_frame(Pair& pair, const FrameHeader& h) override;
+  RequestPtr claim_for_any_source(Pair& pair, const FrameHeader& h) override;
+  void reserve_unexpected(Pair& pair, const FrameHeader& h) override;
+  void release_unexpected(size_t bytes) override { unexpected_bytes_ -= bytes; }
+  uint64_t next_arrival() override { return ++arrivals_; }
+
+ private:
+  RequestPtr make_request(bool is_send, int peer, const void* buf, size_t n, const MsgKey& key);
+  void check_peer(int peer, const char* what) const;
+  void compare_signature(Pair& pair, const FrameHeader& h) const;
+  void match_any_source();  // pairs waiting any-source receives with buffered messages
+  void throw_if_failed() const;
+  template <typename F>
+  auto guarded(F&& f) -> decltype(f());
+
+  const int rank_;
+  const int size_;
+  const uint64_t comm_id_;
+  std::vector<std::string> addrs_;
+  std::vector<std::unique_ptr<Pair>> pairs_;  // null at index rank_
+
+  std::deque<RequestPtr> done_q_;
+  uint64_t post_counter_ = 0;
+  uint64_t arrivals_ = 0;
+  uint64_t unexpected_bytes_ = 0;
+
+  bool active_ = false;
+  uint64_t active_seq_ = 0;
+  uint64_t next_coll_seq_ = 0;  // every collective seq below this one has finished here
+  Signature active_sig_;
+
+  std::unordered_map<uint64_t, uint64_t> p2p_send_seq_;  // (peer, tag) -> next seq
+  std::unordered_map<uint64_t, uint64_t> p2p_recv_seq_;
+  std::unordered_map<uint32_t, std::deque<RequestPtr>> any_source_;  // tag -> receives
+  bool any_source_dirty_ = false;
+
+  std::shared_ptr<const Error> failed_;
+
+  Fd wake_read_, wake_write_;
+  std::atomic<bool> wake_pending_{false};
+  std::atomic<bool> abort_requested_{false};
+  std::mutex abort_mu_;
+  std::unique_ptr<Error> abort_reason_;
+};
+
+}  // namespace mccl
