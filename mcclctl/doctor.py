@@ -137,19 +137,59 @@ def can_connect(addr: str, port: int, timeout_s: float = CONNECT_TIMEOUT_S) -> s
         return e.strerror or str(e)
 
 
-def port_checks(addr: str, ports: dict[str, int], peers: list[tuple[str, str, int]]) -> list[dict]:
+def is_listening(addr: str, port: int) -> bool:
+    """Whether something listens on addr:port, found by failing to bind it.
+
+    Connecting would do too, but the daemon's link listener would then log a failed
+    handshake from us; a bind without SO_REUSEADDR touches nobody.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((addr, port))
+        except OSError:
+            return True
+    return False
+
+
+def fetch_metrics(addr: str, port: int, timeout_s: float = CONNECT_TIMEOUT_S) -> str | None:
+    """None when /metrics answers with MCCL metrics, else why not."""
+    import urllib.error
+    import urllib.request
+    try:
+        with urllib.request.urlopen(f"http://{addr}:{port}/metrics", timeout=timeout_s) as r:
+            body = r.read().decode(errors="replace")
+    except (urllib.error.URLError, OSError) as e:
+        return str(getattr(e, "reason", e))
+    return None if "mccl_build_info" in body else "answers, but without mccl_build_info (not mccld?)"
+
+
+def port_checks(addr: str, ports: dict[str, int], peers: list[tuple[str, str, int]],
+                status_ok: str | None = None, metrics_addr: str = "") -> list[dict]:
+    """Local endpoints of mccld, then the peers' status endpoints.
+
+    ``status_ok``: None if our own status endpoint answered an authenticated query,
+    else why it did not (the caller asked it with the fleet key).
+    """
+    fix_local = ("start mccld on this host, or check that the MCCL_*_PORT settings of mccld and "
+                 "mcclctl agree and that no firewall blocks the port")
     out = []
     for name, port in ports.items():
         if port == 0:
             out.append(check(f"{name} port", "skip", f"{name} endpoint disabled (port 0)"))
             continue
-        why = can_connect(addr, port)
-        if why is None:
-            out.append(check(f"{name} port", "ok", f"{addr}:{port} accepts connections"))
+        where = addr
+        if name == "metrics":
+            # A wildcard bind answers on the fleet address; a specific one only there.
+            where = metrics_addr if metrics_addr not in ("", "0.0.0.0") else addr
+            why = fetch_metrics(where, port)
+        elif name == "status" and status_ok is not None:
+            why = status_ok
         else:
-            out.append(check(f"{name} port", "fail", f"{addr}:{port}: {why}",
-                             "start mccld on this host, or check that the MCCL_*_PORT settings of "
-                             "mccld and mcclctl agree and that no firewall blocks the port"))
+            why = None if is_listening(addr, port) else "nothing listens there"
+        if why is None:
+            out.append(check(f"{name} port", "ok", f"{where}:{port} answers"))
+        else:
+            out.append(check(f"{name} port", "fail", f"{where}:{port}: {why}", fix_local))
     for host, peer_addr, port in peers:
         why = can_connect(peer_addr, port)
         if why is None:
@@ -235,10 +275,14 @@ def cmd_doctor(args) -> int:
         targets = []
         checks.append(check("discovery", "warn", str(e), "name peers with --host H[:port]"))
     peers = [t for t in targets if not t.status_addr.startswith(f"{addr}:")]
+    status_ok = "no usable fleet key" if key is None else None
+    if key is not None and cfg.status_port:
+        (own,) = fetch(from_hosts([f"{addr}:{cfg.status_port}"]), key, "status", timeout_s=args.timeout)
+        status_ok = own.error
     checks += port_checks(addr, {"link": cfg.port, "status": cfg.status_port,
                                  "metrics": cfg.metrics_port},
                           [(t.host, t.status_addr.rsplit(":", 1)[0], int(t.status_addr.rsplit(":", 1)[1]))
-                           for t in peers])
+                           for t in peers], status_ok, cfg.metrics_addr)
     if key is not None and peers:
         replies = fetch(peers, key, "status", timeout_s=args.timeout)
         checks += skew_checks([(r.target.host, r.clock_offset_s, r.rtt_s) for r in replies])

@@ -110,8 +110,10 @@ def merge_status(daemon: dict, snap: dict | None, tcp_text: str | None = None) -
     out = dict(daemon)
     snap = snap or {}
     peers = snap.get("peers", {})
-    links = [dict(link) for link in out.get("links") or
-             [{"peer": p, "up": bool(v["up"])} for p, v in peers.items()]]
+    if "links" in out:
+        links = [dict(link) for link in out["links"] or []]
+    else:  # a daemon that does not list links: every peer the stats know of
+        links = [{"peer": p, "up": v["up"]} for p, v in peers.items()]
     local = out.get("address") or ""
     if tcp_text is None and local:
         tcp_text = tcpinfo.run_ss()
@@ -134,17 +136,18 @@ def merge_status(daemon: dict, snap: dict | None, tcp_text: str | None = None) -
         for key, value in tcp.items():
             if link.get(key) is None:
                 link[key] = value
-    # Links the daemon no longer lists but the stats saw go down still count (as down).
+    # Peers the daemon does not list still show: seen going down (a down link), or only
+    # known by a link test ceiling (up unknown: not a link, so not counted below).
     listed = {link.get("peer") for link in links} | {link.get("host") for link in links}
     for name, ps in sorted(peers.items()):
-        if ps.get("up") is False and name not in listed:
-            links.append({"peer": name, "host": None, "up": False, "sent_bytes": ps.get("sent_bytes"),
+        if name not in listed and (ps.get("up") is False or ps.get("ceiling_bits_per_s")):
+            links.append({"peer": name, "host": None, "up": ps.get("up"), "sent_bytes": ps.get("sent_bytes"),
                           "received_bytes": ps.get("received_bytes"), "tx_bytes_per_s": 0.0,
                           "rx_bytes_per_s": 0.0, "ceiling_bits_per_s": ps.get("ceiling_bits_per_s"),
                           **tcpinfo.summarize(None)})
     out["links"] = links
     out.setdefault("links_up", sum(1 for link in links if link.get("up")))
-    out.setdefault("links_total", len(links))
+    out.setdefault("links_total", sum(1 for link in links if link.get("up") is not None))
     out.setdefault("tx_bytes_per_s", sum(link.get("tx_bytes_per_s") or 0.0 for link in links))
     out.setdefault("rx_bytes_per_s", sum(link.get("rx_bytes_per_s") or 0.0 for link in links))
     for key, skey in (("version", "version"), ("state", "state"), ("uptime_s", "uptime_s"),

@@ -217,3 +217,27 @@ def test_prometheus_sd_writes_file(tmp_path, capsys):
     groups = json.loads(out.read_text())
     assert [g["targets"] for g in groups] == [["10.0.0.1:29652"], ["10.0.0.2:29652"]]
     assert oct(os.stat(out).st_mode & 0o777) == "0o644"
+
+
+@pytest.mark.timeout(20)
+def test_port_checks_against_live_endpoints():
+    from mccld.metrics import MetricsServer
+    stats = DaemonStats()
+    metrics = MetricsServer(stats, "127.0.0.1", 0)
+    metrics.start()
+    listener = __import__("socket").socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    free = __import__("socket").socket()
+    free.bind(("127.0.0.1", 0))
+    free_port = free.getsockname()[1]
+    free.close()
+    try:
+        checks = doctor.port_checks(
+            "127.0.0.1", {"link": listener.getsockname()[1], "status": free_port, "metrics": metrics.port},
+            [("peerX", "127.0.0.1", free_port)], status_ok="DaemonUnavailableError: refused")
+    finally:
+        metrics.stop()
+        listener.close()
+    by_name = {c["name"]: c["status"] for c in checks}
+    assert by_name == {"link port": "ok", "status port": "fail", "metrics port": "ok", "peer peerX": "fail"}

@@ -212,3 +212,14 @@ def test_merge_status_completes_the_daemon_view_from_stats():
     assert by_peer["10.0.0.3:29650"]["up"] is False
     assert (out["links_up"], out["links_total"]) == (1, 2)
     assert out["jobs"][0]["ranks"] == [0, 1] and out["state"] == "training"
+
+
+@pytest.mark.timeout(10)
+def test_merge_status_shows_ceiling_only_peers_without_counting_them_as_links():
+    stats = DaemonStats()
+    stats.set_link_ceiling("10.0.0.9:29650", 9e9)
+    out = ss.merge_status({"host": "mac1", "address": "10.0.0.1:29650", "links": []},
+                          stats.snapshot(), tcp_text="")
+    (link,) = out["links"]
+    assert link["peer"] == "10.0.0.9:29650" and link["up"] is None and link["ceiling_bits_per_s"] == 9e9
+    assert (out["links_up"], out["links_total"]) == (0, 0)
