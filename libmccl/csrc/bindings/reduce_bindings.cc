@@ -1,5 +1,7 @@
 // Exposes the reduction kernels to Python so tests can check them against torch.
-// Pointers are plain integers (tensor.data_ptr()); counts are elements.
+// Pointers are plain integers (tensor.data_ptr()); counts are elements. mccl::Error
+// becomes the matching libmccl.errors class through the module-wide translator
+// (engine_bindings.cc).
 #include "reduce_bindings.h"
 
 #include <cstdint>
@@ -13,25 +15,6 @@ namespace py = pybind11;
 
 namespace mccl {
 namespace {
-
-// Raises the libmccl.errors class matching the engine error's kind, so callers see
-// ConfigError and friends whether or not the module installs a global translator.
-[[noreturn]] void raise_typed(const Error& e) {
-  py::object exc = py::module_::import("libmccl.errors")
-                       .attr("from_kind")(static_cast<int>(e.kind()), e.what(), e.peer_rank(),
-                                          e.peer_addr());
-  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
-  throw py::error_already_set();
-}
-
-template <class F>
-auto typed(F&& f) {
-  try {
-    return f();
-  } catch (const Error& e) {
-    raise_typed(e);
-  }
-}
 
 void check_buffer(uintptr_t ptr, size_t count, const char* name) {
   if (ptr == 0 && count > 0)
@@ -59,25 +42,21 @@ void register_reduce_bindings(py::module_& m) {
   m.def(
       "reduce_inplace",
       [](uintptr_t in_ptr, uintptr_t inout_ptr, size_t count, int dtype, int op) {
-        typed([&] {
-          check_buffer(in_ptr, count, "in_ptr");
-          check_buffer(inout_ptr, count, "inout_ptr");
-          ReduceFn fn = reduce_fn(to_dtype(dtype), to_op(op));
-          py::gil_scoped_release nogil;
-          fn(reinterpret_cast<const void*>(in_ptr), reinterpret_cast<void*>(inout_ptr), count);
-        });
+        check_buffer(in_ptr, count, "in_ptr");
+        check_buffer(inout_ptr, count, "inout_ptr");
+        ReduceFn fn = reduce_fn(to_dtype(dtype), to_op(op));
+        py::gil_scoped_release nogil;
+        fn(reinterpret_cast<const void*>(in_ptr), reinterpret_cast<void*>(inout_ptr), count);
       },
       py::arg("in_ptr"), py::arg("inout_ptr"), py::arg("count"), py::arg("dtype"), py::arg("op"),
       "inout[i] = op(inout[i], in[i]) for `count` elements (AVG reduces as SUM).");
   m.def(
       "finalize_avg",
       [](uintptr_t ptr, size_t count, int dtype, size_t divisor) {
-        typed([&] {
-          check_buffer(ptr, count, "ptr");
-          const DType t = to_dtype(dtype);
-          py::gil_scoped_release nogil;
-          finalize_avg(reinterpret_cast<void*>(ptr), count, t, divisor);
-        });
+        check_buffer(ptr, count, "ptr");
+        const DType t = to_dtype(dtype);
+        py::gil_scoped_release nogil;
+        finalize_avg(reinterpret_cast<void*>(ptr), count, t, divisor);
       },
       py::arg("ptr"), py::arg("count"), py::arg("dtype"), py::arg("divisor"),
       "Divide `count` elements by `divisor` (integers truncate toward zero).");
