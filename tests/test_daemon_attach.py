@@ -104,10 +104,11 @@ def rank_all_collectives(rank: int, world: int) -> str:
         comm.wait(comm.allreduce(a.ctypes.data, n, dtype, op), 20)
         want = _expected(op, [_data(r, dtype, n) for r in range(world)])
         assert np.array_equal(a, want), (dtype, op, a[:8], want[:8])
-    # bfloat16 as raw uint16 bits: 1.0 (0x3f80) + 2.0 (0x4000) = 3.0 (0x4040)
+    # bfloat16 as raw uint16 bits: rank 0 gives 1.0 (0x3f80), the others 2.0 (0x4000)
     b = np.full(7, 0x3F80 if rank == 0 else 0x4000, dtype=np.uint16)
     comm.wait(comm.allreduce(b.ctypes.data, 7, BF16, SUM), 20)
-    assert (b == 0x4040).all(), b
+    want_bits = int(np.float32(1 + 2 * (world - 1)).view(np.uint32)) >> 16
+    assert (b == want_bits).all(), (b, want_bits)
     # broadcast from the last rank
     x = np.full(33, rank, dtype=np.int64)
     comm.wait(comm.broadcast(x.ctypes.data, x.nbytes, world - 1), 20)

@@ -1,0 +1,181 @@
+"""Daemons on an emulated fleet (network namespaces, real mDNS, real TCP links).
+
+Needs root and iproute2 (libmccl.fleet); skipped otherwise. Every daemon and rank is
+started through the Fleet, whose teardown kills whatever is left in its namespaces.
+Run directly (``python tests/test_daemon_fleet.py FN RANK WORLD``) it is the rank
+program the tests start inside the namespaces.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+KEY = "fleet-test-key-" + "k" * 24
+
+
+def _skip_unless_fleet() -> None:
+    from libmccl.errors import ConfigError
+    from libmccl.fleet import check_prerequisites
+    try:
+        check_prerequisites()
+    except ConfigError as e:
+        pytest.skip(str(e))
+
+
+class DaemonFleet:
+    """N namespaces, each with one mccld; ``keys`` lets a host hold a wrong key."""
+
+    def __init__(self, n: int, keys: list[str] | None = None, rate: str | None = None):
+        from libmccl.fleet import Fleet
+        self.n = n
+        self.fleet = Fleet(n, rate=rate)
+        self.dir = Path(tempfile.mkdtemp(prefix="mccl-dfleet-"))
+        self.keys = keys or [KEY] * n
+        self.daemons: list[subprocess.Popen] = []
+
+    def env(self, i: int) -> dict[str, str]:
+        return {"MCCL_IFACE": "eth0", "MCCL_RUNTIME_DIR": str(self.dir / f"h{i}"), "MCCL_HOST_ID": f"h{i}",
+                "MCCL_FLEET_KEY": self.keys[i], "MCCL_FLEET": "dtest", "MCCL_MDNS_TTL": "6",
+                "MCCL_STATUS_PORT": "0", "MCCL_METRICS_PORT": "0", "MCCL_CLIENT_CHECK_INTERVAL": "0.1"}
+
+    def log(self, i: int) -> str:
+        return (self.dir / f"h{i}.log").read_text()
+
+    def __enter__(self) -> "DaemonFleet":
+        self.fleet.start()
+        try:
+            for i in range(self.n):
+                with open(self.dir / f"h{i}.log", "w") as log:
+                    self.daemons.append(self.fleet.popen(i, [sys.executable, "-m", "mccld", "--log-level", "DEBUG"],
+                                                         env=self.env(i), stderr=log))
+            deadline = time.monotonic() + 30
+            for i in range(self.n):
+                while not (self.dir / f"h{i}" / "token").exists():
+                    if self.daemons[i].poll() is not None or time.monotonic() > deadline:
+                        raise AssertionError(f"mccld on h{i} did not start:\n{self.log(i)}")
+                    time.sleep(0.1)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for p in self.daemons:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.daemons:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        self.fleet.stop()
+        for p in sorted(self.dir.rglob("*"), reverse=True):
+            p.unlink() if not p.is_dir() else p.rmdir()
+        self.dir.rmdir()
+
+    def status(self, i: int) -> dict:
+        from mccld.attach import local_request
+        return local_request(self.dir / f"h{i}", {"type": "status"})["status"]
+
+    def ranks(self, fn: str, placement: list[int], extra_env: dict | None = None,
+              timeout_s: float = 120.0, kill_rank: int | None = None) -> dict[int, tuple[int, str]]:
+        """Start rank r of ``fn`` on host placement[r]; returns {rank: (exit code, last stdout line)}."""
+        world = len(placement)
+        env_common = {"MASTER_ADDR": self.fleet.hosts[placement[0]].addr, "MASTER_PORT": "29700",
+                      "WORLD_SIZE": str(world), **(extra_env or {})}
+        procs = []
+        for r, h in enumerate(placement):
+            env = {**self.env(h), **env_common, "RANK": str(r)}
+            procs.append(self.fleet.popen(h, [sys.executable, str(HERE / "test_daemon_fleet.py"), fn, str(r),
+                                              str(world)], env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))
+        out = {}
+        deadline = time.monotonic() + timeout_s
+        try:
+            for r, p in enumerate(procs):
+                try:
+                    text, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    text, _ = p.communicate(timeout=10)
+                    text += "\n<timed out>"
+                out[r] = (p.returncode, text.strip())
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait(10)
+        return out
+
+
+# -- tests ---------------------------------------------------------------------------------
+@pytest.mark.fleet
+@pytest.mark.timeout(120)
+def test_daemons_discover_each_other_and_refuse_a_wrong_key():
+    _skip_unless_fleet()
+    from libmccl.errors import AuthError
+    from mccld.attach import local_request
+    with DaemonFleet(3, keys=[KEY, KEY, "another-key-" + "z" * 20]) as df:
+        deadline = time.monotonic() + 30
+        while True:
+            tables = [sorted(e["host_id"] for e in df.status(i)["fleet_table"]) for i in range(3)]
+            if all(t == ["h0", "h1", "h2"] for t in tables):
+                break
+            assert time.monotonic() < deadline, f"fleet tables never converged: {tables}"
+            time.sleep(0.5)
+        entry = next(e for e in df.status(0)["fleet_table"] if e["host_id"] == "h1")
+        assert entry["fleet"] == "dtest" and entry["addresses"] == [df.fleet.hosts[1].addr]
+        assert entry["cores"] > 0 and entry["state"] == "idle" and entry["proto"] == 1
+
+        ok = local_request(df.dir / "h0", {"type": "probe", "addr": f"{df.fleet.hosts[1].addr}:29650"})
+        assert ok["host_id"] == "h1"
+        for _ in range(2):  # the repeat must not log another WARNING
+            with pytest.raises(AuthError, match="failed fleet-key authentication"):
+                local_request(df.dir / "h2", {"type": "probe", "addr": f"{df.fleet.hosts[0].addr}:29650"})
+        assert [p["host_id"] for p in df.status(0)["links"]] == ["h1"]
+        time.sleep(0.5)
+        h0_log = df.log(0)
+        warnings = [line for line in h0_log.splitlines() if "WARNING" in line and "10.77" in line]
+        assert len(warnings) == 1, h0_log
+        # A host that dies without a goodbye leaves every table after its TTL.
+        df.daemons[1].send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while "h1" in [e["host_id"] for e in df.status(0)["fleet_table"]]:
+            assert time.monotonic() < deadline, "a SIGKILLed daemon never expired from the fleet table"
+            time.sleep(0.5)
+
+
+@pytest.mark.fleet
+@pytest.mark.timeout(240)
+def test_two_hosts_two_ranks_each_every_collective():
+    _skip_unless_fleet()
+    with DaemonFleet(2) as df:
+        out = df.ranks("collectives", [0, 1, 1, 0], timeout_s=200)   # interleaved ranks
+        for r, (code, text) in out.items():
+            assert code == 0 and text.endswith("ok"), f"rank {r}:\n{text}\n--- h0 ---\n{df.log(0)[-3000:]}"
+        assert [p["host_id"] for p in df.status(0)["links"]] == ["h1"]
+    assert not list(Path("/dev/shm").glob("mccl-00005eed-*"))
+
+
+# -- rank programs (run inside the namespaces) --------------------------------------------------
+def _collectives(rank: int, world: int) -> str:
+    import test_daemon_attach as t
+    return t.rank_all_collectives(rank, world)
+
+
+PROGRAMS = {"collectives": _collectives}
+
+if __name__ == "__main__":
+    fn, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    sys.path.insert(0, str(HERE))
+    print(PROGRAMS[fn](rank, world), flush=True)
