@@ -1,5 +1,6 @@
-// Reduction kernels: one loop template, instantiated over a table of (element type,
-// operator) pairs. See reduce.h for the contract.
+// Reduction kernels: two loop templates (elementwise, and widen-a-block for 16-bit
+// floats) instantiated over a table of (element type, operator) pairs. See reduce.h
+// for the contract.
 //
 // Design notes
 // - Elements are loaded and stored with memcpy through byte pointers, so buffers at
@@ -172,7 +173,7 @@ struct BitXor {
   static V apply(V a, V b) { return static_cast<V>(a ^ b); }
 };
 
-// ---- the one loop ---------------------------------------------------------------
+// ---- the loops ------------------------------------------------------------------
 
 template <class Elem, class Op>
 MCCL_VECTOR_CLONES void reduce_loop(const void* in, void* inout, size_t n) {
