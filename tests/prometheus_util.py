@@ -8,7 +8,9 @@ stops it and removes its directory, also when the test fails.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -22,6 +24,8 @@ from pathlib import Path
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 SCRAPE_INTERVAL_S = 1
+RATE_INTERVAL = "10s"   # what Grafana makes of $__rate_interval at 1 s scrapes
+DASHBOARDS = sorted((Path(__file__).resolve().parent.parent / "grafana" / "dashboards").glob("*.json"))
 
 
 def available() -> bool:
@@ -36,18 +40,25 @@ def free_port() -> int:
 
 class PrometheusServer:
     def __init__(self, targets: dict[str, dict[str, str]], scrape_job: str = "mccl",
-                 ready_timeout_s: float = 30.0) -> None:
-        """``targets``: {"host:port": {label: value}} scraped at 1 s under ``scrape_job``."""
+                 ready_timeout_s: float = 30.0, exec_prefix: list[str] | None = None,
+                 listen_host: str = "127.0.0.1") -> None:
+        """``targets``: {"host:port": {label: value}} scraped at 1 s under ``scrape_job``.
+
+        ``exec_prefix`` (e.g. ``Fleet.exec_argv(0, [])``) runs Prometheus inside a network
+        namespace; its HTTP API is then reached with curl run through the same prefix.
+        """
         self.targets = targets
         self.scrape_job = scrape_job
         self.ready_timeout_s = ready_timeout_s
+        self.exec_prefix = list(exec_prefix or [])
+        self.listen_host = listen_host
         self.port = 0
         self.proc: subprocess.Popen | None = None
         self.dir: Path | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.listen_host}:{self.port}"
 
     def __enter__(self) -> "PrometheusServer":
         self.start()
@@ -71,12 +82,14 @@ class PrometheusServer:
         }
         # JSON is valid YAML, so no YAML library is needed.
         (self.dir / "prometheus.yml").write_text(json.dumps(config))
-        self.port = free_port()
+        # A fresh namespace has every port free; on the host, ask the kernel for one.
+        self.port = 9090 if self.exec_prefix else free_port()
         with open(self.dir / "prometheus.log", "wb") as log:
             self.proc = subprocess.Popen(
-                [PROMETHEUS, f"--config.file={self.dir / 'prometheus.yml'}",
-                 f"--storage.tsdb.path={self.dir / 'data'}",
-                 f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
+                self.exec_prefix + [
+                    PROMETHEUS, f"--config.file={self.dir / 'prometheus.yml'}",
+                    f"--storage.tsdb.path={self.dir / 'data'}",
+                    f"--web.listen-address={self.listen_host}:{self.port}", "--log.level=warn"],
                 stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
         try:
             self._wait_ready()
@@ -90,10 +103,9 @@ class PrometheusServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"prometheus exited with {self.proc.returncode}: {self.log()[-2000:]}")
             try:
-                with urllib.request.urlopen(f"{self.url}/-/ready", timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
+                if self._get(f"{self.url}/-/ready", timeout_s=2)[0] == 200:
+                    return
+            except (urllib.error.URLError, OSError, subprocess.SubprocessError):
                 pass
             time.sleep(0.2)
         raise TimeoutError(f"prometheus not ready after {self.ready_timeout_s} s: {self.log()[-2000:]}")
@@ -106,6 +118,7 @@ class PrometheusServer:
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            # ip netns exec execs, so the pid is Prometheus' own in both cases.
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=10)
@@ -123,14 +136,26 @@ class PrometheusServer:
         url = f"{self.url}/api/v1/{path}"
         if params:
             url += "?" + urllib.parse.urlencode(params)
-        try:
-            with urllib.request.urlopen(url, timeout=timeout_s) as r:
-                body = json.load(r)
-        except urllib.error.HTTPError as e:
-            body = json.load(e)
+        _, text = self._get(url, timeout_s)
+        body = json.loads(text)
         if body.get("status") != "success":
             raise AssertionError(f"prometheus {path} {params}: {body.get('errorType')}: {body.get('error')}")
         return body["data"]
+
+    def _get(self, url: str, timeout_s: float) -> tuple[int, str]:
+        """(HTTP status, body); API errors (4xx with a JSON body) are returned, not raised."""
+        if not self.exec_prefix:
+            try:
+                with urllib.request.urlopen(url, timeout=timeout_s) as r:
+                    return r.status, r.read().decode()
+            except urllib.error.HTTPError as e:
+                return e.code, e.read().decode()
+        out = subprocess.run(self.exec_prefix + ["curl", "-sS", "-m", str(timeout_s), "-w", "\n%{http_code}",
+                                                 url], capture_output=True, text=True, timeout=timeout_s + 5)
+        if out.returncode != 0:
+            raise OSError(f"curl {url}: {out.stderr.strip()}")
+        body, _, code = out.stdout.rpartition("\n")
+        return int(code), body
 
     def query(self, expr: str) -> list[dict]:
         data = self.api("query", {"query": expr})
@@ -147,3 +172,61 @@ class PrometheusServer:
                 raise TimeoutError(f"no data for {expr!r} within {timeout_s} s; targets: "
                                    f"{self.api('targets')['activeTargets']}")
             time.sleep(0.5)
+
+
+# ---- dashboards -----------------------------------------------------------------------
+
+def dashboard_queries(paths: list[Path]) -> list[tuple[str, str, str, list[dict]]]:
+    """(dashboard file, panel title, expr, query variables) for every target of every panel."""
+    out = []
+    for path in paths:
+        board = json.loads(path.read_text())
+        variables = [v for v in board["templating"]["list"] if v["type"] == "query"]
+        for panel in board["panels"]:
+            for target in panel.get("targets", []):
+                out.append((path.name, panel["title"], target["expr"], variables))
+    return out
+
+
+def resolve_variables(prom: PrometheusServer, variables: list[dict]) -> dict[str, str]:
+    """What Grafana would substitute: "All" -> allValue, else the first value Prometheus has."""
+    values = {"__rate_interval": RATE_INTERVAL}
+    for var in variables:
+        m = re.fullmatch(r"label_values\((\w+),\s*(\w+)\)", var["definition"])
+        assert m, f"variable {var['name']}: unsupported query {var['definition']!r}"
+        found = prom.api(f"label/{m.group(2)}/values", {"match[]": m.group(1)})
+        assert found, f"variable {var['name']} ({var['definition']}) has no values"
+        values[var["name"]] = var["allValue"] if var.get("includeAll") else found[0]
+    return values
+
+
+def substitute(expr: str, values: dict[str, str]) -> str:
+    def repl(m):
+        name = m.group(1) or m.group(2)
+        assert name in values, f"undefined dashboard variable ${name} in {expr}"
+        return values[name]
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)", repl, expr)
+
+
+def has_finite_value(result: list[dict]) -> bool:
+    for series in result:
+        points = series.get("values") or [series.get("value")]
+        if any(p and math.isfinite(float(p[1])) for p in points):
+            return True
+    return False
+
+
+def failing_dashboard_queries(prom: PrometheusServer, paths: list[Path]) -> list[str]:
+    """Every panel query of the dashboards, run with variables resolved; what returned nothing."""
+    assert paths, "no dashboards given"
+    failures = []
+    for board, title, expr, variables in dashboard_queries(paths):
+        try:
+            q = substitute(expr, resolve_variables(prom, variables))
+            result = prom.query(q)
+        except AssertionError as e:
+            failures.append(f"{board} / {title}: {expr}: {e}")
+            continue
+        if not has_finite_value(result):
+            failures.append(f"{board} / {title}: no data for {q}: {result}")
+    return failures

@@ -11,12 +11,8 @@ must equal what the workload counted.
 
 from __future__ import annotations
 
-import json
-import math
-import re
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,12 +28,12 @@ pytestmark = [
     pytest.mark.skipif(not prometheus_util.available(), reason="prometheus is not installed"),
 ]
 
-DASHBOARDS = sorted((Path(__file__).resolve().parent.parent / "grafana" / "dashboards").glob("*.json"))
+DASHBOARDS = prometheus_util.DASHBOARDS
 JOB = "train-1"
 KEY = b"grafana-test-fleet-key-0123456789"
 SIZES = (1 << 10, 64 << 10, 1 << 20)        # bytes per all-reduce: three size classes
-RATE_INTERVAL = "10s"                       # what Grafana makes of $__rate_interval at 1 s scrapes
 OP_TIMEOUT_S = 30.0
+F32, SUM = 0, 0   # mccl::DType::kFloat32, mccl::ReduceOp::kSum (csrc/dtype.h: never renumbered)
 
 
 class Rank:
@@ -74,7 +70,7 @@ class Rank:
         count = nbytes // 4
         buf = np.full(count, self.rank + 1, dtype=np.float32)
         start = time.monotonic()
-        op = self.comm.allreduce(buf.ctypes.data, count, int(core.DType.kFloat32), int(core.ReduceOp.kSum))
+        op = self.comm.allreduce(buf.ctypes.data, count, F32, SUM)
         a = np.random.default_rng(self.ops).random((96, 96))
         for _ in range(4):   # compute that communication can hide behind
             a = a @ a / 96.0
@@ -116,46 +112,6 @@ def run_ranks(ranks: list[Rank], stop: threading.Event) -> list[threading.Thread
     return threads
 
 
-def dashboard_queries() -> list[tuple[str, str, str, dict]]:
-    """(dashboard file, panel title, expr, variables) for every target of every panel."""
-    out = []
-    for path in DASHBOARDS:
-        board = json.loads(path.read_text())
-        variables = [v for v in board["templating"]["list"] if v["type"] == "query"]
-        for panel in board["panels"]:
-            for target in panel.get("targets", []):
-                out.append((path.name, panel["title"], target["expr"], variables))
-    return out
-
-
-def resolve_variables(prom: prometheus_util.PrometheusServer, variables: list[dict]) -> dict[str, str]:
-    """What Grafana would substitute: "All" -> allValue, else the first value Prometheus has."""
-    values = {"__rate_interval": RATE_INTERVAL}
-    for var in variables:
-        m = re.fullmatch(r"label_values\((\w+),\s*(\w+)\)", var["definition"])
-        assert m, f"variable {var['name']}: unsupported query {var['definition']!r}"
-        found = prom.api(f"label/{m.group(2)}/values", {"match[]": m.group(1)})
-        assert found, f"variable {var['name']} ({var['definition']}) has no values"
-        values[var["name"]] = var["allValue"] if var.get("includeAll") else found[0]
-    return values
-
-
-def substitute(expr: str, values: dict[str, str]) -> str:
-    def repl(m):
-        name = m.group(1) or m.group(2)
-        assert name in values, f"undefined dashboard variable ${name} in {expr}"
-        return values[name]
-    return re.sub(r"\$\{(\w+)\}|\$(\w+)", repl, expr)
-
-
-def has_finite_value(result: list[dict]) -> bool:
-    for series in result:
-        points = series.get("values") or [series.get("value")]
-        if any(p and math.isfinite(float(p[1])) for p in points):
-            return True
-    return False
-
-
 @pytest.mark.timeout(240)
 def test_every_dashboard_query_returns_data_and_counters_match_the_workload():
     assert DASHBOARDS, "no dashboards found in grafana/dashboards"
@@ -185,19 +141,14 @@ def test_every_dashboard_query_returns_data_and_counters_match_the_workload():
         targets = {f"127.0.0.1:{m.port}": {"host": f"rank{i}"} for i, m in enumerate(metrics)}
         with prometheus_util.PrometheusServer(targets) as prom:
             workers = run_ranks(ranks, stop)
-            prom.wait_for("sum(mccl_collective_duration_seconds_count) > 0", timeout_s=30)
+            try:
+                prom.wait_for("sum(mccl_collective_duration_seconds_count) > 0", timeout_s=30)
+            finally:
+                for r in ranks:
+                    assert r.error is None, f"rank {r.rank} failed: {r.error!r}"
             time.sleep(5)  # several scrapes, so rate() over the window has points
 
-            failures = []
-            for board, title, expr, variables in dashboard_queries():
-                q = substitute(expr, resolve_variables(prom, variables))
-                try:
-                    result = prom.query(q)
-                except AssertionError as e:
-                    failures.append(f"{board} / {title}: {q}: {e}")
-                    continue
-                if not has_finite_value(result):
-                    failures.append(f"{board} / {title}: no data for {q}: {result}")
+            failures = prometheus_util.failing_dashboard_queries(prom, DASHBOARDS)
             assert not failures, "\n".join(failures)
 
             stop.set()
