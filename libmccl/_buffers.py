@@ -67,9 +67,12 @@ def single(tensors: Any, op: str, what: str = "tensors") -> Any:
     return tensors[0]
 
 
-def tensor_list(tensors: Any, op: str, what: str, expected_len: int | None = None) -> list[torch.Tensor]:
+def tensor_list(tensors: Any, op: str, what: str, expected_len: int | None = None,
+                min_len: int = 0) -> list[torch.Tensor]:
     if not isinstance(tensors, (list, tuple)):
         raise ConfigError(f"[mccl] {op}: {what} must be a list of tensors, got {type(tensors).__name__}")
+    if len(tensors) < min_len:
+        raise ConfigError(f"[mccl] {op}: {what} is empty; pass at least {min_len} tensor(s)")
     if expected_len is not None and len(tensors) != expected_len:
         raise ConfigError(f"[mccl] {op}: {what} has {len(tensors)} tensors, expected {expected_len} "
                           "(one per rank of the group)")

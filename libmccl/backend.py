@@ -26,7 +26,7 @@ from . import _torch_compat as compat
 from . import rendezvous
 from .config import EngineConfig, load
 from .errors import AbortedError, ConfigError, DaemonUnavailableError
-from .work import CompletionRouter, MCCLWork, completed_work, shutdown_error
+from .work import CompletionRouter, MCCLWork, shutdown_error
 
 _log = logging.getLogger(__name__)
 
@@ -156,17 +156,11 @@ class ProcessGroupMCCL(compat.ProcessGroupBase):
             self._coalescing.append(work)
         return work
 
-    def _nothing_to_move(self, name: str, outputs: Sequence[torch.Tensor]) -> MCCLWork:
-        # Zero bytes on every rank (sizes must agree), so every rank skips the engine.
-        return completed_work(name, self.rank(), outputs)
-
     # -- all-reduce ---------------------------------------------------------------
     def allreduce(self, tensors: Any, opts: Any = None) -> MCCLWork:
         opts = _options(opts, _c10d.AllreduceOptions)
         t = B.check_tensor(B.single(tensors, "allreduce"), "allreduce", "tensor")
         dtype, count, op = B.reduce_codes(t, opts.reduceOp, "allreduce")
-        if count == 0:
-            return self._nothing_to_move("allreduce", [t])
         st = B.Staging()
         buf = st.inout(t)
         return self._submit("allreduce", lambda: self._comm.allreduce(buf.data_ptr(), count, dtype, op),
@@ -174,9 +168,7 @@ class ProcessGroupMCCL(compat.ProcessGroupBase):
 
     def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> MCCLWork:
         opts = _options(opts, _c10d.AllreduceCoalescedOptions)
-        ts = B.tensor_list(tensors, "allreduce_coalesced", "tensors")
-        if not ts:
-            return self._nothing_to_move("allreduce_coalesced", [])
+        ts = B.tensor_list(tensors, "allreduce_coalesced", "tensors", min_len=1)
         for i, t in enumerate(ts[1:], 1):
             if t.dtype != ts[0].dtype:
                 raise ConfigError(f"[mccl] allreduce_coalesced: tensors[{i}] has dtype {t.dtype} but tensors[0] "
@@ -190,8 +182,6 @@ class ProcessGroupMCCL(compat.ProcessGroupBase):
             st.copy_back(t, part)
             offset += t.numel()
         dtype, count, op = B.reduce_codes(flat, opts.reduceOp, "allreduce_coalesced")
-        if count == 0:
-            return self._nothing_to_move("allreduce_coalesced", ts)
         return self._submit("allreduce_coalesced",
                             lambda: self._comm.allreduce(flat.data_ptr(), count, dtype, op), ts, st, opts)
 
@@ -200,8 +190,6 @@ class ProcessGroupMCCL(compat.ProcessGroupBase):
         opts = _options(opts, _c10d.BroadcastOptions)
         t = B.check_tensor(B.single(tensors, "broadcast"), "broadcast", "tensor")
         root = B.check_rank(opts.rootRank, self.size(), "broadcast", "root")
-        if B.nbytes(t) == 0:
-            return self._nothing_to_move("broadcast", [t])
         st = B.Staging()
         buf = st.input(t) if root == self.rank() else st.inout(t)
         return self._submit("broadcast", lambda: self._comm.broadcast(buf.data_ptr(), B.nbytes(buf), root),
@@ -212,8 +200,6 @@ class ProcessGroupMCCL(compat.ProcessGroupBase):
         t = B.check_tensor(B.single(tensors, "reduce"), "reduce", "tensor")
         root = B.check_rank(opts.rootRank, self.size(), "reduce", "root")
         dtype, count, op = B.reduce_codes(t, opts.reduceOp, "reduce")
-        if count == 0:
-            return self._nothing_to_move("reduce", [t])
         st = B.Staging()
         # The engine leaves non-root buffers unchanged: only the root needs a copy-back.
         buf = st.inout(t) if root == self.rank() else st.input(t)
@@ -228,8 +214,6 @@ class ProcessGroupMCCL(compat.ProcessGroupBase):
         for r, o in enumerate(outs):
             B.check_like(o, inp, "allgather", f"output_tensors[{r}]", "the input")
         n = B.nbytes(inp)
-        if n == 0:
-            return self._nothing_to_move("allgather", outs)
         st = B.Staging()
         src = st.input(inp)
         recv = st.scratch(self.size() * inp.numel(), inp.dtype)
@@ -243,8 +227,6 @@ class ProcessGroupMCCL(compat.ProcessGroupBase):
         B.check_tensor(output, "all_gather_into_tensor", "output")
         B.check_like(output, input, "all_gather_into_tensor", "output", "input", self.size() * input.numel())
         n = B.nbytes(input)
-        if n == 0:
-            return self._nothing_to_move("all_gather_into_tensor", [output])
         st = B.Staging()
         dst = st.output(output)
         # In-place gathers (FSDP passes this rank's block of the output as input) would
@@ -288,8 +270,6 @@ class ProcessGroupMCCL(compat.ProcessGroupBase):
         ``out_block(r, i)`` is the contiguous CPU buffer for rank r's tensor i."""
         sizes = [B.nbytes(x) for x in ins]
         total = sum(sizes)
-        if total == 0:
-            return self._nothing_to_move(name, outputs)
         send = st.packed(ins)
         recv = st.scratch(self.size() * total, torch.uint8)
         offset = 0
@@ -309,8 +289,6 @@ class ProcessGroupMCCL(compat.ProcessGroupBase):
         for r, x in enumerate(ins):
             B.check_like(x, out, "reduce_scatter", f"input_list[{r}]", "the output")
         dtype, count, op = B.reduce_codes(out, opts.reduceOp, "reduce_scatter")
-        if count == 0:
-            return self._nothing_to_move("reduce_scatter", [out])
         st = B.Staging()
         send = st.scratch(self.size() * out.numel(), out.dtype)
         for r, x in enumerate(ins):
@@ -326,8 +304,6 @@ class ProcessGroupMCCL(compat.ProcessGroupBase):
         B.check_tensor(output, name, "output")
         B.check_like(input, output, name, "input", "output", self.size() * output.numel())
         dtype, count, op = B.reduce_codes(output, opts.reduceOp, name)
-        if count == 0:
-            return self._nothing_to_move(name, [output])
         st = B.Staging()
         dst = st.output(output)
         src = st.input(input.clone() if B.overlaps(input, dst) else input)
@@ -339,18 +315,14 @@ class ProcessGroupMCCL(compat.ProcessGroupBase):
     def reduce_scatter_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> MCCLWork:
         opts = _options(opts, _c10d.ReduceScatterOptions)
         name = "reduce_scatter_tensor_coalesced"
-        outs = B.tensor_list(outputs, name, "outputs")
+        outs = B.tensor_list(outputs, name, "outputs", min_len=1)
         ins = B.tensor_list(inputs, name, "inputs", len(outs))
-        if not outs:
-            return self._nothing_to_move(name, [])
         for i, (o, x) in enumerate(zip(outs, ins)):
             B.check_like(o, outs[0], name, f"outputs[{i}]", "outputs[0]", o.numel())
             B.check_like(x, o, name, f"inputs[{i}]", f"outputs[{i}]", self.size() * o.numel())
         counts = [o.numel() for o in outs]
         chunk = sum(counts)
         dtype, count, op = B.reduce_codes(outs[0].new_empty(chunk), opts.reduceOp, name)
-        if count == 0:
-            return self._nothing_to_move(name, outs)
         st = B.Staging()
         # Rank-major layout: block r holds every input's r-th slice, so one
         # reduce-scatter hands rank r all of its outputs at once.
@@ -384,8 +356,6 @@ class ProcessGroupMCCL(compat.ProcessGroupBase):
         elif input_tensors and any(len(lst) for lst in input_tensors):
             raise ConfigError(f"[mccl] scatter: rank {self.rank()} passed a scatter_list but is not the root ({root}); "
                               "only the root may")
-        if n == 0:
-            return self._nothing_to_move("scatter", [out])
         dst = st.output(out)
         return self._submit("scatter", lambda: self._comm.scatter(send_ptr, dst.data_ptr(), n, root), [out], st, opts)
 
@@ -409,8 +379,6 @@ class ProcessGroupMCCL(compat.ProcessGroupBase):
         elif output_tensors and any(len(lst) for lst in output_tensors):
             raise ConfigError(f"[mccl] gather: rank {self.rank()} passed a gather_list but is not the root ({root}); "
                               "only the root may")
-        if n == 0:
-            return self._nothing_to_move("gather", [outs] if outs else [])
         src = st.input(inp)
         return self._submit("gather", lambda: self._comm.gather(src.data_ptr(), recv_ptr, n, root),
                             [outs] if outs else [], st, opts)
@@ -431,8 +399,6 @@ class ProcessGroupMCCL(compat.ProcessGroupBase):
                 raise ConfigError(f"[mccl] {name}: without split sizes input ({input.numel()} elements) and output "
                                   f"({output.numel()}) must be equal and divisible by the group size {self.size()}")
             n = B.nbytes(input) // self.size()
-            if n == 0:
-                return self._nothing_to_move(name, [output])
             return self._submit(name, lambda: self._comm.alltoall(src.data_ptr(), dst.data_ptr(), n),
                                 [output], st, opts)
         send_sizes = self._split_bytes(input, input_split_sizes, name, "input")

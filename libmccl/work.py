@@ -177,13 +177,6 @@ class CompletionRouter:
             return len(self._pending)
 
 
-def completed_work(op_name: str, rank: int, outputs: Sequence[torch.Tensor]) -> MCCLWork:
-    """A Work that is already done: ops with nothing to move (zero bytes, size-1 groups)."""
-    work = MCCLWork(op_name, rank, outputs, (), None, 0.0)
-    work._complete(None, -1)
-    return work
-
-
 def shutdown_error(rank: int) -> AbortedError:
     return AbortedError(f"[mccl] the process group was shut down on rank {rank} while this operation "
                         "was pending; do not issue collectives after destroy_process_group()")
