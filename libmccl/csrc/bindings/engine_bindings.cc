@@ -85,7 +85,10 @@ class PyCommunicator {
         py::object err = c.error ? error_tuple(*c.error) : py::none();
         out[i] = py::make_tuple(c.op_id, err, c.info);
       }
-      py::handle(cb)(out);
+      // The plain C call: it is the one thing this thread does with the GIL held.
+      PyObject* res = PyObject_CallOneArg(cb, out.ptr());
+      if (!res) throw py::error_already_set();
+      Py_DECREF(res);
     } catch (py::error_already_set& e) {
       e.discard_as_unraisable("libmccl on_complete callback");
     }

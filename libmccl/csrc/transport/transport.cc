@@ -133,12 +133,17 @@ void Transport::begin_collective(uint64_t seq, const Signature& sig) {
 
 void Transport::end_collective() {
   active_ = false;
+  last_sig_ = active_sig_;
   next_coll_seq_ = active_seq_ + 1;
 }
 
 void Transport::check_collective_frame(Pair& pair, const FrameHeader& h) {
   if (active_ && h.seq == active_seq_) {
-    compare_signature(pair, h);
+    compare_signature(pair, h, active_sig_);
+  } else if (next_coll_seq_ > 0 && h.seq == next_coll_seq_ - 1) {
+    // A send-only op (a broadcast root) may finish before the disagreement shows.
+    compare_signature(pair, h, last_sig_);
+    compare_signature(pair, h, last_sig_, true);
   } else if (h.seq < next_coll_seq_ || (active_ && h.seq < active_seq_)) {
     throw_error(ErrorKind::kMismatch,
                 std::string("[") + op_kind_name(h.kind) + "] " + pair.who() + " sent data for " +
@@ -150,13 +155,18 @@ void Transport::check_collective_frame(Pair& pair, const FrameHeader& h) {
   }
 }
 
-void Transport::compare_signature(Pair& pair, const FrameHeader& h) const {
-  const Signature& s = active_sig_;
+void Transport::compare_signature(Pair& pair, const FrameHeader& h, const Signature& s,
+                                  bool finished) const {
   const std::string op = op_kind_name(s.kind);
   const std::string opno = "op #" + std::to_string(h.seq);
   auto mismatch = [&](const std::string& what) {
     throw_error(ErrorKind::kMismatch, "[" + op + "] " + what, pair.peer_rank(), pair.peer_addr());
   };
+  if (finished) {
+    mismatch(pair.who() + " sent more data for " + opno +
+             ", which this rank has already finished; likely cause: ranks disagree on the "
+             "collective's arguments; every rank must call it with the same ones");
+  }
   if (h.kind != s.kind) {
     mismatch("collective mismatch with " + pair.who() + ": it runs " + op_kind_name(h.kind) +
              " as " + opno + ", this rank runs " + op +

@@ -85,7 +85,9 @@ class Transport : public PairHost {
  private:
   RequestPtr make_request(bool is_send, int peer, const void* buf, size_t n, const MsgKey& key);
   void check_peer(int peer, const char* what) const;
-  void compare_signature(Pair& pair, const FrameHeader& h) const;
+  // Throws CollectiveMismatch if `h` disagrees with `s` (or unconditionally if `finished`).
+  void compare_signature(Pair& pair, const FrameHeader& h, const Signature& s,
+                         bool finished = false) const;
   void match_any_source();  // pairs waiting any-source receives with buffered messages
   void throw_if_failed() const;
   template <typename F>
@@ -106,6 +108,7 @@ class Transport : public PairHost {
   uint64_t active_seq_ = 0;
   uint64_t next_coll_seq_ = 0;  // every collective seq below this one has finished here
   Signature active_sig_;
+  Signature last_sig_;  // of the collective next_coll_seq_ - 1
 
   std::unordered_map<uint64_t, uint64_t> p2p_send_seq_;  // (peer, tag) -> next seq
   std::unordered_map<uint64_t, uint64_t> p2p_recv_seq_;
