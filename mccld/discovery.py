@@ -158,7 +158,8 @@ class FleetTable:
             if old is None:
                 log.info("fleet: %s joined (%s, %s)", entry["host_id"], ",".join(entry["addresses"]),
                          entry["device"])
-            self._on_change(entry["host_id"], entry)
+            if old is None or {**old, "seen_at": 0} != {**entry, "seen_at": 0}:
+                self._on_change(entry["host_id"], entry)
 
 
 class Advertiser:

@@ -167,13 +167,93 @@ def test_two_hosts_two_ranks_each_every_collective():
     assert not list(Path("/dev/shm").glob("mccl-00005eed-*"))
 
 
+@pytest.mark.fleet
+@pytest.mark.timeout(300)
+def test_ddp_daemon_mode_matches_in_process():
+    _skip_unless_fleet()
+    with DaemonFleet(2) as df:
+        results = {}
+        # Reference: the same 4 ranks with the in-process engine, all on host 0.
+        for mode, placement in (("1", [0, 0, 1, 1]), ("0", [0, 0, 0, 0])):
+            out = df.ranks("ddp", placement, extra_env={"MCCL_DAEMON": mode}, timeout_s=120)
+            for r, (code, text) in out.items():
+                assert code == 0, f"MCCL_DAEMON={mode} rank {r}:\n{text}\n--- h0 ---\n{df.log(0)[-3000:]}"
+            params = [json.loads(text.splitlines()[-1]) for _, (_code, text) in sorted(out.items())]
+            assert all(p == params[0] for p in params), f"MCCL_DAEMON={mode}: ranks diverged"
+            results[mode] = params[0]
+        assert results["1"] == results["0"]
+        jobs_seen = df.log(0).count("ready: 4 rank(s), 2 here, 2 host(s)")
+        assert jobs_seen >= 1, "the daemon never ran the DDP job"
+
+
+@pytest.mark.fleet
+@pytest.mark.timeout(180)
+def test_rank_killed_on_one_host_fails_the_other_host_with_peer_lost():
+    _skip_unless_fleet()
+    with DaemonFleet(2) as df:
+        out = df.ranks("one_dies", [0, 0, 1, 1], timeout_s=120)
+        assert out[3][0] == -signal.SIGKILL
+        for r in (0, 1, 2):
+            code, text = out[r]
+            assert code == 0 and "PeerLostError" in text.splitlines()[-1], f"rank {r}:\n{text}"
+        assert "rank 3" in out[0][1] or "peer host" in out[0][1], out[0][1]
+    assert not list(Path("/dev/shm").glob("mccl-00dead03-*"))
+
+
 # -- rank programs (run inside the namespaces) --------------------------------------------------
 def _collectives(rank: int, world: int) -> str:
     import test_daemon_attach as t
     return t.rank_all_collectives(rank, world)
 
 
-PROGRAMS = {"collectives": _collectives}
+def _ddp(rank: int, world: int) -> str:
+    """A few DDP steps (bucketed all-reduces, initial broadcast); prints the final parameters."""
+    import datetime
+    import torch
+    import torch.distributed as dist
+    import libmccl
+    libmccl.register()
+    torch.manual_seed(0)
+    dist.init_process_group("mccl", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    if rank != 0:  # DDP must broadcast rank 0's initial weights
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(float(rank))
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(100 + rank)
+    for _ in range(5):
+        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+    dist.barrier()
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    dist.destroy_process_group()
+    return json.dumps([round(float(v), 5) for v in flat])
+
+
+def _one_dies(rank: int, world: int) -> str:
+    import numpy as np
+    import test_daemon_attach as t
+    from libmccl.errors import MCCLError
+    comm, _store = t.connect(rank, world, comm_id=0xdead03, timeout_s=40)
+    a = np.ones(4096, dtype=np.float32)
+    comm.wait(comm.allreduce(a.ctypes.data, a.size, 0, 0), 20)
+    if rank == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    started = time.monotonic()
+    try:
+        for _ in range(3):
+            comm.wait(comm.allreduce(a.ctypes.data, a.size, 0, 0), 30)
+    except MCCLError as e:
+        print(str(e))
+        return f"{type(e).__name__} after {time.monotonic() - started:.2f}s"
+    return "no error"
+
+
+PROGRAMS = {"collectives": _collectives, "ddp": _ddp, "one_dies": _one_dies}
 
 if __name__ == "__main__":
     fn, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
