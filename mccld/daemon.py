@@ -233,7 +233,7 @@ class Daemon:
             self.attach.reply_error(ident, req, exc)
 
     def record_collective(self, job: Job, op: str, nbytes: int, seconds: float) -> None:
-        self._stat("record_collective", job.id, op, nbytes, seconds, job.size)
+        self._stat("record_collective", job.id, op, nbytes, seconds, job.size, len(job.hosts))
 
     def job_closed(self, job: Job) -> None:
         with self._lock:

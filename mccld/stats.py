@@ -151,13 +151,20 @@ class DaemonStats:
 
     # ---- writers (hot path) -------------------------------------------------------
 
-    def record_collective(self, job: str, op: str, nbytes: int, seconds: float, world: int) -> None:
-        """One completed collective of ``nbytes`` (per-rank buffer) that took ``seconds``."""
+    def record_collective(self, job: str, op: str, nbytes: int, seconds: float, world: int,
+                          bus_world: int | None = None) -> None:
+        """One completed collective of ``nbytes`` (per-rank buffer) that took ``seconds``.
+
+        ``world`` is the job's rank count. ``bus_world`` is how many parties exchange the
+        data over the network, when that differs: a daemon reduces its local ranks in
+        shared memory and only its host-level collective crosses the links, so it passes
+        the job's host count, and bus bandwidth stays comparable with the link ceiling.
+        """
         if nbytes < 0 or seconds < 0:
             raise ValueError(f"[stats] record_collective({op!r}): negative size or duration "
                              f"(nbytes={nbytes}, seconds={seconds}); the caller's timing is wrong")
         now = self._clock()
-        bus = nbytes * bus_factor(op, world)
+        bus = nbytes * bus_factor(op, world if bus_world is None else bus_world)
         slot = bisect.bisect_left(DURATION_BUCKETS_S, seconds)
         key = (op, size_bucket(nbytes))
         with self._lock:

@@ -151,3 +151,13 @@ def test_peer_rates_average_over_the_window():
     clock.t += st.BUSBW_WINDOW_S + 2
     p = s.snapshot()["peers"]["p"]
     assert p["tx_bytes_per_s"] == 0 and p["sent_bytes"] == 10000
+
+
+@pytest.mark.timeout(10)
+def test_bus_world_overrides_world_for_bus_bytes_only():
+    s = st.DaemonStats()
+    # 4 ranks on 2 hosts: only the 2-host all-reduce crosses the links (factor 1.0, not 1.5).
+    s.record_collective("j", "allreduce", 1000, 0.5, 4, bus_world=2)
+    snap = s.snapshot()
+    assert snap["ops"]["allreduce"]["bus_bytes"] == pytest.approx(1000.0)
+    assert snap["jobs"]["j"]["world"] == 4
