@@ -64,6 +64,17 @@ def ipv4_of(ifname: str) -> str | None:
     return socket.inet_ntoa(raw[20:24])
 
 
+# Never links: tunnels, Apple peer-to-peer Wi-Fi, bridges and container plumbing.
+_VIRTUAL = ("lo", "utun", "awdl", "llw", "gif", "stf", "anpi", "ap", "bridge", "docker", "veth", "virbr",
+            "tun", "tap", "br-", "ifb")
+
+
+def _candidates() -> list[str]:
+    """Interfaces in the order they are tried: Ethernet-like names first."""
+    names = [n for _, n in socket.if_nameindex() if not n.startswith(_VIRTUAL)]
+    return sorted(names, key=lambda n: (not n.startswith(("en", "eth")), n))
+
+
 def choose_address(iface: str, listen_addr: str, allow_wifi: bool) -> tuple[str, str]:
     """(interface name or "", IPv4 address) the daemon should listen and advertise on."""
     if listen_addr:
@@ -73,7 +84,7 @@ def choose_address(iface: str, listen_addr: str, allow_wifi: bool) -> tuple[str,
             raise ConfigError(f"[config] MCCL_LISTEN_ADDR={listen_addr!r} is not an IPv4 address; "
                               "give a dotted address or set MCCL_IFACE instead") from None
         return iface, listen_addr
-    names = [iface] if iface else [n for _, n in socket.if_nameindex() if not n.startswith("lo")]
+    names = [iface] if iface else _candidates()
     skipped_wifi = []
     for name in names:
         if is_wireless(name) and not allow_wifi:
@@ -84,7 +95,7 @@ def choose_address(iface: str, listen_addr: str, allow_wifi: bool) -> tuple[str,
             skipped_wifi.append(name)
             continue
         addr = ipv4_of(name)
-        if addr:
+        if addr and (iface or not addr.startswith("169.254.")):  # link-local: no DHCP, likely unplugged
             return name, addr
         if iface:
             raise ConfigError(f"[config] MCCL_IFACE={iface} has no IPv4 address (down or missing?); "

@@ -1,0 +1,83 @@
+"""mccld settings: key file permissions, TOML + environment, interface choice, runtime dir."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from libmccl.config import ALL_SETTINGS, markdown_table
+from libmccl.errors import ConfigError
+
+from mccld import netif
+from mccld.config import DaemonConfig, load_config, runtime_dir, write_key_file
+
+
+@pytest.mark.timeout(10)
+def test_every_field_is_a_registered_setting():
+    assert DaemonConfig in ALL_SETTINGS
+    table = markdown_table()
+    for env in ("MCCL_FLEET", "MCCL_FLEET_KEY", "MCCL_KEY_FILE", "MCCL_IFACE", "MCCL_LISTEN_ADDR", "MCCL_PORT",
+                "MCCL_STATUS_PORT", "MCCL_METRICS_PORT", "MCCL_METRICS_ADDR", "MCCL_RUNTIME_DIR",
+                "MCCL_ALLOW_WIFI", "MCCL_MDNS_TTL"):
+        assert f"`{env}`" in table
+    cfg = load_config(env={})
+    assert (cfg.port, cfg.status_port, cfg.metrics_port, cfg.metrics_addr) == (29650, 29651, 29652, "0.0.0.0")
+
+
+@pytest.mark.timeout(10)
+def test_key_file_must_be_private(tmp_path):
+    key = write_key_file(str(tmp_path / "fleet.key"))
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    cfg = load_config(env={"MCCL_KEY_FILE": str(key)})
+    assert len(cfg.read_key()) == 64
+    os.chmod(key, 0o644)
+    with pytest.raises(ConfigError, match="mode 0644.*chmod 600"):
+        cfg.read_key()
+    with pytest.raises(ConfigError, match="does not exist.*mccld keygen"):
+        load_config(env={"MCCL_KEY_FILE": str(tmp_path / "missing")}).read_key()
+    with pytest.raises(FileExistsError):
+        write_key_file(str(key))  # never overwrite a fleet key
+
+
+@pytest.mark.timeout(10)
+def test_toml_then_environment(tmp_path):
+    conf = tmp_path / "mccld.toml"
+    conf.write_text('fleet = "lab"\nport = 30000\nallow_wifi = true\n')
+    cfg = load_config(str(conf), env={"MCCL_PORT": "30001"})
+    assert (cfg.fleet, cfg.port, cfg.allow_wifi) == ("lab", 30001, True)
+    conf.write_text('flete = "typo"\n')
+    with pytest.raises(ConfigError, match="unknown key.*flete"):
+        load_config(str(conf), env={})
+    conf.write_text("fleet = [unclosed\n")
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(str(conf), env={})
+    with pytest.raises(ConfigError, match="MCCL_PORT"):
+        load_config(env={"MCCL_PORT": "70000"})
+    with pytest.raises(ConfigError, match="MCCL_FLEET"):
+        load_config(env={"MCCL_FLEET": "bad name!"})
+
+
+@pytest.mark.timeout(10)
+def test_wifi_is_refused_unless_allowed(monkeypatch):
+    monkeypatch.setattr(netif, "is_wireless", lambda name: name == "wlan0")
+    monkeypatch.setattr(netif, "ipv4_of", lambda name: {"wlan0": "10.1.1.5", "eth0": "10.2.2.2"}.get(name))
+    with pytest.raises(ConfigError, match="Wi-Fi interface.*MCCL_ALLOW_WIFI=1"):
+        netif.choose_address("wlan0", "", allow_wifi=False)
+    assert netif.choose_address("wlan0", "", allow_wifi=True) == ("wlan0", "10.1.1.5")
+    monkeypatch.setattr(netif, "_candidates", lambda: ["wlan0"])
+    with pytest.raises(ConfigError, match="skipped Wi-Fi: wlan0"):
+        netif.choose_address("", "", allow_wifi=False)
+    monkeypatch.setattr(netif, "_candidates", lambda: ["wlan0", "eth0"])
+    assert netif.choose_address("", "", allow_wifi=False) == ("eth0", "10.2.2.2")
+    with pytest.raises(ConfigError, match="not an IPv4 address"):
+        netif.choose_address("", "not-an-ip", allow_wifi=False)
+
+
+@pytest.mark.timeout(10)
+def test_runtime_dir_is_private(tmp_path):
+    target = tmp_path / "rt"
+    target.mkdir(mode=0o755)
+    path = runtime_dir(load_config(env={"MCCL_RUNTIME_DIR": str(target)}), create=True)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o700

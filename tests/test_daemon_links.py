@@ -1,0 +1,98 @@
+"""Daemon-to-daemon links on loopback: mutual fleet-key authentication, frame MACs,
+refusals logged once, and a listener that survives garbage."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from libmccl.errors import AuthError, PeerLostError
+
+from mccld.links import LinkManager
+
+KEY = b"k" * 32
+
+
+class Peer:
+    def __init__(self, host_id: str, key: bytes = KEY, fleet: str = "f"):
+        self.got: list[tuple[str, dict]] = []
+        self.event = threading.Event()
+        self.links = LinkManager(key, fleet, host_id, "127.0.0.1", 0, 5.0, self._on_message)
+
+    def _on_message(self, peer: str, msg: dict) -> None:
+        self.got.append((peer, msg))
+        self.event.set()
+
+    def __enter__(self) -> "Peer":
+        self.links.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.links.stop()
+
+
+@pytest.mark.timeout(30)
+def test_authenticated_link_is_reused_and_carries_messages():
+    with Peer("a") as a, Peer("b") as b:
+        link = a.links.link_to(b.links.address)
+        assert link.peer_host == "b"
+        assert a.links.link_to(b.links.address) is link          # persistent, reused
+        link.send({"type": "job_setup", "x": 1})
+        assert b.event.wait(5)
+        assert b.got == [("a", {"type": "job_setup", "x": 1})]
+
+
+@pytest.mark.timeout(30)
+def test_wrong_key_and_wrong_fleet_are_refused_and_logged_once(caplog):
+    caplog.set_level(logging.DEBUG, logger="mccld.links")
+    with Peer("a") as a, Peer("intruder", key=b"x" * 32) as bad, Peer("other", fleet="g") as other:
+        for _ in range(3):
+            with pytest.raises(AuthError, match="failed fleet-key authentication"):
+                bad.links.link_to(a.links.address)
+        with pytest.raises(AuthError, match="fleet"):
+            other.links.link_to(a.links.address)
+        time.sleep(0.3)
+        assert a.links.peers() == []
+    refusals = [r for r in caplog.records if r.name == "mccld.links" and "peer=" in r.getMessage()]
+    levels = sorted(r.levelname for r in refusals)
+    # 4 failed handshakes seen from both ends: each (side, peer address) warns once, then DEBUG.
+    assert levels == ["DEBUG"] * 4 + ["WARNING"] * 4, [(r.levelname, r.getMessage()) for r in refusals]
+
+
+@pytest.mark.timeout(30)
+def test_garbage_and_tampered_frames_drop_only_that_link():
+    with Peer("a") as a, Peer("b") as b:
+        host, port = b.links.address.split(":")
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(struct.pack("!I", 5) + b"\x00garb")     # not a handshake
+            s.settimeout(5)
+            assert s.recv(100) == b""                         # b hung up on it
+        link = a.links.link_to(b.links.address)               # ...and still serves real peers
+        # A frame with a bad MAC (as an on-path injector would send) kills the link.
+        body = b'{"type":"job_failed"}'
+        link.sock.sendall(struct.pack("!I", 32 + len(body)) + b"\x00" * 32 + body)
+        deadline = time.monotonic() + 5
+        while b.links.peers() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert b.links.peers() == [] and b.got == []
+        # The next use redials a fresh authenticated link.
+        time.sleep(0.2)
+        fresh = a.links.link_to(b.links.address)
+        assert fresh is not link
+        fresh.send({"type": "ping"})
+        assert b.event.wait(5) and b.got == [("a", {"type": "ping"})]
+
+
+@pytest.mark.timeout(30)
+def test_dialing_nobody_is_peer_lost():
+    with Peer("a") as a:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with pytest.raises(PeerLostError, match="cannot connect"):
+            a.links.link_to(f"127.0.0.1:{port}")
