@@ -133,26 +133,41 @@ def _mismatch_rank(rank: int, world: int) -> dict:
     assert bool((big[:4096] == -7.0).all()) and bool((big[4096 + world * m:] == -7.0).all())
     dist.destroy_process_group()
 
-    # 3) different collectives on different ranks.
+    # 3) different collectives on different ranks (both exchange data both ways).
     init_pg(rank, world, timeout_s=20)
     t = torch.ones(64)
     try:
         if rank == 0:
             dist.all_reduce(t)
         else:
-            dist.broadcast(t, src=1)
+            dist.all_gather_into_tensor(torch.empty(world * 32), torch.ones(32))
         seen["op"] = "no error"
     except MCCLError as exc:
         seen["op"] = type(exc).__name__
+    dist.destroy_process_group()
+
+    # 4) A broadcast root only sends: it may finish before the receiver notices, but the
+    # receiver must refuse data sized for another collective.
+    init_pg(rank, world, timeout_s=20)
+    try:
+        if rank == 0:
+            dist.all_reduce(torch.ones(64))
+        else:
+            dist.broadcast(torch.ones(64), src=1)
+        seen["broadcast"] = "no error"
+    except MCCLError as exc:
+        seen["broadcast"] = type(exc).__name__
     dist.destroy_process_group()
     return seen
 
 
 @pytest.mark.timeout(180)
 def test_size_and_op_mismatch_raise_collective_mismatch(ranks) -> None:
-    for rank, seen in enumerate(ranks(_mismatch_rank, 2, timeout_s=150)):
-        assert seen == {"allreduce": "CollectiveMismatch", "allgather": "CollectiveMismatch",
-                        "op": "CollectiveMismatch"}, f"rank {rank}: {seen}"
+    seen = ranks(_mismatch_rank, 2, timeout_s=150)
+    for rank in range(2):
+        assert {k: seen[rank][k] for k in ("allreduce", "allgather", "op")} == {
+            "allreduce": "CollectiveMismatch", "allgather": "CollectiveMismatch", "op": "CollectiveMismatch"}, seen
+    assert seen[0]["broadcast"] == "CollectiveMismatch", seen
 
 
 def _skipped_rank(rank: int, world: int) -> float:
@@ -209,7 +224,8 @@ def _bad_args_rank(rank: int, world: int) -> list[str]:
         refused(lambda: dist.reduce_scatter_tensor(torch.empty(3), torch.ones(7)), "expected 6")
         refused(lambda: dist.all_to_all_single(torch.empty(4), torch.ones(4), [1, 3], [1, 1]), "split_sizes")
         refused(lambda: dist.broadcast(torch.ones(2), src=5), "root=5")
-        refused(lambda: dist.send(torch.ones(2), dst=rank), "itself")
+        # torch refuses self-sends itself; reach the group directly to check ours.
+        refused(lambda: dist.group.WORLD.send([torch.ones(2)], rank, 0), "itself")
         refused(lambda: dist.all_reduce(torch.ones(2).to_sparse()), "layout")
         # After all those refusals the group is intact: nothing reached the engine.
         t = torch.ones(3)
