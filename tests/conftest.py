@@ -119,3 +119,24 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
 @pytest.fixture
 def ranks() -> Callable[..., list[Any]]:
     return run_ranks
+
+
+def run_command(cmd: list[str], timeout_s: float, env: dict | None = None) -> "subprocess.CompletedProcess[str]":
+    """Run ``cmd`` in its own session; on timeout kill the whole session (torchrun's
+    workers included) and fail."""
+    import subprocess
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env=env)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise RankFailure(f"{cmd} ran past {timeout_s}s:\n{out[-2000:]}\n{err[-2000:]}") from None
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # stragglers of a finished run
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

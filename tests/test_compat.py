@@ -8,7 +8,6 @@ import importlib.metadata
 import inspect
 import logging
 import re
-import subprocess
 import sys
 
 import pytest
@@ -18,6 +17,8 @@ import torch.distributed as dist
 import libmccl
 from libmccl import _torch_compat as compat
 from libmccl.backend import ProcessGroupMCCL
+
+from conftest import run_command
 
 
 @pytest.mark.timeout(30)
@@ -110,7 +111,7 @@ def test_entry_point_is_declared() -> None:
 def test_plain_import_torch_registers_mccl() -> None:
     """An unchanged script: nothing of ours imported explicitly."""
     code = "import torch.distributed as dist; print(dist.is_backend_available('mccl'))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    out = run_command([sys.executable, "-c", code], 50)
     assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr[-2000:]
 
 

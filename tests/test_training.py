@@ -155,3 +155,44 @@ def _subgroup_rank(rank: int, world: int) -> None:
 @pytest.mark.timeout(180)
 def test_new_group_subgroups(ranks) -> None:
     ranks(_subgroup_rank, 4, timeout_s=150)
+
+
+_TORCHRUN_SCRIPT = '''
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+dist.init_process_group("mccl")  # nothing of MCCL imported: torch's entry point registered it
+model = DDP(torch.nn.Linear(4, 2))
+model(torch.randn(3, 4)).sum().backward()
+w = model.module.weight.grad.clone()
+dist.all_reduce(w, op=dist.ReduceOp.MAX)
+assert torch.equal(w, model.module.weight.grad), "gradients differ across ranks"
+assert "libmccl" in __import__("sys").modules
+print("rank", dist.get_rank(), "backend", dist.get_backend(), "ok")
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.timeout(120)
+def test_unchanged_script_under_torchrun(tmp_path) -> None:
+    import sys
+
+    from conftest import free_port, run_command
+
+    script = tmp_path / "train.py"
+    script.write_text(_TORCHRUN_SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), str(script)]
+    out = run_command(cmd, 100)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.count("backend mccl ok") == 2, out.stdout
+
+
+@pytest.mark.timeout(180)
+def test_demo_runs_and_learns() -> None:
+    import sys
+
+    from conftest import run_command
+
+    out = run_command([sys.executable, "-m", "libmccl.demo", "--world", "2", "--seconds", "8"], 170)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "[demo] OK" in out.stdout and "samples/s" in out.stdout, out.stdout
