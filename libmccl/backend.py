@@ -14,7 +14,6 @@ associated with device type cpu", because this group has no C++ Backend behind i
 from __future__ import annotations
 
 import datetime
-import logging
 import threading
 import weakref
 from typing import Any, Callable, Sequence
@@ -28,10 +27,7 @@ from .config import EngineConfig, load
 from .errors import AbortedError, ConfigError, DaemonUnavailableError
 from .work import CompletionRouter, MCCLWork, shutdown_error
 
-_log = logging.getLogger(__name__)
-
 BACKEND_NAME = "mccl"
-_R = compat.ReduceOp
 _c10d = torch.distributed
 
 
@@ -40,6 +36,9 @@ def _options(opts: Any, cls: Any) -> Any:
 
 
 class ProcessGroupMCCL(compat.ProcessGroupBase):
+    """One communicator (in-process engine, or the local mccld with MCCL_DAEMON=1)
+    per torch process group."""
+
     def __init__(self, store: Any, rank: int, size: int, timeout: datetime.timedelta,
                  group_id: str = "", cfg: EngineConfig | None = None) -> None:
         super().__init__(rank, size)
@@ -111,6 +110,9 @@ class ProcessGroupMCCL(compat.ProcessGroupBase):
         return self._group_desc
 
     def set_timeout(self, timeout: datetime.timedelta) -> None:
+        """Bounds Work.wait() of later ops. The engine's own per-op deadline was fixed
+        when the group was created (it has no setter), so a longer value here only
+        helps if the group was created with at least that timeout."""
         self._timeout_s = compat.timedelta_seconds(timeout) or self._timeout_s
 
     @property

@@ -254,6 +254,30 @@ def _case_non_contiguous(dtype, n):
     return Case(f"non_contiguous[{dtype}|{n}]", run)
 
 
+def _case_any_source_and_objects():
+    def run(seed, rank, world):
+        pairs = []
+        # recv without a source: rank 0 hears from every other rank, in any order.
+        if rank == 0:
+            senders = []
+            for _ in range(world - 1):
+                t = torch.empty(4, dtype=torch.int64)
+                senders.append(dist.recv(t))
+                pairs.append((t, torch.full((4,), senders[-1], dtype=torch.int64)))
+            pairs.append((torch.tensor(sorted(senders)), torch.arange(1, world)))
+        else:
+            dist.send(torch.full((4,), rank, dtype=torch.int64), dst=0)
+        # Object collectives pickle into uint8 tensors and ride on all-gather/broadcast.
+        objs = [None] * world
+        dist.all_gather_object(objs, {"rank": rank, "seed": seed})
+        pairs.append((torch.tensor([o["rank"] for o in objs]), torch.arange(world)))
+        box = [{"from": "root", "n": seed}] if rank == 0 else [None]
+        dist.broadcast_object_list(box, src=0)
+        pairs.append((torch.tensor([box[0]["n"]]), torch.tensor([seed])))
+        return pairs
+    return Case("any_source_and_objects", run)
+
+
 def _case_barrier():
     def run(seed, rank, world):
         dist.barrier()
@@ -277,7 +301,7 @@ def _case_big(world):
 
 
 def cases(world: int, big: bool = True) -> list[Case]:
-    out: list[Case] = [_case_barrier()]
+    out: list[Case] = [_case_barrier(), _case_any_source_and_objects()]
     for dtype in DTYPES:
         for n in SIZES:
             for op in _ops_for(dtype):

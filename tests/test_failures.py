@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import collect, init_pg, reap, run_ranks, spawn_ranks
+from conftest import collect, init_pg, reap, spawn_ranks
 
 BIG = 16 << 20  # elements (64 MB of float32): a kill lands mid-transfer
 
