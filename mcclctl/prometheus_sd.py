@@ -38,5 +38,6 @@ def cmd_prometheus_sd(args) -> int:
         print(text, end="")
     else:
         write_atomically(args.output, text)
-        print(f"wrote {len(targets)} target(s) to {args.output}")
+        print(json.dumps({"output": args.output, "targets": len(targets)}) if args.json
+              else f"wrote {len(targets)} target(s) to {args.output}")
     return 0 if targets else 1

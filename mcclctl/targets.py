@@ -102,6 +102,8 @@ def fetch(targets: list[Target], key: bytes, method: str, args: dict | None = No
           timeout_s: float = 5.0) -> list[Reply]:
     """Ask every target at once; a daemon that fails gives a Reply with ``error`` set."""
     def one(t: Target) -> Reply:
+        if t.status_addr.endswith(":0"):
+            return Reply(t, error="status endpoint disabled on that host (MCCL_STATUS_PORT=0)")
         t0 = time.time()
         try:
             result, hello = query(t.status_addr, key, method, args, timeout_s=timeout_s)

@@ -241,3 +241,25 @@ def test_port_checks_against_live_endpoints():
         listener.close()
     by_name = {c["name"]: c["status"] for c in checks}
     assert by_name == {"link port": "ok", "status port": "fail", "metrics port": "ok", "peer peerX": "fail"}
+
+
+@pytest.mark.timeout(30)
+def test_status_watch_redraws_until_interrupted(fleet_of_two, capsys, monkeypatch):
+    srv, _ = fleet_of_two[0]
+    sleeps = []
+
+    def fake_sleep(s):
+        sleeps.append(s)
+        if len(sleeps) == 2:
+            raise KeyboardInterrupt
+    monkeypatch.setattr("mcclctl.commands.time.sleep", fake_sleep)
+    assert main(["status", "--watch", "1.5", "--host", f"127.0.0.1:{srv.port}"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("every 1.5 s") == 2 and out.count("training") == 2 and sleeps == [1.5, 1.5]
+
+
+@pytest.mark.timeout(10)
+def test_disabled_status_endpoint_is_reported_not_dialled():
+    from mcclctl.targets import fetch
+    (reply,) = fetch([Target("mac5", "10.0.0.5:0", "10.0.0.5:29652")], KEY, "status")
+    assert "MCCL_STATUS_PORT=0" in reply.error
