@@ -93,6 +93,8 @@ class DaemonCommunicator:
         self._seq = 0
         self._lock = threading.Lock()
         self._queue: collections.deque[_Op] = collections.deque()
+        self._outbox: collections.deque[dict[str, Any]] = collections.deque()  # reports, no reply awaited
+        self._register_reqs: set[int] = set()
         self._inflight: _Op | None = None
         self._failed: MCCLError | None = None
         self._results: collections.OrderedDict[int, MCCLError | None] = collections.OrderedDict()
@@ -294,6 +296,16 @@ class DaemonCommunicator:
                 self._done_cv.wait(left)
         self._fail(AbortedError(f"[daemon-client] communicator shut down on rank {self.rank}"), leave_abort=None)
 
+    def report_overlap(self, ratio: float) -> None:
+        """Share of communication hidden behind compute (0..1) for the daemon's exporter; never blocks."""
+        if not 0.0 <= float(ratio) <= 1.0:
+            raise ConfigError(f"[daemon-client] overlap ratio {ratio} outside [0, 1]")
+        with self._lock:
+            if self._closed:
+                return
+            self._outbox.append({"type": "overlap", "job": self._job, "rank": self.rank, "ratio": float(ratio)})
+        self._wake()
+
     def peer_address(self, r: int) -> str:
         return self._link_addrs[r]
 
@@ -340,6 +352,7 @@ class DaemonCommunicator:
         name = self._shm.segment_name(self._job, self.rank, os.getpid(), self._gen)
         new = self._shm.Segment(name, size, create=True)
         self._req += 1
+        self._register_reqs.add(self._req)
         self._sock.send(self._proto.encode({"type": "register", "req": self._req, "job": self._job,
                                             "rank": self.rank, "segment": name, "nbytes": size}))
         self._segment = new
@@ -371,8 +384,14 @@ class DaemonCommunicator:
     def _complete_inflight(self, reply: dict[str, Any]) -> None:
         op = self._inflight
         if op is None or reply["req"] != op.req:
-            if not reply.get("ok"):  # a failed register: the segment is unusable
-                self._fail(self._proto.error_from_payload(reply.get("error") or {}), leave_abort=None)
+            was_register = reply["req"] in self._register_reqs
+            self._register_reqs.discard(reply["req"])
+            if not reply.get("ok"):
+                err = self._proto.error_from_payload(reply.get("error") or {})
+                if was_register:  # the daemon cannot see our data: nothing further can run
+                    self._fail(err, leave_abort=None)
+                else:
+                    log.warning("[daemon-client] mccld refused a report from rank %d: %s", self.rank, err)
             return
         err = None
         if reply.get("ok"):
@@ -410,6 +429,13 @@ class DaemonCommunicator:
                             pull.recv(zmq.NOBLOCK)
                         except zmq.Again:
                             break
+                    while True:
+                        with self._lock:
+                            report = self._outbox.popleft() if self._outbox else None
+                        if report is None:
+                            break
+                        self._req += 1
+                        self._sock.send(self._proto.encode({**report, "req": self._req}))
                 if self._monitor in events:
                     ev = parse_monitor_message(self._monitor.recv_multipart())
                     if ev["event"] in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED) and not self._closed:

@@ -2,9 +2,10 @@
 
 Handshake (HMAC-SHA256, both sides prove the key, nonces from both sides so neither
 a recorded exchange nor a reflected one authenticates):
-  A -> B  hello      proto, fleet, host_id=A, nonce nA
-  B -> A  challenge  proto, fleet, host_id=B, nonce nB, mac_B = H(key, "resp", fleet, A, B, nA, nB)
-  A -> B  auth       mac_A = H(key, "init", fleet, A, B, nA, nB)
+  A -> B  hello      proto, fleet, host_id=A, listen=LA, nonce nA
+  B -> A  challenge  proto, fleet, host_id=B, listen=LB, nonce nB,
+                     mac_B = H(key, "resp", fleet, A, LA, B, LB, nA, nB)
+  A -> B  auth       mac_A = H(key, "init", fleet, A, LA, B, LB, nA, nB)
   B -> A  ok
 Afterwards every frame carries H(session, direction, seq, payload) with
 session = H(key, "session", nA, nB), so frames cannot be injected, replayed or reordered.
@@ -102,11 +103,12 @@ class Session:
         return msg
 
 
-def initiate(sock: socket.socket, key: bytes, fleet: str, host_id: str, peer: str) -> tuple[str, Session]:
-    """Client side of the handshake; returns the peer's host id and the session."""
+def initiate(sock: socket.socket, key: bytes, fleet: str, host_id: str, listen: str,
+             peer: str) -> tuple[str, str, Session]:
+    """Client side of the handshake; returns the peer's host id, its link address and the session."""
     na = secrets.token_bytes(NONCE_BYTES)
     send_plain(sock, {"type": "hello", "proto": PROTO_VERSION, "fleet": fleet, "host_id": host_id,
-                      "nonce": na.hex()})
+                      "listen": listen, "nonce": na.hex()})
     msg = recv_plain(sock, peer)
     if msg.get("type") == "refused":
         raise AuthError(f"[link] peer={peer} refused our link: {msg.get('reason')}; check that both "
@@ -114,28 +116,31 @@ def initiate(sock: socket.socket, key: bytes, fleet: str, host_id: str, peer: st
     try:
         nb = bytes.fromhex(msg["nonce"])
         peer_host, their_mac = str(msg["host_id"]), bytes.fromhex(msg["mac"])
+        peer_listen = str(msg["listen"])
     except (KeyError, ValueError, TypeError):
         raise ProtocolError(f"[link] malformed challenge from peer={peer}; not an mccld") from None
     if msg.get("proto") != PROTO_VERSION or msg.get("fleet") != fleet:
         raise AuthError(f"[link] peer={peer} speaks proto {msg.get('proto')} of fleet "
                         f"{msg.get('fleet')!r}, we speak {PROTO_VERSION} of {fleet!r}")
     if len(nb) != NONCE_BYTES or not hmac.compare_digest(
-            their_mac, _mac(key, "resp", fleet, host_id, peer_host, na, nb)):
+            their_mac, _mac(key, "resp", fleet, host_id, listen, peer_host, peer_listen, na, nb)):
         raise AuthError(f"[link] peer={peer} ({peer_host}) failed fleet-key authentication; "
                         "it does not hold our fleet key: copy the key file to it")
-    send_plain(sock, {"type": "auth", "mac": _mac(key, "init", fleet, host_id, peer_host, na, nb).hex()})
+    send_plain(sock, {"type": "auth",
+                      "mac": _mac(key, "init", fleet, host_id, listen, peer_host, peer_listen, na, nb).hex()})
     done = recv_plain(sock, peer)
     if done.get("type") != "ok":
         raise AuthError(f"[link] peer={peer} rejected our key: {done.get('reason')}; "
                         "the hosts hold different fleet keys")
-    return peer_host, Session(key, na, nb, initiator=True, peer=peer)
+    return peer_host, peer_listen, Session(key, na, nb, initiator=True, peer=peer)
 
 
-def respond(sock: socket.socket, key: bytes, fleet: str, host_id: str, peer: str) -> tuple[str, Session]:
+def respond(sock: socket.socket, key: bytes, fleet: str, host_id: str, listen: str,
+            peer: str) -> tuple[str, str, Session]:
     """Server side of the handshake; refuses (and raises AuthError) on any mismatch."""
     msg = recv_plain(sock, peer)
     try:
-        na, peer_host = bytes.fromhex(msg["nonce"]), str(msg["host_id"])
+        na, peer_host, peer_listen = bytes.fromhex(msg["nonce"]), str(msg["host_id"]), str(msg["listen"])
         if msg.get("type") != "hello" or len(na) != NONCE_BYTES:
             raise ValueError
     except (KeyError, ValueError, TypeError):
@@ -146,15 +151,16 @@ def respond(sock: socket.socket, key: bytes, fleet: str, host_id: str, peer: str
                         f"{msg.get('proto')}, we are fleet {fleet!r} proto {PROTO_VERSION}")
     nb = secrets.token_bytes(NONCE_BYTES)
     send_plain(sock, {"type": "challenge", "proto": PROTO_VERSION, "fleet": fleet, "host_id": host_id,
-                      "nonce": nb.hex(), "mac": _mac(key, "resp", fleet, peer_host, host_id, na, nb).hex()})
+                      "listen": listen, "nonce": nb.hex(),
+                      "mac": _mac(key, "resp", fleet, peer_host, peer_listen, host_id, listen, na, nb).hex()})
     reply = recv_plain(sock, peer)
     try:
         their_mac = bytes.fromhex(reply["mac"])
     except (KeyError, ValueError, TypeError):
         their_mac = b""
-    if not hmac.compare_digest(their_mac, _mac(key, "init", fleet, peer_host, host_id, na, nb)):
+    if not hmac.compare_digest(their_mac, _mac(key, "init", fleet, peer_host, peer_listen, host_id, listen, na, nb)):
         send_plain(sock, {"type": "refused", "reason": "bad fleet key"})
         raise AuthError(f"[link] refused peer={peer} ({peer_host}): it failed fleet-key authentication; "
                         "it does not hold this fleet's key")
     send_plain(sock, {"type": "ok"})
-    return peer_host, Session(key, na, nb, initiator=False, peer=peer)
+    return peer_host, peer_listen, Session(key, na, nb, initiator=False, peer=peer)

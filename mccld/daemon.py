@@ -102,8 +102,8 @@ class Daemon:
             self.links.start()
             self.attach = AttachServer(self.runtime_dir, self._handle, on_disconnect=self._poke.set)
             self.attach.start()
-            self._start_discovery()
             self._start_servers(key)
+            self._start_discovery()
         except BaseException:
             self.stop()
             raise
@@ -193,8 +193,10 @@ class Daemon:
                                      ttl_s=self.cfg.mdns_ttl_s)
         self.fleet.start()
         port = int(self.links.address.rpartition(":")[2])
+        ports = {type(s).__name__: s.port for s in self._servers}
         self.advertiser = disc.Advertiser(self.fleet.zc, self.cfg.fleet, self.host_id, self.addr, port,
-                                          self.cfg.mdns_ttl_s)
+                                          self.cfg.mdns_ttl_s, status_port=ports.get("StatusServer", 0),
+                                          metrics_port=ports.get("MetricsServer", 0))
         self.advertiser.start()
 
     def _start_servers(self, key: bytes) -> None:
@@ -229,7 +231,7 @@ class Daemon:
 
     def reply_error(self, ident: bytes, req: int, exc: BaseException) -> None:
         self._stat("record_error", type(exc).__name__)
-        self.last_error = str(exc)
+        self.last_error = f"{type(exc).__name__}: {exc}"
         if self.attach is not None:
             self.attach.reply_error(ident, req, exc)
 
@@ -344,8 +346,8 @@ class Daemon:
         else:
             raise ProtocolError(f"[link] unknown message type {kind!r} from {peer_host}")
 
-    def _on_peer(self, peer_host: str, up: bool) -> None:
-        self._stat("set_peer_up", peer_host, up)
+    def _on_peer(self, peer_host: str, peer_addr: str, up: bool) -> None:
+        self._stat("set_peer_up", peer_addr, up)
 
     def _on_fleet_change(self, host_id: str, entry: dict | None) -> None:
         log.debug("fleet: %s %s", host_id, "left" if entry is None else "seen")
@@ -463,9 +465,10 @@ class Daemon:
                            max(0, sent - last[0]), max(0, recv - last[1]))
 
     def status_provider(self) -> dict[str, Any]:
+        """What only the daemon knows (docs/dev/interfaces.md §4); the status server adds stats."""
         with self._lock:
-            jobs = [{"job": j.id, "state": j.state, "world": j.size, "hosts": len(j.hosts),
-                     "local_ranks": j.local_ranks, "attached": sorted(j.members)}
+            jobs = [{"job": j.id, "ranks": j.local_ranks, "world": j.size, "state": j.state,
+                     "hosts": len(j.hosts), "attached": sorted(j.members)}
                     for j in self.jobs.values()]
             attached = len(self.clients)
         return {
@@ -473,5 +476,5 @@ class Daemon:
             "version": __version__, "proto": PROTO_VERSION, "attached": attached, "jobs": jobs,
             "links": self.links.peers() if self.links else [],
             "fleet_table": self.fleet.entries() if self.fleet is not None else [],
-            "last_error": self.last_error,
+            "last_error": self.last_error or None,
         }

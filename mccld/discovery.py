@@ -2,7 +2,7 @@
 mDNS (python-zeroconf) and keeps a live table of the daemons of its fleet.
 
 TXT record: fleet, proto, host (id), addrs, cores, mem (bytes), device, state
-(idle/training), ver. Records carry MCCL_MDNS_TTL; a host that vanishes without a
+(idle/training), ver, sport / mport (status and metrics ports; 0: disabled). Records carry MCCL_MDNS_TTL; a host that vanishes without a
 goodbye packet drops out of every table when its records expire.
 """
 
@@ -59,6 +59,7 @@ def _entry(info: ServiceInfo) -> dict[str, Any] | None:
         "addresses": [a for a in props.get("addrs", "").split(",") if a] or info.parsed_addresses(),
         "port": info.port, "cores": num("cores"), "memory": num("mem"), "device": props.get("device", ""),
         "state": props.get("state", ""), "version": props.get("ver", ""), "name": info.name,
+        "status_port": num("sport"), "metrics_port": num("mport"),
         "seen_at": time.time(),
     }
 
@@ -165,8 +166,10 @@ class FleetTable:
 class Advertiser:
     """Announces this daemon on a FleetTable's zeroconf instance; ``set_state`` re-announces."""
 
-    def __init__(self, zc: Zeroconf, fleet: str, host_id: str, addr: str, port: int, ttl_s: int):
+    def __init__(self, zc: Zeroconf, fleet: str, host_id: str, addr: str, port: int, ttl_s: int,
+                 status_port: int = 0, metrics_port: int = 0):
         self._zc = zc
+        self._sport, self._mport = status_port, metrics_port
         self._fleet, self._host_id, self._addr, self._port, self._ttl = fleet, host_id, addr, port, ttl_s
         self._state = "idle"
         self._info: ServiceInfo | None = None
@@ -175,7 +178,8 @@ class Advertiser:
     def _make_info(self) -> ServiceInfo:
         props = {"fleet": self._fleet, "proto": str(PROTO_VERSION), "host": self._host_id, "addrs": self._addr,
                  "cores": str(os.cpu_count() or 0), "mem": str(_memory_bytes()), "device": device_kind(),
-                 "state": self._state, "ver": __version__}
+                 "state": self._state, "ver": __version__, "sport": str(self._sport),
+                 "mport": str(self._mport)}
         return ServiceInfo(SERVICE_TYPE, f"{self._host_id}.{SERVICE_TYPE}",
                            addresses=[socket.inet_aton(self._addr)], port=self._port, properties=props,
                            server=f"{self._host_id}.local.", host_ttl=self._ttl, other_ttl=self._ttl)

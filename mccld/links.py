@@ -21,6 +21,7 @@ from .logutil import OnceLogger
 log = logging.getLogger(__name__)
 
 Handler = Callable[[str, dict[str, Any]], None]  # (peer host id, message)
+PeerHandler = Callable[[str, str, bool], None]   # (peer host id, peer link address, up)
 
 
 class Link:
@@ -28,7 +29,7 @@ class Link:
         self.sock = sock
         self.session = session
         self.peer_host = peer_host
-        self.peer_addr = peer_addr
+        self.peer_addr = peer_addr      # the peer daemon's link (listen) address, as it announced it
         self._send_lock = threading.Lock()
         self.closed = False
 
@@ -56,12 +57,12 @@ class LinkManager:
     """Listens for, dials, authenticates and keeps links; hands received messages to ``on_message``."""
 
     def __init__(self, key: bytes, fleet: str, host_id: str, addr: str, port: int, timeout_s: float,
-                 on_message: Handler, on_peer: Callable[[str, bool], None] | None = None):
+                 on_message: Handler, on_peer: PeerHandler | None = None):
         self._key, self._fleet, self.host_id = key, fleet, host_id
         self._bind = (addr, port)
         self._timeout = timeout_s
         self._on_message = on_message
-        self._on_peer = on_peer or (lambda peer, up: None)
+        self._on_peer = on_peer or (lambda host, addr, up: None)
         self._links: dict[str, Link] = {}        # peer host id -> live link
         self._by_addr: dict[str, str] = {}       # "ip:port" dialled -> peer host id
         self._lock = threading.Lock()
@@ -129,7 +130,7 @@ class LinkManager:
 
     def peers(self) -> list[dict[str, Any]]:
         with self._lock:
-            return [{"host_id": h, "addr": l.peer_addr} for h, l in self._links.items() if not l.closed]
+            return [{"host": h, "peer": l.peer_addr, "up": True} for h, l in self._links.items() if not l.closed]
 
     # -- internals ---------------------------------------------------------------------
     def _dial(self, addr: str) -> Link:
@@ -141,7 +142,8 @@ class LinkManager:
             raise PeerLostError(f"[link] cannot connect to peer={addr}: {e}; is mccld running there "
                                 "and reachable on MCCL_PORT?") from None
         try:
-            peer_host, session = auth.initiate(sock, self._key, self._fleet, self.host_id, addr)
+            peer_host, peer_listen, session = auth.initiate(sock, self._key, self._fleet, self.host_id,
+                                                            self.address, addr)
         except (AuthError, ProtocolError) as e:
             sock.close()
             self._once.warn(f"auth:{addr}", "%s", e)
@@ -151,7 +153,7 @@ class LinkManager:
             raise PeerLostError(f"[link] handshake with peer={addr} failed: {e}; the peer daemon "
                                 "closed the link (wrong fleet key on one side?)") from None
         self._once.forget(f"dial:{addr}")
-        return self._adopt(sock, session, peer_host, addr)
+        return self._adopt(sock, session, peer_host, peer_listen)
 
     def _accept_loop(self) -> None:
         while not self._stopping.is_set():
@@ -167,7 +169,8 @@ class LinkManager:
     def _handshake(self, sock: socket.socket, peer: str) -> None:
         sock.settimeout(self._timeout)
         try:
-            peer_host, session = auth.respond(sock, self._key, self._fleet, self.host_id, peer)
+            peer_host, peer_listen, session = auth.respond(sock, self._key, self._fleet, self.host_id,
+                                                           self.address, peer)
         except (AuthError, ProtocolError) as e:
             self._once.warn(f"auth:{peer.rpartition(':')[0]}", "%s", e)
             sock.close()
@@ -178,7 +181,7 @@ class LinkManager:
                             peer, e)
             sock.close()
             return
-        self._adopt(sock, session, peer_host, peer)
+        self._adopt(sock, session, peer_host, peer_listen)
 
     def _adopt(self, sock: socket.socket, session: auth.Session, peer_host: str, addr: str) -> Link:
         sock.settimeout(None)
@@ -190,8 +193,9 @@ class LinkManager:
             # Two daemons dialling each other at once keep both links; either works for sending.
             if old is None or old.closed:
                 self._links[peer_host] = link
+            self._by_addr[addr] = peer_host  # an accepted link also serves our own sends
         log.info("link up: peer=%s (%s)", addr, peer_host)
-        self._on_peer(peer_host, True)
+        self._on_peer(peer_host, addr, True)
         t = threading.Thread(target=self._read_loop, args=(link,), name="mccld-link-read", daemon=True)
         t.start()
         return link
@@ -215,4 +219,4 @@ class LinkManager:
                 del self._links[link.peer_host]
         if not self._stopping.is_set():
             log.info("link down: peer=%s (%s)", link.peer_addr, link.peer_host)
-            self._on_peer(link.peer_host, False)
+            self._on_peer(link.peer_host, link.peer_addr, False)

@@ -139,6 +139,7 @@ def rank_all_collectives(rank: int, world: int) -> str:
     comm.wait(comm.scatter(sc_in.ctypes.data if rank == 1 else 0, sc_out.ctypes.data, sc_out.nbytes, 1), 20)
     assert sc_out.tolist() == [100 + 2 * rank, 101 + 2 * rank]
     comm.wait(comm.barrier(), 20)
+    comm.report_overlap(0.25 + 0.5 * (rank % 2))   # fire and forget, shares the attach socket
     # a segment regrow mid-run (64 MB > the first 1 MB segment)
     big = np.ones(16 << 20, dtype=np.float32)
     comm.wait(comm.allreduce(big.ctypes.data, big.size, F32, SUM), 60)
@@ -153,6 +154,8 @@ def rank_all_collectives(rank: int, world: int) -> str:
 def test_every_collective_two_ranks(daemon):
     d, env = daemon
     assert run_ranks(rank_all_collectives, 2, env=env, timeout_s=150) == ["ok", "ok"]
+    overlap = {o["rank"]: o["latest"] for o in d.stats.snapshot()["overlap"] if o["job"] == "00005eed"}
+    assert overlap == {0: 0.25, 1: 0.75}
     assert not [s for s in our_segments() if s.split("-")[1] == "00005eed"]
     assert d.status_provider()["attached"] == 0
 
