@@ -133,3 +133,117 @@ def _reinit_rank(rank: int, world: int, second_port: int) -> None:
 @pytest.mark.timeout(120)
 def test_reinit_after_destroy(ranks) -> None:
     ranks(_reinit_rank, 3, free_port(), timeout_s=100)
+
+
+# -- unit tests: ranks as threads, and the completion router on its own ------------
+
+
+def _thread_ranks(world: int, fn, timeout_s: float = 60.0) -> list:
+    import threading
+
+    results, errors = [None] * world, [None] * world
+
+    def body(rank: int) -> None:
+        try:
+            results[rank] = fn(rank)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
+            errors[rank] = exc
+    threads = [threading.Thread(target=body, args=(r,), name=f"rank{r}") for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+        assert not t.is_alive(), "a rank thread hung"
+    for e in errors:
+        if e is not None:
+            raise e
+    return results
+
+
+@pytest.mark.timeout(60)
+def test_process_groups_as_threads() -> None:
+    """ProcessGroupMCCL driven directly (no init_process_group), ranks as threads."""
+    import torch
+    import torch.distributed as dist
+
+    from libmccl.backend import ProcessGroupMCCL
+
+    world, store = 3, dist.HashStore()
+
+    def rank_fn(rank: int):
+        pg = ProcessGroupMCCL(dist.PrefixStore("t/", store), rank, world, datetime.timedelta(seconds=30))
+        try:
+            t = torch.full((10,), float(rank))
+            works = [pg.allreduce([t])]
+            out = torch.empty(world * 2, dtype=torch.int32)
+            works.append(pg.all_gather_single(out, torch.full((2,), rank, dtype=torch.int32)))
+            a2a = torch.empty(world, dtype=torch.int64)
+            works.append(pg.all_to_all_single(a2a, torch.arange(world) + 10 * rank, [], []))
+            for w in works:
+                w.wait()
+            assert works[0].get_future().value()[0] is t
+            return t.tolist(), out.tolist(), a2a.tolist(), pg.getBackendName()
+        finally:
+            pg.shutdown()
+            pg.shutdown()  # idempotent
+
+    for rank, (t, out, a2a, name) in enumerate(_thread_ranks(world, rank_fn)):
+        assert t == [float(sum(range(world)))] * 10
+        assert out == [r for r in range(world) for _ in range(2)]
+        assert a2a == [10 * s + rank for s in range(world)]
+        assert name == "mccl"
+
+
+@pytest.mark.timeout(30)
+def test_router_early_completion_fail_all_and_guard() -> None:
+    import torch
+
+    from libmccl.errors import AbortedError, MCCLError, PeerLostError
+    from libmccl.work import CompletionRouter, MCCLWork
+
+    router = CompletionRouter(rank=0)
+    # The engine may report an op before the glue recorded it.
+    router.on_complete([(7, None, 3)])
+    early = router.track(7, MCCLWork("recv", 0, [torch.ones(1)], (), None, 5.0))
+    assert early.wait() and early.source_rank() == 3
+    # Errors arrive typed, with the peer.
+    failed = router.track(8, MCCLWork("allreduce", 0, [], (), None, 5.0))
+    router.on_complete([(8, (1, "[engine] link to rank 2 lost", 2, "10.0.0.2:4000"), -1)])
+    with pytest.raises(PeerLostError) as info:
+        failed.wait()
+    assert info.value.peer_rank == 2 and info.value.peer_addr == "10.0.0.2:4000"
+    # A callback waiting on an unfinished op from the completion thread fails fast
+    # instead of deadlocking the engine's completion thread.
+    blocked = router.track(10, MCCLWork("allreduce", 0, [], (), None, 30.0))
+    seen = []
+
+    def hook(fut):
+        try:
+            blocked.wait()
+        except MCCLError as exc:
+            seen.append(exc)
+    router.track(9, MCCLWork("barrier", 0, [], (), None, 5.0)).get_future().then(hook)
+    router.on_complete([(9, None, -1)])
+    assert seen and "completion thread" in str(seen[0])
+    # Shutdown fails what is pending and anything tracked later.
+    router.fail_all(AbortedError("[mccl] shut down"))
+    with pytest.raises(AbortedError):
+        blocked.wait()
+    late = router.track(11, MCCLWork("barrier", 0, [], (), None, 5.0))
+    with pytest.raises(AbortedError):
+        late.wait()
+    assert router.pending_count() == 0
+
+
+@pytest.mark.timeout(30)
+def test_wait_times_out_in_caller_thread() -> None:
+    from libmccl.errors import CollectiveTimeout
+    from libmccl.work import CompletionRouter, MCCLWork
+
+    router = CompletionRouter(rank=1)
+    work = router.track(1, MCCLWork("broadcast", 1, [], (), None, 0.2))
+    started = time.monotonic()
+    with pytest.raises(CollectiveTimeout, match="broadcast did not complete"):
+        work.wait(datetime.timedelta(seconds=0.3))
+    assert 0.25 < time.monotonic() - started < 2
+    assert not work.is_completed()
