@@ -311,7 +311,9 @@ class StatusServer:
 
     def _dispatch(self, method: str, args: dict) -> Any:
         if method in ("status", "links", "jobs"):
-            status = merge_status(self._provider(), self._stats.snapshot() if self._stats else None)
+            snap = self._stats.snapshot() if self._stats else None
+            # Socket details (an `ss` run) only matter where links are shown.
+            status = merge_status(self._provider(), snap, tcp_text="" if method == "jobs" else None)
             status["linktests"] = self.linktest_results()
             if method == "status":
                 return status

@@ -3,7 +3,9 @@
 Three daemons find each other over mDNS; a 2-rank training job (MCCL_DAEMON clients,
 all-reduce loop) runs on host 1. From host 0, ``mcclctl status`` (mDNS discovery, no
 --host) must list all three hosts with host 1 training and the others idle; ``jobs``
-must show the job's ranks; ``linktest`` must measure and record a ceiling.
+must show the job's ranks; ``linktest`` must measure and record a ceiling; ``doctor``
+must find the daemon's endpoints, the peers and their clocks; ``prometheus-sd`` must list
+all three metrics endpoints.
 
 Run as a script, this file is one rank of that job (started inside host 1's namespace).
 """
@@ -138,6 +140,18 @@ def test_status_lists_three_hosts_with_their_states():
             (entry,) = json.loads(links.stdout)
             ceilings = {link["peer"]: link["ceiling_bits_per_s"] for link in entry["links"]}
             assert ceilings.get(result["peer_address"]) == result["bits_per_s"]
+
+            doc = _mcclctl(fleet, 2, base, "doctor", "--json")
+            checks = {c["name"]: c for c in json.loads(doc.stdout)}
+            for name in ("link port", "status port", "metrics port", "peer host0", "peer host1",
+                         "clock host0", "clock host1", "fleet key", "interface"):
+                assert checks[name]["status"] == "ok", checks[name]
+            assert doc.returncode == 0, doc.stdout
+
+            sd = _mcclctl(fleet, 0, base, "prometheus-sd")
+            groups = json.loads(sd.stdout)
+            assert sorted(g["labels"]["host"] for g in groups) == ["host0", "host1", "host2"]
+            assert sorted(g["targets"][0] for g in groups) == sorted(f"{h.addr}:29652" for h in fleet.hosts)
 
             stop_file.touch()
             for p in ranks:
