@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -133,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--rate", default="200mbit")
     st.add_argument("--seconds", type=float, default=1.0)
     args = ap.parse_args(argv)
+    # SIGTERM unwinds like an exception, so a fleet being built or tested is torn down.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         if args.cmd == "up":

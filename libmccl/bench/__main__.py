@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 
 from ..errors import MCCLError
@@ -50,6 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     what.add_argument("--ceiling-tool", choices=("auto", "iperf3", "probe", "none"), default="auto")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per backend sweep")
     ap.add_argument("--json", dest="json_out", help="write the full result here")
+    ap.add_argument("--log-dir", help="keep every rank's and tool's log here (default: a temporary folder)")
     ap.add_argument("-v", "--verbose", action="store_true", help="show rank 0's progress")
     return ap
 
@@ -66,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {argv[-1]}")
         return 0
     args = _parser().parse_args(argv)
+    # Let SIGTERM (timeout(1), a CI cancel) unwind like an exception, so the ranks are killed
+    # and an emulated fleet is torn down rather than left behind.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -74,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
                           backends=args.backends, ops=args.ops, sizes=sizes, warmup=args.warmup,
                           iters=args.iters, repeats=args.repeats, target_s=args.target_seconds,
                           max_iters=args.max_iters, ceiling_seconds=args.ceiling_seconds,
-                          ceiling_tool=args.ceiling_tool, timeout_s=args.timeout, verbose=args.verbose)
+                          ceiling_tool=args.ceiling_tool, timeout_s=args.timeout, verbose=args.verbose,
+                          log_dir=args.log_dir)
         result = run_bench(cfg)
     except (MCCLError, ValueError) as e:
         print(e, file=sys.stderr)

@@ -98,11 +98,13 @@ def _kill(p: subprocess.Popen) -> None:
 
 
 def run_group(launcher, argvs: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str]], log_dir: str,
-              timeout_s: float, what: str, stream_first: bool = False) -> list[Finished]:
+              timeout_s: float, what: str, stream_first: bool = False,
+              soft_codes: Sequence[int] = ()) -> list[Finished]:
     """Run argvs[i] on host i, all at once; wait for all of them, at most timeout_s.
 
     When one exits non-zero the others are killed at once (they would only wait for it
-    until their own timeouts). Raises CollectiveTimeout at the deadline; returns each
+    until their own timeouts), except for exit codes in ``soft_codes``: failures that
+    leave the others' work intact. Raises CollectiveTimeout at the deadline; returns each
     process's exit code and log tail otherwise. ``stream_first`` lets process 0 write
     to our stderr (progress lines) instead of its log file.
     """
@@ -116,7 +118,7 @@ def run_group(launcher, argvs: Sequence[Sequence[str]], envs: Sequence[Mapping[s
                 procs.append(launcher.popen(i, argv, env=env, stdout=f, stderr=err))
         deadline = time.monotonic() + timeout_s
         while any(p.poll() is None for p in procs):
-            if any(p.returncode not in (None, 0) for p in procs):
+            if any(p.returncode not in (None, 0, *soft_codes) for p in procs):
                 break
             if time.monotonic() > deadline:
                 raise CollectiveTimeout(
@@ -134,11 +136,12 @@ def run_group(launcher, argvs: Sequence[Sequence[str]], envs: Sequence[Mapping[s
     return out
 
 
-def first_failure(results: Sequence[Finished]) -> str | None:
-    """A readable reason from the process that failed first (non-zero, not killed by us)."""
-    own = [(i, r) for i, r in enumerate(results) if r.returncode not in (0, -signal.SIGKILL)]
-    if not own and any(r.returncode != 0 for r in results):
-        own = [(i, r) for i, r in enumerate(results) if r.returncode != 0]
+def first_failure(results: Sequence[Finished], soft_codes: Sequence[int] = ()) -> str | None:
+    """A readable reason from a process that failed by itself (not killed by us), if any."""
+    ok = (0, *soft_codes)
+    own = [(i, r) for i, r in enumerate(results) if r.returncode not in (*ok, -signal.SIGKILL)]
+    if not own and any(r.returncode not in ok for r in results):
+        own = [(i, r) for i, r in enumerate(results) if r.returncode not in ok]
     if not own:
         return None
     i, r = own[0]

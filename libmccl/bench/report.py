@@ -28,6 +28,9 @@ def render(result: dict) -> str:
     for name, b in result["backends"].items():
         if not b["ok"]:
             lines.append(f"# {name}: FAILED, no numbers: {b['error']}")
+        elif b.get("teardown_errors"):
+            lines.append(f"# {name}: every op completed and was checked, but shutdown failed: "
+                         f"{b['teardown_errors'][0][:300]}")
     backends = [b for b, v in result["backends"].items() if v["ok"]]
     rows = {(r["backend"], r["op"], r["bytes"]): r for r in result["results"]}
     ratios = {(c["op"], c["bytes"]): c for c in result["comparison"]}

@@ -8,6 +8,7 @@ time over all ranks and divides by the bytes all ranks put on the wire (metrics.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
@@ -24,6 +25,7 @@ from ..errors import ConfigError, MCCLError
 from .ceiling import ring_ceiling
 from .launch import FleetLauncher, LocalLauncher, first_failure, run_group
 from .metrics import OPS
+from .worker import TEARDOWN_FAILED
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,7 @@ class BenchConfig:
     ceiling_tool: str = "auto"     # auto | iperf3 | probe | none
     timeout_s: float = 1800.0      # per backend sweep
     verbose: bool = False
+    log_dir: str | None = None     # keep logs here; None: a temporary folder, removed at the end
 
     @property
     def world(self) -> int:
@@ -91,8 +94,9 @@ def _run_backend(launcher, cfg: BenchConfig, backend: str, tmp: str) -> list[dic
              "MASTER_ADDR": launcher.addr(0), "MASTER_PORT": str(port), "PYTHONPATH": pypath,
              "OMP_NUM_THREADS": "1", **launcher.rank_env(r)} for r in range(n)]
     argv = [sys.executable, "-m", "libmccl.bench.worker", json.dumps(plan)]
-    done = run_group(launcher, [argv] * n, envs, tmp, cfg.timeout_s, f"{backend}-rank", stream_first=cfg.verbose)
-    why = first_failure(done)
+    done = run_group(launcher, [argv] * n, envs, tmp, cfg.timeout_s, f"{backend}-rank", stream_first=cfg.verbose,
+                     soft_codes=(TEARDOWN_FAILED,))
+    why = first_failure(done, soft_codes=(TEARDOWN_FAILED,))
     if why:
         raise MCCLError(f"[bench] backend {backend} failed: {why}")
     docs = []
@@ -162,7 +166,12 @@ def run_bench(cfg: BenchConfig) -> dict:
     docs_by_backend: dict[str, list[dict]] = {}
     launcher = FleetLauncher(cfg.hosts, cfg.rate) if cfg.hosts else LocalLauncher(cfg.ranks)
     try:
-        with tempfile.TemporaryDirectory(prefix="mccl-bench-") as tmp:
+        with contextlib.ExitStack() as stack:
+            if cfg.log_dir:
+                os.makedirs(cfg.log_dir, exist_ok=True)
+                tmp = tempfile.mkdtemp(prefix="run-", dir=cfg.log_dir)
+            else:
+                tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="mccl-bench-"))
             measure = cfg.ceiling_tool != "none"
             if measure:
                 ceilings.append(ring_ceiling(launcher, cfg.ceiling_seconds, tmp, cfg.ceiling_tool))
@@ -175,7 +184,12 @@ def run_bench(cfg: BenchConfig) -> dict:
                     backends[b] = {"ok": False, "error": str(e), "seconds": time.time() - t0}
                     continue
                 docs = docs_by_backend[b]
-                backends[b] = {"ok": True, "error": None, "seconds": time.time() - t0,
+                # Measurements done and checked, but shutdown failed: keep the numbers, flag it.
+                teardown = [f"rank {d['rank']}: {d['teardown_error']}" for d in docs if d.get("teardown_error")]
+                if teardown:
+                    log.warning("[bench] %s: shutdown failed after all measurements: %s", b, teardown[0])
+                backends[b] = {"ok": True, "error": None, "teardown_errors": teardown,
+                               "seconds": time.time() - t0,
                                "init_s": max(d["init_s"] for d in docs), "torch": docs[0]["torch"]}
             if measure:
                 # Measured again after the backends: on a shared machine the ceiling drifts.

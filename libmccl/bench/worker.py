@@ -15,11 +15,15 @@ import datetime
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from typing import Callable
 
 from .metrics import OPS, op_elements
+
+# Exit code of a rank whose measurements completed but whose shutdown failed.
+TEARDOWN_FAILED = 3
 
 
 def _cpu_seconds() -> float:
@@ -113,50 +117,83 @@ def run(plan: dict) -> dict:
                             timeout=datetime.timedelta(seconds=plan["timeout_s"]))
     out = {"rank": rank, "world": world, "backend": plan["backend"], "torch": torch.__version__,
            "init_s": time.perf_counter() - t_init, "results": []}
-    try:
-        for op in plan["ops"]:
-            for size in plan["sizes"]:
-                count = op_elements(op, size, world)
-                if count == 0:
-                    continue
-                o = _Op(torch, dist, op, count, rank, world)
-                o.check()
-                for _ in range(plan["warmup"]):
-                    o.run()
-                iters = plan["iters"]
-                if iters <= 0:
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    o.run()
-                    iters = _agree_iters(torch, dist, time.perf_counter() - t0, plan["target_s"], plan["max_iters"])
-                times, cpu = [], 0.0
-                for _ in range(plan["repeats"]):
-                    dist.barrier()
-                    c0, t0 = _cpu_seconds(), time.perf_counter()
-                    for _ in range(iters):
-                        o.run()
-                    t1, c1 = time.perf_counter(), _cpu_seconds()
-                    times.append((t1 - t0) / iters)
-                    cpu += c1 - c0
-                out["results"].append({"op": op, "bytes": count * 4, "count": count, "iters": iters,
-                                       "times_s": times, "cpu_s": cpu})
-                if rank == 0:
-                    print(f"[bench] {plan['backend']} {op} {count * 4} B: {min(times) * 1e6:.1f} us/op "
-                          f"x{iters}", file=sys.stderr, flush=True)
-                del o
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    for op in plan["ops"]:
+        for size in plan["sizes"]:
+            count = op_elements(op, size, world)
+            if count == 0:
+                continue
+            out["results"].append(_measure(torch, dist, plan, op, count, rank, world))
     return out
 
 
+def _measure(torch, dist, plan: dict, op: str, count: int, rank: int, world: int) -> dict:
+    o = _Op(torch, dist, op, count, rank, world)
+    o.check()
+    for _ in range(plan["warmup"]):
+        o.run()
+    iters = plan["iters"]
+    if iters <= 0:
+        dist.barrier()
+        t0 = time.perf_counter()
+        o.run()
+        iters = _agree_iters(torch, dist, time.perf_counter() - t0, plan["target_s"], plan["max_iters"])
+    times, cpu = [], 0.0
+    for _ in range(plan["repeats"]):
+        dist.barrier()
+        c0, t0 = _cpu_seconds(), time.perf_counter()
+        for _ in range(iters):
+            o.run()
+        t1, c1 = time.perf_counter(), _cpu_seconds()
+        times.append((t1 - t0) / iters)
+        cpu += c1 - c0
+    if rank == 0:
+        print(f"[bench] {plan['backend']} {op} {count * 4} B: {statistics.median(times) * 1e6:.1f} us/op "
+              f"x{iters}", file=sys.stderr, flush=True)
+    return {"op": op, "bytes": count * 4, "count": count, "iters": iters, "times_s": times, "cpu_s": cpu}
+
+
+def _teardown(dist) -> None:
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _die_with_parent() -> None:
+    """Ranks must not outlive the harness (killed, timed out): ask Linux to SIGKILL us then."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _write(path: str, doc: dict) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(doc, f)
+    os.replace(path + ".tmp", path)
+
+
 def main() -> int:
+    _die_with_parent()
     plan = json.loads(sys.argv[1])
+    import torch.distributed as dist
+
     result = run(plan)
     path = os.path.join(plan["out_dir"], f"{plan['backend']}-rank{result['rank']}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(result, f)
-    os.replace(path + ".tmp", path)
+    # Every op has completed and been checked: the numbers stand whatever shutdown does,
+    # but a failing shutdown is still reported (exit code TEARDOWN_FAILED, error in the JSON).
+    _write(path, result)
+    try:
+        _teardown(dist)
+    except Exception as e:  # noqa: BLE001 - any failure here is reported, not hidden
+        result["teardown_error"] = f"{type(e).__name__}: {e}"
+        _write(path, result)
+        print(f"[bench] rank {result['rank']}: shutdown failed after all measurements: {e}",
+              file=sys.stderr, flush=True)
+        return TEARDOWN_FAILED
     return 0
 
 
