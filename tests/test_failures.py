@@ -84,9 +84,12 @@ def test_sigstop_peer_times_out() -> None:
     for rank, (status, value) in sorted(out.items()):
         assert status == "ok", f"rank {rank}:\n{value}"
         name, detail, failed_at = value
-        # The stopped rank's links stay open: only a deadline can notice it.
-        assert "CollectiveTimeout" in detail or "PeerLostError" in detail, f"rank {rank}: {detail}"
-        assert failed_at - stopped_at < timeout_s * 3 + 10, f"rank {rank}: {failed_at - stopped_at:.1f}s"
+        # The stopped rank's links stay open: only a deadline can notice it. The PG
+        # timeout reached the engine: its deadline fires, before the glue's backstop
+        # (timeout + 5 s) in Work.wait would.
+        assert "CollectiveTimeout" in detail, f"rank {rank}: {detail}"
+        took = failed_at - stopped_at
+        assert timeout_s - 1 < took < timeout_s + 4, f"rank {rank}: {took:.1f}s"
 
 
 def _guarded(n: int, pad: int = 4096):
