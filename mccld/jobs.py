@@ -27,6 +27,7 @@ from .reduce import DTYPE_SIZE, ReducePool
 log = logging.getLogger(__name__)
 
 _SETUP_TIMEOUT_FLOOR_S = 5.0
+_CLOSE_BARRIER_S = 30.0
 
 
 class JobHost(Protocol):
@@ -346,6 +347,13 @@ class Job:
     def _shutdown(self) -> None:
         engine, self.engine = self.engine, None
         if engine is not None:
+            if self.failed is None:
+                # Every daemon of the job closes it once its ranks left; a last barrier keeps
+                # us from closing links a peer is still draining its final collective from.
+                try:
+                    engine.wait(engine.barrier(), min(self.timeout_s, _CLOSE_BARRIER_S))
+                except Exception as e:  # noqa: BLE001 - a peer already gone: nothing left to protect
+                    log.debug("closing barrier of job %s: %s", self.id, e)
             try:
                 engine.shutdown(5.0)
             except Exception:  # noqa: BLE001 - the job is over either way
