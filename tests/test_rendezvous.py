@@ -1,0 +1,104 @@
+"""Address choice and store rendezvous (libmccl/rendezvous.py), plus abort."""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import pytest
+
+from conftest import init_pg
+from libmccl import rendezvous
+from libmccl.config import EngineConfig
+from libmccl.errors import CollectiveTimeout, ConfigError
+
+
+@pytest.mark.timeout(30)
+def test_bind_address_precedence() -> None:
+    assert rendezvous.choose_bind_address(EngineConfig(bind_addr="10.1.2.3", socket_ifname="lo"), "x") == "10.1.2.3"
+    assert rendezvous.choose_bind_address(EngineConfig(socket_ifname="lo"), None) == "127.0.0.1"
+    assert rendezvous.choose_bind_address(EngineConfig(), "127.0.0.1") == "127.0.0.1"
+    # An unresolvable master falls back to loopback rather than failing.
+    assert rendezvous.choose_bind_address(EngineConfig(), "no-such-host.invalid") == "127.0.0.1"
+    with pytest.raises(ConfigError, match="MCCL_SOCKET_IFNAME='mccl-nope0'"):
+        rendezvous.choose_bind_address(EngineConfig(socket_ifname="mccl-nope0"), None)
+
+
+class _FakeListener:
+    def __init__(self, host: str) -> None:
+        self.address = f"{host}:1"
+
+
+@pytest.mark.timeout(30)
+def test_missing_rank_times_out_naming_it() -> None:
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    started = time.monotonic()
+    with pytest.raises(CollectiveTimeout, match="rank 2's address") as info:
+        rendezvous.exchange(store, 0, 3, _FakeListener, EngineConfig(), 0.5, "g")
+    assert time.monotonic() - started < 5
+    assert "rank 1's address" in str(info.value) and str(info.value).startswith("[rendezvous]")
+
+
+@pytest.mark.timeout(30)
+def test_incarnations_do_not_collide() -> None:
+    """Re-creating a group on the same store gets fresh keys and a fresh comm id."""
+    import threading
+
+    import torch.distributed as dist
+
+    store, world = dist.HashStore(), 2
+    seen: list[list] = [[], []]
+
+    def rank_fn(rank: int) -> None:
+        for _ in range(3):
+            rv = rendezvous.exchange(store, rank, world, _FakeListener, EngineConfig(bind_addr=f"10.0.0.{rank}"),
+                                     10, "g")
+            seen[rank].append((rv.comm_id, rv.peer_addrs))
+    threads = [threading.Thread(target=rank_fn, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert seen[0] == seen[1] and len(seen[0]) == 3
+    assert len({cid for cid, _ in seen[0]}) == 3, "each incarnation draws its own comm id"
+    assert all(addrs == ["10.0.0.0:1", "10.0.0.1:1"] for _, addrs in seen[0])
+
+
+def _abort_rank(rank: int, world: int) -> str:
+    import torch
+    import torch.distributed as dist
+
+    from libmccl.errors import AbortedError, MCCLError
+
+    init_pg(rank, world, timeout_s=60)
+    try:
+        if rank == 0:
+            work = dist.all_reduce(torch.ones(8), async_op=True)  # rank 1 never joins it
+            time.sleep(0.3)
+            started = time.monotonic()
+            dist.group.WORLD.abort()
+            with pytest.raises(AbortedError):
+                work.wait(datetime.timedelta(seconds=10))
+            assert time.monotonic() - started < 5
+            with pytest.raises(AbortedError, match="shut down or aborted"):
+                dist.all_reduce(torch.ones(8))
+            return "aborted"
+        time.sleep(1.0)
+        try:  # the peer aborted: this must fail fast, not wait out the 60 s timeout
+            started = time.monotonic()
+            dist.all_reduce(torch.ones(8))
+            return "no error"
+        except MCCLError as exc:
+            assert time.monotonic() - started < 10
+            return type(exc).__name__
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_abort_fails_pending_ops_everywhere(ranks) -> None:
+    results = ranks(_abort_rank, 2, timeout_s=100)
+    assert results[0] == "aborted"
+    assert results[1] in ("AbortedError", "PeerLostError"), results
