@@ -28,6 +28,8 @@ from .logutil import OnceLogger
 
 log = logging.getLogger(__name__)
 
+_FLUSH_LINGER_MS = 500
+
 # (identity, decoded request) -> reply payload, or None when the reply comes later via reply().
 Handler = Callable[[bytes, dict[str, Any]], "dict[str, Any] | None"]
 
@@ -134,9 +136,15 @@ class AttachServer:
                     monitor.recv_multipart()
                     self._on_disconnect()
         finally:
+            # Replies queued before stop() (jobs failed because the daemon stops) still go out.
+            while True:
+                try:
+                    router.send_multipart(pull.recv_multipart(zmq.NOBLOCK), zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    break
             router.disable_monitor()
             monitor.close(0)
-            router.close(0)
+            router.close(linger=_FLUSH_LINGER_MS)
             pull.close(0)
 
     def _handle(self, router: zmq.Socket, frames: list[bytes]) -> None:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import collect, reap, spawn_ranks
-from libmccl.errors import DaemonUnavailableError, PeerLostError
+from libmccl.errors import AbortedError, DaemonUnavailableError, MCCLError, PeerLostError
 
 from mccld import shm
 from mccld.attach import local_request
@@ -69,7 +69,7 @@ def test_client_killed_frees_its_segment_and_fails_the_others(daemon):  # noqa: 
     assert d.status_provider()["jobs"] == [] or all(j["state"] != "ready" for j in d.status_provider()["jobs"])
 
 
-def rank_daemon_dies(rank: int, world: int, marker: str) -> str:
+def rank_daemon_dies(rank: int, world: int, marker: str, expect: str) -> str:
     comm, _store = connect(rank, world, comm_id=0xdead02, timeout_s=60)
     a = np.ones(8, dtype=np.float32)
     comm.wait(comm.allreduce(a.ctypes.data, a.size, F32, SUM), 20)
@@ -79,20 +79,23 @@ def rank_daemon_dies(rank: int, world: int, marker: str) -> str:
         started = time.monotonic()
         try:
             comm.wait(op, 50)
-        except DaemonUnavailableError as e:
-            assert "went away" in str(e), e
+        except MCCLError as e:
+            assert type(e).__name__ == expect, e
+            assert "went away" in str(e) or "mccld is stopping" in str(e), e
             return f"pending op failed after {time.monotonic() - started:.2f}s"
         raise AssertionError("pending op succeeded although the daemon was killed")
     deadline = time.monotonic() + 30
     while Path(marker).read_text() != "killed" and time.monotonic() < deadline:
         time.sleep(0.05)
-    with pytest.raises(DaemonUnavailableError):
+    with pytest.raises((DaemonUnavailableError, AbortedError)):
         comm.wait(comm.allreduce(a.ctypes.data, a.size, F32, SUM), 10)
     return "later op failed"
 
 
 @pytest.mark.timeout(120)
-def test_daemon_killed_fails_pending_and_later_ops(tmp_path):
+@pytest.mark.parametrize("sig,expect", [(signal.SIGKILL, "DaemonUnavailableError"),
+                                        (signal.SIGTERM, "AbortedError")])
+def test_daemon_killed_fails_pending_and_later_ops(tmp_path, sig, expect):
     rdir = tmp_path / "rt"
     env = daemon_env(rdir)
     marker = tmp_path / "marker"
@@ -105,13 +108,13 @@ def test_daemon_killed_fails_pending_and_later_ops(tmp_path):
         while not (rdir / "token").exists():
             assert proc.poll() is None and time.monotonic() < deadline, "mccld did not start"
             time.sleep(0.1)
-        procs, results, _ = spawn_ranks(rank_daemon_dies, 2, str(marker), env=env)
+        procs, results, _ = spawn_ranks(rank_daemon_dies, 2, str(marker), expect, env=env)
         deadline = time.monotonic() + 60
         while marker.read_text() != "pending":
             assert time.monotonic() < deadline, "rank 0 never got its op pending"
             time.sleep(0.05)
         time.sleep(0.3)
-        os.kill(proc.pid, signal.SIGKILL)
+        os.kill(proc.pid, sig)
         proc.wait(10)
         marker.write_text("killed")
         out = collect(procs, results, 60)
