@@ -10,7 +10,7 @@ from typing import Any, Iterable
 
 from libmccl.errors import ConfigError, MCCLError
 from mccld.stats import mccl_version
-from mccld.status_server import query, split_addr
+from mccld.status_protocol import query, split_addr
 
 log = logging.getLogger(__name__)
 

@@ -1,27 +1,14 @@
 """Authenticated status endpoint of a daemon, for remote ``mcclctl``.
 
-Plain TCP, one newline-terminated JSON object per message, one request per
-connection::
-
-    server -> {"mccl_status": PROTO, "version": ..., "nonce": <hex>, "time": <epoch s>}
-    client -> {"body": "<json {method, args}>", "cnonce": <hex>, "mac": <hex>}
-    server -> {"ok": true, "body": "<json result>", "mac": <hex>}
-              | {"ok": false, "error": {"kind", "message"}, "mac": <hex>}
-
-``mac`` is HMAC-SHA256 with the fleet key over a domain tag, both nonces and the
-exact body bytes, so a request cannot be replayed (fresh server nonce) and a reply
-cannot be forged by something that is not a fleet daemon (fresh client nonce). A
-request without a valid MAC gets an auth error and nothing else.
-
-Every method is read-only except ``linktest``, the one write action: the daemon
-measures TCP goodput to another daemon's status endpoint (which sinks the bytes via
-``linktest_sink``) and records it as that link's ceiling. Both sides authenticate.
+Answers the requests of ``status_protocol`` with sections of the daemon's status
+(``merge_status``: what the daemon knows, completed from its DaemonStats and the OS).
+Every method is read-only except ``linktest``, the one write action: measure TCP
+goodput to another daemon (``linktest``) and record it as that link's ceiling.
+``query`` is the client call mcclctl uses.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import logging
 import os
@@ -30,74 +17,18 @@ import threading
 import time
 from typing import Any, Callable
 
-from libmccl.errors import (AuthError, ConfigError, DaemonUnavailableError, MCCLError, ProtocolError)
+from libmccl.errors import ConfigError, MCCLError, ProtocolError
 
-from . import tcpinfo
+from . import linktest, tcpinfo
 from .stats import DaemonStats, mccl_version
+from .status_protocol import (IO_TIMEOUT_S, PROTO, READ_METHODS, SINK, WRITE_METHODS, Conn, mac_ok,
+                              query, signed_reply, split_addr)
+
+__all__ = ["StatusServer", "merge_status", "query", "split_addr"]
 
 log = logging.getLogger(__name__)
 
-PROTO = 1
-MAX_LINE = 4 << 20           # a status answer of a large fleet fits easily
-IO_TIMEOUT_S = 10.0          # per read/write on a connection
 MAX_CONNECTIONS = 16         # concurrent clients; more are refused, not queued forever
-LINKTEST_MAX_S = 30.0
-LINKTEST_MAX_STREAMS = 16
-_CHUNK = 1 << 20
-
-READ_METHODS = ("status", "links", "jobs", "linktest_result")
-WRITE_METHODS = ("linktest",)
-_SINK = "linktest_sink"      # internal: the far end of another daemon's linktest
-
-
-def _mac(key: bytes, tag: str, *parts: str) -> str:
-    msg = "\0".join((tag,) + parts).encode()
-    return hmac.new(key, msg, hashlib.sha256).hexdigest()
-
-
-def _canon(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
-
-
-class _Conn:
-    """Line-framed JSON over a socket with bounded reads."""
-
-    def __init__(self, sock: socket.socket, peer: str):
-        self.sock = sock
-        self.peer = peer
-        self._buf = b""
-
-    def send(self, obj: dict) -> None:
-        self.sock.sendall(_canon(obj).encode() + b"\n")
-
-    def recv(self, what: str) -> dict:
-        while b"\n" not in self._buf:
-            if len(self._buf) > MAX_LINE:
-                raise ProtocolError(f"[status] {what} from peer={self.peer} exceeds {MAX_LINE} bytes; "
-                                    f"the other side is not speaking the MCCL status protocol")
-            chunk = self.sock.recv(65536)
-            if not chunk:
-                raise ConnectionError(f"connection closed while waiting for {what}")
-            self._buf += chunk
-        line, self._buf = self._buf.split(b"\n", 1)
-        return self._parse(line, what)
-
-    def take_buffered(self) -> bytes:
-        data, self._buf = self._buf, b""
-        return data
-
-    def _parse(self, line: bytes, what: str) -> dict:
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            obj = None
-        if not isinstance(obj, dict):
-            raise ProtocolError(f"[status] {what} from peer={self.peer} is not a JSON object; "
-                                f"the other side is not speaking the MCCL status protocol")
-        return obj
-
-
-# ---- server ---------------------------------------------------------------------------
 
 
 def merge_status(daemon: dict, snap: dict | None, tcp_text: str | None = None) -> dict:
@@ -261,7 +192,7 @@ class StatusServer:
     def _serve(self, sock: socket.socket, peer: str) -> None:
         try:
             sock.settimeout(IO_TIMEOUT_S)
-            conn = _Conn(sock, peer)
+            conn = Conn(sock, peer)
             nonce = os.urandom(16).hex()
             # The wall clock lets mcclctl doctor estimate clock skew between hosts.
             conn.send({"mccl_status": PROTO, "version": mccl_version(), "nonce": nonce,
@@ -270,7 +201,7 @@ class StatusServer:
             body, cnonce, mac = req.get("body"), req.get("cnonce"), req.get("mac")
             if not all(isinstance(x, str) for x in (body, cnonce, mac)):
                 raise ProtocolError(f"[status] malformed request from peer={peer}")
-            if not hmac.compare_digest(mac, _mac(self._key, "req", nonce, cnonce, body)):
+            if not mac_ok(self._key, mac, "req", nonce, cnonce, body):
                 self._warn_once(peer, f"status request from peer={peer} failed fleet-key "
                                       f"authentication; the client uses another fleet's key")
                 conn.send({"ok": False, "error": {"kind": "AuthError", "message":
@@ -279,8 +210,10 @@ class StatusServer:
             try:
                 call = json.loads(body)
                 method, args = call["method"], call.get("args") or {}
-                if method == _SINK:
-                    self._sink(conn, args, nonce, cnonce)
+                if method == SINK:
+                    status = self._provider()
+                    linktest.serve_sink(conn, self._key, nonce, cnonce, float(args.get("seconds", 3.0)),
+                                        {"address": status.get("address"), "host": status.get("host")})
                     return
                 result, error = self._dispatch(method, args), None
             except MCCLError as e:
@@ -300,14 +233,8 @@ class StatusServer:
             sock.close()
             self._slots.release()
 
-    def _reply(self, conn: _Conn, nonce: str, cnonce: str, result: Any, error: dict | None) -> None:
-        if error is None:
-            body = _canon(result)
-            conn.send({"ok": True, "body": body, "mac": _mac(self._key, "resp", cnonce, nonce, body)})
-        else:
-            body = _canon(error)
-            conn.send({"ok": False, "error": error,
-                       "mac": _mac(self._key, "resp", cnonce, nonce, body)})
+    def _reply(self, conn: Conn, nonce: str, cnonce: str, result: Any, error: dict | None) -> None:
+        conn.send(signed_reply(self._key, cnonce, nonce, result, error))
 
     def _dispatch(self, method: str, args: dict) -> Any:
         if method in ("status", "links", "jobs"):
@@ -333,14 +260,14 @@ class StatusServer:
             raise ConfigError("[status] this daemon does not record link ceilings (started without "
                               "a stats sink); linktest is unavailable here")
         target = str(args["target"])
-        seconds = min(float(args.get("seconds", 3.0)), LINKTEST_MAX_S)
-        streams = max(1, min(int(args.get("streams", 2)), LINKTEST_MAX_STREAMS))
+        seconds = min(float(args.get("seconds", 3.0)), linktest.MAX_SECONDS)
+        streams = max(1, min(int(args.get("streams", 2)), linktest.MAX_STREAMS))
         if seconds <= 0:
             raise ConfigError(f"[status] linktest seconds={seconds} must be positive")
-        if not self._linktest_running.acquire(timeout=LINKTEST_MAX_S + IO_TIMEOUT_S):
+        if not self._linktest_running.acquire(timeout=linktest.MAX_SECONDS + IO_TIMEOUT_S):
             raise MCCLError("[status] another linktest is still running on this host; retry later")
         try:
-            result = measure_goodput(target, self._key, seconds, streams)
+            result = linktest.measure_goodput(target, self._key, seconds, streams)
         finally:
             self._linktest_running.release()
         peer = result["peer_address"]
@@ -351,27 +278,6 @@ class StatusServer:
                  result["bits_per_s"] / 1e9, streams)
         return result
 
-    def _sink(self, conn: _Conn, args: dict, nonce: str, cnonce: str) -> None:
-        # Only an authenticated sender gets here. Count bytes until it half-closes, then
-        # report the count: goodput is what arrived, not what the sender's kernel buffered.
-        seconds = min(float(args.get("seconds", 3.0)), LINKTEST_MAX_S)
-        status = self._provider()
-        self._reply(conn, nonce, cnonce, {"address": status.get("address"),
-                                          "host": status.get("host")}, None)
-        received = len(conn.take_buffered())
-        buf = bytearray(_CHUNK)
-        deadline = time.monotonic() + seconds + IO_TIMEOUT_S
-        while True:
-            if time.monotonic() > deadline:
-                raise ProtocolError(f"[status] linktest sender peer={conn.peer} kept streaming past "
-                                    f"its {seconds:.1f} s; closing")
-            n = conn.sock.recv_into(buf)
-            if n == 0:
-                break
-            received += n
-        body = _canon({"received": received})
-        conn.send({"ok": True, "body": body, "mac": _mac(self._key, "sink", cnonce, nonce, body)})
-
     def _warn_once(self, peer: str, message: str) -> None:
         host = peer.rsplit(":", 1)[0]
         if host in self._warned:
@@ -379,152 +285,3 @@ class StatusServer:
         else:
             self._warned.add(host)
             log.warning(message)
-
-
-# ---- client ---------------------------------------------------------------------------
-
-
-class Hello(dict):
-    """What the server said before the request: protocol, version, nonce."""
-
-
-def _connect(addr: str, timeout_s: float) -> socket.socket:
-    host, port = split_addr(addr)
-    try:
-        return socket.create_connection((host, port), timeout=timeout_s)
-    except OSError as e:
-        raise DaemonUnavailableError(
-            f"[mcclctl] cannot reach the status endpoint, peer={host}:{port}: {e.strerror or e}; "
-            f"mccld is not running there, MCCL_STATUS_PORT differs, or a firewall blocks it") from None
-
-
-def split_addr(addr: str, default_port: int = 29651) -> tuple[str, int]:
-    host, sep, port = addr.rpartition(":")
-    if not sep:
-        return addr, default_port
-    try:
-        return host, int(port)
-    except ValueError:
-        raise ConfigError(f"[mcclctl] bad address {addr!r}; use host or host:port") from None
-
-
-def _request(conn: _Conn, key: bytes, method: str, args: dict) -> tuple[Hello, str, str]:
-    hello = conn.recv("hello")
-    if hello.get("mccl_status") != PROTO or not isinstance(hello.get("nonce"), str):
-        raise ProtocolError(f"[mcclctl] peer={conn.peer} speaks status protocol "
-                            f"{hello.get('mccl_status')!r}, mcclctl speaks {PROTO}; "
-                            f"upgrade mcclctl and mccld to the same release")
-    cnonce = os.urandom(16).hex()
-    body = _canon({"method": method, "args": args})
-    conn.send({"body": body, "cnonce": cnonce, "mac": _mac(key, "req", hello["nonce"], cnonce, body)})
-    return Hello(hello), cnonce, hello["nonce"]
-
-
-def _read_reply(conn: _Conn, key: bytes, cnonce: str, nonce: str) -> Any:
-    reply = conn.recv("reply")
-    if reply.get("ok") is False and reply.get("error", {}).get("kind") == "AuthError" \
-            and "mac" not in reply:
-        raise AuthError(f"[mcclctl] peer={conn.peer} refused our fleet key; use the key file of "
-                        f"that fleet (MCCL_KEY_FILE / --key-file)", peer_addr=conn.peer)
-    body = reply.get("body") if reply.get("ok") else _canon(reply.get("error"))
-    mac = reply.get("mac")
-    if not isinstance(body, str) or not isinstance(mac, str) or \
-            not hmac.compare_digest(mac, _mac(key, "resp", cnonce, nonce, body)):
-        raise AuthError(f"[mcclctl] reply from peer={conn.peer} is not signed with our fleet key; "
-                        f"something other than a daemon of this fleet answers there", peer_addr=conn.peer)
-    if not reply.get("ok"):
-        err = reply["error"]
-        from libmccl import errors as errmod
-        cls = getattr(errmod, str(err.get("kind")), MCCLError)
-        if not (isinstance(cls, type) and issubclass(cls, MCCLError)):
-            cls = MCCLError
-        raise cls(str(err.get("message")), peer_addr=conn.peer)
-    return json.loads(body)
-
-
-def query(addr: str, key: bytes, method: str, args: dict | None = None,
-          timeout_s: float = 5.0) -> tuple[Any, Hello]:
-    """One authenticated request to a daemon's status endpoint: (result, hello)."""
-    if method not in READ_METHODS + WRITE_METHODS:
-        raise ConfigError(f"[mcclctl] unknown status method {method!r}")
-    sock = _connect(addr, timeout_s)
-    host, port = split_addr(addr)
-    try:
-        sock.settimeout(timeout_s)
-        conn = _Conn(sock, f"{host}:{port}")
-        hello, cnonce, nonce = _request(conn, key, method, args or {})
-        return _read_reply(conn, key, cnonce, nonce), hello
-    except socket.timeout:
-        raise DaemonUnavailableError(f"[mcclctl] status endpoint peer={host}:{port} did not answer "
-                                     f"within {timeout_s:.1f} s; the daemon is overloaded or hung",
-                                     peer_addr=f"{host}:{port}") from None
-    except ConnectionError as e:
-        raise DaemonUnavailableError(f"[mcclctl] status endpoint peer={host}:{port} closed the "
-                                     f"connection ({e}); the daemon is stopping or restarted",
-                                     peer_addr=f"{host}:{port}") from None
-    finally:
-        sock.close()
-
-
-def measure_goodput(target: str, key: bytes, seconds: float, streams: int) -> dict:
-    """Stream bytes to ``target``'s status endpoint for ``seconds`` on ``streams`` sockets.
-
-    Goodput = bytes the sink reports it received / time until the last sink reported,
-    so data still sitting in socket buffers when the clock stops is not counted early.
-    """
-    host, port = split_addr(target)
-    peer = f"{host}:{port}"
-    conns: list[tuple[_Conn, str, str]] = []
-    sink_info: dict = {}
-    try:
-        for _ in range(streams):
-            sock = _connect(target, IO_TIMEOUT_S)
-            sock.settimeout(IO_TIMEOUT_S)
-            conn = _Conn(sock, peer)
-            _, cnonce, nonce = _request(conn, key, _SINK, {"seconds": seconds})
-            conns.append((conn, cnonce, nonce))
-            sink_info = _read_reply(conn, key, cnonce, nonce)
-        failures: list[BaseException] = []
-        start = time.monotonic()
-        end = start + seconds
-
-        def pump(conn: _Conn) -> None:
-            payload = memoryview(os.urandom(_CHUNK))  # incompressible, like real gradients
-            try:
-                while time.monotonic() < end:
-                    conn.sock.send(payload)
-                conn.sock.shutdown(socket.SHUT_WR)
-            except OSError as e:
-                failures.append(e)
-
-        threads = [threading.Thread(target=pump, args=(c,), daemon=True) for c, _, _ in conns]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=seconds + IO_TIMEOUT_S)
-        if failures or any(t.is_alive() for t in threads):
-            raise MCCLError(f"[status] linktest stream to peer={peer} failed: "
-                            f"{failures[0] if failures else 'send stalled'}; the peer daemon stopped "
-                            f"or the link dropped")
-        received = 0
-        for conn, cnonce, nonce in conns:
-            reply = conn.recv("linktest result")
-            body, mac = reply.get("body"), reply.get("mac")
-            if not isinstance(body, str) or not isinstance(mac, str) or \
-                    not hmac.compare_digest(mac, _mac(key, "sink", cnonce, nonce, body)):
-                raise AuthError(f"[status] linktest result from peer={peer} is not signed with the "
-                                f"fleet key", peer_addr=peer)
-            received += int(json.loads(body)["received"])
-        elapsed = time.monotonic() - start
-    except socket.timeout:
-        raise MCCLError(f"[status] linktest to peer={peer} timed out; the link is stalled or the "
-                        f"peer daemon is overloaded", peer_addr=peer) from None
-    finally:
-        for conn, _, _ in conns:
-            conn.sock.close()
-    if received == 0:
-        raise MCCLError(f"[status] linktest to peer={peer} delivered no bytes in {elapsed:.1f} s; "
-                        f"the link is down", peer_addr=peer)
-    return {"target": peer, "peer_address": sink_info.get("address") or peer,
-            "peer_host": sink_info.get("host"), "bytes": received, "seconds": elapsed,
-            "streams": streams, "bits_per_s": received * 8.0 / elapsed, "time": time.time()}

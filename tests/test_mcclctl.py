@@ -252,7 +252,11 @@ def test_status_watch_redraws_until_interrupted(fleet_of_two, capsys, monkeypatc
         sleeps.append(s)
         if len(sleeps) == 2:
             raise KeyboardInterrupt
-    monkeypatch.setattr("mcclctl.commands.time.sleep", fake_sleep)
+    import time as real_time
+    import types
+    # Replace the module's view of `time` only: other threads keep the real sleep.
+    monkeypatch.setattr("mcclctl.commands.time", types.SimpleNamespace(strftime=real_time.strftime,
+                                                                       sleep=fake_sleep))
     assert main(["status", "--watch", "1.5", "--host", f"127.0.0.1:{srv.port}"]) == 0
     out = capsys.readouterr().out
     assert out.count("every 1.5 s") == 2 and out.count("training") == 2 and sleeps == [1.5, 1.5]

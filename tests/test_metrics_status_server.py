@@ -5,6 +5,7 @@ import socket
 import pytest
 
 from libmccl.errors import AuthError, ConfigError, DaemonUnavailableError, ProtocolError
+from mccld import status_protocol as sp
 from mccld import status_server as ss
 from mccld import tcpinfo
 from mccld.stats import DaemonStats
@@ -64,13 +65,13 @@ def test_replayed_request_is_refused(server):
     srv, _ = server
     # Capture a valid request for one connection's nonce, replay it on another.
     with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s1:
-        conn = ss._Conn(s1, "srv")
-        _, cnonce, nonce = ss._request(conn, KEY, "status", {})
-        body = ss._canon({"method": "status", "args": {}})
-        captured = {"body": body, "cnonce": cnonce, "mac": ss._mac(KEY, "req", nonce, cnonce, body)}
-        ss._read_reply(conn, KEY, cnonce, nonce)
+        conn = sp.Conn(s1, "srv")
+        _, cnonce, nonce = sp.send_request(conn, KEY, "status", {})
+        body = sp.canon({"method": "status", "args": {}})
+        captured = {"body": body, "cnonce": cnonce, "mac": sp.mac(KEY, "req", nonce, cnonce, body)}
+        sp.read_reply(conn, KEY, cnonce, nonce)
     with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s2:
-        conn = ss._Conn(s2, "srv")
+        conn = sp.Conn(s2, "srv")
         conn.recv("hello")
         conn.send(captured)
         reply = conn.recv("reply")
@@ -84,12 +85,12 @@ def test_only_declared_methods_are_answered(server):
         ss.query(f"127.0.0.1:{srv.port}", KEY, "set_state")
     # A client bypassing the local check still gets a refusal from the server.
     with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
-        conn = ss._Conn(s, "srv")
+        conn = sp.Conn(s, "srv")
         hello = conn.recv("hello")
-        body = ss._canon({"method": "shutdown", "args": {}})
-        conn.send({"body": body, "cnonce": "00", "mac": ss._mac(KEY, "req", hello["nonce"], "00", body)})
+        body = sp.canon({"method": "shutdown", "args": {}})
+        conn.send({"body": body, "cnonce": "00", "mac": sp.mac(KEY, "req", hello["nonce"], "00", body)})
         with pytest.raises(ProtocolError, match="unknown method"):
-            ss._read_reply(conn, KEY, "00", hello["nonce"])
+            sp.read_reply(conn, KEY, "00", hello["nonce"])
 
 
 @pytest.mark.timeout(20)

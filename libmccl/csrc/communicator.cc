@@ -11,6 +11,10 @@ namespace mccl {
 
 namespace {
 
+// Scratch slots up to this size stay allocated between ops (a DDP bucket is 25 MB);
+// bigger ones are freed after their op.
+constexpr size_t kKeepScratchBytes = 64 << 20;
+
 std::string seconds_str(double s) {
   char buf[32];
   std::snprintf(buf, sizeof(buf), "%.1f", s);
@@ -431,6 +435,7 @@ void Communicator::run_collective(Op& op) {
                                            std::string(op_kind_name(op.kind)));
   }
   transport_->end_collective();
+  scratch_.trim(kKeepScratchBytes);
 }
 
 void Communicator::post_p2p(const Op& op) {

@@ -20,6 +20,15 @@ void Scratch::release() {
   }
 }
 
+void Scratch::trim(size_t keep_bytes) {
+  for (int i = 0; i < kSlots; ++i) {
+    if (cap_[i] > keep_bytes) {
+      buf_[i].reset();
+      cap_[i] = 0;
+    }
+  }
+}
+
 size_t auto_segment_bytes(const Options& opts, size_t bytes) {
   if (opts.segment_bytes) return opts.segment_bytes;
   // A quarter of the part keeps >= 4 segments in flight per step; the bounds keep

@@ -16,7 +16,9 @@ class Scratch {
  public:
   static constexpr int kSlots = 3;
   uint8_t* get(int slot, size_t bytes);
-  void release();  // after a failure, or to shrink
+  void release();  // after a failure
+  // Frees the slots above `keep_bytes`: one huge op must not pin its scratch forever.
+  void trim(size_t keep_bytes);
 
  private:
   std::unique_ptr<uint8_t[]> buf_[kSlots];

@@ -38,7 +38,38 @@ std::string Pair::who() const {
   return "peer=" + peer_addr_ + " (rank " + std::to_string(peer_rank_) + ")";
 }
 
+void Pair::drain_for_abort() {
+  // A failing peer sends ABORT on every socket before it closes them; the frame may sit
+  // unread behind the error we just hit. Read what is there (briefly) so the caller
+  // reports the original failure instead of "connection closed" by a fellow survivor.
+  draining_ = true;
+  Deadline end = Clock::now() + std::chrono::milliseconds(50);
+  for (size_t i = 0; i < conns_.size(); ++i) {
+    while (conns_[i].fd.valid()) {
+      pollfd p{conns_[i].fd.get(), POLLIN, 0};
+      if (::poll(&p, 1, ms_until(end, 50)) <= 0) break;
+      try {
+        on_readable(i);  // throws RemoteAbort if the ABORT frame is there
+      } catch (const RemoteAbort&) {
+        throw;
+      } catch (const Error&) {
+        break;  // EOF or reset on this socket: nothing more to read from it
+      }
+    }
+  }
+  draining_ = false;
+}
+
 void Pair::lost(const std::string& what, int err) {
+  if (!draining_) drain_for_abort();
+  if (bye_received_) {
+    throw_error(ErrorKind::kPeerLost,
+                "[transport] " + who() +
+                    " has shut down its communicator, but this rank still exchanges data with "
+                    "it; likely cause: ranks disagree on the number of collectives or p2p ops; "
+                    "make every rank issue the same sequence before shutdown",
+                peer_rank_, peer_addr_);
+  }
   std::string cause = err ? std::string(": ") + std::strerror(err) : std::string();
   throw_error(ErrorKind::kPeerLost,
               "[transport] lost " + who() + ": " + what + cause +
@@ -83,6 +114,8 @@ void Pair::enqueue(size_t conn, SendItem&& item) {
   Conn& c = conns_[conn];
   if (!c.fd.valid()) lost("link already closed", 0);
   bool was_idle = c.sendq.empty();
+  if (queued_ == 0) last_write_ = Clock::now();  // a stall counts from the first queued send
+  ++queued_;
   c.sendq.push_back(std::move(item));
   if (was_idle) flush(conn);  // most sends complete right here, without a poll round
 }
@@ -109,6 +142,7 @@ void Pair::flush(size_t conn) {
       if (errno == EAGAIN || errno == EWOULDBLOCK) return;
       lost("send failed", errno);
     }
+    if (w > 0) last_write_ = Clock::now();
     size_t left = static_cast<size_t>(w);
     while (!c.sendq.empty()) {
       SendItem& it = c.sendq.front();
@@ -122,6 +156,7 @@ void Pair::flush(size_t conn) {
       RequestPtr req = std::move(it.req);
       size_t len = it.length;
       c.sendq.pop_front();
+      --queued_;
       if (req) {
         bytes_sent_.fetch_add(len, std::memory_order_relaxed);
         if (req->pending() && --req->parts_left == 0) {
@@ -166,6 +201,8 @@ void Pair::send_control(const FrameHeader& h, const std::string& payload, Deadli
 void Pair::post_recv(const RequestPtr& req) {
   if (unexpected_.count(req->key)) {
     take_unexpected(req->key, req);
+  } else if (bye_received_) {
+    lost("no more data will come", 0);  // everything it sent before BYE has been read
   } else {
     posted_[req->key] = req;
   }
@@ -367,22 +404,8 @@ void Pair::on_payload_done(Conn& c) {
 void Pair::on_eof(size_t conn) {
   conns_[conn].fd.reset();
   if (bye_received_) {
-    if (has_pending()) {
-      throw_error(ErrorKind::kPeerLost,
-                  "[transport] " + who() +
-                      " shut down its communicator while this rank still exchanges data with "
-                      "it; likely cause: ranks disagree on the number of collectives or p2p "
-                      "ops; make every rank issue the same sequence before shutdown",
-                  peer_rank_, peer_addr_);
-    }
+    if (has_pending()) lost("connection closed after shutdown", 0);
     return;
-  }
-  // A failing peer sends ABORT on every socket before closing; it may wait unread on
-  // another socket of this link. Prefer its explanation over a bare "connection closed".
-  for (size_t i = 0; i < conns_.size(); ++i) {
-    if (i == conn || !conns_[i].fd.valid()) continue;
-    pollfd p{conns_[i].fd.get(), POLLIN, 0};
-    if (::poll(&p, 1, 50) > 0) on_readable(i);
   }
   lost("connection closed by the peer", 0);
 }
@@ -402,6 +425,7 @@ void Pair::fail_all(const std::shared_ptr<const Error>& err, std::vector<Request
   for (auto& c : conns_) {
     for (auto& item : c.sendq) fail(item.req);
     c.sendq.clear();
+    queued_ = 0;
     c.target.reset();
     c.unexpected = nullptr;
   }
@@ -441,6 +465,15 @@ std::vector<FrameHeader> Pair::unexpected_collective_headers() const {
     if (kv.first.chan == Channel::kCollective) out.push_back(kv.second.first);
   }
   return out;
+}
+
+bool Pair::has_pending_send(Channel chan) const {
+  for (auto& c : conns_) {
+    for (auto& item : c.sendq) {
+      if (item.req && item.req->key.chan == chan) return true;
+    }
+  }
+  return false;
 }
 
 bool Pair::has_pending() const {

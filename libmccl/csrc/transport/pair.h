@@ -107,6 +107,9 @@ class Pair {
   // Oldest pending request of a channel (for timeout messages), or null.
   RequestPtr oldest_pending(Channel chan) const;
   bool has_pending() const;
+  bool has_pending_send(Channel chan) const;
+  // When a socket of this link last took bytes (or a send was queued on an idle one).
+  Clock::time_point last_write() const { return last_write_; }
   // Headers of the collective messages buffered before their op started.
   std::vector<FrameHeader> unexpected_collective_headers() const;
 
@@ -147,6 +150,7 @@ class Pair {
   void on_payload_done(Conn& c);
   void on_eof(size_t conn);
   [[noreturn]] void lost(const std::string& what, int err);
+  void drain_for_abort();
   void finish_recv(const RequestPtr& req);
   void copy_out(Unexpected& u, const RequestPtr& req);
   void check_recv_size(const RequestPtr& req, const FrameHeader& h);
@@ -158,6 +162,9 @@ class Pair {
   std::vector<Conn> conns_;
   size_t next_conn_ = 0;  // round-robin socket for small messages
   bool bye_received_ = false;
+  bool draining_ = false;
+  Clock::time_point last_write_ = Clock::now();
+  size_t queued_ = 0;  // frames in all send queues
   std::unordered_map<MsgKey, RequestPtr, MsgKeyHash> posted_;
   std::unordered_map<MsgKey, Unexpected, MsgKeyHash> unexpected_;
   std::atomic<uint64_t> bytes_sent_{0};

@@ -199,19 +199,8 @@ RequestPtr Transport::wait_next(Deadline deadline, double timeout_s) {
   while (done_q_.empty()) {
     throw_if_failed();
     if (Clock::now() >= deadline) {
-      std::string waiting = "nothing";
       int peer = -1;
-      RequestPtr oldest;
-      for (auto& p : pairs_) {
-        if (!p) continue;
-        RequestPtr r = p->oldest_pending(Channel::kCollective);
-        if (r && (!oldest || r->post_order < oldest->post_order)) oldest = r;
-      }
-      if (oldest) {
-        peer = oldest->peer;
-        waiting = std::string(oldest->is_send ? "sending to " : "data from ") + who(peer) +
-                  " (message tag " + std::to_string(oldest->key.tag) + ")";
-      }
+      std::string waiting = describe_stall(Channel::kCollective, &peer);
       Error e(ErrorKind::kTimeout,
               std::string("[") + op_kind_name(active_sig_.kind) + "] op #" +
                   std::to_string(active_seq_) + " (" + std::to_string(active_sig_.op_bytes) +
@@ -228,6 +217,35 @@ RequestPtr Transport::wait_next(Deadline deadline, double timeout_s) {
   RequestPtr r = std::move(done_q_.front());
   done_q_.pop_front();
   return r;
+}
+
+std::string Transport::describe_stall(Channel chan, int* peer) const {
+  // A peer that stopped reading (our send to it makes no progress) is the strongest
+  // suspect: a rank merely waiting for data may itself be waiting on someone else.
+  const auto now = Clock::now();
+  const Pair* stalled = nullptr;
+  for (auto& p : pairs_) {
+    if (p && p->has_pending_send(chan) && now - p->last_write() > std::chrono::seconds(1) &&
+        (!stalled || p->last_write() < stalled->last_write())) {
+      stalled = p.get();
+    }
+  }
+  if (stalled) {
+    *peer = stalled->peer_rank();
+    double idle = std::chrono::duration<double>(now - stalled->last_write()).count();
+    return "sending to " + stalled->who() + ", which has not read anything for " +
+           fmt_seconds(idle) + " s";
+  }
+  RequestPtr oldest;
+  for (auto& p : pairs_) {
+    if (!p) continue;
+    RequestPtr r = p->oldest_pending(chan);
+    if (r && (!oldest || r->post_order < oldest->post_order)) oldest = r;
+  }
+  if (!oldest) return chan == Channel::kP2P ? "an any-source receive" : "nothing";
+  *peer = oldest->peer;
+  return std::string(oldest->is_send ? "sending to " : "data from ") + who(oldest->peer) +
+         " (message tag " + std::to_string(oldest->key.tag) + ")";
 }
 
 // ---------------------------------------------------------------- point-to-point
@@ -324,21 +342,10 @@ bool Transport::has_pending_p2p() const {
 }
 
 void Transport::p2p_timeout(double timeout_s) {
-  RequestPtr oldest;
-  for (auto& p : pairs_) {
-    if (!p) continue;
-    RequestPtr r = p->oldest_pending(Channel::kP2P);
-    if (r && (!oldest || r->post_order < oldest->post_order)) oldest = r;
-  }
-  std::string what = "an any-source receive";
   int peer = -1;
-  if (oldest) {
-    peer = oldest->peer;
-    what = std::string(oldest->is_send ? "a send to " : "a receive from ") + who(peer) +
-           " (tag " + std::to_string(oldest->key.tag) + ")";
-  }
+  std::string what = describe_stall(Channel::kP2P, &peer);
   Error e(ErrorKind::kTimeout,
-          "[send/recv] " + what + " did not complete within " + fmt_seconds(timeout_s) +
+          "[send/recv] waiting for " + what + " timed out after " + fmt_seconds(timeout_s) +
               " s; likely cause: the peer never posted the matching recv/send or is stalled; "
               "check both sides issue matching calls",
           peer, peer >= 0 ? addrs_[peer] : "");

@@ -90,6 +90,8 @@ class Transport : public PairHost {
                          bool finished = false) const;
   void match_any_source();  // pairs waiting any-source receives with buffered messages
   void throw_if_failed() const;
+  // Who this rank is most likely stuck on, for timeout messages; sets *peer.
+  std::string describe_stall(Channel chan, int* peer) const;
   template <typename F>
   auto guarded(F&& f) -> decltype(f());
 

@@ -1,0 +1,173 @@
+"""Wire protocol of the daemon status endpoint, both ends, and the client call.
+
+Plain TCP, one newline-terminated JSON object per message, one request per
+connection::
+
+    server -> {"mccl_status": PROTO, "version": ..., "nonce": <hex>, "time": <epoch s>}
+    client -> {"body": "<json {method, args}>", "cnonce": <hex>, "mac": <hex>}
+    server -> {"ok": true, "body": "<json result>", "mac": <hex>}
+              | {"ok": false, "error": {"kind", "message"}, "mac": <hex>}
+
+``mac`` is HMAC-SHA256 with the fleet key over a domain tag, both nonces and the
+exact body bytes, so a request cannot be replayed (fresh server nonce) and a reply
+cannot be forged by something that is not a fleet daemon (fresh client nonce). A
+request without a valid MAC gets an unsigned auth error and nothing else.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import socket
+from typing import Any
+
+from libmccl import errors as errmod
+from libmccl.errors import AuthError, ConfigError, DaemonUnavailableError, MCCLError, ProtocolError
+
+PROTO = 1
+DEFAULT_PORT = 29651
+MAX_LINE = 4 << 20           # a status answer of a large fleet fits easily
+IO_TIMEOUT_S = 10.0          # per read/write on a server connection
+
+READ_METHODS = ("status", "links", "jobs", "linktest_result")
+WRITE_METHODS = ("linktest",)
+SINK = "linktest_sink"       # internal: the far end of another daemon's linktest
+
+
+def mac(key: bytes, tag: str, *parts: str) -> str:
+    msg = "\0".join((tag,) + parts).encode()
+    return hmac.new(key, msg, hashlib.sha256).hexdigest()
+
+
+def mac_ok(key: bytes, got: Any, tag: str, *parts: str) -> bool:
+    return isinstance(got, str) and hmac.compare_digest(got, mac(key, tag, *parts))
+
+
+def canon(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+def signed_reply(key: bytes, cnonce: str, nonce: str, result: Any, error: dict | None) -> dict:
+    if error is None:
+        body = canon(result)
+        return {"ok": True, "body": body, "mac": mac(key, "resp", cnonce, nonce, body)}
+    return {"ok": False, "error": error, "mac": mac(key, "resp", cnonce, nonce, canon(error))}
+
+
+class Conn:
+    """Line-framed JSON over a socket with bounded reads."""
+
+    def __init__(self, sock: socket.socket, peer: str):
+        self.sock = sock
+        self.peer = peer
+        self._buf = b""
+
+    def send(self, obj: dict) -> None:
+        self.sock.sendall(canon(obj).encode() + b"\n")
+
+    def recv(self, what: str) -> dict:
+        while b"\n" not in self._buf:
+            if len(self._buf) > MAX_LINE:
+                raise ProtocolError(f"[status] {what} from peer={self.peer} exceeds {MAX_LINE} bytes; "
+                                    f"the other side is not speaking the MCCL status protocol")
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise ConnectionError(f"connection closed while waiting for {what}")
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return self._parse(line, what)
+
+    def take_buffered(self) -> bytes:
+        data, self._buf = self._buf, b""
+        return data
+
+    def _parse(self, line: bytes, what: str) -> dict:
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            obj = None
+        if not isinstance(obj, dict):
+            raise ProtocolError(f"[status] {what} from peer={self.peer} is not a JSON object; "
+                                f"the other side is not speaking the MCCL status protocol")
+        return obj
+
+
+class Hello(dict):
+    """What the server said before the request: protocol, version, nonce."""
+
+
+def connect(addr: str, timeout_s: float) -> socket.socket:
+    host, port = split_addr(addr)
+    try:
+        return socket.create_connection((host, port), timeout=timeout_s)
+    except OSError as e:
+        raise DaemonUnavailableError(
+            f"[mcclctl] cannot reach the status endpoint, peer={host}:{port}: {e.strerror or e}; "
+            f"mccld is not running there, MCCL_STATUS_PORT differs, or a firewall blocks it") from None
+
+
+def split_addr(addr: str, default_port: int = DEFAULT_PORT) -> tuple[str, int]:
+    host, sep, port = addr.rpartition(":")
+    if not sep:
+        return addr, default_port
+    try:
+        return host, int(port)
+    except ValueError:
+        raise ConfigError(f"[mcclctl] bad address {addr!r}; use host or host:port") from None
+
+
+def send_request(conn: Conn, key: bytes, method: str, args: dict) -> tuple[Hello, str, str]:
+    hello = conn.recv("hello")
+    if hello.get("mccl_status") != PROTO or not isinstance(hello.get("nonce"), str):
+        raise ProtocolError(f"[mcclctl] peer={conn.peer} speaks status protocol "
+                            f"{hello.get('mccl_status')!r}, mcclctl speaks {PROTO}; "
+                            f"upgrade mcclctl and mccld to the same release")
+    cnonce = os.urandom(16).hex()
+    body = canon({"method": method, "args": args})
+    conn.send({"body": body, "cnonce": cnonce, "mac": mac(key, "req", hello["nonce"], cnonce, body)})
+    return Hello(hello), cnonce, hello["nonce"]
+
+
+def read_reply(conn: Conn, key: bytes, cnonce: str, nonce: str) -> Any:
+    reply = conn.recv("reply")
+    if reply.get("ok") is False and reply.get("error", {}).get("kind") == "AuthError" \
+            and "mac" not in reply:
+        raise AuthError(f"[mcclctl] peer={conn.peer} refused our fleet key; use the key file of "
+                        f"that fleet (MCCL_KEY_FILE / --key-file)", peer_addr=conn.peer)
+    body = reply.get("body") if reply.get("ok") else canon(reply.get("error"))
+    if not isinstance(body, str) or not mac_ok(key, reply.get("mac"), "resp", cnonce, nonce, body):
+        raise AuthError(f"[mcclctl] reply from peer={conn.peer} is not signed with our fleet key; "
+                        f"something other than a daemon of this fleet answers there", peer_addr=conn.peer)
+    if not reply.get("ok"):
+        err = reply["error"]
+        cls = getattr(errmod, str(err.get("kind")), MCCLError)
+        if not (isinstance(cls, type) and issubclass(cls, MCCLError)):
+            cls = MCCLError
+        raise cls(str(err.get("message")), peer_addr=conn.peer)
+    return json.loads(body)
+
+
+def query(addr: str, key: bytes, method: str, args: dict | None = None,
+          timeout_s: float = 5.0) -> tuple[Any, Hello]:
+    """One authenticated request to a daemon's status endpoint: (result, hello)."""
+    if method not in READ_METHODS + WRITE_METHODS:
+        raise ConfigError(f"[mcclctl] unknown status method {method!r}")
+    sock = connect(addr, timeout_s)
+    host, port = split_addr(addr)
+    try:
+        sock.settimeout(timeout_s)
+        conn = Conn(sock, f"{host}:{port}")
+        hello, cnonce, nonce = send_request(conn, key, method, args or {})
+        return read_reply(conn, key, cnonce, nonce), hello
+    except socket.timeout:
+        raise DaemonUnavailableError(f"[mcclctl] status endpoint peer={host}:{port} did not answer "
+                                     f"within {timeout_s:.1f} s; the daemon is overloaded or hung",
+                                     peer_addr=f"{host}:{port}") from None
+    except ConnectionError as e:
+        raise DaemonUnavailableError(f"[mcclctl] status endpoint peer={host}:{port} closed the "
+                                     f"connection ({e}); the daemon is stopping or restarted",
+                                     peer_addr=f"{host}:{port}") from None
+    finally:
+        sock.close()
