@@ -247,3 +247,29 @@ def test_wait_times_out_in_caller_thread() -> None:
         work.wait(datetime.timedelta(seconds=0.3))
     assert 0.25 < time.monotonic() - started < 2
     assert not work.is_completed()
+
+
+def _destroy_after_big_rank(rank: int, world: int, ports: list[int]) -> list[str]:
+    import torch
+    import torch.distributed as dist
+
+    errors = []
+    for i, port in enumerate(ports):
+        os.environ["MASTER_PORT"] = str(port)  # env:// re-init on one port races torch's own store
+        init_pg(rank, world, timeout_s=60)
+        big = torch.ones(16 << 20)
+        try:
+            dist.all_reduce(big)
+            dist.all_reduce(big)
+        except Exception as exc:  # noqa: BLE001 - collected and reported by the test
+            errors.append(f"round {i}: {type(exc).__name__}: {exc}")
+        dist.destroy_process_group()
+    return errors
+
+
+@pytest.mark.timeout(180)
+def test_destroy_right_after_large_allreduce(ranks) -> None:
+    """The end of every training script: the fastest rank tears down while slower
+    ones still finish the last all-reduce. That must never fail them."""
+    errors = ranks(_destroy_after_big_rank, 4, [free_port() for _ in range(4)], timeout_s=170)
+    assert not any(errors), "\n".join(f"rank {r}: {e}" for r, errs in enumerate(errors) for e in errs)
