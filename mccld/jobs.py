@@ -148,10 +148,12 @@ class Job:
                                 f"client's pid {member.pid}")
         seg = shm.Segment(name, nbytes, create=False)
         with self._lock:
-            old = member.segments.pop(name, None)
-            member.segments[name] = seg
-        if old is not None:
-            old.close()
+            # A client registers a new (larger) segment only between ops: the old one is
+            # unused, and unmapping it is what returns its memory (the client unlinked it).
+            old = list(member.segments.values())
+            member.segments = {name: seg}
+        for o in old:
+            o.close()
 
     def submit(self, ident: bytes, req: int, msg: dict[str, Any]) -> None:
         rank = msg["rank"]

@@ -24,6 +24,25 @@ Handler = Callable[[str, dict[str, Any]], None]  # (peer host id, message)
 PeerHandler = Callable[[str, str, bool], None]   # (peer host id, peer link address, up)
 
 
+# A peer that vanishes (power loss, cable pulled) sends no FIN: keepalive probes notice an
+# idle link within ~25 s, and TCP_USER_TIMEOUT fails a send stuck on unacknowledged data.
+_KEEPIDLE_S, _KEEPINTVL_S, _KEEPCNT = 10, 5, 3
+_USER_TIMEOUT_MS = 30_000
+
+
+def _bound_dead_link(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", _KEEPIDLE_S), ("TCP_KEEPALIVE", _KEEPIDLE_S),  # macOS spelling
+                        ("TCP_KEEPINTVL", _KEEPINTVL_S), ("TCP_KEEPCNT", _KEEPCNT),
+                        ("TCP_USER_TIMEOUT", _USER_TIMEOUT_MS)):
+        opt = getattr(socket, name, None)
+        if opt is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, opt, value)
+            except OSError:
+                pass  # not supported by this kernel: keepalive defaults still apply
+
+
 class Link:
     def __init__(self, sock: socket.socket, session: auth.Session, peer_host: str, peer_addr: str):
         self.sock = sock
@@ -184,8 +203,8 @@ class LinkManager:
         self._adopt(sock, session, peer_host, peer_listen)
 
     def _adopt(self, sock: socket.socket, session: auth.Session, peer_host: str, addr: str) -> Link:
-        sock.settimeout(None)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.settimeout(None)  # the reader waits for frames; the kernel bounds dead links (below)
+        _bound_dead_link(sock)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         link = Link(sock, session, peer_host, addr)
         with self._lock:
