@@ -1,4 +1,5 @@
-"""mccl-bench: ``mccl-bench [options]`` runs a sweep; ``mccl-bench plot RESULTS.json... OUT.png`` plots.
+"""mccl-bench: ``mccl-bench [options]`` runs a sweep; ``mccl-bench plot RESULTS.json... OUT.png`` plots;
+``mccl-bench table RESULTS.json...`` prints saved results as Markdown tables.
 
 Examples::
 
@@ -6,6 +7,7 @@ Examples::
     mccl-bench --hosts 4 --rate 1gbit --json n4.json   # 4 emulated hosts (root)
     mccl-bench --hosts 4 --ops all_reduce --sizes 8    # small-message latency
     mccl-bench plot n4.json docs/img/n4-1gbit.png
+    mccl-bench table n4.json
 """
 
 from __future__ import annotations
@@ -66,6 +68,13 @@ def main(argv: list[str] | None = None) -> int:
 
         plot(argv[1:-1], argv[-1])
         print(f"wrote {argv[-1]}")
+        return 0
+    if argv[:1] == ["table"]:
+        from .report import markdown
+
+        for path in argv[1:]:
+            with open(path) as f:
+                print(markdown(json.load(f)) + "\n")
         return 0
     args = _parser().parse_args(argv)
     # Let SIGTERM (timeout(1), a CI cancel) unwind like an exception, so the ranks are killed

@@ -39,7 +39,7 @@ def render(result: dict) -> str:
     for op in ops:
         lines.append("")
         lines.append(f"# {op}  (algbw/busbw in GB/s, cpu/GB = CPU seconds over all ranks per GB on the wire)")
-        lines.append(f"{'size':>8}  " + "  |  ".join(f"{b:^44}" for b in backends)
+        lines.append(f"{'size':>8}  " + "  |  ".join(f"{b:^40}" for b in backends)
                      + ("  |  mccl/gloo busbw" if len(ratios) else ""))
         lines.append(f"{'':>8}  " + "  |  ".join(head_one for _ in backends))
         for size in sorted({r["bytes"] for r in result["results"] if r["op"] == op}):
@@ -49,3 +49,31 @@ def render(result: dict) -> str:
     lines.append("")
     lines.append(f"# {meta['seconds']:.0f} s in all, load average at the end {meta['loadavg_end'][0]:.1f}")
     return "\n".join(lines)
+
+
+def markdown(result: dict) -> str:
+    """The same measurements as a Markdown table (docs/benchmarks.md is built from these)."""
+    meta, ceiling = result["meta"], result["ceiling"]
+    backends = [b for b, v in result["backends"].items() if v["ok"]]
+    rows = {(r["backend"], r["op"], r["bytes"]): r for r in result["results"]}
+    where = (f"N={meta['world']} emulated hosts at {meta['rate'] or 'unshaped'}" if meta["mode"] == "fleet"
+             else f"N={meta['world']} ranks on loopback")
+    out = [f"**{where}** — {meta['machine']}, {meta['cpus']} CPUs, load {meta['loadavg_start'][0]:.1f}"
+           f"→{meta['loadavg_end'][0]:.1f}, {meta['started']}, commit `{meta['commit']}`"]
+    if ceiling:
+        out[0] += (f"; ring ceiling ({ceiling['tool']}) {ceiling['mean_bps'] / 1e9:.3f} Gbit/s per host, "
+                   f"{ceiling['cpu_s_per_gb']:.2f} CPU s/GB" if ceiling.get("cpu_s_per_gb") else "")
+    head = ["op", "size"] + [f"{b} {k}" for b in backends for k in ("time µs", "busbw Gbit/s", "% ceil", "CPU s/GB")]
+    out += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for op in dict.fromkeys(r["op"] for r in result["results"]):
+        for size in sorted({r["bytes"] for r in result["results"] if r["op"] == op}):
+            cells = [op, fmt_bytes(size)]
+            for b in backends:
+                r = rows.get((b, op, size))
+                if r is None:
+                    cells += ["-"] * 4
+                    continue
+                pct = f"{r['busbw_pct_ceiling']:.1f}" if r["busbw_pct_ceiling"] is not None else "-"
+                cells += [f"{r['time_us']:.1f}", f"{r['busbw_Gbps']:.3f}", pct, f"{r['cpu_s_per_wire_gb']:.2f}"]
+            out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
