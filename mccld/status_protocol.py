@@ -104,7 +104,7 @@ def connect(addr: str, timeout_s: float) -> socket.socket:
         return socket.create_connection((host, port), timeout=timeout_s)
     except OSError as e:
         raise DaemonUnavailableError(
-            f"[mcclctl] cannot reach the status endpoint, peer={host}:{port}: {e.strerror or e}; "
+            f"[status] cannot reach the status endpoint, peer={host}:{port}: {e.strerror or e}; "
             f"mccld is not running there, MCCL_STATUS_PORT differs, or a firewall blocks it") from None
 
 
@@ -115,13 +115,13 @@ def split_addr(addr: str, default_port: int = DEFAULT_PORT) -> tuple[str, int]:
     try:
         return host, int(port)
     except ValueError:
-        raise ConfigError(f"[mcclctl] bad address {addr!r}; use host or host:port") from None
+        raise ConfigError(f"[status] bad address {addr!r}; use host or host:port") from None
 
 
 def send_request(conn: Conn, key: bytes, method: str, args: dict) -> tuple[Hello, str, str]:
     hello = conn.recv("hello")
     if hello.get("mccl_status") != PROTO or not isinstance(hello.get("nonce"), str):
-        raise ProtocolError(f"[mcclctl] peer={conn.peer} speaks status protocol "
+        raise ProtocolError(f"[status] peer={conn.peer} speaks status protocol "
                             f"{hello.get('mccl_status')!r}, mcclctl speaks {PROTO}; "
                             f"upgrade mcclctl and mccld to the same release")
     cnonce = os.urandom(16).hex()
@@ -134,11 +134,11 @@ def read_reply(conn: Conn, key: bytes, cnonce: str, nonce: str) -> Any:
     reply = conn.recv("reply")
     if reply.get("ok") is False and reply.get("error", {}).get("kind") == "AuthError" \
             and "mac" not in reply:
-        raise AuthError(f"[mcclctl] peer={conn.peer} refused our fleet key; use the key file of "
+        raise AuthError(f"[status] peer={conn.peer} refused our fleet key; use the key file of "
                         f"that fleet (MCCL_KEY_FILE / --key-file)", peer_addr=conn.peer)
     body = reply.get("body") if reply.get("ok") else canon(reply.get("error"))
     if not isinstance(body, str) or not mac_ok(key, reply.get("mac"), "resp", cnonce, nonce, body):
-        raise AuthError(f"[mcclctl] reply from peer={conn.peer} is not signed with our fleet key; "
+        raise AuthError(f"[status] reply from peer={conn.peer} is not signed with our fleet key; "
                         f"something other than a daemon of this fleet answers there", peer_addr=conn.peer)
     if not reply.get("ok"):
         err = reply["error"]
@@ -153,7 +153,7 @@ def query(addr: str, key: bytes, method: str, args: dict | None = None,
           timeout_s: float = 5.0) -> tuple[Any, Hello]:
     """One authenticated request to a daemon's status endpoint: (result, hello)."""
     if method not in READ_METHODS + WRITE_METHODS:
-        raise ConfigError(f"[mcclctl] unknown status method {method!r}")
+        raise ConfigError(f"[status] unknown status method {method!r}")
     sock = connect(addr, timeout_s)
     host, port = split_addr(addr)
     try:
@@ -162,11 +162,11 @@ def query(addr: str, key: bytes, method: str, args: dict | None = None,
         hello, cnonce, nonce = send_request(conn, key, method, args or {})
         return read_reply(conn, key, cnonce, nonce), hello
     except socket.timeout:
-        raise DaemonUnavailableError(f"[mcclctl] status endpoint peer={host}:{port} did not answer "
+        raise DaemonUnavailableError(f"[status] status endpoint peer={host}:{port} did not answer "
                                      f"within {timeout_s:.1f} s; the daemon is overloaded or hung",
                                      peer_addr=f"{host}:{port}") from None
     except ConnectionError as e:
-        raise DaemonUnavailableError(f"[mcclctl] status endpoint peer={host}:{port} closed the "
+        raise DaemonUnavailableError(f"[status] status endpoint peer={host}:{port} closed the "
                                      f"connection ({e}); the daemon is stopping or restarted",
                                      peer_addr=f"{host}:{port}") from None
     finally:
