@@ -10,7 +10,6 @@ plain JSON-serialisable data; formatting happens outside the lock.
 from __future__ import annotations
 
 import bisect
-import importlib.metadata
 import threading
 import time
 from collections import deque
@@ -45,11 +44,10 @@ JOB_STALE_AFTER_S = 300.0
 
 
 def mccl_version() -> str:
-    """The installed MCCL version: what mcclctl compares against each daemon's."""
-    try:
-        return importlib.metadata.version("mccl")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"  # running from a source tree that was never `make build`-installed
+    """The MCCL release this code belongs to: what mcclctl compares with each daemon's,
+    the same string mDNS advertises."""
+    from . import __version__
+    return __version__
 
 
 def bus_factor(op: str, world: int) -> float:
