@@ -15,6 +15,8 @@ import time
 from collections import deque
 from typing import Any
 
+from . import __version__
+
 # Upper bounds (seconds) of the collective duration histogram. Fixed, so that
 # histogram_quantile() can aggregate across hosts: 10 us (a loopback barrier) up to a
 # minute (a multi-GB all-reduce on a loaded 10 GbE link).
@@ -46,7 +48,6 @@ JOB_STALE_AFTER_S = 300.0
 def mccl_version() -> str:
     """The MCCL release this code belongs to: what mcclctl compares with each daemon's,
     the same string mDNS advertises."""
-    from . import __version__
     return __version__
 
 
