@@ -2,8 +2,8 @@
 
 The daemon writes from its hot paths (one ``record_collective`` per completed
 collective, traffic deltas from the link threads), so every writer takes one lock for
-a handful of dict updates and a bisect, and allocates nothing per call once a key
-exists. Readers call ``snapshot()``, which copies everything under the same lock into
+a handful of dict updates and a bisect; once a key exists a call allocates at most
+one small list per second. Readers call ``snapshot()``, which copies everything under the same lock into
 plain JSON-serialisable data; formatting happens outside the lock.
 """
 
