@@ -393,7 +393,9 @@ class Daemon:
         opts.small_allreduce_bytes = self.engine_cfg.small_allreduce_bytes
         opts.timeout_s = job.timeout_s
         opts.connect_timeout_s = job.timeout_s
-        return Communicator(me, len(job.hosts), job.comm_id, listener, addrs, opts, lambda batch: None)
+        # No completion callback: the job thread waits on each op, and a callback would make
+        # the engine take the GIL once per op for nothing.
+        return Communicator(me, len(job.hosts), job.comm_id, listener, addrs, opts, None)
 
     def notify_peers_failed(self, job: Job, exc: MCCLError) -> None:
         msg = {"type": "job_failed", "job": job.id, "error": protocol.error_payload(exc)}
