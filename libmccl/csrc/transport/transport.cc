@@ -62,6 +62,7 @@ auto Transport::guarded(F&& f) -> decltype(f()) {
     return f();
   } catch (const Error& e) {
     fail(e);
+    throw_if_failed();
     throw;
   }
 }
@@ -210,7 +211,7 @@ RequestPtr Transport::wait_next(Deadline deadline, double timeout_s) {
                   "not call this collective; check it, or raise the process group timeout",
               peer, peer >= 0 ? addrs_[peer] : "");
       fail(e);
-      throw e;
+      throw_if_failed();
     }
     progress(deadline);
   }
@@ -242,7 +243,11 @@ std::string Transport::describe_stall(Channel chan, int* peer) const {
     RequestPtr r = p->oldest_pending(chan);
     if (r && (!oldest || r->post_order < oldest->post_order)) oldest = r;
   }
-  if (!oldest) return chan == Channel::kP2P ? "an any-source receive" : "nothing";
+  if (!oldest) {
+    bool any = false;
+    for (auto& kv : any_source_) any = any || !kv.second.empty();
+    return any && chan == Channel::kP2P ? "an any-source receive" : "nothing";
+  }
   *peer = oldest->peer;
   return std::string(oldest->is_send ? "sending to " : "data from ") + who(oldest->peer) +
          " (message tag " + std::to_string(oldest->key.tag) + ")";
@@ -350,6 +355,7 @@ void Transport::p2p_timeout(double timeout_s) {
               "check both sides issue matching calls",
           peer, peer >= 0 ? addrs_[peer] : "");
   fail(e);
+  throw_if_failed();
   throw e;
 }
 
@@ -401,7 +407,7 @@ void Transport::progress(Deadline until) {
       return *abort_reason_;
     }();
     fail(e);
-    throw e;
+    throw_if_failed();
   }
   guarded([&] {
     match_any_source();
@@ -447,8 +453,25 @@ void Transport::progress(Deadline until) {
 
 // ---------------------------------------------------------------- failure
 
-void Transport::fail(const Error& e) {
+void Transport::fail(const Error& cause) {
   if (failed_) return;
+  Error e = cause;
+  auto* remote = dynamic_cast<const RemoteAbort*>(&cause);
+  if (remote && cause.kind() == ErrorKind::kTimeout && cause.peer_rank() == rank_) {
+    // Another rank gave up waiting for this one, but this one was itself waiting on
+    // somebody: report (and pass on) that rank rather than blaming ourselves.
+    int peer = -1;
+    std::string stall = describe_stall(active_ ? Channel::kCollective : Channel::kP2P, &peer);
+    if (peer >= 0 && peer != remote->origin()) {
+      e = Error(ErrorKind::kTimeout,
+                "[transport] rank " + std::to_string(remote->origin()) +
+                    " timed out waiting for this rank, which was itself waiting for " + stall +
+                    "; likely cause: that rank is stalled (stopped, deadlocked, overloaded) or "
+                    "did not call the same collective; check it, or raise the timeout",
+                peer, addrs_[peer]);
+      remote = nullptr;
+    }
+  }
   failed_ = std::make_shared<const Error>(e);
   AbortInfo info;
   info.origin_rank = rank_;
@@ -456,7 +479,7 @@ void Transport::fail(const Error& e) {
   info.kind = static_cast<int32_t>(e.kind());
   info.lost_addr = e.peer_addr();
   info.message = e.what();
-  if (auto* remote = dynamic_cast<const RemoteAbort*>(&e)) {
+  if (remote) {
     info.origin_rank = remote->origin();
     info.message = remote->original_message();
   }
