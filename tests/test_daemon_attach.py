@@ -139,6 +139,11 @@ def rank_all_collectives(rank: int, world: int) -> str:
     comm.wait(comm.scatter(sc_in.ctypes.data if rank == 1 else 0, sc_out.ctypes.data, sc_out.nbytes, 1), 20)
     assert sc_out.tolist() == [100 + 2 * rank, 101 + 2 * rank]
     comm.wait(comm.barrier(), 20)
+    # zero-size ops keep their place in the sequence
+    empty = np.zeros(0, dtype=np.float32)
+    comm.wait(comm.allreduce(empty.ctypes.data, 0, F32, SUM), 20)
+    comm.wait(comm.allgather(empty.ctypes.data, empty.ctypes.data, 0), 20)
+    comm.wait(comm.broadcast(empty.ctypes.data, 0, 0), 20)
     comm.report_overlap(0.25 + 0.5 * (rank % 2))   # fire and forget, shares the attach socket
     # a segment regrow mid-run (64 MB > the first 1 MB segment)
     big = np.ones(16 << 20, dtype=np.float32)
