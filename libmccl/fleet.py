@@ -26,6 +26,7 @@ import logging
 import os
 import random
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -323,6 +324,24 @@ class Fleet:
 
     def __repr__(self) -> str:
         return f"Fleet(id={self.id}, n_hosts={self.n_hosts}, rate={self.rate})"
+
+
+def wait_for_output(p: subprocess.Popen, marker: bytes, what: str, timeout: float = 15.0) -> None:
+    """Block until process ``p`` (stdout=PIPE) prints ``marker``, e.g. a server's
+    "listening" line; raises naming ``what`` and what it printed if it does not in time."""
+    deadline = time.monotonic() + timeout
+    seen = b""
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([p.stdout], [], [], 0.2)
+        if ready:
+            chunk = os.read(p.stdout.fileno(), 4096)
+            if not chunk:
+                break
+            seen += chunk
+            if marker.lower() in seen.lower():
+                return
+    raise MCCLError(f"[fleet] {what} did not print {marker.decode()!r} within {timeout:.0f}s "
+                    f"(exit code {p.poll()}): {seen.decode(errors='replace').strip()[-300:]}; is its port taken?")
 
 
 def kill_namespace_pids(namespaces: Sequence[str]) -> None:

@@ -11,34 +11,31 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 from .errors import MCCLError
-from .fleet import PREFIX, Fleet, list_links, list_namespaces, parse_rate_bits, teardown
+from .fleet import PREFIX, Fleet, list_links, list_namespaces, parse_rate_bits, teardown, wait_for_output
 
 IPERF_PORT = 5201
 
 
 def iperf3_pair(fleet: Fleet, src: int, dst: int, seconds: float, port: int = IPERF_PORT) -> dict:
-    """Run iperf3 from host src to host dst for ``seconds``; returns iperf3's JSON result.
-
-    The client retries while the server is still starting, so no fixed sleep is needed.
-    """
+    """Run iperf3 from host src to host dst for ``seconds``; returns iperf3's JSON result."""
     if shutil.which("iperf3") is None:
         raise MCCLError("[fleet] iperf3 is missing; apt-get install iperf3")
-    server = fleet.popen(dst, ["iperf3", "-s", "-1", "-p", str(port)],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = fleet.popen(dst, ["iperf3", "-s", "-1", "-p", str(port), "--forceflush"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 10.0
-        while True:
-            res = fleet.run(src, ["iperf3", "-c", fleet.hosts[dst].addr, "-p", str(port),
-                                  "-t", str(seconds), "-J"], timeout=seconds + 15)
-            if res.returncode == 0:
-                return json.loads(res.stdout)
-            if time.monotonic() > deadline or server.poll() is not None:
-                raise MCCLError(f"[fleet] iperf3 from host {src} to {fleet.hosts[dst].addr}:{port} failed: "
-                                f"{(res.stdout + res.stderr).strip()[-300:]}")
-            time.sleep(0.1)
+        wait_for_output(server, b"listening", f"iperf3 server in host {dst}")
+        res = fleet.run(src, ["iperf3", "-c", fleet.hosts[dst].addr, "-p", str(port), "-t", f"{seconds:g}", "-J"],
+                        timeout=seconds + 15)
+        try:
+            doc = json.loads(res.stdout)
+        except ValueError:
+            doc = {}
+        if res.returncode != 0 or "error" in doc or "sum_received" not in doc.get("end", {}):
+            raise MCCLError(f"[fleet] iperf3 from host {src} to {fleet.hosts[dst].addr}:{port} failed "
+                            f"(rc={res.returncode}): {doc.get('error') or (res.stdout + res.stderr).strip()[-300:]}")
+        return doc
     finally:
         if server.poll() is None:
             server.kill()

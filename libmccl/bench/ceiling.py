@@ -10,20 +10,17 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import select
 import shutil
 import subprocess
 import sys
-import time
 
 from ..errors import MCCLError
+from ..fleet import wait_for_output
 from .launch import first_failure, run_group
 
 log = logging.getLogger(__name__)
 
 BASE_PORT = 5301
-_READY_TIMEOUT_S = 15.0
 
 
 def _json_of(done) -> dict:
@@ -35,22 +32,6 @@ def _json_of(done) -> dict:
     return json.loads(text[start:text.rfind("}") + 1])
 
 
-def _wait_listening(p: subprocess.Popen, what: str) -> None:
-    deadline = time.monotonic() + _READY_TIMEOUT_S
-    seen = b""
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([p.stdout], [], [], 0.2)
-        if ready:
-            chunk = os.read(p.stdout.fileno(), 4096)
-            if not chunk:
-                break
-            seen += chunk
-            if b"listening" in seen.lower():
-                return
-    raise MCCLError(f"[bench] {what} did not start listening within {_READY_TIMEOUT_S:.0f}s: "
-                    f"{seen.decode(errors='replace').strip()[-300:]}; is the port taken?")
-
-
 def iperf3_ring(launcher, seconds: float, log_dir: str) -> dict:
     n = launcher.n
     ports = [launcher.free_port(BASE_PORT + i) for i in range(n)]
@@ -60,7 +41,7 @@ def iperf3_ring(launcher, seconds: float, log_dir: str) -> dict:
             p = launcher.popen(i, ["iperf3", "-s", "-p", str(ports[i]), "--forceflush"],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             servers.append(p)
-            _wait_listening(p, f"iperf3 server on host {i}")
+            wait_for_output(p, b"listening", f"iperf3 server on host {i}")
         argvs = [["iperf3", "-c", launcher.addr((i + 1) % n), "-p", str(ports[(i + 1) % n]),
                   "-t", f"{seconds:g}", "-O", "1", "-J"] for i in range(n)]
         # -O 1: TCP slow start is not part of what the link can carry.
