@@ -33,7 +33,7 @@ JOB = "train-1"
 KEY = b"grafana-test-fleet-key-0123456789"
 SIZES = (1 << 10, 64 << 10, 1 << 20)        # bytes per all-reduce: three size classes
 OP_TIMEOUT_S = 30.0
-F32, SUM = 0, 0   # mccl::DType::kFloat32, mccl::ReduceOp::kSum (csrc/dtype.h: never renumbered)
+F32, SUM, MAX = 0, 0, 3   # mccl::DType / mccl::ReduceOp numbers (csrc/dtype.h: never renumbered)
 
 
 class Rank:
@@ -47,6 +47,7 @@ class Rank:
         self.peers = peers
         self.comm = None
         self.ops = 0
+        self.bytes = 0
         self.last = {"sent": 0, "received": 0}
         self.error: BaseException | None = None
 
@@ -84,7 +85,18 @@ class Rank:
         self.stats.record_collective(JOB, "allreduce", nbytes, total, 2)
         self.stats.record_overlap(JOB, self.rank, min(1.0, max(0.0, 1.0 - exposed / total)))
         self.ops += 1
+        self.bytes += nbytes
         self.flush_traffic()
+
+    def agree_to_stop(self, mine: bool) -> bool:
+        flag = np.array([1.0 if mine else 0.0], dtype=np.float32)
+        start = time.monotonic()
+        self.comm.wait(self.comm.allreduce(flag.ctypes.data, 1, F32, MAX), OP_TIMEOUT_S)
+        self.stats.record_collective(JOB, "allreduce", flag.nbytes, time.monotonic() - start, 2)
+        self.ops += 1
+        self.bytes += flag.nbytes
+        self.flush_traffic()
+        return bool(flag[0] > 0)
 
     def flush_traffic(self) -> None:
         s = self.comm.stats()
@@ -99,7 +111,11 @@ def run_ranks(ranks: list[Rank], stop: threading.Event) -> list[threading.Thread
     def loop(r: Rank) -> None:
         try:
             i = 0
-            while not stop.is_set():
+            while True:
+                # Both ranks must stop after the same collective: every 10 steps they
+                # all-reduce (MAX) their stop flags and stop together.
+                if i % 10 == 0 and r.agree_to_stop(stop.is_set()):
+                    return
                 r.step(SIZES[i % len(SIZES)])
                 i += 1
         except BaseException as e:  # surfaced by the test, not lost in a thread
@@ -181,8 +197,7 @@ def check_counters_match(prom, ranks: list[Rank], metrics: list[MetricsServer]) 
             f'mccl_peer_sent_bytes_total{{{inst}, peer="{peer}"}}': engine["per_peer"][1 - r.rank]["sent"],
             f'mccl_peer_received_bytes_total{{{inst}, peer="{peer}"}}':
                 engine["per_peer"][1 - r.rank]["received"],
-            f'sum(mccl_collective_bytes_total{{{inst}}})':
-                sum(SIZES[i % len(SIZES)] for i in range(r.ops)),
+            f'sum(mccl_collective_bytes_total{{{inst}}})': r.bytes,
         }
         assert engine["ops_completed"] >= r.ops
         for expr, want in expected.items():
