@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 MAX_CONNECTIONS = 16         # concurrent clients; more are refused, not queued forever
 
 
-def merge_status(daemon: dict, snap: dict | None, tcp_text: str | None = None) -> dict:
+def merge_status(daemon: dict, snap: dict | None, tcp_text: str | None = None,
+                 exclude_ports: frozenset[int] = frozenset()) -> dict:
     """The full status answer: what the daemon knows, completed from its DaemonStats.
 
     ``daemon`` holds host, address, jobs, links and last_error (docs/dev/interfaces.md
@@ -61,7 +62,7 @@ def merge_status(daemon: dict, snap: dict | None, tcp_text: str | None = None) -
         if ps.get("up") is not None:
             link.setdefault("up", bool(ps["up"]))
         if local and link.get("peer") and tcp_text is not None:
-            tcp = tcpinfo.summarize(tcpinfo.link_sockets(local, link["peer"], tcp_text))
+            tcp = tcpinfo.summarize(tcpinfo.link_sockets(local, link["peer"], tcp_text, exclude_ports))
         else:
             tcp = tcpinfo.summarize(None)
         for key, value in tcp.items():
@@ -240,7 +241,8 @@ class StatusServer:
         if method in ("status", "links", "jobs"):
             snap = self._stats.snapshot() if self._stats else None
             # Socket details (an `ss` run) only matter where links are shown.
-            status = merge_status(self._provider(), snap, tcp_text="" if method == "jobs" else None)
+            status = merge_status(self._provider(), snap, tcp_text="" if method == "jobs" else None,
+                                  exclude_ports=frozenset({self.port}))
             status["linktests"] = self.linktest_results()
             if method == "status":
                 return status

@@ -1,8 +1,8 @@
 """Per-socket TCP statistics from the OS, for the links view of mcclctl.
 
 The link sockets belong to the engine (C++), so rather than reaching into them we ask
-the kernel about every established socket between our link port and a peer: on Linux
-``ss -tin`` reads TCP_INFO for all sockets of the network namespace. Other systems do
+the kernel about every established socket between our fleet address and a peer's: on
+Linux ``ss -tin`` reads TCP_INFO for all sockets of the network namespace. Other systems do
 not expose per-socket retransmits without privileges; there the answer is ``None`` and
 callers show "n/a".
 """
@@ -57,24 +57,27 @@ def parse_ss(text: str) -> list[dict]:
     return sockets
 
 
-def link_sockets(local_addr: str, peer_addr: str, text: str | None = None) -> list[dict] | None:
-    """Established sockets of the link between our ``local_addr`` and ``peer_addr``.
+def link_sockets(local_addr: str, peer_addr: str, text: str | None = None,
+                 exclude_ports: frozenset[int] = frozenset()) -> list[dict] | None:
+    """Established sockets between our fleet address and the peer's.
 
-    A link socket was either dialled by us (its remote port is the peer's link port) or
-    accepted by us (its local port is our link port); both count. ``None``: the OS gives
-    no per-socket view here.
+    Matched on the address pair, not on ports: besides the daemons' control link
+    (MCCL_PORT), a job's engine stripes its data over sockets on ephemeral ports, and
+    those carry the traffic whose retransmits matter. ``exclude_ports`` drops sockets of
+    our own endpoints (a status query in flight). ``None``: no per-socket view here.
     """
     if text is None:
         text = run_ss()
         if text is None:
             return None
-    _, local_port = _split(local_addr)
-    peer_host, peer_port = _split(peer_addr)
+    local_host, _ = _split(local_addr)
+    peer_host, _ = _split(peer_addr)
     found = []
     for s in parse_ss(text):
+        s_local_host, s_local_port = _split(s["local"])
         s_peer_host, s_peer_port = _split(s["peer"])
-        _, s_local_port = _split(s["local"])
-        if s_peer_host == peer_host and (s_peer_port == peer_port or s_local_port == local_port):
+        if s_local_host == local_host and s_peer_host == peer_host \
+                and s_local_port not in exclude_ports and s_peer_port not in exclude_ports:
             found.append(s)
     return found
 

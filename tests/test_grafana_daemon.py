@@ -155,6 +155,16 @@ def test_dashboards_have_data_from_daemons_running_a_job():
             for expr in FIGURES:  # shown with -s: what the dashboards display for this run
                 print(expr, "=>", [(r["metric"], r["value"][1]) for r in prom.query(expr)])
 
+            # mcclctl links sees the job's sockets to host2 (control link + engine stripes).
+            links = fleet.run(0, [PY, "-m", "mcclctl", "links", "--json", "--host", fleet.hosts[1].addr],
+                              timeout=STEP_TIMEOUT_S, env=env(0))
+            assert links.returncode == 0, links.stdout + links.stderr
+            (entry,) = json.loads(links.stdout)
+            to2 = [link for link in entry["links"] if link["peer"].startswith(fleet.hosts[2].addr + ":")]
+            assert to2 and to2[0]["up"] is True, entry
+            assert to2[0]["sockets"] >= 2 and isinstance(to2[0]["retransmits"], int), to2
+            assert to2[0]["sent_bytes"] > 0, to2
+
             stop_file.touch()
             results = {}
             for p in ranks:

@@ -168,10 +168,12 @@ def test_ss_parsing_finds_link_sockets_and_retransmits():
         "\t cubic rtt:0.8/0.1 bytes_sent:10\n"
         "0      0      10.77.0.2:22 10.77.0.3:50000\n"
         "\t cubic rtt:0.1/0.1\n")
-    socks = tcpinfo.link_sockets("10.77.0.2:29650", "10.77.0.3:29650", text)
-    assert len(socks) == 2  # accepted + dialled; the ssh socket is not a link
+    # Control link (accepted + dialled) and engine sockets alike; our status port is not a link.
+    socks = tcpinfo.link_sockets("10.77.0.2:29650", "10.77.0.3:29650", text, frozenset({22}))
+    assert len(socks) == 2
     summary = tcpinfo.summarize(socks)
     assert summary == {"sockets": 2, "retransmits": 7, "rtt_ms": 0.8}
+    assert tcpinfo.link_sockets("10.77.0.2:29650", "10.77.0.9:29650", text) == []
     assert socks[0]["delivery_rate_bits_per_s"] == 9e6
     assert tcpinfo.summarize(None)["retransmits"] is None
 
@@ -190,7 +192,8 @@ def test_ss_sees_real_sockets_on_linux():
         socks = tcpinfo.link_sockets(f"127.0.0.1:{port}", f"127.0.0.1:{port}")
         if socks is None:
             pytest.skip("ss is not available")
-        assert len(socks) == 2 and all("retransmits" in s for s in socks)
+        ours = [s for s in socks if str(port) in (s["local"].rsplit(":", 1)[1], s["peer"].rsplit(":", 1)[1])]
+        assert len(ours) == 2 and all("retransmits" in s for s in ours)
     finally:
         for s in (cli, acc, lst):
             s.close()
