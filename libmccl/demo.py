@@ -197,6 +197,7 @@ def _summary(rank, args, torch, dist, model, losses, rates, bws, wall, say) -> N
     if not last < first - 0.5:
         raise SystemExit(f"[demo] FAILED: the loss did not fall ({first:.3f} -> {last:.3f})")
     say("[demo] OK: loss fell and all replicas hold identical parameters")
+    dist.barrier()  # nobody tears its links down while a peer still finishes the probe
 
 
 def _bandwidth_probe(torch, dist, world: int, mib: int = 16, iters: int = 5) -> float:
