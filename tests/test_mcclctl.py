@@ -267,3 +267,12 @@ def test_disabled_status_endpoint_is_reported_not_dialled():
     from mcclctl.targets import fetch
     (reply,) = fetch([Target("mac5", "10.0.0.5:0", "10.0.0.5:29652")], KEY, "status")
     assert "MCCL_STATUS_PORT=0" in reply.error
+
+
+@pytest.mark.timeout(10)
+def test_version_mismatch_is_reported_per_daemon():
+    from mcclctl.targets import Reply, version_mismatches
+    t = Target("mac1", "10.0.0.1:29651", "10.0.0.1:29652")
+    assert version_mismatches([Reply(t, result={}, version=mccl_version())]) == []
+    (w,) = version_mismatches([Reply(t, result={}, version="0.0.1"), Reply(t, error="down")])
+    assert w.startswith("mac1 runs mccld 0.0.1") and mccl_version() in w
