@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import zmq
@@ -32,7 +32,7 @@ from zmq.utils.monitor import parse_monitor_message
 from . import errors
 from .config import load
 from .errors import (AbortedError, CollectiveTimeout, ConfigError, DaemonUnavailableError, MCCLError,
-                     PeerLostError, ProtocolError)
+                     ProtocolError)
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,6 @@ class _Op:
     nbytes: int = 0
     deadline: float = 0.0
     req: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class DaemonCommunicator:

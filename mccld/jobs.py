@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from libmccl.errors import (AbortedError, CollectiveMismatch, CollectiveTimeout, ConfigError,
                             MCCLError, PeerLostError, ProtocolError)

@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from conftest import run_ranks
-from libmccl.errors import AuthError, ConfigError, DaemonUnavailableError, ProtocolError
+from libmccl.errors import ConfigError, DaemonUnavailableError, ProtocolError
 
 from mccld import protocol
 from mccld.attach import local_request

@@ -3,7 +3,6 @@ restarts after a crash. Every test reaps what it started and checks no segment s
 
 from __future__ import annotations
 
-import datetime
 import os
 import signal
 import subprocess
