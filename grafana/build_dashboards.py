@@ -76,8 +76,6 @@ def dashboard(uid: str, title: str, panels: list[dict], variables: list[dict], d
 
 def fleet() -> dict:
     L = Layout()
-    state_map = [{"type": "value", "options": {"0": {"text": "down", "color": "red"},
-                                               "1": {"text": "up", "color": "green"}}}]
     panels = [
         panel(L, "stat", "Hosts up", [
             (f'sum(up{{job="$scrape_job", {INST}}})', "up"),
@@ -146,8 +144,9 @@ def fleet() -> dict:
         panel(L, "timeseries", "Errors by kind", [
             (f"sum by (kind) (increase(mccl_errors_total{{{INST}}}[5m]))", "{{kind}}")], unit="short"),
         panel(L, "timeseries", "Peer links up", [
-            (f"sum by (instance) (mccl_peer_up{{{INST}}}) {HOSTNAME}", "{{hostname}}")], unit="short",
-            extra={"fieldConfig": {"defaults": {"unit": "short", "mappings": state_map}, "overrides": []}}),
+            (f"sum by (instance) (mccl_peer_up{{{INST}}}) {HOSTNAME}", "{{hostname}} up"),
+            (f"count by (instance) (mccl_peer_up{{{INST}}}) {HOSTNAME}", "{{hostname}} known")],
+            unit="short", description="Links each daemon has up, out of the peers it knows"),
     ]
     variables = [datasource_var(),
                  query_var("scrape_job", "Scrape job", "label_values(mccl_build_info, job)", False),
