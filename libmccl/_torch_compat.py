@@ -72,6 +72,16 @@ def device_types(pg: Any) -> list[torch.device]:
     return list(pg._device_types)
 
 
+def coalescing_manager(group: Any = None, device: Any = None, async_ops: bool = False) -> Any:
+    """torch's context manager that batches collectives (FSDP1 and some user code use it)."""
+    return dist._coalescing_manager(group=group, device=device, async_ops=async_ops)
+
+
+def premul_sum(factor: float) -> Any:
+    """The PREMUL_SUM reduce op (which mccl refuses), for tests of that refusal."""
+    return dist._make_nccl_premul_sum(factor)
+
+
 def reduce_op_kind(op: Any) -> Any:
     """The RedOpType of ``op``, which may be a ReduceOp instance, a RedOpType or an
     options object's ``reduceOp`` field."""

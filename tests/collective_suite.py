@@ -19,6 +19,8 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from libmccl import _torch_compat as compat
+
 MODES: dict[str, Callable[[], contextlib.AbstractContextManager[dict[str, str]]]] = {}
 
 
@@ -224,14 +226,21 @@ def _case_coalesced(dtype, n):
                       (outs[r][1], make_input(seed + 3, r, (2, n), dtype))]
         # The coalescing manager's fast paths: allgather/reduce-scatter_tensor_coalesced.
         ag = [torch.empty(world * n, dtype=dtype), torch.empty(world * (n + 1), dtype=dtype)]
-        with dist._coalescing_manager():
+        with compat.coalescing_manager():
             dist.all_gather_into_tensor(ag[0], make_input(seed + 4, rank, (n,), dtype))
             dist.all_gather_into_tensor(ag[1], make_input(seed + 5, rank, (n + 1,), dtype))
         pairs += [(ag[0], torch.cat(_all(seed + 4, world, (n,), dtype))),
                   (ag[1], torch.cat(_all(seed + 5, world, (n + 1,), dtype)))]
         if dtype != torch.bool:
+            # With a device, torch brackets the block with _start/_end_coalescing.
+            c1, c2 = make_input(seed + 8, rank, (n,), dtype), make_input(seed + 9, rank, (n + 1,), dtype)
+            with compat.coalescing_manager(device=torch.device("cpu")):
+                dist.all_reduce(c1)
+                dist.all_reduce(c2)
+            pairs += [(c1, reference_reduce(_all(seed + 8, world, (n,), dtype), R.SUM)),
+                      (c2, reference_reduce(_all(seed + 9, world, (n + 1,), dtype), R.SUM))]
             rs = [torch.empty(n, dtype=dtype), torch.empty(n + 2, dtype=dtype)]
-            with dist._coalescing_manager():
+            with compat.coalescing_manager():
                 dist.reduce_scatter_tensor(rs[0], make_input(seed + 6, rank, (world * n,), dtype))
                 dist.reduce_scatter_tensor(rs[1], make_input(seed + 7, rank, (world * (n + 2),), dtype))
             for out, s, m in ((rs[0], seed + 6, n), (rs[1], seed + 7, n + 2)):

@@ -64,7 +64,7 @@ def test_reduce_op_kind_and_timeouts() -> None:
     assert compat.reduce_op_kind(R.SUM) == R.RedOpType.SUM
     assert compat.reduce_op_kind(R(R.MAX)) == R.RedOpType.MAX
     assert compat.reduce_op_kind(dist.AllreduceOptions().reduceOp) == R.RedOpType.SUM
-    assert compat.reduce_op_kind(dist._make_nccl_premul_sum(2.0)) == R.RedOpType.PREMUL_SUM
+    assert compat.reduce_op_kind(compat.premul_sum(2.0)) == R.RedOpType.PREMUL_SUM
     with pytest.raises(TypeError):
         compat.reduce_op_kind("sum")
     assert compat.timedelta_seconds(datetime.timedelta(seconds=2.5)) == 2.5

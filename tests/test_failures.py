@@ -203,6 +203,7 @@ def _bad_args_rank(rank: int, world: int) -> list[str]:
     import torch
     import torch.distributed as dist
 
+    from libmccl import _torch_compat as compat
     from libmccl.errors import ConfigError
 
     init_pg(rank, world)
@@ -219,7 +220,7 @@ def _bad_args_rank(rank: int, world: int) -> list[str]:
     try:
         refused(lambda: dist.all_reduce(torch.ones(3), op=dist.ReduceOp.BAND), "BAND")
         refused(lambda: dist.all_reduce(torch.ones(3).to(torch.float8_e4m3fn)), "float8")
-        premul = dist._make_nccl_premul_sum(2.0)
+        premul = compat.premul_sum(2.0)
         refused(lambda: dist.all_reduce(torch.ones(3), op=premul), "PREMUL_SUM")
         refused(lambda: dist.all_gather([torch.empty(3)], torch.ones(3)), "output_tensors", "expected 2")
         refused(lambda: dist.all_gather([torch.empty(3), torch.empty(4)], torch.ones(3)), "4 elements")
