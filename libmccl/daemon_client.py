@@ -78,6 +78,7 @@ class DaemonCommunicator:
         if not (0 <= rank < size):
             raise ConfigError(f"[daemon-client] rank {rank} outside world size {size}")
         self._shm, self._proto = shm, protocol
+        self._pid = os.getpid()  # a forked child (DataLoader worker) must not touch our sockets
         self.rank, self.size, self.comm_id = rank, size, int(comm_id)
         self.timeout_s = float(getattr(opts, "timeout_s", 0) or timeout_s)
         self._on_complete = on_complete or (lambda batch: None)
@@ -472,6 +473,8 @@ class DaemonCommunicator:
 
     def _fail(self, exc: MCCLError, leave_abort: str | None) -> None:
         """Fail every pending and later op with ``exc``, tell the daemon we leave, free the segment."""
+        if os.getpid() != self._pid:
+            return  # inherited through fork: the parent still owns the connection and the segment
         with self._lock:
             if self._closed:
                 return

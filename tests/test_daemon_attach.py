@@ -181,7 +181,18 @@ def rank_callbacks(rank: int, world: int) -> list:
     bufs = [np.full(3, i, dtype=np.float32) for i in range(20)]
     ids = [comm.allreduce(b.ctypes.data, 3, F32, SUM) for b in bufs]   # 20 queued at once
     assert done.wait(30)
+    pid = os.fork()   # a DataLoader-style fork must leave the parent's communicator alone
+    if pid == 0:
+        del comm
+        import gc
+        gc.collect()
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    x = np.ones(3, dtype=np.float32)
+    comm.wait(comm.allreduce(x.ctypes.data, 3, F32, SUM), 20)
+    assert (x == world).all()
     comm.shutdown(5)
+    seen = seen[:20]
     assert [op for op, err, info in seen] == ids and all(err is None for _, err, _ in seen)
     assert all((b == 2 * i).all() for i, b in enumerate(bufs))
     return ids
