@@ -42,8 +42,6 @@ def _rank_main(rank: int, world: int, stop_file: str, max_s: float) -> int:
     import torch.distributed as dist
 
     from libmccl.daemon_client import DaemonCommunicator
-    from mccld.attach import local_request
-    from mccld.config import load_config, runtime_dir
 
     done_at: dict[int, float] = {}
 
@@ -84,12 +82,8 @@ def _rank_main(rank: int, world: int, stop_file: str, max_s: float) -> int:
         ratios.append(min(1.0, max(0.0, 1.0 - max(0.0, done - computed) / total)))
         ops += 1
         nbytes += size
-        if len(ratios) == 20:
-            # The client library has no overlap call yet, so report through the daemon's
-            # attach protocol directly, as a training loop would.
-            rdir = runtime_dir(load_config(), create=False)
-            local_request(rdir, {"type": "overlap", "job": JOB, "rank": rank,
-                                 "ratio": sum(ratios) / len(ratios)})
+        if len(ratios) % 20 == 0:  # as a training loop would, every few steps
+            comm.report_overlap(sum(ratios[-20:]) / 20)
         time.sleep(0.005)
     comm.shutdown(10)
     print(json.dumps({"rank": rank, "ops": ops, "bytes": nbytes}))
