@@ -233,3 +233,18 @@ def test_callback_batches_and_errors_delivered():
         assert [g[0] for g in got] == ids[r]
         assert all(g[1] is None and g[2] == -1 for g in got)
         assert len(batches[r]) < 50  # delivered in batches, not one call per op
+
+
+def test_fast_rank_shutting_down_does_not_fail_slower_ones():
+    # The end of every training script: the first rank to finish the last all-reduce
+    # closes its links while the others still read its final frames.
+    for _ in range(3):
+        comms = build(4, opts=make_options(sockets_per_peer=3))
+
+        def body(r, c):
+            a = np.ones(3 << 20, np.float32)
+            c.wait(c.allreduce(ptr(a), a.size, DT[a.dtype], SUM), 30)
+            c.shutdown(5.0)
+            return float(a[0])
+
+        assert run_ranks(comms, body) == [4.0] * 4

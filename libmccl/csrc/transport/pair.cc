@@ -62,7 +62,7 @@ void Pair::drain_for_abort() {
 
 void Pair::lost(const std::string& what, int err) {
   if (!draining_) drain_for_abort();
-  if (bye_received_) {
+  if (byes_ > 0) {
     throw_error(ErrorKind::kPeerLost,
                 "[transport] " + who() +
                     " has shut down its communicator, but this rank still exchanges data with "
@@ -201,8 +201,8 @@ void Pair::send_control(const FrameHeader& h, const std::string& payload, Deadli
 void Pair::post_recv(const RequestPtr& req) {
   if (unexpected_.count(req->key)) {
     take_unexpected(req->key, req);
-  } else if (bye_received_) {
-    lost("no more data will come", 0);  // everything it sent before BYE has been read
+  } else if (byes_ == conns_.size()) {
+    lost("no more data will come", 0);  // every socket's stream has been read up to BYE
   } else {
     posted_[req->key] = req;
   }
@@ -314,7 +314,10 @@ void Pair::on_header(Conn& c) {
   c.target.reset();
   c.unexpected = nullptr;
   if (h.kind == OpKind::kBye) {
-    bye_received_ = true;
+    if (!c.bye) {
+      c.bye = true;
+      ++byes_;
+    }
     return;
   }
   if (h.kind == OpKind::kAbort) {
@@ -403,8 +406,9 @@ void Pair::on_payload_done(Conn& c) {
 
 void Pair::on_eof(size_t conn) {
   conns_[conn].fd.reset();
-  if (bye_received_) {
-    if (has_pending()) lost("connection closed after shutdown", 0);
+  if (conns_[conn].bye) {
+    // An orderly close of this socket; the peer's data may still come on the others.
+    if (byes_ == conns_.size() && has_pending()) lost("connection closed after shutdown", 0);
     return;
   }
   lost("connection closed by the peer", 0);

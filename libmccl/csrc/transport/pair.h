@@ -80,7 +80,6 @@ class Pair {
   int conn_fd(size_t i) const { return conns_[i].fd.get(); }
   bool conn_wants_write(size_t i) const { return !conns_[i].sendq.empty(); }
   bool conn_open(size_t i) const { return conns_[i].fd.valid(); }
-  bool closed_by_peer() const { return bye_received_; }
 
   void post_send(const RequestPtr& req);
   void post_recv(const RequestPtr& req);
@@ -129,6 +128,7 @@ class Pair {
   };
   struct Conn {
     Fd fd;
+    bool bye = false;  // the peer closes this socket in an orderly way after BYE
     std::deque<SendItem> sendq;
     // receive state
     bool in_payload = false;
@@ -161,7 +161,7 @@ class Pair {
   const uint64_t comm_id_;
   std::vector<Conn> conns_;
   size_t next_conn_ = 0;  // round-robin socket for small messages
-  bool bye_received_ = false;
+  size_t byes_ = 0;  // sockets on which the peer said BYE (orderly shutdown)
   bool draining_ = false;
   Clock::time_point last_write_ = Clock::now();
   size_t queued_ = 0;  // frames in all send queues
