@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 
@@ -58,6 +59,13 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _write_json(path: str | None, result: dict) -> None:
+    if path:
+        with open(path + ".tmp", "w") as f:
+            json.dump(result, f, indent=1)
+        os.replace(path + ".tmp", path)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["plot"]:
@@ -90,16 +98,14 @@ def main(argv: list[str] | None = None) -> int:
                           max_iters=args.max_iters, ceiling_seconds=args.ceiling_seconds,
                           ceiling_tool=args.ceiling_tool, timeout_s=args.timeout, verbose=args.verbose,
                           log_dir=args.log_dir)
-        result = run_bench(cfg)
+        result = run_bench(cfg, checkpoint=lambda partial: _write_json(args.json_out, partial))
     except (MCCLError, ValueError) as e:
         print(e, file=sys.stderr)
         return 2
     from .report import render
 
     print(render(result))
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(result, f, indent=1)
+    _write_json(args.json_out, result)
     # A backend that failed (or is not built yet) is reported above, never papered over.
     return 0 if all(b["ok"] for b in result["backends"].values()) else 1
 

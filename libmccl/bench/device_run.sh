@@ -46,7 +46,9 @@ bench() {  # bench NAME LIMIT_S ARGS...
   [ "$remaining" -lt "$limit" ] && limit=$remaining
   if [ "$limit" -lt 30 ]; then status "$name skipped: out of time"; return; fi
   status "$name start (limit ${limit}s)"
-  timeout --kill-after=10 "$limit" $PY -m libmccl.bench --json "$OUT/$name.json" "$@" \
+  # -v: progress lines go to .err as they happen; the JSON is rewritten after every step,
+  # so a run cut short by its limit still leaves what it measured.
+  timeout --kill-after=10 "$limit" $PY -m libmccl.bench -v --json "$OUT/$name.json" "$@" \
     > "$OUT/$name.txt" 2> "$OUT/$name.err"
   local rc=$?
   status "$name rc=$rc"

@@ -47,7 +47,8 @@ def render(result: dict) -> str:
             c = ratios.get((op, size))
             lines.append(f"{fmt_bytes(size):>8}  {cells}" + (f"  |  {c['busbw_mccl_over_gloo']:6.2f}x" if c else ""))
     lines.append("")
-    lines.append(f"# {meta['seconds']:.0f} s in all, load average at the end {meta['loadavg_end'][0]:.1f}")
+    lines.append(f"# {meta['seconds']:.0f} s in all, load average at the end {meta['loadavg_end'][0]:.1f}"
+                 + ("" if meta.get("complete", True) else "; PARTIAL: the run was cut short"))
     return "\n".join(lines)
 
 
@@ -59,7 +60,8 @@ def markdown(result: dict) -> str:
     where = (f"N={meta['world']} emulated hosts at {meta['rate'] or 'unshaped'}" if meta["mode"] == "fleet"
              else f"N={meta['world']} ranks on loopback")
     out = [f"**{where}** — {meta['machine']}, {meta['cpus']} CPUs, load {meta['loadavg_start'][0]:.1f}"
-           f"→{meta['loadavg_end'][0]:.1f}, {meta['started']}, commit `{meta['commit']}`"]
+           f"→{meta['loadavg_end'][0]:.1f}, {meta['started']}, commit `{meta['commit']}`"
+           + ("" if meta.get("complete", True) else " (PARTIAL: the run was cut short)")]
     if ceiling:
         out[0] += (f"; ring ceiling ({ceiling['tool']}) {ceiling['mean_bps'] / 1e9:.3f} Gbit/s per host, "
                    f"{ceiling['cpu_s_per_gb']:.2f} CPU s/GB" if ceiling.get("cpu_s_per_gb") else "")

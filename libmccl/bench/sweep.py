@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 from ..errors import ConfigError, MCCLError
 from .ceiling import ring_ceiling
@@ -152,18 +153,37 @@ def compare(rows: list[dict], ceiling: dict | None) -> list[dict]:
     return out
 
 
-def run_bench(cfg: BenchConfig) -> dict:
+def _assemble(meta: dict, ceilings: list[dict], backends: dict, docs_by_backend: dict, complete: bool) -> dict:
+    # The higher of the ceiling runs is the reference: a backend's share of it is never
+    # flattered by a ceiling that happened to be measured while the machine was busy.
+    ceiling = (dict(max(ceilings, key=lambda c: c["mean_bps"]), runs_mean_bps=[c["mean_bps"] for c in ceilings])
+               if ceilings else None)
+    rows: list[dict] = []
+    for b, docs in docs_by_backend.items():
+        rows += aggregate(b, docs, ceiling)
+    meta = dict(meta, complete=complete, seconds=time.time() - meta["t0"], loadavg_end=os.getloadavg())
+    del meta["t0"]
+    return {"meta": meta, "ceiling": ceiling, "backends": dict(backends), "results": rows,
+            "comparison": compare(rows, ceiling)}
+
+
+def run_bench(cfg: BenchConfig, checkpoint: Callable[[dict], None] | None = None) -> dict:
+    """Run the ceiling and every backend; ``checkpoint`` gets the partial result after each
+    step (meta.complete is False), so a run cut short still leaves what it measured."""
     cfg.validate()
-    started = time.time()
     meta = {"started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "mode": "fleet" if cfg.hosts else "loopback", "world": cfg.world,
+            "t0": time.time(), "mode": "fleet" if cfg.hosts else "loopback", "world": cfg.world,
             "rate": cfg.rate if cfg.hosts else None, "machine": platform.node(), "cpus": os.cpu_count(),
             "python": platform.python_version(), "commit": _git_commit(), "loadavg_start": os.getloadavg(),
             "config": asdict(cfg)}
     backends: dict[str, dict] = {}
-    rows: list[dict] = []
     ceilings: list[dict] = []
     docs_by_backend: dict[str, list[dict]] = {}
+
+    def progress() -> None:
+        if checkpoint is not None:
+            checkpoint(_assemble(meta, ceilings, backends, docs_by_backend, complete=False))
+
     launcher = FleetLauncher(cfg.hosts, cfg.rate) if cfg.hosts else LocalLauncher(cfg.ranks)
     try:
         with contextlib.ExitStack() as stack:
@@ -175,34 +195,29 @@ def run_bench(cfg: BenchConfig) -> dict:
             measure = cfg.ceiling_tool != "none"
             if measure:
                 ceilings.append(ring_ceiling(launcher, cfg.ceiling_seconds, tmp, cfg.ceiling_tool))
+                log.info("ring ceiling (%s): %.3f Gbit/s per host", ceilings[-1]["tool"], ceilings[-1]["mean_bps"] / 1e9)
+                progress()
             for b in cfg.backends:
                 t0 = time.time()
                 try:
-                    docs_by_backend[b] = _run_backend(launcher, cfg, b, tmp)
+                    docs = _run_backend(launcher, cfg, b, tmp)
                 except MCCLError as e:
                     log.error("%s", e)
                     backends[b] = {"ok": False, "error": str(e), "seconds": time.time() - t0}
+                    progress()
                     continue
-                docs = docs_by_backend[b]
                 # Measurements done and checked, but shutdown failed: keep the numbers, flag it.
                 teardown = [f"rank {d['rank']}: {d['teardown_error']}" for d in docs if d.get("teardown_error")]
                 if teardown:
                     log.warning("[bench] %s: shutdown failed after all measurements: %s", b, teardown[0])
+                docs_by_backend[b] = docs
                 backends[b] = {"ok": True, "error": None, "teardown_errors": teardown,
                                "seconds": time.time() - t0,
                                "init_s": max(d["init_s"] for d in docs), "torch": docs[0]["torch"]}
+                progress()
             if measure:
                 # Measured again after the backends: on a shared machine the ceiling drifts.
                 ceilings.append(ring_ceiling(launcher, cfg.ceiling_seconds, tmp, cfg.ceiling_tool))
     finally:
         launcher.close()
-    # The higher of the two is the reference: a backend's share of it is never flattered
-    # by a ceiling that happened to be measured while the machine was busy.
-    ceiling = dict(max(ceilings, key=lambda c: c["mean_bps"]), runs_mean_bps=[c["mean_bps"] for c in ceilings]) \
-        if ceilings else None
-    for b, docs in docs_by_backend.items():
-        rows += aggregate(b, docs, ceiling)
-    meta["seconds"] = time.time() - started
-    meta["loadavg_end"] = os.getloadavg()
-    return {"meta": meta, "ceiling": ceiling, "backends": backends, "results": rows,
-            "comparison": compare(rows, ceiling)}
+    return _assemble(meta, ceilings, backends, docs_by_backend, complete=True)
