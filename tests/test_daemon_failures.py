@@ -158,3 +158,29 @@ def test_second_daemon_on_same_runtime_dir_is_refused(daemon):  # noqa: F811
     _d, env = daemon
     with pytest.raises(ConfigError, match="another mccld already serves"):
         Daemon(load_config(env=env)).start()
+
+
+def rank_aborts(rank: int, world: int) -> str:
+    comm, store = connect(rank, world, comm_id=0xdead04, timeout_s=30)
+    a = np.ones(16, dtype=np.float32)
+    comm.wait(comm.allreduce(a.ctypes.data, a.size, F32, SUM), 20)
+    if rank == 1:
+        store.wait(["pending"])
+        comm.abort("user pressed ctrl-c")
+        with pytest.raises(AbortedError):   # later ops on the aborted communicator fail at once
+            comm.wait(comm.barrier(), 5)
+        return "aborted"
+    op = comm.allreduce(a.ctypes.data, a.size, F32, SUM)
+    store.set("pending", "1")
+    with pytest.raises(AbortedError, match="rank 1 aborted the communicator: user pressed ctrl-c"):
+        comm.wait(op, 20)
+    comm.shutdown(5)
+    return "saw abort"
+
+
+@pytest.mark.timeout(90)
+def test_abort_by_one_rank_fails_the_others_with_aborted(daemon):  # noqa: F811
+    from conftest import run_ranks
+    _d, env = daemon
+    assert run_ranks(rank_aborts, 2, env=env, timeout_s=60) == ["saw abort", "aborted"]
+    assert job_segments(0xdead04) == []
