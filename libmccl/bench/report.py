@@ -9,7 +9,8 @@ def _cell(row: dict | None) -> str:
     if row is None:
         return f"{'-':>10} {'-':>7} {'-':>7} {'-':>6} {'-':>6}"
     pct = f"{row['busbw_pct_ceiling']:5.1f}%" if row["busbw_pct_ceiling"] is not None else "     -"
-    cpu = f"{row['cpu_s_per_wire_gb']:6.2f}" if row["cpu_s_per_wire_gb"] is not None else "     -"
+    c = row["cpu_s_per_wire_gb"]
+    cpu = "     -" if c is None else f"{c:6.2f}" if c < 100 else f"{c:6.0f}"
     return f"{row['time_us']:10.1f} {row['algbw_GBps']:7.3f} {row['busbw_GBps']:7.3f} {pct} {cpu}"
 
 
