@@ -184,3 +184,23 @@ def test_abort_by_one_rank_fails_the_others_with_aborted(daemon):  # noqa: F811
     _d, env = daemon
     assert run_ranks(rank_aborts, 2, env=env, timeout_s=60) == ["saw abort", "aborted"]
     assert job_segments(0xdead04) == []
+
+
+def rank_mismatch(rank: int, world: int) -> str:
+    from libmccl.errors import CollectiveMismatch
+    comm, _store = connect(rank, world, comm_id=0xdead05, timeout_s=30)
+    a = np.ones(10 + 10 * rank, dtype=np.float32)           # rank 1 sends twice as many elements
+    with pytest.raises(CollectiveMismatch, match="every rank must issue the same collectives"):
+        comm.wait(comm.allreduce(a.ctypes.data, a.size, F32, SUM), 20)
+    assert (a == 1).all()                                    # no partial result written back
+    with pytest.raises(CollectiveMismatch):                  # the communicator stays failed
+        comm.wait(comm.barrier(), 5)
+    comm.shutdown(5)
+    return "mismatch"
+
+
+@pytest.mark.timeout(90)
+def test_mismatched_collectives_fail_every_rank(daemon):  # noqa: F811
+    from conftest import run_ranks
+    _d, env = daemon
+    assert run_ranks(rank_mismatch, 2, env=env, timeout_s=60) == ["mismatch", "mismatch"]
