@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from conftest import init_pg
+from collective_suite import MODES
+from conftest import free_port, init_pg
 
 CYCLES = 3
 
@@ -40,39 +41,45 @@ def _settled(baseline: dict, timeout_s: float = 10.0) -> dict:
         time.sleep(0.1)
 
 
-def _cycle(rank: int, world: int) -> None:
+def _init(rank: int, world: int, port: int) -> None:
+    os.environ["MASTER_PORT"] = str(port)  # a fresh store per cycle: torch's own re-bind races
+    init_pg(rank, world, timeout_s=30)
+
+
+def _cycle(rank: int, world: int, p2p: bool, port: int) -> None:
     import torch
     import torch.distributed as dist
 
-    init_pg(rank, world, timeout_s=30)
+    _init(rank, world, port)
     t = torch.ones(1 << 16)
     works = [dist.all_reduce(t, async_op=True) for _ in range(8)]
     for w in works:
         w.wait()
     out = torch.empty(world * 10)
     dist.all_gather_into_tensor(out, torch.ones(10))
-    peer = (rank + 1) % world
-    reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(100), peer),
-                                   dist.P2POp(dist.irecv, torch.empty(100), (rank - 1) % world)])
-    for r in reqs:
-        r.wait()
+    if p2p:
+        peer = (rank + 1) % world
+        reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(100), peer),
+                                       dist.P2POp(dist.irecv, torch.empty(100), (rank - 1) % world)])
+        for r in reqs:
+            r.wait()
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _leak_rank(rank: int, world: int) -> dict:
-    _cycle(rank, world)  # warm-up: torch's own lazily created state is not ours
+def _leak_rank(rank: int, world: int, p2p: bool, ports: list[int]) -> dict:
+    _cycle(rank, world, p2p, ports[-1])  # warm-up: torch's own lazily created state is not ours
     baseline = _settled(_snapshot(), 2.0)
     during = None
     for i in range(CYCLES):
         if i == 0:
             import torch.distributed as dist
 
-            init_pg(rank, world, timeout_s=30)
+            _init(rank, world, ports[i])
             during = _snapshot()
             dist.destroy_process_group()
         else:
-            _cycle(rank, world)
+            _cycle(rank, world, p2p, ports[i])
     after = _settled(baseline)
     return {"baseline": baseline, "during": during, "after": after, "shm": _shm_in_use()}
 
@@ -93,8 +100,12 @@ def _shm_in_use() -> list[str]:
 
 
 @pytest.mark.timeout(180)
-def test_no_threads_fds_or_shm_left_after_destroy(ranks) -> None:
-    for rank, res in enumerate(ranks(_leak_rank, 2, timeout_s=150)):
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_no_threads_fds_or_shm_left_after_destroy(mode: str, ranks) -> None:
+    with MODES[mode].setup() as env:
+        results = ranks(_leak_rank, 2, "send_recv" not in MODES[mode].unsupported,
+                        [free_port() for _ in range(CYCLES + 1)], timeout_s=150, env=env)
+    for rank, res in enumerate(results):
         base, during, after = res["baseline"], res["during"], res["after"]
         # The engine did run threads and hold sockets while the group was up.
         assert during["tasks"] > base["tasks"] and during["fds"] > base["fds"], (rank, base, during)
