@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from collective_suite import MODES
 from conftest import init_pg
 
 STEPS = 5
@@ -66,9 +67,10 @@ def _ddp_rank(rank: int, world: int) -> None:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("world", [2, 3])
-def test_ddp_matches_gloo_and_single_process(world: int, ranks) -> None:
-    ranks(_ddp_rank, world, timeout_s=150)
+@pytest.mark.parametrize(("mode", "world"), [("inprocess", 2), ("inprocess", 3), ("daemon", 2)])
+def test_ddp_matches_gloo_and_single_process(mode: str, world: int, ranks) -> None:
+    with MODES[mode].setup() as env:
+        ranks(_ddp_rank, world, timeout_s=150, env=env)
 
 
 def _fsdp_rank(rank: int, world: int) -> None:
