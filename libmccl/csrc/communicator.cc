@@ -15,33 +15,8 @@ namespace {
 // bigger ones are freed after their op.
 constexpr size_t kKeepScratchBytes = 64 << 20;
 
-std::string seconds_str(double s) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%.1f", s);
-  return buf;
-}
 
 }  // namespace
-
-void Options::validate() const {
-  auto bad = [](const std::string& what) {
-    throw_error(ErrorKind::kConfig, "[engine] invalid option " + what);
-  };
-  if (sockets_per_peer < 1 || sockets_per_peer > 16) {
-    bad("sockets_per_peer=" + std::to_string(sockets_per_peer) + ": must be 1..16 (MCCL_SOCKETS_PER_PEER)");
-  }
-  if (socket_buffer_bytes < (64 << 10)) {
-    bad("socket_buffer_bytes=" + std::to_string(socket_buffer_bytes) +
-        ": must be at least 64K (MCCL_SOCKET_BUFFER_BYTES)");
-  }
-  if (segment_bytes != 0 && segment_bytes < (4 << 10)) {
-    bad("segment_bytes=" + std::to_string(segment_bytes) + ": must be 0 or at least 4K (MCCL_SEGMENT_BYTES)");
-  }
-  if (!(timeout_s > 0)) bad("timeout_s=" + seconds_str(timeout_s) + ": must be positive");
-  if (!(connect_timeout_s > 0)) {
-    bad("connect_timeout_s=" + seconds_str(connect_timeout_s) + ": must be positive");
-  }
-}
 
 Communicator::Communicator(int rank, int size, uint64_t comm_id, int listen_fd,
                            std::vector<std::string> peer_addrs, const Options& opts,
@@ -97,28 +72,6 @@ const std::string& Communicator::peer_address(int r) const {
 
 // ---------------------------------------------------------------- enqueueing
 
-void Communicator::check_root(int root, const char* op) const {
-  if (root < 0 || root >= size_) {
-    throw_error(ErrorKind::kConfig, std::string("[") + op + "] root " + std::to_string(root) +
-                                        " is outside a world of size " + std::to_string(size_));
-  }
-}
-
-void Communicator::check_ptr(const void* p, size_t n, const char* what, const char* op) const {
-  if (n > 0 && p == nullptr) {
-    throw_error(ErrorKind::kConfig, std::string("[") + op + "] " + what + " pointer is null for " +
-                                        std::to_string(n) + " bytes");
-  }
-}
-
-void Communicator::check_reduction(DType dt, ReduceOp op, const char* name) const {
-  if (!reduce_supported(dt, op)) {
-    reduce_fn(dt, op);  // throws the reductions' own explanation
-    throw_error(ErrorKind::kConfig, std::string("[") + name + "] " + reduce_op_name(op) +
-                                        " is not supported on " + dtype_name(dt));
-  }
-}
-
 uint64_t Communicator::enqueue(Op op) {
   uint64_t id;
   {
@@ -137,186 +90,6 @@ uint64_t Communicator::enqueue(Op op) {
   queue_cv_.notify_one();
   transport_->wake();
   return id;
-}
-
-uint64_t Communicator::allreduce(void* buf, size_t count, DType dt, ReduceOp op) {
-  check_reduction(dt, op, "allreduce");
-  check_ptr(buf, count, "buffer", "allreduce");
-  Op o;
-  o.kind = OpKind::kAllreduce;
-  o.buf = buf;
-  o.count = count;
-  o.dtype = dt;
-  o.op = op;
-  return enqueue(std::move(o));
-}
-
-uint64_t Communicator::broadcast(void* buf, size_t nbytes, int root) {
-  check_root(root, "broadcast");
-  check_ptr(buf, nbytes, "buffer", "broadcast");
-  Op o;
-  o.kind = OpKind::kBroadcast;
-  o.buf = buf;
-  o.count = nbytes;
-  o.root = root;
-  return enqueue(std::move(o));
-}
-
-uint64_t Communicator::allgather(const void* send, void* recv, size_t nbytes) {
-  check_ptr(send, nbytes, "send", "allgather");
-  check_ptr(recv, nbytes, "recv", "allgather");
-  Op o;
-  o.kind = OpKind::kAllgather;
-  o.buf = const_cast<void*>(send);
-  o.out = recv;
-  o.count = nbytes;
-  return enqueue(std::move(o));
-}
-
-uint64_t Communicator::reduce_scatter(const void* send, void* recv, size_t count, DType dt,
-                                      ReduceOp op) {
-  check_reduction(dt, op, "reduce_scatter");
-  check_ptr(send, count, "send", "reduce_scatter");
-  check_ptr(recv, count, "recv", "reduce_scatter");
-  Op o;
-  o.kind = OpKind::kReduceScatter;
-  o.buf = const_cast<void*>(send);
-  o.out = recv;
-  o.count = count;
-  o.dtype = dt;
-  o.op = op;
-  return enqueue(std::move(o));
-}
-
-uint64_t Communicator::reduce(void* buf, size_t count, DType dt, ReduceOp op, int root) {
-  check_reduction(dt, op, "reduce");
-  check_root(root, "reduce");
-  check_ptr(buf, count, "buffer", "reduce");
-  Op o;
-  o.kind = OpKind::kReduce;
-  o.buf = buf;
-  o.count = count;
-  o.dtype = dt;
-  o.op = op;
-  o.root = root;
-  return enqueue(std::move(o));
-}
-
-uint64_t Communicator::gather(const void* send, void* recv, size_t nbytes, int root) {
-  check_root(root, "gather");
-  check_ptr(send, nbytes, "send", "gather");
-  if (rank_ == root) check_ptr(recv, nbytes, "recv (on the root)", "gather");
-  Op o;
-  o.kind = OpKind::kGather;
-  o.buf = const_cast<void*>(send);
-  o.out = recv;
-  o.count = nbytes;
-  o.root = root;
-  return enqueue(std::move(o));
-}
-
-uint64_t Communicator::scatter(const void* send, void* recv, size_t nbytes, int root) {
-  check_root(root, "scatter");
-  if (rank_ == root) check_ptr(send, nbytes, "send (on the root)", "scatter");
-  check_ptr(recv, nbytes, "recv", "scatter");
-  Op o;
-  o.kind = OpKind::kScatter;
-  o.buf = const_cast<void*>(send);
-  o.out = recv;
-  o.count = nbytes;
-  o.root = root;
-  return enqueue(std::move(o));
-}
-
-uint64_t Communicator::alltoall(const void* send, void* recv, size_t nbytes) {
-  check_ptr(send, nbytes, "send", "alltoall");
-  check_ptr(recv, nbytes, "recv", "alltoall");
-  Op o;
-  o.kind = OpKind::kAlltoall;
-  o.buf = const_cast<void*>(send);
-  o.out = recv;
-  o.count = nbytes;
-  return enqueue(std::move(o));
-}
-
-uint64_t Communicator::alltoallv(const void* send, std::vector<size_t> send_sizes,
-                                 std::vector<size_t> send_offsets, void* recv,
-                                 std::vector<size_t> recv_sizes,
-                                 std::vector<size_t> recv_offsets) {
-  const size_t n = static_cast<size_t>(size_);
-  if (send_sizes.size() != n || send_offsets.size() != n || recv_sizes.size() != n ||
-      recv_offsets.size() != n) {
-    throw_error(ErrorKind::kConfig, "[alltoallv] sizes and offsets need one entry per rank (" +
-                                        std::to_string(n) + ")");
-  }
-  if (send_sizes[rank_] != recv_sizes[rank_]) {
-    throw_error(ErrorKind::kConfig,
-                "[alltoallv] this rank sends " + std::to_string(send_sizes[rank_]) +
-                    " bytes to itself but expects " + std::to_string(recv_sizes[rank_]) +
-                    "; the sizes of the block a rank keeps must agree");
-  }
-  size_t st = 0, rt = 0;
-  for (size_t q = 0; q < n; ++q) {
-    st += send_sizes[q];
-    rt += recv_sizes[q];
-  }
-  check_ptr(send, st, "send", "alltoallv");
-  check_ptr(recv, rt, "recv", "alltoallv");
-  Op o;
-  o.kind = OpKind::kAlltoallv;
-  o.buf = const_cast<void*>(send);
-  o.out = recv;
-  o.send_sizes = std::move(send_sizes);
-  o.send_offsets = std::move(send_offsets);
-  o.recv_sizes = std::move(recv_sizes);
-  o.recv_offsets = std::move(recv_offsets);
-  return enqueue(std::move(o));
-}
-
-uint64_t Communicator::barrier() {
-  Op o;
-  o.kind = OpKind::kBarrier;
-  return enqueue(std::move(o));
-}
-
-uint64_t Communicator::send(const void* buf, size_t nbytes, int dst, int64_t tag) {
-  if (dst < 0 || dst >= size_ || dst == rank_) {
-    throw_error(ErrorKind::kConfig, "[send] destination rank " + std::to_string(dst) +
-                                        " is invalid (world size " + std::to_string(size_) +
-                                        ", this rank " + std::to_string(rank_) + ")");
-  }
-  if (tag < 0 || tag > int64_t(UINT32_MAX)) {
-    throw_error(ErrorKind::kConfig, "[send] tag " + std::to_string(tag) + " must be 0..2^32-1");
-  }
-  check_ptr(buf, nbytes, "buffer", "send");
-  Op o;
-  o.kind = OpKind::kP2P;
-  o.is_send = true;
-  o.buf = const_cast<void*>(buf);
-  o.count = nbytes;
-  o.root = dst;
-  o.tag = static_cast<uint32_t>(tag);
-  return enqueue(std::move(o));
-}
-
-uint64_t Communicator::recv(void* buf, size_t nbytes, int src, int64_t tag) {
-  if (src < -1 || src >= size_ || src == rank_) {
-    throw_error(ErrorKind::kConfig, "[recv] source rank " + std::to_string(src) +
-                                        " is invalid (world size " + std::to_string(size_) +
-                                        ", this rank " + std::to_string(rank_) + "; -1: any)");
-  }
-  if (tag < 0 || tag > int64_t(UINT32_MAX)) {
-    throw_error(ErrorKind::kConfig, "[recv] tag " + std::to_string(tag) + " must be 0..2^32-1");
-  }
-  check_ptr(buf, nbytes, "buffer", "recv");
-  Op o;
-  o.kind = OpKind::kP2P;
-  o.is_send = false;
-  o.buf = buf;
-  o.count = nbytes;
-  o.root = src;
-  o.tag = static_cast<uint32_t>(tag);
-  return enqueue(std::move(o));
 }
 
 // ---------------------------------------------------------------- the worker
@@ -487,6 +260,7 @@ void Communicator::complete(uint64_t id, std::shared_ptr<const Error> err, int i
     ++ops_completed_;
   }
   done_cv_.notify_all();
+  if (!deliver_) return;  // nobody to tell: spare the completion thread a wake-up
   {
     std::lock_guard<std::mutex> lk(cmu_);
     completions_.push_back({id, std::move(err), info});
@@ -527,7 +301,7 @@ void Communicator::wait(uint64_t id, double timeout_s) {
   bool done = done_cv_.wait_until(lk, deadline_after(timeout_s), [&] { return !pending_.count(id); });
   if (!done) {
     throw_error(ErrorKind::kTimeout, "[engine] waiting for op #" + std::to_string(id) +
-                                         " timed out after " + seconds_str(timeout_s) +
+                                         " timed out after " + format_seconds(timeout_s) +
                                          " s; it is still running; wait longer or check the "
                                          "other ranks reached the same op");
   }
@@ -562,7 +336,7 @@ void Communicator::shutdown(double timeout_s) {
       transport_->request_abort(Error(
           ErrorKind::kAborted,
           "[engine] rank " + std::to_string(rank_) + " shut down its communicator with " +
-              std::to_string(n) + " operation(s) still pending after " + seconds_str(timeout_s) +
+              std::to_string(n) + " operation(s) still pending after " + format_seconds(timeout_s) +
               " s; they were cancelled; make every rank finish its operations before shutdown",
           rank_, addrs_[rank_]));
     }

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <thread>
 
@@ -22,6 +23,12 @@ int ms_until(Deadline d, int cap_ms) {
   auto left = std::chrono::duration_cast<std::chrono::milliseconds>(d - Clock::now()).count();
   if (left <= 0) return 0;
   return static_cast<int>(std::min<long long>(left, cap_ms));
+}
+
+std::string format_seconds(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.1f", s);
+  return buf;
 }
 
 void Fd::reset() {

@@ -23,6 +23,9 @@ inline Deadline deadline_after(double seconds) {
 // Milliseconds left until `d` for poll(), clamped to [0, cap_ms].
 int ms_until(Deadline d, int cap_ms = 1000);
 
+// "12.5" (one decimal) for messages.
+std::string format_seconds(double s);
+
 class Fd {
  public:
   Fd() = default;

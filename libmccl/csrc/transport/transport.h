@@ -10,6 +10,8 @@
 // Thread safety: everything runs on the owning (worker) thread except wake(),
 // request_abort() and the byte counters.
 #pragma once
+#include <poll.h>
+
 #include <atomic>
 #include <deque>
 #include <functional>
@@ -92,8 +94,19 @@ class Transport : public PairHost {
   void throw_if_failed() const;
   // Who this rank is most likely stuck on, for timeout messages; sets *peer.
   std::string describe_stall(Channel chan, int* peer) const;
+  // Runs f; an Error from the links fails the transport (telling peers) and is rethrown
+  // as the transport's failure, which may be an earlier one.
   template <typename F>
-  auto guarded(F&& f) -> decltype(f());
+  auto guarded(F&& f) -> decltype(f()) {
+    throw_if_failed();
+    try {
+      return f();
+    } catch (const Error& e) {
+      fail(e);
+      throw_if_failed();
+      throw;
+    }
+  }
 
   const int rank_;
   const int size_;
@@ -118,6 +131,8 @@ class Transport : public PairHost {
   bool any_source_dirty_ = false;
 
   std::shared_ptr<const Error> failed_;
+  std::vector<struct pollfd> poll_fds_;  // scratch of progress(), kept to avoid allocations
+  std::vector<std::pair<Pair*, size_t>> poll_owner_;
 
   Fd wake_read_, wake_write_;
   std::atomic<bool> wake_pending_{false};

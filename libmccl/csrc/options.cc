@@ -1,0 +1,30 @@
+#include "options.h"
+
+#include <string>
+
+#include "errors.h"
+#include "transport/socket.h"
+
+namespace mccl {
+
+void Options::validate() const {
+  auto bad = [](const std::string& what) {
+    throw_error(ErrorKind::kConfig, "[engine] invalid option " + what);
+  };
+  if (sockets_per_peer < 1 || sockets_per_peer > 16) {
+    bad("sockets_per_peer=" + std::to_string(sockets_per_peer) + ": must be 1..16 (MCCL_SOCKETS_PER_PEER)");
+  }
+  if (socket_buffer_bytes < (64 << 10)) {
+    bad("socket_buffer_bytes=" + std::to_string(socket_buffer_bytes) +
+        ": must be at least 64K (MCCL_SOCKET_BUFFER_BYTES)");
+  }
+  if (segment_bytes != 0 && segment_bytes < (4 << 10)) {
+    bad("segment_bytes=" + std::to_string(segment_bytes) + ": must be 0 or at least 4K (MCCL_SEGMENT_BYTES)");
+  }
+  if (!(timeout_s > 0)) bad("timeout_s=" + format_seconds(timeout_s) + ": must be positive");
+  if (!(connect_timeout_s > 0)) {
+    bad("connect_timeout_s=" + format_seconds(connect_timeout_s) + ": must be positive");
+  }
+}
+
+}  // namespace mccl
