@@ -137,7 +137,7 @@ class Staging:
     """Contiguous CPU buffers for one operation, plus what to do when it completes.
 
     ``keep`` holds every buffer whose address was handed to the engine. On
-    completion, ``then`` steps (unpacking a flat receive buffer into per-tensor
+    completion, ``unpack`` steps (slices of a flat receive buffer into per-tensor
     buffers) run first, then the copy-backs into the caller's tensors
     (non-contiguous, MPS), which may read what the unpacking wrote.
     """
@@ -196,8 +196,11 @@ class Staging:
             return None
 
         def run() -> None:
-            for step in steps:
-                step()
+            # Like c10d, write parameters as plain memory: a copy into a leaf that
+            # requires grad must not be recorded (or refused) by autograd.
+            with torch.no_grad():
+                for step in steps:
+                    step()
         return run
 
 

@@ -248,3 +248,22 @@ def _bad_args_rank(rank: int, world: int) -> list[str]:
 def test_bad_arguments_are_refused_clearly(ranks) -> None:
     messages = ranks(_bad_args_rank, 2, timeout_s=100)[0]
     assert len(messages) == 11
+
+
+def _param_rank(rank: int, world: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    init_pg(rank, world)
+    try:
+        # A non-contiguous view of a parameter: staged, then copied back under no_grad.
+        weight = torch.nn.Parameter(torch.full((4, 3), float(rank)))
+        dist.broadcast(weight.t(), src=1)
+        assert torch.equal(weight.detach(), torch.full((4, 3), 1.0)) and weight.requires_grad
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+def test_collective_on_parameter_view(ranks) -> None:
+    ranks(_param_rank, 2, timeout_s=50)
