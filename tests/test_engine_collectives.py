@@ -244,3 +244,22 @@ def test_any_source_recv(comms):
 
     assert run_ranks(comms, body)[0] == list(range(1, n))
     del sources
+
+
+def test_stats_count_payload_bytes(comms):
+    n = len(comms)
+    before = [c.stats() for c in comms]
+    count = 1 << 20  # ring path: each rank sends 2 (n-1)/n of the buffer
+
+    def body(r, c):
+        a = np.ones(count, np.float32)
+        wait(c, c.allreduce(ptr(a), count, DT[a.dtype], SUM))
+
+    run_ranks(comms, body)
+    for r, c in enumerate(comms):
+        s = c.stats()
+        sent = s["bytes_sent"] - before[r]["bytes_sent"]
+        assert sent == pytest.approx(2 * (n - 1) / n * count * 4, rel=0.01)
+        assert s["ops_completed"] == before[r]["ops_completed"] + 1
+        assert set(s["per_peer"]) == set(range(n)) - {r}
+        assert sum(p["sent"] for p in s["per_peer"].values()) == s["bytes_sent"]

@@ -248,3 +248,40 @@ def test_fast_rank_shutting_down_does_not_fail_slower_ones():
             return float(a[0])
 
         assert run_ranks(comms, body) == [4.0] * 4
+
+
+def _fake_peer(listener_sock, reply_status=0):
+    """Accepts rank 0's dial as a hand-written 'rank 1' and answers its hello."""
+    import struct
+    conn, _ = listener_sock.accept()
+    conn.settimeout(10)
+    hello = b""
+    while len(hello) < 36:
+        hello += conn.recv(36 - len(hello))
+    magic, version, comm_id, frm, to, world, idx, k = struct.unpack("<IIQIIIII", hello)
+    assert (magic, frm, to, world, k) == (0x4C43434D, 0, 1, 2, 1)
+    conn.sendall(struct.pack("<III", 0x4C43434D, reply_status, 0))
+    return conn
+
+
+def test_malformed_frame_is_a_protocol_error_naming_the_peer():
+    import socket
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+    lst = _core.Listener("127.0.0.1", 0)
+    addrs = [lst.address, "127.0.0.1:%d" % srv.getsockname()[1]]
+    box = {}
+    t = __import__("threading").Thread(target=lambda: box.setdefault("conn", _fake_peer(srv)))
+    t.start()
+    comm = _core.Communicator(0, 2, 77, lst, addrs, make_options(sockets_per_peer=1), None)
+    t.join(10)
+    try:
+        box["conn"].sendall(b"GARBAGE!" * 9)  # 72 bytes: one header's worth of nonsense
+        a = np.zeros(4, np.float32)
+        err = expect(comm, comm.allreduce(ptr(a), 4, DT[a.dtype], SUM), ProtocolError, 10)
+        assert "malformed frame" in str(err) and "rank 1" in str(err) and err.peer_rank == 1
+    finally:
+        comm.shutdown(2.0)
+        box["conn"].close()
+        srv.close()
