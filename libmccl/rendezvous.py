@@ -74,6 +74,10 @@ def routed_address(target: str) -> str | None:
 def choose_bind_address(cfg: EngineConfig, master_addr: str | None) -> str:
     """MCCL_BIND_ADDR, else MCCL_SOCKET_IFNAME, else the route toward MASTER_ADDR, else loopback."""
     if cfg.bind_addr:
+        if cfg.bind_addr in ("0.0.0.0", "::"):
+            # The listen address is also what peers are told to dial.
+            raise ConfigError(f"[rendezvous] MCCL_BIND_ADDR={cfg.bind_addr} cannot be dialled by peers; set it "
+                              "to this host's address on the training network, or set MCCL_SOCKET_IFNAME")
         return cfg.bind_addr
     if cfg.socket_ifname:
         return interface_address(cfg.socket_ifname)

@@ -20,6 +20,8 @@ def test_bind_address_precedence() -> None:
     assert rendezvous.choose_bind_address(EngineConfig(), "127.0.0.1") == "127.0.0.1"
     # An unresolvable master falls back to loopback rather than failing.
     assert rendezvous.choose_bind_address(EngineConfig(), "no-such-host.invalid") == "127.0.0.1"
+    with pytest.raises(ConfigError, match="cannot be dialled"):
+        rendezvous.choose_bind_address(EngineConfig(bind_addr="0.0.0.0"), None)
     with pytest.raises(ConfigError, match="MCCL_SOCKET_IFNAME='mccl-nope0'"):
         rendezvous.choose_bind_address(EngineConfig(socket_ifname="mccl-nope0"), None)
 
