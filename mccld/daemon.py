@@ -87,6 +87,7 @@ class Daemon:
         if self.started:
             return self
         cfg = self.cfg
+        self._stop.clear()
         key = cfg.read_key()
         self.iface, self.addr = choose_address(cfg.iface, cfg.listen_addr, cfg.allow_wifi)
         self.runtime_dir = runtime_dir(cfg, create=True)
@@ -122,10 +123,7 @@ class Daemon:
         for job in jobs:
             job.fail(AbortedError(f"[daemon] job {job.id}: {reason}; restart the job once mccld is back"),
                      local=True)
-            with job._lock:
-                members = list(job.members.values())
-            for m in members:
-                m.free()
+            job.free_segments()
         for srv in reversed(self._servers):
             try:
                 srv.stop()

@@ -51,11 +51,13 @@ class Member:
     join_req: int
     segments: dict[str, shm.Segment] = field(default_factory=dict)
 
-    def free(self) -> None:
-        for seg in self.segments.values():
-            seg.close()
+    def release(self) -> list[shm.Segment]:
+        """Unlink the rank's segments now; the caller unmaps them once no op can touch them."""
+        segs = list(self.segments.values())
+        for seg in segs:
             seg.unlink()
         self.segments.clear()
+        return segs
 
 
 @dataclass
@@ -152,8 +154,7 @@ class Job:
             # unused, and unmapping it is what returns its memory (the client unlinked it).
             old = list(member.segments.values())
             member.segments = {name: seg}
-        for o in old:
-            o.close()
+        self._tasks.put(("unmap", old))
 
     def submit(self, ident: bytes, req: int, msg: dict[str, Any]) -> None:
         rank = msg["rank"]
@@ -185,7 +186,7 @@ class Job:
                 self.fail(AbortedError(f"[daemon] job {self.id}: rank {rank} aborted the communicator: "
                                        f"{abort_reason or 'no reason given'}", peer_rank=rank), local=True)
             del self.members[rank]
-            member.free()
+            self._tasks.put(("unmap", member.release()))
             if not self.members:
                 self._tasks.put(("close", None))
 
@@ -194,7 +195,8 @@ class Job:
             member = self.members.pop(rank, None)
             if member is None:
                 return
-            member.free()
+            # Unmapped by the job thread: an op in flight may still be reading or writing it.
+            self._tasks.put(("unmap", member.release()))
             self.fail(PeerLostError(f"[daemon] job {self.id}: rank {rank} (pid {member.pid}) on host "
                                     f"{self.host.host_id} died; its process crashed or was killed; "
                                     "restart the job", peer_rank=rank), local=True)
@@ -241,6 +243,13 @@ class Job:
     def close(self) -> None:
         self._tasks.put(("close", None))
 
+    def free_segments(self) -> None:
+        """Unmap and unlink every local rank's segments (the daemon is going away)."""
+        with self._lock:
+            members = list(self.members.values())
+        for m in members:
+            self._tasks.put(("unmap", m.release()))
+
     # -- the job's thread ------------------------------------------------------------------
     def _member(self, rank: int, ident: bytes) -> Member:
         member = self.members.get(rank)
@@ -265,6 +274,9 @@ class Job:
                 self._setup()
             elif kind == "op":
                 self._run(item)
+            elif kind == "unmap":
+                for seg in item:
+                    seg.close()
             elif kind == "close":
                 with self._lock:
                     if self.members:
