@@ -104,3 +104,47 @@ def test_abort_fails_pending_ops_everywhere(ranks) -> None:
     results = ranks(_abort_rank, 2, timeout_s=100)
     assert results[0] == "aborted"
     assert results[1] in ("AbortedError", "PeerLostError"), results
+
+
+_HOST_SCRIPT = '''
+import os, sys, torch, torch.distributed as dist
+dist.init_process_group("mccl")
+pg = dist.group.WORLD
+t = torch.full((1 << 20,), float(dist.get_rank() + 1))
+dist.all_reduce(t)
+assert torch.equal(t, torch.full((1 << 20,), float(sum(range(1, dist.get_world_size() + 1)))))
+peers = [pg.communicator.peer_address(r) for r in range(dist.get_world_size())]
+dist.barrier()
+dist.destroy_process_group()
+print("PEERS", " ".join(peers))
+'''
+
+
+@pytest.mark.fleet
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("ifname", ["", "eth0"])
+def test_hosts_in_namespaces_find_each_other(ifname: str) -> None:
+    """Three emulated hosts: each advertises the address that routes to MASTER_ADDR
+    (or MCCL_SOCKET_IFNAME's), never loopback, and the ring works across them."""
+    import subprocess
+    import sys
+
+    from libmccl.fleet import Fleet, check_prerequisites
+
+    try:
+        check_prerequisites()
+    except ConfigError as exc:
+        pytest.skip(str(exc))
+    world = 3
+    with Fleet(world, rate="2gbit") as fleet:
+        master = fleet.hosts[0].addr
+        procs = [fleet.popen(i, [sys.executable, "-c", _HOST_SCRIPT],
+                             env={"MASTER_ADDR": master, "MASTER_PORT": "29500", "RANK": str(i),
+                                  "WORLD_SIZE": str(world), "MCCL_SOCKET_IFNAME": ifname},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for i in range(world)]
+        outs = [p.communicate(timeout=200) for p in procs]
+    for i, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"host {i}:\n{err[-3000:]}"
+        peers = out.split("PEERS ", 1)[1].split()
+        assert [a.rsplit(":", 1)[0] for a in peers] == [h.addr for h in fleet.hosts], peers
