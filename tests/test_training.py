@@ -198,3 +198,34 @@ def test_demo_runs_and_learns() -> None:
     out = run_command([sys.executable, "-m", "libmccl.demo", "--world", "2", "--seconds", "8"], 170)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "[demo] OK" in out.stdout and "samples/s" in out.stdout, out.stdout
+
+
+def _dcp_rank(rank: int, world: int, path: str) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    init_pg(rank, world)
+    try:
+        model = _model()
+        fully_shard(model)
+        _train(model, _batches(world), rank, world)
+        saved = {k: v.full_tensor().clone() for k, v in get_model_state_dict(model).items()}
+        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=path)
+        fresh = _model()
+        fully_shard(fresh)
+        state = {"model": get_model_state_dict(fresh)}
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(fresh, state["model"])
+        for k, v in get_model_state_dict(fresh).items():
+            assert torch.equal(v.full_tensor(), saved[k]), k
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+def test_distributed_checkpoint_roundtrip(tmp_path, ranks) -> None:
+    """DCP plans with object collectives and reads the group's device types."""
+    ranks(_dcp_rank, 2, str(tmp_path / "ckpt"), timeout_s=150)
