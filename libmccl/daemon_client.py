@@ -455,6 +455,8 @@ class DaemonCommunicator:
                         except ProtocolError as e:
                             self._fail(e, leave_abort=None)
                             return
+                        if self._closed:  # that reply failed the communicator: sockets are gone
+                            return
                 with self._lock:
                     op = self._inflight
                 if op is not None and time.monotonic() > op.deadline:

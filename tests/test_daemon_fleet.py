@@ -196,6 +196,7 @@ def test_rank_killed_on_one_host_fails_the_other_host_with_peer_lost():
         for r in (0, 1, 2):
             code, text = out[r]
             assert code == 0 and "PeerLostError" in text.splitlines()[-1], f"rank {r}:\n{text}"
+            assert "Traceback" not in text, f"rank {r} logged an internal error:\n{text}"
         assert "rank 3" in out[0][1] or "peer host" in out[0][1], out[0][1]
     assert not list(Path("/dev/shm").glob("mccl-00dead03-*"))
 
