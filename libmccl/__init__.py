@@ -20,6 +20,7 @@ import sys
 _log = logging.getLogger(__name__)
 
 BACKEND_NAME = "mccl"
+DEVICES = ("cpu", "mps")
 _registered = False
 
 
@@ -28,10 +29,19 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from .backend import register_backend  # imports torch
+    from . import _torch_compat as compat  # imports torch.distributed
 
-    register_backend()
+    if not compat.is_backend_registered(BACKEND_NAME):
+        compat.register_backend(BACKEND_NAME, _create_group, list(DEVICES))
     _registered = True
+
+
+def _create_group(dist_opts, backend_options=None):  # noqa: ANN001 - torch's creator signature
+    """torch's creator hook. The backend (and the engine) load only when a group is
+    created, so registering at every `import torch` costs about a millisecond."""
+    from .backend import create
+
+    return create(dist_opts, backend_options)
 
 
 def _autoload() -> None:

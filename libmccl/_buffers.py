@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from . import DEVICES
 from . import _torch_compat as compat
 from .errors import ConfigError
 
@@ -38,7 +39,6 @@ REDUCE_OP_CODES: dict[Any, int] = {
 }
 _COMPLEX_OK = {0, 1}  # SUM, AVG
 
-SUPPORTED_DEVICES = ("cpu", "mps")
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -51,9 +51,9 @@ def check_tensor(t: Any, op: str, what: str) -> torch.Tensor:
     if t.layout != torch.strided:
         raise ConfigError(f"[mccl] {op}: {what} has layout {t.layout}; only dense (strided) tensors can be "
                           "sent, convert with .to_dense()")
-    if t.device.type not in SUPPORTED_DEVICES:
+    if t.device.type not in DEVICES:
         raise ConfigError(f"[mccl] {op}: {what} is on device {t.device}; the mccl backend handles "
-                          f"{'/'.join(SUPPORTED_DEVICES)} tensors (use gloo/nccl for others)")
+                          f"{'/'.join(DEVICES)} tensors (use gloo/nccl for others)")
     return t
 
 

@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from . import BACKEND_NAME, DEVICES
 from . import _buffers as B
 from . import _torch_compat as compat
 from . import rendezvous
@@ -27,7 +28,6 @@ from .config import EngineConfig, load
 from .errors import AbortedError, ConfigError, DaemonUnavailableError
 from .work import CompletionRouter, MCCLWork, shutdown_error
 
-BACKEND_NAME = "mccl"
 _c10d = torch.distributed
 
 
@@ -42,7 +42,7 @@ class ProcessGroupMCCL(compat.ProcessGroupBase):
     def __init__(self, store: Any, rank: int, size: int, timeout: datetime.timedelta,
                  group_id: str = "", cfg: EngineConfig | None = None) -> None:
         super().__init__(rank, size)
-        compat.declare_devices(self, list(B.SUPPORTED_DEVICES))
+        compat.declare_devices(self, list(DEVICES))
         self._group_name = group_id
         self._group_desc = ""
         self._cfg = cfg if cfg is not None else load(EngineConfig)
@@ -522,12 +522,7 @@ def _shutdown_quietly(comm: Any) -> None:
         pass
 
 
-def _create(dist_opts: Any, backend_options: Any = None) -> ProcessGroupMCCL:
-    """torch's creator hook (extended API): one ProcessGroupMCCL per group."""
+def create(dist_opts: Any, backend_options: Any = None) -> ProcessGroupMCCL:
+    """One ProcessGroupMCCL per group, from c10d's DistributedBackendOptions (extended API)."""
     return ProcessGroupMCCL(dist_opts.store, dist_opts.group_rank, dist_opts.group_size, dist_opts.timeout,
                             group_id=str(getattr(dist_opts, "group_id", "") or ""))
-
-
-def register_backend() -> None:
-    if not compat.is_backend_registered(BACKEND_NAME):
-        compat.register_backend(BACKEND_NAME, _create, list(B.SUPPORTED_DEVICES))
