@@ -256,9 +256,9 @@ def _fake_peer(listener_sock, reply_status=0):
     conn, _ = listener_sock.accept()
     conn.settimeout(10)
     hello = b""
-    while len(hello) < 36:
-        hello += conn.recv(36 - len(hello))
-    magic, version, comm_id, frm, to, world, idx, k = struct.unpack("<IIQIIIII", hello)
+    while len(hello) < 52:
+        hello += conn.recv(52 - len(hello))
+    magic, version, comm_id, frm, to, world, idx, k, seg, small = struct.unpack("<IIQIIIIIQQ", hello)
     assert (magic, frm, to, world, k) == (0x4C43434D, 0, 1, 2, 1)
     conn.sendall(struct.pack("<III", 0x4C43434D, reply_status, 0))
     return conn
@@ -285,3 +285,19 @@ def test_malformed_frame_is_a_protocol_error_naming_the_peer():
         comm.shutdown(2.0)
         box["conn"].close()
         srv.close()
+
+
+def test_ranks_with_different_segment_options_are_refused():
+    listeners = [_core.Listener("127.0.0.1", 0) for _ in range(2)]
+    addrs = [x.address for x in listeners]
+    opts = [make_options(connect_timeout_s=10.0, segment_bytes=s) for s in (0, 1 << 20)]
+
+    def make(r):
+        try:
+            return _core.Communicator(r, 2, 5, listeners[r], addrs, opts[r])
+        except MCCLError as e:
+            return e
+
+    out = run_threads(2, make)
+    for e in out:
+        assert isinstance(e, ConfigError) and "MCCL_SEGMENT_BYTES" in str(e), e

@@ -43,6 +43,8 @@ Communicator::Communicator(int rank, int size, uint64_t comm_id, int listen_fd,
   spec.comm_id = comm_id;
   spec.sockets_per_peer = opts_.sockets_per_peer;
   spec.socket_buffer_bytes = opts_.socket_buffer_bytes;
+  spec.segment_bytes = opts_.segment_bytes;
+  spec.small_allreduce_bytes = opts_.small_allreduce_bytes;
   spec.peer_addrs = addrs_;
   auto links = build_mesh(spec, listen_fd, deadline_after(opts_.connect_timeout_s));
   transport_ = std::make_unique<Transport>(rank, size, comm_id, std::move(links), addrs_);

@@ -10,7 +10,7 @@ namespace mccl {
 
 namespace {
 
-constexpr size_t kHelloBytes = 36;
+constexpr size_t kHelloBytes = 52;
 constexpr size_t kReplyFixed = 12;
 constexpr uint32_t kMaxReason = 1024;
 
@@ -35,6 +35,8 @@ void encode_hello(const Hello& h, uint8_t* out) {
   put32(out + 24, h.world);
   put32(out + 28, h.sock_index);
   put32(out + 32, h.socks_per_peer);
+  put64(out + 36, h.segment_bytes);
+  put64(out + 44, h.small_allreduce_bytes);
 }
 
 // The refusal says what differs; `kind` decides the exception class on both sides.
@@ -75,6 +77,19 @@ Verdict judge(const Hello& theirs, uint32_t version, const Hello& mine) {
     return {ErrorKind::kConfig, "sockets per peer mismatch (dialer " + n(theirs.socks_per_peer) +
                                     ", acceptor " + n(mine.socks_per_peer) +
                                     "); set MCCL_SOCKETS_PER_PEER the same on every rank"};
+  }
+  // Both pick the algorithm and its message cutting: ranks that disagree would post
+  // receives that never match (a hang until the timeout) instead of failing now.
+  if (theirs.segment_bytes != mine.segment_bytes) {
+    return {ErrorKind::kConfig, "pipeline segment mismatch (dialer " + n(theirs.segment_bytes) +
+                                    ", acceptor " + n(mine.segment_bytes) +
+                                    " bytes); set MCCL_SEGMENT_BYTES the same on every rank"};
+  }
+  if (theirs.small_allreduce_bytes != mine.small_allreduce_bytes) {
+    return {ErrorKind::kConfig, "small all-reduce threshold mismatch (dialer " +
+                                    n(theirs.small_allreduce_bytes) + ", acceptor " +
+                                    n(mine.small_allreduce_bytes) +
+                                    " bytes); set MCCL_SMALL_ALLREDUCE_BYTES the same on every rank"};
   }
   return {};
 }
@@ -124,6 +139,8 @@ std::optional<Hello> handshake_accept_impl(int fd, const Hello& mine, Deadline d
   theirs.world = get32(buf + 24);
   theirs.sock_index = get32(buf + 28);
   theirs.socks_per_peer = get32(buf + 32);
+  theirs.segment_bytes = get64(buf + 36);
+  theirs.small_allreduce_bytes = get64(buf + 44);
 
   Verdict v = judge(theirs, version, mine);
   if (v.reason.empty() && is_dup(ctx, theirs.from_rank, theirs.sock_index)) {

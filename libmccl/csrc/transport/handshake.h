@@ -1,7 +1,8 @@
 // The first bytes on every new link socket. The dialer introduces itself; the acceptor
 // checks that both sides belong to the same job (protocol version, communicator id,
-// world size, ranks, sockets per peer) and answers ok or the reason it refuses. Either
-// side turns a refusal into a typed error that says what differs and what to do.
+// world size, ranks, sockets per peer, the options that cut messages) and answers ok or
+// the reason it refuses. Either side turns a refusal into a typed error that says what
+// differs and what to do.
 #pragma once
 #include <cstdint>
 #include <optional>
@@ -18,6 +19,8 @@ struct Hello {
   uint32_t world = 0;
   uint32_t sock_index = 0;
   uint32_t socks_per_peer = 0;
+  uint64_t segment_bytes = 0;          // options that decide how messages are cut:
+  uint64_t small_allreduce_bytes = 0;  // every rank must agree on them
 };
 
 // Dialer side: send `hello`, wait for the verdict. Throws ProtocolError/ConfigError

@@ -20,6 +20,8 @@ void accept_lower_ranks(const MeshSpec& spec, int listen_fd, Deadline deadline,
   mine.from_rank = static_cast<uint32_t>(spec.rank);  // judged as "the rank that was reached"
   mine.world = static_cast<uint32_t>(spec.size);
   mine.socks_per_peer = static_cast<uint32_t>(k);
+  mine.segment_bytes = spec.segment_bytes;
+  mine.small_allreduce_bytes = spec.small_allreduce_bytes;
   auto seen = [&](uint32_t r, uint32_t s) { return (*links)[r][s].valid(); };
   while (expected > 0) {
     if (stop.load()) return;
@@ -87,6 +89,8 @@ std::vector<std::vector<Fd>> build_mesh(const MeshSpec& spec, int listen_fd, Dea
         h.world = static_cast<uint32_t>(spec.size);
         h.sock_index = static_cast<uint32_t>(s);
         h.socks_per_peer = static_cast<uint32_t>(k);
+        h.segment_bytes = spec.segment_bytes;
+        h.small_allreduce_bytes = spec.small_allreduce_bytes;
         handshake_dial(fd.get(), h, hp.str(), deadline);
         configure_link_socket(fd.get(), spec.socket_buffer_bytes);
         set_nonblocking(fd.get(), true);

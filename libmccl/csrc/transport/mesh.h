@@ -17,6 +17,8 @@ struct MeshSpec {
   uint64_t comm_id = 0;
   int sockets_per_peer = 2;
   int socket_buffer_bytes = 4 << 20;
+  uint64_t segment_bytes = 0;          // checked equal on every link (handshake)
+  uint64_t small_allreduce_bytes = 0;
   std::vector<std::string> peer_addrs;  // one per rank, "host:port"
 };
 
