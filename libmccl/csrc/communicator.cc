@@ -130,40 +130,30 @@ void Communicator::worker_main() {
 }
 
 void Communicator::run(Op& op) {
-  std::shared_ptr<const Error> sticky;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    sticky = sticky_;
-  }
-  if (sticky) {
+  if (auto sticky = failure()) {
     complete(op.id, sticky, -1);
     return;
   }
   try {
     if (op.kind == OpKind::kP2P) {
-      post_p2p(op);
+      post_p2p(op);  // completes later, from the transport's callback
     } else {
       run_collective(op);
       complete(op.id, nullptr, -1);
     }
+    return;
   } catch (const Error& e) {
     on_error(e);
-    std::lock_guard<std::mutex> lk(mu_);
-    sticky = sticky_;
   } catch (const std::exception& e) {
     on_error(Error(ErrorKind::kGeneric, std::string("[engine] internal error in ") +
                                             op_kind_name(op.kind) + ": " + e.what()));
-    std::lock_guard<std::mutex> lk(mu_);
-    sticky = sticky_;
   }
-  if (sticky) {
-    bool still_pending;
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      still_pending = pending_.count(op.id) > 0;
-    }
-    if (still_pending) complete(op.id, sticky, -1);
-  }
+  complete(op.id, failure(), -1);  // a no-op if the failure already completed it
+}
+
+std::shared_ptr<const Error> Communicator::failure() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return sticky_;
 }
 
 void Communicator::run_collective(Op& op) {
@@ -233,9 +223,10 @@ void Communicator::idle_progress() {
   try {
     transport_->progress(until);
     auto now = Clock::now();
-    for (auto& kv : p2p_deadlines_) {
-      if (kv.second <= now) transport_->p2p_timeout(opts_.timeout_s);
-    }
+    bool expired = false;
+    for (auto& kv : p2p_deadlines_) expired = expired || kv.second <= now;
+    // Outside the loop: failing the transport completes (and erases) the p2p ops.
+    if (expired) transport_->p2p_timeout(opts_.timeout_s);
   } catch (const Error& e) {
     on_error(e);
   }
@@ -246,10 +237,7 @@ void Communicator::on_error(const Error& e) {
   std::shared_ptr<const Error> err = transport_->failure();
   {
     std::lock_guard<std::mutex> lk(mu_);
-    if (!sticky_) {
-      sticky_ = err;
-      failed_from_ = next_id_;
-    }
+    if (!sticky_) sticky_ = err;
   }
   scratch_.release();
 }

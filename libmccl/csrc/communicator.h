@@ -117,6 +117,7 @@ class Communicator {
   void post_p2p(const Op& op);
   void idle_progress();
   void on_error(const Error& e);
+  std::shared_ptr<const Error> failure() const;
   void complete(uint64_t id, std::shared_ptr<const Error> err, int info);
   void completion_main();
   void stop_threads(bool from_completion_thread);
@@ -139,7 +140,6 @@ class Communicator {
   std::unordered_set<uint64_t> pending_;  // enqueued, not completed
   std::unordered_map<uint64_t, std::shared_ptr<const Error>> failed_ops_;
   std::shared_ptr<const Error> sticky_;   // the communicator's failure
-  uint64_t failed_from_ = UINT64_MAX;     // ops with id >= this failed with sticky_
   bool closing_ = false;                  // no new ops accepted
   bool stop_ = false;                     // worker: exit when idle
   uint64_t ops_completed_ = 0;
