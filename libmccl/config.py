@@ -150,4 +150,7 @@ if __name__ == "__main__":  # pragma: no cover - a documentation helper
         import mccld.config  # noqa: F401
     except ImportError:
         pass
-    sys.stdout.write(markdown_table() + "\n")
+    # Run as __main__, this file is a second copy of libmccl.config; the other components
+    # registered their classes with the imported one, so print that one's table.
+    from libmccl import config as _registry
+    sys.stdout.write(_registry.markdown_table() + "\n")
