@@ -1,4 +1,5 @@
-"""``mccld``: run the daemon in the foreground (logs to stderr), or ``mccld keygen PATH``."""
+"""``mccld``: run the daemon in the foreground (logs to stderr); ``mccld keygen PATH`` writes a
+fleet key; ``mccld status`` prints the local daemon's status."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd")
     keygen = sub.add_parser("keygen", help="write a new random fleet key file (mode 0600)")
     keygen.add_argument("path")
+    sub.add_parser("status", help="print the local daemon's status (JSON, over the attach socket)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -32,6 +34,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"mccld: {args.path} exists; refusing to overwrite a fleet key", file=sys.stderr)
             return 1
         print(f"wrote fleet key {path}; copy it (mode 0600) to every host of the fleet")
+        return 0
+
+    if args.cmd == "status":
+        import json
+        from .attach import local_request
+        from .config import runtime_dir
+        try:
+            reply = local_request(runtime_dir(load_config(args.config), create=False), {"type": "status"})
+        except MCCLError as e:
+            print(f"mccld: {e}", file=sys.stderr)
+            return 1
+        print(json.dumps(reply["status"], indent=2, sort_keys=True))
         return 0
 
     from .daemon import Daemon

@@ -81,3 +81,19 @@ def test_runtime_dir_is_private(tmp_path):
     target.mkdir(mode=0o755)
     path = runtime_dir(load_config(env={"MCCL_RUNTIME_DIR": str(target)}), create=True)
     assert stat.S_IMODE(path.stat().st_mode) == 0o700
+
+
+@pytest.mark.timeout(60)
+def test_cli_status_and_keygen(tmp_path):
+    import subprocess
+    import sys
+    env = {**os.environ, "MCCL_RUNTIME_DIR": str(tmp_path / "rt")}
+    res = subprocess.run([sys.executable, "-m", "mccld", "status"], env=env, capture_output=True, text=True,
+                         timeout=30)
+    assert res.returncode == 1 and "is mccld running" in res.stderr
+    res = subprocess.run([sys.executable, "-m", "mccld", "keygen", str(tmp_path / "k")], env=env,
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0 and stat.S_IMODE((tmp_path / "k").stat().st_mode) == 0o600
+    res = subprocess.run([sys.executable, "-m", "mccld"], env={**env, "MCCL_KEY_FILE": str(tmp_path / "nokey")},
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 2 and "does not exist" in res.stderr
