@@ -146,9 +146,18 @@ class DaemonCommunicator:
         req = self._req
         self._sock.send(self._proto.encode({**msg, "req": req}))
         deadline = time.monotonic() + timeout_s
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not self._sock.poll(int(left * 1000) + 1):
+            events = dict(poller.poll(int(left * 1000) + 1)) if left > 0 else {}
+            if self._monitor in events:
+                ev = parse_monitor_message(self._monitor.recv_multipart())
+                if ev["event"] in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
+                    raise self._unavailable(f"it went away during {msg['type']}")
+                continue
+            if self._sock not in events:
                 if unavailable:
                     raise self._unavailable(unavailable)
                 raise CollectiveTimeout(f"[daemon-client] mccld did not answer {msg['type']} within "
