@@ -160,10 +160,14 @@ def test_daemons_discover_each_other_and_refuse_a_wrong_key():
 def test_two_hosts_two_ranks_each_every_collective():
     _skip_unless_fleet()
     with DaemonFleet(2) as df:
-        out = df.ranks("collectives", [0, 1, 1, 0], timeout_s=200)   # interleaved ranks
-        for r, (code, text) in out.items():
-            assert code == 0 and text.endswith("ok"), f"rank {r}:\n{text}\n--- all ---\n{out}"
+        links_up = []
+        for placement in ([0, 1, 1, 0], [1, 0, 0, 1]):    # interleaved ranks; two jobs in a row
+            out = df.ranks("collectives", placement, timeout_s=200)
+            for r, (code, text) in out.items():
+                assert code == 0 and text.endswith("ok"), f"rank {r}:\n{text}\n--- all ---\n{out}"
+            links_up.append(df.log(0).count("link up"))
         assert [p["host"] for p in df.status(0)["links"]] == ["h1"]
+        assert links_up[1] == links_up[0], "the second job dialled new links instead of reusing them"
     assert not list(Path("/dev/shm").glob("mccl-00005eed-*"))
 
 
