@@ -37,6 +37,14 @@ ReduceOp to_op(int v) {
 
 void* ptr(uintptr_t p) { return reinterpret_cast<void*>(p); }
 
+bool python_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
+
 py::object error_tuple(const Error& e) {
   return py::make_tuple(static_cast<int>(e.kind()), std::string(e.what()), e.peer_rank(),
                         e.peer_addr());
@@ -76,7 +84,7 @@ class PyCommunicator {
  private:
   static void deliver_batch(PyObject* cb, std::vector<Completion>& batch) {
     // Taking the GIL while the interpreter shuts down would hang or kill this thread.
-    if (!Py_IsInitialized() || _Py_IsFinalizing()) return;
+    if (!Py_IsInitialized() || python_finalizing()) return;
     py::gil_scoped_acquire gil;
     try {
       py::list out(batch.size());
