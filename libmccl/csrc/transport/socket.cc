@@ -210,6 +210,22 @@ void configure_link_socket(int fd, int buffer_bytes) {
 #ifdef SO_NOSIGPIPE
   ::setsockopt(fd, SOL_SOCKET, SO_NOSIGPIPE, &one, sizeof(one));
 #endif
+  // A peer host that loses power or its cable sends no FIN: keepalive probes turn the
+  // silent link into an error within about a minute instead of the op timeout (which
+  // may be 30 min). A stopped or busy process still answers them from its kernel.
+  int idle_s = 20, interval_s = 5, count = 4;
+  ::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+#if defined(TCP_KEEPIDLE)
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle_s, sizeof(idle_s));
+#elif defined(TCP_KEEPALIVE)  // macOS spelling
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPALIVE, &idle_s, sizeof(idle_s));
+#endif
+#ifdef TCP_KEEPINTVL
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval_s, sizeof(interval_s));
+#endif
+#ifdef TCP_KEEPCNT
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof(count));
+#endif
 }
 
 void set_nonblocking(int fd, bool on) {

@@ -76,7 +76,7 @@ Fd connect_tcp(const HostPort& peer, Deadline deadline, int peer_rank,
 // Waits for one connection until `deadline`; returns an invalid Fd on timeout.
 Fd accept_tcp(int listen_fd, Deadline deadline);
 
-// TCP_NODELAY, SO_SNDBUF/SO_RCVBUF and (on macOS) SO_NOSIGPIPE.
+// TCP_NODELAY, SO_SNDBUF/SO_RCVBUF, keepalive and (on macOS) SO_NOSIGPIPE.
 void configure_link_socket(int fd, int buffer_bytes);
 void set_nonblocking(int fd, bool on);
 
