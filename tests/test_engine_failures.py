@@ -301,3 +301,21 @@ def test_ranks_with_different_segment_options_are_refused():
     out = run_threads(2, make)
     for e in out:
         assert isinstance(e, ConfigError) and "MCCL_SEGMENT_BYTES" in str(e), e
+
+
+def test_wait_is_interruptible_and_times_out_in_caller():
+    import os
+    import signal
+    import threading
+    with ranks(2) as comms:
+        a = np.zeros(4, np.float32)
+        op = comms[0].allreduce(ptr(a), 4, DT[a.dtype], SUM)  # rank 1 never joins
+        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        t0 = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            comms[0].wait(op, 30)
+        assert time.monotonic() - t0 < 2.0
+        with pytest.raises(CollectiveTimeout, match="timed out after 0.2 s"):
+            comms[0].wait(op, 0.2)
+        comms[0].abort("test over")
+        comms[1].abort("test over")

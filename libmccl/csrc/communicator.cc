@@ -283,20 +283,28 @@ void Communicator::completion_main() {
 
 // ---------------------------------------------------------------- waiting and stopping
 
-void Communicator::wait(uint64_t id, double timeout_s) {
+bool Communicator::wait_for(uint64_t id, double timeout_s) {
   std::unique_lock<std::mutex> lk(mu_);
   if (id == 0 || id >= next_id_) {
     throw_error(ErrorKind::kConfig, "[engine] wait: no operation #" + std::to_string(id));
   }
-  bool done = done_cv_.wait_until(lk, deadline_after(timeout_s), [&] { return !pending_.count(id); });
-  if (!done) {
-    throw_error(ErrorKind::kTimeout, "[engine] waiting for op #" + std::to_string(id) +
-                                         " timed out after " + format_seconds(timeout_s) +
-                                         " s; it is still running; wait longer or check the "
-                                         "other ranks reached the same op");
+  if (!done_cv_.wait_until(lk, deadline_after(timeout_s), [&] { return !pending_.count(id); })) {
+    return false;
   }
   auto it = failed_ops_.find(id);
   if (it != failed_ops_.end()) throw Error(*it->second);
+  return true;
+}
+
+void Communicator::wait(uint64_t id, double timeout_s) {
+  if (!wait_for(id, timeout_s)) throw_wait_timeout(id, timeout_s);
+}
+
+void Communicator::throw_wait_timeout(uint64_t id, double timeout_s) const {
+  throw_error(ErrorKind::kTimeout, "[engine] waiting for op #" + std::to_string(id) +
+                                       " timed out after " + format_seconds(timeout_s) +
+                                       " s; it is still running; wait longer or check the "
+                                       "other ranks reached the same op");
 }
 
 void Communicator::abort(const std::string& reason) {

@@ -94,6 +94,9 @@ class Communicator {
 
   // Blocks until op `id` finished; throws its error, or CollectiveTimeout after timeout_s.
   void wait(uint64_t id, double timeout_s);
+  // Like wait, but returns false (instead of throwing) if the op is still pending.
+  bool wait_for(uint64_t id, double timeout_s);
+  [[noreturn]] void throw_wait_timeout(uint64_t id, double timeout_s) const;
   // Fails every pending op with AbortedError, tells live peers, closes the links.
   void abort(const std::string& reason);
   // Lets queued ops finish (up to timeout_s), then stops threads and closes links.

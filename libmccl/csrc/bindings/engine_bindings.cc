@@ -199,8 +199,19 @@ void register_engine_bindings(py::module_& m) {
         return c.core().recv(ptr(p), nbytes, src, tag);
       }, py::arg("ptr"), py::arg("nbytes"), py::arg("src"), py::arg("tag") = 0)
       .def("wait", [](PC& c, uint64_t id, double timeout_s) {
-        py::gil_scoped_release nogil;
-        c.core().wait(id, timeout_s);
+        // In slices, so Ctrl-C (KeyboardInterrupt) is not held up until the op ends.
+        Deadline end = deadline_after(timeout_s);
+        while (true) {
+          double left = std::chrono::duration<double>(end - Clock::now()).count();
+          bool done;
+          {
+            py::gil_scoped_release nogil;
+            done = c.core().wait_for(id, std::min(std::max(left, 0.0), 0.1));
+          }
+          if (done) return;
+          if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+          if (left <= 0) c.core().throw_wait_timeout(id, timeout_s);
+        }
       }, py::arg("op_id"), py::arg("timeout_s") = 1800.0)
       .def("abort", [](PC& c, const std::string& reason) {
         py::gil_scoped_release nogil;
