@@ -245,6 +245,10 @@ class Daemon:
                 del self.jobs[job.id]
             for key in [k for k in self._traffic if k[0] == job.id]:
                 del self._traffic[key]
+            # The record only has to name segments that may outlive us: those of live jobs.
+            live = [name for j in self.jobs.values() for m in list(j.members.values()) for name in m.segments]
+            if self.runtime_dir is not None:
+                (self.runtime_dir / SEGMENT_RECORD).write_text("".join(n + "\n" for n in live))
 
     # -- the attach protocol ---------------------------------------------------------------
     def _handle(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any] | None:
@@ -268,7 +272,7 @@ class Daemon:
             raise ProtocolError(f"[daemon] unknown job {job_id!r}; join it first")
         if kind == "register":
             job.register(msg["rank"], ident, msg["segment"], msg["nbytes"])
-            with open(self.runtime_dir / SEGMENT_RECORD, "a") as fh:
+            with self._lock, open(self.runtime_dir / SEGMENT_RECORD, "a") as fh:
                 fh.write(msg["segment"] + "\n")
             return {"ok": True}
         if kind == "op":
@@ -302,6 +306,8 @@ class Daemon:
                     and isinstance(h.get("link_addr"), str) and isinstance(h.get("ranks"), list)
                     and all(isinstance(r, int) for r in h["ranks"])):
                 raise ProtocolError("[daemon] join: every host needs host_id, link_addr and ranks")
+        if not msg["timeout_s"] > 0:
+            raise ProtocolError(f"[daemon] join: timeout_s={msg['timeout_s']} must be positive")
         with self._lock:
             job = self.jobs.get(job_id)
             if job is None or job.state in ("failed", "closed") and not job.members:
