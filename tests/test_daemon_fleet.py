@@ -136,6 +136,14 @@ def test_daemons_discover_each_other_and_refuse_a_wrong_key():
         entry = next(e for e in df.status(0)["fleet_table"] if e["host_id"] == "h1")
         assert entry["fleet"] == "dtest" and entry["addresses"] == [df.fleet.hosts[1].addr]
         assert entry["cores"] > 0 and entry["state"] == "idle" and entry["proto"] == 1
+        # browse_fleet (what mcclctl calls) from a fresh process on host 0
+        code = ("import json; from mccld.discovery import browse_fleet; "
+                "print(json.dumps(browse_fleet(3.0, fleet='dtest', interfaces=['%s'])))" % df.fleet.hosts[0].addr)
+        res = df.fleet.run(0, [sys.executable, "-c", code], timeout=30)
+        assert res.returncode == 0, res.stderr
+        seen = json.loads(res.stdout.strip().splitlines()[-1])
+        assert sorted(e["host_id"] for e in seen) == ["h0", "h1", "h2"]
+        assert all(e["port"] == 29650 and e["status_port"] == 0 for e in seen)
 
         ok = local_request(df.dir / "h0", {"type": "probe", "addr": f"{df.fleet.hosts[1].addr}:29650"})
         assert ok["host_id"] == "h1"
