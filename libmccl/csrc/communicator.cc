@@ -367,6 +367,8 @@ CommStats Communicator::stats() const {
     std::lock_guard<std::mutex> lk(mu_);
     s.ops_completed = ops_completed_;
   }
+  s.unexpected_messages = transport_->unexpected_messages();
+  s.unexpected_bytes = transport_->unexpected_bytes();
   s.per_peer.resize(size_);
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) continue;

@@ -48,6 +48,8 @@ struct CommStats {
   uint64_t ops_completed = 0;
   uint64_t bytes_sent = 0;
   uint64_t bytes_received = 0;
+  uint64_t unexpected_messages = 0;  // arrived before their receive was posted
+  uint64_t unexpected_bytes = 0;
   std::vector<std::pair<uint64_t, uint64_t>> per_peer;  // (sent, received) by rank
 };
 

@@ -239,6 +239,8 @@ void register_engine_bindings(py::module_& m) {
         out["ops_completed"] = s.ops_completed;
         out["bytes_sent"] = s.bytes_sent;
         out["bytes_received"] = s.bytes_received;
+        out["unexpected_messages"] = s.unexpected_messages;
+        out["unexpected_bytes"] = s.unexpected_bytes;
         out["per_peer"] = per_peer;
         return out;
       });

@@ -211,10 +211,10 @@ void Pair::fail_all(const std::shared_ptr<const Error>& err, std::vector<Request
     c.unexpected = nullptr;
   }
   posted_.clear();
-  size_t held = 0;
-  for (auto& kv : unexpected_) held += kv.second.first.total;
+  for (auto& kv : unexpected_) {
+    host_.release_unexpected(std::move(kv.second.data), kv.second.capacity, kv.second.first.total);
+  }
   unexpected_.clear();
-  if (held) host_.release_unexpected(held);
   close();
 }
 

@@ -34,9 +34,12 @@ class PairHost {
   virtual void check_collective_frame(Pair& pair, const FrameHeader& h) = 0;
   // A p2p frame without a posted receive: may hand it to a waiting any-source receive.
   virtual RequestPtr claim_for_any_source(Pair& pair, const FrameHeader& h) = 0;
-  // Accounting of buffered unexpected bytes; throws when over the cap.
-  virtual void reserve_unexpected(Pair& pair, const FrameHeader& h) = 0;
-  virtual void release_unexpected(size_t bytes) = 0;
+  // A buffer for an unexpected message of h.total bytes; throws when over the cap.
+  virtual std::unique_ptr<uint8_t[]> reserve_unexpected(Pair& pair, const FrameHeader& h,
+                                                        size_t* capacity) = 0;
+  // Gives it back once copied out (or dropped); the host may keep it for reuse.
+  virtual void release_unexpected(std::unique_ptr<uint8_t[]> buf, size_t capacity,
+                                  size_t bytes) = 0;
   // Transport-wide arrival stamp: any-source receives take the earliest message.
   virtual uint64_t next_arrival() = 0;
 };
@@ -61,6 +64,7 @@ class RemoteAbort : public Error {
 struct Unexpected {
   FrameHeader first;
   std::unique_ptr<uint8_t[]> data;  // uninitialised: every byte is written by a frame
+  size_t capacity = 0;
   size_t received = 0;
   uint64_t arrival = 0;
   RequestPtr waiting;  // a receive posted while the message was still arriving

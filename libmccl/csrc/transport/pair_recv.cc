@@ -52,8 +52,8 @@ void Pair::copy_out(Unexpected& u, const RequestPtr& req) {
   if (n) std::memcpy(req->buf, u.data.get(), n);
   req->done = n;
   MsgKey key{channel_of(u.first.kind), u.first.seq, u.first.tag};
+  host_.release_unexpected(std::move(u.data), u.capacity, n);
   unexpected_.erase(key);
-  host_.release_unexpected(n);
   finish_recv(req);
 }
 
@@ -170,13 +170,12 @@ void Pair::on_header(Conn& c) {
       Unexpected& u = ins.first->second;
       if (ins.second) {
         try {
-          host_.reserve_unexpected(*this, h);
+          u.data = host_.reserve_unexpected(*this, h, &u.capacity);
         } catch (...) {
           unexpected_.erase(ins.first);
           throw;
         }
         u.first = h;
-        u.data.reset(new uint8_t[std::max<uint64_t>(h.total, 1)]);
         u.arrival = host_.next_arrival();
       } else if (u.first.total != h.total) {
         throw_error(ErrorKind::kProtocol,

@@ -244,7 +244,8 @@ void Transport::request_done(const RequestPtr& req) {
   }
 }
 
-void Transport::reserve_unexpected(Pair& pair, const FrameHeader& h) {
+std::unique_ptr<uint8_t[]> Transport::reserve_unexpected(Pair& pair, const FrameHeader& h,
+                                                         size_t* capacity) {
   if (unexpected_bytes_ + h.total > kMaxUnexpectedBytes) {
     throw_error(ErrorKind::kMismatch,
                 "[transport] " + pair.who() + " sent a " + std::to_string(h.total) + "-byte " +
@@ -255,6 +256,26 @@ void Transport::reserve_unexpected(Pair& pair, const FrameHeader& h) {
                 pair.peer_rank(), pair.peer_addr());
   }
   unexpected_bytes_ += h.total;
+  unexpected_count_.fetch_add(1, std::memory_order_relaxed);
+  unexpected_total_.fetch_add(h.total, std::memory_order_relaxed);
+  const size_t want = std::max<size_t>(h.total, 1);
+  auto it = spare_buffers_.lower_bound(want);
+  if (it != spare_buffers_.end() && it->first <= 2 * want) {
+    *capacity = it->first;
+    spare_bytes_ -= it->first;
+    std::unique_ptr<uint8_t[]> buf = std::move(it->second);
+    spare_buffers_.erase(it);
+    return buf;
+  }
+  *capacity = want;
+  return std::unique_ptr<uint8_t[]>(new uint8_t[want]);
+}
+
+void Transport::release_unexpected(std::unique_ptr<uint8_t[]> buf, size_t capacity, size_t bytes) {
+  unexpected_bytes_ -= bytes;
+  if (!buf || spare_bytes_ + capacity > kMaxSpareBytes) return;  // freed here
+  spare_bytes_ += capacity;
+  spare_buffers_.emplace(capacity, std::move(buf));
 }
 
 void Transport::wake() {

@@ -15,6 +15,7 @@
 #include <atomic>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -31,6 +32,8 @@ class Transport : public PairHost {
  public:
   // Unexpected (not yet received-for) bytes a rank buffers before it declares a mismatch.
   static constexpr uint64_t kMaxUnexpectedBytes = uint64_t(1) << 30;
+  // Freed unexpected-message buffers kept for reuse, at most this many bytes.
+  static constexpr size_t kMaxSpareBytes = 64 << 20;
 
   Transport(int rank, int size, uint64_t comm_id, std::vector<std::vector<Fd>> links,
             std::vector<std::string> addrs);
@@ -73,6 +76,10 @@ class Transport : public PairHost {
   // Orderly close: BYE on every socket so peers do not mistake the EOF for a crash.
   void close_gracefully(Deadline deadline);
 
+  // Messages (and their bytes) that arrived before their receive was posted and had to
+  // be buffered and copied: a measure of how far peers run ahead.
+  uint64_t unexpected_messages() const { return unexpected_count_.load(std::memory_order_relaxed); }
+  uint64_t unexpected_bytes() const { return unexpected_total_.load(std::memory_order_relaxed); }
   uint64_t bytes_sent(int peer) const;
   uint64_t bytes_received(int peer) const;
 
@@ -80,8 +87,9 @@ class Transport : public PairHost {
   void request_done(const RequestPtr& req) override;
   void check_collective_frame(Pair& pair, const FrameHeader& h) override;
   RequestPtr claim_for_any_source(Pair& pair, const FrameHeader& h) override;
-  void reserve_unexpected(Pair& pair, const FrameHeader& h) override;
-  void release_unexpected(size_t bytes) override { unexpected_bytes_ -= bytes; }
+  std::unique_ptr<uint8_t[]> reserve_unexpected(Pair& pair, const FrameHeader& h,
+                                                size_t* capacity) override;
+  void release_unexpected(std::unique_ptr<uint8_t[]> buf, size_t capacity, size_t bytes) override;
   uint64_t next_arrival() override { return ++arrivals_; }
 
  private:
@@ -117,7 +125,13 @@ class Transport : public PairHost {
   std::deque<RequestPtr> done_q_;
   uint64_t post_counter_ = 0;
   uint64_t arrivals_ = 0;
-  uint64_t unexpected_bytes_ = 0;
+  uint64_t unexpected_bytes_ = 0;  // buffered right now
+  // Freed unexpected buffers by capacity, reused by later ones: a peer that runs ahead
+  // makes this happen every op, and fresh multi-MB allocations fault in every page.
+  std::multimap<size_t, std::unique_ptr<uint8_t[]>> spare_buffers_;
+  size_t spare_bytes_ = 0;
+  std::atomic<uint64_t> unexpected_count_{0};
+  std::atomic<uint64_t> unexpected_total_{0};
 
   bool active_ = false;
   uint64_t active_seq_ = 0;
