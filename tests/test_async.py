@@ -23,7 +23,7 @@ def _in_flight_rank(rank: int, world: int) -> None:
         if rank == world - 1:
             # No op can complete anywhere until the last rank joins, so on the other
             # ranks every op below is provably in flight together.
-            time.sleep(1.0)
+            time.sleep(3.0)
         started = time.monotonic()
         tensors = [torch.full((1000 + i,), float(rank + i)) for i in range(IN_FLIGHT)]
         works = [dist.all_reduce(t, async_op=True) for t in tensors]
@@ -32,7 +32,7 @@ def _in_flight_rank(rank: int, world: int) -> None:
                   for i, g in enumerate(gathers)]
         issued = time.monotonic() - started
         if rank != world - 1:
-            assert issued < 0.5, f"issuing {len(works)} async ops took {issued:.2f}s: they block"
+            assert issued < 2.0, f"issuing {len(works)} async ops took {issued:.2f}s: they block"
             assert not any(w.is_completed() for w in works), "an op completed before every rank issued it"
         for w in works:
             assert w.wait()

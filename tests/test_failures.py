@@ -89,7 +89,8 @@ def test_sigstop_peer_times_out() -> None:
         # (timeout + 5 s) in Work.wait would.
         assert "CollectiveTimeout" in detail, f"rank {rank}: {detail}"
         took = failed_at - stopped_at
-        assert timeout_s - 1 < took < timeout_s + 4, f"rank {rank}: {took:.1f}s"
+        # (The deadline counts from when the op began, which may precede the stop.)
+        assert timeout_s / 2 < took < timeout_s + 4, f"rank {rank}: {took:.1f}s"
 
 
 def _guarded(n: int, pad: int = 4096):
