@@ -319,3 +319,18 @@ def test_wait_is_interruptible_and_times_out_in_caller():
             comms[0].wait(op, 0.2)
         comms[0].abort("test over")
         comms[1].abort("test over")
+
+
+def test_building_the_mesh_is_interruptible():
+    import os
+    import signal
+    import threading
+    lst = _core.Listener("127.0.0.1", 0)
+    silent = _core.Listener("127.0.0.1", 0)  # its kernel accepts our dial, nobody answers
+    threads0 = thread_count()
+    threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        _core.Communicator(0, 2, 1, lst, [lst.address, silent.address], make_options(connect_timeout_s=30.0))
+    assert time.monotonic() - t0 < 3.0
+    assert thread_count() == threads0

@@ -20,7 +20,7 @@ constexpr size_t kKeepScratchBytes = 64 << 20;
 
 Communicator::Communicator(int rank, int size, uint64_t comm_id, int listen_fd,
                            std::vector<std::string> peer_addrs, const Options& opts,
-                           Deliver deliver)
+                           Deliver deliver, std::atomic<bool>* cancel)
     : rank_(rank),
       size_(size),
       comm_id_(comm_id),
@@ -46,7 +46,7 @@ Communicator::Communicator(int rank, int size, uint64_t comm_id, int listen_fd,
   spec.segment_bytes = opts_.segment_bytes;
   spec.small_allreduce_bytes = opts_.small_allreduce_bytes;
   spec.peer_addrs = addrs_;
-  auto links = build_mesh(spec, listen_fd, deadline_after(opts_.connect_timeout_s));
+  auto links = build_mesh(spec, listen_fd, deadline_after(opts_.connect_timeout_s), cancel);
   transport_ = std::make_unique<Transport>(rank, size, comm_id, std::move(links), addrs_);
   worker_ = std::thread([this] { worker_main(); });
   completer_ = std::thread([this] { completion_main(); });

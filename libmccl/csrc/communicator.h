@@ -17,6 +17,7 @@
 // After any error the communicator is failed: the op that saw it, every pending op and
 // every later op complete with the same typed error.
 #pragma once
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -72,9 +73,11 @@ class Communicator {
  public:
   using Deliver = std::function<void(std::vector<Completion>& batch)>;
 
-  // Builds the mesh (blocking, bounded by opts.connect_timeout_s) and starts the threads.
+  // Builds the mesh (blocking, bounded by opts.connect_timeout_s; setting *cancel from
+  // another thread interrupts it) and starts the threads.
   Communicator(int rank, int size, uint64_t comm_id, int listen_fd,
-               std::vector<std::string> peer_addrs, const Options& opts, Deliver deliver);
+               std::vector<std::string> peer_addrs, const Options& opts, Deliver deliver,
+               std::atomic<bool>* cancel = nullptr);
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;

@@ -5,7 +5,11 @@
 
 #include <pybind11/stl.h>
 
+#include <atomic>
+#include <chrono>
+#include <future>
 #include <memory>
+#include <thread>
 
 #include "communicator.h"
 #include "dtype.h"
@@ -66,11 +70,41 @@ class PyCommunicator {
       PyObject* cb = on_complete_.ptr();  // kept alive by on_complete_, which outlives core_
       deliver = [cb](std::vector<Completion>& batch) { deliver_batch(cb, batch); };
     }
+    // Built on a helper thread while this one watches for Ctrl-C: building the mesh
+    // waits for every peer, up to the connect timeout.
+    std::atomic<bool> cancel{false};
+    std::promise<void> built;
+    std::future<void> done = built.get_future();
+    std::thread builder([&] {
+      try {
+        core_ = std::make_unique<Communicator>(rank, size, comm_id, listener.fd(),
+                                               std::move(peer_addrs), opts, std::move(deliver),
+                                               &cancel);
+        built.set_value();
+      } catch (...) {
+        built.set_exception(std::current_exception());
+      }
+    });
+    bool interrupted = false;
+    while (true) {
+      std::future_status st;
+      {
+        py::gil_scoped_release nogil;
+        st = done.wait_for(std::chrono::milliseconds(100));
+      }
+      if (st == std::future_status::ready) break;
+      if (!interrupted && PyErr_CheckSignals() != 0) {
+        interrupted = true;  // the KeyboardInterrupt stays pending; stop the builder
+        cancel.store(true);
+      }
+    }
     {
       py::gil_scoped_release nogil;
-      core_ = std::make_unique<Communicator>(rank, size, comm_id, listener.fd(),
-                                             std::move(peer_addrs), opts, std::move(deliver));
+      builder.join();
+      if (interrupted) core_.reset();  // its threads may wait for the GIL: release it
     }
+    if (interrupted) throw py::error_already_set();
+    done.get();  // rethrows the builder's error
     listener.close();
   }
 

@@ -96,13 +96,16 @@ Verdict judge(const Hello& theirs, uint32_t version, const Hello& mine) {
 
 }  // namespace
 
-void handshake_dial(int fd, const Hello& hello, const std::string& peer_addr, Deadline deadline) {
+bool handshake_dial(int fd, const Hello& hello, const std::string& peer_addr, Deadline deadline,
+                    const std::atomic<bool>* cancel) {
   const int peer = static_cast<int>(hello.to_rank);
   const std::string who = "peer=" + peer_addr + " (rank " + std::to_string(peer) + ")";
   uint8_t buf[kHelloBytes];
   encode_hello(hello, buf);
   uint8_t reply[kReplyFixed];
-  if (!write_all(fd, buf, sizeof(buf), deadline) || !read_all(fd, reply, sizeof(reply), deadline)) {
+  if (!write_all(fd, buf, sizeof(buf), deadline, cancel) ||
+      !read_all(fd, reply, sizeof(reply), deadline, cancel)) {
+    if (cancel && cancel->load()) return false;
     throw_error(ErrorKind::kPeerLost,
                 "[transport] handshake with " + who +
                     " got no answer; likely cause: that rank exited, or the address belongs to "
@@ -117,7 +120,7 @@ void handshake_dial(int fd, const Hello& hello, const std::string& peer_addr, De
                     ": the answer is not MCCL; the address belongs to another program",
                 peer, peer_addr);
   }
-  if (status == 0) return;
+  if (status == 0) return true;
   std::string reason(len, '\0');
   if (len && !read_all(fd, &reason[0], len, deadline)) reason = "(reason lost)";
   throw_error(static_cast<ErrorKind>(status),

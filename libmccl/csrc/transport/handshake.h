@@ -4,6 +4,7 @@
 // the reason it refuses. Either side turns a refusal into a typed error that says what
 // differs and what to do.
 #pragma once
+#include <atomic>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -25,7 +26,9 @@ struct Hello {
 
 // Dialer side: send `hello`, wait for the verdict. Throws ProtocolError/ConfigError
 // (refused, with the acceptor's reason) or PeerLost/Timeout (no answer).
-void handshake_dial(int fd, const Hello& hello, const std::string& peer_addr, Deadline deadline);
+// Returns false (nothing thrown) if `cancel` became true while waiting.
+bool handshake_dial(int fd, const Hello& hello, const std::string& peer_addr, Deadline deadline,
+                    const std::atomic<bool>* cancel = nullptr);
 
 // Acceptor side: read a hello and check it against this rank's view. On a mismatch it
 // answers the reason and throws the same error here. Returns nullopt for a connection

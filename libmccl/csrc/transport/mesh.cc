@@ -59,13 +59,16 @@ void accept_lower_ranks(const MeshSpec& spec, int listen_fd, Deadline deadline,
 
 }  // namespace
 
-std::vector<std::vector<Fd>> build_mesh(const MeshSpec& spec, int listen_fd, Deadline deadline) {
+std::vector<std::vector<Fd>> build_mesh(const MeshSpec& spec, int listen_fd, Deadline deadline,
+                                        std::atomic<bool>* cancel) {
   const int k = spec.sockets_per_peer;
   std::vector<std::vector<Fd>> links(spec.size);
   for (int r = 0; r < spec.size; ++r) {
     if (r != spec.rank) links[r].resize(k);
   }
-  std::atomic<bool> stop{false};
+  // One flag stops both directions: set by the caller (interrupt) or by a failing side.
+  std::atomic<bool> own_stop{false};
+  std::atomic<bool>& stop = cancel ? *cancel : own_stop;
   std::exception_ptr accept_error;
   std::thread acceptor([&] {
     try {
@@ -91,7 +94,7 @@ std::vector<std::vector<Fd>> build_mesh(const MeshSpec& spec, int listen_fd, Dea
         h.socks_per_peer = static_cast<uint32_t>(k);
         h.segment_bytes = spec.segment_bytes;
         h.small_allreduce_bytes = spec.small_allreduce_bytes;
-        handshake_dial(fd.get(), h, hp.str(), deadline);
+        if (!handshake_dial(fd.get(), h, hp.str(), deadline, &stop)) break;
         configure_link_socket(fd.get(), spec.socket_buffer_bytes);
         set_nonblocking(fd.get(), true);
         links[peer][s] = std::move(fd);
@@ -104,6 +107,10 @@ std::vector<std::vector<Fd>> build_mesh(const MeshSpec& spec, int listen_fd, Dea
   acceptor.join();
   if (dial_error) std::rethrow_exception(dial_error);
   if (accept_error) std::rethrow_exception(accept_error);
+  if (stop.load()) {
+    throw_error(ErrorKind::kAborted, "[transport] building the links of rank " +
+                                         std::to_string(spec.rank) + " was interrupted");
+  }
   return links;
 }
 

@@ -241,14 +241,15 @@ int nosignal_flag() {
 #endif
 }
 
-bool write_all(int fd, const void* buf, size_t n, Deadline deadline) {
+bool write_all(int fd, const void* buf, size_t n, Deadline deadline,
+               const std::atomic<bool>* cancel) {
   const char* p = static_cast<const char*>(buf);
   while (n > 0) {
     pollfd pf{fd, POLLOUT, 0};
-    int pr = ::poll(&pf, 1, ms_until(deadline, 1000));
+    int pr = ::poll(&pf, 1, ms_until(deadline, 200));
     if (pr < 0 && errno != EINTR) return false;
     if (pr <= 0) {
-      if (Clock::now() >= deadline) return false;
+      if (Clock::now() >= deadline || (cancel && cancel->load())) return false;
       continue;
     }
     ssize_t w = ::send(fd, p, n, nosignal_flag());
@@ -262,14 +263,14 @@ bool write_all(int fd, const void* buf, size_t n, Deadline deadline) {
   return true;
 }
 
-bool read_all(int fd, void* buf, size_t n, Deadline deadline) {
+bool read_all(int fd, void* buf, size_t n, Deadline deadline, const std::atomic<bool>* cancel) {
   char* p = static_cast<char*>(buf);
   while (n > 0) {
     pollfd pf{fd, POLLIN, 0};
-    int pr = ::poll(&pf, 1, ms_until(deadline, 1000));
+    int pr = ::poll(&pf, 1, ms_until(deadline, 200));
     if (pr < 0 && errno != EINTR) return false;
     if (pr <= 0) {
-      if (Clock::now() >= deadline) return false;
+      if (Clock::now() >= deadline || (cancel && cancel->load())) return false;
       continue;
     }
     ssize_t r = ::recv(fd, p, n, 0);

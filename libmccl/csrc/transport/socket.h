@@ -80,10 +80,12 @@ Fd accept_tcp(int listen_fd, Deadline deadline);
 void configure_link_socket(int fd, int buffer_bytes);
 void set_nonblocking(int fd, bool on);
 
-// Blocking I/O with a deadline (handshake only). Return false on timeout or EOF;
-// throw nothing, so the caller can phrase the error with handshake context.
-bool write_all(int fd, const void* buf, size_t n, Deadline deadline);
-bool read_all(int fd, void* buf, size_t n, Deadline deadline);
+// Blocking I/O with a deadline (handshake only). Return false on timeout, EOF or when
+// `cancel` becomes true; throw nothing, so the caller can phrase the error in context.
+bool write_all(int fd, const void* buf, size_t n, Deadline deadline,
+               const std::atomic<bool>* cancel = nullptr);
+bool read_all(int fd, void* buf, size_t n, Deadline deadline,
+              const std::atomic<bool>* cancel = nullptr);
 
 // "1.2.3.4:5678" of the remote end, or "?" if unknown.
 std::string remote_address(int fd);
