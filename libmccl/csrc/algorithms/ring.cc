@@ -54,12 +54,12 @@ void ring_pipeline(Collective& c, uint8_t* buf, const RingLayout& L, const RingP
     temp[0] = c.scratch.get(0, slot_bytes);
     temp[1] = c.scratch.get(1, slot_bytes);
   }
-  auto temp_at = [&](int s, int /*chunk*/, size_t j) { return temp[s % 2] + j * stride * es; };
+  auto temp_at = [&](int s, size_t j) { return temp[s % 2] + j * stride * es; };
 
   size_t outstanding = 0;
   auto post_rs_recv = [&](int s, size_t j) {
     int ch = rs_recv_chunk(s);
-    c.recv(left, temp_at(s, ch, j), bytes(ch, j), tag(s, j), cookie(s, j));
+    c.recv(left, temp_at(s, j), bytes(ch, j), tag(s, j), cookie(s, j));
     ++outstanding;
   };
   auto send = [&](int g, int chunk, size_t j) {
@@ -94,7 +94,7 @@ void ring_pipeline(Collective& c, uint8_t* buf, const RingLayout& L, const RingP
     const size_t j = static_cast<size_t>(req->cookie & 0xFFFFFFFFu);
     if (g < rs_steps) {
       const int s = g, ch = rs_recv_chunk(s);
-      ph.fn(temp_at(s, ch, j), at(ch, j), L.seg_len(ch, j));
+      ph.fn(temp_at(s, j), at(ch, j), L.seg_len(ch, j));
       if (s + 2 < rs_steps) post_rs_recv(s + 2, j);  // this temp slot is free again
       if (s + 1 < rs_steps) {
         send(s + 1, rs_send_chunk(s + 1), j);  // == ch, just reduced
