@@ -76,6 +76,7 @@ const std::string& Communicator::peer_address(int r) const {
 
 uint64_t Communicator::enqueue(Op op) {
   uint64_t id;
+  bool wake;
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (closing_) {
@@ -88,9 +89,14 @@ uint64_t Communicator::enqueue(Op op) {
     op.id = id;
     pending_.insert(id);
     queue_.push_back(std::move(op));
+    wake = worker_idle_;
   }
-  queue_cv_.notify_one();
-  transport_->wake();
+  // A busy worker looks at the queue when its op ends; only an idle one (asleep in
+  // poll or on the condvar) needs waking, which spares a syscall per op in a burst.
+  if (wake) {
+    queue_cv_.notify_one();
+    transport_->wake();
+  }
   return id;
 }
 
@@ -102,6 +108,7 @@ void Communicator::worker_main() {
     bool have = false;
     {
       std::unique_lock<std::mutex> lk(mu_);
+      worker_idle_ = queue_.empty();  // set under mu_: enqueue() then knows to wake us
       if (!queue_.empty()) {
         op = std::move(queue_.front());
         queue_.pop_front();

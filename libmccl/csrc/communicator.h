@@ -150,6 +150,7 @@ class Communicator {
   std::shared_ptr<const Error> sticky_;   // the communicator's failure
   bool closing_ = false;                  // no new ops accepted
   bool stop_ = false;                     // worker: exit when idle
+  bool worker_idle_ = true;               // worker found the queue empty and may sleep
   uint64_t ops_completed_ = 0;
 
   // Pending p2p ops (worker only): id -> deadline.
