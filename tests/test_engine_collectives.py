@@ -263,3 +263,57 @@ def test_stats_count_payload_bytes(comms):
         assert s["ops_completed"] == before[r]["ops_completed"] + 1
         assert set(s["per_peer"]) == set(range(n)) - {r}
         assert sum(p["sent"] for p in s["per_peer"].values()) == s["bytes_sent"]
+
+
+def test_any_source_completion_names_the_source():
+    import threading
+    got = []
+    done = threading.Event()
+
+    def on_complete(batch):
+        got.extend(batch)
+        if len(got) >= 2:
+            done.set()
+
+    with ranks(3, on_complete=[on_complete, None, None]) as comms:
+        def body(r, c):
+            if r == 0:
+                bufs = [np.zeros(4, np.int32) for _ in range(2)]
+                ids = [c.recv(ptr(b), b.nbytes, -1, 5) for b in bufs]
+                for i in ids:
+                    wait(c, i)
+                return ids, [int(b[0]) for b in bufs]
+            a = np.full(4, r, np.int32)
+            wait(c, c.send(ptr(a), a.nbytes, 0, 5))
+
+        ids, firsts = run_ranks(comms, body)[0]
+        assert done.wait(5)
+    info = {op: src for op, err, src in got}
+    assert sorted(info[i] for i in ids) == [1, 2]
+    assert [info[i] for i in ids] == firsts  # each completion names who filled that buffer
+
+
+def test_ipv6_loopback_mesh():
+    import socket
+    try:
+        s = socket.socket(socket.AF_INET6)
+        s.bind(("::1", 0))
+        s.close()
+    except OSError:
+        pytest.skip("no IPv6 loopback")
+    from libmccl import _core
+    from test_engine_helpers import make_options, run_threads
+    listeners = [_core.Listener("::1", 0) for _ in range(2)]
+    addrs = [x.address for x in listeners]
+    assert addrs[0].startswith("[::1]:")
+    comms = run_threads(2, lambda r: _core.Communicator(r, 2, 3, listeners[r], addrs, make_options()))
+    try:
+        def body(r, c):
+            a = np.full(10, r + 1, np.float64)
+            wait(c, c.allreduce(ptr(a), 10, DT[a.dtype], SUM))
+            return a
+
+        for out in run_ranks(comms, body):
+            np.testing.assert_array_equal(out, np.full(10, 3.0))
+    finally:
+        run_threads(2, lambda r: comms[r].shutdown(5.0))
