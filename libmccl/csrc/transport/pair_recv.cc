@@ -99,6 +99,7 @@ void Pair::on_readable(size_t conn) {
       }
       budget -= std::min(budget, static_cast<size_t>(r));
       if (direct) {
+        // Bulk data keeps arriving while we copy: read on until EAGAIN.
         c.dst += r;
         c.left -= static_cast<size_t>(r);
         if (c.left == 0) on_payload_done(c);
@@ -106,6 +107,9 @@ void Pair::on_readable(size_t conn) {
       }
       c.rb_begin = 0;
       c.rb_end = static_cast<size_t>(r);
+      // A short staging read means the socket is drained (small messages): parse it and
+      // return rather than pay a recv() for EAGAIN; poll is level-triggered.
+      if (static_cast<size_t>(r) < c.rbuf.size()) budget = 0;
     }
     while (c.rb_begin < c.rb_end) {
       size_t avail = c.rb_end - c.rb_begin;

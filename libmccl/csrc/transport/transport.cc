@@ -332,9 +332,10 @@ void Transport::progress(Deadline until) {
     }
     if (n == 0) return;
     if (fds[0].revents) {
+      // wake() writes at most one byte until we clear wake_pending_: one read drains it.
       char buf[64];
-      while (::read(wake_read_.get(), buf, sizeof(buf)) > 0) {
-      }
+      ssize_t rc = ::read(wake_read_.get(), buf, sizeof(buf));
+      (void)rc;
       wake_pending_.store(false);
     }
     for (size_t i = 1; i < fds.size(); ++i) {
