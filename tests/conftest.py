@@ -29,9 +29,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_pg(rank: int, world: int, timeout_s: float = 60.0, backend: str = "mccl") -> None:
-    """init_process_group from the env the harness set (MASTER_ADDR/PORT)."""
+def init_pg(rank: int, world: int, timeout_s: float = 60.0, backend: str = "mccl", port: int | None = None) -> None:
+    """init_process_group from the env the harness set (MASTER_ADDR/PORT).
+
+    Pass a fresh ``port`` to initialise again in the same process: torch's env://
+    store re-binding the previous port races its own clients."""
     import torch.distributed as dist
+
+    if port is not None:
+        os.environ["MASTER_PORT"] = str(port)
 
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
 

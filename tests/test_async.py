@@ -122,8 +122,7 @@ def _reinit_rank(rank: int, world: int, second_port: int) -> None:
         assert torch.equal(t, torch.full((5,), float(sum(range(world)) + world * round_))), (round_, t)
         dist.destroy_process_group()
     # And through env:// (a fresh store each time), as torchrun-style scripts do.
-    os.environ["MASTER_PORT"] = str(second_port)
-    init_pg(rank, world)
+    init_pg(rank, world, port=second_port)
     t = torch.ones(2)
     dist.all_reduce(t)
     assert torch.equal(t, torch.full((2,), float(world)))
@@ -255,8 +254,7 @@ def _destroy_after_big_rank(rank: int, world: int, ports: list[int]) -> list[str
 
     errors = []
     for i, port in enumerate(ports):
-        os.environ["MASTER_PORT"] = str(port)  # env:// re-init on one port races torch's own store
-        init_pg(rank, world, timeout_s=60)
+        init_pg(rank, world, timeout_s=60, port=port)
         big = torch.ones(16 << 20)
         try:
             dist.all_reduce(big)

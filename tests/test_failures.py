@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import collect, init_pg, reap, spawn_ranks
+from conftest import collect, free_port, init_pg, reap, spawn_ranks
 
 BIG = 16 << 20  # elements (64 MB of float32): a kill lands mid-transfer
 
@@ -100,7 +100,7 @@ def _guarded(n: int, pad: int = 4096):
     return big, big[pad:pad + n]
 
 
-def _mismatch_rank(rank: int, world: int) -> dict:
+def _mismatch_rank(rank: int, world: int, ports: list[int]) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -108,7 +108,7 @@ def _mismatch_rank(rank: int, world: int) -> dict:
 
     seen = {}
     # 1) all-reduce with a different element count on rank 1.
-    init_pg(rank, world, timeout_s=20)
+    init_pg(rank, world, timeout_s=20, port=ports[0])
     n = 1000 + (512 if rank == 1 else 0)
     big, buf = _guarded(n)
     buf.fill_(1.0)
@@ -126,7 +126,7 @@ def _mismatch_rank(rank: int, world: int) -> dict:
     dist.destroy_process_group()
 
     # 2) all-gather with different sizes (the receive buffer is sized from the local input).
-    init_pg(rank, world, timeout_s=20)
+    init_pg(rank, world, timeout_s=20, port=ports[1])
     m = 300 if rank == 0 else 200
     big, out = _guarded(world * m)
     try:
@@ -138,7 +138,7 @@ def _mismatch_rank(rank: int, world: int) -> dict:
     dist.destroy_process_group()
 
     # 3) different collectives on different ranks (both exchange data both ways).
-    init_pg(rank, world, timeout_s=20)
+    init_pg(rank, world, timeout_s=20, port=ports[2])
     t = torch.ones(64)
     try:
         if rank == 0:
@@ -152,7 +152,7 @@ def _mismatch_rank(rank: int, world: int) -> dict:
 
     # 4) A broadcast root only sends: it may finish before the receiver notices, but the
     # receiver must refuse data sized for another collective.
-    init_pg(rank, world, timeout_s=20)
+    init_pg(rank, world, timeout_s=20, port=ports[3])
     try:
         if rank == 0:
             dist.all_reduce(torch.ones(64))
@@ -167,7 +167,7 @@ def _mismatch_rank(rank: int, world: int) -> dict:
 
 @pytest.mark.timeout(180)
 def test_size_and_op_mismatch_raise_collective_mismatch(ranks) -> None:
-    seen = ranks(_mismatch_rank, 2, timeout_s=150)
+    seen = ranks(_mismatch_rank, 2, [free_port() for _ in range(4)], timeout_s=150)
     for rank in range(2):
         assert {k: seen[rank][k] for k in ("allreduce", "allgather", "op")} == {
             "allreduce": "CollectiveMismatch", "allgather": "CollectiveMismatch", "op": "CollectiveMismatch"}, seen

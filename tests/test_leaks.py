@@ -42,8 +42,7 @@ def _settled(baseline: dict, timeout_s: float = 10.0) -> dict:
 
 
 def _init(rank: int, world: int, port: int) -> None:
-    os.environ["MASTER_PORT"] = str(port)  # a fresh store per cycle: torch's own re-bind races
-    init_pg(rank, world, timeout_s=30)
+    init_pg(rank, world, timeout_s=30, port=port)
 
 
 def _cycle(rank: int, world: int, p2p: bool, port: int) -> None:
