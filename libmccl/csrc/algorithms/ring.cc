@@ -1,6 +1,7 @@
 #include "algorithms/ring.h"
 
 #include <algorithm>
+#include <string>
 
 namespace mccl {
 
@@ -55,6 +56,14 @@ void ring_pipeline(Collective& c, uint8_t* buf, const RingLayout& L, const RingP
     temp[1] = c.scratch.get(1, slot_bytes);
   }
   auto temp_at = [&](int s, size_t j) { return temp[s % 2] + j * stride * es; };
+
+  c.t.set_tag_namer([=](uint32_t t) {
+    const int g = static_cast<int>(t / S);
+    const bool rs = g < rs_steps;
+    return std::string(rs ? "reduce-scatter" : "all-gather") + " step " +
+           std::to_string(rs ? g + 1 : g - rs_steps + 1) + " of " + std::to_string(steps) +
+           ", segment " + std::to_string(t % S + 1) + " of " + std::to_string(S);
+  });
 
   size_t outstanding = 0;
   auto post_rs_recv = [&](int s, size_t j) {

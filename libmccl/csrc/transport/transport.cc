@@ -102,6 +102,7 @@ void Transport::begin_collective(uint64_t seq, const Signature& sig) {
     active_ = true;
     active_seq_ = seq;
     active_sig_ = sig;
+    tag_namer_ = nullptr;
     done_q_.clear();
     // Frames of this op that arrived before it started were only buffered: check them now.
     for (auto& p : pairs_) {
@@ -231,7 +232,10 @@ std::string Transport::describe_stall(Channel chan, int* peer) const {
   }
   *peer = oldest->peer;
   return std::string(oldest->is_send ? "sending to " : "data from ") + who(oldest->peer) +
-         " (message tag " + std::to_string(oldest->key.tag) + ")";
+         " (" + (chan == Channel::kCollective && tag_namer_ ? tag_namer_(oldest->key.tag)
+                                                              : "message tag " +
+                                                                    std::to_string(oldest->key.tag)) +
+         ")";
 }
 
 // ---------------------------------------------------------------- progress

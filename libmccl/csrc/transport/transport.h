@@ -51,6 +51,9 @@ class Transport : public PairHost {
   RequestPtr irecv(int peer, void* buf, size_t n, uint32_t tag, uint64_t cookie = 0);
   // Frames of collective `seq` are checked against `sig` as they arrive.
   void begin_collective(uint64_t seq, const Signature& sig);
+  // How the running collective's algorithm names a tag ("all-gather step 2, segment 5"),
+  // for timeout messages.
+  void set_tag_namer(std::function<std::string(uint32_t)> namer) { tag_namer_ = std::move(namer); }
   void end_collective();
   // Drives I/O until one of the running collective's requests completes. At the
   // deadline it fails the transport with CollectiveTimeout naming the awaited peer.
@@ -138,6 +141,7 @@ class Transport : public PairHost {
   uint64_t next_coll_seq_ = 0;  // every collective seq below this one has finished here
   Signature active_sig_;
   Signature last_sig_;  // of the collective next_coll_seq_ - 1
+  std::function<std::string(uint32_t)> tag_namer_;
 
   std::unordered_map<uint64_t, uint64_t> p2p_send_seq_;  // (peer, tag) -> next seq
   std::unordered_map<uint64_t, uint64_t> p2p_recv_seq_;
