@@ -334,3 +334,18 @@ def test_building_the_mesh_is_interruptible():
         _core.Communicator(0, 2, 1, lst, [lst.address, silent.address], make_options(connect_timeout_s=30.0))
     assert time.monotonic() - t0 < 3.0
     assert thread_count() == threads0
+
+
+def test_ring_timeout_names_the_stalled_rank_and_step():
+    with ranks(3, opts=make_options(timeout_s=1.0)) as comms:
+        def body(r, c):
+            if r == 2:
+                time.sleep(2.0)  # never calls the all-reduce
+                return None
+            a = np.ones(1 << 20, np.float32)  # ring path
+            return expect(c, c.allreduce(ptr(a), a.size, DT[a.dtype], SUM), CollectiveTimeout)
+
+        errs = run_ranks(comms, body)[:2]
+    for e in errs:
+        assert e.peer_rank == 2, e
+        assert "reduce-scatter step 1 of 2, segment" in str(e), e
