@@ -160,7 +160,7 @@ def test_new_group_subgroups(ranks) -> None:
 
 
 _TORCHRUN_SCRIPT = '''
-import torch, torch.distributed as dist
+import sys, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 dist.init_process_group("mccl")  # nothing of MCCL imported: torch's entry point registered it
 model = DDP(torch.nn.Linear(4, 2))
@@ -168,8 +168,9 @@ model(torch.randn(3, 4)).sum().backward()
 w = model.module.weight.grad.clone()
 dist.all_reduce(w, op=dist.ReduceOp.MAX)
 assert torch.equal(w, model.module.weight.grad), "gradients differ across ranks"
-assert "libmccl" in __import__("sys").modules
-print("rank", dist.get_rank(), "backend", dist.get_backend(), "ok")
+assert "libmccl" in sys.modules
+with open(f"{sys.argv[1]}/rank{dist.get_rank()}", "w") as f:  # workers' stdout interleaves
+    f.write(f"backend {dist.get_backend()} ok")
 dist.destroy_process_group()
 '''
 
@@ -183,10 +184,10 @@ def test_unchanged_script_under_torchrun(tmp_path) -> None:
     script = tmp_path / "train.py"
     script.write_text(_TORCHRUN_SCRIPT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(script)]
+           "--master-port", str(free_port()), str(script), str(tmp_path)]
     out = run_command(cmd, 100)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert out.stdout.count("backend mccl ok") == 2, out.stdout
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["backend mccl ok"] * 2
 
 
 @pytest.mark.timeout(180)
