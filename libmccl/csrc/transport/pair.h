@@ -113,6 +113,8 @@ class Pair {
   bool has_pending_send(Channel chan) const;
   // When a socket of this link last took bytes (or a send was queued on an idle one).
   Clock::time_point last_write() const { return last_write_; }
+  // When bytes last arrived from this peer.
+  Clock::time_point last_read() const { return last_read_; }
   // Headers of the collective messages buffered before their op started.
   std::vector<FrameHeader> unexpected_collective_headers() const;
 
@@ -169,6 +171,7 @@ class Pair {
   bool draining_ = false;
   Clock::time_point last_write_ = Clock::now();
   size_t queued_ = 0;  // frames in all send queues
+  Clock::time_point last_read_;
   std::unordered_map<MsgKey, RequestPtr, MsgKeyHash> posted_;
   std::unordered_map<MsgKey, Unexpected, MsgKeyHash> unexpected_;
   std::atomic<uint64_t> bytes_sent_{0};

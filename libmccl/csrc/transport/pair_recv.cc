@@ -98,6 +98,7 @@ void Pair::on_readable(size_t conn) {
         lost("receive failed", errno);
       }
       budget -= std::min(budget, static_cast<size_t>(r));
+      last_read_ = Clock::now();
       if (direct) {
         // Bulk data keeps arriving while we copy: read on until EAGAIN.
         c.dst += r;

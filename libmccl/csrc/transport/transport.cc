@@ -102,6 +102,8 @@ void Transport::begin_collective(uint64_t seq, const Signature& sig) {
     active_ = true;
     active_seq_ = seq;
     active_sig_ = sig;
+    active_start_ = Clock::now();
+    grace_until_ = Deadline();
     tag_namer_ = nullptr;
     done_q_.clear();
     // Frames of this op that arrived before it started were only buffered: check them now.
@@ -181,9 +183,17 @@ void Transport::compare_signature(Pair& pair, const FrameHeader& h, const Signat
 RequestPtr Transport::wait_next(Deadline deadline, double timeout_s) {
   while (done_q_.empty()) {
     throw_if_failed();
-    if (Clock::now() >= deadline) {
+    const auto now = Clock::now();
+    if (now >= std::max(deadline, grace_until_)) {
       int peer = -1;
-      std::string waiting = describe_stall(Channel::kCollective, &peer);
+      bool sure = false;
+      std::string waiting = describe_stall(Channel::kCollective, &peer, &sure);
+      if (!sure && grace_until_ == Deadline()) {
+        // The awaited peer did send us data in this op, so it may itself be waiting on
+        // the culprit. Give a rank with firmer evidence a moment to say who (ABORT).
+        grace_until_ = deadline_after(std::min(std::max(0.25 * timeout_s, 0.2), 5.0));
+        continue;
+      }
       Error e(ErrorKind::kTimeout,
               std::string("[") + op_kind_name(active_sig_.kind) + "] op #" +
                   std::to_string(active_seq_) + " (" + std::to_string(active_sig_.op_bytes) +
@@ -195,14 +205,14 @@ RequestPtr Transport::wait_next(Deadline deadline, double timeout_s) {
       fail(e);
       throw_if_failed();
     }
-    progress(deadline);
+    progress(std::max(deadline, grace_until_));
   }
   RequestPtr r = std::move(done_q_.front());
   done_q_.pop_front();
   return r;
 }
 
-std::string Transport::describe_stall(Channel chan, int* peer) const {
+std::string Transport::describe_stall(Channel chan, int* peer, bool* sure) const {
   // A peer that stopped reading (our send to it makes no progress) is the strongest
   // suspect: a rank merely waiting for data may itself be waiting on someone else.
   const auto now = Clock::now();
@@ -214,6 +224,7 @@ std::string Transport::describe_stall(Channel chan, int* peer) const {
     }
   }
   if (stalled) {
+    if (sure) *sure = true;
     *peer = stalled->peer_rank();
     double idle = std::chrono::duration<double>(now - stalled->last_write()).count();
     return "sending to " + stalled->who() + ", which has not read anything for " +
@@ -231,6 +242,8 @@ std::string Transport::describe_stall(Channel chan, int* peer) const {
     return any && chan == Channel::kP2P ? "an any-source receive" : "nothing";
   }
   *peer = oldest->peer;
+  // Sure if that peer sent nothing at all since this op began.
+  if (sure) *sure = active_ && pairs_[oldest->peer]->last_read() < active_start_;
   return std::string(oldest->is_send ? "sending to " : "data from ") + who(oldest->peer) +
          " (" + (chan == Channel::kCollective && tag_namer_ ? tag_namer_(oldest->key.tag)
                                                               : "message tag " +

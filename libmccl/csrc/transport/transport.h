@@ -104,7 +104,9 @@ class Transport : public PairHost {
   void match_any_source();  // pairs waiting any-source receives with buffered messages
   void throw_if_failed() const;
   // Who this rank is most likely stuck on, for timeout messages; sets *peer.
-  std::string describe_stall(Channel chan, int* peer) const;
+  // *sure (if given): the evidence is firm (the peer stopped reading, or sent nothing
+  // during this op) rather than "it has not sent the next piece yet".
+  std::string describe_stall(Channel chan, int* peer, bool* sure = nullptr) const;
   // Runs f; an Error from the links fails the transport (telling peers) and is rethrown
   // as the transport's failure, which may be an earlier one.
   template <typename F>
@@ -141,6 +143,8 @@ class Transport : public PairHost {
   uint64_t next_coll_seq_ = 0;  // every collective seq below this one has finished here
   Signature active_sig_;
   Signature last_sig_;  // of the collective next_coll_seq_ - 1
+  Clock::time_point active_start_;
+  Deadline grace_until_;  // set once the op deadline passed with only weak evidence
   std::function<std::string(uint32_t)> tag_namer_;
 
   std::unordered_map<uint64_t, uint64_t> p2p_send_seq_;  // (peer, tag) -> next seq
