@@ -333,7 +333,7 @@ def test_building_the_mesh_is_interruptible():
     with pytest.raises(KeyboardInterrupt):
         _core.Communicator(0, 2, 1, lst, [lst.address, silent.address], make_options(connect_timeout_s=30.0))
     assert time.monotonic() - t0 < 3.0
-    assert thread_count() == threads0
+    assert thread_count() <= threads0  # the builder thread is gone (others may end too)
 
 
 def test_ring_timeout_names_the_stalled_rank_and_step():
