@@ -127,7 +127,7 @@ class PyCommunicator {
         py::object err = c.error ? error_tuple(*c.error) : py::none();
         out[i] = py::make_tuple(c.op_id, err, c.info);
       }
-      // The plain C call: it is the one thing this thread does with the GIL held.
+      // One call per batch, whatever its size: the GIL round trip is the cost to amortise.
       PyObject* res = PyObject_CallOneArg(cb, out.ptr());
       if (!res) throw py::error_already_set();
       Py_DECREF(res);
