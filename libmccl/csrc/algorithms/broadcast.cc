@@ -3,6 +3,7 @@
 // it has landed, so the time is ~ size/bandwidth + (N-2) segments, not N-1 full copies
 // out of the root's link.
 #include <algorithm>
+#include <string>
 
 #include "algorithms/algorithms.h"
 
@@ -32,6 +33,9 @@ void broadcast(Collective& c, void* buf, size_t nbytes, int root) {
   const size_t segs = (nbytes + seg - 1) / seg;
   auto at = [&](size_t j) { return p + part_begin(nbytes, segs, j); };
   auto len = [&](size_t j) { return part_len(nbytes, segs, j); };
+  c.t.set_tag_namer([segs](uint32_t t) {
+    return "chain segment " + std::to_string(t + 1) + " of " + std::to_string(segs);
+  });
   size_t outstanding = 0;
   if (pos == 0) {
     for (size_t j = 0; j < segs; ++j, ++outstanding) c.send(next, at(j), len(j), uint32_t(j));

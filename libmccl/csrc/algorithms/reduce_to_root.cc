@@ -2,6 +2,7 @@
 // its contribution to a segment as it passes and forwards it; partial sums live in
 // scratch, so non-root buffers are left unchanged.
 #include <algorithm>
+#include <string>
 
 #include "algorithms/algorithms.h"
 #include "reduce.h"
@@ -23,6 +24,9 @@ void reduce_to_root(Collective& c, void* buf, size_t count, DType dt, ReduceOp o
     const size_t segs = std::max<size_t>(1, (count + seg / es - 1) / std::max<size_t>(seg / es, 1));
     auto first = [&](size_t j) { return part_begin(count, segs, j); };
     auto elems = [&](size_t j) { return part_len(count, segs, j); };
+    c.t.set_tag_namer([segs](uint32_t t) {
+      return "chain segment " + std::to_string(t + 1) + " of " + std::to_string(segs);
+    });
     size_t outstanding = 0;
     if (pos == 0) {
       for (size_t j = 0; j < segs; ++j, ++outstanding) {
