@@ -317,3 +317,47 @@ def test_ipv6_loopback_mesh():
             np.testing.assert_array_equal(out, np.full(10, 3.0))
     finally:
         run_threads(2, lambda r: comms[r].shutdown(5.0))
+
+
+def test_many_async_ops_in_flight_mixed_with_p2p(comms):
+    """Every rank enqueues the same random mix of collectives and ring sends/receives
+    without waiting in between; unexpected messages, striping and matching all get
+    exercised at once."""
+    n = len(comms)
+    rng = np.random.default_rng(42)
+    plan = [(rng.choice(["allreduce", "broadcast", "allgather", "p2p", "barrier"]),
+             int(rng.choice([1, 3, 5000, 70_000, 300_000])), int(rng.integers(0, n))) for _ in range(60)]
+
+    def body(r, c):
+        keep, checks = [], []
+        for i, (kind, count, root) in enumerate(plan):
+            if kind == "allreduce":
+                a = np.full(count, r + i, np.int64)
+                keep.append(c.allreduce(ptr(a), count, DT[a.dtype], SUM))
+                checks.append((a, np.full(count, sum(q + i for q in range(n)), np.int64)))
+            elif kind == "broadcast":
+                a = np.full(count, i if r == root else -1, np.int32)
+                keep.append(c.broadcast(ptr(a), a.nbytes, root))
+                checks.append((a, np.full(count, i, np.int32)))
+            elif kind == "allgather":
+                a = np.full(count, r * 1000 + i, np.int32)
+                out = np.zeros(count * n, np.int32)
+                keep.append(c.allgather(ptr(a), ptr(out), a.nbytes))
+                checks.append((out, np.repeat(np.arange(n, dtype=np.int32) * 1000 + i, count)))
+                checks.append((a, a.copy()))
+            elif kind == "p2p":
+                src = np.full(count, r * 7 + i, np.int32)
+                dst = np.zeros(count, np.int32)
+                keep.append(c.recv(ptr(dst), dst.nbytes, (r - 1) % n, i % 3))
+                keep.append(c.send(ptr(src), src.nbytes, (r + 1) % n, i % 3))
+                checks.append((dst, np.full(count, ((r - 1) % n) * 7 + i, np.int32)))
+                checks.append((src, src.copy()))
+            else:
+                keep.append(c.barrier())
+        for op in keep:
+            wait(c, op)
+        for got, want in checks:
+            np.testing.assert_array_equal(got, want)
+        return len(keep)
+
+    assert len(set(run_ranks(comms, body, timeout=120))) == 1
