@@ -10,7 +10,7 @@ build:
 	@.venv/bin/pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
 
 demo: setup
-	@$(PY) -m libmccl.demo
+	@$(PY) -m libmccl.demo --with-daemon
 
 test: setup
 	@bash scripts/test.sh

@@ -7,7 +7,9 @@ bounded time, and rank 0 prints per-step loss, samples/s and the all-reduce
 bandwidth DDP achieved, then a summary. The run fails (exit status 1) if a rank
 fails, the loss does not fall, or the replicas' parameters diverge.
 
-``--daemon`` runs the same job through the local mccld (MCCL_DAEMON=1).
+``--daemon`` runs the same job through the local mccld (MCCL_DAEMON=1);
+``--with-daemon`` (what ``make demo`` runs) starts a private mccld for it first and
+shows ``mcclctl status`` and the daemon's Prometheus figures around the job.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 VOCAB, SEQ, D_MODEL, LAYERS = 128, 32, 128, 2
 
@@ -86,10 +89,19 @@ class _AllReduceMeter:
         self.world = world
         self.bytes = 0
         self.first_issue: float | None = None
+        self.last_issue = 0.0
         self.last_done = 0.0
 
     def reset(self) -> None:
-        self.bytes, self.first_issue, self.last_done = 0, None, 0.0
+        self.bytes, self.first_issue, self.last_issue, self.last_done = 0, None, 0.0, 0.0
+
+    def overlap(self) -> float | None:
+        """1 - exposed/total communication time. The last bucket is issued when backward's
+        compute ends, so the exposed part is from then until the last bucket is done."""
+        if self.first_issue is None or self.last_done <= self.first_issue:
+            return None
+        exposed = max(0.0, self.last_done - self.last_issue)
+        return min(1.0, max(0.0, 1.0 - exposed / (self.last_done - self.first_issue)))
 
     def bus_gbps(self) -> float:
         """Bus bandwidth (nccl-tests convention): algbw * 2(n-1)/n, in Gbit/s."""
@@ -105,8 +117,9 @@ def _metered_allreduce_hook(meter: _AllReduceMeter, bucket):
 
     buf = bucket.buffer()
     meter.bytes += buf.numel() * buf.element_size()
+    meter.last_issue = time.perf_counter()
     if meter.first_issue is None:
-        meter.first_issue = time.perf_counter()
+        meter.first_issue = meter.last_issue
     fut = dist.all_reduce(buf, async_op=True).get_future()
 
     def done(f):
@@ -138,6 +151,8 @@ def _train(rank: int, args: DemoArgs, torch, dist, DDP) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     probs = _markov_chain()
     g = torch.Generator().manual_seed(1000 + rank)  # each rank its own data shard
+    comm = getattr(model.process_group, "communicator", None)
+    report_overlap = getattr(comm, "report_overlap", None)  # only the daemon client collects it
     n_params = sum(p.numel() for p in model.parameters())
     say(f"[demo] {args.world} ranks, backend={dist.get_backend()}{' via mccld' if args.daemon else ''}, "
         f"model {n_params / 1e6:.2f}M params ({n_params * 4 / 2**20:.1f} MiB of gradients per step), "
@@ -167,6 +182,9 @@ def _train(rank: int, args: DemoArgs, torch, dist, DDP) -> None:
         losses.append(control[0].item())
         rates.append(args.batch * args.world / dt)
         bws.append(meter.bus_gbps())
+        ratio = meter.overlap()
+        if report_overlap is not None and ratio is not None:
+            report_overlap(ratio)
         if step % 5 == 0 or control[1] > 0:
             say(f"{step:>5} {losses[-1]:>7.3f} {rates[-1]:>10.0f} {dt * 1e3:>8.1f} {bws[-1]:>21.2f}")
         step += 1
@@ -217,25 +235,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m libmccl.demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--world", type=int, default=4, help="ranks to launch (default 4)")
-    p.add_argument("--steps", type=int, default=300, help="at most this many steps (default 300)")
-    p.add_argument("--seconds", type=float, default=30.0, help="stop training after this long (default 30)")
-    p.add_argument("--batch", type=int, default=16, help="sequences per rank per step (default 16)")
-    p.add_argument("--daemon", action="store_true", help="run collectives through the local mccld")
-    ns = p.parse_args(argv)
-    if ns.world < 2:
-        p.error("--world must be at least 2")
-    args = DemoArgs(ns.world, ns.steps, ns.seconds, ns.batch, ns.daemon, _free_port())
-
+def _run_ranks(args: DemoArgs, during=None) -> int:
+    """Spawn the ranks, call ``during()`` once while they train, and wait for them."""
     import torch.multiprocessing as mp
     from torch.multiprocessing.spawn import ProcessException
 
     ctx = mp.start_processes(_rank_main, args=(args,), nprocs=args.world, join=False, start_method="spawn")
     deadline = time.monotonic() + args.seconds + 120  # start-up and summary on a loaded machine
+    show_at = time.monotonic() + 8 + args.seconds / 2
     try:
         while not ctx.join(timeout=1.0):
+            if during is not None and time.monotonic() > show_at:
+                during()
+                during = None
             if time.monotonic() > deadline:
                 print(f"[demo] FAILED: ranks still running after {args.seconds + 120:.0f}s", file=sys.stderr)
                 return 1
@@ -248,6 +260,53 @@ def main(argv: list[str] | None = None) -> int:
                 proc.kill()
                 proc.join(5)
     return 0
+
+
+def _run_with_daemon(args: DemoArgs) -> int:
+    """Start a private mccld, train through it, show it with mcclctl and its exporter."""
+    from .demo_daemon import DemoDaemon, host_states, show_metrics, show_status
+
+    daemon = DemoDaemon()
+    print("[demo] starting mccld (loopback only, private runtime dir and fleet key)", flush=True)
+    daemon.start()
+    try:
+        os.environ.update(daemon.env)  # the spawned ranks attach to this daemon
+        show_status(daemon, "before the job")
+        rc = _run_ranks(args, during=lambda: show_status(daemon, "while the job trains"))
+        if rc == 0:
+            show_status(daemon, "after the job")
+            show_metrics(daemon)
+            states = host_states(daemon)
+            if states and any(s != "idle" for s in states):
+                print(f"[demo] FAILED: daemon still busy after the job: {states}", file=sys.stderr)
+                rc = 1
+        return rc
+    finally:
+        daemon.stop()
+        leaked = sorted(p.name for p in Path("/dev/shm").glob("mccl-*")) if Path("/dev/shm").is_dir() else []
+        daemon.cleanup()
+        print(f"[demo] mccld stopped; shared-memory segments left: {len(leaked)}", flush=True)
+        if leaked:
+            print(f"[demo] FAILED: leaked segments {leaked}", file=sys.stderr)
+            return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m libmccl.demo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--world", type=int, default=4, help="ranks to launch (default 4)")
+    p.add_argument("--steps", type=int, default=300, help="at most this many steps (default 300)")
+    p.add_argument("--seconds", type=float, default=30.0, help="stop training after this long (default 30)")
+    p.add_argument("--batch", type=int, default=16, help="sequences per rank per step (default 16)")
+    p.add_argument("--daemon", action="store_true", help="run collectives through an already running mccld")
+    p.add_argument("--with-daemon", action="store_true",
+                   help="start a private mccld, train through it and show mcclctl status and its metrics")
+    ns = p.parse_args(argv)
+    if ns.world < 2:
+        p.error("--world must be at least 2")
+    args = DemoArgs(ns.world, ns.steps, ns.seconds, ns.batch, ns.daemon or ns.with_daemon, _free_port())
+    if ns.with_daemon:
+        return _run_with_daemon(args)
+    return _run_ranks(args)
 
 
 if __name__ == "__main__":
