@@ -108,7 +108,8 @@ class EngineConfig:
         "hand collectives to the local mccld instead of running the engine in-process")
     unified_collective: bool = setting(
         "MCCL_UNIFIED_COLLECTIVE", True, "bool",
-        "macOS/MPS: reduce in unified memory ordered by Metal shared events; 0 stages through a CPU copy")
+        "macOS/MPS: reduce in unified memory ordered by Metal shared events; 0 stages through a CPU copy "
+        "(this release always stages, and warns once when this is 1; see metal/README.md)")
 
     def validate(self) -> None:
         _require(1 <= self.sockets_per_peer <= 16, "MCCL_SOCKETS_PER_PEER", self.sockets_per_peer,
