@@ -139,3 +139,14 @@ def test_bench_and_fleet_import_neither_zmq_nor_zeroconf():
             "assert not bad, bad")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-1000:]
+
+
+@pytest.mark.timeout(60)
+def test_builtin_probe_measures_a_loopback_ring(tmp_path):
+    # The fallback for hosts without iperf3: same ring pattern, bytes and CPU from the probes.
+    from libmccl.bench.ceiling import ring_ceiling
+    from libmccl.bench.launch import LocalLauncher
+
+    c = ring_ceiling(LocalLauncher(2), 1.0, str(tmp_path), tool="probe")
+    assert c["tool"] == "tcp-probe" and len(c["per_host_bps"]) == 2
+    assert c["min_bps"] > 1e8 and c["bytes"] > 0 and c["cpu_s_per_gb"] > 0
