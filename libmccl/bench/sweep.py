@@ -213,7 +213,8 @@ def run_bench(cfg: BenchConfig, checkpoint: Callable[[dict], None] | None = None
                 docs_by_backend[b] = docs
                 backends[b] = {"ok": True, "error": None, "teardown_errors": teardown,
                                "seconds": time.time() - t0,
-                               "init_s": max(d["init_s"] for d in docs), "torch": docs[0]["torch"]}
+                               "init_s": max(d["init_s"] for d in docs), "torch": docs[0]["torch"],
+                               "engine": docs[0].get("engine")}
                 progress()
             if measure:
                 # Measured again after the backends: on a shared machine the ceiling drifts.

@@ -102,6 +102,17 @@ def _agree_iters(torch, dist, seconds_per_op: float, target_s: float, max_iters:
     return max(1, min(max_iters, math.ceil(target_s / max(float(t[0]), 1e-7))))
 
 
+def _engine_build(backend: str) -> dict | None:
+    """Which engine binary ran: the commit alone does not say when a checkout is rebuilt often."""
+    if backend != "mccl":
+        return None
+    import libmccl._core as core
+
+    st = os.stat(core.__file__)
+    built = datetime.datetime.fromtimestamp(st.st_mtime, datetime.timezone.utc).isoformat(timespec="seconds")
+    return {"file": core.__file__, "built": built, "bytes": st.st_size}
+
+
 def run(plan: dict) -> dict:
     import torch
     import torch.distributed as dist
@@ -116,7 +127,7 @@ def run(plan: dict) -> dict:
     dist.init_process_group(plan["backend"], rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=plan["timeout_s"]))
     out = {"rank": rank, "world": world, "backend": plan["backend"], "torch": torch.__version__,
-           "init_s": time.perf_counter() - t_init, "results": []}
+           "init_s": time.perf_counter() - t_init, "engine": _engine_build(plan["backend"]), "results": []}
     for op in plan["ops"]:
         for size in plan["sizes"]:
             count = op_elements(op, size, world)
