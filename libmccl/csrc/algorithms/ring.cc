@@ -5,6 +5,16 @@
 
 namespace mccl {
 
+namespace {
+
+// Reduce-scatter receive window: about this many bytes of segments posted ahead, and at
+// least this many segments, so a burst from the left neighbour lands in place instead of
+// being buffered as unexpected and copied.
+constexpr size_t kRecvWindowBytes = 32 << 20;
+constexpr size_t kMinRecvSlots = 8;
+
+}  // namespace
+
 RingLayout RingLayout::balanced(int n, size_t count, size_t elem, size_t seg_bytes) {
   RingLayout L;
   L.n = n;
@@ -46,16 +56,20 @@ void ring_pipeline(Collective& c, uint8_t* buf, const RingLayout& L, const RingP
   auto at = [&](int chunk, size_t j) { return buf + (L.off[chunk] + L.seg_begin(chunk, j)) * es; };
   auto bytes = [&](int chunk, size_t j) { return L.seg_len(chunk, j) * es; };
 
-  // Segment j of every step of one parity lands at the same fixed slot: chunks differ in
-  // length by one element, so chunk-relative offsets of different steps could overlap.
+  // Reduce-scatter receives land in a window of W segment-sized slots: item g = s*S + j
+  // uses slot g % W and, once reduced, hands it to item g + W. Items arrive from the left
+  // in about that order and are reduced on arrival, so a few in flight suffice; a window
+  // of whole chunks would make a 256 MB all-reduce allocate (and page-fault in) 128 MB of
+  // scratch per op, over the size the communicator keeps between ops.
+  // Slots are `stride` elements: chunks differ in length by one element, so segment
+  // lengths of different steps differ too.
   const size_t stride = (L.max_chunk() + S - 1) / S;
-  uint8_t* temp[2] = {nullptr, nullptr};
-  if (rs_steps > 0) {
-    size_t slot_bytes = std::max<size_t>(stride * S * es, 1);
-    temp[0] = c.scratch.get(0, slot_bytes);
-    temp[1] = c.scratch.get(1, slot_bytes);
-  }
-  auto temp_at = [&](int s, size_t j) { return temp[s % 2] + j * stride * es; };
+  const size_t rs_items = size_t(rs_steps) * S;
+  const size_t window = std::min(rs_items, std::max(kMinRecvSlots,
+                                                    kRecvWindowBytes / std::max<size_t>(stride * es, 1)));
+  uint8_t* temp = nullptr;
+  if (rs_items > 0) temp = c.scratch.get(0, std::max<size_t>(window * stride * es, 1));
+  auto temp_at = [&](int s, size_t j) { return temp + ((size_t(s) * S + j) % window) * stride * es; };
 
   c.t.set_tag_namer([=](uint32_t t) {
     const int g = static_cast<int>(t / S);
@@ -77,9 +91,7 @@ void ring_pipeline(Collective& c, uint8_t* buf, const RingLayout& L, const RingP
   };
 
   // Post receives ahead, then start every segment's first send.
-  for (size_t j = 0; j < S; ++j) {
-    for (int s = 0; s < std::min(rs_steps, 2); ++s) post_rs_recv(s, j);
-  }
+  for (size_t g = 0; g < window; ++g) post_rs_recv(static_cast<int>(g / S), g % S);
   for (int s = 0; s < ag_steps; ++s) {
     int g = rs_steps + s, ch = ag_recv_chunk(s);
     for (size_t j = 0; j < S; ++j) {
@@ -104,7 +116,8 @@ void ring_pipeline(Collective& c, uint8_t* buf, const RingLayout& L, const RingP
     if (g < rs_steps) {
       const int s = g, ch = rs_recv_chunk(s);
       ph.fn(temp_at(s, j), at(ch, j), L.seg_len(ch, j));
-      if (s + 2 < rs_steps) post_rs_recv(s + 2, j);  // this temp slot is free again
+      const size_t next = size_t(s) * S + j + window;  // takes over this slot
+      if (next < rs_items) post_rs_recv(static_cast<int>(next / S), next % S);
       if (s + 1 < rs_steps) {
         send(s + 1, rs_send_chunk(s + 1), j);  // == ch, just reduced
       } else if (ag_steps > 0) {

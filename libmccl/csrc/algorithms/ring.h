@@ -9,9 +9,9 @@
 // It runs as a dataflow, segment by segment: the moment segment j of step s arrives it
 // is reduced and sent on as segment j of step s+1, so all links and the reduction work
 // at once instead of in lock-step rounds. Receives are posted ahead: reduce-scatter
-// receives land in two scratch chunks alternating by step parity, all-gather receives
-// are posted for every step up front, directly into the final buffer (data can only
-// arrive there after this rank is done with that region: it has to go round the ring).
+// receives land in a bounded window of scratch slots reused in arrival order; all-gather
+// receives are posted for every step up front, directly into the final buffer (data can
+// only arrive there after this rank is done with that region: it has to go round the ring).
 #pragma once
 #include <cstddef>
 #include <vector>
