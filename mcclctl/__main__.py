@@ -14,13 +14,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="log debug output to stderr")
     sub = p.add_subparsers(dest="command", required=True)
 
-    def common(sp, hosts=True):
+    def common(sp, hosts=True, requests=True):
         if hosts:
             sp.add_argument("--host", action="append", metavar="H[:PORT]",
                             help="daemon status endpoint (repeatable); default: find daemons by mDNS")
         sp.add_argument("--json", action="store_true", help="machine-readable output")
-        sp.add_argument("--key-file", help="fleet key file (default: MCCL_KEY_FILE or the standard paths)")
-        sp.add_argument("--timeout", type=float, default=5.0, help="seconds per daemon request")
+        if requests:  # only commands that talk to daemons need the key and a request timeout
+            sp.add_argument("--key-file", help="fleet key file (default: MCCL_KEY_FILE or the standard paths)")
+            sp.add_argument("--timeout", type=float, default=5.0, help="seconds per daemon request")
         sp.add_argument("--discover-timeout", type=float, default=3.0,
                         help="seconds to listen for mDNS announcements")
         return sp
@@ -36,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--seconds", type=float, default=3.0)
     lt.add_argument("--streams", type=int, default=2, help="parallel TCP streams (like MCCL_SOCKETS_PER_PEER)")
     common(sub.add_parser("doctor", help="check this host and print a fix for each problem"))
-    sd = common(sub.add_parser("prometheus-sd", help="write a Prometheus file_sd target list from mDNS"))
+    sd = common(sub.add_parser("prometheus-sd", help="write a Prometheus file_sd target list from mDNS"),
+               requests=False)
     sd.add_argument("-o", "--output", help="file to write atomically (default: stdout)")
     sd.add_argument("--fleet", help="value of the fleet label (default: MCCL_FLEET)")
     sd.add_argument("--metrics-port", type=int, help="metrics port of --host targets (default 29652)")
