@@ -259,7 +259,7 @@ def cmd_doctor(args) -> int:
         checks.append(check("interface", "fail", str(e),
                             "set MCCL_IFACE to the 10 GbE interface or MCCL_LISTEN_ADDR to its address"))
     checks += buffer_checks(engine_socket_buffer(), read_sysctl)
-    key_file = os.environ.get("MCCL_KEY_FILE") if args.key_file is None else args.key_file
+    key_file = cfg.key_file if args.key_file is None else args.key_file
     key = None
 
     def read_key() -> bytes:
