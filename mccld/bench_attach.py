@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from libmccl.errors import DaemonUnavailableError, MCCLError
+
 KEY = "bench-attach-key-" + "b" * 20
 
 
@@ -95,7 +97,9 @@ def run(args: argparse.Namespace) -> list[dict]:
         deadline = time.monotonic() + 30
         while not all((tmp / f"h{h}" / "token").exists() for h in range(n_hosts)):
             if time.monotonic() > deadline or any(d.poll() is not None for d in daemons):
-                raise RuntimeError("mccld did not start")
+                raise DaemonUnavailableError(
+                    f"[bench-attach] mccld did not start within 30 s on {n_hosts} fleet host(s) (exit codes "
+                    f"{[d.poll() for d in daemons]}); run `python -m mccld` in one by hand to see why")
             time.sleep(0.1)
         world = n_hosts * args.ranks_per_host
         rows = []
@@ -110,7 +114,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                                          env=e, stdout=subprocess.PIPE, text=True))
             outs = [p.communicate(timeout=300)[0] for p in procs]
             if any(p.returncode for p in procs):
-                raise RuntimeError(f"{mode} workers failed: exit codes {[p.returncode for p in procs]}")
+                raise MCCLError(f"[bench-attach] {mode} workers failed: exit codes "
+                                f"{[p.returncode for p in procs]}; their stderr above says why")
             rows.append({"mode": mode, **json.loads(outs[0].strip().splitlines()[-1])})
         return rows
     finally:

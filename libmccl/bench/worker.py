@@ -20,6 +20,8 @@ import sys
 import time
 from typing import Callable
 
+from libmccl.errors import MCCLError
+
 from .metrics import OPS, op_elements
 
 # Exit code of a rank whose measurements completed but whose shutdown failed.
@@ -87,9 +89,9 @@ class _Op:
         bad = (got != want).nonzero()
         if len(bad):
             i = int(bad[0])
-            raise RuntimeError(f"[bench] {self.op} of {self.count} float32 returned a wrong result on rank "
-                               f"{r}: element {i} is {float(got[i])}, expected {float(want[i])} "
-                               f"({len(bad)} elements wrong)")
+            raise MCCLError(f"[bench] {self.op} of {self.count} float32 returned a wrong result on rank "
+                            f"{r}: element {i} is {float(got[i])}, expected {float(want[i])} "
+                            f"({len(bad)} elements wrong); the backend corrupts data, do not trust its timings")
         # Timed loops run on zeros: sums stay finite however many iterations run.
         for t in (getattr(self, a) for a in ("buf", "inp", "out") if hasattr(self, a)):
             t.zero_()
