@@ -20,6 +20,7 @@ from typing import Any, Callable
 from libmccl.errors import ConfigError, MCCLError, ProtocolError
 
 from . import linktest, tcpinfo
+from .logutil import OnceLogger
 from .stats import DaemonStats, mccl_version
 from .status_protocol import (IO_TIMEOUT_S, PROTO, READ_METHODS, SINK, WRITE_METHODS, Conn, mac_ok,
                               query, signed_reply, split_addr)
@@ -129,7 +130,7 @@ class StatusServer:
         self._lock = threading.Lock()
         self._linktests: dict[str, dict] = {}      # peer link address -> last result
         self._linktest_running = threading.Lock()  # one measurement at a time per host
-        self._warned: set[str] = set()
+        self._once = OnceLogger(log)
 
     @property
     def port(self) -> int:
@@ -183,8 +184,8 @@ class StatusServer:
                     log.exception("status endpoint accept failed")
                 return
             if not self._slots.acquire(blocking=False):
-                log.warning("status endpoint: %d clients already connected, refusing %s:%d",
-                            MAX_CONNECTIONS, host, port)
+                self._once.warn("<too many clients>", "[status] %d clients already connected, refusing peer=%s:%d; "
+                                "something polls this daemon too often", MAX_CONNECTIONS, host, port)
                 conn.close()
                 continue
             threading.Thread(target=self._serve, args=(conn, f"{host}:{port}"),
@@ -281,9 +282,4 @@ class StatusServer:
         return result
 
     def _warn_once(self, peer: str, message: str) -> None:
-        host = peer.rsplit(":", 1)[0]
-        if host in self._warned:
-            log.debug(message)
-        else:
-            self._warned.add(host)
-            log.warning(message)
+        self._once.warn(peer.rsplit(":", 1)[0], "%s", message)
