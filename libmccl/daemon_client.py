@@ -206,12 +206,14 @@ class DaemonCommunicator:
     # -- the engine API -------------------------------------------------------------------------
     def _check_reduce(self, count: int, dtype: int, op: int) -> int:
         if not (0 <= int(dtype) < len(_DTYPE_SIZE)) or not (0 <= int(op) < 8) or count < 0:
-            raise ConfigError(f"[daemon-client] bad count/dtype/op ({count}, {dtype}, {op}) on rank {self.rank}")
+            raise ConfigError(f"[daemon-client] bad count/dtype/op ({count}, {dtype}, {op}) on rank {self.rank}; "
+                              "pass a non-negative count and a dtype/op code of mccl::DType / mccl::ReduceOp")
         return count * _DTYPE_SIZE[dtype]
 
     def _check_root(self, root: int) -> None:
         if not (0 <= root < self.size):
-            raise ConfigError(f"[daemon-client] root {root} outside world size {self.size}")
+            raise ConfigError(f"[daemon-client] root {root} outside world size {self.size} on rank {self.rank}; "
+                              f"pass a root rank between 0 and {self.size - 1}")
 
     def allreduce(self, ptr: int, count: int, dtype: int, op: int) -> int:
         n = self._check_reduce(count, dtype, op)
@@ -283,7 +285,8 @@ class DaemonCommunicator:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise CollectiveTimeout(f"[daemon-client] op {op_id} not done within {timeout_s:.1f}s "
-                                            f"on rank {self.rank}")
+                                            f"on rank {self.rank}; a peer rank may be slow or not have issued "
+                                            "it yet, wait longer or check every rank runs the same ops")
                 self._done_cv.wait(left)
             err = self._results.pop(op_id)
         if err is not None:
