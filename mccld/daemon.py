@@ -50,7 +50,9 @@ def _optional(module: str):
     try:
         return __import__(f"mccld.{module}", fromlist=["_"])
     except ImportError as e:
-        log.info("mccld.%s unavailable (%s); running without it", module, e)
+        # WARNING, not INFO: the operator configured this endpoint (or discovery) and will not get it.
+        log.warning("[daemon] mccld.%s cannot be imported (%s); running without it: install the missing "
+                    "package (zeroconf / prometheus-client) or set its port to 0 to silence this", module, e)
         return None
 
 
