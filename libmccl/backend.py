@@ -60,14 +60,8 @@ class ProcessGroupMCCL(compat.ProcessGroupBase):
     def _engine_options(self) -> Any:
         from . import _core
 
-        cfg, opts = self._cfg, _core.Options()
-        opts.sockets_per_peer = cfg.sockets_per_peer
-        opts.socket_buffer_bytes = cfg.socket_buffer_bytes
-        opts.segment_bytes = cfg.segment_bytes
-        opts.small_allreduce_bytes = cfg.small_allreduce_bytes
-        opts.timeout_s = self._timeout_s
-        opts.connect_timeout_s = cfg.connect_timeout_s or self._timeout_s
-        return opts
+        return self._cfg.engine_options(_core.Options(), self._timeout_s,
+                                        self._cfg.connect_timeout_s or self._timeout_s)
 
     def _connect(self, store: Any, group_id: str) -> Any:
         from . import _core

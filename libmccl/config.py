@@ -93,7 +93,9 @@ class EngineConfig:
         "pipeline segment of the ring algorithms; 0 picks one from the message size")
     small_allreduce_bytes: int = setting(
         "MCCL_SMALL_ALLREDUCE_BYTES", 64 << 10, "bytes",
-        "all-reduces up to this size use the one-round low-latency algorithm instead of the ring")
+        "one-round low-latency all-reduce (instead of the ring) while (world size - 1) x the "
+        "buffer is at most this many bytes, the bytes it puts on each link; broadcasts up to "
+        "this size go straight from the root")
     bind_addr: str = setting(
         "MCCL_BIND_ADDR", "", "address",
         "address the engine listens on and advertises; empty: the address that routes to MASTER_ADDR")
@@ -110,6 +112,17 @@ class EngineConfig:
         "MCCL_UNIFIED_COLLECTIVE", True, "bool",
         "macOS/MPS: reduce in unified memory ordered by Metal shared events; 0 stages through a CPU copy "
         "(this release always stages, and warns once when this is 1; see metal/README.md)")
+
+    def engine_options(self, opts: Any, timeout_s: float, connect_timeout_s: float) -> Any:
+        """Fill an ``_core.Options`` (passed in: this module stays free of the engine) from
+        these settings; the in-process backend and mccld build their engines alike."""
+        opts.sockets_per_peer = self.sockets_per_peer
+        opts.socket_buffer_bytes = self.socket_buffer_bytes
+        opts.segment_bytes = self.segment_bytes
+        opts.small_allreduce_bytes = self.small_allreduce_bytes
+        opts.timeout_s = timeout_s
+        opts.connect_timeout_s = connect_timeout_s
+        return opts
 
     def validate(self) -> None:
         _require(1 <= self.sockets_per_peer <= 16, "MCCL_SOCKETS_PER_PEER", self.sockets_per_peer,

@@ -392,13 +392,7 @@ class Daemon:
                     raise ProtocolError(f"[daemon] job {job.id}: host rank {h} should be {host['host_id']}, "
                                         f"but {peer_host} announced it; conflicting host lists")
                 addrs.append(addr)
-        opts = Options()
-        opts.sockets_per_peer = self.engine_cfg.sockets_per_peer
-        opts.socket_buffer_bytes = self.engine_cfg.socket_buffer_bytes
-        opts.segment_bytes = self.engine_cfg.segment_bytes
-        opts.small_allreduce_bytes = self.engine_cfg.small_allreduce_bytes
-        opts.timeout_s = job.timeout_s
-        opts.connect_timeout_s = job.timeout_s
+        opts = self.engine_cfg.engine_options(Options(), job.timeout_s, job.timeout_s)
         # No completion callback: the job thread waits on each op, and a callback would make
         # the engine take the GIL once per op for nothing.
         return Communicator(me, len(job.hosts), job.comm_id, listener, addrs, opts, None)
