@@ -9,6 +9,7 @@ import time
 import pytest
 
 from conftest import free_port, init_pg
+from test_engine_helpers import run_threads
 
 IN_FLIGHT = 40
 
@@ -137,28 +138,6 @@ def test_reinit_after_destroy(ranks) -> None:
 # -- unit tests: ranks as threads, and the completion router on its own ------------
 
 
-def _thread_ranks(world: int, fn, timeout_s: float = 60.0) -> list:
-    import threading
-
-    results, errors = [None] * world, [None] * world
-
-    def body(rank: int) -> None:
-        try:
-            results[rank] = fn(rank)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
-            errors[rank] = exc
-    threads = [threading.Thread(target=body, args=(r,), name=f"rank{r}") for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout_s)
-        assert not t.is_alive(), "a rank thread hung"
-    for e in errors:
-        if e is not None:
-            raise e
-    return results
-
-
 @pytest.mark.timeout(60)
 def test_process_groups_as_threads() -> None:
     """ProcessGroupMCCL driven directly (no init_process_group), ranks as threads."""
@@ -186,7 +165,7 @@ def test_process_groups_as_threads() -> None:
             pg.shutdown()
             pg.shutdown()  # idempotent
 
-    for rank, (t, out, a2a, name) in enumerate(_thread_ranks(world, rank_fn)):
+    for rank, (t, out, a2a, name) in enumerate(run_threads(world, rank_fn)):
         assert t == [float(sum(range(world)))] * 10
         assert out == [r for r in range(world) for _ in range(2)]
         assert a2a == [10 * s + rank for s in range(world)]
