@@ -161,6 +161,18 @@ class PrometheusServer:
         data = self.api("query", {"query": expr})
         return data["result"] if data["resultType"] in ("vector", "matrix") else [data["result"]]
 
+    def value_when(self, expr: str, want: float, timeout_s: float = 15.0) -> float | None:
+        """The query's value once it equals ``want`` (scrapes lag), or the last one seen; bounded."""
+        deadline = time.monotonic() + timeout_s
+        got = None
+        while time.monotonic() < deadline:
+            res = self.query(expr)
+            got = float(res[0]["value"][1]) if res else None
+            if got == want:
+                break
+            time.sleep(0.5)
+        return got
+
     def wait_for(self, expr: str, timeout_s: float = 30.0) -> list[dict]:
         """Poll an instant query until it returns data; bounded."""
         deadline = time.monotonic() + timeout_s

@@ -192,19 +192,6 @@ FIGURES = (
 )
 
 
-def _value(prom, expr: str, want: float, timeout_s: float = 15.0) -> float | None:
-    """The query's value once it equals ``want`` (scrapes lag), or the last one seen."""
-    deadline = time.monotonic() + timeout_s
-    got = None
-    while time.monotonic() < deadline:
-        res = prom.query(expr)
-        got = float(res[0]["value"][1]) if res else None
-        if got == want:
-            break
-        time.sleep(0.5)
-    return got
-
-
 def check_daemon_counters(prom, fleet, placement: list[int], results: dict) -> None:
     ops = {results[r]["ops"] for r in results}
     assert len(ops) == 1, f"ranks disagree on the number of collectives: {results}"
@@ -213,12 +200,12 @@ def check_daemon_counters(prom, fleet, placement: list[int], results: dict) -> N
     for h in sorted(set(placement)):
         inst = f'instance="{fleet.hosts[h].addr}:29652"'
         # One daemon-level collective per job collective, whatever the local rank count.
-        got = _value(prom, f'mccl_job_collectives_total{{{inst}, job_id="{JOB}"}}', n_ops)
+        got = prom.value_when(f'mccl_job_collectives_total{{{inst}, job_id="{JOB}"}}', n_ops)
         assert got == n_ops, f"host{h}: daemon counted {got} collectives, ranks did {n_ops}"
-        got = _value(prom, f'mccl_job_bytes_total{{{inst}, job_id="{JOB}"}}', n_bytes)
+        got = prom.value_when(f'mccl_job_bytes_total{{{inst}, job_id="{JOB}"}}', n_bytes)
         assert got == n_bytes, f"host{h}: daemon counted {got} bytes, ranks reduced {n_bytes}"
     # The link between the two job hosts: what one daemon sent, the other received.
     a, b = fleet.hosts[1], fleet.hosts[2]
-    sent = _value(prom, f'sum(mccl_peer_sent_bytes_total{{instance="{a.addr}:29652"}})', -1, timeout_s=3)
-    recv = _value(prom, f'sum(mccl_peer_received_bytes_total{{instance="{b.addr}:29652"}})', sent)
+    sent = prom.value_when(f'sum(mccl_peer_sent_bytes_total{{instance="{a.addr}:29652"}})', -1, timeout_s=3)
+    recv = prom.value_when(f'sum(mccl_peer_received_bytes_total{{instance="{b.addr}:29652"}})', sent)
     assert sent and sent > 0 and recv == sent, f"host1 sent {sent} bytes to host2, host2 received {recv}"

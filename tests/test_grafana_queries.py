@@ -201,12 +201,5 @@ def check_counters_match(prom, ranks: list[Rank], metrics: list[MetricsServer]) 
         }
         assert engine["ops_completed"] >= r.ops
         for expr, want in expected.items():
-            deadline = time.monotonic() + 15
-            got = None
-            while time.monotonic() < deadline:
-                res = prom.query(expr)
-                got = float(res[0]["value"][1]) if res else None
-                if got == want:
-                    break
-                time.sleep(0.5)
+            got = prom.value_when(expr, want)
             assert got == want, f"rank {r.rank}: {expr} = {got}, workload counted {want}"
