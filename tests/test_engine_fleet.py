@@ -107,7 +107,8 @@ def test_link_down_mid_allreduce_times_out_naming_the_host(fleet3, tmp_path):
             time.sleep(0.05)
         t_cut = time.monotonic()
         # pull host 2's cable: its packets vanish, nothing tells the others
-        subprocess.run(["ip", "netns", "exec", fleet3.hosts[2].ns, "ip", "link", "set", "eth0", "down"], check=True)
+        subprocess.run(["ip", "netns", "exec", fleet3.hosts[2].ns, "ip", "link", "set", "eth0", "down"], check=True,
+                       timeout=10)
         res = results(tmp_path, [0, 1], 30)
     finally:
         for p in procs:
