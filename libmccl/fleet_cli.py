@@ -70,11 +70,10 @@ def unreachable_pairs(fleet: Fleet, port: int = 5300, timeout: float = 20.0) -> 
     the path the collectives use.
     """
     listeners = [fleet.popen(i, [sys.executable, "-c", _LISTEN, h.addr, str(port), str(timeout)],
-                             stdout=subprocess.PIPE, text=True) for i, h in enumerate(fleet.hosts)]
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i, h in enumerate(fleet.hosts)]
     try:
-        for p in listeners:
-            if p.stdout.readline().strip() != "ready":
-                raise MCCLError(f"[fleet] TCP listener in a fleet host did not start (rc={p.poll()})")
+        for i, p in enumerate(listeners):  # bounded: a listener that hangs must not hang the check
+            wait_for_output(p, b"ready", f"TCP listener in host {i}")
         bad: list[tuple[int, int]] = []
         for i in range(fleet.n_hosts):
             others = {h.addr: h.index for h in fleet.hosts if h.index != i}
