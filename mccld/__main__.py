@@ -17,14 +17,15 @@ from . import __version__
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mccld", description="MCCL per-host daemon")
     parser.add_argument("--config", help="TOML file whose keys are DaemonConfig field names")
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    parser.add_argument("--log-level", default="INFO", type=str.upper,
+                        choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     parser.add_argument("--version", action="version", version=f"mccld {__version__}")
     sub = parser.add_subparsers(dest="cmd")
     keygen = sub.add_parser("keygen", help="write a new random fleet key file (mode 0600)")
     keygen.add_argument("path")
     sub.add_parser("status", help="print the local daemon's status (JSON, over the attach socket)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from .config import load_config, write_key_file
     if args.cmd == "keygen":
