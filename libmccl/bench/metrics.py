@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from ..errors import ConfigError
+
 ELEMENT_BYTES = 4  # float32: every op is benchmarked on float32 with SUM
 
 
@@ -50,8 +52,8 @@ def op_elements(op: str, nbytes: int, n: int) -> int:
 
 def sweep_sizes(min_bytes: int, max_bytes: int, step_factor: float) -> list[int]:
     if min_bytes <= 0 or max_bytes < min_bytes or step_factor <= 1:
-        raise ValueError(f"bad sweep: min={min_bytes} max={max_bytes} step={step_factor}; "
-                         "need 0 < min <= max and step factor > 1")
+        raise ConfigError(f"[bench] bad sweep: min={min_bytes} max={max_bytes} step={step_factor}; "
+                          "pass 0 < --min-bytes <= --max-bytes and --step-factor > 1")
     sizes, s = [], float(min_bytes)
     while s <= max_bytes * (1 + 1e-9):
         sizes.append(int(round(s)))

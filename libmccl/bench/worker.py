@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Callable
 
-from libmccl.errors import MCCLError
+from ..errors import ConfigError, MCCLError
 
 from .metrics import OPS, op_elements
 
@@ -61,7 +61,7 @@ class _Op:
             fn = _collective(dist, "reduce_scatter")
             self.run = lambda: fn(self.out, self.inp)
         else:
-            raise ValueError(f"unknown op {op!r}; choose from {', '.join(OPS)}")
+            raise ConfigError(f"[bench] unknown op {op!r}; choose --ops from {', '.join(OPS)}")
 
     def check(self) -> None:
         """Run once on data whose answer is known; raise naming the first wrong element."""
