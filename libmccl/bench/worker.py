@@ -21,7 +21,6 @@ import time
 from typing import Callable
 
 from ..errors import ConfigError, MCCLError
-
 from .metrics import OPS, op_elements
 
 # Exit code of a rank whose measurements completed but whose shutdown failed.
