@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 NA = "-"
 
@@ -128,15 +128,21 @@ def link_rows(host: str, links: list[dict]) -> list[list[str]]:
     return rows
 
 
-def links_table(per_host: list[tuple[str, list[dict] | None, str | None]]) -> str:
+def _per_host_table(headers, per_host: list[tuple[str, list[dict] | None, str | None]],
+                    rows_of: Callable[[str, list[dict]], list[list[str]]], empty: str) -> str:
+    """One table over every daemon's items; daemons that did not answer are listed below it."""
     rows, errors = [], []
-    for host, links, error in per_host:
-        if links is None:
+    for host, items, error in per_host:
+        if items is None:
             errors.append(f"{host}: {error}")
         else:
-            rows.extend(link_rows(host, links))
-    text = table(LINK_HEADERS, rows) if rows else "no links"
+            rows.extend(rows_of(host, items))
+    text = table(headers, rows) if rows else empty
     return text + "".join(f"\nunreachable: {e}" for e in errors)
+
+
+def links_table(per_host: list[tuple[str, list[dict] | None, str | None]]) -> str:
+    return _per_host_table(LINK_HEADERS, per_host, link_rows, "no links")
 
 
 # ---- jobs ----------------------------------------------------------------------------
@@ -158,14 +164,7 @@ def job_rows(host: str, jobs: list[dict]) -> list[list[str]]:
 
 
 def jobs_table(per_host: list[tuple[str, list[dict] | None, str | None]]) -> str:
-    rows, errors = [], []
-    for host, jobs, error in per_host:
-        if jobs is None:
-            errors.append(f"{host}: {error}")
-        else:
-            rows.extend(job_rows(host, jobs))
-    text = table(JOB_HEADERS, rows) if rows else "no jobs"
-    return text + "".join(f"\nunreachable: {e}" for e in errors)
+    return _per_host_table(JOB_HEADERS, per_host, job_rows, "no jobs")
 
 
 # ---- linktest, doctor ------------------------------------------------------------------
