@@ -9,7 +9,7 @@ struct Options {
   int sockets_per_peer = 2;             // sockets per peer link (1..16)
   int socket_buffer_bytes = 4 << 20;    // SO_SNDBUF/SO_RCVBUF, bytes
   size_t segment_bytes = 0;             // ring pipeline segment, bytes; 0 = by message size
-  size_t small_allreduce_bytes = 65536; // one-round all-reduce up to this size, bytes
+  size_t small_allreduce_bytes = 65536; // one-round all-reduce up to this many link bytes ((N-1) x size)
   double timeout_s = 1800.0;            // per operation, seconds
   double connect_timeout_s = 1800.0;    // building the mesh, seconds
 
