@@ -9,7 +9,6 @@ operation completes.
 
 from __future__ import annotations
 
-import logging
 
 from typing import Any, Callable, Sequence
 
@@ -122,23 +121,14 @@ def reduce_codes(t: torch.Tensor, op: Any, name: str) -> tuple[int, int, int]:
     return dcode, count, code
 
 
-_warned_unified = False
-
-
 def _unified() -> Any:
     from . import unified  # the MPS staging helpers; imported only when an mps tensor shows up
+    from .config import EngineConfig, load
 
-    global _warned_unified
-    if not _warned_unified:
-        _warned_unified = True
-        from .config import EngineConfig, load
-        if load(EngineConfig).unified_collective:
-            # Be explicit rather than silently slower: the Metal shared-event path is not
-            # in this build (see metal/README.md), so MPS tensors take the staging copy.
-            logging.getLogger(__name__).warning(
-                "[mccl] MCCL_UNIFIED_COLLECTIVE=1 but the unified-memory Metal collective is not built "
-                "in this release; mps tensors are staged through CPU copies. Set MCCL_UNIFIED_COLLECTIVE=0 "
-                "to choose the staging copy explicitly and silence this warning.")
+    if load(EngineConfig).unified_collective:
+        # Asked for the zero-copy Metal path, which this build does not have: refuse
+        # clearly (it raises ConfigError) rather than silently staging.
+        unified.UnifiedCollective()
     return unified
 
 

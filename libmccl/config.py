@@ -109,9 +109,9 @@ class EngineConfig:
         "MCCL_DAEMON", False, "bool",
         "hand collectives to the local mccld instead of running the engine in-process")
     unified_collective: bool = setting(
-        "MCCL_UNIFIED_COLLECTIVE", True, "bool",
-        "macOS/MPS: reduce in unified memory ordered by Metal shared events; 0 stages through a CPU copy "
-        "(this release always stages, and warns once when this is 1; see metal/README.md)")
+        "MCCL_UNIFIED_COLLECTIVE", False, "bool",
+        "macOS/MPS: 1 asks for the reduction in unified memory ordered by Metal shared events, which this "
+        "release does not build (mps collectives then raise ConfigError); 0 stages mps tensors through a CPU copy")
 
     def engine_options(self, opts: Any, timeout_s: float, connect_timeout_s: float) -> Any:
         """Fill an ``_core.Options`` (passed in: this module stays free of the engine) from
