@@ -506,6 +506,13 @@ class DaemonCommunicator:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._wake()
             self._thread.join(timeout=5.0)
+            if self._thread.is_alive():
+                # zmq sockets are not thread-safe: leave them to the stuck I/O thread
+                # rather than closing them under it.
+                logging.getLogger(__name__).warning(
+                    "[daemon-client] rank %d: I/O thread did not stop within 5s; leaving its sockets open",
+                    self.rank)
+                return
         if self._sock is not None and not isinstance(exc, DaemonUnavailableError):
             msg = {"type": "leave", "req": self._req + 1, "job": self._job, "rank": self.rank}
             if leave_abort is not None:
