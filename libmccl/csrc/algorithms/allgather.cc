@@ -21,16 +21,8 @@ void allgather_ring(Collective& c, const void* send, void* recv, size_t nbytes) 
     std::memcpy(mine, send, nbytes);
   }
   if (n == 1) return;
-  RingLayout L;
-  L.n = n;
-  L.elem = 1;
-  L.count = nbytes * n;
-  for (int b = 0; b < n; ++b) {
-    L.off.push_back(size_t(b) * nbytes);
-    L.len.push_back(nbytes);
-  }
-  size_t seg = auto_segment_bytes(c.opts, nbytes);
-  L.segs = (nbytes + seg - 1) / seg;
+  // n equal blocks: the balanced layout puts block b at b * nbytes.
+  RingLayout L = RingLayout::balanced(n, nbytes * n, 1, auto_segment_bytes(c.opts, nbytes));
   RingPhases ph;
   ph.reduce_scatter = false;
   ph.shift = -1;  // rank r starts owning block r

@@ -21,16 +21,8 @@ void reduce_scatter_ring(Collective& c, const void* send, void* recv, size_t cou
   }
   uint8_t* work = c.scratch.get(2, block * n);
   std::memcpy(work, send, block * n);
-  RingLayout L;
-  L.n = n;
-  L.elem = es;
-  L.count = count * n;
-  for (int b = 0; b < n; ++b) {
-    L.off.push_back(size_t(b) * count);
-    L.len.push_back(count);
-  }
-  size_t seg = auto_segment_bytes(c.opts, block);
-  L.segs = (block + seg - 1) / seg;
+  // n equal blocks: the balanced layout puts block b at element b * count.
+  RingLayout L = RingLayout::balanced(n, count * n, es, auto_segment_bytes(c.opts, block));
   RingPhases ph;
   ph.all_gather = false;
   ph.shift = -1;  // rank r ends owning block r
