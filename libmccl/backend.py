@@ -14,7 +14,6 @@ associated with device type cpu", because this group has no C++ Backend behind i
 from __future__ import annotations
 
 import datetime
-import functools
 import threading
 import weakref
 from typing import Any, Callable, Sequence
@@ -53,9 +52,6 @@ class ProcessGroupMCCL(compat.ProcessGroupBase):
         self._close_lock = threading.Lock()
         self._coalescing: list[MCCLWork] | None = None
         self._comm = self._connect(store, group_id)
-        # Only the in-process engine keeps finished ops for wait(); the daemon client's
-        # results are consumed by its own completion path.
-        self._engine_waits = not self._cfg.daemon
         # An interpreter exiting without destroy_process_group() still stops the
         # engine's threads and closes its links; holds the comm, not self.
         self._finalizer = weakref.finalize(self, _shutdown_quietly, self._comm)
@@ -151,11 +147,7 @@ class ProcessGroupMCCL(compat.ProcessGroupBase):
                                "create a new one with init_process_group()/new_group()")
         timeout = compat.options_timeout(opts) if opts is not None else None
         work = MCCLWork(name, self.rank(), outputs, st.keep, st.post(), timeout or self._timeout_s)
-        op_id = launch()
-        # A receive learns its source rank from the completion, so it waits for that.
-        if self._engine_waits and not name.startswith("recv"):
-            work._engine_wait = functools.partial(self._comm.wait, op_id)
-        self._router.track(op_id, work)
+        self._router.track(launch(), work)
         if self._coalescing is not None:
             self._coalescing.append(work)
         return work

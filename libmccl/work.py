@@ -49,10 +49,6 @@ class MCCLWork(compat.WorkBase):
         self._error: BaseException | None = None
         self._source_rank_value = -1
         self._router: CompletionRouter | None = None
-        # Set by the backend for in-process ops with nothing to copy back: wait() can then
-        # block in the engine itself and skip the hop through the completion thread.
-        self._engine_wait: Callable[[float], None] | None = None
-        self._waited_ok = False
 
     # -- completion (engine's completion thread) ------------------------------------
     def _complete(self, error: BaseException | None, info: int) -> None:
@@ -85,10 +81,6 @@ class MCCLWork(compat.WorkBase):
                     f"[mccl] {self.op_name}: wait() called from a future callback running on the "
                     f"engine's completion thread (rank {self._rank}); it would wait on itself. "
                     "Chain with future.then(...) instead of waiting inside a callback")
-            if self._engine_wait is not None and self._post is None:
-                self._engine_wait(limit)  # raises the op's typed error, or CollectiveTimeout
-                self._waited_ok = True    # the future follows from the completion thread
-                return True
             if not self._done.wait(limit):
                 raise CollectiveTimeout(
                     f"[mccl] {self.op_name} did not complete within {limit:.1f}s on rank {self._rank}, "
@@ -102,10 +94,10 @@ class MCCLWork(compat.WorkBase):
         return self._future
 
     def is_completed(self) -> bool:
-        return self._waited_ok or self._done.is_set()
+        return self._done.is_set()
 
     def is_success(self) -> bool:
-        return self._waited_ok or (self._done.is_set() and self._error is None)
+        return self._done.is_set() and self._error is None
 
     def exception(self) -> BaseException | None:
         return self._error
