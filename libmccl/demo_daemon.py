@@ -85,19 +85,15 @@ class DemoDaemon:
         return subprocess.run(argv, env=self._env(), capture_output=True, text=True, timeout=30, check=check)
 
     def metrics(self) -> dict[str, list[float]]:
-        """Scrape /metrics once: every sample's value, grouped by metric name."""
+        """Scrape /metrics once: every sample's value, grouped by sample name."""
+        from prometheus_client.parser import text_string_to_metric_families
+
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
             text = r.read().decode()
         out: dict[str, list[float]] = {}
-        for line in text.splitlines():
-            if not line or line.startswith("#"):
-                continue
-            name_labels, _, value = line.rpartition(" ")
-            name = name_labels.split("{", 1)[0]
-            try:
-                out.setdefault(name, []).append(float(value))
-            except ValueError:
-                continue
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                out.setdefault(sample.name, []).append(sample.value)
         return out
 
     def stop(self) -> None:
