@@ -17,6 +17,8 @@ import logging
 import os
 import sys
 
+from .group_options import Options  # noqa: E402,F401 - public: init_process_group(pg_options=Options(...))
+
 _log = logging.getLogger(__name__)
 
 BACKEND_NAME = "mccl"

@@ -26,6 +26,7 @@ from . import _torch_compat as compat
 from . import rendezvous
 from .config import EngineConfig, load
 from .errors import AbortedError, ConfigError, DaemonUnavailableError
+from .group_options import Options
 from .work import CompletionRouter, MCCLWork, shutdown_error
 
 _c10d = torch.distributed
@@ -40,12 +41,13 @@ class ProcessGroupMCCL(compat.ProcessGroupBase):
     per torch process group."""
 
     def __init__(self, store: Any, rank: int, size: int, timeout: datetime.timedelta,
-                 group_id: str = "", cfg: EngineConfig | None = None) -> None:
+                 group_id: str = "", cfg: EngineConfig | None = None, options: Options | None = None) -> None:
         super().__init__(rank, size)
         compat.declare_devices(self, list(DEVICES))
         self._group_name = group_id
         self._group_desc = ""
         self._cfg = cfg if cfg is not None else load(EngineConfig)
+        self._options = options
         self._timeout_s = compat.timedelta_seconds(timeout) or 1800.0
         self._router = CompletionRouter(rank)
         self._closed = False
@@ -108,6 +110,12 @@ class ProcessGroupMCCL(compat.ProcessGroupBase):
         when the group was created (it has no setter), so a longer value here only
         helps if the group was created with at least that timeout."""
         self._timeout_s = compat.timedelta_seconds(timeout) or self._timeout_s
+
+    @property
+    def options(self) -> Options | None:
+        """The pg_options this group was created with; torch's split_group() hands them
+        to the subgroups it splits off."""
+        return self._options
 
     @property
     def communicator(self) -> Any:
@@ -517,6 +525,15 @@ def _shutdown_quietly(comm: Any) -> None:
 
 
 def create(dist_opts: Any, backend_options: Any = None) -> ProcessGroupMCCL:
-    """One ProcessGroupMCCL per group, from c10d's DistributedBackendOptions (extended API)."""
+    """One ProcessGroupMCCL per group, from c10d's DistributedBackendOptions (extended API).
+    ``backend_options`` is what the caller passed as ``pg_options``: None or an Options."""
+    cfg = load(EngineConfig)
+    if backend_options is not None:
+        if not isinstance(backend_options, Options):
+            raise ConfigError(f"[mccl] pg_options of type {type(backend_options).__name__} is not understood by "
+                              "the mccl backend; pass libmccl.Options(name=value, ...) with engine setting names, "
+                              "or leave pg_options unset")
+        cfg = backend_options.apply(cfg)
     return ProcessGroupMCCL(dist_opts.store, dist_opts.group_rank, dist_opts.group_size, dist_opts.timeout,
-                            group_id=str(getattr(dist_opts, "group_id", "") or ""))
+                            group_id=str(getattr(dist_opts, "group_id", "") or ""), cfg=cfg,
+                            options=backend_options)
