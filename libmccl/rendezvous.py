@@ -19,6 +19,7 @@ import secrets
 import socket
 import struct
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -30,6 +31,7 @@ _log = logging.getLogger(__name__)
 
 _KEY_ROOT = "mccl"
 _LOOPBACK = "127.0.0.1"
+_RESOLVE_TIMEOUT_S = 5.0  # seconds; only used to pick a listen address when none is configured
 # ioctl(SIOCGIFADDR): an interface's IPv4 address, without extra dependencies.
 _SIOCGIFADDR = 0xC0206921 if sys.platform == "darwin" else 0x8915
 
@@ -54,14 +56,40 @@ def interface_address(ifname: str) -> str:
     return socket.inet_ntoa(packed[20:24])
 
 
+def _resolve(host: str, timeout_s: float) -> str | None:
+    """IPv4 address of ``host``, or None. getaddrinfo has no timeout of its own and a
+    broken resolver can stall it for minutes, so it runs on a helper thread that is
+    abandoned (daemon) if it overstays."""
+    try:
+        socket.inet_aton(host)
+        return host
+    except OSError:
+        pass
+    found: list[str] = []
+
+    def lookup() -> None:
+        try:
+            found.append(socket.gethostbyname(host))
+        except OSError:
+            pass
+
+    t = threading.Thread(target=lookup, name="mccl-resolve", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        _log.warning("[rendezvous] resolving MASTER_ADDR=%s took over %.0f s; not using it to pick the "
+                     "listen address (set MCCL_BIND_ADDR or MCCL_SOCKET_IFNAME)", host, timeout_s)
+        return None
+    return found[0] if found else None
+
+
 def routed_address(target: str) -> str | None:
     """The local address the kernel would use to reach ``target``.
 
     Connecting a UDP socket only selects a route; no packet is sent.
     """
-    try:
-        target_ip = socket.gethostbyname(target)
-    except OSError:
+    target_ip = _resolve(target, _RESOLVE_TIMEOUT_S)
+    if target_ip is None:
         return None
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:

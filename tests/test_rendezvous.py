@@ -148,3 +148,24 @@ def test_hosts_in_namespaces_find_each_other(ifname: str) -> None:
         assert p.returncode == 0, f"host {i}:\n{err[-3000:]}"
         peers = out.split("PEERS ", 1)[1].split()
         assert [a.rsplit(":", 1)[0] for a in peers] == [h.addr for h in fleet.hosts], peers
+
+
+@pytest.mark.timeout(30)
+def test_a_stalled_resolver_does_not_hang_group_creation(monkeypatch) -> None:
+    import socket
+    import threading
+
+    release = threading.Event()
+
+    def stuck(host: str) -> str:
+        release.wait(20)
+        return "10.9.9.9"
+
+    monkeypatch.setattr(socket, "gethostbyname", stuck)
+    started = time.monotonic()
+    try:
+        assert rendezvous._resolve("slow.example", 0.3) is None
+        assert time.monotonic() - started < 2
+        assert rendezvous._resolve("10.1.2.3", 0.3) == "10.1.2.3"  # literals skip the resolver
+    finally:
+        release.set()
