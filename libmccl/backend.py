@@ -106,10 +106,18 @@ class ProcessGroupMCCL(compat.ProcessGroupBase):
         return self._group_desc
 
     def set_timeout(self, timeout: datetime.timedelta) -> None:
-        """Bounds Work.wait() of later ops. The engine's own per-op deadline was fixed
-        when the group was created (it has no setter), so a longer value here only
-        helps if the group was created with at least that timeout."""
-        self._timeout_s = compat.timedelta_seconds(timeout) or self._timeout_s
+        """Timeout of the ops issued from now on: the engine's per-op deadline and
+        Work.wait(). Through the daemon (MCCL_DAEMON=1) the daemon side keeps the timeout
+        the job joined with; only the client's own wait changes."""
+        seconds = compat.timedelta_seconds(timeout)
+        if not seconds or seconds <= 0:
+            raise ConfigError(f"[mccl] set_timeout({timeout!r}): the timeout must be positive")
+        setter = getattr(self._comm, "set_timeout", None)
+        if setter is not None:
+            setter(seconds)
+        self._timeout_s = seconds
+
+    _set_default_timeout = set_timeout  # the name c10d's own backends use
 
     @property
     def options(self) -> Options | None:

@@ -200,6 +200,38 @@ def test_wait_with_timeout_raises_in_caller(ranks) -> None:
     assert 1.4 < waited < 5, waited
 
 
+def _set_timeout_rank(rank: int, world: int) -> tuple[float, str]:
+    import torch
+    import torch.distributed as dist
+
+    from libmccl.errors import CollectiveTimeout, ConfigError
+
+    init_pg(rank, world, timeout_s=60)
+    try:
+        pg = dist.group.WORLD
+        with pytest.raises(ConfigError, match="must be positive"):
+            pg.set_timeout(datetime.timedelta(seconds=0))
+        pg.set_timeout(datetime.timedelta(seconds=1))
+        if rank == 0:
+            work = dist.all_reduce(torch.ones(10), async_op=True)
+            started = time.monotonic()
+            # wait() may take 30 s: only the engine's own (new) deadline can end it sooner.
+            with pytest.raises(CollectiveTimeout) as info:
+                work.wait(datetime.timedelta(seconds=30))
+            return time.monotonic() - started, str(info.value)
+        time.sleep(4)  # rank 1 never issues the all-reduce
+        return 0.0, ""
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_set_timeout_bounds_the_engines_per_op_deadline(ranks) -> None:
+    waited, msg = ranks(_set_timeout_rank, 2, timeout_s=100)[0]
+    assert 0.9 < waited < 4, (waited, msg)
+    assert "rank 1" in msg, msg
+
+
 def _bad_args_rank(rank: int, world: int) -> list[str]:
     import torch
     import torch.distributed as dist

@@ -26,6 +26,7 @@ Communicator::Communicator(int rank, int size, uint64_t comm_id, int listen_fd,
       comm_id_(comm_id),
       opts_(opts),
       addrs_(std::move(peer_addrs)),
+      timeout_s_(opts.timeout_s),
       deliver_(std::move(deliver)) {
   opts_.validate();
   if (size < 1 || rank < 0 || rank >= size) {
@@ -87,6 +88,7 @@ uint64_t Communicator::enqueue(Op op) {
     }
     id = next_id_++;
     op.id = id;
+    op.timeout_s = timeout_s_.load(std::memory_order_relaxed);
     pending_.insert(id);
     queue_.push_back(std::move(op));
     wake = worker_idle_;
@@ -186,7 +188,7 @@ void Communicator::run_collective(Op& op) {
     sig.root = op.root;
   }
   transport_->begin_collective(coll_seq_++, sig);
-  Collective c{*transport_, deadline_after(opts_.timeout_s), opts_.timeout_s, opts_, scratch_};
+  Collective c{*transport_, deadline_after(op.timeout_s), op.timeout_s, opts_, scratch_};
   switch (op.kind) {
     case OpKind::kAllreduce: mccl::allreduce(c, op.buf, op.count, op.dtype, op.op); break;
     case OpKind::kBroadcast: mccl::broadcast(c, op.buf, op.count, op.root); break;
@@ -212,7 +214,7 @@ void Communicator::run_collective(Op& op) {
 
 void Communicator::post_p2p(const Op& op) {
   const uint64_t id = op.id;
-  p2p_deadlines_[id] = deadline_after(opts_.timeout_s);
+  p2p_deadlines_[id] = {deadline_after(op.timeout_s), op.timeout_s};
   auto done = [this, id](Request& r) {
     p2p_deadlines_.erase(id);
     complete(id, r.error, r.is_send ? -1 : r.peer);
@@ -226,14 +228,16 @@ void Communicator::post_p2p(const Op& op) {
 
 void Communicator::idle_progress() {
   Deadline until = Clock::now() + std::chrono::seconds(1);
-  for (auto& kv : p2p_deadlines_) until = std::min(until, kv.second);
+  for (auto& kv : p2p_deadlines_) until = std::min(until, kv.second.first);
   try {
     transport_->progress(until);
     auto now = Clock::now();
-    bool expired = false;
-    for (auto& kv : p2p_deadlines_) expired = expired || kv.second <= now;
+    double expired_after = -1;
+    for (auto& kv : p2p_deadlines_) {
+      if (kv.second.first <= now) expired_after = std::max(expired_after, kv.second.second);
+    }
     // Outside the loop: failing the transport completes (and erases) the p2p ops.
-    if (expired) transport_->p2p_timeout(opts_.timeout_s);
+    if (expired_after >= 0) transport_->p2p_timeout(expired_after);
   } catch (const Error& e) {
     on_error(e);
   }
@@ -326,6 +330,14 @@ void Communicator::abort(const std::string& reason) {
           "; every pending operation was cancelled; create a new process group to continue",
       rank_, addrs_[rank_]));
   stop_threads(completer_.get_id() == std::this_thread::get_id());
+}
+
+void Communicator::set_timeout(double timeout_s) {
+  if (!(timeout_s > 0)) {
+    throw_error(ErrorKind::kConfig, "[engine] set_timeout(" + format_seconds(timeout_s) +
+                                        " s): the timeout must be positive");
+  }
+  timeout_s_.store(timeout_s, std::memory_order_relaxed);
 }
 
 void Communicator::shutdown(double timeout_s) {

@@ -66,6 +66,7 @@ struct Op {
   ReduceOp op = ReduceOp::kSum;
   int root = -1;         // root, or p2p peer (-1: any source)
   uint32_t tag = 0;
+  double timeout_s = 0;  // the communicator's timeout when the op was enqueued
   std::vector<size_t> send_sizes, send_offsets, recv_sizes, recv_offsets;
 };
 
@@ -106,6 +107,9 @@ class Communicator {
   void abort(const std::string& reason);
   // Lets queued ops finish (up to timeout_s), then stops threads and closes links.
   void shutdown(double timeout_s);
+
+  // Per-operation timeout of ops enqueued from now on (torch's set_timeout); > 0 s.
+  void set_timeout(double timeout_s);
 
   int rank() const { return rank_; }
   int size() const { return size_; }
@@ -153,8 +157,10 @@ class Communicator {
   bool worker_idle_ = true;               // worker found the queue empty and may sleep
   uint64_t ops_completed_ = 0;
 
-  // Pending p2p ops (worker only): id -> deadline.
-  std::unordered_map<uint64_t, Deadline> p2p_deadlines_;
+  std::atomic<double> timeout_s_;  // stamped on each op at enqueue
+
+  // Pending p2p ops (worker only): id -> (deadline, its timeout).
+  std::unordered_map<uint64_t, std::pair<Deadline, double>> p2p_deadlines_;
 
   // Completions (cmu_).
   std::mutex cmu_;

@@ -226,6 +226,8 @@ void register_engine_bindings(py::module_& m) {
                                        std::move(rs), std::move(ro));
            })
       .def("barrier", [](PC& c) { return c.core().barrier(); })
+      .def("set_timeout", [](PC& c, double timeout_s) { c.core().set_timeout(timeout_s); },
+           py::arg("timeout_s"))
       .def("send", [](PC& c, uintptr_t p, size_t nbytes, int dst, int64_t tag) {
         return c.core().send(ptr(p), nbytes, dst, tag);
       }, py::arg("ptr"), py::arg("nbytes"), py::arg("dst"), py::arg("tag") = 0)
