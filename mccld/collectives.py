@@ -8,6 +8,9 @@ reduce locally -> engine op across hosts -> write back to every local rank.
 
 Ops built from others are noted where they move more bytes than a dedicated
 algorithm would (reduce_scatter, gather, scatter); their results are exact.
+
+All-to-all(v) is the one op whose arguments differ per rank (each rank's split sizes),
+so ``run`` takes every local rank's arguments; the others read the first rank's.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from libmccl.errors import ConfigError
+from libmccl.errors import CollectiveMismatch, ConfigError
 
 from .reduce import AVG, DTYPE_SIZE, SUM, ReducePool, check
 
@@ -26,12 +29,27 @@ from .reduce import AVG, DTYPE_SIZE, SUM, ReducePool, check
 EngineRun = Callable[..., None]
 
 SUPPORTED = ("allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "gather",
-             "scatter", "barrier")
+             "scatter", "barrier", "alltoallv")
+
+
+def per_rank_args(op: str) -> frozenset[str]:
+    """Arguments that legitimately differ between the ranks of one collective."""
+    if op == "alltoallv":
+        return frozenset({"segment", "send_off", "recv_off", "send_sizes", "recv_sizes"})
+    return frozenset({"segment"})
 
 
 def _copy(dst: int, src: int, nbytes: int) -> None:
     if nbytes and dst != src:
         ctypes.memmove(dst, src, nbytes)
+
+
+def _starts(sizes: list[int]) -> list[int]:
+    out, at = [], 0
+    for n in sizes:
+        out.append(at)
+        at += n
+    return out
 
 
 @dataclass
@@ -58,13 +76,17 @@ class Hierarchy:
         self.engine = engine  # None: single-host job
         self._scratch = np.empty(0, dtype=np.uint8)
 
-    def run(self, op: str, bases: dict[int, int], args: dict[str, Any]) -> None:
-        """``bases``: local rank -> address of its region; ``args`` as sent by the clients."""
+    def run(self, op: str, bases: dict[int, int], args: dict[int, dict[str, Any]]) -> None:
+        """``bases``: local rank -> address of its region; ``args``: local rank -> its
+        arguments as sent by its client."""
         fn = getattr(self, "_" + op, None) if op in SUPPORTED else None
         if fn is None:
             raise ConfigError(f"[daemon] collective {op!r} is not supported in daemon mode "
                               f"(supported: {', '.join(SUPPORTED)}); unset MCCL_DAEMON to run it in-process")
-        fn(bases, **{k: v for k, v in args.items() if k not in ("segment",)})
+        if op == "alltoallv":
+            fn(bases, args)
+            return
+        fn(bases, **{k: v for k, v in args[self.topo.local[0]].items() if k != "segment"})
 
     # -- helpers -------------------------------------------------------------------------
     def _leader_reduce(self, bases: dict[int, int], off: int, count: int, dtype: int, op: int) -> int:
@@ -77,8 +99,8 @@ class Hierarchy:
         return dst
 
     def _scratch_addr(self, nbytes: int) -> int:
-        if self._scratch.nbytes < nbytes:
-            self._scratch = np.empty(nbytes, dtype=np.uint8)
+        if self._scratch.nbytes < max(nbytes, 1):  # never empty: the engine refuses null pointers
+            self._scratch = np.empty(max(nbytes, 1), dtype=np.uint8)
         return self._scratch.ctypes.data
 
     def _gather_all(self, bases: dict[int, int], send_off: int, nbytes: int) -> int:
@@ -160,6 +182,56 @@ class Hierarchy:
             self.engine("broadcast", src, total, self.topo.host_of(root))
         for r in local:
             _copy(bases[r] + recv_off, src + r * nbytes, nbytes)
+
+    def _alltoallv(self, bases, args: dict[int, dict[str, Any]]) -> None:
+        """Ranks of this host exchange directly; other hosts' blocks go in ONE engine
+        all-to-all-v among hosts, packed per destination host in (source rank, destination
+        rank) order, which the receiving daemon unpacks in the same order."""
+        topo, local = self.topo, self.topo.local
+        send = {r: _starts(args[r]["send_sizes"]) for r in local}
+        recv = {r: _starts(args[r]["recv_sizes"]) for r in local}
+
+        def src_at(s: int, d: int) -> int:
+            return bases[s] + args[s]["send_off"] + send[s][d]
+
+        def dst_at(d: int, s: int) -> int:
+            return bases[d] + args[d]["recv_off"] + recv[d][s]
+
+        for s in local:
+            for d in local:
+                n = args[s]["send_sizes"][d]
+                if n != args[d]["recv_sizes"][s]:
+                    raise CollectiveMismatch(
+                        f"[daemon] alltoallv: rank {s} sends {n} bytes to rank {d}, which expects "
+                        f"{args[d]['recv_sizes'][s]}; every rank's output splits must match the senders' "
+                        "input splits", peer_rank=s)
+                _copy(dst_at(d, s), src_at(s, d), n)
+        if self.engine is None:
+            return
+        me, hosts = topo.host_rank, topo.hosts
+        out_sizes = [0 if h == me else sum(args[s]["send_sizes"][d] for s in local for d in ranks)
+                     for h, ranks in enumerate(hosts)]
+        in_sizes = [0 if h == me else sum(args[d]["recv_sizes"][s] for s in ranks for d in local)
+                    for h, ranks in enumerate(hosts)]
+        packed = self._scratch_addr(sum(out_sizes) + sum(in_sizes))
+        unpacked = packed + sum(out_sizes)
+        at = packed
+        for h, ranks in enumerate(hosts):
+            if h != me:
+                for s in local:
+                    for d in ranks:
+                        n = args[s]["send_sizes"][d]
+                        _copy(at, src_at(s, d), n)
+                        at += n
+        self.engine("alltoallv", packed, out_sizes, _starts(out_sizes), unpacked, in_sizes, _starts(in_sizes))
+        at = unpacked
+        for h, ranks in enumerate(hosts):
+            if h != me:
+                for s in ranks:
+                    for d in local:
+                        n = args[d]["recv_sizes"][s]
+                        _copy(dst_at(d, s), at, n)
+                        at += n
 
     def _barrier(self, bases) -> None:
         if self.engine is not None:

@@ -21,13 +21,17 @@ from libmccl.errors import (AbortedError, CollectiveMismatch, CollectiveTimeout,
                             MCCLError, PeerLostError, ProtocolError)
 
 from . import shm
-from .collectives import Hierarchy, Topology
+from .collectives import Hierarchy, Topology, per_rank_args
+from .p2p import P2P_OPS, PointToPoint
 from .reduce import DTYPE_SIZE, ReducePool
 
 log = logging.getLogger(__name__)
 
 _SETUP_TIMEOUT_FLOOR_S = 5.0
 _CLOSE_BARRIER_S = 30.0
+# A peer daemon that fails a job tells us over its link and aborts the engine; the two
+# race, and the link message carries the real cause (a timeout, a lost rank).
+_PEER_VERDICT_GRACE_S = 2.0
 
 
 class JobHost(Protocol):
@@ -86,7 +90,18 @@ def _byte_span(op: str, args: dict[str, Any], size: int) -> int:
         return max(n("send_off") + size * n("count") * es, n("recv_off") + n("count") * es)
     if op == "scatter":
         return max(n("send_off") + size * n("nbytes"), n("recv_off") + n("nbytes"))
+    if op == "alltoallv":
+        return max(n("send_off") + sum(_sizes(args, "send_sizes", size)),
+                   n("recv_off") + sum(_sizes(args, "recv_sizes", size)))
     return 0
+
+
+def _sizes(args: dict[str, Any], key: str, size: int) -> list[int]:
+    v = args.get(key)
+    if not (isinstance(v, list) and len(v) == size
+            and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)):
+        raise ProtocolError(f"[daemon] alltoallv: {key} must list {size} non-negative byte counts, got {v!r}")
+    return v
 
 
 class Job:
@@ -114,6 +129,9 @@ class Job:
         self.hierarchy: Hierarchy | None = None
         self.aborting = False        # we aborted the engine ourselves (vs. a peer aborting it)
         self._lock = threading.RLock()
+        # Held while p2p copies touch a segment, and while unmapping one.
+        self.segment_lock = threading.Lock()
+        self.p2p = PointToPoint(self)
         self._tasks: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._worker, name=f"mccld-job-{job_id}", daemon=True)
         self._thread.start()
@@ -159,6 +177,15 @@ class Job:
     def submit(self, ident: bytes, req: int, msg: dict[str, Any]) -> None:
         rank = msg["rank"]
         member = self._member(rank, ident)
+        if msg["op"] in P2P_OPS:
+            # Point-to-point is not part of the collective order (``seq`` is ignored).
+            with self._lock:
+                if self.failed is not None:
+                    raise self.failed
+                if self.state != "ready":
+                    raise ProtocolError(f"[daemon] job {self.id}: {msg['op']} before the job is ready")
+            self.p2p.submit(ident, req, rank, msg["op"], msg["args"])
+            return
         seg = member.segments.get(msg["args"].get("segment", ""))
         need = _byte_span(msg["op"], msg["args"], self.size)
         if need and (seg is None or seg.nbytes < need):
@@ -186,6 +213,7 @@ class Job:
                 self.fail(AbortedError(f"[daemon] job {self.id}: rank {rank} aborted the communicator: "
                                        f"{abort_reason or 'no reason given'}", peer_rank=rank), local=True)
             del self.members[rank]
+            self.p2p.forget(rank)
             self._tasks.put(("unmap", member.release()))
             if not self.members:
                 self._tasks.put(("close", None))
@@ -195,6 +223,7 @@ class Job:
             member = self.members.pop(rank, None)
             if member is None:
                 return
+            self.p2p.forget(rank)
             # Unmapped by the job thread: an op in flight may still be reading or writing it.
             self._tasks.put(("unmap", member.release()))
             self.fail(PeerLostError(f"[daemon] job {self.id}: rank {rank} (pid {member.pid}) on host "
@@ -214,6 +243,9 @@ class Job:
                         f"within {self.timeout_s:.0f}s while {sorted(waiting)} waited; a rank is stuck or "
                         "took another code path", peer_rank=missing[0]), local=True)
                     return
+        late = self.p2p.overdue(now)
+        if late is not None:
+            self.fail(late, local=True)
 
     def fail(self, exc: MCCLError, local: bool) -> None:
         """Fail every pending and later op with ``exc``; ``local``: tell the peer daemons too."""
@@ -226,6 +258,7 @@ class Job:
             self.pending.clear()
             joining = [(m.ident, m.join_req) for m in self.members.values()] if self.hierarchy is None else []
         log.warning("%s", exc)
+        self.p2p.fail(exc)
         for p in pending:
             self.host.reply_error(p.ident, p.req, exc)
         for ident, req in joining:
@@ -251,6 +284,16 @@ class Job:
             self._tasks.put(("unmap", m.release()))
 
     # -- the job's thread ------------------------------------------------------------------
+    def segment_of(self, rank: int, name: str, nbytes: int) -> shm.Segment:
+        """A rank's mapped segment of at least ``nbytes``; the caller holds ``segment_lock``."""
+        with self._lock:
+            member = self.members.get(rank)
+            seg = member.segments.get(name) if member is not None else None
+        if seg is None or seg.closed or seg.nbytes < nbytes:
+            raise ProtocolError(f"[daemon] job {self.id} rank {rank}: no registered segment {name!r} of "
+                                f"{nbytes} bytes; the rank left, or its client skipped register")
+        return seg
+
     def _member(self, rank: int, ident: bytes) -> Member:
         member = self.members.get(rank)
         if member is None or member.ident != ident:
@@ -275,8 +318,9 @@ class Job:
             elif kind == "op":
                 self._run(item)
             elif kind == "unmap":
-                for seg in item:
-                    seg.close()
+                with self.segment_lock:
+                    for seg in item:
+                        seg.close()
             elif kind == "close":
                 with self._lock:
                     if self.members:
@@ -301,6 +345,8 @@ class Job:
                 return
             self.engine = engine
             self.hierarchy = Hierarchy(self.topo, self.host.pool, self._engine_run if engine else None)
+            if engine is not None:
+                self.p2p.start_network(self._engine_run)
             self.state = "ready"
             joined = [(m.ident, m.join_req) for m in self.members.values()]
         log.info("job %s ready: %d rank(s), %d here, %d host(s)", self.id, self.size,
@@ -314,6 +360,10 @@ class Job:
         try:
             self.engine.wait(op_id, self.timeout_s)
         except AbortedError as e:
+            if self.failed is None and not self.aborting:
+                deadline = time.monotonic() + _PEER_VERDICT_GRACE_S
+                while self.failed is None and time.monotonic() < deadline:
+                    time.sleep(0.05)
             if self.failed is not None:
                 raise self.failed from None
             if not self.aborting:
@@ -330,8 +380,9 @@ class Job:
             if self.failed is not None:
                 raise self.failed
             for p in waiting.values():
-                a, b = dict(p.msg["args"]), dict(first["args"])
-                a.pop("segment", None), b.pop("segment", None)
+                own = per_rank_args(first["op"])
+                a = {k: v for k, v in p.msg["args"].items() if k not in own}
+                b = {k: v for k, v in first["args"].items() if k not in own}
                 if p.msg["op"] != first["op"] or a != b:
                     raise CollectiveMismatch(
                         f"[daemon] job {self.id} collective #{first['seq']}: rank {p.msg['rank']} called "
@@ -339,7 +390,7 @@ class Job:
                         "issue the same collectives in the same order", peer_rank=p.msg["rank"])
             bases = {r: self.members[r].segments[p.msg["args"].get("segment", "")].addr
                      if p.msg["args"].get("segment") else 0 for r, p in waiting.items()}
-            self.hierarchy.run(first["op"], bases, first["args"])
+            self.hierarchy.run(first["op"], bases, {r: p.msg["args"] for r, p in waiting.items()})
         except MCCLError as e:
             if not isinstance(e, ConfigError):
                 self.fail(e, local=True)
@@ -359,6 +410,7 @@ class Job:
             self.host.reply(p.ident, p.req, {"ok": True})
 
     def _shutdown(self) -> None:
+        self.p2p.stop()
         engine, self.engine = self.engine, None
         if engine is not None:
             if self.failed is None:
@@ -385,4 +437,6 @@ def _nbytes_for_stats(op: str, args: dict[str, Any], size: int) -> int:
         return args["count"] * es * size
     if op in ("allgather", "gather", "scatter"):
         return args["nbytes"] * size
+    if op == "alltoallv":
+        return sum(args["send_sizes"])
     return args.get("nbytes", 0)
