@@ -31,21 +31,19 @@ from zmq.utils.monitor import parse_monitor_message
 
 from . import errors
 from .config import load
+from .daemon_ops import OpBuilder, OpSpec
 from .errors import (AbortedError, CollectiveTimeout, ConfigError, DaemonUnavailableError, MCCLError,
                      ProtocolError)
 
 log = logging.getLogger(__name__)
 
-_DTYPE_SIZE = [4, 8, 2, 2, 1, 1, 4, 8, 1]      # mccl::DType order (csrc/dtype.h)
-_ALIGN = 64
 _HELLO_TIMEOUT_S = 5.0
 _RESULTS_KEPT = 4096                             # completions remembered for wait()
-UNSUPPORTED = ("alltoall", "alltoallv", "send", "recv")
+# Our own deadlines run this much past the job timeout: the daemon's verdict for the
+# same wait names the stuck rank, ours can only say that nothing came.
+_VERDICT_MARGIN_S = 5.0
+_P2P_OPS = ("send", "take")                      # outside the job's collective order
 _KIND_OF = {cls: kind for kind, cls in errors._KINDS.items()}
-
-
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 def _err_tuple(exc: MCCLError) -> tuple[int, str, int, str]:
@@ -56,12 +54,19 @@ def _err_tuple(exc: MCCLError) -> tuple[int, str, int, str]:
 @dataclass
 class _Op:
     op_id: int
-    name: str
+    spec: OpSpec
+    info: int = -1                             # a recv's source rank, reported on completion
+    deadline: float = 0.0
+    req: int = 0
+
+
+@dataclass
+class _Recv:
+    """A recv posted to the daemon, waiting for a matching send."""
+    op_id: int
+    ptr: int
+    nbytes: int
     args: dict[str, Any]
-    span: int                                  # segment bytes needed
-    copy_in: list[tuple[int, int, int]]        # (segment offset, user ptr, nbytes)
-    copy_out: list[tuple[int, int, int]]
-    nbytes: int = 0
     deadline: float = 0.0
     req: int = 0
 
@@ -93,6 +98,9 @@ class DaemonCommunicator:
         self._seq = 0
         self._lock = threading.Lock()
         self._queue: collections.deque[_Op] = collections.deque()
+        self._posts_out: collections.deque[_Recv] = collections.deque()   # recvs not yet sent to mccld
+        self._posted: dict[int, _Recv] = {}                                # request id -> recv awaiting a match
+        self._ops = OpBuilder(rank, size)
         self._outbox: collections.deque[dict[str, Any]] = collections.deque()  # reports, no reply awaited
         self._register_reqs: set[int] = set()
         self._inflight: _Op | None = None
@@ -204,79 +212,55 @@ class DaemonCommunicator:
         self._thread.start()
 
     # -- the engine API -------------------------------------------------------------------------
-    def _check_reduce(self, count: int, dtype: int, op: int) -> int:
-        if not (0 <= int(dtype) < len(_DTYPE_SIZE)) or not (0 <= int(op) < 8) or count < 0:
-            raise ConfigError(f"[daemon-client] bad count/dtype/op ({count}, {dtype}, {op}) on rank {self.rank}; "
-                              "pass a non-negative count and a dtype/op code of mccl::DType / mccl::ReduceOp")
-        return count * _DTYPE_SIZE[dtype]
-
-    def _check_root(self, root: int) -> None:
-        if not (0 <= root < self.size):
-            raise ConfigError(f"[daemon-client] root {root} outside world size {self.size} on rank {self.rank}; "
-                              f"pass a root rank between 0 and {self.size - 1}")
-
     def allreduce(self, ptr: int, count: int, dtype: int, op: int) -> int:
-        n = self._check_reduce(count, dtype, op)
-        return self._enqueue("allreduce", {"count": count, "dtype": dtype, "op": op, "offset": 0}, n,
-                             [(0, ptr, n)], [(0, ptr, n)], n)
+        return self._enqueue(self._ops.allreduce(ptr, count, dtype, op))
 
     def broadcast(self, ptr: int, nbytes: int, root: int) -> int:
-        self._check_root(root)
-        mine = self.rank == root
-        return self._enqueue("broadcast", {"nbytes": nbytes, "root": root}, nbytes,
-                             [(0, ptr, nbytes)] if mine else [], [] if mine else [(0, ptr, nbytes)], nbytes)
+        return self._enqueue(self._ops.broadcast(ptr, nbytes, root))
 
     def allgather(self, send_ptr: int, recv_ptr: int, nbytes: int) -> int:
-        off = _align(nbytes)
-        return self._enqueue("allgather", {"send_off": 0, "recv_off": off, "nbytes": nbytes},
-                             off + self.size * nbytes, [(0, send_ptr, nbytes)],
-                             [(off, recv_ptr, self.size * nbytes)], self.size * nbytes)
+        return self._enqueue(self._ops.allgather(send_ptr, recv_ptr, nbytes))
 
     def reduce_scatter(self, send_ptr: int, recv_ptr: int, count: int, dtype: int, op: int) -> int:
-        n = self._check_reduce(count, dtype, op)
-        off = _align(n * self.size)
-        return self._enqueue("reduce_scatter", {"send_off": 0, "recv_off": off, "count": count, "dtype": dtype,
-                                                "op": op}, off + n, [(0, send_ptr, n * self.size)],
-                             [(off, recv_ptr, n)], n * self.size)
+        return self._enqueue(self._ops.reduce_scatter(send_ptr, recv_ptr, count, dtype, op))
 
     def reduce(self, ptr: int, count: int, dtype: int, op: int, root: int) -> int:
-        n = self._check_reduce(count, dtype, op)
-        self._check_root(root)
-        return self._enqueue("reduce", {"count": count, "dtype": dtype, "op": op, "root": root}, n,
-                             [(0, ptr, n)], [(0, ptr, n)] if self.rank == root else [], n)
+        return self._enqueue(self._ops.reduce(ptr, count, dtype, op, root))
 
     def gather(self, send_ptr: int, recv_ptr: int, nbytes: int, root: int) -> int:
-        self._check_root(root)
-        off = _align(nbytes)
-        out = [(off, recv_ptr, self.size * nbytes)] if self.rank == root else []
-        return self._enqueue("gather", {"send_off": 0, "recv_off": off, "nbytes": nbytes, "root": root},
-                             off + self.size * nbytes, [(0, send_ptr, nbytes)], out, nbytes)
+        return self._enqueue(self._ops.gather(send_ptr, recv_ptr, nbytes, root))
 
     def scatter(self, send_ptr: int, recv_ptr: int, nbytes: int, root: int) -> int:
-        self._check_root(root)
-        off = _align(nbytes * self.size)
-        cin = [(0, send_ptr, self.size * nbytes)] if self.rank == root else []
-        return self._enqueue("scatter", {"send_off": 0, "recv_off": off, "nbytes": nbytes, "root": root},
-                             off + nbytes, cin, [(off, recv_ptr, nbytes)], nbytes)
+        return self._enqueue(self._ops.scatter(send_ptr, recv_ptr, nbytes, root))
 
     def barrier(self) -> int:
-        return self._enqueue("barrier", {}, 0, [], [], 0)
+        return self._enqueue(self._ops.barrier())
 
-    def _unsupported(self, name: str) -> None:
-        raise ConfigError(f"[daemon-client] {name} is not supported in daemon mode (MCCL_DAEMON=1); "
-                          "unset MCCL_DAEMON to run it with the in-process engine")
+    def alltoall(self, send_ptr: int, recv_ptr: int, nbytes: int) -> int:
+        return self._enqueue(self._ops.alltoall(send_ptr, recv_ptr, nbytes))
 
-    def alltoall(self, *args) -> int:
-        self._unsupported("alltoall")
+    def alltoallv(self, send_ptr: int, send_sizes: list[int], send_offsets: list[int], recv_ptr: int,
+                  recv_sizes: list[int], recv_offsets: list[int]) -> int:
+        return self._enqueue(self._ops.alltoallv(send_ptr, send_sizes, send_offsets, recv_ptr, recv_sizes,
+                                                 recv_offsets))
 
-    def alltoallv(self, *args) -> int:
-        self._unsupported("alltoallv")
+    def send(self, ptr: int, nbytes: int, dst: int, tag: int = 0) -> int:
+        return self._enqueue(self._ops.send(ptr, nbytes, dst, tag))
 
-    def send(self, *args) -> int:
-        self._unsupported("send")
-
-    def recv(self, *args) -> int:
-        self._unsupported("recv")
+    def recv(self, ptr: int, nbytes: int, src: int, tag: int = 0) -> int:
+        """Posted at once (it does not wait behind this rank's queued ops); its data is
+        taken into the segment as the next op once the daemon matched a send."""
+        with self._lock:
+            op_id = self._next_op
+            self._next_op += 1
+            recv = _Recv(op_id, ptr, nbytes, self._ops.recv_post(nbytes, src, int(tag), op_id))
+            if self._failed is None:
+                self._posts_out.append(recv)
+        if self._failed is not None:
+            self._fail_ops([recv], self._failed)
+        else:
+            self._wake()
+        return op_id
 
     def wait(self, op_id: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -301,7 +285,7 @@ class DaemonCommunicator:
             return
         deadline = time.monotonic() + timeout_s
         with self._done_cv:
-            while (self._inflight is not None or self._queue) and self._failed is None:
+            while self._busy_locked() and self._failed is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
@@ -326,34 +310,39 @@ class DaemonCommunicator:
             return {**self._stats, "per_peer": {}}
 
     # -- internals -----------------------------------------------------------------------------
-    def _enqueue(self, name: str, args: dict[str, Any], span: int, copy_in, copy_out, nbytes: int) -> int:
+    def _enqueue(self, spec: OpSpec) -> int:
         with self._lock:
-            op_id = self._next_op
+            op = _Op(self._next_op, spec)
             self._next_op += 1
-            op = _Op(op_id, name, args, span, [c for c in copy_in if c[1] and c[2]],
-                     [c for c in copy_out if c[1] and c[2]], nbytes)
-            if self._failed is not None:
-                self._finish_locked(op, self._failed)
-                failed = True
-            else:
+            failed = self._failed
+            if failed is None:
                 self._queue.append(op)
-                failed = False
-        if failed:
-            self._on_complete([(op_id, _err_tuple(self._failed), -1)])
+        if failed is not None:
+            self._fail_ops([op], failed)
         else:
             self._wake()
-        return op_id
+        return op.op_id
 
     def _wake(self) -> None:
         with self._lock:
             if self._wake_push is not None:
                 self._wake_push.send(b"", zmq.NOBLOCK)
 
-    def _finish_locked(self, op: _Op, err: MCCLError | None) -> None:
+    def _finish_locked(self, op: _Op | _Recv, err: MCCLError | None) -> None:
         self._results[op.op_id] = err
         while len(self._results) > _RESULTS_KEPT:
             self._results.popitem(last=False)
         self._done_cv.notify_all()
+
+    def _fail_ops(self, ops: list[_Op | _Recv], exc: MCCLError) -> None:
+        with self._lock:
+            for op in ops:
+                self._finish_locked(op, exc)
+        if ops:
+            self._on_complete([(op.op_id, _err_tuple(exc), -1) for op in ops])
+
+    def _busy_locked(self) -> bool:
+        return bool(self._inflight is not None or self._queue or self._posted or self._posts_out)
 
     def _ensure_segment(self, span: int) -> None:
         seg = self._segment
@@ -372,26 +361,63 @@ class DaemonCommunicator:
             seg.close()
             seg.unlink()
 
+    def _send_op(self, req: int, name: str, args: dict[str, Any]) -> None:
+        # Only collectives take a place in the job's order; p2p carries seq 0.
+        if name in _P2P_OPS or name == "recv":
+            seq = 0
+        else:
+            self._seq += 1
+            seq = self._seq
+        self._sock.send(self._proto.encode({"type": "op", "req": req, "job": self._job, "rank": self.rank,
+                                            "seq": seq, "op": name, "args": args}))
+
     def _start_next(self) -> None:
         with self._lock:
             if self._inflight is not None or not self._queue or self._failed is not None:
                 return
             op = self._queue.popleft()
             self._inflight = op
-        if op.span:
-            self._ensure_segment(op.span)
-        base = self._segment.addr if op.span else 0
-        for off, ptr, n in op.copy_in:
+        spec = op.spec
+        if spec.span:
+            self._ensure_segment(spec.span)
+        base = self._segment.addr if spec.span else 0
+        for off, ptr, n in spec.copy_in:
             ctypes.memmove(base + off, ptr, n)
-        args = dict(op.args)
-        if op.span:
+        args = dict(spec.args)
+        if spec.span:
             args["segment"] = self._segment.name
         self._req += 1
         op.req = self._req
-        op.deadline = time.monotonic() + self.timeout_s
-        self._seq += 1
-        self._sock.send(self._proto.encode({"type": "op", "req": op.req, "job": self._job, "rank": self.rank,
-                                            "seq": self._seq, "op": op.name, "args": args}))
+        op.deadline = time.monotonic() + self.timeout_s + _VERDICT_MARGIN_S
+        self._send_op(op.req, spec.name, args)
+
+    def _post_recvs(self) -> None:
+        while True:
+            with self._lock:
+                recv = self._posts_out.popleft() if self._posts_out else None
+                if recv is not None:
+                    self._req += 1
+                    recv.req = self._req
+                    recv.deadline = time.monotonic() + self.timeout_s + _VERDICT_MARGIN_S
+                    self._posted[recv.req] = recv
+            if recv is None:
+                return
+            self._send_op(recv.req, "recv", recv.args)
+
+    def _on_reply(self, reply: dict[str, Any]) -> None:
+        with self._lock:
+            recv = self._posted.pop(reply["req"], None)
+        if recv is None:
+            self._complete_inflight(reply)
+        elif reply.get("ok"):
+            # Matched: the data comes into the segment as the very next op.
+            take = _Op(recv.op_id, self._ops.take(recv.ptr, recv.nbytes, recv.args["post"]), info=int(reply["src"]))
+            with self._lock:
+                self._queue.appendleft(take)
+        else:
+            err = self._proto.error_from_payload(reply.get("error") or {})
+            self._fail_ops([recv], err)
+            self._fail(err, leave_abort=None)
 
     def _complete_inflight(self, reply: dict[str, Any]) -> None:
         op = self._inflight
@@ -405,24 +431,47 @@ class DaemonCommunicator:
                 else:
                     log.warning("[daemon-client] mccld refused a report from rank %d: %s", self.rank, err)
             return
-        err = None
+        spec, err = op.spec, None
         if reply.get("ok"):
-            base = self._segment.addr if op.span else 0
-            for off, ptr, n in op.copy_out:
+            base = self._segment.addr if spec.span else 0
+            for off, ptr, n in spec.copy_out:
                 ctypes.memmove(ptr, base + off, n)
         else:
             err = self._proto.error_from_payload(reply.get("error") or {})
         with self._lock:
             self._inflight = None
             self._stats["ops_completed"] += 1
-            self._stats["bytes_sent"] += sum(c[2] for c in op.copy_in)
-            self._stats["bytes_received"] += sum(c[2] for c in op.copy_out)
+            self._stats["bytes_sent"] += sum(c[2] for c in spec.copy_in)
+            self._stats["bytes_received"] += sum(c[2] for c in spec.copy_out)
             self._finish_locked(op, err)
             if err is not None and self._failed is None and not isinstance(err, ConfigError):
                 self._failed = err
-        self._on_complete([(op.op_id, None if err is None else _err_tuple(err), -1)])
+        self._on_complete([(op.op_id, None if err is None else _err_tuple(err), op.info)])
         if err is not None and not isinstance(err, ConfigError):
             self._fail(err, leave_abort=None)
+
+    def _next_deadline(self) -> float | None:
+        with self._lock:
+            waits = [r.deadline for r in self._posted.values()]
+            if self._inflight is not None:
+                waits.append(self._inflight.deadline)
+        return min(waits, default=None)
+
+    def _expired(self, now: float) -> CollectiveTimeout | None:
+        with self._lock:
+            op = self._inflight
+            late = [r for r in self._posted.values() if now > r.deadline]
+        if op is not None and now > op.deadline:
+            return CollectiveTimeout(
+                f"[daemon-client] {op.spec.name} (op {op.op_id}) did not complete within {self.timeout_s:.0f}s "
+                f"on rank {self.rank}; a peer rank is stuck, slow or skipped this collective")
+        if late:
+            src = late[0].args["src"]
+            return CollectiveTimeout(
+                f"[daemon-client] recv (op {late[0].op_id}) from {'any rank' if src == -1 else f'rank {src}'} "
+                f"got no message within {self.timeout_s:.0f}s on rank {self.rank}; the sender is stuck or "
+                "skipped the send, and mccld did not say so (is it overloaded?)", peer_rank=src)
+        return None
 
     def _io_loop(self, pull: zmq.Socket) -> None:
         poller = zmq.Poller()
@@ -431,8 +480,7 @@ class DaemonCommunicator:
         poller.register(self._monitor, zmq.POLLIN)
         try:
             while not self._closed:
-                with self._lock:
-                    deadline = self._inflight.deadline if self._inflight is not None else None
+                deadline = self._next_deadline()
                 wait_ms = 1000 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000) + 1)
                 events = dict(poller.poll(min(wait_ms, 1000)))
                 if pull in events:
@@ -448,6 +496,7 @@ class DaemonCommunicator:
                             break
                         self._req += 1
                         self._sock.send(self._proto.encode({**report, "req": self._req}))
+                    self._post_recvs()
                 if self._monitor in events:
                     ev = parse_monitor_message(self._monitor.recv_multipart())
                     if ev["event"] in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED) and not self._closed:
@@ -463,19 +512,15 @@ class DaemonCommunicator:
                         except zmq.Again:
                             break
                         try:
-                            self._complete_inflight(self._proto.decode_reply(frame))
+                            self._on_reply(self._proto.decode_reply(frame))
                         except ProtocolError as e:
                             self._fail(e, leave_abort=None)
                             return
                         if self._closed:  # that reply failed the communicator: sockets are gone
                             return
-                with self._lock:
-                    op = self._inflight
-                if op is not None and time.monotonic() > op.deadline:
-                    self._fail(CollectiveTimeout(
-                        f"[daemon-client] {op.name} (op {op.op_id}) did not complete within {self.timeout_s:.0f}s "
-                        f"on rank {self.rank}; a peer rank is stuck, slow or skipped this collective"),
-                        leave_abort=None)
+                expired = self._expired(time.monotonic())
+                if expired is not None:
+                    self._fail(expired, leave_abort=None)
                     return
                 if self._failed is None:
                     self._start_next()
@@ -496,13 +541,13 @@ class DaemonCommunicator:
             if self._failed is None:
                 self._failed = exc
             exc = self._failed
-            ops = ([self._inflight] if self._inflight is not None else []) + list(self._queue)
+            ops = (([self._inflight] if self._inflight is not None else []) + list(self._queue)
+                   + list(self._posted.values()) + list(self._posts_out))
             self._inflight = None
             self._queue.clear()
-            for op in ops:
-                self._finish_locked(op, exc)
-        if ops:
-            self._on_complete([(op.op_id, _err_tuple(exc), -1) for op in ops])
+            self._posted.clear()
+            self._posts_out.clear()
+        self._fail_ops(ops, exc)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._wake()
             self._thread.join(timeout=5.0)

@@ -94,6 +94,10 @@ class Segment:
                                 f"of {self.nbytes} bytes")
         return memoryview(self._map)[offset:end]
 
+    @property
+    def closed(self) -> bool:
+        return self._map is None
+
     def close(self) -> None:
         if self._map is None:
             return

@@ -1,0 +1,325 @@
+"""Point-to-point between the ranks of one job: send, recv, any-source recv.
+
+Sends are eager: a send completes once its data left the sender's segment (copied into
+the daemon for a rank of this host, written to the engine for another host), so it
+never waits for the matching recv. The receiving daemon holds messages until a recv
+takes them and matches exactly on (source rank, destination rank, user tag): a recv
+gets the oldest held message it accepts, a message the oldest posted recv accepting
+it, so the order of one (source, destination, tag) stream is kept.
+
+A recv is two requests: ``recv`` posts it and is answered when a message matched
+(with its source, for any-source recvs); ``take`` then copies the message into the
+client's segment. Only ``take`` and ``send`` touch segments, and a client issues them
+one at a time between its collectives, so a rank blocked in a recv does not hold its
+segment, and p2p never waits for the job's collective ordering (a rank may do p2p only).
+
+Across hosts each message is a fixed header (source, destination, user tag, size) on
+engine tag ``_TAG_HEADER`` followed by its payload on ``_TAG_DATA``: engine tags are 32
+bits, too narrow for the triple, and the engine keeps one peer's messages of one tag
+in order, so payload k from a host belongs to header k from that host. The receiving
+daemon posts an engine receive only while a local rank waits for another host: the
+engine fails its communicator when a p2p op stays pending past the job timeout, so a
+standing receive on an idle job is not an option. Messages sent earlier wait in the
+engine's buffer for unexpected messages (1 GiB cap, a mismatch error beyond).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import queue
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from libmccl.errors import AbortedError, CollectiveMismatch, CollectiveTimeout, MCCLError, ProtocolError
+
+if TYPE_CHECKING:
+    from .jobs import Job
+
+log = logging.getLogger(__name__)
+
+P2P_OPS = ("send", "recv", "take")
+MAX_TAG = (1 << 32) - 1
+_HEADER = struct.Struct("<iiQQ")          # source rank, destination rank, user tag, payload bytes
+_TAG_HEADER, _TAG_DATA = 1, 2
+_IDLE_POLL_S = 1.0                        # how often idle p2p threads look at their stop flag
+_JOIN_S = 5.0
+
+
+@dataclass
+class Posted:
+    ident: bytes
+    req: int
+    rank: int          # destination (a local rank)
+    src: int           # -1: any source
+    tag: int
+    nbytes: int
+    post: int          # the client's id for this recv
+    since: float = field(default_factory=time.monotonic)
+
+    def accepts(self, msg: "Message") -> bool:
+        return msg.tag == self.tag and self.src in (-1, msg.src)
+
+
+@dataclass
+class Message:
+    src: int
+    dst: int
+    tag: int
+    data: np.ndarray   # uint8, owned by the daemon until taken
+
+
+class Mailbox:
+    """Held messages and posted recvs of one job's local ranks. Not thread-safe: the
+    owner locks."""
+
+    def __init__(self) -> None:
+        self._posted: dict[int, list[Posted]] = {}
+        self._held: dict[int, list[Message]] = {}
+        self._matched: dict[tuple[int, int], Message] = {}    # (rank, post) -> message until taken
+
+    def post(self, p: Posted) -> Message | None:
+        held = self._held.get(p.rank, [])
+        for i, m in enumerate(held):
+            if p.accepts(m):
+                del held[i]
+                return self._match(p, m)
+        self._posted.setdefault(p.rank, []).append(p)
+        return None
+
+    def deliver(self, m: Message) -> Posted | None:
+        posted = self._posted.get(m.dst, [])
+        for i, p in enumerate(posted):
+            if p.accepts(m):
+                del posted[i]
+                self._match(p, m)
+                return p
+        self._held.setdefault(m.dst, []).append(m)
+        return None
+
+    def _match(self, p: Posted, m: Message) -> Message:
+        if m.data.nbytes != p.nbytes:
+            raise CollectiveMismatch(
+                f"[daemon] recv size mismatch: rank {m.src} sent {m.data.nbytes} bytes with tag {m.tag}, "
+                f"rank {p.rank} posted a recv of {p.nbytes}; a recv must have the size of the matching send",
+                peer_rank=m.src)
+        self._matched[(p.rank, p.post)] = m
+        return m
+
+    def take(self, rank: int, post: int) -> Message:
+        m = self._matched.pop((rank, post), None)
+        if m is None:
+            raise ProtocolError(f"[daemon] rank {rank}: take of recv #{post}, which has no matched message")
+        return m
+
+    def waiting(self) -> list[Posted]:
+        return [p for ps in self._posted.values() for p in ps]
+
+    def forget(self, rank: int) -> None:
+        """The rank left: its recvs and messages go (nobody can take them any more)."""
+        self._posted.pop(rank, None)
+        self._held.pop(rank, None)
+        for key in [k for k in self._matched if k[0] == rank]:
+            del self._matched[key]
+
+    def drain(self) -> list[Posted]:
+        out = self.waiting()
+        self._posted.clear()
+        self._held.clear()
+        self._matched.clear()
+        return out
+
+
+def _copy(dst: int, src: int, nbytes: int) -> None:
+    if nbytes:
+        ctypes.memmove(dst, src, nbytes)
+
+
+class PointToPoint:
+    """A job's p2p: requests from the attach thread, copies and engine sends on its own
+    thread, engine receives on another (multi-host jobs)."""
+
+    def __init__(self, job: "Job"):
+        self.job = job
+        self._box = Mailbox()
+        self._lock = threading.Lock()
+        self._wanted = threading.Condition(self._lock)     # a local recv waits for another host
+        self._tasks: queue.Queue = queue.Queue()
+        self._stopping = False
+        self._engine: Callable[..., None] | None = None
+        self._rx: threading.Thread | None = None
+        self._tx = threading.Thread(target=self._tx_loop, name=f"mccld-p2p-{job.id}", daemon=True)
+        self._tx.start()
+
+    def start_network(self, engine: Callable[..., None]) -> None:
+        """The job's engine is built: messages to and from other hosts can flow."""
+        self._engine = engine
+        self._rx = threading.Thread(target=self._rx_loop, name=f"mccld-p2p-rx-{self.job.id}", daemon=True)
+        self._rx.start()
+
+    # -- requests (attach thread) -------------------------------------------------------------
+    def submit(self, ident: bytes, req: int, rank: int, op: str, args: dict[str, Any]) -> None:
+        if op == "recv":
+            src, tag, nbytes, post = (self._int(args, k, lo) for k, lo in
+                                      (("src", -1), ("tag", 0), ("nbytes", 0), ("post", 0)))
+            self._check_peer(rank, src, "src", any_ok=True)
+            self._check_tag(tag)
+            with self._lock:
+                if self._stopping:
+                    raise AbortedError(f"[daemon] job {self.job.id} is closing; recv refused")
+                matched = self._box.post(Posted(ident, req, rank, src, tag, nbytes, post))
+                if matched is None and (src == -1 or src not in self.job.local_ranks):
+                    self._wanted.notify_all()
+            if matched is not None:
+                self.job.host.reply(ident, req, {"ok": True, "src": matched.src})
+        elif op == "send":
+            self._check_peer(rank, self._int(args, "dst", 0), "dst", any_ok=False)
+            self._check_tag(self._int(args, "tag", 0))
+            self._int(args, "nbytes", 0)
+            self._tasks.put((ident, req, rank, op, args))
+        else:
+            self._int(args, "post", 0)
+            self._tasks.put((ident, req, rank, op, args))
+
+    @staticmethod
+    def _int(args: dict[str, Any], key: str, lo: int) -> int:
+        v = args.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+            raise ProtocolError(f"[daemon] p2p argument {key!r}={v!r} is not an integer >= {lo}")
+        return v
+
+    def _check_peer(self, rank: int, peer: int, what: str, any_ok: bool) -> None:
+        if not (any_ok and peer == -1) and not (0 <= peer < self.job.size and peer != rank):
+            raise ProtocolError(f"[daemon] job {self.job.id} rank {rank}: {what}={peer} is not another rank "
+                                f"of the job (size {self.job.size})")
+
+    @staticmethod
+    def _check_tag(tag: int) -> None:
+        if tag > MAX_TAG:
+            raise ProtocolError(f"[daemon] p2p tag {tag} outside 0..2^32-1")
+
+    def forget(self, rank: int) -> None:
+        with self._lock:
+            self._box.forget(rank)
+
+    def overdue(self, now: float) -> CollectiveTimeout | None:
+        """The error for the oldest recv waiting longer than the job timeout, if any."""
+        with self._lock:
+            late = [p for p in self._box.waiting() if now - p.since > self.job.timeout_s]
+        if not late:
+            return None
+        p = min(late, key=lambda p: p.since)
+        src = "any rank" if p.src == -1 else f"rank {p.src}"
+        return CollectiveTimeout(
+            f"[daemon] job {self.job.id}: rank {p.rank}'s recv from {src} (tag {p.tag}, {p.nbytes} bytes) "
+            f"matched no send within {self.job.timeout_s:.0f}s; the sender is stuck, skipped the send or "
+            "used another tag", peer_rank=p.src)
+
+    def fail(self, exc: MCCLError) -> None:
+        """The job failed: every waiting recv gets ``exc`` (queued sends get it when they run)."""
+        with self._lock:
+            waiting = self._box.drain()
+            self._wanted.notify_all()
+        for p in waiting:
+            self.job.host.reply_error(p.ident, p.req, exc)
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._box.drain()
+            self._wanted.notify_all()
+        self._tasks.put(None)
+        for t in (self._tx, self._rx):
+            if t is not None and t is not threading.current_thread():
+                t.join(_JOIN_S)
+
+    # -- sends and takes (the p2p thread) --------------------------------------------------------
+    def _tx_loop(self) -> None:
+        while True:
+            try:
+                task = self._tasks.get(timeout=_IDLE_POLL_S)
+            except queue.Empty:
+                continue
+            if task is None:
+                return
+            ident, req, rank, op, args = task
+            try:
+                if self.job.failed is not None:
+                    raise self.job.failed
+                if op == "send":
+                    self._send(rank, args)
+                else:
+                    self._take(rank, args)
+            except MCCLError as e:
+                self.job.host.reply_error(ident, req, e)
+                self.job.fail(e, local=True)
+                continue
+            self.job.host.reply(ident, req, {"ok": True})
+
+    def _send(self, rank: int, args: dict[str, Any]) -> None:
+        dst, tag, nbytes = args["dst"], args["tag"], args["nbytes"]
+        with self.job.segment_lock:
+            addr = self.job.segment_of(rank, args.get("segment", ""), nbytes).addr if nbytes else 0
+            if dst in self.job.local_ranks:
+                data = np.empty(nbytes, dtype=np.uint8)
+                _copy(data.ctypes.data, addr, nbytes)
+                self._deliver(Message(rank, dst, tag, data))
+                return
+            host = self.job.topo.host_of(dst)
+            header = np.frombuffer(_HEADER.pack(rank, dst, tag, nbytes), dtype=np.uint8).copy()
+            self._engine("send", header.ctypes.data, header.nbytes, host, _TAG_HEADER)
+            if nbytes:
+                self._engine("send", addr, nbytes, host, _TAG_DATA)
+
+    def _take(self, rank: int, args: dict[str, Any]) -> None:
+        with self._lock:
+            m = self._box.take(rank, args["post"])
+        if not m.data.nbytes:
+            return
+        with self.job.segment_lock:
+            seg = self.job.segment_of(rank, args.get("segment", ""), m.data.nbytes)
+            _copy(seg.addr, m.data.ctypes.data, m.data.nbytes)
+
+    def _deliver(self, m: Message) -> None:
+        with self._lock:
+            if m.dst not in self.job.members or self._stopping:
+                return  # the rank left: nobody will take it
+            p = self._box.deliver(m)
+        if p is not None:
+            self.job.host.reply(p.ident, p.req, {"ok": True, "src": m.src})
+
+    # -- receives from other hosts (the rx thread) -------------------------------------------------
+    def _remote_wanted(self) -> bool:
+        local = self.job.local_ranks
+        return any(p.src == -1 or p.src not in local for p in self._box.waiting())
+
+    def _rx_loop(self) -> None:
+        header = np.zeros(_HEADER.size, dtype=np.uint8)
+        while True:
+            with self._lock:
+                while not self._stopping and self.job.failed is None and not self._remote_wanted():
+                    self._wanted.wait(_IDLE_POLL_S)
+                if self._stopping or self.job.failed is not None:
+                    return
+            try:
+                self._engine("recv", header.ctypes.data, header.nbytes, -1, _TAG_HEADER)
+                src, dst, tag, nbytes = _HEADER.unpack(header.tobytes())
+                if not (0 <= src < self.job.size and dst in self.job.local_ranks):
+                    raise ProtocolError(f"[daemon] job {self.job.id}: p2p header for rank {dst} from rank {src}; "
+                                        "that rank is not placed on this host; the daemons disagree on the job")
+                data = np.empty(nbytes, dtype=np.uint8)
+                if nbytes:
+                    self._engine("recv", data.ctypes.data, nbytes, self.job.topo.host_of(src), _TAG_DATA)
+                self._deliver(Message(src, dst, tag, data))
+            except MCCLError as e:
+                if not self._stopping:
+                    # The engine times out a pending receive at the job timeout too; the
+                    # recv that waited is the better culprit than the host it waited on.
+                    late = self.overdue(time.monotonic() + 1.0) if isinstance(e, CollectiveTimeout) else None
+                    self.job.fail(late or e, local=True)
+                return
