@@ -7,8 +7,8 @@ the expected result locally in float64/int64 and compares.
 
 Backend modes: ``MODES`` maps a mode name to how its ranks run: a context manager
 yielding their environment (starting whatever they need) and the case families the
-mode does not offer. The in-process engine runs everything; the daemon mode
-(MCCL_DAEMON=1, one in-process mccld) has no point-to-point or all-to-all.
+mode does not offer. Both the in-process engine and the daemon mode (MCCL_DAEMON=1,
+one in-process mccld) run every family.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def _daemon() -> Iterator[dict[str, str]]:
 
 
 register_mode("inprocess", _inprocess)
-register_mode("daemon", _daemon, frozenset({"all_to_all", "send_recv", "recv_any_source"}))
+register_mode("daemon", _daemon)
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32,
           torch.int64, torch.bool]

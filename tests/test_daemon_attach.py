@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from conftest import run_ranks
-from libmccl.errors import ConfigError, DaemonUnavailableError, ProtocolError
+from libmccl.errors import DaemonUnavailableError, ProtocolError
 
 from mccld import protocol
 from mccld.attach import local_request
@@ -149,8 +149,9 @@ def rank_all_collectives(rank: int, world: int) -> str:
     big = np.ones(16 << 20, dtype=np.float32)
     comm.wait(comm.allreduce(big.ctypes.data, big.size, F32, SUM), 60)
     assert big[0] == world and big[-1] == world
-    with pytest.raises(ConfigError, match="alltoall is not supported in daemon mode"):
-        comm.alltoall(0, 0, 8)
+    from test_daemon_p2p import check_alltoall, check_p2p
+    check_alltoall(comm, rank, world)
+    check_p2p(comm, rank, world)
     comm.shutdown(10)
     return "ok"
 
