@@ -7,7 +7,10 @@ regrown on demand); control messages go over ZeroMQ to the daemon's ``ipc://`` s
 
 Ops run one at a time in call order, like the engine's own thread: the next op's
 input is copied into the segment only when the previous op completed, so the segment
-is never overwritten under the daemon. A single I/O thread owns the ZeroMQ socket;
+is never overwritten under the daemon. A recv is the exception: it is posted at once
+and only its data's way in (``take``) is queued, once a send matched
+(``daemon_p2p.py``). Each call's segment layout is in ``daemon_ops.py``, the start of
+the connection (hello, rendezvous, join) in ``daemon_attach.py``. A single I/O thread owns the ZeroMQ socket;
 callers hand it ops through an inproc pipe, and completions (ZeroMQ push from the
 daemon) run ``on_complete`` on that thread. If the daemon goes away, every pending and
 later op fails with DaemonUnavailableError; nothing waits longer than ``timeout_s``.
@@ -17,8 +20,6 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import datetime
-import json
 import logging
 import os
 import threading
@@ -31,13 +32,14 @@ from zmq.utils.monitor import parse_monitor_message
 
 from . import errors
 from .config import load
+from .daemon_attach import Attachment
 from .daemon_ops import OpBuilder, OpSpec
+from .daemon_p2p import PostedRecv, PostedRecvs
 from .errors import (AbortedError, CollectiveTimeout, ConfigError, DaemonUnavailableError, MCCLError,
                      ProtocolError)
 
 log = logging.getLogger(__name__)
 
-_HELLO_TIMEOUT_S = 5.0
 _RESULTS_KEPT = 4096                             # completions remembered for wait()
 # Our own deadlines run this much past the job timeout: the daemon's verdict for the
 # same wait names the stuck rank, ours can only say that nothing came.
@@ -60,17 +62,6 @@ class _Op:
     req: int = 0
 
 
-@dataclass
-class _Recv:
-    """A recv posted to the daemon, waiting for a matching send."""
-    op_id: int
-    ptr: int
-    nbytes: int
-    args: dict[str, Any]
-    deadline: float = 0.0
-    req: int = 0
-
-
 class DaemonCommunicator:
     """Same API as ``_core.Communicator``; see docs/dev/interfaces.md §1."""
 
@@ -89,7 +80,6 @@ class DaemonCommunicator:
         self._on_complete = on_complete or (lambda batch: None)
         self._job = f"{self.comm_id & 0xFFFFFFFF:08x}"
         self._rdir = runtime_dir(load(DaemonConfig), create=False)
-        self.endpoint = protocol.endpoint(self._rdir)
         self._ctx = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
         self._monitor: zmq.Socket | None = None
@@ -98,8 +88,7 @@ class DaemonCommunicator:
         self._seq = 0
         self._lock = threading.Lock()
         self._queue: collections.deque[_Op] = collections.deque()
-        self._posts_out: collections.deque[_Recv] = collections.deque()   # recvs not yet sent to mccld
-        self._posted: dict[int, _Recv] = {}                                # request id -> recv awaiting a match
+        self._recvs = PostedRecvs()
         self._ops = OpBuilder(rank, size)
         self._outbox: collections.deque[dict[str, Any]] = collections.deque()  # reports, no reply awaited
         self._register_reqs: set[int] = set()
@@ -114,91 +103,23 @@ class DaemonCommunicator:
         self._thread: threading.Thread | None = None
         self._wake_push: zmq.Socket | None = None
         self._wake_addr = f"inproc://mccl-client-{id(self)}"
-        self._host_ids: list[str] = []
-        self._link_addrs: list[str] = []
+        att = Attachment(self._rdir, rank, size, self.timeout_s)
+        self.endpoint = att.endpoint
         try:
-            self._connect()
-            self._rendezvous(store)
+            att.connect()
+            att.join(store, self._job)
+        except BaseException:
+            att.close()
+            raise
+        self._sock, self._monitor, self._req = att.sock, att.monitor, att.req
+        self.host_id, self.daemon_addr, self._link_addrs = att.host_id, att.daemon_addr, att.link_addrs
+        try:
             self._start_io()
         except BaseException:
             self._close_sockets()
             raise
 
     # -- set-up --------------------------------------------------------------------------
-    def _unavailable(self, why: str) -> DaemonUnavailableError:
-        return DaemonUnavailableError(
-            f"[daemon] no mccld answers at {self.endpoint} ({why}); start it with `mccld` "
-            "(or `systemctl start mccld` / `launchctl kickstart gui/$UID/com.mccl.mccld`), check "
-            "MCCL_RUNTIME_DIR matches the daemon's, or unset MCCL_DAEMON to run in-process")
-
-    def _connect(self) -> None:
-        try:
-            token = (self._rdir / self._proto.TOKEN_NAME).read_text().strip()
-        except OSError as e:
-            raise self._unavailable(f"cannot read its token: {e.strerror}") from None
-        s = self._ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        # Heartbeats make a wedged (stopped) daemon look like a dead one within ~3 intervals.
-        s.setsockopt(zmq.HEARTBEAT_IVL, 1000)
-        s.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
-        self._monitor = s.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
-        s.connect(self.endpoint)
-        self._sock = s
-        reply = self._call({"type": "hello", "token": token, "pid": os.getpid()}, _HELLO_TIMEOUT_S,
-                           unavailable="it did not answer hello")
-        self.host_id, self.daemon_addr = reply["host_id"], reply["link_addr"]
-
-    def _call(self, msg: dict[str, Any], timeout_s: float, unavailable: str | None = None) -> dict[str, Any]:
-        """Synchronous request, used before the I/O thread runs."""
-        self._req += 1
-        req = self._req
-        self._sock.send(self._proto.encode({**msg, "req": req}))
-        deadline = time.monotonic() + timeout_s
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
-        while True:
-            left = deadline - time.monotonic()
-            events = dict(poller.poll(int(left * 1000) + 1)) if left > 0 else {}
-            if self._monitor in events:
-                ev = parse_monitor_message(self._monitor.recv_multipart())
-                if ev["event"] in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
-                    raise self._unavailable(f"it went away during {msg['type']}")
-                continue
-            if self._sock not in events:
-                if unavailable:
-                    raise self._unavailable(unavailable)
-                raise CollectiveTimeout(f"[daemon-client] mccld did not answer {msg['type']} within "
-                                        f"{timeout_s:.0f}s (rank {self.rank}); other ranks of the job "
-                                        "may not have started, or the daemon is overloaded")
-            reply = self._proto.decode_reply(self._sock.recv())
-            if reply["req"] != req:
-                continue  # a late reply to an earlier request that timed out
-            if not reply.get("ok"):
-                raise self._proto.error_from_payload(reply.get("error") or {})
-            return reply
-
-    def _rendezvous(self, store: Any) -> None:
-        """Members publish (host id, daemon link address) in the store; the daemons do the rest."""
-        me = json.dumps({"host_id": self.host_id, "link_addr": self.daemon_addr})
-        store.set(f"mccld/member/{self.rank}", me)
-        keys = [f"mccld/member/{r}" for r in range(self.size)]
-        try:
-            store.wait(keys, datetime.timedelta(seconds=self.timeout_s))
-        except Exception as e:  # torch raises DistStoreError (a RuntimeError) on timeout
-            raise CollectiveTimeout(f"[daemon-client] rank {self.rank}: not every rank published its daemon "
-                                    f"within {self.timeout_s:.0f}s ({e}); a rank did not start or cannot "
-                                    "reach its mccld") from None
-        members = [json.loads(store.get(k)) for k in keys]
-        hosts: dict[str, dict[str, Any]] = {}
-        for r, m in enumerate(members):
-            h = hosts.setdefault(m["host_id"], {"host_id": m["host_id"], "link_addr": m["link_addr"], "ranks": []})
-            h["ranks"].append(r)
-        ordered = sorted(hosts.values(), key=lambda h: h["ranks"][0])
-        self._host_ids = [m["host_id"] for m in members]
-        self._link_addrs = [m["link_addr"] for m in members]
-        self._call({"type": "join", "job": self._job, "rank": self.rank, "size": self.size, "hosts": ordered,
-                    "timeout_s": self.timeout_s, "opts": {}}, self.timeout_s + 5.0)
 
     def _start_io(self) -> None:
         pull = self._ctx.socket(zmq.PULL)
@@ -253,9 +174,9 @@ class DaemonCommunicator:
         with self._lock:
             op_id = self._next_op
             self._next_op += 1
-            recv = _Recv(op_id, ptr, nbytes, self._ops.recv_post(nbytes, src, int(tag), op_id))
+            recv = PostedRecv(op_id, ptr, nbytes, self._ops.recv_post(nbytes, src, int(tag), op_id))
             if self._failed is None:
-                self._posts_out.append(recv)
+                self._recvs.add(recv)
         if self._failed is not None:
             self._fail_ops([recv], self._failed)
         else:
@@ -328,13 +249,13 @@ class DaemonCommunicator:
             if self._wake_push is not None:
                 self._wake_push.send(b"", zmq.NOBLOCK)
 
-    def _finish_locked(self, op: _Op | _Recv, err: MCCLError | None) -> None:
+    def _finish_locked(self, op: _Op | PostedRecv, err: MCCLError | None) -> None:
         self._results[op.op_id] = err
         while len(self._results) > _RESULTS_KEPT:
             self._results.popitem(last=False)
         self._done_cv.notify_all()
 
-    def _fail_ops(self, ops: list[_Op | _Recv], exc: MCCLError) -> None:
+    def _fail_ops(self, ops: list[_Op | PostedRecv], exc: MCCLError) -> None:
         with self._lock:
             for op in ops:
                 self._finish_locked(op, exc)
@@ -342,7 +263,7 @@ class DaemonCommunicator:
             self._on_complete([(op.op_id, _err_tuple(exc), -1) for op in ops])
 
     def _busy_locked(self) -> bool:
-        return bool(self._inflight is not None or self._queue or self._posted or self._posts_out)
+        return bool(self._inflight is not None or self._queue or self._recvs)
 
     def _ensure_segment(self, span: int) -> None:
         seg = self._segment
@@ -394,19 +315,16 @@ class DaemonCommunicator:
     def _post_recvs(self) -> None:
         while True:
             with self._lock:
-                recv = self._posts_out.popleft() if self._posts_out else None
+                recv = self._recvs.next_unsent(self._req + 1, time.monotonic() + self.timeout_s + _VERDICT_MARGIN_S)
                 if recv is not None:
                     self._req += 1
-                    recv.req = self._req
-                    recv.deadline = time.monotonic() + self.timeout_s + _VERDICT_MARGIN_S
-                    self._posted[recv.req] = recv
             if recv is None:
                 return
             self._send_op(recv.req, "recv", recv.args)
 
     def _on_reply(self, reply: dict[str, Any]) -> None:
         with self._lock:
-            recv = self._posted.pop(reply["req"], None)
+            recv = self._recvs.answered(reply["req"])
         if recv is None:
             self._complete_inflight(reply)
         elif reply.get("ok"):
@@ -452,7 +370,7 @@ class DaemonCommunicator:
 
     def _next_deadline(self) -> float | None:
         with self._lock:
-            waits = [r.deadline for r in self._posted.values()]
+            waits = self._recvs.deadlines()
             if self._inflight is not None:
                 waits.append(self._inflight.deadline)
         return min(waits, default=None)
@@ -460,18 +378,12 @@ class DaemonCommunicator:
     def _expired(self, now: float) -> CollectiveTimeout | None:
         with self._lock:
             op = self._inflight
-            late = [r for r in self._posted.values() if now > r.deadline]
+            late = self._recvs.expired(now, self.rank, self.timeout_s)
         if op is not None and now > op.deadline:
             return CollectiveTimeout(
                 f"[daemon-client] {op.spec.name} (op {op.op_id}) did not complete within {self.timeout_s:.0f}s "
                 f"on rank {self.rank}; a peer rank is stuck, slow or skipped this collective")
-        if late:
-            src = late[0].args["src"]
-            return CollectiveTimeout(
-                f"[daemon-client] recv (op {late[0].op_id}) from {'any rank' if src == -1 else f'rank {src}'} "
-                f"got no message within {self.timeout_s:.0f}s on rank {self.rank}; the sender is stuck or "
-                "skipped the send, and mccld did not say so (is it overloaded?)", peer_rank=src)
-        return None
+        return late
 
     def _io_loop(self, pull: zmq.Socket) -> None:
         poller = zmq.Poller()
@@ -542,11 +454,9 @@ class DaemonCommunicator:
                 self._failed = exc
             exc = self._failed
             ops = (([self._inflight] if self._inflight is not None else []) + list(self._queue)
-                   + list(self._posted.values()) + list(self._posts_out))
+                   + self._recvs.take_all())
             self._inflight = None
             self._queue.clear()
-            self._posted.clear()
-            self._posts_out.clear()
         self._fail_ops(ops, exc)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._wake()

@@ -29,8 +29,8 @@ log = logging.getLogger(__name__)
 
 _SETUP_TIMEOUT_FLOOR_S = 5.0
 _CLOSE_BARRIER_S = 30.0
-# A peer daemon that fails a job tells us over its link and aborts the engine; the two
-# race, and the link message carries the real cause (a timeout, a lost rank).
+# A peer daemon that fails a job tells us over its link and aborts the engine; the abort
+# (or our own engine timeout) races the link message, which carries the real cause.
 _PEER_VERDICT_GRACE_S = 2.0
 
 
@@ -359,14 +359,16 @@ class Job:
         op_id = getattr(self.engine, method)(*args)
         try:
             self.engine.wait(op_id, self.timeout_s)
-        except AbortedError as e:
+        except (AbortedError, CollectiveTimeout) as e:
             if self.failed is None and not self.aborting:
+                # Every local rank is here, so the culprit is on another host; its
+                # daemon's verdict names the rank (a stuck one, a dead one).
                 deadline = time.monotonic() + _PEER_VERDICT_GRACE_S
                 while self.failed is None and time.monotonic() < deadline:
                     time.sleep(0.05)
             if self.failed is not None:
                 raise self.failed from None
-            if not self.aborting:
+            if isinstance(e, AbortedError) and not self.aborting:
                 # A peer daemon aborted the engine: that only happens when it lost a rank.
                 raise PeerLostError(f"[daemon] job {self.id}: a peer host aborted the job ({e}); "
                                     "a rank on another host died or left", peer_rank=e.peer_rank,

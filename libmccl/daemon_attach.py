@@ -1,0 +1,115 @@
+"""The synchronous start of a daemon-mode rank: hello to the local mccld (proving it can
+read the daemon's token), publish (host id, daemon link address) in the c10d store, and
+join the job. It runs before the communicator's I/O thread exists, so each request is a
+plain send-and-wait on the DEALER socket, bounded by its timeout; afterwards the socket
+belongs to the I/O thread.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from .errors import CollectiveTimeout, DaemonUnavailableError
+
+_HELLO_TIMEOUT_S = 5.0
+
+
+class Attachment:
+    def __init__(self, rdir: Path, rank: int, size: int, timeout_s: float):
+        from mccld import protocol
+        self._proto = protocol
+        self._rdir = rdir
+        self.endpoint = protocol.endpoint(rdir)
+        self.rank, self.size, self.timeout_s = rank, size, timeout_s
+        self.sock: zmq.Socket | None = None
+        self.monitor: zmq.Socket | None = None
+        self.req = 0                       # last request id used; the I/O thread continues from it
+        self.host_id = self.daemon_addr = ""
+        self.link_addrs: list[str] = []    # every rank's daemon link address
+
+    def close(self) -> None:
+        for s in (self.monitor, self.sock):
+            if s is not None:
+                s.close(0)
+        self.monitor = self.sock = None
+
+    def unavailable(self, why: str) -> DaemonUnavailableError:
+        return DaemonUnavailableError(
+            f"[daemon] no mccld answers at {self.endpoint} ({why}); start it with `mccld` "
+            "(or `systemctl start mccld` / `launchctl kickstart gui/$UID/com.mccl.mccld`), check "
+            "MCCL_RUNTIME_DIR matches the daemon's, or unset MCCL_DAEMON to run in-process")
+
+    def connect(self) -> None:
+        try:
+            token = (self._rdir / self._proto.TOKEN_NAME).read_text().strip()
+        except OSError as e:
+            raise self.unavailable(f"cannot read its token: {e.strerror}") from None
+        s = zmq.Context.instance().socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        # Heartbeats make a wedged (stopped) daemon look like a dead one within ~3 intervals.
+        s.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        s.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+        self.monitor = s.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
+        s.connect(self.endpoint)
+        self.sock = s
+        reply = self.call({"type": "hello", "token": token, "pid": os.getpid()}, _HELLO_TIMEOUT_S,
+                          unavailable="it did not answer hello")
+        self.host_id, self.daemon_addr = reply["host_id"], reply["link_addr"]
+
+    def call(self, msg: dict[str, Any], timeout_s: float, unavailable: str | None = None) -> dict[str, Any]:
+        self.req += 1
+        req = self.req
+        self.sock.send(self._proto.encode({**msg, "req": req}))
+        deadline = time.monotonic() + timeout_s
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        while True:
+            left = deadline - time.monotonic()
+            events = dict(poller.poll(int(left * 1000) + 1)) if left > 0 else {}
+            if self.monitor in events:
+                ev = parse_monitor_message(self.monitor.recv_multipart())
+                if ev["event"] in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
+                    raise self.unavailable(f"it went away during {msg['type']}")
+                continue
+            if self.sock not in events:
+                if unavailable:
+                    raise self.unavailable(unavailable)
+                raise CollectiveTimeout(f"[daemon-client] mccld did not answer {msg['type']} within "
+                                        f"{timeout_s:.0f}s (rank {self.rank}); other ranks of the job "
+                                        "may not have started, or the daemon is overloaded")
+            reply = self._proto.decode_reply(self.sock.recv())
+            if reply["req"] != req:
+                continue  # a late reply to an earlier request that timed out
+            if not reply.get("ok"):
+                raise self._proto.error_from_payload(reply.get("error") or {})
+            return reply
+
+    def join(self, store: Any, job: str) -> None:
+        """Members publish (host id, daemon link address) in the store; the daemons do the rest."""
+        me = json.dumps({"host_id": self.host_id, "link_addr": self.daemon_addr})
+        store.set(f"mccld/member/{self.rank}", me)
+        keys = [f"mccld/member/{r}" for r in range(self.size)]
+        try:
+            store.wait(keys, datetime.timedelta(seconds=self.timeout_s))
+        except Exception as e:  # torch raises DistStoreError (a RuntimeError) on timeout
+            raise CollectiveTimeout(f"[daemon-client] rank {self.rank}: not every rank published its daemon "
+                                    f"within {self.timeout_s:.0f}s ({e}); a rank did not start or cannot "
+                                    "reach its mccld") from None
+        members = [json.loads(store.get(k)) for k in keys]
+        hosts: dict[str, dict[str, Any]] = {}
+        for r, m in enumerate(members):
+            h = hosts.setdefault(m["host_id"], {"host_id": m["host_id"], "link_addr": m["link_addr"], "ranks": []})
+            h["ranks"].append(r)
+        ordered = sorted(hosts.values(), key=lambda h: h["ranks"][0])
+        self.link_addrs = [m["link_addr"] for m in members]
+        self.call({"type": "join", "job": job, "rank": self.rank, "size": self.size, "hosts": ordered,
+                   "timeout_s": self.timeout_s, "opts": {}}, self.timeout_s + 5.0)
