@@ -88,8 +88,11 @@ class DaemonFleet:
         return local_request(self.dir / f"h{i}", {"type": "status"})["status"]
 
     def ranks(self, fn: str, placement: list[int], extra_env: dict | None = None,
-              timeout_s: float = 120.0, kill_rank: int | None = None) -> dict[int, tuple[int, str]]:
-        """Start rank r of ``fn`` on host placement[r]; returns {rank: (exit code, last stdout line)}."""
+              timeout_s: float = 120.0) -> dict[int, tuple[int, str]]:
+        """Run rank r of ``fn`` on host placement[r]; returns {rank: (exit code, its output)}."""
+        return self.finish(self.start_ranks(fn, placement, extra_env), timeout_s)
+
+    def start_ranks(self, fn: str, placement: list[int], extra_env: dict | None = None) -> list[subprocess.Popen]:
         world = len(placement)
         env_common = {"MASTER_ADDR": self.fleet.hosts[placement[0]].addr, "MASTER_PORT": "29700",
                       "WORLD_SIZE": str(world), **(extra_env or {})}
@@ -99,6 +102,11 @@ class DaemonFleet:
             procs.append(self.fleet.popen(h, [sys.executable, str(HERE / "test_daemon_fleet.py"), fn, str(r),
                                               str(world)], env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True))
+        return procs
+
+    @staticmethod
+    def finish(procs: list[subprocess.Popen], timeout_s: float) -> dict[int, tuple[int, str]]:
+        """Wait for every process (SIGKILL at the deadline); {index: (exit code, its output)}."""
         out = {}
         deadline = time.monotonic() + timeout_s
         try:
@@ -213,6 +221,51 @@ def test_rank_killed_on_one_host_fails_the_other_host_with_peer_lost():
     assert not list(Path("/dev/shm").glob("mccl-00dead03-*"))
 
 
+STALL_TIMEOUT_S = 4.0
+
+
+@pytest.mark.fleet
+@pytest.mark.timeout(180)
+def test_sigstopped_rank_times_out_the_others_and_the_daemons_serve_a_new_job():
+    """A stopped client is alive (its pid exists), so its daemon cannot call it lost: the
+    others get CollectiveTimeout naming it after the job timeout. Its segments stay
+    mapped until it dies, then go."""
+    _skip_unless_fleet()
+    with DaemonFleet(2) as df:
+        procs = df.start_ranks("stalls", [0, 0, 1, 1])
+        out = df.finish(procs[:3], timeout_s=90)
+        for r in (0, 1, 2):
+            code, text = out[r]
+            last = text.splitlines()[-1]
+            assert code == 0 and last.startswith("CollectiveTimeout after"), f"rank {r}:\n{text}"
+            assert float(last.split()[2].rstrip("s")) < STALL_TIMEOUT_S + 3.0, f"rank {r}: too late: {last}"
+            assert "[3]" in text or "rank 3" in text, f"rank {r}: the error does not name rank 3:\n{text}"
+            assert "Traceback" not in text, f"rank {r}:\n{text}"
+        stopped = procs[3]
+        assert _state(stopped.pid) == "T", "rank 3 did not stop itself"
+        assert list(Path("/dev/shm").glob("mccl-00dead04-3-*")), "the stopped rank's segment vanished early"
+        # A new job on both daemons while the stopped rank still holds its place in the old one.
+        again = df.ranks("collectives", [0, 1, 1, 0], timeout_s=120)
+        for r, (code, text) in again.items():
+            assert code == 0 and text.endswith("ok"), f"new job, rank {r}:\n{text}"
+        os.killpg(stopped.pid, signal.SIGKILL)
+        stopped.wait(10)
+        deadline = time.monotonic() + 10
+        while list(Path("/dev/shm").glob("mccl-00dead04-*")):
+            assert time.monotonic() < deadline, "the killed rank's segments were never freed"
+            time.sleep(0.1)
+        assert not [j for j in df.status(1)["jobs"] if j["job"] == "00dead04"], df.status(1)["jobs"]
+
+
+def _state(pid: int) -> str:
+    deadline = time.monotonic() + 30
+    while True:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        if state == "T" or time.monotonic() > deadline:
+            return state
+        time.sleep(0.1)
+
+
 # -- rank programs (run inside the namespaces) --------------------------------------------------
 def _collectives(rank: int, world: int) -> str:
     import test_daemon_attach as t
@@ -266,7 +319,26 @@ def _one_dies(rank: int, world: int) -> str:
     return "no error"
 
 
-PROGRAMS = {"collectives": _collectives, "ddp": _ddp, "one_dies": _one_dies}
+def _stalls(rank: int, world: int) -> str:
+    """Training steps; rank 3 stops itself (SIGSTOP) after two of them."""
+    import numpy as np
+    import test_daemon_attach as t
+    from libmccl.errors import MCCLError
+    comm, _store = t.connect(rank, world, comm_id=0xdead04, timeout_s=STALL_TIMEOUT_S)
+    grads = np.ones(1 << 16, dtype=np.float32)
+    for step in range(20):
+        if rank == 3 and step == 2:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        started = time.monotonic()
+        try:
+            comm.wait(comm.allreduce(grads.ctypes.data, grads.size, 0, 0), 60)
+        except MCCLError as e:
+            print(str(e))
+            return f"{type(e).__name__} after {time.monotonic() - started:.2f}s at step {step}"
+    return "no error"
+
+
+PROGRAMS = {"collectives": _collectives, "ddp": _ddp, "one_dies": _one_dies, "stalls": _stalls}
 
 if __name__ == "__main__":
     fn, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
