@@ -11,6 +11,10 @@ Request types and their fields:
                                          -> (when the job's host communicator is built)
   register job, rank, segment, nbytes    -> ok; the daemon maps the segment
   op       job, rank, seq, op, args      -> (when the collective finished)
+           op "send": args dst, tag, nbytes, segment   -> when the daemon holds or sent the data
+           op "recv": args src (-1: any), tag, nbytes, post -> src, when a send matched
+           op "take": args post, segment  -> when the matched message is in the segment
+           (p2p ops carry seq 0: they are not part of the job's collective order)
   status                                 -> the daemon's status snapshot
   overlap  job, rank, ratio              -> ok (compute/communication overlap, for the exporter)
   leave    job, rank [, abort]           -> ok; the daemon frees the rank's segments

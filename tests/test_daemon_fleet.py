@@ -257,6 +257,21 @@ def test_sigstopped_rank_times_out_the_others_and_the_daemons_serve_a_new_job():
         assert not [j for j in df.status(1)["jobs"] if j["job"] == "00dead04"], df.status(1)["jobs"]
 
 
+@pytest.mark.fleet
+@pytest.mark.timeout(120)
+def test_recv_from_another_host_that_never_sends_times_out_naming_the_peer():
+    _skip_unless_fleet()
+    with DaemonFleet(2) as df:
+        out = df.ranks("recv_stalls", [0, 0, 1, 1], timeout_s=60)
+    code, text = out[3]
+    last = text.splitlines()[-1]
+    assert code == 0 and last.startswith("CollectiveTimeout peer=0 after"), text
+    assert float(last.split()[3].rstrip("s")) < STALL_TIMEOUT_S + 3.0, last
+    assert "recv from rank 0 (tag 11" in text, text
+    for r in (0, 1, 2):
+        assert out[r][0] == 0 and "recv from rank 0" in out[r][1], f"rank {r}:\n{out[r][1]}"
+
+
 def _state(pid: int) -> str:
     deadline = time.monotonic() + 30
     while True:
@@ -338,7 +353,28 @@ def _stalls(rank: int, world: int) -> str:
     return "no error"
 
 
-PROGRAMS = {"collectives": _collectives, "ddp": _ddp, "one_dies": _one_dies, "stalls": _stalls}
+def _recv_stalls(rank: int, world: int) -> str:
+    """Rank 3 waits for a message rank 0 (another host) never sends."""
+    import numpy as np
+    import test_daemon_attach as t
+    from libmccl.errors import MCCLError
+    comm, _store = t.connect(rank, world, comm_id=0xdead05, timeout_s=STALL_TIMEOUT_S)
+    buf = np.zeros(8, dtype=np.float32)
+    started = time.monotonic()
+    try:
+        if rank == 3:
+            comm.wait(comm.recv(buf.ctypes.data, buf.nbytes, 0, 11), 60)
+        else:
+            time.sleep(2 * STALL_TIMEOUT_S)   # by now the job failed
+            comm.wait(comm.barrier(), 60)
+    except MCCLError as e:
+        print(str(e))
+        return f"{type(e).__name__} peer={e.peer_rank} after {time.monotonic() - started:.2f}s"
+    return "no error"
+
+
+PROGRAMS = {"collectives": _collectives, "ddp": _ddp, "one_dies": _one_dies, "stalls": _stalls,
+            "recv_stalls": _recv_stalls}
 
 if __name__ == "__main__":
     fn, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])

@@ -146,3 +146,32 @@ def test_recv_without_send_times_out_naming_the_peer(daemon):  # noqa: F811
     assert peer == "0" and "recv from rank 0 (tag 11" in msg, out[1]
     assert 3.0 <= float(seconds) < 3.0 + 2.0, out[1]      # the job timeout + the daemon's check interval
     assert out[0].startswith("0 ") and "recv from rank 0" in out[0], out[0]
+
+
+def test_mailbox_matches_exactly_and_in_order():
+    from libmccl.errors import CollectiveMismatch, ProtocolError
+    from mccld.p2p import Mailbox, Message, Posted
+
+    def msg(src, tag, fill, n=2):
+        return Message(src, 0, tag, np.full(n, fill, dtype=np.uint8))
+
+    box = Mailbox()
+    # sent before posted: held, then taken oldest-first per (src, tag)
+    for m in (msg(1, 5, 10), msg(2, 5, 20), msg(1, 5, 11), msg(1, 6, 12)):
+        assert box.deliver(m) is None
+    assert box.post(Posted(b"c", 1, 0, 1, 6, 2, post=1)).data[0] == 12    # by tag, not arrival
+    assert box.post(Posted(b"c", 2, 0, 1, 5, 2, post=2)).data[0] == 10
+    assert box.post(Posted(b"c", 3, 0, -1, 5, 2, post=3)).data[0] == 20   # any source: oldest held
+    assert box.post(Posted(b"c", 4, 0, 2, 5, 2, post=4)) is None          # rank 2 sent nothing more
+    assert box.take(0, 2).data[0] == 10 and box.take(0, 3).src == 2
+    assert box.post(Posted(b"c", 5, 0, -1, 5, 2, post=5)).data[0] == 11   # the last one held
+    # posted before sent: the oldest posted recv that accepts the message gets it
+    assert box.post(Posted(b"c", 6, 0, -1, 5, 2, post=6)) is None
+    assert box.deliver(msg(1, 5, 13)).post == 6     # rank 2's recv (post 4) does not accept rank 1
+    assert box.deliver(msg(2, 5, 21)).post == 4
+    assert box.waiting() == [] and box.take(0, 4).data[0] == 21
+    box.post(Posted(b"c", 7, 0, 1, 7, 2, post=7))
+    with pytest.raises(CollectiveMismatch, match="rank 1 sent 3 bytes with tag 7"):
+        box.deliver(msg(1, 7, 0, n=3))
+    with pytest.raises(ProtocolError, match="no matched message"):
+        box.take(0, 99)
