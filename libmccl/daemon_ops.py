@@ -10,6 +10,7 @@ input at 0 and, for ops whose output is a different buffer, the output after it
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 from .errors import ConfigError
@@ -26,11 +27,7 @@ def _align(n: int) -> int:
 
 
 def _starts(sizes: list[int]) -> list[int]:
-    out, at = [], 0
-    for n in sizes:
-        out.append(at)
-        at += n
-    return out
+    return list(accumulate(sizes, initial=0))[:-1]
 
 
 def _merge(copies: list[Copy]) -> list[Copy]:

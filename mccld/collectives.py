@@ -16,6 +16,7 @@ so ``run`` takes every local rank's arguments; the others read the first rank's.
 from __future__ import annotations
 
 import ctypes
+from itertools import accumulate
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -45,11 +46,7 @@ def _copy(dst: int, src: int, nbytes: int) -> None:
 
 
 def _starts(sizes: list[int]) -> list[int]:
-    out, at = [], 0
-    for n in sizes:
-        out.append(at)
-        at += n
-    return out
+    return list(accumulate(sizes, initial=0))[:-1]
 
 
 @dataclass
@@ -213,25 +210,28 @@ class Hierarchy:
                      for h, ranks in enumerate(hosts)]
         in_sizes = [0 if h == me else sum(args[d]["recv_sizes"][s] for s in ranks for d in local)
                     for h, ranks in enumerate(hosts)]
+
+        def wire_order(sending: bool):
+            """(address in a local rank's region, bytes) of each cross-host block, in the
+            order both ends use: per other host, by source rank, then destination rank."""
+            for h, ranks in enumerate(hosts):
+                if h != me:
+                    for s in local if sending else ranks:
+                        for d in ranks if sending else local:
+                            yield ((src_at(s, d), args[s]["send_sizes"][d]) if sending
+                                   else (dst_at(d, s), args[d]["recv_sizes"][s]))
+
         packed = self._scratch_addr(sum(out_sizes) + sum(in_sizes))
         unpacked = packed + sum(out_sizes)
         at = packed
-        for h, ranks in enumerate(hosts):
-            if h != me:
-                for s in local:
-                    for d in ranks:
-                        n = args[s]["send_sizes"][d]
-                        _copy(at, src_at(s, d), n)
-                        at += n
+        for addr, n in wire_order(sending=True):
+            _copy(at, addr, n)
+            at += n
         self.engine("alltoallv", packed, out_sizes, _starts(out_sizes), unpacked, in_sizes, _starts(in_sizes))
         at = unpacked
-        for h, ranks in enumerate(hosts):
-            if h != me:
-                for s in ranks:
-                    for d in local:
-                        n = args[d]["recv_sizes"][s]
-                        _copy(dst_at(d, s), at, n)
-                        at += n
+        for addr, n in wire_order(sending=False):
+            _copy(addr, at, n)
+            at += n
 
     def _barrier(self, bases) -> None:
         if self.engine is not None:

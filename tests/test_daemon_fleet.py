@@ -213,12 +213,20 @@ def test_rank_killed_on_one_host_fails_the_other_host_with_peer_lost():
     with DaemonFleet(2) as df:
         out = df.ranks("one_dies", [0, 0, 1, 1], timeout_s=120)
         assert out[3][0] == -signal.SIGKILL
-        for r in (0, 1, 2):
-            code, text = out[r]
-            assert code == 0 and "PeerLostError" in text.splitlines()[-1], f"rank {r}:\n{text}"
-            assert "Traceback" not in text, f"rank {r} logged an internal error:\n{text}"
+        _verdicts(out, (0, 1, 2), "PeerLostError")
         assert "rank 3" in out[0][1] or "peer host" in out[0][1], out[0][1]
     assert not list(Path("/dev/shm").glob("mccl-00dead03-*"))
+
+
+def _verdicts(out: dict[int, tuple[int, str]], ranks: tuple[int, ...], expect: str) -> list[str]:
+    """Each rank's last line, once checked that it exited cleanly reporting ``expect``."""
+    lines = []
+    for r in ranks:
+        code, text = out[r]
+        last = text.splitlines()[-1] if text else ""
+        assert code == 0 and last.startswith(expect) and "Traceback" not in text, f"rank {r}:\n{text}"
+        lines.append(last)
+    return lines
 
 
 STALL_TIMEOUT_S = 4.0
@@ -234,13 +242,9 @@ def test_sigstopped_rank_times_out_the_others_and_the_daemons_serve_a_new_job():
     with DaemonFleet(2) as df:
         procs = df.start_ranks("stalls", [0, 0, 1, 1])
         out = df.finish(procs[:3], timeout_s=90)
-        for r in (0, 1, 2):
-            code, text = out[r]
-            last = text.splitlines()[-1]
-            assert code == 0 and last.startswith("CollectiveTimeout after"), f"rank {r}:\n{text}"
-            assert float(last.split()[2].rstrip("s")) < STALL_TIMEOUT_S + 3.0, f"rank {r}: too late: {last}"
-            assert "[3]" in text or "rank 3" in text, f"rank {r}: the error does not name rank 3:\n{text}"
-            assert "Traceback" not in text, f"rank {r}:\n{text}"
+        for last in _verdicts(out, (0, 1, 2), "CollectiveTimeout peer=3 after"):
+            assert float(last.split()[3]) < STALL_TIMEOUT_S + 3.0, f"too late: {last}"
+            assert "local rank(s) [3] did not submit" in last, last
         stopped = procs[3]
         assert _state(stopped.pid) == "T", "rank 3 did not stop itself"
         assert list(Path("/dev/shm").glob("mccl-00dead04-3-*")), "the stopped rank's segment vanished early"
@@ -263,13 +267,9 @@ def test_recv_from_another_host_that_never_sends_times_out_naming_the_peer():
     _skip_unless_fleet()
     with DaemonFleet(2) as df:
         out = df.ranks("recv_stalls", [0, 0, 1, 1], timeout_s=60)
-    code, text = out[3]
-    last = text.splitlines()[-1]
-    assert code == 0 and last.startswith("CollectiveTimeout peer=0 after"), text
-    assert float(last.split()[3].rstrip("s")) < STALL_TIMEOUT_S + 3.0, last
-    assert "recv from rank 0 (tag 11" in text, text
-    for r in (0, 1, 2):
-        assert out[r][0] == 0 and "recv from rank 0" in out[r][1], f"rank {r}:\n{out[r][1]}"
+    for last in _verdicts(out, (0, 1, 2, 3), "CollectiveTimeout peer=0 after"):
+        assert "rank 3's recv from rank 0 (tag 11" in last, last
+    assert float(last.split()[3]) < STALL_TIMEOUT_S + 3.0, last
 
 
 def _state(pid: int) -> str:
@@ -339,6 +339,7 @@ def _stalls(rank: int, world: int) -> str:
     import numpy as np
     import test_daemon_attach as t
     from libmccl.errors import MCCLError
+    from test_daemon_p2p import verdict
     comm, _store = t.connect(rank, world, comm_id=0xdead04, timeout_s=STALL_TIMEOUT_S)
     grads = np.ones(1 << 16, dtype=np.float32)
     for step in range(20):
@@ -348,29 +349,16 @@ def _stalls(rank: int, world: int) -> str:
         try:
             comm.wait(comm.allreduce(grads.ctypes.data, grads.size, 0, 0), 60)
         except MCCLError as e:
-            print(str(e))
-            return f"{type(e).__name__} after {time.monotonic() - started:.2f}s at step {step}"
+            return verdict(e, started)
     return "no error"
 
 
 def _recv_stalls(rank: int, world: int) -> str:
     """Rank 3 waits for a message rank 0 (another host) never sends."""
-    import numpy as np
     import test_daemon_attach as t
-    from libmccl.errors import MCCLError
+    from test_daemon_p2p import recv_never_matched
     comm, _store = t.connect(rank, world, comm_id=0xdead05, timeout_s=STALL_TIMEOUT_S)
-    buf = np.zeros(8, dtype=np.float32)
-    started = time.monotonic()
-    try:
-        if rank == 3:
-            comm.wait(comm.recv(buf.ctypes.data, buf.nbytes, 0, 11), 60)
-        else:
-            time.sleep(2 * STALL_TIMEOUT_S)   # by now the job failed
-            comm.wait(comm.barrier(), 60)
-    except MCCLError as e:
-        print(str(e))
-        return f"{type(e).__name__} peer={e.peer_rank} after {time.monotonic() - started:.2f}s"
-    return "no error"
+    return recv_never_matched(comm, rank, 3, 0, STALL_TIMEOUT_S)
 
 
 PROGRAMS = {"collectives": _collectives, "ddp": _ddp, "one_dies": _one_dies, "stalls": _stalls,

@@ -122,30 +122,41 @@ def test_alltoall_and_p2p_three_ranks(daemon):  # noqa: F811
     assert not [s for s in our_segments() if s.split("-")[1] == "00000a2a"]
 
 
-def rank_recv_times_out(rank: int, world: int) -> str:
-    from libmccl.errors import CollectiveTimeout
-    comm, _store = connect(rank, world, comm_id=0x71e, timeout_s=3.0)
+def verdict(e: Exception, started: float) -> str:
+    """How a rank program reports the error it expected: kind, peer, seconds, message."""
+    return f"{type(e).__name__} peer={getattr(e, 'peer_rank', None)} after {time.monotonic() - started:.2f} s: {e}"
+
+
+def recv_never_matched(comm, rank: int, receiver: int, sender: int, timeout_s: float) -> str:
+    """``receiver`` waits for a message ``sender`` never sends; the others try a barrier
+    once the job must have failed."""
+    from libmccl.errors import MCCLError
     buf = np.zeros(4, dtype=np.int64)
     started = time.monotonic()
     try:
-        if rank == 1:
-            comm.wait(comm.recv(buf.ctypes.data, buf.nbytes, 0, 11), 30)
+        if rank == receiver:
+            comm.wait(comm.recv(buf.ctypes.data, buf.nbytes, sender, 11), 60)
         else:
-            time.sleep(6.0)   # never sends; by now the job failed
-            comm.wait(comm.barrier(), 30)
-    except CollectiveTimeout as e:
-        return f"{e.peer_rank} {time.monotonic() - started:.1f} {e}"
+            time.sleep(2 * timeout_s)
+            comm.wait(comm.barrier(), 60)
+    except MCCLError as e:
+        return verdict(e, started)
     return "no error"
+
+
+def rank_recv_times_out(rank: int, world: int) -> str:
+    comm, _store = connect(rank, world, comm_id=0x71e, timeout_s=3.0)
+    return recv_never_matched(comm, rank, 1, 0, 3.0)
 
 
 @pytest.mark.timeout(90)
 def test_recv_without_send_times_out_naming_the_peer(daemon):  # noqa: F811
     _d, env = daemon
     out = run_ranks(rank_recv_times_out, 2, env=env, timeout_s=60)
-    peer, seconds, msg = out[1].split(" ", 2)
-    assert peer == "0" and "recv from rank 0 (tag 11" in msg, out[1]
+    kind, peer, _after, seconds, _s, msg = out[1].split(" ", 5)
+    assert kind == "CollectiveTimeout" and peer == "peer=0" and "recv from rank 0 (tag 11" in msg, out[1]
     assert 3.0 <= float(seconds) < 3.0 + 2.0, out[1]      # the job timeout + the daemon's check interval
-    assert out[0].startswith("0 ") and "recv from rank 0" in out[0], out[0]
+    assert out[0].startswith("CollectiveTimeout peer=0") and "recv from rank 0" in out[0], out[0]
 
 
 def test_mailbox_matches_exactly_and_in_order():
