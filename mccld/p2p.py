@@ -21,6 +21,13 @@ daemon posts an engine receive only while a local rank waits for another host: t
 engine fails its communicator when a p2p op stays pending past the job timeout, so a
 standing receive on an idle job is not an option. Messages sent earlier wait in the
 engine's buffer for unexpected messages (1 GiB cap, a mismatch error beyond).
+
+One engine receive can outlive its need: an any-source recv that a local send matched
+after the daemon posted an any-source header receive for it. The engine cannot cancel
+a receive, so every daemon of a multi-host job sends each other host an empty
+keep-alive header every quarter of the job timeout; a leftover receive completes on the
+next one instead of timing out the job. Unread ones cost 24 bytes each in the engine's
+buffer.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ MAX_TAG = (1 << 32) - 1
 _HEADER = struct.Struct("<iiQQ")          # source rank, destination rank, user tag, payload bytes
 _TAG_HEADER, _TAG_DATA = 1, 2
 _IDLE_POLL_S = 1.0                        # how often idle p2p threads look at their stop flag
+_KEEPALIVE = -1                           # the source rank of a keep-alive header
 _JOIN_S = 5.0
 
 
@@ -240,9 +248,13 @@ class PointToPoint:
 
     # -- sends and takes (the p2p thread) --------------------------------------------------------
     def _tx_loop(self) -> None:
+        keepalive_at = time.monotonic()
         while True:
+            if self._engine is not None and time.monotonic() >= keepalive_at:
+                keepalive_at = time.monotonic() + self.job.timeout_s / 4
+                self._keepalive()
             try:
-                task = self._tasks.get(timeout=_IDLE_POLL_S)
+                task = self._tasks.get(timeout=min(_IDLE_POLL_S, self.job.timeout_s / 4))
             except queue.Empty:
                 continue
             if task is None:
@@ -275,6 +287,17 @@ class PointToPoint:
             self._engine("send", header.ctypes.data, header.nbytes, host, _TAG_HEADER)
             if nbytes:
                 self._engine("send", addr, nbytes, host, _TAG_DATA)
+
+    def _keepalive(self) -> None:
+        if self._stopping or self.job.failed is not None:
+            return
+        header = np.frombuffer(_HEADER.pack(_KEEPALIVE, _KEEPALIVE, 0, 0), dtype=np.uint8).copy()
+        try:
+            for h in range(len(self.job.topo.hosts)):
+                if h != self.job.topo.host_rank:
+                    self._engine("send", header.ctypes.data, header.nbytes, h, _TAG_HEADER)
+        except MCCLError as e:
+            self.job.fail(e, local=True)
 
     def _take(self, rank: int, args: dict[str, Any]) -> None:
         with self._lock:
@@ -309,6 +332,8 @@ class PointToPoint:
             try:
                 self._engine("recv", header.ctypes.data, header.nbytes, -1, _TAG_HEADER)
                 src, dst, tag, nbytes = _HEADER.unpack(header.tobytes())
+                if src == _KEEPALIVE:
+                    continue
                 if not (0 <= src < self.job.size and dst in self.job.local_ranks):
                     raise ProtocolError(f"[daemon] job {self.job.id}: p2p header for rank {dst} from rank {src}; "
                                         "that rank is not placed on this host; the daemons disagree on the job")

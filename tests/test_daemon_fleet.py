@@ -272,6 +272,17 @@ def test_recv_from_another_host_that_never_sends_times_out_naming_the_peer():
     assert float(last.split()[3]) < STALL_TIMEOUT_S + 3.0, last
 
 
+@pytest.mark.fleet
+@pytest.mark.timeout(120)
+def test_any_source_recv_matched_on_its_host_does_not_time_out_the_job_later():
+    """The daemon's engine receive for an any-source recv outlives it when a local send
+    matched; the peers' keep-alives complete it before the job timeout would fail the job."""
+    _skip_unless_fleet()
+    with DaemonFleet(2) as df:
+        out = df.ranks("any_source_local", [0, 0, 1, 1], timeout_s=60)
+    _verdicts(out, (0, 1, 2, 3), "ok")
+
+
 def _state(pid: int) -> str:
     deadline = time.monotonic() + 30
     while True:
@@ -361,8 +372,28 @@ def _recv_stalls(rank: int, world: int) -> str:
     return recv_never_matched(comm, rank, 3, 0, STALL_TIMEOUT_S)
 
 
+def _any_source_local(rank: int, world: int) -> str:
+    import numpy as np
+    import test_daemon_attach as t
+    comm, _store = t.connect(rank, world, comm_id=0xdead06, timeout_s=STALL_TIMEOUT_S)
+    box = np.zeros(1, dtype=np.int64)
+    if rank == 0:
+        comm.wait(comm.recv(box.ctypes.data, 8, -1, 1), 30)
+        assert box[0] == 1
+    elif rank == 1:
+        time.sleep(2.0)                  # the daemon has posted its engine receive by now
+        box[0] = 1
+        comm.wait(comm.send(box.ctypes.data, 8, 0, 1), 30)
+    time.sleep(2.5 * STALL_TIMEOUT_S)    # no p2p at all for longer than the job timeout
+    x = np.ones(4, dtype=np.float32)
+    comm.wait(comm.allreduce(x.ctypes.data, 4, 0, 0), 30)
+    assert (x == world).all()
+    comm.shutdown(10)
+    return "ok"
+
+
 PROGRAMS = {"collectives": _collectives, "ddp": _ddp, "one_dies": _one_dies, "stalls": _stalls,
-            "recv_stalls": _recv_stalls}
+            "recv_stalls": _recv_stalls, "any_source_local": _any_source_local}
 
 if __name__ == "__main__":
     fn, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
