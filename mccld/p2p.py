@@ -260,20 +260,20 @@ class PointToPoint:
             if task is None:
                 return
             ident, req, rank, op, args = task
+            started = time.monotonic()
             try:
                 if self.job.failed is not None:
                     raise self.job.failed
-                if op == "send":
-                    self._send(rank, args)
-                else:
-                    self._take(rank, args)
+                nbytes = self._send(rank, args) if op == "send" else self._take(rank, args)
             except MCCLError as e:
                 self.job.host.reply_error(ident, req, e)
                 self.job.fail(e, local=True)
                 continue
             self.job.host.reply(ident, req, {"ok": True})
+            self.job.host.record_collective(self.job, "send" if op == "send" else "recv", nbytes,
+                                            time.monotonic() - started)
 
-    def _send(self, rank: int, args: dict[str, Any]) -> None:
+    def _send(self, rank: int, args: dict[str, Any]) -> int:
         dst, tag, nbytes = args["dst"], args["tag"], args["nbytes"]
         with self.job.segment_lock:
             addr = self.job.segment_of(rank, args.get("segment", ""), nbytes).addr if nbytes else 0
@@ -281,12 +281,13 @@ class PointToPoint:
                 data = np.empty(nbytes, dtype=np.uint8)
                 _copy(data.ctypes.data, addr, nbytes)
                 self._deliver(Message(rank, dst, tag, data))
-                return
+                return nbytes
             host = self.job.topo.host_of(dst)
             header = np.frombuffer(_HEADER.pack(rank, dst, tag, nbytes), dtype=np.uint8).copy()
             self._engine("send", header.ctypes.data, header.nbytes, host, _TAG_HEADER)
             if nbytes:
                 self._engine("send", addr, nbytes, host, _TAG_DATA)
+        return nbytes
 
     def _keepalive(self) -> None:
         if self._stopping or self.job.failed is not None:
@@ -299,14 +300,14 @@ class PointToPoint:
         except MCCLError as e:
             self.job.fail(e, local=True)
 
-    def _take(self, rank: int, args: dict[str, Any]) -> None:
+    def _take(self, rank: int, args: dict[str, Any]) -> int:
         with self._lock:
             m = self._box.take(rank, args["post"])
-        if not m.data.nbytes:
-            return
-        with self.job.segment_lock:
-            seg = self.job.segment_of(rank, args.get("segment", ""), m.data.nbytes)
-            _copy(seg.addr, m.data.ctypes.data, m.data.nbytes)
+        if m.data.nbytes:
+            with self.job.segment_lock:
+                seg = self.job.segment_of(rank, args.get("segment", ""), m.data.nbytes)
+                _copy(seg.addr, m.data.ctypes.data, m.data.nbytes)
+        return m.data.nbytes
 
     def _deliver(self, m: Message) -> None:
         with self._lock:
