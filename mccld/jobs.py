@@ -129,8 +129,9 @@ class Job:
         self.hierarchy: Hierarchy | None = None
         self.aborting = False        # we aborted the engine ourselves (vs. a peer aborting it)
         self._lock = threading.RLock()
-        # Held while p2p copies touch a segment, and while unmapping one.
-        self.segment_lock = threading.Lock()
+        # Held while p2p copies touch a segment, and while unmapping one (reentrant: the
+        # attach thread takes it before running a small copy that takes it again).
+        self.segment_lock = threading.RLock()
         self.p2p = PointToPoint(self)
         self._tasks: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._worker, name=f"mccld-job-{job_id}", daemon=True)
