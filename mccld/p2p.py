@@ -96,8 +96,9 @@ class Mailbox:
         held = self._held.get(p.rank, [])
         for i, m in enumerate(held):
             if p.accepts(m):
+                self._match(p, m)
                 del held[i]
-                return self._match(p, m)
+                return m
         self._posted.setdefault(p.rank, []).append(p)
         return None
 
@@ -105,20 +106,20 @@ class Mailbox:
         posted = self._posted.get(m.dst, [])
         for i, p in enumerate(posted):
             if p.accepts(m):
-                del posted[i]
                 self._match(p, m)
+                del posted[i]
                 return p
         self._held.setdefault(m.dst, []).append(m)
         return None
 
-    def _match(self, p: Posted, m: Message) -> Message:
+    def _match(self, p: Posted, m: Message) -> None:
+        """Raises (leaving both where they were) when the sizes differ."""
         if m.data.nbytes != p.nbytes:
             raise CollectiveMismatch(
                 f"[daemon] recv size mismatch: rank {m.src} sent {m.data.nbytes} bytes with tag {m.tag}, "
                 f"rank {p.rank} posted a recv of {p.nbytes}; a recv must have the size of the matching send",
                 peer_rank=m.src)
         self._matched[(p.rank, p.post)] = m
-        return m
 
     def take(self, rank: int, post: int) -> Message:
         m = self._matched.pop((rank, post), None)
@@ -182,12 +183,16 @@ class PointToPoint:
                                       (("src", -1), ("tag", 0), ("nbytes", 0), ("post", 0)))
             self._check_peer(rank, src, "src", any_ok=True)
             self._check_tag(tag)
-            with self._lock:
-                if self._stopping:
-                    raise AbortedError(f"[daemon] job {self.job.id} is closing; recv refused")
-                matched = self._box.post(Posted(ident, req, rank, src, tag, nbytes, post))
-                if matched is None and (src == -1 or src not in self.job.local_ranks):
-                    self._wanted.notify_all()
+            try:
+                with self._lock:
+                    if self._stopping:
+                        raise AbortedError(f"[daemon] job {self.job.id} is closing; recv refused")
+                    matched = self._box.post(Posted(ident, req, rank, src, tag, nbytes, post))
+                    if matched is None and (src == -1 or src not in self.job.local_ranks):
+                        self._wanted.notify_all()
+            except CollectiveMismatch as e:
+                self.job.fail(e, local=True)      # like the engine: a size mismatch fails the job
+                raise
             if matched is not None:
                 self.job.host.reply(ident, req, {"ok": True, "src": matched.src})
         else:

@@ -159,6 +159,30 @@ def test_recv_without_send_times_out_naming_the_peer(daemon):  # noqa: F811
     assert out[0].startswith("CollectiveTimeout peer=0") and "recv from rank 0" in out[0], out[0]
 
 
+def rank_size_mismatch(rank: int, world: int) -> str:
+    from libmccl.errors import MCCLError
+    comm, _store = connect(rank, world, comm_id=0x5123, timeout_s=20.0)
+    buf = np.zeros(2, dtype=np.int64)
+    started = time.monotonic()
+    try:
+        if rank == 0:
+            comm.wait(comm.send(buf.ctypes.data, 8, 1, 0), 30)
+            comm.wait(comm.barrier(), 30)
+        else:
+            comm.wait(comm.recv(buf.ctypes.data, 16, 0, 0), 30)
+    except MCCLError as e:
+        return verdict(e, started)
+    return "no error"
+
+
+@pytest.mark.timeout(90)
+def test_recv_of_another_size_fails_both_ranks_with_mismatch(daemon):  # noqa: F811
+    _d, env = daemon
+    for line in run_ranks(rank_size_mismatch, 2, env=env, timeout_s=60):
+        assert line.startswith("CollectiveMismatch peer=0") and "rank 0 sent 8 bytes" in line, line
+        assert float(line.split()[3]) < 5.0, line
+
+
 def test_mailbox_matches_exactly_and_in_order():
     from libmccl.errors import CollectiveMismatch, ProtocolError
     from mccld.p2p import Mailbox, Message, Posted
@@ -184,5 +208,6 @@ def test_mailbox_matches_exactly_and_in_order():
     box.post(Posted(b"c", 7, 0, 1, 7, 2, post=7))
     with pytest.raises(CollectiveMismatch, match="rank 1 sent 3 bytes with tag 7"):
         box.deliver(msg(1, 7, 0, n=3))
+    assert [p.post for p in box.waiting()] == [7]     # still there: the job's failure reaches it
     with pytest.raises(ProtocolError, match="no matched message"):
         box.take(0, 99)
