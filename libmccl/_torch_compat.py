@@ -111,3 +111,8 @@ def timedelta_seconds(value: Any) -> float | None:
 def options_timeout(opts: Any) -> float | None:
     """Per-call timeout in a collective's options object, if the caller set one."""
     return timedelta_seconds(getattr(opts, "timeout", None))
+
+
+def options_or_default(opts: Any, cls: Any) -> Any:
+    """A collective's options object, or ``cls()`` when the caller passed none."""
+    return cls() if opts is None else opts

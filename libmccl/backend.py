@@ -1,6 +1,8 @@
 """The ``mccl`` torch.distributed backend: a ProcessGroup driving the MCCL engine.
 
-Each collective validates its tensors, turns them into contiguous CPU buffers
+Reductions, broadcast and all-gather live here; the collectives that only move data
+(scatter, gather, all-to-all, point-to-point) are in ``backend_exchange``. Each
+collective validates its tensors, turns them into contiguous CPU buffers
 (``_buffers.Staging``), enqueues one engine operation and returns an ``MCCLWork``
 at once; the engine's completion thread finishes the Work through the
 ``CompletionRouter``. Coalesced variants are flattened into one buffer, so they
@@ -27,16 +29,13 @@ from . import rendezvous
 from .config import EngineConfig, load
 from .errors import AbortedError, ConfigError, DaemonUnavailableError
 from .group_options import Options
-from .work import CompletionRouter, MCCLWork, shutdown_error
+from .backend_exchange import ExchangeOps
+from .work import AllOf, CompletionRouter, MCCLWork, shutdown_error
 
 _c10d = torch.distributed
 
 
-def _options(opts: Any, cls: Any) -> Any:
-    return cls() if opts is None else opts
-
-
-class ProcessGroupMCCL(compat.ProcessGroupBase):
+class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
     """One communicator (in-process engine, or the local mccld with MCCL_DAEMON=1)
     per torch process group."""
 
@@ -170,7 +169,7 @@ class ProcessGroupMCCL(compat.ProcessGroupBase):
 
     # -- all-reduce ---------------------------------------------------------------
     def allreduce(self, tensors: Any, opts: Any = None) -> MCCLWork:
-        opts = _options(opts, _c10d.AllreduceOptions)
+        opts = compat.options_or_default(opts, _c10d.AllreduceOptions)
         t = B.check_tensor(B.single(tensors, "allreduce"), "allreduce", "tensor")
         dtype, count, op = B.reduce_codes(t, opts.reduceOp, "allreduce")
         st = B.Staging()
@@ -179,7 +178,7 @@ class ProcessGroupMCCL(compat.ProcessGroupBase):
                             [t], st, opts)
 
     def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> MCCLWork:
-        opts = _options(opts, _c10d.AllreduceCoalescedOptions)
+        opts = compat.options_or_default(opts, _c10d.AllreduceCoalescedOptions)
         ts = B.tensor_list(tensors, "allreduce_coalesced", "tensors", min_len=1)
         for i, t in enumerate(ts[1:], 1):
             if t.dtype != ts[0].dtype:
@@ -199,7 +198,7 @@ class ProcessGroupMCCL(compat.ProcessGroupBase):
 
     # -- broadcast / reduce -----------------------------------------------------------
     def broadcast(self, tensors: Any, opts: Any = None) -> MCCLWork:
-        opts = _options(opts, _c10d.BroadcastOptions)
+        opts = compat.options_or_default(opts, _c10d.BroadcastOptions)
         t = B.check_tensor(B.single(tensors, "broadcast"), "broadcast", "tensor")
         root = B.check_rank(opts.rootRank, self.size(), "broadcast", "root")
         st = B.Staging()
@@ -208,7 +207,7 @@ class ProcessGroupMCCL(compat.ProcessGroupBase):
                             [t], st, opts)
 
     def reduce(self, tensors: Any, opts: Any = None) -> MCCLWork:
-        opts = _options(opts, _c10d.ReduceOptions)
+        opts = compat.options_or_default(opts, _c10d.ReduceOptions)
         t = B.check_tensor(B.single(tensors, "reduce"), "reduce", "tensor")
         root = B.check_rank(opts.rootRank, self.size(), "reduce", "root")
         dtype, count, op = B.reduce_codes(t, opts.reduceOp, "reduce")
@@ -294,7 +293,7 @@ class ProcessGroupMCCL(compat.ProcessGroupBase):
 
     # -- reduce-scatter ----------------------------------------------------------------
     def reduce_scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> MCCLWork:
-        opts = _options(opts, _c10d.ReduceScatterOptions)
+        opts = compat.options_or_default(opts, _c10d.ReduceScatterOptions)
         out = B.check_tensor(B.single(output_tensors, "reduce_scatter", "output_tensors"), "reduce_scatter", "output")
         ins = B.tensor_list(B.single(input_tensors, "reduce_scatter", "input_tensors"), "reduce_scatter",
                             "input_list", self.size())
@@ -310,7 +309,7 @@ class ProcessGroupMCCL(compat.ProcessGroupBase):
             send.data_ptr(), dst.data_ptr(), count, dtype, op), [out], st, opts)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> MCCLWork:
-        opts = _options(opts, _c10d.ReduceScatterOptions)
+        opts = compat.options_or_default(opts, _c10d.ReduceScatterOptions)
         name = "reduce_scatter_tensor"
         B.check_tensor(input, name, "input")
         B.check_tensor(output, name, "output")
@@ -325,7 +324,7 @@ class ProcessGroupMCCL(compat.ProcessGroupBase):
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> MCCLWork:
-        opts = _options(opts, _c10d.ReduceScatterOptions)
+        opts = compat.options_or_default(opts, _c10d.ReduceScatterOptions)
         name = "reduce_scatter_tensor_coalesced"
         outs = B.tensor_list(outputs, name, "outputs", min_len=1)
         ins = B.tensor_list(inputs, name, "inputs", len(outs))
@@ -350,145 +349,6 @@ class ProcessGroupMCCL(compat.ProcessGroupBase):
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
-    # -- rooted data movement -----------------------------------------------------------
-    def scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> MCCLWork:
-        opts = _options(opts, _c10d.ScatterOptions)
-        out = B.check_tensor(B.single(output_tensors, "scatter", "output_tensors"), "scatter", "output")
-        root = B.check_rank(opts.rootRank, self.size(), "scatter", "root")
-        n = B.nbytes(out)
-        st = B.Staging()
-        send_ptr = 0
-        if self.rank() == root:
-            ins = B.tensor_list(B.single(input_tensors, "scatter", "input_tensors"), "scatter", "scatter_list",
-                                self.size())
-            for r, x in enumerate(ins):
-                B.check_like(x, out, "scatter", f"scatter_list[{r}]", "the output")
-            send = st.packed(ins)
-            send_ptr = send.data_ptr()
-        elif input_tensors and any(len(lst) for lst in input_tensors):
-            raise ConfigError(f"[mccl] scatter: rank {self.rank()} passed a scatter_list but is not the root ({root}); "
-                              "only the root may")
-        dst = st.output(out)
-        return self._submit("scatter", lambda: self._comm.scatter(send_ptr, dst.data_ptr(), n, root), [out], st, opts)
-
-    def gather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> MCCLWork:
-        opts = _options(opts, _c10d.GatherOptions)
-        inp = B.check_tensor(B.single(input_tensors, "gather", "input_tensors"), "gather", "input")
-        root = B.check_rank(opts.rootRank, self.size(), "gather", "root")
-        n = B.nbytes(inp)
-        st = B.Staging()
-        outs: list[torch.Tensor] = []
-        recv_ptr = 0
-        if self.rank() == root:
-            outs = B.tensor_list(B.single(output_tensors, "gather", "output_tensors"), "gather", "gather_list",
-                                 self.size())
-            for r, o in enumerate(outs):
-                B.check_like(o, inp, "gather", f"gather_list[{r}]", "the input")
-            recv = st.scratch(self.size() * inp.numel(), inp.dtype)
-            for r, o in enumerate(outs):
-                st.copy_back(o, recv[r * inp.numel():(r + 1) * inp.numel()])
-            recv_ptr = recv.data_ptr()
-        elif output_tensors and any(len(lst) for lst in output_tensors):
-            raise ConfigError(f"[mccl] gather: rank {self.rank()} passed a gather_list but is not the root ({root}); "
-                              "only the root may")
-        src = st.input(inp)
-        return self._submit("gather", lambda: self._comm.gather(src.data_ptr(), recv_ptr, n, root),
-                            [outs] if outs else [], st, opts)
-
-    # -- all-to-all ---------------------------------------------------------------------
-    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int],
-                          input_split_sizes: Sequence[int], opts: Any = None) -> MCCLWork:
-        name = "all_to_all_single"
-        B.check_tensor(input, name, "input")
-        B.check_tensor(output, name, "output")
-        if output.dtype != input.dtype:
-            raise ConfigError(f"[mccl] {name}: output dtype {output.dtype} differs from input dtype {input.dtype}")
-        st = B.Staging()
-        dst = st.output(output)
-        src = st.input(input.clone() if B.overlaps(input, dst) else input)
-        if not output_split_sizes and not input_split_sizes:
-            if input.numel() != output.numel() or input.numel() % self.size():
-                raise ConfigError(f"[mccl] {name}: without split sizes input ({input.numel()} elements) and output "
-                                  f"({output.numel()}) must be equal and divisible by the group size {self.size()}")
-            n = B.nbytes(input) // self.size()
-            return self._submit(name, lambda: self._comm.alltoall(src.data_ptr(), dst.data_ptr(), n),
-                                [output], st, opts)
-        send_sizes = self._split_bytes(input, input_split_sizes, name, "input")
-        recv_sizes = self._split_bytes(output, output_split_sizes, name, "output")
-        return self._alltoallv(name, src, send_sizes, dst, recv_sizes, [output], st, opts)
-
-    alltoall_base = all_to_all_single
-
-    def alltoall(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> MCCLWork:
-        name = "alltoall"
-        ins = B.tensor_list(input_tensors, name, "input_tensor_list", self.size())
-        outs = B.tensor_list(output_tensors, name, "output_tensor_list", self.size())
-        for r, (o, x) in enumerate(zip(outs, ins)):
-            if o.dtype != x.dtype:
-                raise ConfigError(f"[mccl] {name}: output_tensor_list[{r}] dtype {o.dtype} differs from "
-                                  f"input_tensor_list[{r}] dtype {x.dtype}")
-        st = B.Staging()
-        send = st.packed(ins)
-        recv_sizes = [B.nbytes(o) for o in outs]
-        recv = st.scratch(sum(recv_sizes), torch.uint8)
-        offset = 0
-        for o, nb in zip(outs, recv_sizes):
-            st.unpack(st.output(o), recv[offset:offset + nb])
-            offset += nb
-        return self._alltoallv(name, send, [B.nbytes(x) for x in ins], recv, recv_sizes, outs, st, opts)
-
-    def _split_bytes(self, t: torch.Tensor, splits: Sequence[int], name: str, what: str) -> list[int]:
-        rows = t.shape[0] if t.dim() else 1
-        row_bytes = B.nbytes(t) // rows if rows else 0
-        if not splits:
-            if rows % self.size():
-                raise ConfigError(f"[mccl] {name}: {what} has {rows} rows, not divisible by the group size "
-                                  f"{self.size()}; pass {what}_split_sizes")
-            return [rows // self.size() * row_bytes] * self.size()
-        if len(splits) != self.size() or sum(splits) != rows or min(splits) < 0:
-            raise ConfigError(f"[mccl] {name}: {what}_split_sizes={list(splits)} must have {self.size()} "
-                              f"non-negative entries summing to {what}.size(0)={rows}")
-        return [int(s) * row_bytes for s in splits]
-
-    def _alltoallv(self, name: str, send: torch.Tensor, send_sizes: list[int], recv: torch.Tensor,
-                   recv_sizes: list[int], outputs: list[torch.Tensor], st: B.Staging, opts: Any) -> MCCLWork:
-        send_offsets = _offsets(send_sizes)
-        recv_offsets = _offsets(recv_sizes)
-        return self._submit(name, lambda: self._comm.alltoallv(send.data_ptr(), send_sizes, send_offsets,
-                                                               recv.data_ptr(), recv_sizes, recv_offsets),
-                            outputs, st, opts)
-
-    # -- barrier and point-to-point ---------------------------------------------------------
-    def barrier(self, opts: Any = None) -> MCCLWork:
-        return self._submit("barrier", self._comm.barrier, [], B.Staging(), opts)
-
-    def send(self, tensors: Any, dstRank: int, tag: int = 0) -> MCCLWork:
-        t = B.check_tensor(B.single(tensors, "send"), "send", "tensor")
-        dst = self._peer(dstRank, "send", "dst")
-        st = B.Staging()
-        buf = st.input(t)
-        return self._submit("send", lambda: self._comm.send(buf.data_ptr(), B.nbytes(buf), dst, int(tag)), [t], st)
-
-    def recv(self, tensors: Any, srcRank: int, tag: int = 0) -> MCCLWork:
-        t = B.check_tensor(B.single(tensors, "recv"), "recv", "tensor")
-        src = self._peer(srcRank, "recv", "src")
-        return self._recv(t, src, int(tag))
-
-    def recv_anysource(self, tensors: Any, tag: int = 0) -> MCCLWork:
-        t = B.check_tensor(B.single(tensors, "recv"), "recv", "tensor")
-        return self._recv(t, -1, int(tag))
-
-    def _recv(self, t: torch.Tensor, src: int, tag: int) -> MCCLWork:
-        st = B.Staging()
-        buf = st.output(t)
-        return self._submit("recv", lambda: self._comm.recv(buf.data_ptr(), B.nbytes(buf), src, tag), [t], st)
-
-    def _peer(self, r: int, op: str, what: str) -> int:
-        r = B.check_rank(r, self.size(), op, what)
-        if r == self.rank():
-            raise ConfigError(f"[mccl] {op}: {what}={r} is this rank itself; point-to-point needs another rank")
-        return r
-
     # -- coalescing manager (dist._coalescing_manager with a device) -------------------------
     def _start_coalescing(self, device: torch.device) -> None:
         if self._coalescing is not None:
@@ -497,32 +357,7 @@ class ProcessGroupMCCL(compat.ProcessGroupBase):
 
     def _end_coalescing(self, device: torch.device) -> MCCLWork:
         works, self._coalescing = self._coalescing or [], None
-        return _AllOf(works, self.rank(), self._timeout_s)
-
-
-class _AllOf(MCCLWork):
-    """A Work done when every Work issued inside a coalescing block is done."""
-
-    def __init__(self, works: list[MCCLWork], rank: int, timeout_s: float) -> None:
-        super().__init__("coalesced", rank, [], (), None, timeout_s)
-        self._works = works
-        futures = [w.get_future() for w in works]
-        if not futures:
-            self._complete(None, -1)
-            return
-        torch.futures.collect_all(futures).then(self._collected)
-
-    def _collected(self, fut: torch.futures.Future) -> None:
-        errors = [w.exception() for w in self._works if w.exception() is not None]
-        self._complete(errors[0] if errors else None, -1)
-
-
-def _offsets(sizes: Sequence[int]) -> list[int]:
-    out, acc = [], 0
-    for s in sizes:
-        out.append(acc)
-        acc += s
-    return out
+        return AllOf(works, self.rank(), self._timeout_s)
 
 
 def _shutdown_quietly(comm: Any) -> None:

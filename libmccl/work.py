@@ -180,3 +180,20 @@ class CompletionRouter:
 def shutdown_error(rank: int) -> AbortedError:
     return AbortedError(f"[mccl] the process group was shut down on rank {rank} while this operation "
                         "was pending; do not issue collectives after destroy_process_group()")
+
+
+class AllOf(MCCLWork):
+    """A Work done when every Work issued inside a coalescing block is done."""
+
+    def __init__(self, works: list[MCCLWork], rank: int, timeout_s: float) -> None:
+        super().__init__("coalesced", rank, [], (), None, timeout_s)
+        self._works = works
+        futures = [w.get_future() for w in works]
+        if not futures:
+            self._complete(None, -1)
+            return
+        torch.futures.collect_all(futures).then(self._collected)
+
+    def _collected(self, fut: torch.futures.Future) -> None:
+        errors = [w.exception() for w in self._works if w.exception() is not None]
+        self._complete(errors[0] if errors else None, -1)
