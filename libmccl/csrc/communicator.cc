@@ -5,7 +5,6 @@
 
 #include "algorithms/algorithms.h"
 #include "reduce.h"
-#include "transport/mesh.h"
 
 namespace mccl {
 
@@ -26,29 +25,56 @@ Communicator::Communicator(int rank, int size, uint64_t comm_id, int listen_fd,
       comm_id_(comm_id),
       opts_(opts),
       addrs_(std::move(peer_addrs)),
+      borrowed_(false),
       timeout_s_(opts.timeout_s),
       deliver_(std::move(deliver)) {
+  validate_world();
+  start(build_mesh(mesh_spec(), listen_fd, deadline_after(opts_.connect_timeout_s), cancel));
+}
+
+Communicator::Communicator(int rank, int size, uint64_t comm_id,
+                           std::vector<std::vector<int>> fds, std::vector<std::string> peer_addrs,
+                           const Options& opts, Deliver deliver)
+    : rank_(rank),
+      size_(size),
+      comm_id_(comm_id),
+      opts_(opts),
+      addrs_(std::move(peer_addrs)),
+      borrowed_(true),
+      timeout_s_(opts.timeout_s),
+      deliver_(std::move(deliver)) {
+  validate_world();
+  start(adopt_mesh(mesh_spec(), fds, deadline_after(opts_.connect_timeout_s)));
+}
+
+void Communicator::validate_world() const {
   opts_.validate();
-  if (size < 1 || rank < 0 || rank >= size) {
-    throw_error(ErrorKind::kConfig, "[engine] rank " + std::to_string(rank) +
-                                        " is outside a world of size " + std::to_string(size));
+  if (size_ < 1 || rank_ < 0 || rank_ >= size_) {
+    throw_error(ErrorKind::kConfig, "[engine] rank " + std::to_string(rank_) +
+                                        " is outside a world of size " + std::to_string(size_));
   }
-  if (static_cast<int>(addrs_.size()) != size) {
+  if (static_cast<int>(addrs_.size()) != size_) {
     throw_error(ErrorKind::kConfig, "[engine] got " + std::to_string(addrs_.size()) +
                                         " peer addresses for a world of size " +
-                                        std::to_string(size) + "; pass one per rank");
+                                        std::to_string(size_) + "; pass one per rank");
   }
+}
+
+MeshSpec Communicator::mesh_spec() const {
   MeshSpec spec;
-  spec.rank = rank;
-  spec.size = size;
-  spec.comm_id = comm_id;
+  spec.rank = rank_;
+  spec.size = size_;
+  spec.comm_id = comm_id_;
   spec.sockets_per_peer = opts_.sockets_per_peer;
   spec.socket_buffer_bytes = opts_.socket_buffer_bytes;
   spec.segment_bytes = opts_.segment_bytes;
   spec.small_allreduce_bytes = opts_.small_allreduce_bytes;
   spec.peer_addrs = addrs_;
-  auto links = build_mesh(spec, listen_fd, deadline_after(opts_.connect_timeout_s), cancel);
-  transport_ = std::make_unique<Transport>(rank, size, comm_id, std::move(links), addrs_);
+  return spec;
+}
+
+void Communicator::start(std::vector<std::vector<Fd>> links) {
+  transport_ = std::make_unique<Transport>(rank_, size_, comm_id_, std::move(links), addrs_);
   worker_ = std::thread([this] { worker_main(); });
   completer_ = std::thread([this] { completion_main(); });
 }
@@ -132,6 +158,8 @@ void Communicator::worker_main() {
   if (!transport_->failure()) {
     if (transport_->abort_requested()) {
       idle_progress();  // turns the requested abort into ABORT frames to every peer
+    } else if (borrowed_) {
+      released_clean_.store(transport_->release(deadline_after(release_timeout_s_)));
     } else {
       transport_->close_gracefully(deadline_after(1.0));
     }
@@ -344,6 +372,7 @@ void Communicator::shutdown(double timeout_s) {
   {
     std::unique_lock<std::mutex> lk(mu_);
     closing_ = true;
+    if (!stop_) release_timeout_s_ = std::max(timeout_s, 0.1);
     bool drained = done_cv_.wait_until(lk, deadline_after(std::max(timeout_s, 0.0)), [&] {
       return pending_.empty();
     });

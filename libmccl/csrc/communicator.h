@@ -35,6 +35,7 @@
 #include "errors.h"
 #include "options.h"
 #include "transport/frame.h"
+#include "transport/mesh.h"
 #include "transport/transport.h"
 
 namespace mccl {
@@ -79,6 +80,12 @@ class Communicator {
   Communicator(int rank, int size, uint64_t comm_id, int listen_fd,
                std::vector<std::string> peer_addrs, const Options& opts, Deliver deliver,
                std::atomic<bool>* cancel = nullptr);
+  // Builds it on sockets the caller already connected: `fds[peer]` holds
+  // opts.sockets_per_peer sockets to each peer (empty for this rank), which the engine
+  // dup()s and handshakes on (transport/mesh.h adopt_mesh). These borrowed sockets are
+  // left reusable by a clean shutdown (see released_clean).
+  Communicator(int rank, int size, uint64_t comm_id, std::vector<std::vector<int>> fds,
+               std::vector<std::string> peer_addrs, const Options& opts, Deliver deliver);
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
@@ -105,8 +112,13 @@ class Communicator {
   [[noreturn]] void throw_wait_timeout(uint64_t id, double timeout_s) const;
   // Fails every pending op with AbortedError, tells live peers, closes the links.
   void abort(const std::string& reason);
-  // Lets queued ops finish (up to timeout_s), then stops threads and closes links.
+  // Lets queued ops finish (up to timeout_s), then stops threads and closes links. With
+  // borrowed sockets it then exchanges BYE with every peer, waiting up to timeout_s more.
   void shutdown(double timeout_s);
+  // Borrowed sockets only: true once shutdown left every socket at a clean stream boundary
+  // (our BYE sent, the peer's BYE read, nothing else in flight), so the owner may hand
+  // them to the next communicator. False after an abort, a failure or a late peer.
+  bool released_clean() const { return released_clean_.load(); }
 
   // Per-operation timeout of ops enqueued from now on (torch's set_timeout); > 0 s.
   void set_timeout(double timeout_s);
@@ -118,6 +130,9 @@ class Communicator {
   CommStats stats() const;
 
  private:
+  void validate_world() const;
+  MeshSpec mesh_spec() const;
+  void start(std::vector<std::vector<Fd>> links);
   uint64_t enqueue(Op op);
   void check_root(int root, const char* op) const;
   void check_ptr(const void* p, size_t n, const char* what, const char* op) const;
@@ -139,6 +154,9 @@ class Communicator {
   const uint64_t comm_id_;
   const Options opts_;
   std::vector<std::string> addrs_;
+  const bool borrowed_;         // links built on the caller's sockets (adopt_mesh)
+  double release_timeout_s_ = 2.0;  // set by shutdown() before the worker reads it
+  std::atomic<bool> released_clean_{false};
   std::unique_ptr<Transport> transport_;
   Scratch scratch_;
   uint64_t coll_seq_ = 0;  // worker only

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <future>
+#include <map>
 #include <memory>
 #include <thread>
 
@@ -65,21 +66,60 @@ class PyCommunicator {
       throw_error(ErrorKind::kConfig,
                   "[engine] this Listener already served a communicator; create a new one");
     }
-    Communicator::Deliver deliver;
-    if (!on_complete_.is_none()) {
-      PyObject* cb = on_complete_.ptr();  // kept alive by on_complete_, which outlives core_
-      deliver = [cb](std::vector<Completion>& batch) { deliver_batch(cb, batch); };
+    Communicator::Deliver deliver = make_deliver();
+    build([&](std::atomic<bool>* cancel) {
+      return std::make_unique<Communicator>(rank, size, comm_id, listener.fd(),
+                                            std::move(peer_addrs), opts, std::move(deliver),
+                                            cancel);
+    });
+    listener.close();
+  }
+
+  // On sockets the caller connected: {peer rank: [fd, ...]}; the caller keeps its fds.
+  PyCommunicator(int rank, int size, uint64_t comm_id, std::map<int, std::vector<int>> sockets,
+                 std::vector<std::string> peer_addrs, const Options& opts, py::object on_complete)
+      : on_complete_(std::move(on_complete)) {
+    std::vector<std::vector<int>> fds(size > 0 ? size : 0);
+    for (auto& kv : sockets) {
+      if (kv.first < 0 || kv.first >= size) {
+        throw_error(ErrorKind::kConfig, "[engine] sockets given for rank " +
+                                            std::to_string(kv.first) + " in a world of size " +
+                                            std::to_string(size));
+      }
+      fds[kv.first] = std::move(kv.second);
     }
-    // Built on a helper thread while this one watches for Ctrl-C: building the mesh
-    // waits for every peer, up to the connect timeout.
+    Communicator::Deliver deliver = make_deliver();
+    // The handshakes are bounded by the connect timeout and cannot be cancelled midway.
+    build([&](std::atomic<bool>*) {
+      return std::make_unique<Communicator>(rank, size, comm_id, std::move(fds),
+                                            std::move(peer_addrs), opts, std::move(deliver));
+    });
+  }
+
+  ~PyCommunicator() {
+    py::gil_scoped_release nogil;
+    core_.reset();
+  }
+
+  Communicator& core() { return *core_; }
+
+ private:
+  Communicator::Deliver make_deliver() {
+    if (on_complete_.is_none()) return nullptr;
+    PyObject* cb = on_complete_.ptr();  // kept alive by on_complete_, which outlives core_
+    return [cb](std::vector<Completion>& batch) { deliver_batch(cb, batch); };
+  }
+
+  // Runs `make` on a helper thread while this one watches for Ctrl-C: building the mesh
+  // waits for every peer, up to the connect timeout.
+  template <typename Make>
+  void build(Make make) {
     std::atomic<bool> cancel{false};
     std::promise<void> built;
     std::future<void> done = built.get_future();
     std::thread builder([&] {
       try {
-        core_ = std::make_unique<Communicator>(rank, size, comm_id, listener.fd(),
-                                               std::move(peer_addrs), opts, std::move(deliver),
-                                               &cancel);
+        core_ = make(&cancel);
         built.set_value();
       } catch (...) {
         built.set_exception(std::current_exception());
@@ -105,17 +145,8 @@ class PyCommunicator {
     }
     if (interrupted) throw py::error_already_set();
     done.get();  // rethrows the builder's error
-    listener.close();
   }
 
-  ~PyCommunicator() {
-    py::gil_scoped_release nogil;
-    core_.reset();
-  }
-
-  Communicator& core() { return *core_; }
-
- private:
   static void deliver_batch(PyObject* cb, std::vector<Completion>& batch) {
     // Taking the GIL while the interpreter shuts down would hang or kill this thread.
     if (!Py_IsInitialized() || python_finalizing()) return;
@@ -195,6 +226,10 @@ void register_engine_bindings(py::module_& m) {
                     py::object>(),
            py::arg("rank"), py::arg("size"), py::arg("comm_id"), py::arg("listener"),
            py::arg("peer_addrs"), py::arg("opts"), py::arg("on_complete") = py::none())
+      .def(py::init<int, int, uint64_t, std::map<int, std::vector<int>>, std::vector<std::string>,
+                    const Options&, py::object>(),
+           py::arg("rank"), py::arg("size"), py::arg("comm_id"), py::arg("sockets"),
+           py::arg("peer_addrs"), py::arg("opts"), py::arg("on_complete") = py::none())
       .def("allreduce", [](PC& c, uintptr_t p, size_t count, int dt, int op) {
         return c.core().allreduce(ptr(p), count, to_dtype(dt), to_op(op));
       })
@@ -256,7 +291,9 @@ void register_engine_bindings(py::module_& m) {
       .def("shutdown", [](PC& c, double timeout_s) {
         py::gil_scoped_release nogil;
         c.core().shutdown(timeout_s);
+        return c.core().released_clean();
       }, py::arg("timeout_s") = 10.0)
+      .def("released_clean", [](PC& c) { return c.core().released_clean(); })
       .def_property_readonly("rank", [](PC& c) { return c.core().rank(); })
       .def_property_readonly("size", [](PC& c) { return c.core().size(); })
       .def_property_readonly("comm_id", [](PC& c) { return c.core().comm_id(); })

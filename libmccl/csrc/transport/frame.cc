@@ -100,7 +100,17 @@ void validate_header(const FrameHeader& h, uint64_t comm_id, int peer_rank,
                   std::to_string(kProtocolVersion),
               peer_rank, peer_addr);
   }
-  if (h.comm_id != comm_id) bad_frame("frame of another communicator", peer_rank, peer_addr);
+  if (h.comm_id != comm_id) {
+    // Sockets are reused across communicators (daemon mode): say which one it came from.
+    throw_error(ErrorKind::kProtocol,
+                "[transport] stale frame from peer=" + peer_addr + " (rank " +
+                    std::to_string(peer_rank) + "): it belongs to communicator " +
+                    std::to_string(h.comm_id) + ", this socket now serves communicator " +
+                    std::to_string(comm_id) +
+                    "; likely cause: a process of an earlier job still writes to it; restart "
+                    "that job's ranks and the jobs on this link",
+                peer_rank, peer_addr);
+  }
   auto k = static_cast<uint16_t>(h.kind);
   if (k < static_cast<uint16_t>(OpKind::kAllreduce) || k > static_cast<uint16_t>(OpKind::kBye)) {
     bad_frame("unknown frame kind " + std::to_string(k), peer_rank, peer_addr);

@@ -1,6 +1,10 @@
 #include "transport/mesh.h"
 
+#include <fcntl.h>
+
 #include <atomic>
+#include <cerrno>
+#include <cstring>
 #include <exception>
 #include <thread>
 
@@ -10,6 +14,17 @@
 namespace mccl {
 
 namespace {
+
+Hello hello_of(const MeshSpec& spec) {
+  Hello h;
+  h.comm_id = spec.comm_id;
+  h.from_rank = static_cast<uint32_t>(spec.rank);
+  h.world = static_cast<uint32_t>(spec.size);
+  h.socks_per_peer = static_cast<uint32_t>(spec.sockets_per_peer);
+  h.segment_bytes = spec.segment_bytes;
+  h.small_allreduce_bytes = spec.small_allreduce_bytes;
+  return h;
+}
 
 void accept_lower_ranks(const MeshSpec& spec, int listen_fd, Deadline deadline,
                         const std::atomic<bool>& stop, std::vector<std::vector<Fd>>* links) {
@@ -110,6 +125,82 @@ std::vector<std::vector<Fd>> build_mesh(const MeshSpec& spec, int listen_fd, Dea
   if (stop.load()) {
     throw_error(ErrorKind::kAborted, "[transport] building the links of rank " +
                                          std::to_string(spec.rank) + " was interrupted");
+  }
+  return links;
+}
+
+std::vector<std::vector<Fd>> adopt_mesh(const MeshSpec& spec,
+                                        const std::vector<std::vector<int>>& fds,
+                                        Deadline deadline) {
+  const int k = spec.sockets_per_peer;
+  if (static_cast<int>(fds.size()) != spec.size) {
+    throw_error(ErrorKind::kConfig, "[transport] got sockets for " + std::to_string(fds.size()) +
+                                        " ranks in a world of " + std::to_string(spec.size) +
+                                        "; pass one list per rank (empty for this rank)");
+  }
+  std::vector<std::vector<Fd>> links(spec.size);
+  for (int peer = 0; peer < spec.size; ++peer) {
+    const size_t want = peer == spec.rank ? 0 : static_cast<size_t>(k);
+    if (fds[peer].size() != want) {
+      throw_error(ErrorKind::kConfig,
+                  "[transport] got " + std::to_string(fds[peer].size()) + " socket(s) for rank " +
+                      std::to_string(peer) + ", expected " + std::to_string(want) +
+                      " (MCCL_SOCKETS_PER_PEER); hand the same number of sockets to every peer");
+    }
+    if (peer == spec.rank) continue;
+    links[peer].resize(k);
+    for (int s = 0; s < k; ++s) {
+      int dup = ::fcntl(fds[peer][s], F_DUPFD_CLOEXEC, 0);
+      if (dup < 0) {
+        throw_error(ErrorKind::kConfig, "[transport] socket " + std::to_string(s) + " for rank " +
+                                            std::to_string(peer) + " is not an open fd (" +
+                                            std::strerror(errno) + "); pass connected sockets");
+      }
+      links[peer][s] = Fd(dup);
+    }
+  }
+  Hello mine = hello_of(spec);
+  for (int peer = 0; peer < spec.size; ++peer) {
+    if (peer == spec.rank) continue;
+    const std::string& addr = spec.peer_addrs[peer];
+    std::vector<Fd> got(k);
+    for (int s = 0; s < k; ++s) {
+      Fd& fd = links[peer][s];
+      if (spec.rank < peer) {
+        Hello h = mine;
+        h.to_rank = static_cast<uint32_t>(peer);
+        h.sock_index = static_cast<uint32_t>(s);
+        handshake_dial(fd.get(), h, addr, deadline);
+        got[s] = std::move(fd);
+        continue;
+      }
+      auto seen = [&](uint32_t r, uint32_t i) {
+        return r == static_cast<uint32_t>(peer) && i < got.size() && got[i].valid();
+      };
+      auto hello = handshake_accept(fd.get(), mine, deadline, seen);
+      if (!hello) {
+        throw_error(ErrorKind::kPeerLost,
+                    "[transport] handed-in socket " + std::to_string(s) + " to peer=" + addr +
+                        " (rank " + std::to_string(peer) +
+                        ") carried no MCCL hello before the connect timeout; likely cause: the "
+                        "peer did not build its communicator on the same sockets; check both "
+                        "sides agreed on the socket list",
+                    peer, addr);
+      }
+      if (hello->from_rank != static_cast<uint32_t>(peer)) {
+        throw_error(ErrorKind::kConfig,
+                    "[transport] the socket handed in for rank " + std::to_string(peer) +
+                        " reaches rank " + std::to_string(hello->from_rank) +
+                        "; the two sides disagree on which socket serves which peer",
+                    peer, addr);
+      }
+      got[hello->sock_index] = std::move(fd);
+    }
+    for (auto& fd : got) {
+      configure_link_socket(fd.get(), spec.socket_buffer_bytes);
+      set_nonblocking(fd.get(), true);
+    }
+    links[peer] = std::move(got);
   }
   return links;
 }

@@ -2,6 +2,10 @@
 // (K sockets each) and accepts K sockets from every j < i, all under one deadline.
 // Dialing and accepting run concurrently so set-up time does not grow with the
 // chain of ranks waiting for each other.
+//
+// adopt_mesh builds the same links on sockets the caller already connected (the daemon's
+// authenticated, pooled data sockets): no listening or dialing, but the same Hello
+// handshake per socket, so comm id, ranks and options are still checked per job.
 #pragma once
 #include <atomic>
 #include <cstdint>
@@ -27,5 +31,14 @@ struct MeshSpec {
 // `*cancel` from another thread stops it within ~0.2 s with AbortedError.
 std::vector<std::vector<Fd>> build_mesh(const MeshSpec& spec, int listen_fd, Deadline deadline,
                                         std::atomic<bool>* cancel = nullptr);
+
+// `fds[peer]` holds K connected sockets to `peer` (empty for this rank), in the order both
+// sides agreed on. Each is dup()ed: the links own only the dups, the caller keeps its fds.
+// The lower rank speaks first on each socket, as the dialer does in build_mesh. Peers are
+// handled in rank order on every rank, which is one global order of the pairs, so the
+// blocking handshakes cannot wait on each other in a cycle.
+std::vector<std::vector<Fd>> adopt_mesh(const MeshSpec& spec,
+                                        const std::vector<std::vector<int>>& fds,
+                                        Deadline deadline);
 
 }  // namespace mccl

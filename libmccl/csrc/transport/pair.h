@@ -106,6 +106,8 @@ class Pair {
   // Fails everything this pair holds and closes its sockets.
   void fail_all(const std::shared_ptr<const Error>& err, std::vector<RequestPtr>* failed);
   void close();
+  // Clean hand-back of borrowed sockets (release.cc); see Transport::release.
+  bool release(Deadline deadline);
 
   // Oldest pending request of a channel (for timeout messages), or null.
   RequestPtr oldest_pending(Channel chan) const;
@@ -155,6 +157,7 @@ class Pair {
   void on_header(Conn& c);
   void on_payload_done(Conn& c);
   void on_eof(size_t conn);
+  bool read_to_bye(Conn& c, Deadline deadline);
   [[noreturn]] void lost(const std::string& what, int err);
   void drain_for_abort();
   void finish_recv(const RequestPtr& req);

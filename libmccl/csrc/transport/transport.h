@@ -78,6 +78,10 @@ class Transport : public PairHost {
   std::shared_ptr<const Error> failure() const { return failed_; }
   // Orderly close: BYE on every socket so peers do not mistake the EOF for a crash.
   void close_gracefully(Deadline deadline);
+  // For borrowed sockets (transport/release.cc): BYE both ways on every socket, then close
+  // only our dups. True if every stream ended exactly at the peer's BYE, so the sockets can
+  // carry another communicator; on false they were shut down (both owners discard them).
+  bool release(Deadline deadline);
 
   // Messages (and their bytes) that arrived before their receive was posted and had to
   // be buffered and copied: a measure of how far peers run ahead.

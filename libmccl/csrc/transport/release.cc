@@ -1,0 +1,81 @@
+// Handing borrowed sockets back at a clean stream boundary, so that the daemon can run
+// its next job's communicator on the same authenticated sockets.
+//
+// Both sides send BYE on every socket and then read exactly up to the peer's BYE. Nothing
+// is read past it: the peer sends its next job's bytes only after it has read our BYE,
+// and those bytes belong to the next communicator's handshake. No shutdown(2) on a
+// clean end, since the socket is shared with its owner; an unclean one is shut down so
+// that the peer, which may be waiting for our BYE, learns at once that it is gone.
+#include <sys/socket.h>
+
+#include <cstring>
+
+#include "transport/frame.h"
+#include "transport/pair.h"
+#include "transport/transport.h"
+
+namespace mccl {
+
+bool Transport::release(Deadline deadline) {
+  bool clean = !failed_;
+  for (auto& p : pairs_) {
+    if (!p) continue;
+    if (clean) {
+      clean = p->release(deadline);
+    } else {
+      p->close();
+    }
+  }
+  return clean;
+}
+
+bool Pair::release(Deadline deadline) {
+  FrameHeader h;
+  h.kind = OpKind::kBye;
+  h.comm_id = comm_id_;
+  uint8_t bye[kFrameHeaderBytes];
+  encode_header(h, bye);
+  bool clean = !has_pending() && unexpected_.empty();
+  for (auto& c : conns_) {
+    if (!clean) break;
+    clean = c.fd.valid() && c.sendq.empty() && !c.in_payload &&
+            write_all(c.fd.get(), bye, sizeof(bye), deadline);
+  }
+  for (auto& c : conns_) {
+    if (!clean) break;
+    clean = read_to_bye(c, deadline);
+  }
+  if (!clean) {
+    close();
+    return false;
+  }
+  for (auto& c : conns_) c.fd.reset();
+  return true;
+}
+
+bool Pair::read_to_bye(Conn& c, Deadline deadline) {
+  const size_t leftover = c.rb_end - c.rb_begin;
+  if (c.bye) {
+    // The BYE was parsed while idle: it must have been the last byte read.
+    return leftover == 0 && c.header_have == 0;
+  }
+  if (c.header_have + leftover > kFrameHeaderBytes) return false;  // a frame after all ops
+  std::memcpy(c.header_buf + c.header_have, c.rbuf.data() + c.rb_begin, leftover);
+  c.header_have += leftover;
+  c.rb_begin = c.rb_end;
+  if (!read_all(c.fd.get(), c.header_buf + c.header_have, kFrameHeaderBytes - c.header_have,
+                deadline)) {
+    return false;  // the peer is late, gone, or closed the socket
+  }
+  c.header_have = 0;
+  FrameHeader h = decode_header(c.header_buf);
+  if (h.magic != kFrameMagic || h.version != kProtocolVersion || h.comm_id != comm_id_ ||
+      h.kind != OpKind::kBye) {
+    return false;
+  }
+  c.bye = true;
+  ++byes_;
+  return true;
+}
+
+}  // namespace mccl

@@ -1,0 +1,164 @@
+"""Communicators built on sockets the caller already connected (what mccld does with its
+pooled, authenticated data sockets): collectives work, a clean shutdown leaves the
+sockets reusable by the next communicator, an abort leaves them unclean, and a frame of
+an old communicator on a reused socket is refused loudly. Ranks are threads."""
+
+from __future__ import annotations
+
+import random
+import socket
+import struct
+import time
+
+import numpy as np
+import pytest
+
+from libmccl import _core
+from libmccl.errors import MCCLError, ProtocolError
+
+from test_engine_helpers import DT, SUM, fd_count, make_options, ptr, run_ranks, run_threads
+
+K = 2
+
+
+def tcp_pair() -> tuple[socket.socket, socket.socket]:
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        a = socket.create_connection(srv.getsockname())
+        b, _ = srv.accept()
+    return a, b
+
+
+class Mesh:
+    """K connected sockets between every two of n ranks; socks[r][p] are rank r's ends."""
+
+    def __init__(self, n: int, tcp: bool = True):
+        self.n = n
+        self.socks: list[dict[int, list[socket.socket]]] = [{} for _ in range(n)]
+        for i in range(n):
+            for j in range(i + 1, n):
+                pairs = [tcp_pair() if tcp else socket.socketpair() for _ in range(K)]
+                self.socks[i][j] = [a for a, _ in pairs]
+                self.socks[j][i] = [b for _, b in pairs]
+
+    def fds(self, r: int) -> dict[int, list[int]]:
+        return {p: [s.fileno() for s in socks] for p, socks in self.socks[r].items()}
+
+    def build(self, comm_ids: list[int] | None = None, **kw) -> list:
+        cid = random.getrandbits(63)
+        ids = comm_ids or [cid] * self.n
+        opts = make_options(sockets_per_peer=K, connect_timeout_s=kw.pop("connect_timeout_s", 10.0), **kw)
+        addrs = [f"127.0.0.1:{1000 + r}" for r in range(self.n)]   # names for messages only
+        return run_threads(self.n, lambda r: _core.Communicator(r, self.n, ids[r], self.fds(r), addrs, opts))
+
+    def close(self) -> None:
+        for per_rank in self.socks:
+            for socks in per_rank.values():
+                for s in socks:
+                    s.close()
+
+
+def allreduce_check(comms, count: int) -> None:
+    def body(r, c):
+        a = np.full(count, r + 1, dtype=np.float32)
+        c.wait(c.allreduce(ptr(a), count, DT[a.dtype], SUM), 30)
+        assert np.all(a == sum(range(1, len(comms) + 1)))
+        b = np.arange(16, dtype=np.int64) * (r + 1) if r == 0 else np.zeros(16, dtype=np.int64)
+        c.wait(c.broadcast(ptr(b), b.nbytes, 0), 30)
+        assert np.array_equal(b, np.arange(16, dtype=np.int64))
+        out = np.zeros(len(comms) * 4, dtype=np.int32)
+        mine = np.full(4, r, dtype=np.int32)
+        c.wait(c.allgather(ptr(mine), ptr(out), mine.nbytes), 30)
+        assert np.array_equal(out, np.repeat(np.arange(len(comms), dtype=np.int32), 4))
+        c.wait(c.barrier(), 30)
+    run_ranks(comms, body)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("tcp", [True, False], ids=["loopback", "socketpair"])
+def test_collectives_on_handed_in_sockets_then_a_second_communicator_on_the_same_ones(tcp):
+    mesh = Mesh(3, tcp=tcp)
+    try:
+        fds_before = fd_count()
+        comms = mesh.build()
+        allreduce_check(comms, 1 << 20)      # 4 MB: striped over both sockets of each peer
+        clean = run_threads(3, lambda r: comms[r].shutdown(5.0))
+        assert clean == [True] * 3
+        assert all(c.released_clean() for c in comms)
+        del comms
+        assert fd_count() == fds_before, "the engine leaked its dups of the borrowed sockets"
+        # The caller's sockets are still open and at a frame boundary: a new communicator
+        # (new id) runs on them as if they were fresh.
+        comms = mesh.build()
+        allreduce_check(comms, 3)
+        assert run_threads(3, lambda r: comms[r].shutdown(5.0)) == [True] * 3
+    finally:
+        mesh.close()
+
+
+@pytest.mark.timeout(60)
+def test_abort_leaves_the_sockets_unclean():
+    mesh = Mesh(2)
+    try:
+        comms = mesh.build()
+        allreduce_check(comms, 8)
+        comms[0].abort("test abort")
+        with pytest.raises(MCCLError):
+            a = np.zeros(4, dtype=np.float32)
+            comms[1].wait(comms[1].allreduce(ptr(a), 4, DT[a.dtype], SUM), 10)
+        assert run_threads(2, lambda r: comms[r].shutdown(2.0)) == [False, False]
+        # An aborted engine shuts the shared sockets down: their owner sees EOF and drops them.
+        for s in mesh.socks[1][0]:
+            s.settimeout(5)
+            while s.recv(1 << 16):       # the ABORT frame, then EOF (a timeout would raise)
+                pass
+    finally:
+        mesh.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_that_never_shuts_down_leaves_the_sockets_unclean():
+    mesh = Mesh(2)
+    try:
+        comms = mesh.build()
+        allreduce_check(comms, 8)
+        t0 = time.monotonic()
+        assert comms[0].shutdown(0.5) is False     # rank 1 never sends its BYE
+        assert time.monotonic() - t0 < 5
+        assert comms[1].shutdown(2.0) is False     # ...and rank 0 shut the sockets down
+    finally:
+        mesh.close()
+
+
+@pytest.mark.timeout(60)
+def test_hello_of_another_communicator_is_refused():
+    mesh = Mesh(2)
+    try:
+        with pytest.raises(MCCLError, match="communicator id mismatch"):
+            mesh.build(comm_ids=[11, 12], connect_timeout_s=3.0)
+    finally:
+        mesh.close()
+
+
+def stale_frame(comm_id: int) -> bytes:
+    """A well-formed 72-byte broadcast frame header of communicator ``comm_id`` (frame.cc layout)."""
+    return struct.pack("<IHHQQIIQQQQBBHi", 0x4C43434D, 1, 2, comm_id, 0, 0, 0, 0, 8, 8, 8, 0, 0, 0, 0)
+
+
+@pytest.mark.timeout(60)
+def test_stale_frame_of_an_old_communicator_is_rejected_loudly():
+    mesh = Mesh(2)
+    try:
+        first = mesh.build(comm_ids=[7, 7])
+        assert run_threads(2, lambda r: first[r].shutdown(5.0)) == [True, True]
+        comms = mesh.build(comm_ids=[8, 8])
+        # A leftover writer of communicator 7 (a process of the earlier job) writes to the
+        # socket the new communicator now uses.
+        mesh.socks[0][1][0].sendall(stale_frame(7) + b"\0" * 8)
+        a = np.zeros(2, dtype=np.float32)
+        with pytest.raises(ProtocolError, match="stale frame .* communicator 7, this socket now serves "
+                                                "communicator 8"):
+            comms[1].wait(comms[1].allreduce(ptr(a), 2, DT[a.dtype], SUM), 10)
+        assert comms[1].shutdown(1.0) is False
+        comms[0].shutdown(1.0)
+    finally:
+        mesh.close()
