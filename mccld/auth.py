@@ -9,6 +9,11 @@ a recorded exchange nor a reflected one authenticates):
   B -> A  ok
 Afterwards every frame carries H(session, direction, seq, payload) with
 session = H(key, "session", nA, nB), so frames cannot be injected, replayed or reordered.
+
+The hello also names the socket's purpose, covered by both MACs: "control" (a link, as
+above) or "data:<id>" (a data socket of the daemon's pool, mccld/datalinks.py, named
+<id> on both sides). A data socket carries engine frames after the handshake, without
+per-frame MACs.
 """
 
 from __future__ import annotations
@@ -103,12 +108,15 @@ class Session:
         return msg
 
 
+CONTROL = "control"
+
+
 def initiate(sock: socket.socket, key: bytes, fleet: str, host_id: str, listen: str,
-             peer: str) -> tuple[str, str, Session]:
+             peer: str, purpose: str = CONTROL) -> tuple[str, str, Session]:
     """Client side of the handshake; returns the peer's host id, its link address and the session."""
     na = secrets.token_bytes(NONCE_BYTES)
     send_plain(sock, {"type": "hello", "proto": PROTO_VERSION, "fleet": fleet, "host_id": host_id,
-                      "listen": listen, "nonce": na.hex()})
+                      "listen": listen, "nonce": na.hex(), "purpose": purpose})
     msg = recv_plain(sock, peer)
     if msg.get("type") == "refused":
         raise AuthError(f"[link] peer={peer} refused our link: {msg.get('reason')}; check that both "
@@ -123,11 +131,12 @@ def initiate(sock: socket.socket, key: bytes, fleet: str, host_id: str, listen: 
         raise AuthError(f"[link] peer={peer} speaks proto {msg.get('proto')} of fleet "
                         f"{msg.get('fleet')!r}, we speak {PROTO_VERSION} of {fleet!r}")
     if len(nb) != NONCE_BYTES or not hmac.compare_digest(
-            their_mac, _mac(key, "resp", fleet, host_id, listen, peer_host, peer_listen, na, nb)):
+            their_mac, _mac(key, "resp", fleet, purpose, host_id, listen, peer_host, peer_listen, na, nb)):
         raise AuthError(f"[link] peer={peer} ({peer_host}) failed fleet-key authentication; "
                         "it does not hold our fleet key: copy the key file to it")
     send_plain(sock, {"type": "auth",
-                      "mac": _mac(key, "init", fleet, host_id, listen, peer_host, peer_listen, na, nb).hex()})
+                      "mac": _mac(key, "init", fleet, purpose, host_id, listen, peer_host, peer_listen, na,
+                                  nb).hex()})
     done = recv_plain(sock, peer)
     if done.get("type") != "ok":
         raise AuthError(f"[link] peer={peer} rejected our key: {done.get('reason')}; "
@@ -136,12 +145,14 @@ def initiate(sock: socket.socket, key: bytes, fleet: str, host_id: str, listen: 
 
 
 def respond(sock: socket.socket, key: bytes, fleet: str, host_id: str, listen: str,
-            peer: str) -> tuple[str, str, Session]:
-    """Server side of the handshake; refuses (and raises AuthError) on any mismatch."""
+            peer: str) -> tuple[str, str, Session, str]:
+    """Server side of the handshake; refuses (and raises AuthError) on any mismatch.
+    Returns the peer's host id, its link address, the session and the purpose it named."""
     msg = recv_plain(sock, peer)
     try:
         na, peer_host, peer_listen = bytes.fromhex(msg["nonce"]), str(msg["host_id"]), str(msg["listen"])
-        if msg.get("type") != "hello" or len(na) != NONCE_BYTES:
+        purpose = str(msg.get("purpose", CONTROL))
+        if msg.get("type") != "hello" or len(na) != NONCE_BYTES or len(purpose) > 200:
             raise ValueError
     except (KeyError, ValueError, TypeError):
         raise ProtocolError(f"[link] malformed hello from peer={peer}; not an mccld") from None
@@ -152,15 +163,17 @@ def respond(sock: socket.socket, key: bytes, fleet: str, host_id: str, listen: s
     nb = secrets.token_bytes(NONCE_BYTES)
     send_plain(sock, {"type": "challenge", "proto": PROTO_VERSION, "fleet": fleet, "host_id": host_id,
                       "listen": listen, "nonce": nb.hex(),
-                      "mac": _mac(key, "resp", fleet, peer_host, peer_listen, host_id, listen, na, nb).hex()})
+                      "mac": _mac(key, "resp", fleet, purpose, peer_host, peer_listen, host_id, listen, na,
+                                  nb).hex()})
     reply = recv_plain(sock, peer)
     try:
         their_mac = bytes.fromhex(reply["mac"])
     except (KeyError, ValueError, TypeError):
         their_mac = b""
-    if not hmac.compare_digest(their_mac, _mac(key, "init", fleet, peer_host, peer_listen, host_id, listen, na, nb)):
+    if not hmac.compare_digest(their_mac, _mac(key, "init", fleet, purpose, peer_host, peer_listen, host_id, listen,
+                                               na, nb)):
         send_plain(sock, {"type": "refused", "reason": "bad fleet key"})
         raise AuthError(f"[link] refused peer={peer} ({peer_host}): it failed fleet-key authentication; "
                         "it does not hold this fleet's key")
     send_plain(sock, {"type": "ok"})
-    return peer_host, peer_listen, Session(key, na, nb, initiator=False, peer=peer)
+    return peer_host, peer_listen, Session(key, na, nb, initiator=False, peer=peer), purpose

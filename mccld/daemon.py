@@ -23,6 +23,7 @@ from libmccl.errors import AbortedError, CollectiveTimeout, ConfigError, MCCLErr
 from . import PROTO_VERSION, __version__, protocol, shm
 from .attach import AttachServer
 from .config import DaemonConfig, runtime_dir
+from .datalinks import DataLinks
 from .jobs import Job
 from .links import LinkManager
 from .netif import choose_address
@@ -65,6 +66,7 @@ class Daemon:
         self.iface = ""
         self.pool: ReducePool | None = None
         self.links: LinkManager | None = None
+        self.datalinks: DataLinks | None = None
         self.attach: AttachServer | None = None
         self.stats = None
         self.fleet = None
@@ -73,8 +75,6 @@ class Daemon:
         self.jobs: dict[str, Job] = {}
         self.clients: dict[bytes, dict[str, Any]] = {}   # ident -> {pid, memberships: {(job, rank)}}
         self._lock = threading.RLock()
-        self._mailbox: dict[tuple[str, int], tuple[str, str, float]] = {}
-        self._mail_cv = threading.Condition(self._lock)
         self._stop = threading.Event()
         self._poke = threading.Event()      # a client disconnected: check clients now
         self._checker: threading.Thread | None = None
@@ -102,6 +102,7 @@ class Daemon:
         try:
             self.links = LinkManager(key, cfg.fleet, self.host_id, self.addr, cfg.port, cfg.link_timeout_s,
                                      self._on_link_message, self._on_peer)
+            self.datalinks = DataLinks(self.links, self.engine_cfg.sockets_per_peer, cfg.link_timeout_s).start()
             self.links.start()
             self.attach = AttachServer(self.runtime_dir, self._handle, on_disconnect=self._poke.set)
             self.attach.start()
@@ -141,6 +142,9 @@ class Daemon:
         if self.attach is not None:
             self.attach.stop()
             self.attach = None
+        if self.datalinks is not None:
+            self.datalinks.stop()
+            self.datalinks = None
         if self.links is not None:
             self.links.stop()
             self.links = None
@@ -336,13 +340,10 @@ class Daemon:
     # -- daemon-to-daemon --------------------------------------------------------------------
     def _on_link_message(self, peer_host: str, msg: dict[str, Any]) -> None:
         kind = msg.get("type")
-        if kind == "job_setup":
-            job_id, host_rank, addr = msg.get("job"), msg.get("host_rank"), msg.get("engine_addr")
-            if not (isinstance(job_id, str) and isinstance(host_rank, int) and isinstance(addr, str)):
-                raise ProtocolError(f"[link] malformed job_setup from {peer_host}: {msg}")
-            with self._mail_cv:
-                self._mailbox[(job_id, host_rank)] = (peer_host, addr, time.monotonic())
-                self._mail_cv.notify_all()
+        if kind in ("data_lease", "data_ack"):
+            datalinks = self.datalinks
+            if datalinks is not None:
+                datalinks.on_message(peer_host, msg)
         elif kind == "job_failed":
             job = self.jobs.get(str(msg.get("job")))
             if job is None or all(h["host_id"] != peer_host for h in job.hosts):
@@ -359,43 +360,34 @@ class Daemon:
         log.debug("fleet: %s %s", host_id, "left" if entry is None else "seen")
 
     def build_engine(self, job: Job) -> Any:
-        """The engine communicator among the job's daemons, one rank per host."""
+        """The engine communicator among the job's daemons, one rank per host, built on data
+        sockets leased from the pool (datalinks.py); ``engine_closed`` gives them back."""
         try:
             from libmccl import _core
-            Communicator, Listener, Options = _core.Communicator, _core.Listener, _core.Options
+            Communicator, Options = _core.Communicator, _core.Options
         except (ImportError, AttributeError):
             raise ConfigError("[daemon] this build's engine has no Communicator, so a job spanning hosts "
                               "cannot run in daemon mode; rebuild MCCL (`make build`)") from None
         me = job.topo.host_rank
-        listener = Listener(self.addr, 0)
-        setup = {"type": "job_setup", "job": job.id, "host_rank": me, "engine_addr": listener.address}
-        for h, host in enumerate(job.hosts):
-            if h != me:
-                self.links.send(host["link_addr"], setup)
-        deadline = time.monotonic() + job.timeout_s
-        addrs: list[str] = []
-        with self._mail_cv:
-            for h, host in enumerate(job.hosts):
-                if h == me:
-                    addrs.append(listener.address)
-                    continue
-                while (job.id, h) not in self._mailbox:
-                    left = deadline - time.monotonic()
-                    if left <= 0 or job.failed is not None:
-                        raise job.failed or CollectiveTimeout(
-                            f"[daemon] job {job.id}: host {host['host_id']} ({host['link_addr']}) sent no "
-                            f"engine address within {job.timeout_s:.0f}s; its ranks did not join",
-                            peer_addr=host["link_addr"])
-                    self._mail_cv.wait(min(left, 0.5))
-                peer_host, addr, _ = self._mailbox.pop((job.id, h))
-                if peer_host != host["host_id"]:
-                    raise ProtocolError(f"[daemon] job {job.id}: host rank {h} should be {host['host_id']}, "
-                                        f"but {peer_host} announced it; conflicting host lists")
-                addrs.append(addr)
+        peers = [(h, host["host_id"], host["link_addr"]) for h, host in enumerate(job.hosts) if h != me]
+        leased = self.datalinks.lease(job.id, peers, time.monotonic() + job.timeout_s, lambda: job.failed)
         opts = self.engine_cfg.engine_options(Options(), job.timeout_s, job.timeout_s)
-        # No completion callback: the job thread waits on each op, and a callback would make
-        # the engine take the GIL once per op for nothing.
-        return Communicator(me, len(job.hosts), job.comm_id, listener, addrs, opts, None)
+        # The link addresses only name the peers in the engine's messages: nothing is dialled.
+        addrs = [host["link_addr"] for host in job.hosts]
+        try:
+            # No completion callback: the job thread waits on each op, and a callback would make
+            # the engine take the GIL once per op for nothing.
+            return Communicator(me, len(job.hosts), job.comm_id,
+                                {h: [s.sock.fileno() for s in socks] for h, socks in leased.items()},
+                                addrs, opts, None)
+        except BaseException:
+            self.datalinks.give_back(job.id, clean=False)
+            raise
+
+    def engine_closed(self, job: Job, clean: bool) -> None:
+        """The job's engine is shut down; ``clean``: its data sockets may serve the next job."""
+        if self.datalinks is not None:
+            self.datalinks.give_back(job.id, clean)
 
     def notify_peers_failed(self, job: Job, exc: MCCLError) -> None:
         msg = {"type": "job_failed", "job": job.id, "error": protocol.error_payload(exc)}
@@ -441,8 +433,6 @@ class Daemon:
             job.check_timeouts(now)
             self._poll_traffic(job)
         with self._lock:
-            for key in [k for k, v in self._mailbox.items() if now - v[2] > 600]:
-                del self._mailbox[key]
             busy = any(j.state == "ready" for j in self.jobs.values())
         self._stat("set_state", "training" if busy else "idle")
         if self.advertiser is not None:
@@ -477,6 +467,7 @@ class Daemon:
             "host": self.host_id, "fleet": self.cfg.fleet, "address": self.links.address if self.links else "",
             "version": __version__, "proto": PROTO_VERSION, "attached": attached, "jobs": jobs,
             "links": self.links.peers() if self.links else [],
+            "data_links": self.datalinks.status() if self.datalinks else [],
             "fleet_table": self.fleet.entries() if self.fleet is not None else [],
             "last_error": self.last_error or None,
         }

@@ -42,6 +42,7 @@ class JobHost(Protocol):
     def reply(self, ident: bytes, req: int, payload: dict[str, Any]) -> None: ...
     def reply_error(self, ident: bytes, req: int, exc: BaseException) -> None: ...
     def build_engine(self, job: "Job") -> Any: ...          # engine communicator among hosts
+    def engine_closed(self, job: "Job", clean: bool) -> None: ...  # its sockets: reuse if clean
     def notify_peers_failed(self, job: "Job", exc: MCCLError) -> None: ...
     def record_collective(self, job: "Job", op: str, nbytes: int, seconds: float) -> None: ...
     def job_closed(self, job: "Job") -> None: ...
@@ -343,6 +344,7 @@ class Job:
             if self.failed is not None:
                 if engine is not None:
                     engine.abort(str(self.failed))
+                    self.host.engine_closed(self, False)
                 return
             self.engine = engine
             self.hierarchy = Hierarchy(self.topo, self.host.pool, self._engine_run if engine else None)
@@ -423,10 +425,13 @@ class Job:
                     engine.wait(engine.barrier(), min(self.timeout_s, _CLOSE_BARRIER_S))
                 except Exception as e:  # noqa: BLE001 - a peer already gone: nothing left to protect
                     log.debug("closing barrier of job %s: %s", self.id, e)
+            clean = False
             try:
-                engine.shutdown(5.0)
+                # True only if every data socket ended at the peer's BYE: then they serve the next job.
+                clean = engine.shutdown(5.0) is True
             except Exception:  # noqa: BLE001 - the job is over either way
                 log.debug("engine shutdown of job %s raised", self.id, exc_info=True)
+            self.host.engine_closed(self, clean and self.failed is None)
         self.state = "closed" if self.failed is None else self.state
         log.info("job %s closed", self.id)
         self.host.job_closed(self)

@@ -1,9 +1,10 @@
 """Persistent authenticated TCP links between daemons.
 
 A link is dialled the first time a job needs a peer and kept for later jobs. Links
-carry the daemons' control traffic (job set-up: engine listener addresses; job
-failure notices); tensor data flows over the engine's own sockets, whose addresses
-are only ever learnt through an authenticated link.
+carry the daemons' control traffic (which pooled data sockets a job uses; job failure
+notices). Tensor data flows over data sockets (mccld/datalinks.py) that are dialled to
+the same port and pass the same fleet-key handshake, tagged with their purpose; this
+class authenticates them and hands them to the pool instead of keeping them as links.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[str, dict[str, Any]], None]  # (peer host id, message)
 PeerHandler = Callable[[str, str, bool], None]   # (peer host id, peer link address, up)
+DataHandler = Callable[[socket.socket, str, str], None]  # (socket, peer host id, data socket id)
 
 
 # A peer that vanishes (power loss, cable pulled) sends no FIN: keepalive probes notice an
@@ -30,7 +32,7 @@ _KEEPIDLE_S, _KEEPINTVL_S, _KEEPCNT = 10, 5, 3
 _USER_TIMEOUT_MS = 30_000
 
 
-def _bound_dead_link(sock: socket.socket) -> None:
+def bound_dead_link(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for name, value in (("TCP_KEEPIDLE", _KEEPIDLE_S), ("TCP_KEEPALIVE", _KEEPIDLE_S),  # macOS spelling
                         ("TCP_KEEPINTVL", _KEEPINTVL_S), ("TCP_KEEPCNT", _KEEPCNT),
@@ -76,12 +78,13 @@ class LinkManager:
     """Listens for, dials, authenticates and keeps links; hands received messages to ``on_message``."""
 
     def __init__(self, key: bytes, fleet: str, host_id: str, addr: str, port: int, timeout_s: float,
-                 on_message: Handler, on_peer: PeerHandler | None = None):
+                 on_message: Handler, on_peer: PeerHandler | None = None, on_data: DataHandler | None = None):
         self._key, self._fleet, self.host_id = key, fleet, host_id
         self._bind = (addr, port)
         self._timeout = timeout_s
         self._on_message = on_message
         self._on_peer = on_peer or (lambda host, addr, up: None)
+        self.on_data = on_data  # set by the data-socket pool; None: data sockets are refused
         self._links: dict[str, Link] = {}        # peer host id -> live link
         self._by_addr: dict[str, str] = {}       # "ip:port" dialled -> peer host id
         self._lock = threading.Lock()
@@ -151,8 +154,15 @@ class LinkManager:
         with self._lock:
             return [{"host": h, "peer": l.peer_addr, "up": True} for h, l in self._links.items() if not l.closed]
 
+    def dial_data(self, addr: str, sock_id: str) -> tuple[socket.socket, str]:
+        """A new data socket to the daemon at ``ip:port``, authenticated and named ``sock_id``
+        on both sides; returns it (blocking, no timeout) and the peer's host id."""
+        sock, peer_host, _, _ = self._connect(addr, f"data:{sock_id}")
+        sock.settimeout(None)
+        return sock, peer_host
+
     # -- internals ---------------------------------------------------------------------
-    def _dial(self, addr: str) -> Link:
+    def _connect(self, addr: str, purpose: str) -> tuple[socket.socket, str, str, auth.Session]:
         host, _, port = addr.rpartition(":")
         try:
             sock = socket.create_connection((host, int(port)), timeout=self._timeout)
@@ -162,7 +172,7 @@ class LinkManager:
                                 "and reachable on MCCL_PORT?") from None
         try:
             peer_host, peer_listen, session = auth.initiate(sock, self._key, self._fleet, self.host_id,
-                                                            self.address, addr)
+                                                            self.address, addr, purpose)
         except (AuthError, ProtocolError) as e:
             sock.close()
             self._once.warn(f"auth:{addr}", "%s", e)
@@ -172,6 +182,10 @@ class LinkManager:
             raise PeerLostError(f"[link] handshake with peer={addr} failed: {e}; the peer daemon "
                                 "closed the link (wrong fleet key on one side?)") from None
         self._once.forget(f"dial:{addr}")
+        return sock, peer_host, peer_listen, session
+
+    def _dial(self, addr: str) -> Link:
+        sock, peer_host, peer_listen, session = self._connect(addr, auth.CONTROL)
         return self._adopt(sock, session, peer_host, peer_listen)
 
     def _accept_loop(self) -> None:
@@ -188,8 +202,8 @@ class LinkManager:
     def _handshake(self, sock: socket.socket, peer: str) -> None:
         sock.settimeout(self._timeout)
         try:
-            peer_host, peer_listen, session = auth.respond(sock, self._key, self._fleet, self.host_id,
-                                                           self.address, peer)
+            peer_host, peer_listen, session, purpose = auth.respond(sock, self._key, self._fleet, self.host_id,
+                                                                    self.address, peer)
         except (AuthError, ProtocolError) as e:
             self._once.warn(f"auth:{peer.rpartition(':')[0]}", "%s", e)
             sock.close()
@@ -200,11 +214,19 @@ class LinkManager:
                             peer, e)
             sock.close()
             return
-        self._adopt(sock, session, peer_host, peer_listen)
+        if purpose.startswith("data:") and self.on_data is not None:
+            sock.settimeout(None)
+            self.on_data(sock, peer_host, purpose[len("data:"):])
+        elif purpose == auth.CONTROL:
+            self._adopt(sock, session, peer_host, peer_listen)
+        else:
+            self._once.warn(f"purpose:{peer_host}", "[link] peer=%s (%s) opened a socket for %r, which this "
+                            "daemon does not serve; closing it (mixed mccld versions?)", peer, peer_host, purpose)
+            sock.close()
 
     def _adopt(self, sock: socket.socket, session: auth.Session, peer_host: str, addr: str) -> Link:
         sock.settimeout(None)  # the reader waits for frames; the kernel bounds dead links (below)
-        _bound_dead_link(sock)
+        bound_dead_link(sock)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         link = Link(sock, session, peer_host, addr)
         with self._lock:
