@@ -432,6 +432,8 @@ class Daemon:
         for job in jobs:
             job.check_timeouts(now)
             self._poll_traffic(job)
+        if self.datalinks is not None:
+            self.datalinks.sweep()
         with self._lock:
             busy = any(j.state == "ready" for j in self.jobs.values())
         self._stat("set_state", "training" if busy else "idle")

@@ -146,6 +146,17 @@ class DataLinks:
         if socks:
             log.debug("job %s: %d data socket(s) %s", job, len(socks), "back in the pool" if clean else "closed")
 
+    def sweep(self) -> int:
+        """Close idle sockets that saw EOF or stray bytes (the daemon's periodic check calls this):
+        the peer drops its end after an unclean job end, and only the proposer would otherwise notice."""
+        with self._cv:
+            dead = [s for s in self._socks.values() if s.job is None and not s.silent()]
+            for s in dead:
+                self._discard(s, "it saw EOF or stray bytes while idle")
+            if dead:
+                self._cv.notify_all()
+            return len(dead)
+
     def on_message(self, peer_host: str, msg: dict[str, Any]) -> None:
         """A ``data_lease`` or ``data_ack`` from the control link's reader: filed for the job's thread."""
         job = msg.get("job")

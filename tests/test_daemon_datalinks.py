@@ -132,6 +132,14 @@ def test_a_socket_the_peer_dropped_while_idle_is_replaced():
         second = run_job([a, b], "j2")
         assert first[0][0] not in second[0] and first[0][1] in second[0]
         assert a.peer("b")["dialled"] == K + 1
+        # The periodic sweep drops such a socket without waiting for the next job.
+        with b.data._cv:
+            b.data._discard(b.data._socks[second[1][1]], "test")
+        deadline = time.monotonic() + 5
+        while a.data.sweep() == 0:
+            assert time.monotonic() < deadline, "an idle socket closed by the peer was never swept"
+            time.sleep(0.05)
+        assert a.peer("b")["idle"] == K - 1 and a.peer("b")["discarded"] == 2
 
 
 def forged_data_hello(addr: str, sock_id: str) -> dict:

@@ -50,6 +50,12 @@ class Mesh:
         addrs = [f"127.0.0.1:{1000 + r}" for r in range(self.n)]   # names for messages only
         return run_threads(self.n, lambda r: _core.Communicator(r, self.n, ids[r], self.fds(r), addrs, opts))
 
+    def __enter__(self) -> "Mesh":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def close(self) -> None:
         for per_rank in self.socks:
             for socks in per_rank.values():
@@ -76,8 +82,7 @@ def allreduce_check(comms, count: int) -> None:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("tcp", [True, False], ids=["loopback", "socketpair"])
 def test_collectives_on_handed_in_sockets_then_a_second_communicator_on_the_same_ones(tcp):
-    mesh = Mesh(3, tcp=tcp)
-    try:
+    with Mesh(3, tcp=tcp) as mesh:
         fds_before = fd_count()
         comms = mesh.build()
         allreduce_check(comms, 1 << 20)      # 4 MB: striped over both sockets of each peer
@@ -91,14 +96,11 @@ def test_collectives_on_handed_in_sockets_then_a_second_communicator_on_the_same
         comms = mesh.build()
         allreduce_check(comms, 3)
         assert run_threads(3, lambda r: comms[r].shutdown(5.0)) == [True] * 3
-    finally:
-        mesh.close()
 
 
 @pytest.mark.timeout(60)
 def test_abort_leaves_the_sockets_unclean():
-    mesh = Mesh(2)
-    try:
+    with Mesh(2) as mesh:
         comms = mesh.build()
         allreduce_check(comms, 8)
         comms[0].abort("test abort")
@@ -111,32 +113,24 @@ def test_abort_leaves_the_sockets_unclean():
             s.settimeout(5)
             while s.recv(1 << 16):       # the ABORT frame, then EOF (a timeout would raise)
                 pass
-    finally:
-        mesh.close()
 
 
 @pytest.mark.timeout(60)
 def test_a_peer_that_never_shuts_down_leaves_the_sockets_unclean():
-    mesh = Mesh(2)
-    try:
+    with Mesh(2) as mesh:
         comms = mesh.build()
         allreduce_check(comms, 8)
         t0 = time.monotonic()
         assert comms[0].shutdown(0.5) is False     # rank 1 never sends its BYE
         assert time.monotonic() - t0 < 5
         assert comms[1].shutdown(2.0) is False     # ...and rank 0 shut the sockets down
-    finally:
-        mesh.close()
 
 
 @pytest.mark.timeout(60)
 def test_hello_of_another_communicator_is_refused():
-    mesh = Mesh(2)
-    try:
+    with Mesh(2) as mesh:
         with pytest.raises(MCCLError, match="communicator id mismatch"):
             mesh.build(comm_ids=[11, 12], connect_timeout_s=3.0)
-    finally:
-        mesh.close()
 
 
 def stale_frame(comm_id: int) -> bytes:
@@ -146,8 +140,7 @@ def stale_frame(comm_id: int) -> bytes:
 
 @pytest.mark.timeout(60)
 def test_stale_frame_of_an_old_communicator_is_rejected_loudly():
-    mesh = Mesh(2)
-    try:
+    with Mesh(2) as mesh:
         first = mesh.build(comm_ids=[7, 7])
         assert run_threads(2, lambda r: first[r].shutdown(5.0)) == [True, True]
         comms = mesh.build(comm_ids=[8, 8])
@@ -160,5 +153,3 @@ def test_stale_frame_of_an_old_communicator_is_rejected_loudly():
             comms[1].wait(comms[1].allreduce(ptr(a), 2, DT[a.dtype], SUM), 10)
         assert comms[1].shutdown(1.0) is False
         comms[0].shutdown(1.0)
-    finally:
-        mesh.close()
