@@ -361,7 +361,7 @@ class Daemon:
 
     def build_engine(self, job: Job) -> Any:
         """The engine communicator among the job's daemons, one rank per host, built on data
-        sockets leased from the pool (datalinks.py); ``engine_closed`` gives them back."""
+        sockets leased from the pool (datalinks.py); ``release_data_sockets`` gives them back."""
         try:
             from libmccl import _core
             Communicator, Options = _core.Communicator, _core.Options
@@ -384,8 +384,8 @@ class Daemon:
             self.datalinks.give_back(job.id, clean=False)
             raise
 
-    def engine_closed(self, job: Job, clean: bool) -> None:
-        """The job's engine is shut down; ``clean``: its data sockets may serve the next job."""
+    def release_data_sockets(self, job: Job, clean: bool) -> None:
+        """The job's engine is shut down (or never will be); ``clean``: its sockets may serve the next job."""
         if self.datalinks is not None:
             self.datalinks.give_back(job.id, clean)
 

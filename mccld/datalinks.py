@@ -141,7 +141,7 @@ class DataLinks:
                 if clean and self._running and idle < self.k * _IDLE_PER_PEER_FACTOR:
                     s.job = None
                 else:
-                    self._discard(s, f"job {job} ended {'clean' if clean else 'unclean'}")
+                    self._discard(s, f"job {job} ended {'clean' if clean else 'unclean'}", kill=not clean)
             self._cv.notify_all()
         if socks:
             log.debug("job %s: %d data socket(s) %s", job, len(socks), "back in the pool" if clean else "closed")
@@ -318,14 +318,21 @@ class DataLinks:
                 s.uses += 1
             return held, []
 
-    def _discard(self, s: DataSocket, why: str) -> None:
-        """Close and forget ``s``; the caller holds the lock."""
+    def _discard(self, s: DataSocket, why: str, kill: bool = False) -> None:
+        """Close and forget ``s``; the caller holds the lock. ``kill``: shut the connection down
+        too, which also ends it for an engine still holding a dup (a handshake then fails at once)
+        and tells the peer now rather than at its next poll."""
         if self._socks.pop(s.id, None) is None:
             return
         self._gone[s.id] = None
         while len(self._gone) > _TOMBSTONES:
             self._gone.popitem(last=False)
         self._counts[s.peer_host]["discarded"] += 1
+        try:
+            if kill:
+                s.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already reset by the peer
         try:
             s.sock.close()
         except OSError:

@@ -42,7 +42,7 @@ class JobHost(Protocol):
     def reply(self, ident: bytes, req: int, payload: dict[str, Any]) -> None: ...
     def reply_error(self, ident: bytes, req: int, exc: BaseException) -> None: ...
     def build_engine(self, job: "Job") -> Any: ...          # engine communicator among hosts
-    def engine_closed(self, job: "Job", clean: bool) -> None: ...  # its sockets: reuse if clean
+    def release_data_sockets(self, job: "Job", clean: bool) -> None: ...  # reuse them if clean
     def notify_peers_failed(self, job: "Job", exc: MCCLError) -> None: ...
     def record_collective(self, job: "Job", op: str, nbytes: int, seconds: float) -> None: ...
     def job_closed(self, job: "Job") -> None: ...
@@ -274,6 +274,10 @@ class Job:
                 engine.abort(str(exc))
             except Exception:  # noqa: BLE001 - aborting is best effort, the job is failed anyway
                 log.debug("engine abort of job %s raised", self.id, exc_info=True)
+        elif len(self.topo.hosts) > 1:
+            # Still setting up: dropping its data sockets ends a handshake waiting on them now
+            # rather than at the connect timeout.
+            self.host.release_data_sockets(self, False)
 
     def close(self) -> None:
         self._tasks.put(("close", None))
@@ -344,7 +348,7 @@ class Job:
             if self.failed is not None:
                 if engine is not None:
                     engine.abort(str(self.failed))
-                    self.host.engine_closed(self, False)
+                    self.host.release_data_sockets(self, False)
                 return
             self.engine = engine
             self.hierarchy = Hierarchy(self.topo, self.host.pool, self._engine_run if engine else None)
@@ -431,7 +435,7 @@ class Job:
                 clean = engine.shutdown(5.0) is True
             except Exception:  # noqa: BLE001 - the job is over either way
                 log.debug("engine shutdown of job %s raised", self.id, exc_info=True)
-            self.host.engine_closed(self, clean and self.failed is None)
+            self.host.release_data_sockets(self, clean and self.failed is None)
         self.state = "closed" if self.failed is None else self.state
         log.info("job %s closed", self.id)
         self.host.job_closed(self)

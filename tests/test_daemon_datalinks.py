@@ -64,6 +64,7 @@ def run_job(hosts: list[Host], job: str, abort: bool = False) -> list[list[str]]
     (or abort) and give them back; returns each side's socket ids in the agreed order."""
     ids: list = [None, None]
     comm_id = random.getrandbits(63)
+    both_done = threading.Barrier(2)
 
     def side(rank: int) -> bool:
         me, other = hosts[rank], hosts[1 - rank]
@@ -77,6 +78,7 @@ def run_job(hosts: list[Host], job: str, abort: bool = False) -> list[list[str]]
         a = np.full(1 << 18, rank + 1, dtype=np.float32)
         comm.wait(comm.allreduce(a.ctypes.data, a.size, F32, SUM), 20)
         assert (a == 3).all()
+        both_done.wait(20)     # an abort must not overtake the peer's last all-reduce frames
         if abort and rank == 0:
             comm.abort("test")
         clean = comm.shutdown(5.0)

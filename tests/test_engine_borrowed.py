@@ -111,8 +111,11 @@ def test_abort_leaves_the_sockets_unclean():
         # An aborted engine shuts the shared sockets down: their owner sees EOF and drops them.
         for s in mesh.socks[1][0]:
             s.settimeout(5)
-            while s.recv(1 << 16):       # the ABORT frame, then EOF (a timeout would raise)
-                pass
+            try:
+                while s.recv(1 << 16):   # the ABORT frame, then EOF (a timeout would raise)
+                    pass
+            except ConnectionResetError:
+                pass                     # or a reset: unread bytes were dropped at the close
 
 
 @pytest.mark.timeout(60)
