@@ -59,33 +59,35 @@ class Host:
         return next(p for p in self.data.status() if p["host"] == name)
 
 
-def run_job(hosts: list[Host], job: str, abort: bool = False) -> list[list[str]]:
-    """Lease sockets for a 2-host job on both sides, run an all-reduce on them, shut down
-    (or abort) and give them back; returns each side's socket ids in the agreed order."""
-    ids: list = [None, None]
+def run_job(hosts: list[Host], job: str, abort: bool = False) -> list[dict[int, list[str]]]:
+    """Lease sockets for a job with one rank per host on every side, run an all-reduce on
+    them, shut down (or abort) and give them back. Returns ids[rank][peer rank]: the
+    socket ids each side got, in the agreed order."""
+    n = len(hosts)
+    ids: list = [None] * n
     comm_id = random.getrandbits(63)
-    both_done = threading.Barrier(2)
+    all_done = threading.Barrier(n)
 
     def side(rank: int) -> bool:
-        me, other = hosts[rank], hosts[1 - rank]
-        leased = me.data.lease(job, [(1 - rank, other.links.host_id, other.links.address)],
-                               time.monotonic() + 20, lambda: None)
-        ids[rank] = [s.id for s in leased[1 - rank]]
+        me = hosts[rank]
+        peers = [(p, h.links.host_id, h.links.address) for p, h in enumerate(hosts) if p != rank]
+        leased = me.data.lease(job, peers, time.monotonic() + 20, lambda: None)
+        ids[rank] = {p: [s.id for s in socks] for p, socks in leased.items()}
         opts = _core.Options()
         opts.sockets_per_peer, opts.timeout_s, opts.connect_timeout_s = K, 20.0, 10.0
-        comm = _core.Communicator(rank, 2, comm_id, {1 - rank: [s.sock.fileno() for s in leased[1 - rank]]},
-                                  ["a:1", "b:1"], opts)
+        comm = _core.Communicator(rank, n, comm_id, {p: [s.sock.fileno() for s in socks] for p, socks in leased.items()},
+                                  [f"{h.links.host_id}:1" for h in hosts], opts)
         a = np.full(1 << 18, rank + 1, dtype=np.float32)
         comm.wait(comm.allreduce(a.ctypes.data, a.size, F32, SUM), 20)
-        assert (a == 3).all()
-        both_done.wait(20)     # an abort must not overtake the peer's last all-reduce frames
+        assert (a == n * (n + 1) // 2).all()
+        all_done.wait(20)      # an abort must not overtake a peer's last all-reduce frames
         if abort and rank == 0:
             comm.abort("test")
         clean = comm.shutdown(5.0)
         me.data.give_back(job, clean)
         return clean
 
-    results: list = [None, None]
+    results: list = [None] * n
     errors: list = []
 
     def body(r: int) -> None:
@@ -93,14 +95,14 @@ def run_job(hosts: list[Host], job: str, abort: bool = False) -> list[list[str]]
             results[r] = side(r)
         except BaseException as e:  # noqa: BLE001 - re-raised below
             errors.append(e)
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(2)]
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
     if errors:
         raise errors[0]
-    assert results == [not abort, not abort]
+    assert results == [not abort] * n
     return ids
 
 
@@ -108,10 +110,10 @@ def run_job(hosts: list[Host], job: str, abort: bool = False) -> list[list[str]]
 def test_jobs_reuse_pooled_sockets_and_an_abort_discards_them():
     with Host("a") as a, Host("b") as b:
         first = run_job([a, b], "j1")
-        assert first[0] == first[1] and len(first[0]) == K       # both sides agree on ids and order
+        assert first[0][1] == first[1][0] and len(first[0][1]) == K   # both sides agree on ids and order
         assert a.peer("b")["dialled"] == K and b.peer("a")["accepted"] == K   # "a" < "b": a proposes and dials
         second = run_job([b, a], "j2")                            # host ranks swapped: a still proposes
-        assert second[0] == second[1] and sorted(second[0]) == sorted(first[0])
+        assert second[0][1] == second[1][0] and sorted(second[0][1]) == sorted(first[0][1])
         assert a.peer("b")["dialled"] == K, "job 2 dialled new data sockets instead of reusing the pool"
         assert a.peer("b")["uses"] == 2 * K and b.peer("a")["uses"] == 2 * K
         run_job([a, b], "j3", abort=True)
@@ -119,8 +121,23 @@ def test_jobs_reuse_pooled_sockets_and_an_abort_discards_them():
             st = host.peer(peer)
             assert st["discarded"] == K and st["idle"] == st["leased"] == 0, st
         fourth = run_job([a, b], "j4")                            # fresh sockets after the abort
-        assert not set(fourth[0]) & set(first[0])
+        assert not set(fourth[0][1]) & set(first[0][1])
         assert a.peer("b")["dialled"] == 2 * K
+
+
+@pytest.mark.timeout(60)
+def test_three_hosts_lease_every_pair_and_reuse_it():
+    with Host("a") as a, Host("b") as b, Host("c") as c:
+        first = run_job([c, a, b], "j1")
+        second = run_job([b, c, a], "j2")
+        for ids in (first, second):
+            for r in range(3):
+                for p in range(3):
+                    if p != r:
+                        assert ids[r][p] == ids[p][r] and len(ids[r][p]) == K
+        assert sorted(second[0][1]) == sorted(first[2][0])         # b-c: the same sockets in job 2
+        assert a.peer("b")["dialled"] == a.peer("c")["dialled"] == b.peer("c")["dialled"] == K
+        assert [p["dialled"] for p in c.data.status()] == [0, 0]         # the highest id only accepts
 
 
 @pytest.mark.timeout(60)
@@ -130,13 +147,13 @@ def test_a_socket_the_peer_dropped_while_idle_is_replaced():
         # b loses one pooled socket (as after a failed release on its side): a notices the
         # EOF when it leases, or b answers "missing"; either way job 2 gets a fresh one.
         with b.data._cv:
-            b.data._discard(b.data._socks[first[1][0]], "test")
+            b.data._discard(b.data._socks[first[1][0][0]], "test")
         second = run_job([a, b], "j2")
-        assert first[0][0] not in second[0] and first[0][1] in second[0]
+        assert first[0][1][0] not in second[0][1] and first[0][1][1] in second[0][1]
         assert a.peer("b")["dialled"] == K + 1
         # The periodic sweep drops such a socket without waiting for the next job.
         with b.data._cv:
-            b.data._discard(b.data._socks[second[1][1]], "test")
+            b.data._discard(b.data._socks[second[1][0][1]], "test")
         deadline = time.monotonic() + 5
         while a.data.sweep() == 0:
             assert time.monotonic() < deadline, "an idle socket closed by the peer was never swept"
