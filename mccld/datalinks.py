@@ -107,15 +107,23 @@ class DataLinks:
         On any error every socket obtained so far is closed and the error raised."""
         got: dict[int, list[DataSocket]] = {}
         errors: list[BaseException] = []
+        abandoned = False   # set (under the lock) once the caller stopped waiting
 
         def one(rank: int, peer_host: str, addr: str) -> None:
             try:
                 if self.host_id < peer_host:
-                    got[rank] = self._propose(job, peer_host, addr, deadline, failed)
+                    socks = self._propose(job, peer_host, addr, deadline, failed)
                 else:
-                    got[rank] = self._accept(job, peer_host, addr, deadline, failed)
+                    socks = self._accept(job, peer_host, addr, deadline, failed)
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
                 errors.append(e)
+                return
+            with self._cv:
+                if not abandoned:
+                    got[rank] = socks
+                    return
+                for s in socks:    # too late for the job: nobody would ever give these back
+                    self._discard(s, f"job {job} stopped waiting for them", kill=True)
 
         threads = [threading.Thread(target=one, args=p, name=f"mccld-lease-{job}", daemon=True) for p in peers]
         for t in threads:
@@ -123,6 +131,7 @@ class DataLinks:
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()) + self._timeout + 1.0)
         with self._cv:
+            abandoned = True
             self._leases[job] = [s for socks in got.values() for s in socks]
         if errors or len(got) != len(peers):
             self.give_back(job, clean=False)
