@@ -233,6 +233,11 @@ def rank_jobs(rank: int, world: int, dirs: list[str], comm_ids: list[int], die_i
         a = np.full(1 << 16, rank + 1, dtype=np.float32)
         comm.wait(comm.allreduce(a.ctypes.data, a.size, F32, SUM), 20)
         assert (a == 3).all()
+        # Long enough for the daemons' p2p keep-alives (mccld/p2p.py, sent within ~1 s) to
+        # cross: unread, they wait in the engine and must not make the sockets unclean.
+        time.sleep(1.5)
+        comm.wait(comm.allreduce(a.ctypes.data, a.size, F32, SUM), 20)
+        assert (a == 6).all()
         if die_in == comm_id:
             if rank == 1:
                 os._exit(17)     # a client killed mid-job
