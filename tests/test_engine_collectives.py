@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from test_engine_helpers import AVG, DT, MAX, MIN, PRODUCT, SUM, ptr, ranks, run_ranks
+from test_engine_helpers import AVG, DT, MAX, MIN, PRODUCT, SUM, make_options, ptr, ranks, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -139,6 +139,33 @@ def test_reduce_scatter(comms, op):
 
         for r, out in enumerate(run_ranks(comms, body)):
             np.testing.assert_allclose(out, full[r * count:(r + 1) * count], rtol=1e-6)
+
+        def in_place(r, c):
+            # The output is the rank's own block of the input (torch allows that view).
+            buf = ins[r].copy()
+            wait(c, c.reduce_scatter(ptr(buf), ptr(buf) + r * count * 4, count, DT[buf.dtype], op))
+            return buf[r * count:(r + 1) * count]
+
+        for r, out in enumerate(run_ranks(comms, in_place)):
+            np.testing.assert_allclose(out, full[r * count:(r + 1) * count], rtol=1e-6)
+
+
+def test_reduce_scatter_reuses_scratch_slots():
+    # 4 MB segments and 5 per block: at N=4 the out-of-place ring's 8 scratch slots are
+    # each handed on (after the send forwarding their partial sum completes) at least once.
+    n, count = 4, 5 << 20
+    with ranks(n, opts=make_options(segment_bytes=4 << 20)) as cs:
+
+        def body(r, c):
+            send = np.arange(n * count, dtype=np.float32) % 1000 + r
+            out = np.zeros(count, np.float32)
+            wait(c, c.reduce_scatter(ptr(send), ptr(out), count, DT[send.dtype], SUM))
+            return out
+
+        outs = run_ranks(cs, body)
+    full = (np.arange(n * count, dtype=np.float32) % 1000) * n + sum(range(n))
+    for r, out in enumerate(outs):
+        np.testing.assert_array_equal(out, full[r * count:(r + 1) * count])
 
 
 def test_reduce(comms):
@@ -302,7 +329,7 @@ def test_ipv6_loopback_mesh():
     except OSError:
         pytest.skip("no IPv6 loopback")
     from libmccl import _core
-    from test_engine_helpers import make_options, run_threads
+    from test_engine_helpers import run_threads
     listeners = [_core.Listener("::1", 0) for _ in range(2)]
     addrs = [x.address for x in listeners]
     assert addrs[0].startswith("[::1]:")

@@ -1,5 +1,5 @@
-// Reduce-scatter: the reduce-scatter half of the ring on a scratch copy of the input
-// (the caller's send buffer is never written), rotated so rank r ends with block r.
+// Reduce-scatter: the reduce-scatter half of the ring, out of place (the caller's send
+// buffer is never written), rotated so rank r ends with block r.
 #include <cstring>
 
 #include "algorithms/algorithms.h"
@@ -10,7 +10,7 @@ namespace mccl {
 
 void reduce_scatter_ring(Collective& c, const void* send, void* recv, size_t count, DType dt,
                          ReduceOp op) {
-  const int n = c.size(), r = c.rank();
+  const int n = c.size();
   const size_t es = dtype_size(dt), block = count * es;
   if (count == 0) return;
   ReduceFn fn = reduce_fn(dt, op);
@@ -19,16 +19,23 @@ void reduce_scatter_ring(Collective& c, const void* send, void* recv, size_t cou
     if (op == ReduceOp::kAvg) finalize_avg(recv, count, dt, n);
     return;
   }
-  uint8_t* work = c.scratch.get(2, block * n);
-  std::memcpy(work, send, block * n);
   // n equal blocks: the balanced layout puts block b at element b * count.
   RingLayout L = RingLayout::balanced(n, count * n, es, auto_segment_bytes(c.opts, block));
   RingPhases ph;
   ph.all_gather = false;
   ph.shift = -1;  // rank r ends owning block r
   ph.fn = fn;
-  ring_pipeline(c, work, L, ph);
-  std::memcpy(recv, work + size_t(r) * block, block);
+  const uint8_t* in = static_cast<const uint8_t*>(send);
+  if (ranges_overlap(in, block * n, recv, block)) {
+    // The result would overwrite input still to be read (and sent): work on a copy.
+    uint8_t* copy = c.scratch.get(2, block * n);
+    std::memcpy(copy, in, block * n);
+    in = copy;
+  }
+  // Out of place: the input is only read and block r lands in `recv`, so a large
+  // reduce-scatter neither copies its input nor faults in an input-sized scratch buffer.
+  ph.result = static_cast<uint8_t*>(recv);
+  ring_pipeline(c, const_cast<uint8_t*>(in), L, ph);
   if (op == ReduceOp::kAvg) finalize_avg(recv, count, dt, n);
 }
 

@@ -45,6 +45,7 @@ void ring_pipeline(Collective& c, uint8_t* buf, const RingLayout& L, const RingP
   const int rs_steps = ph.reduce_scatter ? steps : 0;
   const int ag_steps = ph.all_gather ? steps : 0;
   const int sh = ph.shift;
+  const bool in_place = ph.result == nullptr;
 
   auto rs_send_chunk = [&](int s) { return ring_mod(r - s + sh, n); };
   auto rs_recv_chunk = [&](int s) { return ring_mod(r - s - 1 + sh, n); };
@@ -57,19 +58,24 @@ void ring_pipeline(Collective& c, uint8_t* buf, const RingLayout& L, const RingP
   auto bytes = [&](int chunk, size_t j) { return L.seg_len(chunk, j) * es; };
 
   // Reduce-scatter receives land in a window of W segment-sized slots: item g = s*S + j
-  // uses slot g % W and, once reduced, hands it to item g + W. Items arrive from the left
-  // in about that order and are reduced on arrival, so a few in flight suffice; a window
-  // of whole chunks would make a 256 MB all-reduce allocate (and page-fault in) 128 MB of
-  // scratch per op, over the size the communicator keeps between ops.
+  // uses slot g % W and, once done with, hands it to item g + W. Items arrive from the
+  // left in about that order and are reduced on arrival, so a few in flight suffice; a
+  // window of whole chunks would make a 256 MB all-reduce allocate (and page-fault in)
+  // 128 MB of scratch per op, over the size the communicator keeps between ops.
+  // In place a slot is done with once reduced into `buf`; out of place it holds the
+  // partial sum until the send forwarding it has completed, and the last step needs no
+  // slot (it lands in ph.result).
   // Slots are `stride` elements: chunks differ in length by one element, so segment
   // lengths of different steps differ too.
   const size_t stride = (L.max_chunk() + S - 1) / S;
-  const size_t rs_items = size_t(rs_steps) * S;
-  const size_t window = std::min(rs_items, std::max(kMinRecvSlots,
-                                                    kRecvWindowBytes / std::max<size_t>(stride * es, 1)));
+  const int slot_steps = in_place ? rs_steps : rs_steps - 1;
+  const size_t slot_items = size_t(slot_steps) * S;
+  const size_t window = std::min(slot_items, std::max(kMinRecvSlots,
+                                                      kRecvWindowBytes / std::max<size_t>(stride * es, 1)));
   uint8_t* temp = nullptr;
-  if (rs_items > 0) temp = c.scratch.get(0, std::max<size_t>(window * stride * es, 1));
+  if (slot_items > 0) temp = c.scratch.get(0, std::max<size_t>(window * stride * es, 1));
   auto temp_at = [&](int s, size_t j) { return temp + ((size_t(s) * S + j) % window) * stride * es; };
+  auto result_at = [&](int chunk, size_t j) { return ph.result + L.seg_begin(chunk, j) * es; };
 
   c.t.set_tag_namer([=](uint32_t t) {
     const int g = static_cast<int>(t / S);
@@ -82,16 +88,27 @@ void ring_pipeline(Collective& c, uint8_t* buf, const RingLayout& L, const RingP
   size_t outstanding = 0;
   auto post_rs_recv = [&](int s, size_t j) {
     int ch = rs_recv_chunk(s);
-    c.recv(left, temp_at(s, j), bytes(ch, j), tag(s, j), cookie(s, j));
+    uint8_t* dst = s < slot_steps ? temp_at(s, j) : result_at(ch, j);
+    c.recv(left, dst, bytes(ch, j), tag(s, j), cookie(s, j));
     ++outstanding;
   };
-  auto send = [&](int g, int chunk, size_t j) {
-    c.send(right, at(chunk, j), bytes(chunk, j), tag(g, j));
+  auto release_slot = [&](int s, size_t j) {
+    const size_t next = size_t(s) * S + j + window;  // takes over this slot
+    if (next < slot_items) post_rs_recv(static_cast<int>(next / S), next % S);
+  };
+  // A send's cookie names the slot it reads from, if any (its completion frees the slot).
+  constexpr uint64_t kNoSlot = ~uint64_t(0);
+  auto send = [&](int g, const uint8_t* src, size_t n_bytes, size_t j, uint64_t slot) {
+    c.send(right, src, n_bytes, tag(g, j), slot);
     ++outstanding;
   };
+  auto send_chunk = [&](int g, int chunk, size_t j) { send(g, at(chunk, j), bytes(chunk, j), j, kNoSlot); };
 
   // Post receives ahead, then start every segment's first send.
   for (size_t g = 0; g < window; ++g) post_rs_recv(static_cast<int>(g / S), g % S);
+  if (!in_place && rs_steps > 0) {
+    for (size_t j = 0; j < S; ++j) post_rs_recv(rs_steps - 1, j);
+  }
   for (int s = 0; s < ag_steps; ++s) {
     int g = rs_steps + s, ch = ag_recv_chunk(s);
     for (size_t j = 0; j < S; ++j) {
@@ -99,33 +116,37 @@ void ring_pipeline(Collective& c, uint8_t* buf, const RingLayout& L, const RingP
       ++outstanding;
     }
   }
-  for (size_t j = 0; j < S; ++j) {
-    if (rs_steps > 0) {
-      send(0, rs_send_chunk(0), j);
-    } else {
-      send(0, ag_send_chunk(0), j);
-    }
-  }
+  for (size_t j = 0; j < S; ++j) send_chunk(0, rs_steps > 0 ? rs_send_chunk(0) : ag_send_chunk(0), j);
 
   while (outstanding > 0) {
     RequestPtr req = c.next();
     --outstanding;
-    if (req->is_send) continue;
+    if (req->is_send) {
+      if (req->cookie != kNoSlot) {
+        release_slot(static_cast<int>(req->cookie >> 32), req->cookie & 0xFFFFFFFFu);
+      }
+      continue;
+    }
     const int g = static_cast<int>(req->cookie >> 32);
     const size_t j = static_cast<size_t>(req->cookie & 0xFFFFFFFFu);
-    if (g < rs_steps) {
+    if (g < rs_steps && in_place) {
       const int s = g, ch = rs_recv_chunk(s);
       ph.fn(temp_at(s, j), at(ch, j), L.seg_len(ch, j));
-      const size_t next = size_t(s) * S + j + window;  // takes over this slot
-      if (next < rs_items) post_rs_recv(static_cast<int>(next / S), next % S);
+      release_slot(s, j);
       if (s + 1 < rs_steps) {
-        send(s + 1, rs_send_chunk(s + 1), j);  // == ch, just reduced
+        send_chunk(s + 1, rs_send_chunk(s + 1), j);  // == ch, just reduced
       } else if (ag_steps > 0) {
-        send(rs_steps, ag_send_chunk(0), j);  // == ch, now final
+        send_chunk(rs_steps, ag_send_chunk(0), j);  // == ch, now final
       }
+    } else if (g < rs_steps) {
+      // Out of place: add this rank's contribution to what arrived, where it arrived.
+      const int s = g, ch = rs_recv_chunk(s);
+      uint8_t* sum = s < slot_steps ? temp_at(s, j) : result_at(ch, j);
+      ph.fn(at(ch, j), sum, L.seg_len(ch, j));
+      if (s < slot_steps) send(s + 1, sum, bytes(ch, j), j, cookie(s, j));
     } else {
       const int s = g - rs_steps;
-      if (s + 1 < ag_steps) send(g + 1, ag_send_chunk(s + 1), j);  // == the chunk just received
+      if (s + 1 < ag_steps) send_chunk(g + 1, ag_send_chunk(s + 1), j);  // == the chunk just received
     }
   }
 }

@@ -12,6 +12,11 @@
 // receives land in a bounded window of scratch slots reused in arrival order; all-gather
 // receives are posted for every step up front, directly into the final buffer (data can
 // only arrive there after this rank is done with that region: it has to go round the ring).
+//
+// Reduce-scatter alone can also run out of place (RingPhases::result): the caller's buffer
+// is then only read, partial sums travel through the scratch slots (a slot is reused once
+// the send of its sum has completed) and the last step lands in `result` directly, so the
+// input is never copied.
 #pragma once
 #include <cstddef>
 #include <vector>
@@ -41,6 +46,9 @@ struct RingPhases {
   bool all_gather = true;
   int shift = 0;
   ReduceFn fn = nullptr;  // needed for reduce_scatter
+  // Reduce-scatter without all-gather only: when set, `buf` is read, never written, and
+  // the rank's fully reduced chunk is written here (its len[] elements).
+  uint8_t* result = nullptr;
 };
 
 void ring_pipeline(Collective& c, uint8_t* buf, const RingLayout& layout, const RingPhases& ph);
