@@ -94,8 +94,8 @@ class EngineConfig:
     small_allreduce_bytes: int = setting(
         "MCCL_SMALL_ALLREDUCE_BYTES", 64 << 10, "bytes",
         "one-round low-latency all-reduce (instead of the ring) while (world size - 1) x the "
-        "buffer is at most this many bytes, the bytes it puts on each link; broadcasts up to "
-        "this size go straight from the root")
+        "buffer is at most this many bytes, the bytes it puts on each link; a broadcast goes "
+        "straight from the root while (world size - 1) x its size is within it too")
     bind_addr: str = setting(
         "MCCL_BIND_ADDR", "", "address",
         "address the engine listens on and advertises; empty: the address that routes to MASTER_ADDR")

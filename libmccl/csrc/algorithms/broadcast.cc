@@ -13,7 +13,9 @@ void broadcast(Collective& c, void* buf, size_t nbytes, int root) {
   const int n = c.size(), r = c.rank();
   if (nbytes == 0 || n == 1) return;
   uint8_t* p = static_cast<uint8_t*>(buf);
-  if (nbytes <= c.opts.small_allreduce_bytes || n == 2) {
+  // Direct fan-out puts (N-1) copies on the root's link: the same link-byte bound as the
+  // one-round all-reduce. With two ranks the chain is the fan-out.
+  if (nbytes * size_t(n - 1) <= c.opts.small_allreduce_bytes || n == 2) {
     if (r == root) {
       for (int q = 0; q < n; ++q) {
         if (q != root) c.send(q, p, nbytes, 0);
@@ -28,8 +30,12 @@ void broadcast(Collective& c, void* buf, size_t nbytes, int root) {
   const int pos = ring_mod(r - root, n);  // place in the chain
   const int next = pos + 1 < n ? ring_mod(r + 1, n) : -1;
   const int prev = ring_mod(r - 1, n);
-  size_t seg = c.opts.segment_bytes ? c.opts.segment_bytes
-                                    : std::clamp<size_t>(nbytes / 8, 64 << 10, 4 << 20);
+  // The last rank's copy ends N-2 segments after the root's last byte leaves: keep that
+  // fill near 1/32 of the transfer (a segment of nbytes/8 cost 75 % at N=8), within
+  // segments large enough that per-message costs stay small.
+  size_t seg = c.opts.segment_bytes
+                   ? c.opts.segment_bytes
+                   : std::clamp<size_t>(nbytes / (32 * size_t(n - 2)), 128 << 10, 4 << 20);
   const size_t segs = (nbytes + seg - 1) / seg;
   auto at = [&](size_t j) { return p + part_begin(nbytes, segs, j); };
   auto len = [&](size_t j) { return part_len(nbytes, segs, j); };
