@@ -96,6 +96,10 @@ class EngineConfig:
         "one-round low-latency all-reduce (instead of the ring) while (world size - 1) x the "
         "buffer is at most this many bytes, the bytes it puts on each link; a broadcast goes "
         "straight from the root while (world size - 1) x its size is within it too")
+    send_thread: bool = setting(
+        "MCCL_SEND_THREAD", True, "bool",
+        "a second engine thread per communicator copies bulk frames (512K and up) into the sockets, "
+        "beside the one that receives and reduces; 0 keeps it all on one thread")
     bind_addr: str = setting(
         "MCCL_BIND_ADDR", "", "address",
         "address the engine listens on and advertises; empty: the address that routes to MASTER_ADDR")
@@ -120,6 +124,7 @@ class EngineConfig:
         opts.socket_buffer_bytes = self.socket_buffer_bytes
         opts.segment_bytes = self.segment_bytes
         opts.small_allreduce_bytes = self.small_allreduce_bytes
+        opts.send_thread = self.send_thread
         opts.timeout_s = timeout_s
         opts.connect_timeout_s = connect_timeout_s
         return opts

@@ -388,3 +388,20 @@ def test_many_async_ops_in_flight_mixed_with_p2p(comms):
         return len(keep)
 
     assert len(set(run_ranks(comms, body, timeout=120))) == 1
+
+
+def test_without_send_thread():
+    # MCCL_SEND_THREAD=0: the progress thread writes every frame itself (POLLOUT path).
+    n, count = 3, 3 << 20  # 12 MB: bulk frames that would otherwise go to the send thread
+    with ranks(n, opts=make_options(send_thread=False)) as cs:
+
+        def body(r, c):
+            a = np.full(count, r + 1, np.float32)
+            wait(c, c.allreduce(ptr(a), count, DT[a.dtype], SUM))
+            b = np.arange(count, dtype=np.float32) if r == 1 else np.zeros(count, np.float32)
+            wait(c, c.broadcast(ptr(b), b.nbytes, 1))
+            return a, b
+
+        for a, b in run_ranks(cs, body):
+            np.testing.assert_array_equal(a, np.full(count, n * (n + 1) / 2, np.float32))
+            np.testing.assert_array_equal(b, np.arange(count, dtype=np.float32))

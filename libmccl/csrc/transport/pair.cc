@@ -15,7 +15,6 @@ namespace mccl {
 namespace {
 
 constexpr size_t kStageBytes = 64 << 10;  // per-socket receive staging buffer
-constexpr int kMaxIov = 64;                // frames gathered into one sendmsg()
 
 }  // namespace
 
@@ -108,60 +107,91 @@ void Pair::post_send(const RequestPtr& req) {
 void Pair::enqueue(size_t conn, SendItem&& item) {
   Conn& c = conns_[conn];
   if (!c.fd.valid()) lost("link already closed", 0);
-  bool was_idle = c.sendq.empty();
-  if (queued_ == 0) last_write_ = Clock::now();  // a stall counts from the first queued send
-  ++queued_;
-  c.sendq.push_back(std::move(item));
-  if (was_idle) flush(conn);  // most sends complete right here, without a poll round
+  std::vector<SentFrame> sent;
+  int err = 0;
+  {
+    auto lk = send_lock();
+    // An empty queue means nobody is writing to this socket, so this thread may.
+    const bool was_idle = c.sendq.empty();
+    const bool inline_write = !writer_running() || item.length < kInlineBytes;
+    if (queued_ == 0) touch_write();  // a stall counts from the first queued send
+    ++queued_;
+    c.sendq.push_back(std::move(item));
+    if (was_idle && inline_write) err = write_queued(conn, &sent);  // most small sends end here
+    if (writer_running() && !c.sendq.empty()) writer_->notify_locked();
+  }
+  for (const SentFrame& f : sent) on_sent(f);
+  if (err) lost("send failed", err);
 }
 
-void Pair::flush(size_t conn) {
+int Pair::gather_iov(size_t conn, iovec* iov) const {
+  const Conn& c = conns_[conn];
+  int cnt = 0;
+  for (auto it = c.sendq.begin(); it != c.sendq.end() && cnt + 2 <= kMaxIov; ++it) {
+    if (it->header_sent < kFrameHeaderBytes) {
+      iov[cnt++] = {const_cast<uint8_t*>(it->header) + it->header_sent,
+                    kFrameHeaderBytes - it->header_sent};
+    }
+    if (it->sent < it->length) {
+      iov[cnt++] = {const_cast<uint8_t*>(it->payload) + it->sent, it->length - it->sent};
+    }
+  }
+  return cnt;
+}
+
+void Pair::advance(size_t conn, size_t written, std::vector<SentFrame>* sent) {
+  Conn& c = conns_[conn];
+  if (written > 0) touch_write();
+  size_t left = written;
+  while (!c.sendq.empty()) {
+    SendItem& it = c.sendq.front();
+    size_t h = std::min(left, kFrameHeaderBytes - it.header_sent);
+    it.header_sent += h;
+    left -= h;
+    size_t p = std::min(left, it.length - it.sent);
+    it.sent += p;
+    left -= p;
+    if (it.header_sent < kFrameHeaderBytes || it.sent < it.length) break;
+    sent->push_back({this, std::move(it.req), it.length});
+    c.sendq.pop_front();
+    --queued_;
+  }
+}
+
+void Pair::on_sent(const SentFrame& f) {
+  if (!f.req) return;
+  bytes_sent_.fetch_add(f.length, std::memory_order_relaxed);
+  const RequestPtr& req = f.req;
+  if (req->pending() && --req->parts_left == 0) {
+    req->done = req->size;
+    req->state = Request::State::kDone;
+    host_.request_done(req);
+  }
+}
+
+int Pair::write_queued(size_t conn, std::vector<SentFrame>* sent) {
   Conn& c = conns_[conn];
   while (!c.sendq.empty()) {
     iovec iov[kMaxIov];
-    int cnt = 0;
-    for (auto it = c.sendq.begin(); it != c.sendq.end() && cnt + 2 <= kMaxIov; ++it) {
-      if (it->header_sent < kFrameHeaderBytes) {
-        iov[cnt++] = {it->header + it->header_sent, kFrameHeaderBytes - it->header_sent};
-      }
-      if (it->sent < it->length) {
-        iov[cnt++] = {const_cast<uint8_t*>(it->payload) + it->sent, it->length - it->sent};
-      }
-    }
     msghdr msg{};
     msg.msg_iov = iov;
-    msg.msg_iovlen = cnt;
+    msg.msg_iovlen = gather_iov(conn, iov);
     ssize_t w = ::sendmsg(c.fd.get(), &msg, nosignal_flag() | MSG_DONTWAIT);
     if (w < 0) {
       if (errno == EINTR) continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK) return;
-      lost("send failed", errno);
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
+      return errno;
     }
-    if (w > 0) last_write_ = Clock::now();
-    size_t left = static_cast<size_t>(w);
-    while (!c.sendq.empty()) {
-      SendItem& it = c.sendq.front();
-      size_t h = std::min(left, kFrameHeaderBytes - it.header_sent);
-      it.header_sent += h;
-      left -= h;
-      size_t p = std::min(left, it.length - it.sent);
-      it.sent += p;
-      left -= p;
-      if (it.header_sent < kFrameHeaderBytes || it.sent < it.length) break;
-      RequestPtr req = std::move(it.req);
-      size_t len = it.length;
-      c.sendq.pop_front();
-      --queued_;
-      if (req) {
-        bytes_sent_.fetch_add(len, std::memory_order_relaxed);
-        if (req->pending() && --req->parts_left == 0) {
-          req->done = req->size;
-          req->state = Request::State::kDone;
-          host_.request_done(req);
-        }
-      }
-    }
+    advance(conn, static_cast<size_t>(w), sent);
   }
+  return 0;
+}
+
+void Pair::flush(size_t conn) {
+  std::vector<SentFrame> sent;
+  int err = write_queued(conn, &sent);
+  for (const SentFrame& f : sent) on_sent(f);
+  if (err) lost("send failed", err);
 }
 
 void Pair::on_writable(size_t conn) {
@@ -226,6 +256,7 @@ void Pair::close() {
 }
 
 RequestPtr Pair::oldest_pending(Channel chan) const {
+  auto lk = send_lock();
   RequestPtr best;
   auto consider = [&](const RequestPtr& r) {
     if (r && r->pending() && r->key.chan == chan && (!best || r->post_order < best->post_order)) {
@@ -249,6 +280,7 @@ std::vector<FrameHeader> Pair::unexpected_collective_headers() const {
 }
 
 bool Pair::has_pending_send(Channel chan) const {
+  auto lk = send_lock();
   for (auto& c : conns_) {
     for (auto& item : c.sendq) {
       if (item.req && item.req->key.chan == chan) return true;
@@ -259,6 +291,7 @@ bool Pair::has_pending_send(Channel chan) const {
 
 bool Pair::has_pending() const {
   if (!posted_.empty()) return true;
+  auto lk = send_lock();
   for (auto& kv : unexpected_) {
     if (kv.second.waiting) return true;
   }

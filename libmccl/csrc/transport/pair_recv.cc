@@ -233,7 +233,13 @@ void Pair::on_payload_done(Conn& c) {
 }
 
 void Pair::on_eof(size_t conn) {
-  conns_[conn].fd.reset();
+  if (writer_running()) {
+    writer_->pause();  // it may be about to write to this descriptor
+    conns_[conn].fd.reset();
+    writer_->resume();
+  } else {
+    conns_[conn].fd.reset();
+  }
   if (conns_[conn].bye) {
     // An orderly close of this socket; the peer's data may still come on the others.
     if (byes_ == conns_.size() && has_pending()) lost("connection closed after shutdown", 0);

@@ -233,6 +233,20 @@ void set_nonblocking(int fd, bool on) {
   ::fcntl(fd, F_SETFL, on ? (flags | O_NONBLOCK) : (flags & ~O_NONBLOCK));
 }
 
+void make_wake_pipe(Fd* read_end, Fd* write_end, const char* who) {
+  int fds[2];
+  if (::pipe(fds) != 0) {
+    throw_error(ErrorKind::kGeneric, std::string("[transport] pipe() for the ") + who +
+                                         " failed: " + std::strerror(errno) + "; raise ulimit -n");
+  }
+  *read_end = Fd(fds[0]);
+  *write_end = Fd(fds[1]);
+  for (int fd : fds) {
+    set_nonblocking(fd, true);
+    ::fcntl(fd, F_SETFD, FD_CLOEXEC);
+  }
+}
+
 int nosignal_flag() {
 #ifdef MSG_NOSIGNAL
   return MSG_NOSIGNAL;

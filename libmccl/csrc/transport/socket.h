@@ -79,6 +79,8 @@ Fd accept_tcp(int listen_fd, Deadline deadline);
 // TCP_NODELAY, SO_SNDBUF/SO_RCVBUF, keepalive and (on macOS) SO_NOSIGPIPE.
 void configure_link_socket(int fd, int buffer_bytes);
 void set_nonblocking(int fd, bool on);
+// A nonblocking close-on-exec pipe for waking a thread out of poll(); throws naming `who`.
+void make_wake_pipe(Fd* read_end, Fd* write_end, const char* who);
 
 // Blocking I/O with a deadline (handshake only). Return false on timeout, EOF or when
 // `cancel` becomes true; throw nothing, so the caller can phrase the error in context.

@@ -1,7 +1,6 @@
 #include "transport/transport.h"
 
 #include <errno.h>
-#include <fcntl.h>
 #include <poll.h>
 #include <unistd.h>
 
@@ -18,27 +17,27 @@ namespace {
 }  // namespace
 
 Transport::Transport(int rank, int size, uint64_t comm_id, std::vector<std::vector<Fd>> links,
-                     std::vector<std::string> addrs)
+                     std::vector<std::string> addrs, bool send_thread)
     : rank_(rank), size_(size), comm_id_(comm_id), addrs_(std::move(addrs)) {
   pairs_.resize(size);
   for (int r = 0; r < size; ++r) {
     if (r == rank) continue;
     pairs_[r] = std::make_unique<Pair>(*this, r, addrs_[r], comm_id, std::move(links[r]));
   }
-  int fds[2];
-  if (::pipe(fds) != 0) {
-    throw_error(ErrorKind::kGeneric, std::string("[transport] pipe() failed: ") +
-                                         std::strerror(errno) + "; raise ulimit -n");
+  make_wake_pipe(&wake_read_, &wake_write_, "progress thread");
+  if (!send_thread) return;
+  writer_ = std::make_unique<SendThread>([this] { wake(); });
+  std::vector<Pair*> live;
+  for (auto& p : pairs_) {
+    if (!p) continue;
+    p->use_writer(writer_.get());
+    live.push_back(p.get());
   }
-  wake_read_ = Fd(fds[0]);
-  wake_write_ = Fd(fds[1]);
-  for (int fd : fds) {
-    set_nonblocking(fd, true);
-    ::fcntl(fd, F_SETFD, FD_CLOEXEC);
-  }
+  writer_->start(std::move(live));
 }
 
 Transport::~Transport() {
+  if (writer_) writer_->halt();
   for (auto& p : pairs_) {
     if (p) p->close();
   }
@@ -355,6 +354,7 @@ void Transport::progress(Deadline until) {
       (void)rc;
       wake_pending_.store(false);
     }
+    collect_sent();
     for (size_t i = 1; i < fds.size(); ++i) {
       short re = fds[i].revents;
       if (!re) continue;
@@ -368,10 +368,37 @@ void Transport::progress(Deadline until) {
   if (abort_requested_.load()) progress(Clock::now());  // surfaces the abort right away
 }
 
+void Transport::collect_sent() {
+  if (!writer_) return;
+  Pair* broken = nullptr;
+  int err = 0;
+  const bool write_failed = writer_->take_error(&broken, &err);
+  complete_sent();
+  if (write_failed) {
+    writer_->halt();
+    broken->send_failed(err);  // throws PeerLost; progress() fails the transport with it
+  }
+}
+
+void Transport::halt_writer() {
+  if (!writer_) return;
+  writer_->halt();
+  complete_sent();
+}
+
+void Transport::complete_sent() {
+  writer_->take_sent(&sent_scratch_);
+  for (const SentFrame& f : sent_scratch_) f.pair->on_sent(f);
+  sent_scratch_.clear();
+}
+
 // ---------------------------------------------------------------- failure
 
 void Transport::fail(const Error& cause) {
   if (failed_) return;
+  // From here on this thread alone writes (ABORT frames); frames already written still
+  // complete their requests normally.
+  halt_writer();
   Error e = cause;
   auto* remote = dynamic_cast<const RemoteAbort*>(&cause);
   if (remote && cause.kind() == ErrorKind::kTimeout && cause.peer_rank() == rank_) {
@@ -432,6 +459,7 @@ void Transport::fail(const Error& cause) {
 }
 
 void Transport::close_gracefully(Deadline deadline) {
+  halt_writer();  // every op has ended: nothing is queued but what BYE may need
   if (!failed_) {
     FrameHeader h;
     h.kind = OpKind::kBye;

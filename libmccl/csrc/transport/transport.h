@@ -1,14 +1,16 @@
 // All links of one communicator and its progress engine.
 //
-// MPI-style progress, no I/O thread: the thread that runs the algorithms drives the
-// nonblocking sockets itself while it waits (wait_next/progress). Every wait polls
-// every peer's sockets, so a peer that dies is noticed at once by every rank, not only
-// by its ring neighbours. A failure (lost peer, timeout, mismatch, local abort) is
+// MPI-style progress: the thread that runs the algorithms drives the nonblocking
+// sockets itself while it waits (wait_next/progress): it reads, matches and completes
+// everything. Only the copying of bulk frames into the sockets is left to a send thread
+// (send_thread.h), which hands finished frames and errors back to this one. Every wait
+// polls every peer's sockets, so a peer that dies is noticed at once by every rank, not
+// only by its ring neighbours. A failure (lost peer, timeout, mismatch, local abort) is
 // sticky: every pending request fails with it, live peers get an ABORT frame naming
 // the original culprit, and all sockets are closed.
 //
 // Thread safety: everything runs on the owning (worker) thread except wake(),
-// request_abort() and the byte counters.
+// request_abort(), the byte counters and the send thread's socket writes.
 #pragma once
 #include <poll.h>
 
@@ -24,6 +26,7 @@
 
 #include "transport/pair.h"
 #include "transport/request.h"
+#include "transport/send_thread.h"
 #include "transport/socket.h"
 
 namespace mccl {
@@ -35,8 +38,9 @@ class Transport : public PairHost {
   // Freed unexpected-message buffers kept for reuse, at most this many bytes.
   static constexpr size_t kMaxSpareBytes = 64 << 20;
 
+  // send_thread: bulk frames are written by a SendThread (else by this thread, in progress).
   Transport(int rank, int size, uint64_t comm_id, std::vector<std::vector<Fd>> links,
-            std::vector<std::string> addrs);
+            std::vector<std::string> addrs, bool send_thread);
   ~Transport() override;
   Transport(const Transport&) = delete;
   Transport& operator=(const Transport&) = delete;
@@ -107,6 +111,11 @@ class Transport : public PairHost {
                          bool finished = false) const;
   void match_any_source();  // pairs waiting any-source receives with buffered messages
   void throw_if_failed() const;
+  // Completes the frames the send thread wrote; fails the link its write failed on.
+  void collect_sent();
+  // Stops the send thread's writing for good (failure, shutdown); completes what it wrote.
+  void halt_writer();
+  void complete_sent();  // the frames the send thread has written
   // Who this rank is most likely stuck on, for timeout messages; sets *peer.
   // *sure (if given): the evidence is firm (the peer stopped reading, or sent nothing
   // during this op) rather than "it has not sent the next piece yet".
@@ -165,6 +174,10 @@ class Transport : public PairHost {
   std::atomic<bool> abort_requested_{false};
   std::mutex abort_mu_;
   std::unique_ptr<Error> abort_reason_;
+  std::vector<SentFrame> sent_scratch_;
+  // Last: it writes from the pairs' queues, so it must stop (halt()) before they go.
+  // Null when the owner thread writes everything itself.
+  std::unique_ptr<SendThread> writer_;
 };
 
 }  // namespace mccl

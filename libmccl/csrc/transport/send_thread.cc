@@ -1,0 +1,157 @@
+#include "transport/send_thread.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+
+#include "transport/pair.h"
+
+namespace mccl {
+
+SendThread::SendThread(std::function<void()> wake_owner) : wake_owner_(std::move(wake_owner)) {
+  make_wake_pipe(&wake_read_, &wake_write_, "send thread");
+}
+
+SendThread::~SendThread() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    stop_ = true;
+    wake_self_locked();
+    cv_.notify_all();
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+void SendThread::start(std::vector<Pair*> pairs) {
+  pairs_ = std::move(pairs);
+  thread_ = std::thread([this] { main(); });
+}
+
+void SendThread::wake_self_locked() {
+  if (in_poll_) {
+    char b = 1;
+    ssize_t rc = ::write(wake_write_.get(), &b, 1);
+    (void)rc;  // a full pipe already wakes the poll
+  }
+}
+
+void SendThread::notify_locked() {
+  wake_self_locked();
+  cv_.notify_all();
+}
+
+void SendThread::pause() {
+  std::unique_lock<std::mutex> lk(mu_);
+  ++paused_;
+  wake_self_locked();
+  cv_.wait(lk, [&] { return !busy_; });
+}
+
+void SendThread::resume() {
+  std::lock_guard<std::mutex> lk(mu_);
+  --paused_;
+  cv_.notify_all();
+}
+
+void SendThread::halt() {
+  std::unique_lock<std::mutex> lk(mu_);
+  halted_ = true;
+  wake_self_locked();
+  cv_.wait(lk, [&] { return !busy_; });
+}
+
+void SendThread::take_sent(std::vector<SentFrame>* out) {
+  std::lock_guard<std::mutex> lk(mu_);
+  out->swap(sent_);
+  sent_.clear();
+}
+
+bool SendThread::take_error(Pair** pair, int* err) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!err_pair_) return false;
+  *pair = err_pair_;
+  *err = err_;
+  err_pair_ = nullptr;
+  halted_ = true;  // the link is lost: the owner fails the transport, this thread writes no more
+  return true;
+}
+
+bool SendThread::write_pass(std::unique_lock<std::mutex>& lk) {
+  bool wrote = false;
+  poll_.clear();
+  for (Pair* p : pairs_) {
+    for (size_t i = 0; i < p->num_conns() && !err_pair_; ++i) {
+      if (paused_ || halted_ || stop_) return wrote;
+      if (!p->conn_open(i) || !p->has_queued(i)) continue;
+      iovec iov[Pair::kMaxIov];
+      const int cnt = p->gather_iov(i, iov);
+      const int fd = p->conn_fd(i);
+      msghdr msg{};
+      msg.msg_iov = iov;
+      msg.msg_iovlen = cnt;
+      // The frames stay queued (and their buffers alive: failing them needs halt(),
+      // which waits for busy_ to clear) while the lock is released for the copy.
+      busy_ = true;
+      lk.unlock();
+      ssize_t w = ::sendmsg(fd, &msg, nosignal_flag() | MSG_DONTWAIT);
+      const int err = errno;
+      lk.lock();
+      busy_ = false;
+      cv_.notify_all();
+      if (w > 0) {
+        // The owner empties sent_ whenever it wakes, so it needs waking only when sent_
+        // goes from empty to not.
+        const bool was_empty = sent_.empty();
+        p->advance(i, static_cast<size_t>(w), &sent_);
+        if (was_empty && !sent_.empty()) wake_owner_();
+        wrote = true;
+      } else if (w < 0 && err != EINTR && err != EAGAIN && err != EWOULDBLOCK) {
+        err_pair_ = p;
+        err_ = err;
+        wake_owner_();
+      } else if (w < 0 && err != EINTR) {
+        poll_.push_back({fd, POLLOUT, 0});
+      }
+    }
+  }
+  return wrote;
+}
+
+void SendThread::main() {
+  std::unique_lock<std::mutex> lk(mu_);
+  while (!stop_) {
+    if (paused_ || halted_ || err_pair_) {
+      cv_.wait(lk);
+      continue;
+    }
+    if (write_pass(lk)) continue;
+    if (paused_ || halted_ || stop_ || err_pair_) continue;
+    if (poll_.empty()) {
+      // Nothing queued anywhere: sleep until a pair queues a frame.
+      bool queued = false;
+      for (Pair* p : pairs_) {
+        for (size_t i = 0; i < p->num_conns(); ++i) queued = queued || (p->conn_open(i) && p->has_queued(i));
+      }
+      if (!queued) cv_.wait(lk);
+      continue;
+    }
+    // Every socket with frames is full: wait until one drains or we are woken.
+    poll_.push_back({wake_read_.get(), POLLIN, 0});
+    busy_ = true;
+    in_poll_ = true;
+    lk.unlock();
+    ::poll(poll_.data(), poll_.size(), 1000);
+    char buf[64];
+    while (::read(wake_read_.get(), buf, sizeof(buf)) > 0) {
+    }
+    lk.lock();
+    in_poll_ = false;
+    busy_ = false;
+    cv_.notify_all();
+  }
+}
+
+}  // namespace mccl
