@@ -7,6 +7,8 @@
 # Every step has its own time limit, cut further so the script ends within BUDGET_S (8.5
 # minutes); a step that fails or times out is recorded in $OUT/status.txt and the script
 # moves on.
+# SEND_THREAD_AB=1 adds, after step 1, N=8 all_reduce at 64/256 MB with MCCL_SEND_THREAD=0
+# (about a minute, taken from step 2's time).
 # Run from the repository root:  OUT=/some/dir bash libmccl/bench/device_run.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -59,6 +61,13 @@ bench() {  # bench NAME LIMIT_S ARGS...
 if timeout 45 $PY -m libmccl.fleet selftest --rate 1gbit > "$OUT/fleet-selftest.txt" 2>&1; then
   status "fleet selftest ok"
   bench n8-10gbit 180 --hosts 8 --rate 10gbit --min-bytes 16M --max-bytes 256M --ceiling-seconds 5
+  if [ "${SEND_THREAD_AB:-0}" = 1 ]; then
+    # The same all_reduce with the engine's send thread off (one thread per rank does
+    # all socket copies): what the send thread is worth where cores are to spare.
+    ( export MCCL_SEND_THREAD=0
+      bench n8-10gbit-one-thread 60 --hosts 8 --rate 10gbit --backends mccl --ops all_reduce \
+        --sizes 64M,256M --ceiling-tool none )
+  fi
   for n in 2 4 8; do
     bench n$n-2.5gbit 100 --hosts $n --rate 2.5gbit --ops all_reduce,all_gather \
       --min-bytes 4M --max-bytes 256M --step-factor 4 --ceiling-seconds 3
