@@ -39,6 +39,7 @@ void SendThread::wake_self_locked() {
 }
 
 void SendThread::notify_locked() {
+  kicked_ = true;
   wake_self_locked();
   cv_.notify_all();
 }
@@ -81,6 +82,7 @@ bool SendThread::take_error(Pair** pair, int* err) {
 
 bool SendThread::write_pass(std::unique_lock<std::mutex>& lk) {
   bool wrote = false;
+  kicked_ = false;
   poll_.clear();
   for (Pair* p : pairs_) {
     for (size_t i = 0; i < p->num_conns() && !err_pair_; ++i) {
@@ -128,7 +130,9 @@ void SendThread::main() {
       continue;
     }
     if (write_pass(lk)) continue;
-    if (paused_ || halted_ || stop_ || err_pair_) continue;
+    // Frames queued (on another socket) while this pass was in sendmsg: another pass,
+    // or they would wait for the full sockets below to drain.
+    if (paused_ || halted_ || stop_ || err_pair_ || kicked_) continue;
     if (poll_.empty()) {
       // Nothing queued anywhere: sleep until a pair queues a frame.
       bool queued = false;

@@ -76,6 +76,7 @@ class SendThread {
   int paused_ = 0;
   bool busy_ = false;     // in sendmsg or poll without mu_
   bool in_poll_ = false;  // waiting for a socket: wake through the pipe, not cv_
+  bool kicked_ = false;   // frames were queued since the last pass began
   std::vector<SentFrame> sent_;
   Pair* err_pair_ = nullptr;
   int err_ = 0;
