@@ -17,6 +17,9 @@
 namespace mccl {
 
 bool Transport::release(Deadline deadline) {
+  // The sockets go back to their owner: the send thread must be off them for good, and
+  // the send queues (checked below) are this thread's alone from here.
+  halt_writer();
   bool clean = !failed_;
   for (auto& p : pairs_) {
     if (!p) continue;
