@@ -115,7 +115,7 @@ uint64_t Communicator::enqueue(Op op) {
     }
     id = next_id_++;
     op.id = id;
-    op.timeout_s = timeout_s_.load(std::memory_order_relaxed);
+    if (op.timeout_s < 0) op.timeout_s = timeout_s_.load(std::memory_order_relaxed);
     pending_.insert(id);
     queue_.push_back(std::move(op));
     wake = worker_idle_;
@@ -243,7 +243,8 @@ void Communicator::run_collective(Op& op) {
 
 void Communicator::post_p2p(const Op& op) {
   const uint64_t id = op.id;
-  p2p_deadlines_[id] = {deadline_after(op.timeout_s), op.timeout_s};
+  const Deadline deadline = op.timeout_s > 0 ? deadline_after(op.timeout_s) : Deadline::max();
+  p2p_deadlines_[id] = {deadline, op.timeout_s};
   auto done = [this, id](Request& r) {
     p2p_deadlines_.erase(id);
     complete(id, r.error, r.is_send ? -1 : r.peer);

@@ -24,6 +24,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -67,7 +68,9 @@ struct Op {
   ReduceOp op = ReduceOp::kSum;
   int root = -1;         // root, or p2p peer (-1: any source)
   uint32_t tag = 0;
-  double timeout_s = 0;  // the communicator's timeout when the op was enqueued
+  // Seconds the op may take. < 0: the communicator's timeout, stamped at enqueue;
+  // 0 (p2p only): no deadline, so only the message, a peer's failure, abort or shutdown end it.
+  double timeout_s = -1;
   std::vector<size_t> send_sizes, send_offsets, recv_sizes, recv_offsets;
 };
 
@@ -102,8 +105,13 @@ class Communicator {
                      std::vector<size_t> send_offsets, void* recv, std::vector<size_t> recv_sizes,
                      std::vector<size_t> recv_offsets);
   uint64_t barrier();
-  uint64_t send(const void* buf, size_t nbytes, int dst, int64_t tag);
-  uint64_t recv(void* buf, size_t nbytes, int src, int64_t tag);
+  // timeout_s: unset, the communicator's timeout; 0, no deadline (a receive that may wait
+  // for a message as long as the communicator lives, e.g. mccld's mailbox: a dead peer,
+  // abort or shutdown still end it); > 0, its own.
+  uint64_t send(const void* buf, size_t nbytes, int dst, int64_t tag,
+                std::optional<double> timeout_s = std::nullopt);
+  uint64_t recv(void* buf, size_t nbytes, int src, int64_t tag,
+                std::optional<double> timeout_s = std::nullopt);
 
   // Blocks until op `id` finished; throws its error, or CollectiveTimeout after timeout_s.
   void wait(uint64_t id, double timeout_s);
@@ -177,7 +185,7 @@ class Communicator {
 
   std::atomic<double> timeout_s_;  // stamped on each op at enqueue
 
-  // Pending p2p ops (worker only): id -> (deadline, its timeout).
+  // Pending p2p ops (worker only): id -> (deadline, its timeout); Deadline::max() for none.
   std::unordered_map<uint64_t, std::pair<Deadline, double>> p2p_deadlines_;
 
   // Completions (cmu_).

@@ -6,6 +6,22 @@
 
 namespace mccl {
 
+namespace {
+
+// An Op's timeout_s for a p2p op's optional timeout (see Op::timeout_s).
+double p2p_timeout(std::optional<double> timeout_s, const char* op) {
+  if (!timeout_s) return -1;
+  if (!(*timeout_s >= 0)) {
+    throw_error(ErrorKind::kConfig, std::string("[") + op + "] timeout_s=" +
+                                        format_seconds(*timeout_s) +
+                                        " must be >= 0 (0: no deadline; omit it for the "
+                                        "communicator's timeout)");
+  }
+  return *timeout_s;
+}
+
+}  // namespace
+
 void Communicator::check_root(int root, const char* op) const {
   if (root < 0 || root >= size_) {
     throw_error(ErrorKind::kConfig, std::string("[") + op + "] root " + std::to_string(root) +
@@ -168,7 +184,8 @@ uint64_t Communicator::barrier() {
   return enqueue(std::move(o));
 }
 
-uint64_t Communicator::send(const void* buf, size_t nbytes, int dst, int64_t tag) {
+uint64_t Communicator::send(const void* buf, size_t nbytes, int dst, int64_t tag,
+                            std::optional<double> timeout_s) {
   if (dst < 0 || dst >= size_ || dst == rank_) {
     throw_error(ErrorKind::kConfig, "[send] destination rank " + std::to_string(dst) +
                                         " is invalid (world size " + std::to_string(size_) +
@@ -179,6 +196,7 @@ uint64_t Communicator::send(const void* buf, size_t nbytes, int dst, int64_t tag
   }
   check_ptr(buf, nbytes, "buffer", "send");
   Op o;
+  o.timeout_s = p2p_timeout(timeout_s, "send");
   o.kind = OpKind::kP2P;
   o.is_send = true;
   o.buf = const_cast<void*>(buf);
@@ -188,7 +206,8 @@ uint64_t Communicator::send(const void* buf, size_t nbytes, int dst, int64_t tag
   return enqueue(std::move(o));
 }
 
-uint64_t Communicator::recv(void* buf, size_t nbytes, int src, int64_t tag) {
+uint64_t Communicator::recv(void* buf, size_t nbytes, int src, int64_t tag,
+                            std::optional<double> timeout_s) {
   if (src < -1 || src >= size_ || src == rank_) {
     throw_error(ErrorKind::kConfig, "[recv] source rank " + std::to_string(src) +
                                         " is invalid (world size " + std::to_string(size_) +
@@ -199,6 +218,7 @@ uint64_t Communicator::recv(void* buf, size_t nbytes, int src, int64_t tag) {
   }
   check_ptr(buf, nbytes, "buffer", "recv");
   Op o;
+  o.timeout_s = p2p_timeout(timeout_s, "recv");
   o.kind = OpKind::kP2P;
   o.is_send = false;
   o.buf = buf;

@@ -264,12 +264,17 @@ void register_engine_bindings(py::module_& m) {
       .def("barrier", [](PC& c) { return c.core().barrier(); })
       .def("set_timeout", [](PC& c, double timeout_s) { c.core().set_timeout(timeout_s); },
            py::arg("timeout_s"))
-      .def("send", [](PC& c, uintptr_t p, size_t nbytes, int dst, int64_t tag) {
-        return c.core().send(ptr(p), nbytes, dst, tag);
-      }, py::arg("ptr"), py::arg("nbytes"), py::arg("dst"), py::arg("tag") = 0)
-      .def("recv", [](PC& c, uintptr_t p, size_t nbytes, int src, int64_t tag) {
-        return c.core().recv(ptr(p), nbytes, src, tag);
-      }, py::arg("ptr"), py::arg("nbytes"), py::arg("src"), py::arg("tag") = 0)
+      // timeout_s: None, the communicator's timeout; 0, no deadline; > 0, its own.
+      .def("send", [](PC& c, uintptr_t p, size_t nbytes, int dst, int64_t tag,
+                      std::optional<double> timeout_s) {
+        return c.core().send(ptr(p), nbytes, dst, tag, timeout_s);
+      }, py::arg("ptr"), py::arg("nbytes"), py::arg("dst"), py::arg("tag") = 0, py::kw_only(),
+         py::arg("timeout_s") = py::none())
+      .def("recv", [](PC& c, uintptr_t p, size_t nbytes, int src, int64_t tag,
+                      std::optional<double> timeout_s) {
+        return c.core().recv(ptr(p), nbytes, src, tag, timeout_s);
+      }, py::arg("ptr"), py::arg("nbytes"), py::arg("src"), py::arg("tag") = 0, py::kw_only(),
+         py::arg("timeout_s") = py::none())
       .def("wait", [](PC& c, uint64_t id, double timeout_s) {
         // In slices, so Ctrl-C (KeyboardInterrupt) is not held up until the op ends.
         Deadline end = deadline_after(timeout_s);
@@ -285,6 +290,12 @@ void register_engine_bindings(py::module_& m) {
           if (left <= 0) c.core().throw_wait_timeout(id, timeout_s);
         }
       }, py::arg("op_id"), py::arg("timeout_s") = 1800.0)
+      // Like wait, but False (no error) while the op is still pending after timeout_s: for
+      // a caller that waits on a deadline-free op in slices, looking at its own state between.
+      .def("wait_for", [](PC& c, uint64_t id, double timeout_s) {
+        py::gil_scoped_release nogil;
+        return c.core().wait_for(id, std::max(timeout_s, 0.0));
+      }, py::arg("op_id"), py::arg("timeout_s"))
       .def("abort", [](PC& c, const std::string& reason) {
         py::gil_scoped_release nogil;
         c.core().abort(reason);
