@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 
 _SETUP_TIMEOUT_FLOOR_S = 5.0
 _CLOSE_BARRIER_S = 30.0
+_ENGINE_POLL_S = 1.0       # how often a deadline-free engine op looks whether the engine closed
+_ENGINE_CLOSE_S = 10.0     # bound on an op's end once its engine is shutting down
+_MAILBOX_CLOSE_S = 2.0     # for the peers' closing headers after the closing barrier
 # A peer daemon that fails a job tells us over its link and aborts the engine; the abort
 # (or our own engine timeout) races the link message, which carries the real cause.
 _PEER_VERDICT_GRACE_S = 2.0
@@ -362,16 +365,28 @@ class Job:
             self.host.reply(ident, req, {"ok": True, "local_ranks": self.local_ranks,
                                          "hosts": len(self.topo.hosts)})
 
-    def _engine_run(self, method: str, *args) -> None:
-        op_id = getattr(self.engine, method)(*args)
+    def _engine_run(self, method: str, *args, deadline: bool = True) -> None:
+        """Runs one engine op to its end. ``deadline=False`` (p2p only): the op may wait
+        as long as the engine lives (the mailbox receive); a peer's failure, the job's
+        abort or the engine's shutdown end it."""
+        engine = self.engine
+        if engine is None:
+            raise self.failed or AbortedError(f"[daemon] job {self.id} is closed; no engine op can start")
         try:
-            self.engine.wait(op_id, self.timeout_s)
+            if deadline:
+                engine.wait(getattr(engine, method)(*args), self.timeout_s)
+            else:
+                op_id = getattr(engine, method)(*args, timeout_s=0)
+                while not engine.wait_for(op_id, _ENGINE_POLL_S):
+                    if self.engine is not engine:
+                        # Shut down while this op was pending: shutdown fails it (at its own timeout).
+                        engine.wait(op_id, _ENGINE_CLOSE_S)
         except (AbortedError, CollectiveTimeout) as e:
             if self.failed is None and not self.aborting:
                 # Every local rank is here, so the culprit is on another host; its
                 # daemon's verdict names the rank (a stuck one, a dead one).
-                deadline = time.monotonic() + _PEER_VERDICT_GRACE_S
-                while self.failed is None and time.monotonic() < deadline:
+                until = time.monotonic() + _PEER_VERDICT_GRACE_S
+                while self.failed is None and time.monotonic() < until:
                     time.sleep(0.05)
             if self.failed is not None:
                 raise self.failed from None
@@ -419,8 +434,8 @@ class Job:
             self.host.reply(p.ident, p.req, {"ok": True})
 
     def _shutdown(self) -> None:
-        self.p2p.stop()
-        engine, self.engine = self.engine, None
+        self.p2p.stop()     # sends the peers our closing header
+        engine = self.engine
         if engine is not None:
             if self.failed is None:
                 # Every daemon of the job closes it once its ranks left; a last barrier keeps
@@ -429,10 +444,14 @@ class Job:
                     engine.wait(engine.barrier(), min(self.timeout_s, _CLOSE_BARRIER_S))
                 except Exception as e:  # noqa: BLE001 - a peer already gone: nothing left to protect
                     log.debug("closing barrier of job %s: %s", self.id, e)
+            # Past the barrier every peer sent its closing header, so the mailbox receive
+            # ends at once; one still pending means a peer is gone: do not wait on it.
+            settled = self.p2p.network_done(_MAILBOX_CLOSE_S if self.failed is None else 0.0)
+            self.engine = None
             clean = False
             try:
                 # True only if every data socket ended at the peer's BYE: then they serve the next job.
-                clean = engine.shutdown(5.0) is True
+                clean = engine.shutdown(5.0 if settled else 0.0) is True
             except Exception:  # noqa: BLE001 - the job is over either way
                 log.debug("engine shutdown of job %s raised", self.id, exc_info=True)
             self.host.release_data_sockets(self, clean and self.failed is None)

@@ -16,18 +16,16 @@ segment, and p2p never waits for the job's collective ordering (a rank may do p2
 Across hosts each message is a fixed header (source, destination, user tag, size) on
 engine tag ``_TAG_HEADER`` followed by its payload on ``_TAG_DATA``: engine tags are 32
 bits, too narrow for the triple, and the engine keeps one peer's messages of one tag
-in order, so payload k from a host belongs to header k from that host. The receiving
-daemon posts an engine receive only while a local rank waits for another host: the
-engine fails its communicator when a p2p op stays pending past the job timeout, so a
-standing receive on an idle job is not an option. Messages sent earlier wait in the
-engine's buffer for unexpected messages (1 GiB cap, a mismatch error beyond).
+in order, so payload k from a host belongs to header k from that host.
 
-One engine receive can outlive its need: an any-source recv that a local send matched
-after the daemon posted an any-source header receive for it. The engine cannot cancel
-a receive, so every daemon of a multi-host job sends each other host an empty
-keep-alive header every quarter of the job timeout; a leftover receive completes on the
-next one instead of timing out the job. Unread ones cost 24 bytes each in the engine's
-buffer.
+The receiving daemon keeps one any-source header receive posted for the job's whole
+life (the "mailbox"), without a deadline: an idle job must not time out, and a message
+is held by the daemon until a local recv takes it, so whether a local rank waits makes
+no difference to the engine. A dead peer host still fails it at once (its sockets end),
+and a failed job's engine abort cancels it. The engine cannot cancel a receive by
+itself, so at close every daemon sends each other host a "closing" header: the peer's
+mailbox receive completes and is not posted again, the data sockets end between
+messages (clean, so pooled for the next job), and closing waits for nothing.
 """
 
 from __future__ import annotations
@@ -54,9 +52,9 @@ P2P_OPS = ("send", "recv", "take")
 MAX_TAG = (1 << 32) - 1
 _HEADER = struct.Struct("<iiQQ")          # source rank, destination rank, user tag, payload bytes
 _TAG_HEADER, _TAG_DATA = 1, 2
-_IDLE_POLL_S = 1.0                        # how often idle p2p threads look at their stop flag
-_KEEPALIVE = -1                           # the source rank of a keep-alive header
+_CLOSING = -2                             # the source rank of a closing header; its dst is the host
 _INLINE_BYTES = 256 << 10                 # same-host copies up to this size run on the attach thread
+_HELD_CAP_BYTES = 1 << 30                 # messages no recv took yet, per job (the engine's own cap)
 _JOIN_S = 5.0
 
 
@@ -91,6 +89,7 @@ class Mailbox:
         self._posted: dict[int, list[Posted]] = {}
         self._held: dict[int, list[Message]] = {}
         self._matched: dict[tuple[int, int], Message] = {}    # (rank, post) -> message until taken
+        self._held_bytes = 0
 
     def post(self, p: Posted) -> Message | None:
         held = self._held.get(p.rank, [])
@@ -98,6 +97,7 @@ class Mailbox:
             if p.accepts(m):
                 self._match(p, m)
                 del held[i]
+                self._held_bytes -= m.data.nbytes
                 return m
         self._posted.setdefault(p.rank, []).append(p)
         return None
@@ -109,6 +109,14 @@ class Mailbox:
                 self._match(p, m)
                 del posted[i]
                 return p
+        if self._held_bytes + m.data.nbytes > _HELD_CAP_BYTES:
+            # Messages are pulled off the network as they come, so without a cap a rank
+            # that never receives could grow the daemon without bound.
+            raise CollectiveMismatch(
+                f"[daemon] rank {m.src}'s message to rank {m.dst} (tag {m.tag}, {m.data.nbytes} bytes) "
+                f"would put more than {_HELD_CAP_BYTES >> 20} MiB of unreceived messages in the daemon; "
+                "the receivers post fewer recvs than they are sent, or with other tags", peer_rank=m.dst)
+        self._held_bytes += m.data.nbytes
         self._held.setdefault(m.dst, []).append(m)
         return None
 
@@ -137,7 +145,7 @@ class Mailbox:
     def forget(self, rank: int) -> None:
         """The rank left: its recvs and messages go (nobody can take them any more)."""
         self._posted.pop(rank, None)
-        self._held.pop(rank, None)
+        self._held_bytes -= sum(m.data.nbytes for m in self._held.pop(rank, []))
         for key in [k for k in self._matched if k[0] == rank]:
             del self._matched[key]
 
@@ -145,6 +153,7 @@ class Mailbox:
         out = self.waiting()
         self._posted.clear()
         self._held.clear()
+        self._held_bytes = 0
         self._matched.clear()
         return out
 
@@ -162,7 +171,6 @@ class PointToPoint:
         self.job = job
         self._box = Mailbox()
         self._lock = threading.Lock()
-        self._wanted = threading.Condition(self._lock)     # a local recv waits for another host
         self._tasks: queue.Queue = queue.Queue()
         self._stopping = False
         self._engine: Callable[..., None] | None = None
@@ -188,8 +196,6 @@ class PointToPoint:
                     if self._stopping:
                         raise AbortedError(f"[daemon] job {self.job.id} is closing; recv refused")
                     matched = self._box.post(Posted(ident, req, rank, src, tag, nbytes, post))
-                    if matched is None and (src == -1 or src not in self.job.local_ranks):
-                        self._wanted.notify_all()
             except CollectiveMismatch as e:
                 self.job.fail(e, local=True)      # like the engine: a size mismatch fails the job
                 raise
@@ -257,31 +263,42 @@ class PointToPoint:
         """The job failed: every waiting recv gets ``exc`` (queued sends get it when they run)."""
         with self._lock:
             waiting = self._box.drain()
-            self._wanted.notify_all()
         for p in waiting:
             self.job.host.reply_error(p.ident, p.req, exc)
 
     def stop(self) -> None:
+        """Every local rank left: finish the queued sends, then tell each other host that
+        this one sends no more, which ends its mailbox receive for us."""
         with self._lock:
             self._stopping = True
             self._box.drain()
-            self._wanted.notify_all()
         self._tasks.put(None)
-        for t in (self._tx, self._rx):
-            if t is not None and t is not threading.current_thread():
-                t.join(_JOIN_S)
+        if self._tx is not threading.current_thread():
+            self._tx.join(_JOIN_S)
+        if self._engine is None or self.job.failed is not None:
+            return  # a failed job's engine is aborted, which ended the mailbox receive already
+        me = self.job.topo.host_rank
+        header = np.frombuffer(_HEADER.pack(_CLOSING, me, 0, 0), dtype=np.uint8).copy()
+        try:
+            for h in range(len(self.job.topo.hosts)):
+                if h != me:
+                    self._engine("send", header.ctypes.data, header.nbytes, h, _TAG_HEADER)
+        except MCCLError as e:
+            log.debug("job %s: closing header not sent: %s", self.job.id, e)
+
+    def network_done(self, timeout_s: float) -> bool:
+        """Waits up to ``timeout_s`` for the mailbox to end (every other host's closing
+        header read, or the job failed); True if no engine receive is left pending."""
+        if self._rx is None:
+            return True
+        self._rx.join(timeout_s)
+        return not self._rx.is_alive()
 
     # -- sends and takes (the p2p thread) --------------------------------------------------------
     def _tx_loop(self) -> None:
-        keepalive_at = time.monotonic()
         while True:
-            if self._engine is not None and time.monotonic() >= keepalive_at:
-                keepalive_at = time.monotonic() + self.job.timeout_s / 4
-                self._keepalive()
-            try:
-                task = self._tasks.get(timeout=min(_IDLE_POLL_S, self.job.timeout_s / 4))
-            except queue.Empty:
-                continue
+            # No timeout: stop() always queues the None that ends this loop.
+            task = self._tasks.get()
             if task is None:
                 return
             self._execute(*task)
@@ -316,17 +333,6 @@ class PointToPoint:
                 self._engine("send", addr, nbytes, host, _TAG_DATA)
         return nbytes
 
-    def _keepalive(self) -> None:
-        if self._stopping or self.job.failed is not None:
-            return
-        header = np.frombuffer(_HEADER.pack(_KEEPALIVE, _KEEPALIVE, 0, 0), dtype=np.uint8).copy()
-        try:
-            for h in range(len(self.job.topo.hosts)):
-                if h != self.job.topo.host_rank:
-                    self._engine("send", header.ctypes.data, header.nbytes, h, _TAG_HEADER)
-        except MCCLError as e:
-            self.job.fail(e, local=True)
-
     def _take(self, rank: int, args: dict[str, Any]) -> int:
         with self._lock:
             m = self._box.take(rank, args["post"])
@@ -345,22 +351,16 @@ class PointToPoint:
             self.job.host.reply(p.ident, p.req, {"ok": True, "src": m.src})
 
     # -- receives from other hosts (the rx thread) -------------------------------------------------
-    def _remote_wanted(self) -> bool:
-        local = self.job.local_ranks
-        return any(p.src == -1 or p.src not in local for p in self._box.waiting())
-
     def _rx_loop(self) -> None:
         header = np.zeros(_HEADER.size, dtype=np.uint8)
-        while True:
-            with self._lock:
-                while not self._stopping and self.job.failed is None and not self._remote_wanted():
-                    self._wanted.wait(_IDLE_POLL_S)
-                if self._stopping or self.job.failed is not None:
-                    return
-            try:
-                self._engine("recv", header.ctypes.data, header.nbytes, -1, _TAG_HEADER)
+        me = self.job.topo.host_rank
+        sending = {h for h in range(len(self.job.topo.hosts)) if h != me}   # hosts not yet closed
+        try:
+            while sending:
+                self._engine("recv", header.ctypes.data, header.nbytes, -1, _TAG_HEADER, deadline=False)
                 src, dst, tag, nbytes = _HEADER.unpack(header.tobytes())
-                if src == _KEEPALIVE:
+                if src == _CLOSING:
+                    sending.discard(dst)
                     continue
                 if not (0 <= src < self.job.size and dst in self.job.local_ranks):
                     raise ProtocolError(f"[daemon] job {self.job.id}: p2p header for rank {dst} from rank {src}; "
@@ -369,10 +369,6 @@ class PointToPoint:
                 if nbytes:
                     self._engine("recv", data.ctypes.data, nbytes, self.job.topo.host_of(src), _TAG_DATA)
                 self._deliver(Message(src, dst, tag, data))
-            except MCCLError as e:
-                if not self._stopping:
-                    # The engine times out a pending receive at the job timeout too; the
-                    # recv that waited is the better culprit than the host it waited on.
-                    late = self.overdue(time.monotonic() + 1.0) if isinstance(e, CollectiveTimeout) else None
-                    self.job.fail(late or e, local=True)
-                return
+        except MCCLError as e:
+            if not self._stopping:
+                self.job.fail(e, local=True)

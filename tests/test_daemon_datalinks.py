@@ -233,8 +233,8 @@ def rank_jobs(rank: int, world: int, dirs: list[str], comm_ids: list[int], die_i
         a = np.full(1 << 16, rank + 1, dtype=np.float32)
         comm.wait(comm.allreduce(a.ctypes.data, a.size, F32, SUM), 20)
         assert (a == 3).all()
-        # Long enough for the daemons' p2p keep-alives (mccld/p2p.py, sent within ~1 s) to
-        # cross: unread, they wait in the engine and must not make the sockets unclean.
+        # Idle a while between ops: the daemons' mailbox receives (mccld/p2p.py) stay
+        # posted meanwhile and must neither fail the job nor make the sockets unclean.
         time.sleep(1.5)
         comm.wait(comm.allreduce(a.ctypes.data, a.size, F32, SUM), 20)
         assert (a == 6).all()
@@ -289,3 +289,72 @@ def test_client_killed_mid_job_discards_that_jobs_sockets_and_the_next_job_works
     low = min(range(2), key=lambda i: daemons[i].host_id)
     st = _data_links(daemons[low])[0]
     assert st["dialled"] == 2 * K and st["discarded"] == K and st["idle"] == K, st
+
+
+IDLE_TIMEOUT_S = 1.0
+
+
+def rank_idle_job(rank: int, world: int, dirs: list[str], comm_id: int, p2p_only: bool) -> float:
+    """A job idle for twice its timeout, twice, between exchanges; returns when (time.time())
+    its client finished shutting down."""
+    os.environ["MCCL_RUNTIME_DIR"] = dirs[rank]
+    import datetime
+    import torch.distributed as dist
+    from libmccl.daemon_client import DaemonCommunicator
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0,
+                          timeout=datetime.timedelta(seconds=30))
+    comm = DaemonCommunicator(rank, world, comm_id, dist.PrefixStore(f"job{comm_id}", store), None, None,
+                              IDLE_TIMEOUT_S)
+    other = 1 - rank
+    for round_ in range(2):
+        time.sleep(2 * IDLE_TIMEOUT_S)      # no op at all, past the job timeout
+        if p2p_only:
+            mine, got = np.full(16, rank * 10 + round_, np.int32), np.zeros(16, np.int32)
+            r = comm.recv(got.ctypes.data, got.nbytes, other, 5)
+            comm.wait(comm.send(mine.ctypes.data, mine.nbytes, other, 5), 10)
+            comm.wait(r, 10)
+            assert (got == other * 10 + round_).all(), got
+        else:
+            a = np.full(64, rank + 1, np.float32)
+            comm.wait(comm.allreduce(a.ctypes.data, a.size, F32, SUM), 10)
+            assert (a == 3).all()
+    comm.shutdown(10)
+    return time.time()
+
+
+def _pooled(daemons: list[Daemon]) -> bool:
+    return all(s["idle"] == K and s["leased"] == 0 for d in daemons for s in _data_links(d))
+
+
+@pytest.mark.timeout(180)
+def test_idle_jobs_outlive_their_timeout_close_at_once_and_leave_the_sockets_clean(two_daemons):
+    daemons, dirs = two_daemons
+    for i, p2p_only in enumerate((False, True, True)):
+        # Each daemon closes the job (closing headers, barrier, engine release) once its
+        # rank left; then the job's data sockets are back in the pool, idle. Watched from
+        # a thread, so the ranks' exit does not count.
+        pooled_at: list[float] = []
+        stop = threading.Event()
+
+        def watch() -> None:
+            leased = False
+            while not stop.is_set() and not pooled_at:
+                pooled = _pooled(daemons)
+                if leased and pooled:
+                    pooled_at.append(time.time())
+                leased = leased or not pooled
+                time.sleep(0.005)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        try:
+            ended = max(run_ranks(rank_idle_job, 2, dirs, 0x3c0 + i, p2p_only, timeout_s=100))
+            watcher.join(10)
+        finally:
+            stop.set()
+        assert pooled_at, f"job {i}: data sockets not back in the pool: {[_data_links(d) for d in daemons]}"
+        assert pooled_at[0] - ended < 1.0, f"job {i} took {pooled_at[0] - ended:.2f}s to close after its ranks left"
+    for d in daemons:
+        st = _data_links(d)[0]
+        # dialled once, each socket reused by all three jobs: every close was clean
+        assert st["uses"] == 3 * K and st["discarded"] == 0 and st["dialled"] + st["accepted"] == K, st

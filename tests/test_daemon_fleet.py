@@ -275,8 +275,8 @@ def test_recv_from_another_host_that_never_sends_times_out_naming_the_peer():
 @pytest.mark.fleet
 @pytest.mark.timeout(120)
 def test_any_source_recv_matched_on_its_host_does_not_time_out_the_job_later():
-    """The daemon's engine receive for an any-source recv outlives it when a local send
-    matched; the peers' keep-alives complete it before the job timeout would fail the job."""
+    """An any-source recv matched by a send from its own host, then the job idle: the
+    daemon's deadline-free mailbox receive must not time out the job, nor hold up its close."""
     _skip_unless_fleet()
     with DaemonFleet(2) as df:
         out = df.ranks("any_source_local", [0, 0, 1, 1], timeout_s=60)
@@ -381,7 +381,7 @@ def _any_source_local(rank: int, world: int) -> str:
         comm.wait(comm.recv(box.ctypes.data, 8, -1, 1), 30)
         assert box[0] == 1
     elif rank == 1:
-        time.sleep(2.0)                  # the daemon has posted its engine receive by now
+        time.sleep(2.0)                  # rank 0's any-source recv waits at its daemon by now
         box[0] = 1
         comm.wait(comm.send(box.ctypes.data, 8, 0, 1), 30)
     time.sleep(2.5 * STALL_TIMEOUT_S)    # no p2p at all for longer than the job timeout

@@ -211,3 +211,21 @@ def test_mailbox_matches_exactly_and_in_order():
     assert [p.post for p in box.waiting()] == [7]     # still there: the job's failure reaches it
     with pytest.raises(ProtocolError, match="no matched message"):
         box.take(0, 99)
+
+
+def test_mailbox_caps_unreceived_bytes(monkeypatch):
+    from libmccl.errors import CollectiveMismatch
+    from mccld import p2p
+    monkeypatch.setattr(p2p, "_HELD_CAP_BYTES", 100)
+    box = p2p.Mailbox()
+    for i in range(2):
+        assert box.deliver(p2p.Message(1, 0, 5, np.full(40, i, dtype=np.uint8))) is None
+    with pytest.raises(CollectiveMismatch, match="more than .* unreceived"):
+        box.deliver(p2p.Message(1, 0, 5, np.zeros(40, dtype=np.uint8)))
+    # a recv that takes one makes room again; a message a posted recv takes is never held
+    assert box.post(p2p.Posted(b"c", 1, 0, 1, 5, 40, post=1)).data[0] == 0
+    assert box.deliver(p2p.Message(1, 0, 5, np.zeros(40, dtype=np.uint8))) is None
+    box.post(p2p.Posted(b"c", 2, 0, 2, 5, 1000, post=2))
+    assert box.deliver(p2p.Message(2, 0, 5, np.zeros(1000, dtype=np.uint8))).post == 2
+    box.forget(0)
+    assert box.deliver(p2p.Message(1, 0, 5, np.zeros(100, dtype=np.uint8))) is None
