@@ -5,6 +5,7 @@ their own timeout still time out."""
 from __future__ import annotations
 
 import random
+import select
 import subprocess
 import sys
 import threading
@@ -36,6 +37,13 @@ print("ready", flush=True)
 sys.stdin.readline()
 os._exit(0)
 '''
+
+
+def _line(p: subprocess.Popen, timeout_s: float = 20.0) -> str:
+    """The peer's next line, or a failure if it says nothing for ``timeout_s``."""
+    ready, _, _ = select.select([p.stdout], [], [], timeout_s)
+    assert ready, f"the peer process said nothing for {timeout_s:.0f}s"
+    return p.stdout.readline().strip()
 
 
 def test_recv_without_deadline_outlives_the_timeout_then_completes():
@@ -95,12 +103,12 @@ def test_recv_without_deadline_fails_at_once_when_the_peer_dies():
     peer = subprocess.Popen([sys.executable, "-c", PEER, str(comm_id)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     try:
-        addr1 = peer.stdout.readline().strip()
+        addr1 = _line(peer)
         lst = _core.Listener("127.0.0.1", 0)
         peer.stdin.write(lst.address + "\n")
         peer.stdin.flush()
         comm = _core.Communicator(0, 2, comm_id, lst, [lst.address, addr1], make_options(timeout_s=0.5), None)
-        assert peer.stdout.readline().strip() == "ready"
+        assert _line(peer) == "ready"
         a = np.zeros(8, np.uint8)
         op = comm.recv(ptr(a), 8, 1, 0, timeout_s=0)
         assert not comm.wait_for(op, 1.0)   # past the 0.5 s timeout, still waiting
