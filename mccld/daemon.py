@@ -243,7 +243,7 @@ class Daemon:
         self._stat("record_collective", job.id, op, nbytes, seconds, job.size, len(job.hosts))
         # Poll now, while the engine exists: the checker alone misses the bytes of the
         # last collectives before a job closes (found by tests/test_grafana_daemon.py).
-        self._poll_traffic(job)
+        self.poll_traffic(job)
 
     def job_closed(self, job: Job) -> None:
         with self._lock:
@@ -431,7 +431,7 @@ class Daemon:
         now = time.monotonic()
         for job in jobs:
             job.check_timeouts(now)
-            self._poll_traffic(job)
+            self.poll_traffic(job)
         if self.datalinks is not None:
             self.datalinks.sweep()
         with self._lock:
@@ -440,7 +440,7 @@ class Daemon:
         if self.advertiser is not None:
             self.advertiser.set_state("training" if busy else "idle")
 
-    def _poll_traffic(self, job: Job) -> None:
+    def poll_traffic(self, job: Job) -> None:
         engine = job.engine
         if engine is None:
             return

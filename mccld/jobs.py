@@ -48,6 +48,7 @@ class JobHost(Protocol):
     def release_data_sockets(self, job: "Job", clean: bool) -> None: ...  # reuse them if clean
     def notify_peers_failed(self, job: "Job", exc: MCCLError) -> None: ...
     def record_collective(self, job: "Job", op: str, nbytes: int, seconds: float) -> None: ...
+    def poll_traffic(self, job: "Job") -> None: ...           # the engine's byte counters -> exporter
     def job_closed(self, job: "Job") -> None: ...
 
 
@@ -451,6 +452,9 @@ class Job:
             # Past the barrier every peer sent its closing header, so the mailbox receive
             # ends at once; one still pending means a peer is gone: do not wait on it.
             settled = self.p2p.network_done(_MAILBOX_CLOSE_S if self.failed is None else 0.0)
+            # The closing headers are the job's last bytes: count them while the engine exists,
+            # or one host's sent and the other's received counters differ by them.
+            self.host.poll_traffic(self)
             self.engine = None
             clean = False
             try:
