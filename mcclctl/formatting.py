@@ -106,8 +106,13 @@ def _bits(bytes_per_s: float | None) -> float | None:
 
 # ---- links ---------------------------------------------------------------------------
 
-LINK_HEADERS = ("HOST", "PEER", "PEER HOST", "UP", "SOCKETS", "SENT", "RECEIVED", "TX", "RX",
-                "CEILING", "RETRANS", "RTT")
+LINK_HEADERS = ("HOST", "PEER", "PEER HOST", "UP", "SOCKETS", "DATA IDLE/LEASED", "SENT", "RECEIVED", "TX",
+                "RX", "CEILING", "RETRANS", "RTT")
+
+
+def _data_sockets(link: dict) -> str:
+    pool = link.get("data_sockets")
+    return NA if not pool else f"{pool.get('idle', 0)}/{pool.get('leased', 0)}"
 
 
 def link_rows(host: str, links: list[dict]) -> list[list[str]]:
@@ -118,6 +123,7 @@ def link_rows(host: str, links: list[dict]) -> list[list[str]]:
             host, link.get("peer") or NA, link.get("host") or NA,
             NA if up is None else ("up" if up else "DOWN"),
             NA if link.get("sockets") is None else str(link["sockets"]),
+            _data_sockets(link),
             human_bytes(link.get("sent_bytes")), human_bytes(link.get("received_bytes")),
             human_bits_rate(_bits(link.get("tx_bytes_per_s"))),
             human_bits_rate(_bits(link.get("rx_bytes_per_s"))),

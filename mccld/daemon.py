@@ -18,7 +18,7 @@ from typing import Any
 import zmq
 
 from libmccl.config import EngineConfig, load
-from libmccl.errors import AbortedError, CollectiveTimeout, ConfigError, MCCLError, ProtocolError
+from libmccl.errors import AbortedError, ConfigError, MCCLError, ProtocolError
 
 from . import PROTO_VERSION, __version__, protocol, shm
 from .attach import AttachServer
@@ -210,7 +210,7 @@ class Daemon:
             metrics = _optional("metrics")
             if metrics is not None:
                 srv = metrics.MetricsServer(self.stats, self.cfg.metrics_addr, self.cfg.metrics_port,
-                                            host=self.host_id)
+                                            host=self.host_id, data_links=self._data_link_status)
                 srv.start()
                 self._servers.append(srv)
         if self.cfg.status_port:
@@ -458,6 +458,10 @@ class Daemon:
                 self._stat("record_peer_traffic", job.hosts[rank]["link_addr"],
                            max(0, sent - last[0]), max(0, recv - last[1]))
 
+    def _data_link_status(self) -> list[dict[str, Any]]:
+        pool = self.datalinks  # read once: stop() may clear it between a check and a call
+        return pool.status() if pool is not None else []
+
     def status_provider(self) -> dict[str, Any]:
         """What only the daemon knows (docs/dev/interfaces.md §4); the status server adds stats."""
         with self._lock:
@@ -469,7 +473,7 @@ class Daemon:
             "host": self.host_id, "fleet": self.cfg.fleet, "address": self.links.address if self.links else "",
             "version": __version__, "proto": PROTO_VERSION, "attached": attached, "jobs": jobs,
             "links": self.links.peers() if self.links else [],
-            "data_links": self.datalinks.status() if self.datalinks else [],
+            "data_links": self._data_link_status(),
             "fleet_table": self.fleet.entries() if self.fleet is not None else [],
             "last_error": self.last_error or None,
         }

@@ -17,7 +17,7 @@ import logging
 import platform
 import socket
 import threading
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 from prometheus_client.core import (CollectorRegistry, CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily, InfoMetricFamily, Metric)
@@ -45,9 +45,11 @@ def _fmt_bound(b: float) -> str:
 class StatsCollector(Collector):
     """Renders one DaemonStats as Prometheus metric families, live at every scrape."""
 
-    def __init__(self, stats: DaemonStats, host: str | None = None) -> None:
+    def __init__(self, stats: DaemonStats, host: str | None = None,
+                 data_links: Callable[[], list[dict[str, Any]]] | None = None) -> None:
         self._stats = stats
         self._host = host or socket.gethostname()
+        self._data_links = data_links  # the daemon's data-socket pool, per peer host
 
     def collect(self) -> Iterable[Metric]:
         snap = self._stats.snapshot()
@@ -55,6 +57,26 @@ class StatsCollector(Collector):
         yield from self._collective_metrics(snap)
         yield from self._peer_metrics(snap)
         yield from self._job_metrics(snap)
+        if self._data_links is not None:
+            yield from self._data_link_metrics(self._data_links())
+
+    @staticmethod
+    def _data_link_metrics(pools: list[dict[str, Any]]) -> Iterable[Metric]:
+        socks = GaugeMetricFamily("mccl_data_sockets", "Authenticated data sockets to a peer daemon: idle in "
+                                  "the pool, or leased to a job", labels=["peer_host", "state"])
+        opened = CounterMetricFamily("mccl_data_sockets_opened", "Data sockets opened with a peer daemon, "
+                                     "dialled by this daemon or accepted from the peer", labels=["peer_host", "direction"])
+        discarded = CounterMetricFamily("mccl_data_sockets_discarded", "Data sockets closed instead of reused: "
+                                        "a job ended them unclean, or the peer closed them while idle",
+                                        labels=["peer_host"])
+        for pool in pools:
+            peer = str(pool["host"])
+            socks.add_metric([peer, "idle"], pool["idle"])
+            socks.add_metric([peer, "leased"], pool["leased"])
+            opened.add_metric([peer, "dialled"], pool["dialled"])
+            opened.add_metric([peer, "accepted"], pool["accepted"])
+            discarded.add_metric([peer], pool["discarded"])
+        yield from (socks, opened, discarded)
 
     def _host_metrics(self, snap: dict) -> Iterable[Metric]:
         info = InfoMetricFamily("mccl_build", "MCCL build running on this host")
@@ -158,10 +180,11 @@ class StatsCollector(Collector):
         yield from (latest, mean, world, ops, nbytes)
 
 
-def make_registry(stats: DaemonStats, host: str | None = None) -> CollectorRegistry:
+def make_registry(stats: DaemonStats, host: str | None = None,
+                  data_links: Callable[[], list[dict[str, Any]]] | None = None) -> CollectorRegistry:
     """A registry holding only this daemon's collector (no process/GC default metrics)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StatsCollector(stats, host))
+    registry.register(StatsCollector(stats, host, data_links))
     return registry
 
 
@@ -169,8 +192,8 @@ class MetricsServer:
     """Serves ``/metrics`` over HTTP for one DaemonStats. ``port=0`` picks a free port."""
 
     def __init__(self, stats: DaemonStats, addr: str = "0.0.0.0", port: int = 29652,
-                 host: str | None = None) -> None:
-        self._registry = make_registry(stats, host)
+                 host: str | None = None, data_links: Callable[[], list[dict[str, Any]]] | None = None) -> None:
+        self._registry = make_registry(stats, host, data_links)
         self._addr = addr
         self._port = port
         self._httpd = None

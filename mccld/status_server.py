@@ -48,6 +48,7 @@ def merge_status(daemon: dict, snap: dict | None, tcp_text: str | None = None,
     else:  # a daemon that does not list links: every peer the stats know of
         links = [{"peer": p, "up": v["up"]} for p, v in peers.items()]
     local = out.get("address") or ""
+    pools = {p.get("host"): p for p in out.get("data_links") or []}
     if tcp_text is None and local:
         tcp_text = tcpinfo.run_ss()
     for link in links:
@@ -69,6 +70,10 @@ def merge_status(daemon: dict, snap: dict | None, tcp_text: str | None = None,
         for key, value in tcp.items():
             if link.get(key) is None:
                 link[key] = value
+        pool = pools.get(link.get("host"))
+        if pool is not None:
+            link.setdefault("data_sockets", {k: pool.get(k, 0) for k in ("idle", "leased", "dialled",
+                                                                         "accepted", "discarded")})
     # Peers the daemon does not list still show: seen going down (a down link), or only
     # known by a link test ceiling (up unknown: not a link, so not counted below).
     listed = {link.get("peer") for link in links} | {link.get("host") for link in links}

@@ -16,12 +16,14 @@ import socket
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import collect, reap, run_ranks, spawn_ranks
+from conftest import collect, free_port, reap, run_ranks, spawn_ranks
 from libmccl import _core
 from libmccl.errors import AuthError, PeerLostError
 
@@ -195,11 +197,11 @@ def test_a_peer_without_the_fleet_key_gets_no_data_socket(caplog):
 
 
 # -- two real daemons on loopback -------------------------------------------------------------
-def _env(rdir: Path, host: str) -> dict[str, str]:
+def _env(rdir: Path, host: str, metrics_port: int = 0) -> dict[str, str]:
     return {"MCCL_RUNTIME_DIR": str(rdir), "MCCL_FLEET_KEY": "dl-test-key-" + "y" * 16,
             "MCCL_LISTEN_ADDR": "127.0.0.1", "MCCL_PORT": "0", "MCCL_STATUS_PORT": "0",
-            "MCCL_METRICS_PORT": "0", "MCCL_HOST_ID": host, "MCCL_CLIENT_CHECK_INTERVAL": "0.1",
-            "MCCL_SOCKETS_PER_PEER": str(K)}
+            "MCCL_METRICS_PORT": str(metrics_port), "MCCL_METRICS_ADDR": "127.0.0.1",
+            "MCCL_HOST_ID": host, "MCCL_CLIENT_CHECK_INTERVAL": "0.1", "MCCL_SOCKETS_PER_PEER": str(K)}
 
 
 @pytest.fixture
@@ -209,7 +211,7 @@ def two_daemons():
     daemons = []
     try:
         for d, name in zip(dirs, names):
-            env = _env(d, name)
+            env = _env(d, name, free_port())
             daemons.append(Daemon(load_config(env=env), engine_cfg=None).start())
         yield daemons, [str(d) for d in dirs]
     finally:
@@ -269,6 +271,14 @@ def test_two_jobs_between_two_daemons_reuse_the_same_data_sockets(two_daemons):
     assert mine["ids"] == theirs["ids"] and len(mine["ids"]) == K
     assert mine["uses"] == theirs["uses"] == 2 * K, st                # each socket served both jobs
     assert mine["idle"] == theirs["idle"] == K and mine["discarded"] == theirs["discarded"] == 0
+    # The exporter reads the same pool at each scrape.
+    peer = daemons[1 - low].host_id
+    text = urllib.request.urlopen(f"http://127.0.0.1:{daemons[low].cfg.metrics_port}/metrics", timeout=10).read()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(text.decode()) for s in fam.samples}
+    assert samples[("mccl_data_sockets", (("peer_host", peer), ("state", "idle")))] == K
+    assert samples[("mccl_data_sockets_opened_total", (("direction", "dialled"), ("peer_host", peer)))] == K
+    assert samples[("mccl_data_sockets_discarded_total", (("peer_host", peer),))] == 0
 
 
 @pytest.mark.timeout(180)

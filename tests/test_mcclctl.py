@@ -53,8 +53,10 @@ def test_links_and_jobs_tables():
               "received_bytes": 0, "tx_bytes_per_s": None, "rx_bytes_per_s": None,
               "ceiling_bits_per_s": 9.4e9, "retransmits": None, "rtt_ms": 0.25}]
     (row,) = fmt.link_rows("mac1", links)
-    assert row == ["mac1", "10.0.0.2:29650", "mac2", "DOWN", "2", "2.0 KiB", "0 B", "-", "-",
+    assert row == ["mac1", "10.0.0.2:29650", "mac2", "DOWN", "2", "-", "2.0 KiB", "0 B", "-", "-",
                    "9.40 Gbit/s", "n/a", "0.25 ms"]
+    links[0]["data_sockets"] = {"idle": 2, "leased": 0, "dialled": 2, "accepted": 0, "discarded": 0}
+    assert fmt.link_rows("mac1", links)[0][5] == "2/0"
     text = fmt.links_table([("mac1", links, None), ("mac3", None, "AuthError: bad key")])
     assert "unreachable: mac3: AuthError: bad key" in text
     jobs = [{"job": "train", "ranks": [0, 1], "world": 4, "collectives": 10, "bytes": 1 << 20,

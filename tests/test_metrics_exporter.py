@@ -103,6 +103,21 @@ def test_collector_reads_live_state_at_each_scrape():
     assert value(samples, "mccl_errors_total", kind="CollectiveTimeout") == 1
 
 
+@pytest.mark.timeout(10)
+def test_data_socket_pool_is_read_at_each_scrape():
+    pool = [{"host": "mac2", "idle": 2, "leased": 0, "ids": [1, 2], "uses": 4, "dialled": 2, "accepted": 0,
+             "discarded": 0}]
+    registry = make_registry(st.DaemonStats(), data_links=lambda: pool)
+    samples, types = scrape_text(generate_latest(registry).decode())
+    assert types["mccl_data_sockets"] == "gauge" and types["mccl_data_sockets_opened"] == "counter"
+    assert value(samples, "mccl_data_sockets", peer_host="mac2", state="idle") == 2
+    assert value(samples, "mccl_data_sockets_opened_total", peer_host="mac2", direction="dialled") == 2
+    pool[0].update(idle=0, leased=2, discarded=1)  # a job took them; one earlier socket was dropped
+    samples, _ = scrape_text(generate_latest(registry).decode())
+    assert value(samples, "mccl_data_sockets", peer_host="mac2", state="leased") == 2
+    assert value(samples, "mccl_data_sockets_discarded_total", peer_host="mac2") == 1
+
+
 @pytest.mark.timeout(20)
 def test_metrics_server_serves_and_stops():
     s = populated()

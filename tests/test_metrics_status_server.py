@@ -207,13 +207,19 @@ def test_merge_status_completes_the_daemon_view_from_stats():
     stats.set_peer_up("10.0.0.3:29650", False)
     daemon = {"host": "mac1", "address": "10.0.0.1:29650", "last_error": "",
               "jobs": [{"job": "j", "local_ranks": [0, 1], "world": 4}],
-              "links": [{"host_id": "mac2", "addr": "10.0.0.2:29650"}]}
+              "links": [{"host_id": "mac2", "addr": "10.0.0.2:29650"}],
+              "data_links": [{"host": "mac2", "idle": 1, "leased": 2, "ids": [4, 5, 6], "uses": 9,
+                              "dialled": 3, "accepted": 0, "discarded": 1}]}
     out = ss.merge_status(daemon, stats.snapshot(), tcp_text="")
     by_peer = {link["peer"]: link for link in out["links"]}
     assert by_peer["10.0.0.2:29650"]["up"] is True and by_peer["10.0.0.2:29650"]["host"] == "mac2"
     assert by_peer["10.0.0.2:29650"]["sent_bytes"] == 100
     assert by_peer["10.0.0.2:29650"]["sockets"] == 0  # ss ran and found no socket to that peer
     assert by_peer["10.0.0.3:29650"]["up"] is False
+    # The data-socket pool shows on the control link to the same host.
+    assert by_peer["10.0.0.2:29650"]["data_sockets"] == {"idle": 1, "leased": 2, "dialled": 3, "accepted": 0,
+                                                         "discarded": 1}
+    assert "data_sockets" not in by_peer["10.0.0.3:29650"]
     assert (out["links_up"], out["links_total"]) == (1, 2)
     assert out["jobs"][0]["ranks"] == [0, 1] and out["state"] == "training"
 
