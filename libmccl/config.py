@@ -102,7 +102,8 @@ class EngineConfig:
         "beside the one that receives and reduces; 0 keeps it all on one thread")
     bind_addr: str = setting(
         "MCCL_BIND_ADDR", "", "address",
-        "address the engine listens on and advertises; empty: the address that routes to MASTER_ADDR")
+        "address the engine listens on and advertises; empty: the local end of the route to MASTER_ADDR, "
+        "else to the store's host, else the host name's address, else the default-route interface's")
     socket_ifname: str = setting(
         "MCCL_SOCKET_IFNAME", "", "interface",
         "network interface to listen on (its first IPv4 address); overridden by MCCL_BIND_ADDR")

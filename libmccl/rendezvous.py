@@ -11,29 +11,24 @@ previous incarnation's.
 from __future__ import annotations
 
 import datetime
-import errno
-import fcntl
 import logging
 import os
 import secrets
-import socket
-import struct
-import sys
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from . import listen_addr
 from .config import EngineConfig
 from .errors import CollectiveTimeout, ConfigError
 
 _log = logging.getLogger(__name__)
 
 _KEY_ROOT = "mccl"
-_LOOPBACK = "127.0.0.1"
-_RESOLVE_TIMEOUT_S = 5.0  # seconds; only used to pick a listen address when none is configured
-# ioctl(SIOCGIFADDR): an interface's IPv4 address, without extra dependencies.
-_SIOCGIFADDR = 0xC0206921 if sys.platform == "darwin" else 0x8915
+# Published instead of an address by a rank that cannot listen, so that its peers stop
+# waiting for it at once; no "host:port" starts with it.
+_FAILED = "!"
+_LINGER_S = 10.0  # at most this long a failing rank waits for its peers to read why
 
 
 @dataclass(frozen=True)
@@ -42,78 +37,6 @@ class Rendezvous:
     peer_addrs: list[str]     # "host:port" per rank; empty when no listener was asked for
     listener: Any             # this rank's engine Listener, or None
     store: Any                # the store scoped to this incarnation of the group (daemon mode uses it)
-
-
-def interface_address(ifname: str) -> str:
-    """First IPv4 address of interface ``ifname``."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", ifname.encode()[:15]))
-        except OSError as exc:
-            why = "no such interface" if exc.errno == errno.ENODEV else "it has no IPv4 address"
-            raise ConfigError(f"[rendezvous] MCCL_SOCKET_IFNAME={ifname!r} cannot be used: {why} ({exc}); "
-                              "set it to an interface listed by `ip addr`/`ifconfig`, or set MCCL_BIND_ADDR") from None
-    return socket.inet_ntoa(packed[20:24])
-
-
-def _resolve(host: str, timeout_s: float) -> str | None:
-    """IPv4 address of ``host``, or None. getaddrinfo has no timeout of its own and a
-    broken resolver can stall it for minutes, so it runs on a helper thread that is
-    abandoned (daemon) if it overstays."""
-    try:
-        socket.inet_aton(host)
-        return host
-    except OSError:
-        pass
-    found: list[str] = []
-
-    def lookup() -> None:
-        try:
-            found.append(socket.gethostbyname(host))
-        except OSError:
-            pass
-
-    t = threading.Thread(target=lookup, name="mccl-resolve", daemon=True)
-    t.start()
-    t.join(timeout_s)
-    if t.is_alive():
-        _log.warning("[rendezvous] resolving MASTER_ADDR=%s took over %.0f s; not using it to pick the "
-                     "listen address (set MCCL_BIND_ADDR or MCCL_SOCKET_IFNAME)", host, timeout_s)
-        return None
-    return found[0] if found else None
-
-
-def routed_address(target: str) -> str | None:
-    """The local address the kernel would use to reach ``target``.
-
-    Connecting a UDP socket only selects a route; no packet is sent.
-    """
-    target_ip = _resolve(target, _RESOLVE_TIMEOUT_S)
-    if target_ip is None:
-        return None
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((target_ip, 9))
-            return s.getsockname()[0]
-        except OSError:
-            return None
-
-
-def choose_bind_address(cfg: EngineConfig, master_addr: str | None) -> str:
-    """MCCL_BIND_ADDR, else MCCL_SOCKET_IFNAME, else the route toward MASTER_ADDR, else loopback."""
-    if cfg.bind_addr:
-        if cfg.bind_addr in ("0.0.0.0", "::"):
-            # The listen address is also what peers are told to dial.
-            raise ConfigError(f"[rendezvous] MCCL_BIND_ADDR={cfg.bind_addr} cannot be dialled by peers; set it "
-                              "to this host's address on the training network, or set MCCL_SOCKET_IFNAME")
-        return cfg.bind_addr
-    if cfg.socket_ifname:
-        return interface_address(cfg.socket_ifname)
-    if master_addr:
-        addr = routed_address(master_addr)
-        if addr and addr != "0.0.0.0":
-            return addr
-    return _LOOPBACK
 
 
 def _wait_keys(store: Any, keys: list[str], timeout_s: float, what: Callable[[list[str]], str]) -> None:
@@ -148,24 +71,59 @@ def exchange(store: Any, rank: int, size: int, listener_factory: Callable[[str],
     prefix = f"{_KEY_ROOT}/{generation}"
     label = f"group {group_id!r}" if group_id else "the process group"
 
+    addr_keys = [f"{prefix}/addr/{r}" for r in range(size)] if listener_factory is not None else []
     listener = None
     if listener_factory is not None:
-        host = choose_bind_address(cfg, os.environ.get("MASTER_ADDR"))
-        listener = listener_factory(host)
-        store.set(f"{prefix}/addr/{rank}", listener.address)
+        try:
+            listener = listener_factory(listen_addr.choose_bind_address(cfg, os.environ.get("MASTER_ADDR"), store))
+        except Exception as exc:
+            store.set(addr_keys[rank], f"{_FAILED}{type(exc).__name__}: {exc}")
+            linger(store, prefix, rank, size, timeout_s)
+            raise
+        store.set(addr_keys[rank], listener.address)
     if rank == 0:
         store.set(f"{prefix}/comm_id", str(secrets.randbits(64)))
 
-    addr_keys = [f"{prefix}/addr/{r}" for r in range(size)] if listener is not None else []
-    _wait_keys(store, [f"{prefix}/comm_id"] + addr_keys, timeout_s,
-               lambda missing: f"{label}: rank {rank} is missing "
-               + ", ".join("the comm id from rank 0" if k.endswith("comm_id") else f"rank {k.rsplit('/', 1)[1]}'s address"
-                           for k in missing))
-    comm_id = int(store.get(f"{prefix}/comm_id").decode())
-    peers = [store.get(k).decode() for k in addr_keys]
+    try:
+        _wait_keys(store, [f"{prefix}/comm_id"] + addr_keys, timeout_s,
+                   lambda missing: f"{label}: rank {rank} is missing "
+                   + ", ".join("the comm id from rank 0" if k.endswith("comm_id")
+                               else f"rank {k.rsplit('/', 1)[1]}'s address" for k in missing))
+        comm_id = int(store.get(f"{prefix}/comm_id").decode())
+        peers = [store.get(k).decode() for k in addr_keys]
+        _check_peers(peers, rank, label)
+    except BaseException as exc:
+        if listener is not None:
+            listener.close()
+        if isinstance(exc, ConfigError):
+            linger(store, prefix, rank, size, timeout_s)
+        raise
     _log.debug("[rendezvous] %s rank %d/%d: comm_id=%016x, listening on %s, in %.3fs", label, rank, size,
                comm_id, listener.address if listener is not None else "-", time.monotonic() - started)
     from torch.distributed import PrefixStore
 
     return Rendezvous(comm_id=comm_id, peer_addrs=peers, listener=listener,
                       store=PrefixStore(f"{prefix}/", store))
+
+
+def _check_peers(peers: list[str], rank: int, label: str) -> None:
+    """Fail before any rank dials when the address table cannot work; every rank sees
+    the same table, so every rank fails alike."""
+    for r, addr in enumerate(peers):
+        if addr.startswith(_FAILED):
+            raise ConfigError(f"[rendezvous] {label}: rank {r} could not start listening ({addr[len(_FAILED):]}); "
+                              f"rank {rank} stops too. Fix the setting rank {r}'s error names and restart every rank")
+    listen_addr.check_no_loopback_mix(peers, rank, f"[rendezvous] {label}")
+
+
+def linger(store: Any, prefix: str, rank: int, size: int, timeout_s: float) -> None:
+    """Before a rank raises a failure its peers can see in the table, wait (bounded) until
+    each of them has read the table too: the rank hosting the TCPStore takes the store
+    down when it exits, and a peer still reading would get a bare connection error
+    instead of the reason."""
+    try:
+        store.set(f"{prefix}/failed_seen/{rank}", "1")
+        store.wait([f"{prefix}/failed_seen/{r}" for r in range(size)],
+                   datetime.timedelta(seconds=min(_LINGER_S, timeout_s)))
+    except Exception:  # noqa: BLE001 - best effort: the caller raises the real error next
+        _log.debug("[rendezvous] rank %d: not every peer confirmed reading the failed table", rank)

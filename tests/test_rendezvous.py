@@ -1,4 +1,5 @@
-"""Address choice and store rendezvous (libmccl/rendezvous.py), plus abort."""
+"""Store rendezvous (libmccl/rendezvous.py), plus abort; the address choice itself is in
+test_listen_addr.py."""
 
 from __future__ import annotations
 
@@ -13,22 +14,66 @@ from libmccl.config import EngineConfig
 from libmccl.errors import CollectiveTimeout, ConfigError
 
 
-@pytest.mark.timeout(30)
-def test_bind_address_precedence() -> None:
-    assert rendezvous.choose_bind_address(EngineConfig(bind_addr="10.1.2.3", socket_ifname="lo"), "x") == "10.1.2.3"
-    assert rendezvous.choose_bind_address(EngineConfig(socket_ifname="lo"), None) == "127.0.0.1"
-    assert rendezvous.choose_bind_address(EngineConfig(), "127.0.0.1") == "127.0.0.1"
-    # An unresolvable master falls back to loopback rather than failing.
-    assert rendezvous.choose_bind_address(EngineConfig(), "no-such-host.invalid") == "127.0.0.1"
-    with pytest.raises(ConfigError, match="cannot be dialled"):
-        rendezvous.choose_bind_address(EngineConfig(bind_addr="0.0.0.0"), None)
-    with pytest.raises(ConfigError, match="MCCL_SOCKET_IFNAME='mccl-nope0'"):
-        rendezvous.choose_bind_address(EngineConfig(socket_ifname="mccl-nope0"), None)
-
-
 class _FakeListener:
     def __init__(self, host: str) -> None:
         self.address = f"{host}:1"
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _exchange_on_threads(store, cfgs: list[EngineConfig], timeout_s: float) -> list:
+    """Each rank's exchange() on its own thread: what it returned or raised, and its listener."""
+    import threading
+
+    out: list = [None] * len(cfgs)
+    listeners: list = [None] * len(cfgs)
+
+    def rank_fn(rank: int) -> None:
+        def factory(host: str) -> _FakeListener:
+            listeners[rank] = _FakeListener(host)
+            return listeners[rank]
+        started = time.monotonic()
+        try:
+            out[rank] = rendezvous.exchange(store, rank, len(cfgs), factory, cfgs[rank], timeout_s, "g")
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            out[rank] = exc
+        out[rank] = (out[rank], time.monotonic() - started, listeners[rank])
+    threads = [threading.Thread(target=rank_fn, args=(r,)) for r in range(len(cfgs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s + 10)
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_on_loopback_among_real_addresses_fails_every_rank_at_once() -> None:
+    import torch.distributed as dist
+
+    cfgs = [EngineConfig(bind_addr="10.0.0.1"), EngineConfig(bind_addr="127.0.0.1"), EngineConfig(bind_addr="10.0.0.3")]
+    for rank, (exc, elapsed, listener) in enumerate(_exchange_on_threads(dist.HashStore(), cfgs, 30)):
+        assert isinstance(exc, ConfigError), (rank, exc)
+        assert elapsed < 5, f"rank {rank} waited {elapsed:.1f}s"
+        assert listener.closed
+        msg = str(exc)
+        assert msg.startswith("[rendezvous] group 'g': rank 1 listens on loopback 127.0.0.1:1 but rank "), msg
+        assert f"seen by rank {rank}" in msg and "MCCL_SOCKET_IFNAME" in msg and "MCCL_BIND_ADDR" in msg, msg
+        # Each rank names its own address: the one its log's reader can fix.
+        assert f"rank {rank} " in msg.split("(")[0], msg
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_cannot_listen_stops_its_peers_at_once() -> None:
+    import torch.distributed as dist
+
+    cfgs = [EngineConfig(bind_addr="10.0.0.1"), EngineConfig(socket_ifname="mccl-nope0")]
+    (exc0, elapsed0, listener0), (exc1, elapsed1, _) = _exchange_on_threads(dist.HashStore(), cfgs, 30)
+    assert isinstance(exc1, ConfigError) and "MCCL_SOCKET_IFNAME='mccl-nope0'" in str(exc1)
+    assert isinstance(exc0, ConfigError) and "rank 1 could not start listening" in str(exc0), exc0
+    assert "MCCL_SOCKET_IFNAME='mccl-nope0'" in str(exc0)
+    assert elapsed0 < 5 and elapsed1 < 5 and listener0.closed
 
 
 @pytest.mark.timeout(30)
@@ -148,24 +193,3 @@ def test_hosts_in_namespaces_find_each_other(ifname: str) -> None:
         assert p.returncode == 0, f"host {i}:\n{err[-3000:]}"
         peers = out.split("PEERS ", 1)[1].split()
         assert [a.rsplit(":", 1)[0] for a in peers] == [h.addr for h in fleet.hosts], peers
-
-
-@pytest.mark.timeout(30)
-def test_a_stalled_resolver_does_not_hang_group_creation(monkeypatch) -> None:
-    import socket
-    import threading
-
-    release = threading.Event()
-
-    def stuck(host: str) -> str:
-        release.wait(20)
-        return "10.9.9.9"
-
-    monkeypatch.setattr(socket, "gethostbyname", stuck)
-    started = time.monotonic()
-    try:
-        assert rendezvous._resolve("slow.example", 0.3) is None
-        assert time.monotonic() - started < 2
-        assert rendezvous._resolve("10.1.2.3", 0.3) == "10.1.2.3"  # literals skip the resolver
-    finally:
-        release.set()
