@@ -17,9 +17,13 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from .errors import CollectiveTimeout, DaemonUnavailableError
+from . import listen_addr, rendezvous
+from .errors import CollectiveTimeout, ConfigError, DaemonUnavailableError
 
 _HELLO_TIMEOUT_S = 5.0
+_LOOPBACK_ADVICE = ("Likely cause: MCCL_LISTEN_ADDR or MCCL_IFACE set to loopback for that host's mccld; set "
+                    "MCCL_IFACE to the training network's interface, or MCCL_LISTEN_ADDR to the host's address "
+                    "on it, and restart that mccld")
 
 
 class Attachment:
@@ -111,5 +115,11 @@ class Attachment:
             h["ranks"].append(r)
         ordered = sorted(hosts.values(), key=lambda h: h["ranks"][0])
         self.link_addrs = [m["link_addr"] for m in members]
+        try:
+            listen_addr.check_no_loopback_mix(self.link_addrs, self.rank, f"[daemon-client] job {job}",
+                                              _LOOPBACK_ADVICE, of="'s mccld")
+        except ConfigError:
+            rendezvous.linger(store, "mccld", self.rank, self.size, self.timeout_s)
+            raise
         self.call({"type": "join", "job": job, "rank": self.rank, "size": self.size, "hosts": ordered,
                    "timeout_s": self.timeout_s, "opts": {}}, self.timeout_s + 5.0)

@@ -113,3 +113,39 @@ def test_a_rank_on_loopback_fails_every_rank_fast(fleet2, tmp_path: Path, mode: 
         assert f"rank {1 - on_loopback} publishes {real}:" in msg, msg
         assert "MCCL_SOCKET_IFNAME" in msg and "MCCL_BIND_ADDR" in msg, msg
 
+
+def _daemon_fleet(loopback_hosts: tuple[int, ...] = ()):
+    """Two hosts with one mccld each that picks its own interface, except on
+    ``loopback_hosts``, where it is told to listen on 127.0.0.1."""
+    from test_daemon_fleet import DaemonFleet, _skip_unless_fleet
+
+    _skip_unless_fleet()
+
+    class AutoAddressDaemons(DaemonFleet):
+        def env(self, i: int) -> dict[str, str]:
+            env = super().env(i)
+            del env["MCCL_IFACE"]
+            if i in loopback_hosts:
+                env["MCCL_LISTEN_ADDR"] = "127.0.0.1"
+            return env
+
+    return AutoAddressDaemons(2)
+
+
+def test_daemon_mode_without_master_addr(tmp_path: Path) -> None:
+    with _daemon_fleet() as df:
+        results = run_ranks(df.fleet, tmp_path, "tcp", [{**df.env(h), "MCCL_DAEMON": "1"} for h in range(2)])
+        for r, res in enumerate(results):
+            assert res.get("ok") is True, f"rank {r}: {res}\n--- h{r} ---\n{df.log(r)[-2000:]}"
+            assert [a.rsplit(":", 1)[0] for a in res["peers"]] == [h.addr for h in df.fleet.hosts], res
+
+
+def test_daemon_mode_a_daemon_on_loopback_fails_every_rank_fast(tmp_path: Path) -> None:
+    with _daemon_fleet(loopback_hosts=(1,)) as df:
+        results = run_ranks(df.fleet, tmp_path, "tcp", [{**df.env(h), "MCCL_DAEMON": "1"} for h in range(2)])
+        for r, res in enumerate(results):
+            assert res.get("cls") == "ConfigError", f"rank {r}: {res}"
+            assert res["elapsed"] < 15, f"rank {r} took {res['elapsed']:.1f}s: {res}"
+            assert "rank 1's mccld listens on loopback 127.0.0.1:" in res["msg"], res
+            assert f"rank 0's mccld publishes {df.fleet.hosts[0].addr}:" in res["msg"], res
+            assert "MCCL_IFACE" in res["msg"] and "MCCL_LISTEN_ADDR" in res["msg"], res
