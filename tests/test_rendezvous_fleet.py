@@ -62,14 +62,17 @@ def fleet2():
     except ConfigError as e:
         pytest.skip(str(e))
     with fleet_mod.Fleet(2, rate=None) as f:
-        # Real hosts have a default route; file:// gives no store host to route to, so
-        # that route (or the host name) is what the ranks can go by.
-        for h in f.hosts:
-            subprocess.run(["ip", "-n", h.ns, "route", "add", "default", "dev", h.ifname], check=True, timeout=20)
         yield f
 
 
 def run_ranks(f, tmp: Path, mode: str, env: list[dict] | None = None, timeout_s: float = TIMEOUT_S) -> list[dict]:
+    """Rank r on host r. The fleet's hosts have no default route and share the machine's host
+    name (not an address inside their namespace), so with "tcp" only the route to the store's
+    host can find the address."""
+    if mode == "file":
+        # file:// gives no host to route to: a default route, as real hosts have, is what is left.
+        for h in f.hosts:
+            subprocess.run(["ip", "-n", h.ns, "route", "replace", "default", "dev", h.ifname], check=True, timeout=20)
     script = tmp / "rank.py"
     script.write_text(RANK)
     where = f"{f.hosts[0].addr}:{random.randint(20000, 40000)}" if mode == "tcp" else str(tmp / "store")
