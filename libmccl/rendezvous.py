@@ -77,8 +77,12 @@ def exchange(store: Any, rank: int, size: int, listener_factory: Callable[[str],
         try:
             listener = listener_factory(listen_addr.choose_bind_address(cfg, os.environ.get("MASTER_ADDR"), store))
         except Exception as exc:
-            store.set(addr_keys[rank], f"{_FAILED}{type(exc).__name__}: {exc}")
-            linger(store, prefix, rank, size, timeout_s)
+            try:
+                store.set(addr_keys[rank], f"{_FAILED}{type(exc).__name__}: {exc}")
+            except Exception:  # noqa: BLE001 - the store failing too must not hide why we stop
+                _log.debug("[rendezvous] rank %d could not publish its failure", rank, exc_info=True)
+            else:
+                linger(store, prefix, rank, size, timeout_s)
             raise
         store.set(addr_keys[rank], listener.address)
     if rank == 0:
