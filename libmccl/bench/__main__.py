@@ -5,6 +5,8 @@ Examples::
 
     mccl-bench --ranks 2 --max-bytes 64M               # 2 ranks on loopback
     mccl-bench --hosts 4 --rate 1gbit --json n4.json   # 4 emulated hosts (root)
+    mccl-bench --hosts 4 --ranks-per-host 2 --mode in-process,daemon --ops all_reduce --sizes 64M,256M
+                                                       # + mccl through one mccld per host
     mccl-bench --hosts 4 --ops all_reduce --sizes 8    # small-message latency
     mccl-bench plot n4.json docs/img/n4-1gbit.png
     mccl-bench table n4.json
@@ -21,7 +23,7 @@ import sys
 
 from ..errors import MCCLError
 from .metrics import OPS, parse_bytes, sweep_sizes
-from .sweep import BACKENDS, BenchConfig, run_bench
+from .sweep import BACKENDS, MODES, BenchConfig, run_bench
 
 
 def _csv(text: str) -> list[str]:
@@ -33,11 +35,16 @@ def _parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     where = ap.add_argument_group("where the ranks run")
     where.add_argument("--hosts", type=int, default=0,
-                       help="emulated hosts, one rank each (needs root); 0 = loopback (default)")
-    where.add_argument("--ranks", type=int, default=2, help="ranks on loopback (with --hosts 0)")
+                       help="emulated hosts (needs root); 0 = loopback (default)")
+    where.add_argument("--ranks", type=int, default=2, help="ranks in all on loopback (with --hosts 0)")
+    where.add_argument("--ranks-per-host", type=int, default=1,
+                       help="ranks per host (on loopback: per daemon); busbw counts all hosts x ranks")
     where.add_argument("--rate", default="1gbit", help="link rate per emulated host (tc syntax) or 'none'")
     what = ap.add_argument_group("what is measured")
     what.add_argument("--backends", type=_csv, default=list(BACKENDS), help="comma list (default mccl,gloo)")
+    what.add_argument("--mode", dest="modes", type=_csv, default=["in-process"],
+                      help=f"how mccl runs, comma list of {', '.join(MODES)} (default in-process); daemon "
+                           "starts one mccld per host for the run and attaches the ranks with MCCL_DAEMON=1")
     what.add_argument("--ops", type=_csv, default=list(OPS), help=f"comma list of {', '.join(OPS)}")
     what.add_argument("--min-bytes", type=parse_bytes, default=4 << 10, help="default 4K")
     what.add_argument("--max-bytes", type=parse_bytes, default=256 << 20, help="default 256M")
@@ -52,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     what.add_argument("--repeats", type=int, default=3, help="timed loops per size; the median is reported (>= 3)")
     what.add_argument("--ceiling-seconds", type=float, default=3.0, help="duration of the ring ceiling measurement")
     what.add_argument("--ceiling-tool", choices=("auto", "iperf3", "probe", "none"), default="auto")
+    what.add_argument("--latency-iters", type=int, default=300,
+                      help="8-byte all_reduces timed one by one per series for the small-op latency; 0 = none")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per backend sweep")
     ap.add_argument("--json", dest="json_out", help="write the full result here")
     ap.add_argument("--log-dir", help="keep every rank's and tool's log here (default: a temporary folder)")
@@ -92,9 +101,10 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         sizes = args.sizes or sweep_sizes(args.min_bytes, args.max_bytes, args.step_factor)
-        cfg = BenchConfig(hosts=args.hosts, ranks=args.ranks, rate=None if args.rate == "none" else args.rate,
-                          backends=args.backends, ops=args.ops, sizes=sizes, warmup=args.warmup,
-                          iters=args.iters, repeats=args.repeats, target_s=args.target_seconds,
+        cfg = BenchConfig(hosts=args.hosts, ranks=args.ranks, ranks_per_host=args.ranks_per_host,
+                          rate=None if args.rate == "none" else args.rate, backends=args.backends,
+                          modes=args.modes, ops=args.ops, latency_iters=args.latency_iters, sizes=sizes,
+                          warmup=args.warmup, iters=args.iters, repeats=args.repeats, target_s=args.target_seconds,
                           max_iters=args.max_iters, ceiling_seconds=args.ceiling_seconds,
                           ceiling_tool=args.ceiling_tool, timeout_s=args.timeout, verbose=args.verbose,
                           log_dir=args.log_dir)
@@ -106,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(render(result))
     _write_json(args.json_out, result)
-    # A backend that failed (or is not built yet) is reported above, never papered over.
+    # A series that failed (or is not built yet) is reported above, never papered over.
     return 0 if all(b["ok"] for b in result["backends"].values()) else 1
 
 

@@ -19,7 +19,7 @@ from ..errors import CollectiveTimeout
 
 
 class LocalLauncher:
-    """N "hosts" that are all this machine, reached over 127.0.0.1."""
+    """N "hosts" that are all this machine, reached over 127.0.0.1 (each may run several ranks)."""
 
     kind = "loopback"
 
@@ -83,6 +83,7 @@ class Finished:
     returncode: int
     log: str        # the tail of the process's stdout+stderr, for error messages
     log_path: str   # all of it
+    pid: int        # what its shared-memory segments are named after (daemon.py's leftover check)
 
 
 def _kill(p: subprocess.Popen) -> None:
@@ -99,8 +100,9 @@ def _kill(p: subprocess.Popen) -> None:
 
 def run_group(launcher, argvs: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str]], log_dir: str,
               timeout_s: float, what: str, stream_first: bool = False,
-              soft_codes: Sequence[int] = ()) -> list[Finished]:
-    """Run argvs[i] on host i, all at once; wait for all of them, at most timeout_s.
+              soft_codes: Sequence[int] = (), hosts: Sequence[int] | None = None) -> list[Finished]:
+    """Run argvs[i] on host hosts[i] (default: host i), all at once; wait for all of them,
+    at most timeout_s.
 
     When one exits non-zero the others are killed at once (they would only wait for it
     until their own timeouts), except for exit codes in ``soft_codes``: failures that
@@ -109,21 +111,22 @@ def run_group(launcher, argvs: Sequence[Sequence[str]], envs: Sequence[Mapping[s
     to our stderr (progress lines) instead of its log file.
     """
     procs, logs = [], []
+    hosts = list(range(len(argvs))) if hosts is None else hosts
     try:
-        for i, (argv, env) in enumerate(zip(argvs, envs)):
+        for i, (argv, env, host) in enumerate(zip(argvs, envs, hosts)):
             path = os.path.join(log_dir, f"{what}-{i}.log")
             logs.append(path)
             with open(path, "wb") as f:
                 err = None if (stream_first and i == 0) else subprocess.STDOUT
-                procs.append(launcher.popen(i, argv, env=env, stdout=f, stderr=err))
+                procs.append(launcher.popen(host, argv, env=env, stdout=f, stderr=err))
         deadline = time.monotonic() + timeout_s
         while any(p.poll() is None for p in procs):
             if any(p.returncode not in (None, 0, *soft_codes) for p in procs):
                 break
             if time.monotonic() > deadline:
                 raise CollectiveTimeout(
-                    f"[bench] {what} did not finish within {timeout_s:.0f}s on {launcher.n} hosts; the backend "
-                    f"may be hung or the sizes too large for the link rate; logs in {log_dir}")
+                    f"[bench] Timed out: {what} did not finish within {timeout_s:.0f}s on {launcher.n} hosts; "
+                    f"the backend may be hung or the sizes too large for the link rate; logs in {log_dir}")
             time.sleep(0.05)
     finally:
         for p in procs:
@@ -132,7 +135,7 @@ def run_group(launcher, argvs: Sequence[Sequence[str]], envs: Sequence[Mapping[s
     for p, path in zip(procs, logs):
         with open(path, "rb") as f:
             tail = f.read()[-4000:].decode(errors="replace")
-        out.append(Finished(p.returncode, tail, path))
+        out.append(Finished(p.returncode, tail, path, p.pid))
     return out
 
 

@@ -8,8 +8,10 @@ import math
 
 from ..errors import ConfigError
 from .metrics import fmt_bytes
+from .report import where, series_of
 
-_STYLE = {"mccl": dict(color="#d62728", marker="o"), "gloo": dict(color="#1f77b4", marker="s")}
+_STYLE = {"mccl": dict(color="#d62728", marker="o"), "mccl-daemon": dict(color="#ff7f0e", marker="^"),
+          "gloo": dict(color="#1f77b4", marker="s")}
 
 
 def plot(results_paths: list[str], out_png: str, title: str | None = None) -> None:
@@ -33,13 +35,15 @@ def plot(results_paths: list[str], out_png: str, title: str | None = None) -> No
     for ax, op in zip(axes.flat, ops):
         for res in results:
             m = res["meta"]
-            tag = f"N={m['world']} {m['rate'] or 'loopback'}" if len(results) > 1 else ""
-            for backend in dict.fromkeys(r["backend"] for r in res["results"]):
+            per_host = m.get("ranks_per_host", 1)
+            tag = (f"N={m.get('hosts', m['world'])}{f'x{per_host}' if per_host > 1 else ''} "
+                   f"{m['rate'] or 'loopback'}" if len(results) > 1 else "")
+            for series in dict.fromkeys(series_of(r) for r in res["results"]):
                 pts = sorted((r["bytes"], r["busbw_Gbps"]) for r in res["results"]
-                             if r["op"] == op and r["backend"] == backend)
+                             if r["op"] == op and series_of(r) == series)
                 if pts:
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"{backend} {tag}".strip(),
-                            **_STYLE.get(backend, {}), markersize=4)
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"{series} {tag}".strip(),
+                            **_STYLE.get(series, {}), markersize=4)
             if res["ceiling"]:
                 c = res["ceiling"]["mean_bps"] / 1e9
                 ax.axhline(c, color="black", linestyle="--", linewidth=1,
@@ -58,8 +62,8 @@ def plot(results_paths: list[str], out_png: str, title: str | None = None) -> No
     for ax in list(axes.flat)[len(ops):]:
         ax.set_visible(False)
     m = results[0]["meta"]
-    fig.suptitle(title or (f"mccl-bench: {m['world']} {'hosts at ' + m['rate'] if m['rate'] else 'ranks on loopback'}"
-                           f" ({m['machine']}, {m['started']})"), fontsize=10)
+    fig.suptitle(title or f"mccl-bench: {where(m)}, busbw for n={m['world']} ({m['machine']}, {m['started']})",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
     plt.close(fig)

@@ -1,8 +1,27 @@
-"""The human-readable table of a benchmark result (nccl-tests layout, one block per op)."""
+"""The human-readable table of a benchmark result (nccl-tests layout, one block per op),
+one column group per series (mccl, mccl-daemon, gloo), then their ratios."""
 
 from __future__ import annotations
 
 from .metrics import fmt_bytes
+
+# Ratio columns: (comparison key, heading); shown where the comparison has them.
+_RATIOS = (("busbw_mccl_over_gloo", "mccl/gloo"), ("busbw_daemon_over_in_process", "daemon/in-proc"),
+           ("busbw_daemon_over_gloo", "daemon/gloo"))
+
+
+def series_of(row: dict) -> str:
+    """A row's series; results saved before the daemon mode have only the backend."""
+    return row.get("series", row["backend"])
+
+
+def where(meta: dict) -> str:
+    per_host = meta.get("ranks_per_host", 1)
+    if meta["mode"] == "fleet":
+        hosts = meta.get("hosts", meta["world"])
+        ranks = f" x {per_host} ranks ({meta['world']} in all)" if per_host > 1 else ""
+        return f"{hosts} emulated hosts{ranks} at {meta['rate'] or 'unshaped'}"
+    return f"{meta['world']} ranks on loopback" + (f", {per_host} per daemon host" if per_host > 1 else "")
 
 
 def _cell(row: dict | None) -> str:
@@ -14,11 +33,19 @@ def _cell(row: dict | None) -> str:
     return f"{row['time_us']:10.1f} {row['algbw_GBps']:7.3f} {row['busbw_GBps']:7.3f} {pct} {cpu}"
 
 
+def _latency_lines(result: dict) -> list[str]:
+    lat = result.get("latency") or {}
+    out = [f"# {name}: {v['bytes']}-byte all_reduce median {v['median_us']:.1f} us, p90 {v['p90_us']:.1f} us "
+           f"({v['iters']} ops)" for name, v in lat.items() if isinstance(v, dict)]
+    if "daemon_over_in_process" in lat:
+        out.append(f"# small-op latency through mccld: {lat['daemon_over_in_process']:.2f}x in-process")
+    return out
+
+
 def render(result: dict) -> str:
     meta, ceiling = result["meta"], result["ceiling"]
-    where = (f"{meta['world']} emulated hosts at {meta['rate'] or 'unshaped'}" if meta["mode"] == "fleet"
-             else f"{meta['world']} ranks on loopback")
-    lines = [f"# mccl-bench: {where}, machine {meta['machine']} ({meta['cpus']} CPUs, load "
+    n = meta["world"]
+    lines = [f"# mccl-bench: {where(meta)}, machine {meta['machine']} ({meta['cpus']} CPUs, load "
              f"{meta['loadavg_start'][0]:.1f}), commit {meta['commit']}"]
     if ceiling:
         cpu = f", {ceiling['cpu_s_per_gb']:.2f} CPU s/GB" if ceiling.get("cpu_s_per_gb") else ""
@@ -32,21 +59,28 @@ def render(result: dict) -> str:
         elif b.get("teardown_errors"):
             lines.append(f"# {name}: every op completed and was checked, but shutdown failed: "
                          f"{b['teardown_errors'][0][:300]}")
-    backends = [b for b, v in result["backends"].items() if v["ok"]]
-    rows = {(r["backend"], r["op"], r["bytes"]): r for r in result["results"]}
+        if b.get("cleaned_after"):
+            lines.append(f"# {name}: the daemons left {len(b['cleaned_after'])} thing(s) the bench cleaned: "
+                         f"{'; '.join(b['cleaned_after'])[:300]}")
+    lines += _latency_lines(result)
+    series = [b for b, v in result["backends"].items() if v["ok"]]
+    rows = {(series_of(r), r["op"], r["bytes"]): r for r in result["results"]}
     ratios = {(c["op"], c["bytes"]): c for c in result["comparison"]}
+    shown = [(k, h) for k, h in _RATIOS if any(k in c for c in ratios.values())]
     ops = list(dict.fromkeys(r["op"] for r in result["results"]))
     head_one = f"{'time(us)':>10} {'algbw':>7} {'busbw':>7} {'%ceil':>6} {'cpu/GB':>6}"
     for op in ops:
         lines.append("")
-        lines.append(f"# {op}  (algbw/busbw in GB/s, cpu/GB = CPU seconds over all ranks per GB on the wire)")
-        lines.append(f"{'size':>8}  " + "  |  ".join(f"{b:^40}" for b in backends)
-                     + ("  |  mccl/gloo busbw" if len(ratios) else ""))
-        lines.append(f"{'':>8}  " + "  |  ".join(head_one for _ in backends))
+        lines.append(f"# {op}  (algbw/busbw in GB/s, busbw counted for n={n} ranks; cpu/GB = CPU seconds "
+                     f"over all ranks per GB on the wire; ratios are busbw)")
+        lines.append(f"{'size':>8}  " + "  |  ".join(f"{b:^40}" for b in series)
+                     + "".join(f"  | {h:>14}" for _, h in shown))
+        lines.append(f"{'':>8}  " + "  |  ".join(head_one for _ in series))
         for size in sorted({r["bytes"] for r in result["results"] if r["op"] == op}):
-            cells = "  |  ".join(_cell(rows.get((b, op, size))) for b in backends)
-            c = ratios.get((op, size))
-            lines.append(f"{fmt_bytes(size):>8}  {cells}" + (f"  |  {c['busbw_mccl_over_gloo']:6.2f}x" if c else ""))
+            cells = "  |  ".join(_cell(rows.get((b, op, size))) for b in series)
+            c = ratios.get((op, size), {})
+            lines.append(f"{fmt_bytes(size):>8}  {cells}"
+                         + "".join(f"  | {c[k]:13.2f}x" if k in c else f"  | {'-':>14}" for k, _ in shown))
     lines.append("")
     lines.append(f"# {meta['seconds']:.0f} s in all, load average at the end {meta['loadavg_end'][0]:.1f}"
                  + ("" if meta.get("complete", True) else "; PARTIAL: the run was cut short"))
@@ -56,27 +90,33 @@ def render(result: dict) -> str:
 def markdown(result: dict) -> str:
     """The same measurements as a Markdown table (docs/benchmarks.md is built from these)."""
     meta, ceiling = result["meta"], result["ceiling"]
-    backends = [b for b, v in result["backends"].items() if v["ok"]]
-    rows = {(r["backend"], r["op"], r["bytes"]): r for r in result["results"]}
-    where = (f"N={meta['world']} emulated hosts at {meta['rate'] or 'unshaped'}" if meta["mode"] == "fleet"
-             else f"N={meta['world']} ranks on loopback")
-    out = [f"**{where}** — {meta['machine']}, {meta['cpus']} CPUs, load {meta['loadavg_start'][0]:.1f}"
-           f"→{meta['loadavg_end'][0]:.1f}, {meta['started']}, commit `{meta['commit']}`"
-           + ("" if meta.get("complete", True) else " (PARTIAL: the run was cut short)")]
+    series = [b for b, v in result["backends"].items() if v["ok"]]
+    rows = {(series_of(r), r["op"], r["bytes"]): r for r in result["results"]}
+    ratios = {(c["op"], c["bytes"]): c for c in result["comparison"]}
+    shown = [(k, h) for k, h in _RATIOS if any(k in c for c in ratios.values())]
+    out = [f"**{where(meta)}** (busbw for n={meta['world']}) — {meta['machine']}, {meta['cpus']} CPUs, load "
+           f"{meta['loadavg_start'][0]:.1f}→{meta['loadavg_end'][0]:.1f}, {meta['started']}, "
+           f"commit `{meta['commit']}`" + ("" if meta.get("complete", True) else " (PARTIAL: the run was cut short)")]
     if ceiling:
         out[0] += (f"; ring ceiling ({ceiling['tool']}) {ceiling['mean_bps'] / 1e9:.3f} Gbit/s per host, "
                    f"{ceiling['cpu_s_per_gb']:.2f} CPU s/GB" if ceiling.get("cpu_s_per_gb") else "")
-    head = ["op", "size"] + [f"{b} {k}" for b in backends for k in ("time µs", "busbw Gbit/s", "% ceil", "CPU s/GB")]
+    lat = [line.lstrip("# ") for line in _latency_lines(result)]
+    if lat:
+        out += ["", "; ".join(lat)]
+    head = (["op", "size"] + [f"{b} {k}" for b in series for k in ("time µs", "busbw Gbit/s", "% ceil", "CPU s/GB")]
+            + [h for _, h in shown])
     out += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for op in dict.fromkeys(r["op"] for r in result["results"]):
         for size in sorted({r["bytes"] for r in result["results"] if r["op"] == op}):
             cells = [op, fmt_bytes(size)]
-            for b in backends:
+            for b in series:
                 r = rows.get((b, op, size))
                 if r is None:
                     cells += ["-"] * 4
                     continue
                 pct = f"{r['busbw_pct_ceiling']:.1f}" if r["busbw_pct_ceiling"] is not None else "-"
                 cells += [f"{r['time_us']:.1f}", f"{r['busbw_Gbps']:.3f}", pct, f"{r['cpu_s_per_wire_gb']:.2f}"]
+            c = ratios.get((op, size), {})
+            cells += [f"{c[k]:.2f}×" if k in c else "-" for k, _ in shown]
             out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)

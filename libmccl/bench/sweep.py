@@ -1,9 +1,16 @@
-"""One benchmark run: the ring ceiling, then every backend's sweep, on the same hosts.
+"""One benchmark run: the ring ceiling, then every series' sweep, on the same hosts.
 
-Per (backend, op, size) the ranks report wall time per op for each repeat and their CPU
+A series is a backend in one mode: ``mccl`` (the engine in each rank), ``mccl-daemon``
+(the same ranks with MCCL_DAEMON=1, through one mccld per host that this run starts and
+stops itself, daemons.py) and ``gloo``. With R ranks per host every series runs the same
+H*R ranks, so busbw is counted with n = H*R for all of them: in-process mccl and Gloo are
+the flat ring of all ranks, the daemon reduces each host's ranks first.
+
+Per (series, op, size) the ranks report wall time per op for each repeat and their CPU
 time. A repeat's time is the slowest rank's (an op is done when every rank is done);
 the reported time is the median over repeats. CPU seconds per wire GB sums user+sys
-time over all ranks and divides by the bytes all ranks put on the wire (metrics.py).
+time over all ranks (and, through mccld, the daemons) and divides by the bytes all ranks
+put on the wire (metrics.py).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from typing import Callable
 
 from ..errors import ConfigError, MCCLError
 from .ceiling import ring_ceiling
+from .daemons import HostDaemons
 from .launch import FleetLauncher, LocalLauncher, first_failure, run_group
 from .metrics import OPS
 from .worker import TEARDOWN_FAILED
@@ -31,15 +39,26 @@ from .worker import TEARDOWN_FAILED
 log = logging.getLogger(__name__)
 
 BACKENDS = ("mccl", "gloo")
+MODES = ("in-process", "daemon")     # how mccl runs; Gloo has one way only
+LATENCY_BYTES = 8                    # the small-op latency: an all_reduce of two float32
 _PKG_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@dataclass(frozen=True)
+class Series:
+    name: str                      # the label of its rows and table columns
+    backend: str                   # torch.distributed backend
+    mode: str | None               # MODES for mccl, None for gloo
 
 
 @dataclass
 class BenchConfig:
-    hosts: int = 0                 # 0: loopback; N: one rank per emulated host
-    ranks: int = 2                 # loopback only; with hosts > 0 there is one rank per host
+    hosts: int = 0                 # 0: loopback; N: emulated hosts (network namespaces)
+    ranks: int = 2                 # loopback only: ranks in all; with hosts > 0, hosts * ranks_per_host
+    ranks_per_host: int = 1        # ranks sharing one host (and, in daemon mode, one mccld)
     rate: str | None = "1gbit"     # fleet link rate (tc syntax); None: unshaped
     backends: list[str] = field(default_factory=lambda: list(BACKENDS))
+    modes: list[str] = field(default_factory=lambda: ["in-process"])   # of the mccl backend
     ops: list[str] = field(default_factory=lambda: list(OPS))
     sizes: list[int] = field(default_factory=list)
     warmup: int = 1
@@ -49,20 +68,40 @@ class BenchConfig:
     max_iters: int = 200
     ceiling_seconds: float = 3.0
     ceiling_tool: str = "auto"     # auto | iperf3 | probe | none
+    latency_iters: int = 300       # individually timed 8-byte all_reduces per series; 0: none
     timeout_s: float = 1800.0      # per backend sweep
     verbose: bool = False
     log_dir: str | None = None     # keep logs here; None: a temporary folder, removed at the end
 
     @property
     def world(self) -> int:
-        return self.hosts if self.hosts > 0 else self.ranks
+        return self.hosts * self.ranks_per_host if self.hosts > 0 else self.ranks
+
+    @property
+    def n_hosts(self) -> int:
+        return self.hosts if self.hosts > 0 else self.ranks // max(1, self.ranks_per_host)
+
+    def series(self) -> list[Series]:
+        out = []
+        for b in self.backends:
+            if b == "mccl":
+                out += [Series("mccl" if m == "in-process" else f"mccl-{m}", b, m) for m in self.modes]
+            else:
+                out.append(Series(b, b, None))
+        return out
 
     def validate(self) -> None:
+        if self.ranks_per_host < 1 or (not self.hosts and self.ranks % self.ranks_per_host):
+            raise ConfigError(f"[bench] --ranks-per-host {self.ranks_per_host} must be at least 1 and divide "
+                              f"--ranks {self.ranks} on loopback")
         if self.world < 2:
             raise ConfigError(f"[bench] needs at least 2 ranks, got {self.world}; use --hosts N or --ranks N")
         bad = [b for b in self.backends if b not in BACKENDS]
         if bad:
             raise ConfigError(f"[bench] unknown backend(s) {bad}; choose from {', '.join(BACKENDS)}")
+        bad = [m for m in self.modes if m not in MODES]
+        if bad or not self.modes:
+            raise ConfigError(f"[bench] unknown or no --mode {bad or ''}; choose from {', '.join(MODES)}")
         bad = [o for o in self.ops if o not in OPS]
         if bad:
             raise ConfigError(f"[bench] unknown op(s) {bad}; choose from {', '.join(OPS)}")
@@ -81,39 +120,54 @@ def _git_commit() -> str | None:
         return None
 
 
-def _run_backend(launcher, cfg: BenchConfig, backend: str, tmp: str) -> list[dict]:
-    """Run one backend's whole sweep; returns the per-rank JSON documents."""
-    out_dir = os.path.join(tmp, backend)
+def _run_series(launcher, cfg: BenchConfig, series: Series, tmp: str) -> tuple[list[dict], list[str]]:
+    """Run one series' whole sweep; returns the per-rank JSON documents and what had to be
+    cleaned after the series' daemons (nothing, when they freed everything themselves)."""
+    out_dir = os.path.join(tmp, series.name)
     os.makedirs(out_dir)
-    plan = {"backend": backend, "ops": cfg.ops, "sizes": cfg.sizes, "warmup": cfg.warmup, "iters": cfg.iters,
-            "repeats": cfg.repeats, "target_s": cfg.target_s, "max_iters": cfg.max_iters,
-            "timeout_s": min(cfg.timeout_s, 600.0), "out_dir": out_dir}
+    plan = {"backend": series.backend, "mode": series.mode, "series": series.name, "ops": cfg.ops,
+            "sizes": cfg.sizes, "warmup": cfg.warmup, "iters": cfg.iters, "repeats": cfg.repeats,
+            "target_s": cfg.target_s, "max_iters": cfg.max_iters, "timeout_s": min(cfg.timeout_s, 600.0),
+            "latency_iters": cfg.latency_iters, "latency_bytes": LATENCY_BYTES, "out_dir": out_dir}
     port = launcher.free_port(29500)
-    n = cfg.world
+    n, per_host = cfg.world, cfg.ranks_per_host
+    placement = [r // per_host for r in range(n)]
     pypath = os.pathsep.join(p for p in (_PKG_ROOT, os.environ.get("PYTHONPATH")) if p)
-    envs = [{"RANK": str(r), "LOCAL_RANK": "0" if launcher.kind == "fleet" else str(r), "WORLD_SIZE": str(n),
-             "MASTER_ADDR": launcher.addr(0), "MASTER_PORT": str(port), "PYTHONPATH": pypath,
-             "OMP_NUM_THREADS": "1", **launcher.rank_env(r)} for r in range(n)]
-    argv = [sys.executable, "-m", "libmccl.bench.worker", json.dumps(plan)]
-    done = run_group(launcher, [argv] * n, envs, tmp, cfg.timeout_s, f"{backend}-rank", stream_first=cfg.verbose,
-                     soft_codes=(TEARDOWN_FAILED,))
+    envs = [{"RANK": str(r), "LOCAL_RANK": str(r % per_host), "LOCAL_WORLD_SIZE": str(per_host),
+             "WORLD_SIZE": str(n), "MASTER_ADDR": launcher.addr(0), "MASTER_PORT": str(port), "PYTHONPATH": pypath,
+             "OMP_NUM_THREADS": "1", "MCCL_DAEMON": "0", **launcher.rank_env(placement[r])} for r in range(n)]
+    leftovers: list[str] = []
+    with contextlib.ExitStack() as stack:
+        runner = launcher
+        if series.mode == "daemon":
+            daemons = HostDaemons(launcher, out_dir).start()
+            stack.callback(lambda: leftovers.extend(daemons.stop()))
+            runner = daemons    # the ranks attach to their host's daemon (MCCL_DAEMON=1)
+            plan["daemon_pids"] = {str(h * per_host): p.pid for h, p in enumerate(daemons.procs)}
+        argv = [sys.executable, "-m", "libmccl.bench.worker", json.dumps(plan)]
+        done = run_group(runner, [argv] * n, envs, tmp, cfg.timeout_s, f"{series.name}-rank",
+                         stream_first=cfg.verbose, soft_codes=(TEARDOWN_FAILED,), hosts=placement)
     why = first_failure(done, soft_codes=(TEARDOWN_FAILED,))
     if why:
-        raise MCCLError(f"[bench] backend {backend} failed: {why}")
+        raise MCCLError(f"[bench] {series.name} failed: {why}")
     docs = []
     for r in range(n):
-        with open(os.path.join(out_dir, f"{backend}-rank{r}.json")) as f:
+        with open(os.path.join(out_dir, f"{series.name}-rank{r}.json")) as f:
             docs.append(json.load(f))
-    return docs
+    wanted = series.mode == "daemon"
+    if any(d.get("via_daemon") != wanted for d in docs):
+        raise MCCLError(f"[bench] {series.name}: some ranks ran {'without' if wanted else 'through'} mccld, so "
+                        "their numbers are not this series'; likely cause: the backend ignores MCCL_DAEMON")
+    return docs, leftovers
 
 
-def aggregate(backend: str, docs: list[dict], ceiling: dict | None) -> list[dict]:
+def aggregate(series: str, docs: list[dict], ceiling: dict | None) -> list[dict]:
     n = len(docs)
     rows = []
     for k, first in enumerate(docs[0]["results"]):
         per_rank = [d["results"][k] for d in docs]
         if any((p["op"], p["bytes"]) != (first["op"], first["bytes"]) for p in per_rank):
-            raise MCCLError(f"[bench] ranks of {backend} disagree on measurement {k}; results are unusable")
+            raise MCCLError(f"[bench] ranks of {series} disagree on measurement {k}; results are unusable")
         repeats = len(first["times_s"])
         times = [max(p["times_s"][i] for p in per_rank) for i in range(repeats)]
         t = statistics.median(times)
@@ -123,7 +177,8 @@ def aggregate(backend: str, docs: list[dict], ceiling: dict | None) -> list[dict
         wire = spec.wire_factor(n) * size * n * first["iters"] * repeats
         cpu = sum(p["cpu_s"] for p in per_rank)
         rows.append({
-            "backend": backend, "op": first["op"], "bytes": size, "count": first["count"],
+            "series": series, "backend": docs[0].get("backend", series), "mode": docs[0].get("mode"),
+            "op": first["op"], "bytes": size, "count": first["count"],
             "iters": first["iters"], "repeats": repeats, "time_us": t * 1e6,
             "time_us_repeats": [x * 1e6 for x in times],
             "algbw_GBps": algbw / 1e9, "busbw_GBps": busbw / 1e9, "busbw_Gbps": busbw * 8 / 1e9,
@@ -133,58 +188,88 @@ def aggregate(backend: str, docs: list[dict], ceiling: dict | None) -> list[dict
     return rows
 
 
+def latency(docs: list[dict]) -> dict | None:
+    """The small-op latency: op i took as long as its slowest rank; median and p90 over ops."""
+    if not docs[0].get("latency"):
+        return None
+    per_op = [max(ts) for ts in zip(*(d["latency"]["times_s"] for d in docs))]
+    ranked = sorted(per_op)
+    return {"bytes": docs[0]["latency"]["bytes"], "iters": len(per_op),
+            "median_us": statistics.median(per_op) * 1e6, "p90_us": ranked[int(0.9 * (len(ranked) - 1))] * 1e6}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+# (numerator series, denominator series, key prefix) of every comparison the report shows.
+_PAIRS = (("mccl", "gloo", "mccl_over_gloo"), ("mccl-daemon", "mccl", "daemon_over_in_process"),
+          ("mccl-daemon", "gloo", "daemon_over_gloo"))
+
+
 def compare(rows: list[dict], ceiling: dict | None) -> list[dict]:
-    """MCCL relative to Gloo, per (op, size) both measured."""
-    by = {(r["backend"], r["op"], r["bytes"]): r for r in rows}
+    """Each pair of _PAIRS relative to each other, per (op, size) both measured."""
+    by = {(r.get("series", r["backend"]), r["op"], r["bytes"]): r for r in rows}
+    iperf_cpu = ceiling.get("cpu_s_per_gb") if ceiling else None
     out = []
-    for r in rows:
-        if r["backend"] != "mccl" or ("gloo", r["op"], r["bytes"]) not in by:
-            continue
-        g = by[("gloo", r["op"], r["bytes"])]
-        cpu_ratio = (r["cpu_s_per_wire_gb"] / g["cpu_s_per_wire_gb"]
-                     if r["cpu_s_per_wire_gb"] and g["cpu_s_per_wire_gb"] else None)
-        iperf_cpu = ceiling.get("cpu_s_per_gb") if ceiling else None
-        out.append({"op": r["op"], "bytes": r["bytes"],
-                    "busbw_mccl_over_gloo": r["busbw_GBps"] / g["busbw_GBps"],
-                    "latency_gloo_over_mccl": g["time_us"] / r["time_us"],
-                    "cpu_mccl_over_gloo": cpu_ratio,
-                    "cpu_mccl_over_ceiling_tool": (r["cpu_s_per_wire_gb"] / iperf_cpu
-                                                   if iperf_cpu and r["cpu_s_per_wire_gb"] else None)})
+    for op, size in dict.fromkeys((r["op"], r["bytes"]) for r in rows):
+        c: dict = {}
+        for num, den, key in _PAIRS:
+            a, b = by.get((num, op, size)), by.get((den, op, size))
+            if a is None or b is None:
+                continue
+            c[f"busbw_{key}"] = a["busbw_GBps"] / b["busbw_GBps"]
+            c[f"time_{key}"] = a["time_us"] / b["time_us"]
+            c[f"cpu_{key}"] = _ratio(a["cpu_s_per_wire_gb"], b["cpu_s_per_wire_gb"])
+        if "busbw_mccl_over_gloo" in c:
+            c["latency_gloo_over_mccl"] = 1 / c.pop("time_mccl_over_gloo")
+        for name in ("mccl", "mccl-daemon"):
+            if (name, op, size) in by:
+                c[f"cpu_{name.replace('-', '_')}_over_ceiling_tool"] = _ratio(
+                    by[(name, op, size)]["cpu_s_per_wire_gb"], iperf_cpu)
+        if any(k.startswith("busbw_") for k in c):
+            out.append({"op": op, "bytes": size, **c})
     return out
 
 
-def _assemble(meta: dict, ceilings: list[dict], backends: dict, docs_by_backend: dict, complete: bool) -> dict:
+def _assemble(meta: dict, ceilings: list[dict], series: dict, docs_by_series: dict, complete: bool) -> dict:
     # The higher of the ceiling runs is the reference: a backend's share of it is never
     # flattered by a ceiling that happened to be measured while the machine was busy.
     ceiling = (dict(max(ceilings, key=lambda c: c["mean_bps"]), runs_mean_bps=[c["mean_bps"] for c in ceilings])
                if ceilings else None)
     rows: list[dict] = []
-    for b, docs in docs_by_backend.items():
-        rows += aggregate(b, docs, ceiling)
+    lat = {}
+    for name, docs in docs_by_series.items():
+        rows += aggregate(name, docs, ceiling)
+        lat[name] = latency(docs)
+    lat = {k: v for k, v in lat.items() if v}
+    if "mccl" in lat and "mccl-daemon" in lat:
+        lat["daemon_over_in_process"] = lat["mccl-daemon"]["median_us"] / lat["mccl"]["median_us"]
     meta = dict(meta, complete=complete, seconds=time.time() - meta["t0"], loadavg_end=os.getloadavg())
     del meta["t0"]
-    return {"meta": meta, "ceiling": ceiling, "backends": dict(backends), "results": rows,
+    return {"meta": meta, "ceiling": ceiling, "backends": dict(series), "results": rows, "latency": lat,
             "comparison": compare(rows, ceiling)}
 
 
 def run_bench(cfg: BenchConfig, checkpoint: Callable[[dict], None] | None = None) -> dict:
-    """Run the ceiling and every backend; ``checkpoint`` gets the partial result after each
+    """Run the ceiling and every series; ``checkpoint`` gets the partial result after each
     step (meta.complete is False), so a run cut short still leaves what it measured."""
     cfg.validate()
     meta = {"started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "t0": time.time(), "mode": "fleet" if cfg.hosts else "loopback", "world": cfg.world,
+            "hosts": cfg.n_hosts, "ranks_per_host": cfg.ranks_per_host,
             "rate": cfg.rate if cfg.hosts else None, "machine": platform.node(), "cpus": os.cpu_count(),
             "python": platform.python_version(), "commit": _git_commit(), "loadavg_start": os.getloadavg(),
             "config": asdict(cfg)}
-    backends: dict[str, dict] = {}
+    series: dict[str, dict] = {}
     ceilings: list[dict] = []
-    docs_by_backend: dict[str, list[dict]] = {}
+    docs_by_series: dict[str, list[dict]] = {}
 
     def progress() -> None:
         if checkpoint is not None:
-            checkpoint(_assemble(meta, ceilings, backends, docs_by_backend, complete=False))
+            checkpoint(_assemble(meta, ceilings, series, docs_by_series, complete=False))
 
-    launcher = FleetLauncher(cfg.hosts, cfg.rate) if cfg.hosts else LocalLauncher(cfg.ranks)
+    launcher = FleetLauncher(cfg.hosts, cfg.rate) if cfg.hosts else LocalLauncher(cfg.n_hosts)
     try:
         with contextlib.ExitStack() as stack:
             if cfg.log_dir:
@@ -193,32 +278,38 @@ def run_bench(cfg: BenchConfig, checkpoint: Callable[[dict], None] | None = None
             else:
                 tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="mccl-bench-"))
             measure = cfg.ceiling_tool != "none"
+            if measure and launcher.n < 2:
+                log.warning("[bench] one host only: no ring ceiling to measure (use --ranks-per-host 1 "
+                            "or more hosts for a %% of ceiling)")
+                measure = False
             if measure:
                 ceilings.append(ring_ceiling(launcher, cfg.ceiling_seconds, tmp, cfg.ceiling_tool))
                 log.info("ring ceiling (%s): %.3f Gbit/s per host", ceilings[-1]["tool"], ceilings[-1]["mean_bps"] / 1e9)
                 progress()
-            for b in cfg.backends:
+            for s in cfg.series():
                 t0 = time.time()
                 try:
-                    docs = _run_backend(launcher, cfg, b, tmp)
+                    docs, leftovers = _run_series(launcher, cfg, s, tmp)
                 except MCCLError as e:
                     log.error("%s", e)
-                    backends[b] = {"ok": False, "error": str(e), "seconds": time.time() - t0}
+                    series[s.name] = {"ok": False, "backend": s.backend, "mode": s.mode, "error": str(e),
+                                      "seconds": time.time() - t0}
                     progress()
                     continue
                 # Measurements done and checked, but shutdown failed: keep the numbers, flag it.
                 teardown = [f"rank {d['rank']}: {d['teardown_error']}" for d in docs if d.get("teardown_error")]
                 if teardown:
-                    log.warning("[bench] %s: shutdown failed after all measurements: %s", b, teardown[0])
-                docs_by_backend[b] = docs
-                backends[b] = {"ok": True, "error": None, "teardown_errors": teardown,
-                               "seconds": time.time() - t0,
-                               "init_s": max(d["init_s"] for d in docs), "torch": docs[0]["torch"],
-                               "engine": docs[0].get("engine")}
+                    log.warning("[bench] %s: shutdown failed after all measurements: %s", s.name, teardown[0])
+                docs_by_series[s.name] = docs
+                series[s.name] = {"ok": True, "backend": s.backend, "mode": s.mode, "error": None,
+                                  "teardown_errors": teardown, "cleaned_after": leftovers,
+                                  "seconds": time.time() - t0,
+                                  "init_s": max(d["init_s"] for d in docs), "torch": docs[0]["torch"],
+                                  "engine": docs[0].get("engine")}
                 progress()
             if measure:
                 # Measured again after the backends: on a shared machine the ceiling drifts.
                 ceilings.append(ring_ceiling(launcher, cfg.ceiling_seconds, tmp, cfg.ceiling_tool))
     finally:
         launcher.close()
-    return _assemble(meta, ceilings, backends, docs_by_backend, complete=True)
+    return _assemble(meta, ceilings, series, docs_by_series, complete=True)

@@ -6,7 +6,8 @@ known data (a wrong answer fails the run: no number is reported for a backend th
 corrupts data), then warms up, picks an iteration count all ranks agree on, and times
 ``repeats`` loops of ``iters`` ops, recording wall time per op and this process's
 user+sys CPU time (all its threads, so engine and Gloo threads count) around each loop.
-Writes its measurements as JSON to ``<out_dir>/<backend>-rank<r>.json``.
+With ``latency_iters`` it first times that many small all_reduces one by one (the
+small-op latency). Writes its measurements as JSON to ``<out_dir>/<series>-rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import datetime
 import json
 import math
 import os
+import signal
 import statistics
 import sys
 import time
@@ -27,10 +29,19 @@ from .metrics import OPS, op_elements
 TEARDOWN_FAILED = 3
 
 
-def _cpu_seconds() -> float:
+def _cpu_seconds(also_pid: int | None = None) -> float:
     # CLOCK_PROCESS_CPUTIME_ID: user+sys of every thread, at ns resolution (os.times()
     # ticks in 10 ms steps, too coarse for a loop of small ops).
-    return time.process_time()
+    own = time.process_time()
+    return own if also_pid is None else own + _other_cpu_seconds(also_pid)
+
+
+def _other_cpu_seconds(pid: int) -> float:
+    """user+sys of all threads of another process (this host's mccld), in clock ticks: the
+    work a rank hands to its daemon is part of what the collective costs."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime, stime
 
 
 def _collective(dist, name: str):
@@ -127,8 +138,13 @@ def run(plan: dict) -> dict:
     t_init = time.perf_counter()
     dist.init_process_group(plan["backend"], rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=plan["timeout_s"]))
-    out = {"rank": rank, "world": world, "backend": plan["backend"], "torch": torch.__version__,
-           "init_s": time.perf_counter() - t_init, "engine": _engine_build(plan["backend"]), "results": []}
+    out = {"rank": rank, "world": world, "backend": plan["backend"], "mode": plan.get("mode"),
+           "torch": torch.__version__, "init_s": time.perf_counter() - t_init,
+           "engine": _engine_build(plan["backend"]), "results": [],
+           # Loaded only when the group went through mccld: proof that a daemon row is one.
+           "via_daemon": "libmccl.daemon_client" in sys.modules}
+    if plan.get("latency_iters"):
+        out["latency"] = _latency(torch, dist, plan["latency_bytes"], plan["latency_iters"], rank, world)
     for op in plan["ops"]:
         for size in plan["sizes"]:
             count = op_elements(op, size, world)
@@ -136,6 +152,25 @@ def run(plan: dict) -> dict:
                 continue
             out["results"].append(_measure(torch, dist, plan, op, count, rank, world))
     return out
+
+
+def _latency(torch, dist, nbytes: int, iters: int, rank: int, world: int) -> dict:
+    """Small-op latency: ``iters`` all_reduces of ``nbytes``, each timed on its own (a loop's
+    mean would hide the tail); the harness takes, per op, the slowest rank's time."""
+    o = _Op(torch, dist, "all_reduce", op_elements("all_reduce", nbytes, world), rank, world)
+    o.check()
+    for _ in range(20):
+        o.run()
+    dist.barrier()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        o.run()
+        times.append(time.perf_counter() - t0)
+    if rank == 0:
+        print(f"[bench] all_reduce {nbytes} B latency: median {statistics.median(times) * 1e6:.1f} us "
+              f"over {iters} ops", file=sys.stderr, flush=True)
+    return {"bytes": nbytes, "times_s": times}
 
 
 def _measure(torch, dist, plan: dict, op: str, count: int, rank: int, world: int) -> dict:
@@ -150,16 +185,18 @@ def _measure(torch, dist, plan: dict, op: str, count: int, rank: int, world: int
         o.run()
         iters = _agree_iters(torch, dist, time.perf_counter() - t0, plan["target_s"], plan["max_iters"])
     times, cpu = [], 0.0
+    # Through mccld, one rank per host also counts its daemon's CPU (the others' is in its).
+    daemon_pid = (plan.get("daemon_pids") or {}).get(str(rank))
     for _ in range(plan["repeats"]):
         dist.barrier()
-        c0, t0 = _cpu_seconds(), time.perf_counter()
+        c0, t0 = _cpu_seconds(daemon_pid), time.perf_counter()
         for _ in range(iters):
             o.run()
-        t1, c1 = time.perf_counter(), _cpu_seconds()
+        t1, c1 = time.perf_counter(), _cpu_seconds(daemon_pid)
         times.append((t1 - t0) / iters)
         cpu += c1 - c0
     if rank == 0:
-        print(f"[bench] {plan['backend']} {op} {count * 4} B: {statistics.median(times) * 1e6:.1f} us/op "
+        print(f"[bench] {plan['series']} {op} {count * 4} B: {statistics.median(times) * 1e6:.1f} us/op "
               f"x{iters}", file=sys.stderr, flush=True)
     return {"op": op, "bytes": count * 4, "count": count, "iters": iters, "times_s": times, "cpu_s": cpu}
 
@@ -169,15 +206,15 @@ def _teardown(dist) -> None:
     dist.destroy_process_group()
 
 
-def _die_with_parent() -> None:
-    """Ranks must not outlive the harness (killed, timed out): ask Linux to SIGKILL us then."""
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Ranks and daemons must not outlive the harness (killed, timed out): ask Linux to send
+    us ``sig`` then."""
     if not sys.platform.startswith("linux"):
         return
     import ctypes
-    import signal
 
     PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
     if os.getppid() == 1:  # the parent died before prctl took effect
         os._exit(1)
 
@@ -189,12 +226,12 @@ def _write(path: str, doc: dict) -> None:
 
 
 def main() -> int:
-    _die_with_parent()
+    die_with_parent()
     plan = json.loads(sys.argv[1])
     import torch.distributed as dist
 
     result = run(plan)
-    path = os.path.join(plan["out_dir"], f"{plan['backend']}-rank{result['rank']}.json")
+    path = os.path.join(plan["out_dir"], f"{plan['series']}-rank{result['rank']}.json")
     # Every op has completed and been checked: the numbers stand whatever shutdown does,
     # but a failing shutdown is still reported (exit code TEARDOWN_FAILED, error in the JSON).
     _write(path, result)
