@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -102,11 +104,42 @@ def test_aggregate_takes_slowest_rank_and_median():
     assert r["busbw_pct_ceiling"] == pytest.approx(100 * r["busbw_GBps"] / 1.0)
     # wire: (2(n-1)/n) * S per rank * n ranks * iters * repeats
     assert r["cpu_s_per_wire_gb"] == pytest.approx(0.04 / ((1 << 20) * 2 * 2 * 3 / 1e9))
-    m = dict(r, backend="mccl", time_us=1500.0, busbw_GBps=2 * r["busbw_GBps"], cpu_s_per_wire_gb=0.05)
+    m = dict(r, series="mccl", time_us=1500.0, busbw_GBps=2 * r["busbw_GBps"], cpu_s_per_wire_gb=0.05)
     g = dict(r, cpu_s_per_wire_gb=0.1)
     (c,) = compare([m, g], {"cpu_s_per_gb": 0.04})
     assert c["busbw_mccl_over_gloo"] == pytest.approx(2) and c["latency_gloo_over_mccl"] == pytest.approx(2)
     assert c["cpu_mccl_over_gloo"] == pytest.approx(0.5) and c["cpu_mccl_over_ceiling_tool"] == pytest.approx(1.25)
+    d = dict(m, series="mccl-daemon", time_us=3000.0, busbw_GBps=r["busbw_GBps"], cpu_s_per_wire_gb=0.1)
+    (c,) = compare([m, d, g], {"cpu_s_per_gb": 0.04})
+    assert c["busbw_daemon_over_in_process"] == pytest.approx(0.5) and c["time_daemon_over_in_process"] == 2
+    assert c["busbw_daemon_over_gloo"] == pytest.approx(1) and c["busbw_mccl_over_gloo"] == pytest.approx(2)
+
+
+@pytest.mark.timeout(10)
+def test_busbw_counts_every_rank_of_every_host():
+    # 4 hosts x 2 ranks: the daemon's hierarchical all_reduce is still counted for n = 8.
+    cfg = BenchConfig(hosts=4, ranks_per_host=2, modes=["in-process", "daemon"], sizes=[1 << 20])
+    assert cfg.world == 8 and cfg.n_hosts == 4
+    assert [s.name for s in cfg.series()] == ["mccl", "mccl-daemon", "gloo"]
+    doc = {"backend": "mccl", "mode": "daemon",
+           "results": [{"op": "all_reduce", "bytes": 1 << 20, "count": 1 << 18, "iters": 1, "times_s": [1e-3] * 3,
+                        "cpu_s": 0.0}]}
+    (r,) = aggregate("mccl-daemon", [doc] * 8, None)
+    assert r["busbw_GBps"] == pytest.approx((1 << 20) / 1e-3 / 1e9 * 2 * 7 / 8)
+    assert (r["series"], r["backend"], r["mode"]) == ("mccl-daemon", "mccl", "daemon")
+    with pytest.raises(ConfigError, match="ranks-per-host"):
+        BenchConfig(ranks=3, ranks_per_host=2, sizes=[8]).validate()
+    with pytest.raises(ConfigError, match="--mode"):
+        BenchConfig(ranks=2, modes=["remote"], sizes=[8]).validate()
+
+
+@pytest.mark.timeout(30)
+def test_results_saved_before_the_daemon_mode_still_render():
+    from libmccl.bench.report import markdown, render
+
+    with open(os.path.join(ROOT, "docs", "results", "device-final", "n8-10gbit.json")) as f:
+        old = json.load(f)
+    assert "| all_reduce | 256M |" in markdown(old) and "mccl/gloo" in render(old)
 
 
 needs_fleet = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("iperf3"),
@@ -150,3 +183,111 @@ def test_builtin_probe_measures_a_loopback_ring(tmp_path):
     c = ring_ceiling(LocalLauncher(2), 1.0, str(tmp_path), tool="probe")
     assert c["tool"] == "tcp-probe" and len(c["per_host_bps"]) == 2
     assert c["min_bps"] > 1e8 and c["bytes"] > 0 and c["cpu_s_per_gb"] > 0
+
+
+def _gone(pid: int) -> bool:
+    from mccld.shm import pid_alive
+
+    return not pid_alive(pid)
+
+
+def _segments_of(pids: list[int]) -> list[str]:
+    from mccld.shm import owner_pid
+
+    return [n for n in os.listdir("/dev/shm") if n.startswith("mccl-") and owner_pid(n) in set(pids)]
+
+
+def _daemon_run(tmp_path, where: list[str], env: dict | None = None, timeout: float = 250) -> dict:
+    out, logs = tmp_path / "r.json", tmp_path / "logs"
+    res = subprocess.run(
+        [sys.executable, "-m", "libmccl.bench", *where, "--mode", "in-process,daemon", "--sizes", "4K,1M",
+         "--ops", "all_reduce,all_gather", "--iters", "2", "--latency-iters", "20", "--ceiling-seconds", "1",
+         "--timeout", "150", "--log-dir", str(logs), "--json", str(out)],
+        capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=dict(os.environ, **(env or {})))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    series = ["mccl", "mccl-daemon", "gloo"]
+    assert list(doc["backends"]) == series and all(doc["backends"][s]["ok"] for s in series), doc["backends"]
+    for s in series:
+        got = {(r["op"], r["bytes"]) for r in doc["results"] if r["series"] == s}
+        assert got == {(op, b) for op in ("all_reduce", "all_gather") for b in (4096, 1 << 20)}, (s, got)
+        assert doc["latency"][s]["bytes"] == 8 and doc["latency"][s]["median_us"] > 0
+    assert all(r["busbw_GBps"] > 0 and r["cpu_s_per_wire_gb"] > 0 for r in doc["results"])
+    assert all(c["busbw_daemon_over_in_process"] > 0 for c in doc["comparison"])
+    assert doc["latency"]["daemon_over_in_process"] > 0
+    assert "mccl-daemon" in res.stdout and "daemon/in-proc" in res.stdout
+    # The daemons freed everything themselves, and nothing of the run is left: no process,
+    # runtime dir, key or segment (the logs stay in --log-dir).
+    info = doc["backends"]["mccl-daemon"]
+    assert info["cleaned_after"] == [] and len(info["pids"]["daemons"]) == doc["meta"]["hosts"]
+    pids = info["pids"]["daemons"] + info["pids"]["ranks"]
+    assert all(_gone(p) for p in pids) and _segments_of(pids) == []
+    (daemons_dir,) = logs.glob("run-*/mccl-daemon/daemons")
+    assert sorted(p.name for p in daemons_dir.iterdir()) == [f"mccld-h{h}.log" for h in range(doc["meta"]["hosts"])]
+    return doc
+
+
+@pytest.mark.skipif(not _mccl_works(), reason="the engine is not built")
+@pytest.mark.timeout(300)
+def test_daemon_mode_on_loopback_without_zeroconf(tmp_path):
+    # Two daemons on loopback, one rank each; zeroconf hidden, as on the device machine:
+    # jobs learn their peers through the rendezvous, so the daemons need no mDNS.
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "zeroconf.py").write_text("raise ImportError('hidden by the test: no zeroconf here')\n")
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(shadow), os.environ.get("PYTHONPATH")) if p)}
+    doc = _daemon_run(tmp_path, ["--ranks", "2"], env)
+    assert doc["meta"]["world"] == 2 and doc["meta"]["hosts"] == 2
+    (log,) = tmp_path.glob("logs/run-*/mccl-daemon/daemons/mccld-h0.log")
+    assert "mccld.discovery cannot be imported" in log.read_text()
+
+
+@needs_fleet
+@pytest.mark.fleet
+@pytest.mark.skipif(not _mccl_works(), reason="the engine is not built")
+@pytest.mark.timeout(300)
+def test_daemon_mode_on_two_namespace_hosts_with_two_ranks_each(tmp_path):
+    doc = _daemon_run(tmp_path, ["--hosts", "2", "--ranks-per-host", "2", "--rate", "1gbit"], timeout=280)
+    assert doc["meta"]["world"] == 4 and doc["meta"]["hosts"] == 2 and doc["ceiling"]["tool"] == "iperf3"
+
+
+@pytest.mark.timeout(120)
+def test_daemons_are_stopped_and_swept_whatever_happened(tmp_path):
+    # A rank SIGKILLed with its segment still there: stop() unlinks it, says so, and leaves
+    # no daemon, runtime dir or key behind.
+    from libmccl.bench.daemons import HostDaemons
+    from libmccl.bench.launch import LocalLauncher
+
+    d = HostDaemons(LocalLauncher(1), str(tmp_path)).start()
+    try:
+        rank = d.popen(0, [sys.executable, "-c", "import time; time.sleep(60)"])
+        seg = f"/dev/shm/mccl-b0b-0-{rank.pid}-0"
+        open(seg, "wb").close()
+        rank.kill()
+        rank.wait(10)
+        daemon = d.procs[0]
+    finally:
+        cleaned = d.stop()
+    assert cleaned == [f"shared-memory segment {os.path.basename(seg)}"] and not os.path.exists(seg)
+    assert daemon.returncode == 0 and not os.path.exists(d.runtime_dir(0)) and not os.path.exists(d.key_file)
+    assert d.stop() == []  # idempotent
+
+
+@pytest.mark.timeout(120)
+def test_daemons_die_with_a_killed_benchmark(tmp_path):
+    # Even SIGKILL of the benchmark (no finally runs) stops its daemons: they get SIGTERM.
+    code = ("import sys, time; from libmccl.bench.daemons import HostDaemons; "
+            "from libmccl.bench.launch import LocalLauncher; "
+            f"d = HostDaemons(LocalLauncher(2), {str(tmp_path)!r}).start(); "
+            "print(*[p.pid for p in d.procs], flush=True); time.sleep(120)")
+    bench = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        pids = [int(x) for x in bench.stdout.readline().split()]
+        assert len(pids) == 2, "the daemons did not start"
+    finally:
+        bench.send_signal(signal.SIGKILL)
+        bench.wait(10)
+    deadline = time.monotonic() + 30
+    while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all(_gone(p) for p in pids)

@@ -21,7 +21,6 @@ killed with SIGKILL leaves no daemon behind (the daemon's SIGTERM handler frees 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import secrets
@@ -29,6 +28,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 from ..errors import DaemonUnavailableError
@@ -46,7 +46,10 @@ class HostDaemons:
 
     def __init__(self, launcher, run_dir: str):
         self.launcher = launcher
-        self.dir = os.path.join(run_dir, "daemons")
+        self.log_dir = os.path.join(run_dir, "daemons")
+        # Runtime dirs and key live apart from the logs: the attach socket's path must stay
+        # under the 107 characters of a Unix socket address, whatever --log-dir is.
+        self.dir = tempfile.mkdtemp(prefix="mcclb-")     # mode 0700
         self.key_file = os.path.join(self.dir, "fleet.key")
         # Unique per run: daemons of another run (or developer) on the same LAN never link with ours.
         self.fleet = f"bench{os.getpid()}-{secrets.token_hex(2)}"
@@ -78,13 +81,13 @@ class HostDaemons:
         return p
 
     def start(self) -> "HostDaemons":
-        os.makedirs(self.dir, mode=0o700)
-        fd = os.open(self.key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(32) + "\n")
         try:
+            os.makedirs(self.log_dir)
+            fd = os.open(self.key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32) + "\n")
             for h in range(self.launcher.n):
-                path = os.path.join(self.dir, f"mccld-h{h}.log")
+                path = os.path.join(self.log_dir, f"mccld-h{h}.log")
                 self.logs.append(path)
                 with open(path, "wb") as f:
                     self.procs.append(self.launcher.popen(
@@ -106,10 +109,10 @@ class HostDaemons:
                         f"not ready after {_READY_TIMEOUT_S:.0f}s"
                     raise DaemonUnavailableError(
                         f"[bench] mccld on host {h} {state}; likely cause: pyzmq missing or the address "
-                        f"{self.launcher.addr(h)} unusable; its log: {self._tail(h)}")
+                        f"{self.launcher.addr(h)} unusable; its log: {self.tail(h)}")
                 time.sleep(0.1)
 
-    def _tail(self, host: int) -> str:
+    def tail(self, host: int) -> str:
         try:
             with open(self.logs[host], errors="replace") as f:
                 return " | ".join(f.read().strip().splitlines()[-4:])[-800:]
@@ -136,11 +139,7 @@ class HostDaemons:
                 p.wait(5)
         cleaned += self._unlink_segments([p.pid for p in self.procs] + self.rank_pids)
         self.procs = []
-        # The logs stay with the caller's run directory (kept with --log-dir); the rest goes.
-        for h in range(self.launcher.n):
-            shutil.rmtree(self.runtime_dir(h), ignore_errors=True)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.key_file)
+        shutil.rmtree(self.dir, ignore_errors=True)   # the logs stay in run_dir
         for what in cleaned:
             log.warning("[bench] cleaned after the daemon run: %s", what)
         return cleaned

@@ -120,9 +120,16 @@ def _git_commit() -> str | None:
         return None
 
 
-def _run_series(launcher, cfg: BenchConfig, series: Series, tmp: str) -> tuple[list[dict], list[str]]:
-    """Run one series' whole sweep; returns the per-rank JSON documents and what had to be
-    cleaned after the series' daemons (nothing, when they freed everything themselves)."""
+@dataclass
+class SeriesRun:
+    docs: list[dict]               # one JSON document per rank
+    daemon_pids: list[int] = field(default_factory=list)
+    # What the bench had to clean after the daemons (nothing, when they freed everything themselves).
+    leftovers: list[str] = field(default_factory=list)
+
+
+def _run_series(launcher, cfg: BenchConfig, series: Series, tmp: str) -> SeriesRun:
+    """Run one series' whole sweep."""
     out_dir = os.path.join(tmp, series.name)
     os.makedirs(out_dir)
     plan = {"backend": series.backend, "mode": series.mode, "series": series.name, "ops": cfg.ops,
@@ -136,29 +143,30 @@ def _run_series(launcher, cfg: BenchConfig, series: Series, tmp: str) -> tuple[l
     envs = [{"RANK": str(r), "LOCAL_RANK": str(r % per_host), "LOCAL_WORLD_SIZE": str(per_host),
              "WORLD_SIZE": str(n), "MASTER_ADDR": launcher.addr(0), "MASTER_PORT": str(port), "PYTHONPATH": pypath,
              "OMP_NUM_THREADS": "1", "MCCL_DAEMON": "0", **launcher.rank_env(placement[r])} for r in range(n)]
-    leftovers: list[str] = []
+    run, daemons = SeriesRun([]), None
     with contextlib.ExitStack() as stack:
         runner = launcher
         if series.mode == "daemon":
             daemons = HostDaemons(launcher, out_dir).start()
-            stack.callback(lambda: leftovers.extend(daemons.stop()))
+            stack.callback(lambda: run.leftovers.extend(daemons.stop()))
             runner = daemons    # the ranks attach to their host's daemon (MCCL_DAEMON=1)
             plan["daemon_pids"] = {str(h * per_host): p.pid for h, p in enumerate(daemons.procs)}
+            run.daemon_pids = [p.pid for p in daemons.procs]
         argv = [sys.executable, "-m", "libmccl.bench.worker", json.dumps(plan)]
         done = run_group(runner, [argv] * n, envs, tmp, cfg.timeout_s, f"{series.name}-rank",
                          stream_first=cfg.verbose, soft_codes=(TEARDOWN_FAILED,), hosts=placement)
     why = first_failure(done, soft_codes=(TEARDOWN_FAILED,))
     if why:
-        raise MCCLError(f"[bench] {series.name} failed: {why}")
-    docs = []
+        said = f"; mccld on host 0 logged: {daemons.tail(0)}" if daemons is not None else ""
+        raise MCCLError(f"[bench] {series.name} failed: {why}{said}")
     for r in range(n):
         with open(os.path.join(out_dir, f"{series.name}-rank{r}.json")) as f:
-            docs.append(json.load(f))
+            run.docs.append(json.load(f))
     wanted = series.mode == "daemon"
-    if any(d.get("via_daemon") != wanted for d in docs):
+    if any(d.get("via_daemon") != wanted for d in run.docs):
         raise MCCLError(f"[bench] {series.name}: some ranks ran {'without' if wanted else 'through'} mccld, so "
                         "their numbers are not this series'; likely cause: the backend ignores MCCL_DAEMON")
-    return docs, leftovers
+    return run
 
 
 def aggregate(series: str, docs: list[dict], ceiling: dict | None) -> list[dict]:
@@ -289,20 +297,22 @@ def run_bench(cfg: BenchConfig, checkpoint: Callable[[dict], None] | None = None
             for s in cfg.series():
                 t0 = time.time()
                 try:
-                    docs, leftovers = _run_series(launcher, cfg, s, tmp)
+                    run = _run_series(launcher, cfg, s, tmp)
                 except MCCLError as e:
                     log.error("%s", e)
                     series[s.name] = {"ok": False, "backend": s.backend, "mode": s.mode, "error": str(e),
                                       "seconds": time.time() - t0}
                     progress()
                     continue
+                docs = run.docs
                 # Measurements done and checked, but shutdown failed: keep the numbers, flag it.
                 teardown = [f"rank {d['rank']}: {d['teardown_error']}" for d in docs if d.get("teardown_error")]
                 if teardown:
                     log.warning("[bench] %s: shutdown failed after all measurements: %s", s.name, teardown[0])
                 docs_by_series[s.name] = docs
                 series[s.name] = {"ok": True, "backend": s.backend, "mode": s.mode, "error": None,
-                                  "teardown_errors": teardown, "cleaned_after": leftovers,
+                                  "teardown_errors": teardown, "cleaned_after": run.leftovers,
+                                  "pids": {"ranks": [d["pid"] for d in docs], "daemons": run.daemon_pids},
                                   "seconds": time.time() - t0,
                                   "init_s": max(d["init_s"] for d in docs), "torch": docs[0]["torch"],
                                   "engine": docs[0].get("engine")}

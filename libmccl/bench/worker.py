@@ -138,7 +138,7 @@ def run(plan: dict) -> dict:
     t_init = time.perf_counter()
     dist.init_process_group(plan["backend"], rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=plan["timeout_s"]))
-    out = {"rank": rank, "world": world, "backend": plan["backend"], "mode": plan.get("mode"),
+    out = {"rank": rank, "pid": os.getpid(), "world": world, "backend": plan["backend"], "mode": plan.get("mode"),
            "torch": torch.__version__, "init_s": time.perf_counter() - t_init,
            "engine": _engine_build(plan["backend"]), "results": [],
            # Loaded only when the group went through mccld: proof that a daemon row is one.
