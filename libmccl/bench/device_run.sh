@@ -1,85 +1,125 @@
 #!/usr/bin/env bash
 # mccl-bench on a bigger Linux box (16 cores) that brings ip/tc/iperf3 in .fleet-tools/ and
-# has torch, pybind11, cmake, ninja and scikit-build-core but no pyzmq/zeroconf (the bench
-# needs neither). Builds the engine in place, then measures, writing JSON + tables to $OUT:
-#   1. N=8 hosts at 10 Gbit/s, 16-256 MB: mccl vs gloo vs the iperf3 ring ceiling
-#   2. N=2, 4, 8 at 2.5 Gbit/s, 4-256 MB all_reduce/all_gather: is busbw flat in N?
+# has torch, pybind11, cmake and ninja but no pyzmq/zeroconf. Builds the engine in place,
+# installs the wheels carried in .whl/ (pyzmq, numpy for mccld; zeroconf, ifaddr optional:
+# the daemons need no mDNS, jobs learn their peers through the rendezvous), then measures
+# what issue 9's targets need, each step one mccl-bench invocation (mccl in-process, mccl
+# through one mccld per host, Gloo and the iperf3 ring ceiling in the same run):
+#   n8-10gbit      8 hosts x 1 rank at 10 Gbit/s, all_reduce 16/64/256 MB, + 8-byte latency
+#   n4x2-10gbit    4 hosts x 2 ranks at 10 Gbit/s, all_reduce 64/256 MB (daemon: hierarchical)
+#   n16-2.5gbit    16 hosts at 2.5 Gbit/s, all_reduce 16/64/256 MB, in-process + Gloo
+#   n24-1gbit      24 hosts at 1 Gbit/s, all_reduce 16/64/256 MB, in-process + Gloo
 # Every step has its own time limit, cut further so the script ends within BUDGET_S (8.5
-# minutes); a step that fails or times out is recorded in $OUT/status.txt and the script
-# moves on.
-# SEND_THREAD_AB=1 adds, after step 1, N=8 all_reduce at 64/256 MB with MCCL_SEND_THREAD=0
-# (about a minute, taken from step 2's time).
+# minutes); a step that fails or times out is recorded in status.txt and the script moves
+# on. Results (JSON rewritten after every measurement, tables, logs, plots) go to $RESULTS;
+# after every step they are packed into $OUT/results.tgz, and status.txt and summary.txt
+# (every table) are copied to $OUT, so a run cut short still returns what it measured.
+#
 # Run from the repository root:  OUT=/some/dir bash libmccl/bench/device_run.sh
+# Smaller versions (a quick check on any root Linux box), e.g. a minute on 2 cores:
+#   H8=2 H_X2=2 H_MID=2 H_SLOW=3 FAST=1gbit MID=1gbit SLOW=1gbit SIZES=1M,4M SIZES_X2=4M \
+#     SKIP_BUILD=1 OUT=/tmp/o bash libmccl/bench/device_run.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/out}
-mkdir -p "$OUT"
+RESULTS=${RESULTS:-$(mktemp -d /tmp/mccl-bench-results.XXXXXX)}
+mkdir -p "$OUT" "$RESULTS"
 PY=${PY:-python3}
 T0=$(date +%s)
 BUDGET_S=${BUDGET_S:-510}
+H8=${H8:-8} H_X2=${H_X2:-4} H_MID=${H_MID:-16} H_SLOW=${H_SLOW:-24}
+FAST=${FAST:-10gbit} MID=${MID:-2.5gbit} SLOW=${SLOW:-1gbit}
+SIZES=${SIZES:-16M,64M,256M} SIZES_X2=${SIZES_X2:-64M,256M}
 left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
-status() { echo "$(( $(date +%s) - T0 ))s $*" | tee -a "$OUT/status.txt"; }
+status() { echo "$(( $(date +%s) - T0 ))s $*" | tee -a "$RESULTS/status.txt"; }
+pack() {  # what $OUT gets back, refreshed after every step
+  cp "$RESULTS/status.txt" "$OUT/status.txt"
+  cat "$RESULTS"/*.txt > "$OUT/summary.txt.tmp" 2>/dev/null && mv "$OUT/summary.txt.tmp" "$OUT/summary.txt"
+  tar czf "$OUT/results.tgz.tmp" -C "$RESULTS" . && mv "$OUT/results.tgz.tmp" "$OUT/results.tgz"
+}
 
 if [ -d .fleet-tools ]; then
   export LD_LIBRARY_PATH=$PWD/.fleet-tools/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   export PATH=$PWD/.fleet-tools/root/sbin:$PWD/.fleet-tools/root/bin:$PWD/.fleet-tools/root/usr/bin:$PATH
 fi
-{ uname -a; nproc; free -g; $PY -c 'import torch; print("torch", torch.__version__)';
-  command -v ip tc iperf3; } > "$OUT/machine.txt" 2>&1
+{ uname -a; nproc; free -g; $PY --version; $PY -c 'import torch; print("torch", torch.__version__)';
+  command -v ip tc iperf3; } > "$RESULTS/machine.txt" 2>&1
+
+# --- wheels for mccld: only for modules that are missing (torch keeps its own numpy) --------
+SITE=${SITE:-/tmp/mccl-site}
+export PYTHONPATH=$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}
+if [ -d .whl ]; then
+  for pkg_mod in pyzmq:zmq numpy:numpy ifaddr:ifaddr zeroconf:zeroconf; do
+    pkg=${pkg_mod%%:*} mod=${pkg_mod#*:}
+    if $PY -c "import $mod" 2>/dev/null; then continue; fi
+    # pip picks the wheel that fits this Python, if .whl/ has one.
+    if $PY -m pip install -q --no-index --no-deps --no-compile --find-links .whl --target "$SITE" "$pkg" \
+         >> "$RESULTS/wheels.log" 2>&1 && $PY -c "import $mod" 2>> "$RESULTS/wheels.log"; then
+      status "wheel $pkg installed into $SITE"
+    else
+      status "wheel $pkg not installed (see wheels.log)"
+    fi
+  done
+fi
 
 # --- build the engine in place (no pip: _core.so lands next to libmccl/*.py) -------------
-status "build start"
-PYBIND11_DIR=$($PY -c 'import pybind11; print(pybind11.get_cmake_dir())')
-if timeout 90 cmake -S . -B build/device -G Ninja -DCMAKE_BUILD_TYPE=Release \
-      -DPython_EXECUTABLE="$(command -v $PY)" -Dpybind11_DIR="$PYBIND11_DIR" > "$OUT/build.log" 2>&1 &&
-   timeout 180 cmake --build build/device -j "$(nproc)" --target _core >> "$OUT/build.log" 2>&1; then
-  cp build/device/_core*.so libmccl/
-  status "build ok"
+if [ "${SKIP_BUILD:-0}" = 1 ]; then
+  status "build skipped (SKIP_BUILD=1)"
 else
-  status "build FAILED (see build.log); mccl will be reported as failed, gloo still runs"
+  status "build start"
+  PYBIND11_DIR=$($PY -c 'import pybind11; print(pybind11.get_cmake_dir())')
+  if timeout 90 cmake -S . -B build/device -G Ninja -DCMAKE_BUILD_TYPE=Release \
+        -DPython_EXECUTABLE="$(command -v $PY)" -Dpybind11_DIR="$PYBIND11_DIR" > "$RESULTS/build.log" 2>&1 &&
+     timeout 180 cmake --build build/device -j "$(nproc)" --target _core >> "$RESULTS/build.log" 2>&1; then
+    cp build/device/_core*.so libmccl/
+    status "build ok"
+  else
+    status "build FAILED (see build.log); mccl will be reported as failed, gloo still runs"
+  fi
 fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-# The sweep imports torch only in the ranks; torch's entry-point autoload is not installed
-# here (no pip), so the ranks register the backend themselves (worker.py).
+# torch's entry-point autoload is not installed here (no pip): the ranks register the backend (worker.py).
+
+# The daemon rows need mccld importable (pyzmq, numpy); without it the steps still measure the rest.
+MODES=in-process,daemon
+if ! $PY -c 'import mccld.daemon' > "$RESULTS/mccld-import.txt" 2>&1; then
+  MODES=in-process
+  status "mccld cannot be imported (see mccld-import.txt): no daemon rows; carry pyzmq/numpy wheels in .whl/"
+fi
 
 bench() {  # bench NAME LIMIT_S ARGS...
   local name=$1 limit=$2; shift 2
   local remaining=$(( $(left) - 15 ))
   [ "$remaining" -lt "$limit" ] && limit=$remaining
-  if [ "$limit" -lt 30 ]; then status "$name skipped: out of time"; return; fi
+  if [ "$limit" -lt 30 ]; then status "$name skipped: out of time"; pack; return; fi
   status "$name start (limit ${limit}s)"
-  # -v: progress lines go to .err as they happen; the JSON is rewritten after every step,
+  # -v: progress lines go to .err as they happen; the JSON is rewritten after every series,
   # so a run cut short by its limit still leaves what it measured.
-  timeout --kill-after=10 "$limit" $PY -m libmccl.bench -v --json "$OUT/$name.json" "$@" \
-    > "$OUT/$name.txt" 2> "$OUT/$name.err"
+  timeout --kill-after=20 "$limit" $PY -m libmccl.bench -v --json "$RESULTS/$name.json" "$@" \
+    > "$RESULTS/$name.txt" 2> "$RESULTS/$name.err"
   local rc=$?
   status "$name rc=$rc"
-  cat "$OUT/$name.txt"
+  cat "$RESULTS/$name.txt"
+  pack
 }
 
 # --- can this machine build a fleet at all? ------------------------------------------------
-if timeout 45 $PY -m libmccl.fleet selftest --rate 1gbit > "$OUT/fleet-selftest.txt" 2>&1; then
+if timeout 45 $PY -m libmccl.fleet selftest --rate 1gbit > "$RESULTS/fleet-selftest.txt" 2>&1; then
   status "fleet selftest ok"
-  bench n8-10gbit 180 --hosts 8 --rate 10gbit --min-bytes 16M --max-bytes 256M --ceiling-seconds 5
-  if [ "${SEND_THREAD_AB:-0}" = 1 ]; then
-    # The same all_reduce with the engine's send thread off (one thread per rank does
-    # all socket copies): what the send thread is worth where cores are to spare.
-    ( export MCCL_SEND_THREAD=0
-      bench n8-10gbit-one-thread 60 --hosts 8 --rate 10gbit --backends mccl --ops all_reduce \
-        --sizes 64M,256M --ceiling-tool none )
-  fi
-  for n in 2 4 8; do
-    bench n$n-2.5gbit 100 --hosts $n --rate 2.5gbit --ops all_reduce,all_gather \
-      --min-bytes 4M --max-bytes 256M --step-factor 4 --ceiling-seconds 3
-  done
+  COMMON=(--ops all_reduce --target-seconds 0.5)
+  bench "n$H8-$FAST" 150 --hosts "$H8" --rate "$FAST" --mode "$MODES" --sizes "$SIZES" "${COMMON[@]}"
+  bench "n${H_X2}x2-$FAST" 120 --hosts "$H_X2" --ranks-per-host 2 --rate "$FAST" --mode "$MODES" \
+    --sizes "$SIZES_X2" "${COMMON[@]}"
+  bench "n$H_MID-$MID" 100 --hosts "$H_MID" --rate "$MID" --sizes "$SIZES" --latency-iters 0 "${COMMON[@]}"
+  bench "n$H_SLOW-$SLOW" 130 --hosts "$H_SLOW" --rate "$SLOW" --sizes "$SIZES" --latency-iters 0 "${COMMON[@]}"
 else
   status "fleet selftest FAILED (see fleet-selftest.txt); falling back to 8 ranks on loopback"
-  bench loopback-8 240 --ranks 8 --min-bytes 16M --max-bytes 256M --ceiling-seconds 5
+  bench loopback-8 240 --ranks 8 --mode "$MODES" --ops all_reduce --sizes "$SIZES"
 fi
 
 if $PY -c 'import matplotlib' 2>/dev/null; then
-  for f in "$OUT"/*.json; do
+  for f in "$RESULTS"/*.json; do
     [ -s "$f" ] && $PY -m libmccl.bench plot "$f" "${f%.json}.png" >/dev/null 2>&1
   done
 fi
 status "done"
+pack

@@ -62,7 +62,7 @@ def plot(results_paths: list[str], out_png: str, title: str | None = None) -> No
     for ax in list(axes.flat)[len(ops):]:
         ax.set_visible(False)
     m = results[0]["meta"]
-    fig.suptitle(title or f"mccl-bench: {where(m)}, busbw for n={m['world']} ({m['machine']}, {m['started']})",
+    fig.suptitle(title or f"mccl-bench: {where(m)}, busbw for n={m['world']}\n({m['machine']}, {m['started']})",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
