@@ -242,6 +242,25 @@ def test_daemon_mode_on_loopback_without_zeroconf(tmp_path):
     assert "mccld.discovery cannot be imported" in log.read_text()
 
 
+@pytest.mark.skipif(not _mccl_works(), reason="the engine is not built")
+@pytest.mark.timeout(300)
+def test_ddp_workload_times_a_step_per_series(tmp_path):
+    out = tmp_path / "r.json"
+    res = subprocess.run(
+        [sys.executable, "-m", "libmccl.bench", "--ranks", "2", "--mode", "in-process,daemon", "--workload", "ddp",
+         "--ddp-width", "256", "--ddp-steps", "3", "--latency-iters", "0", "--ceiling-seconds", "1",
+         "--timeout", "150", "--json", str(out)], capture_output=True, text=True, timeout=280, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    steps = doc["ddp"]
+    assert list(steps) == ["mccl", "mccl-daemon", "gloo"] and doc["results"] == []
+    # 3 layers of 256x256 weights + biases, float32
+    assert all(v["grad_bytes"] == 3 * (256 * 256 + 256) * 4 and v["steps"] == 3 for v in steps.values())
+    assert all(v["step_ms"] > 0 and v["compute_ms"] > 0 and v["wire_floor_ms"] > 0 for v in steps.values())
+    assert steps["mccl-daemon"]["step_over_in_process"] > 0 and "step_over_gloo" not in steps["gloo"]
+    assert "DDP step" in res.stdout
+
+
 @needs_fleet
 @pytest.mark.fleet
 @pytest.mark.skipif(not _mccl_works(), reason="the engine is not built")

@@ -8,6 +8,7 @@ Examples::
     mccl-bench --hosts 4 --ranks-per-host 2 --mode in-process,daemon --ops all_reduce --sizes 64M,256M
                                                        # + mccl through one mccld per host
     mccl-bench --hosts 4 --ops all_reduce --sizes 8    # small-message latency
+    mccl-bench --hosts 8 --rate 10gbit --mode in-process,daemon --workload ddp   # DDP step times
     mccl-bench plot n4.json docs/img/n4-1gbit.png
     mccl-bench table n4.json
 """
@@ -23,7 +24,7 @@ import sys
 
 from ..errors import MCCLError
 from .metrics import OPS, parse_bytes, sweep_sizes
-from .sweep import BACKENDS, MODES, BenchConfig, run_bench
+from .sweep import BACKENDS, MODES, WORKLOADS, BenchConfig, run_bench
 
 
 def _csv(text: str) -> list[str]:
@@ -59,6 +60,12 @@ def _parser() -> argparse.ArgumentParser:
     what.add_argument("--repeats", type=int, default=3, help="timed loops per size; the median is reported (>= 3)")
     what.add_argument("--ceiling-seconds", type=float, default=3.0, help="duration of the ring ceiling measurement")
     what.add_argument("--ceiling-tool", choices=("auto", "iperf3", "probe", "none"), default="auto")
+    what.add_argument("--workload", choices=WORKLOADS, default="collectives",
+                      help="collectives: the size sweep (default); ddp: DDP training steps of a fixed MLP "
+                           "with ~50 MB of gradients, timed per series (the sweep options are ignored)")
+    what.add_argument("--ddp-steps", type=int, default=10, help="timed DDP steps per series (after 3 warm-up)")
+    what.add_argument("--ddp-width", type=int, default=2048,
+                      help="MLP width; 3 layers of width^2 weights (2048: 50 MB of gradients)")
     what.add_argument("--latency-iters", type=int, default=300,
                       help="8-byte all_reduces timed one by one per series for the small-op latency; 0 = none")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per backend sweep")
@@ -104,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = BenchConfig(hosts=args.hosts, ranks=args.ranks, ranks_per_host=args.ranks_per_host,
                           rate=None if args.rate == "none" else args.rate, backends=args.backends,
                           modes=args.modes, ops=args.ops, latency_iters=args.latency_iters, sizes=sizes,
+                          workload=args.workload, ddp={"steps": args.ddp_steps, "width": args.ddp_width},
                           warmup=args.warmup, iters=args.iters, repeats=args.repeats, target_s=args.target_seconds,
                           max_iters=args.max_iters, ceiling_seconds=args.ceiling_seconds,
                           ceiling_tool=args.ceiling_tool, timeout_s=args.timeout, verbose=args.verbose,

@@ -7,6 +7,7 @@
 # through one mccld per host, Gloo and the iperf3 ring ceiling in the same run):
 #   n8-10gbit      8 hosts x 1 rank at 10 Gbit/s, all_reduce 16/64/256 MB, + 8-byte latency
 #   n4x2-10gbit    4 hosts x 2 ranks at 10 Gbit/s, all_reduce 64/256 MB (daemon: hierarchical)
+#   n8-10gbit-ddp  8 hosts x 1 rank at 10 Gbit/s, DDP step time of a 50 MB-gradient MLP
 #   n16-2.5gbit    16 hosts at 2.5 Gbit/s, all_reduce 16/64/256 MB, in-process + Gloo
 #   n24-1gbit      24 hosts at 1 Gbit/s, all_reduce 16/64/256 MB, in-process + Gloo
 # Every step has its own time limit, cut further so the script ends within BUDGET_S (8.5
@@ -18,7 +19,7 @@
 # Run from the repository root:  OUT=/some/dir bash libmccl/bench/device_run.sh
 # Smaller versions (a quick check on any root Linux box), e.g. a minute on 2 cores:
 #   H8=2 H_X2=2 H_MID=2 H_SLOW=3 FAST=1gbit MID=1gbit SLOW=1gbit SIZES=1M,4M SIZES_X2=4M \
-#     SKIP_BUILD=1 OUT=/tmp/o bash libmccl/bench/device_run.sh
+#     DDP_WIDTH=512 SKIP_BUILD=1 OUT=/tmp/o bash libmccl/bench/device_run.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/out}
@@ -109,6 +110,8 @@ if timeout 45 $PY -m libmccl.fleet selftest --rate 1gbit > "$RESULTS/fleet-selft
   bench "n$H8-$FAST" 150 --hosts "$H8" --rate "$FAST" --mode "$MODES" --sizes "$SIZES" "${COMMON[@]}"
   bench "n${H_X2}x2-$FAST" 120 --hosts "$H_X2" --ranks-per-host 2 --rate "$FAST" --mode "$MODES" \
     --sizes "$SIZES_X2" "${COMMON[@]}"
+  bench "n$H8-$FAST-ddp" 90 --hosts "$H8" --rate "$FAST" --mode "$MODES" --workload ddp \
+    --ddp-width "${DDP_WIDTH:-2048}" --latency-iters 0
   bench "n$H_MID-$MID" 100 --hosts "$H_MID" --rate "$MID" --sizes "$SIZES" --latency-iters 0 "${COMMON[@]}"
   bench "n$H_SLOW-$SLOW" 130 --hosts "$H_SLOW" --rate "$SLOW" --sizes "$SIZES" --latency-iters 0 "${COMMON[@]}"
 else

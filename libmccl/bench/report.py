@@ -42,6 +42,22 @@ def _latency_lines(result: dict) -> list[str]:
     return out
 
 
+def _ddp_lines(result: dict) -> list[str]:
+    steps = result.get("ddp") or {}
+    if not steps:
+        return []
+    first = next(iter(steps.values()))
+    floor = first["wire_floor_ms"]
+    out = [f"# DDP step (MLP {first['config']['depth']} x {first['config']['width']}^2, "
+           f"{first['grad_bytes'] / 1e6:.1f} MB of gradients, median of {first['steps']} steps, slowest rank)"
+           + (f"; wire floor {floor:.1f} ms at the ring ceiling" if floor else "")]
+    for name, v in steps.items():
+        rel = "".join(f", {v[k]:.2f}x {what}" for k, what in (("step_over_gloo", "gloo"),
+                                                               ("step_over_in_process", "in-process")) if k in v)
+        out.append(f"#   {name:<12} {v['step_ms']:8.1f} ms a step (compute alone {v['compute_ms']:.1f} ms){rel}")
+    return out
+
+
 def render(result: dict) -> str:
     meta, ceiling = result["meta"], result["ceiling"]
     n = meta["world"]
@@ -63,6 +79,7 @@ def render(result: dict) -> str:
             lines.append(f"# {name}: the daemons left {len(b['cleaned_after'])} thing(s) the bench cleaned: "
                          f"{'; '.join(b['cleaned_after'])[:300]}")
     lines += _latency_lines(result)
+    lines += _ddp_lines(result)
     series = [b for b, v in result["backends"].items() if v["ok"]]
     rows = {(series_of(r), r["op"], r["bytes"]): r for r in result["results"]}
     ratios = {(c["op"], c["bytes"]): c for c in result["comparison"]}
@@ -103,8 +120,16 @@ def markdown(result: dict) -> str:
     lat = [line.lstrip("# ") for line in _latency_lines(result)]
     if lat:
         out += ["", "; ".join(lat)]
+    steps = result.get("ddp") or {}
+    if steps:
+        out += ["", _ddp_lines(result)[0].lstrip("# "), "", "| series | step ms | compute alone ms | vs gloo |",
+                "|---|---|---|---|"]
+        out += [f"| {name} | {v['step_ms']:.1f} | {v['compute_ms']:.1f} | "
+                + (f"{v['step_over_gloo']:.2f}× |" if "step_over_gloo" in v else "- |") for name, v in steps.items()]
     head = (["op", "size"] + [f"{b} {k}" for b in series for k in ("time µs", "busbw Gbit/s", "% ceil", "CPU s/GB")]
             + [h for _, h in shown])
+    if not result["results"]:
+        return "\n".join(out)
     out += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for op in dict.fromkeys(r["op"] for r in result["results"]):
         for size in sorted({r["bytes"] for r in result["results"] if r["op"] == op}):

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from ..errors import ConfigError, MCCLError
+from . import ddp
 from .ceiling import ring_ceiling
 from .daemons import HostDaemons
 from .launch import FleetLauncher, LocalLauncher, first_failure, run_group
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 
 BACKENDS = ("mccl", "gloo")
 MODES = ("in-process", "daemon")     # how mccl runs; Gloo has one way only
+WORKLOADS = ("collectives", "ddp")   # an nccl-tests sweep, or DDP training steps (ddp.py)
 LATENCY_BYTES = 8                    # the small-op latency: an all_reduce of two float32
 _PKG_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -69,6 +71,8 @@ class BenchConfig:
     ceiling_seconds: float = 3.0
     ceiling_tool: str = "auto"     # auto | iperf3 | probe | none
     latency_iters: int = 300       # individually timed 8-byte all_reduces per series; 0: none
+    workload: str = "collectives"
+    ddp: dict = field(default_factory=dict)   # overrides of ddp.DEFAULTS (width, depth, batch, warmup, steps)
     timeout_s: float = 1800.0      # per backend sweep
     verbose: bool = False
     log_dir: str | None = None     # keep logs here; None: a temporary folder, removed at the end
@@ -107,7 +111,9 @@ class BenchConfig:
             raise ConfigError(f"[bench] unknown op(s) {bad}; choose from {', '.join(OPS)}")
         if self.repeats < 3:
             raise ConfigError(f"[bench] --repeats {self.repeats}: the median needs at least 3 repeats")
-        if not self.sizes:
+        if self.workload not in WORKLOADS:
+            raise ConfigError(f"[bench] unknown --workload {self.workload!r}; choose from {', '.join(WORKLOADS)}")
+        if self.workload == "collectives" and not self.sizes:
             raise ConfigError("[bench] no sizes to run; check --min-bytes/--max-bytes")
 
 
@@ -132,7 +138,8 @@ def _run_series(launcher, cfg: BenchConfig, series: Series, tmp: str) -> SeriesR
     """Run one series' whole sweep."""
     out_dir = os.path.join(tmp, series.name)
     os.makedirs(out_dir)
-    plan = {"backend": series.backend, "mode": series.mode, "series": series.name, "ops": cfg.ops,
+    plan = {"backend": series.backend, "mode": series.mode, "series": series.name, "workload": cfg.workload,
+            "ddp": cfg.ddp, "ops": cfg.ops if cfg.workload == "collectives" else [],
             "sizes": cfg.sizes, "warmup": cfg.warmup, "iters": cfg.iters, "repeats": cfg.repeats,
             "target_s": cfg.target_s, "max_iters": cfg.max_iters, "timeout_s": min(cfg.timeout_s, 600.0),
             "latency_iters": cfg.latency_iters, "latency_bytes": LATENCY_BYTES, "out_dir": out_dir}
@@ -246,17 +253,27 @@ def _assemble(meta: dict, ceilings: list[dict], series: dict, docs_by_series: di
     ceiling = (dict(max(ceilings, key=lambda c: c["mean_bps"]), runs_mean_bps=[c["mean_bps"] for c in ceilings])
                if ceilings else None)
     rows: list[dict] = []
-    lat = {}
+    lat, steps = {}, {}
     for name, docs in docs_by_series.items():
         rows += aggregate(name, docs, ceiling)
         lat[name] = latency(docs)
+        steps[name] = ddp.summarize(docs, ceiling)
     lat = {k: v for k, v in lat.items() if v}
     if "mccl" in lat and "mccl-daemon" in lat:
         lat["daemon_over_in_process"] = lat["mccl-daemon"]["median_us"] / lat["mccl"]["median_us"]
+    steps = {k: v for k, v in steps.items() if v}
+    for name, v in steps.items():
+        if name != "gloo" and "gloo" in steps:
+            v["step_over_gloo"] = v["step_ms"] / steps["gloo"]["step_ms"]
+        if name == "mccl-daemon" and "mccl" in steps:
+            v["step_over_in_process"] = v["step_ms"] / steps["mccl"]["step_ms"]
     meta = dict(meta, complete=complete, seconds=time.time() - meta["t0"], loadavg_end=os.getloadavg())
     del meta["t0"]
-    return {"meta": meta, "ceiling": ceiling, "backends": dict(series), "results": rows, "latency": lat,
-            "comparison": compare(rows, ceiling)}
+    out = {"meta": meta, "ceiling": ceiling, "backends": dict(series), "results": rows, "latency": lat,
+           "comparison": compare(rows, ceiling)}
+    if steps:
+        out["ddp"] = steps
+    return out
 
 
 def run_bench(cfg: BenchConfig, checkpoint: Callable[[dict], None] | None = None) -> dict:

@@ -7,7 +7,7 @@ corrupts data), then warms up, picks an iteration count all ranks agree on, and 
 ``repeats`` loops of ``iters`` ops, recording wall time per op and this process's
 user+sys CPU time (all its threads, so engine and Gloo threads count) around each loop.
 With ``latency_iters`` it first times that many small all_reduces one by one (the
-small-op latency). Writes its measurements as JSON to ``<out_dir>/<series>-rank<r>.json``.
+small-op latency); with ``workload: ddp`` it times DDP training steps instead (ddp.py). Writes its measurements as JSON to ``<out_dir>/<series>-rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -145,6 +145,13 @@ def run(plan: dict) -> dict:
            "via_daemon": "libmccl.daemon_client" in sys.modules}
     if plan.get("latency_iters"):
         out["latency"] = _latency(torch, dist, plan["latency_bytes"], plan["latency_iters"], rank, world)
+    if plan.get("workload") == "ddp":
+        from . import ddp
+
+        out["ddp"] = ddp.run(torch, dist, plan.get("ddp") or {}, rank)
+        if rank == 0:
+            print(f"[bench] {plan['series']} DDP step: median {statistics.median(out['ddp']['step_s']) * 1e3:.1f} ms "
+                  f"(rank 0)", file=sys.stderr, flush=True)
     for op in plan["ops"]:
         for size in plan["sizes"]:
             count = op_elements(op, size, world)
