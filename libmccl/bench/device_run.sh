@@ -5,21 +5,21 @@
 # the daemons need no mDNS, jobs learn their peers through the rendezvous), then measures
 # what issue 9's targets need, each step one mccl-bench invocation (mccl in-process, mccl
 # through one mccld per host, Gloo and the iperf3 ring ceiling in the same run):
-#   n8-10gbit      8 hosts x 1 rank at 10 Gbit/s, all_reduce 16/64/256 MB, + 8-byte latency
-#   n4x2-10gbit    4 hosts x 2 ranks at 10 Gbit/s, all_reduce 64/256 MB (daemon: hierarchical)
-#   n8-10gbit-ddp  8 hosts x 1 rank at 10 Gbit/s, DDP step time of a 50 MB-gradient MLP
-#   n16-2.5gbit    16 hosts at 2.5 Gbit/s, all_reduce 16/64/256 MB, in-process + Gloo
-#   n24-1gbit      24 hosts at 1 Gbit/s, all_reduce 16/64/256 MB, in-process + Gloo
-# Every step has its own time limit, cut further so the script ends within BUDGET_S (8.5
-# minutes); a step that fails or times out is recorded in status.txt and the script moves
-# on. Results (JSON rewritten after every measurement, tables, logs, plots) go to $RESULTS;
+#   1-n8-10gbit      8 hosts x 1 rank at 10 Gbit/s, all_reduce 16/64/256 MB, + 8-byte latency
+#   2-n4x2-10gbit    4 hosts x 2 ranks at 10 Gbit/s, all_reduce 64/256 MB (daemon: hierarchical)
+#   3-ddp-n8-10gbit  8 hosts x 1 rank at 10 Gbit/s, DDP step time of a 50 MB-gradient MLP
+#   4-n16-2.5gbit    16 hosts at 2.5 Gbit/s, all_reduce 16/64/256 MB, in-process + Gloo
+#   5-n24-1gbit      24 hosts at 1 Gbit/s, all_reduce 16/64/256 MB, in-process + Gloo
+# (numbered: a small run's host counts and rates may repeat). Every step has its own time
+# limit, cut further so the script ends within BUDGET_S (8.5 minutes); a step that fails or
+# times out is recorded in status.txt and the script moves on. Results (JSON rewritten after every measurement, tables, logs, plots) go to $RESULTS;
 # after every step they are packed into $OUT/results.tgz, and status.txt and summary.txt
 # (every table) are copied to $OUT, so a run cut short still returns what it measured.
 #
 # Run from the repository root:  OUT=/some/dir bash libmccl/bench/device_run.sh
-# Smaller versions (a quick check on any root Linux box), e.g. a minute on 2 cores:
+# Smaller versions (a check of the script on any root Linux box; 2-4 minutes on 2 cores):
 #   H8=2 H_X2=2 H_MID=2 H_SLOW=3 FAST=1gbit MID=1gbit SLOW=1gbit SIZES=1M,4M SIZES_X2=4M \
-#     DDP_WIDTH=512 SKIP_BUILD=1 OUT=/tmp/o bash libmccl/bench/device_run.sh
+#     DDP_WIDTH=512 SKIP_BUILD=1 PY=.venv/bin/python OUT=/tmp/o bash libmccl/bench/device_run.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/out}
@@ -107,13 +107,13 @@ bench() {  # bench NAME LIMIT_S ARGS...
 if timeout 45 $PY -m libmccl.fleet selftest --rate 1gbit > "$RESULTS/fleet-selftest.txt" 2>&1; then
   status "fleet selftest ok"
   COMMON=(--ops all_reduce --target-seconds 0.5)
-  bench "n$H8-$FAST" 150 --hosts "$H8" --rate "$FAST" --mode "$MODES" --sizes "$SIZES" "${COMMON[@]}"
-  bench "n${H_X2}x2-$FAST" 120 --hosts "$H_X2" --ranks-per-host 2 --rate "$FAST" --mode "$MODES" \
+  bench "1-n$H8-$FAST" 150 --hosts "$H8" --rate "$FAST" --mode "$MODES" --sizes "$SIZES" "${COMMON[@]}"
+  bench "2-n${H_X2}x2-$FAST" 120 --hosts "$H_X2" --ranks-per-host 2 --rate "$FAST" --mode "$MODES" \
     --sizes "$SIZES_X2" "${COMMON[@]}"
-  bench "n$H8-$FAST-ddp" 90 --hosts "$H8" --rate "$FAST" --mode "$MODES" --workload ddp \
+  bench "3-ddp-n$H8-$FAST" 90 --hosts "$H8" --rate "$FAST" --mode "$MODES" --workload ddp \
     --ddp-width "${DDP_WIDTH:-2048}" --latency-iters 0
-  bench "n$H_MID-$MID" 100 --hosts "$H_MID" --rate "$MID" --sizes "$SIZES" --latency-iters 0 "${COMMON[@]}"
-  bench "n$H_SLOW-$SLOW" 130 --hosts "$H_SLOW" --rate "$SLOW" --sizes "$SIZES" --latency-iters 0 "${COMMON[@]}"
+  bench "4-n$H_MID-$MID" 100 --hosts "$H_MID" --rate "$MID" --sizes "$SIZES" --latency-iters 0 "${COMMON[@]}"
+  bench "5-n$H_SLOW-$SLOW" 130 --hosts "$H_SLOW" --rate "$SLOW" --sizes "$SIZES" --latency-iters 0 "${COMMON[@]}"
 else
   status "fleet selftest FAILED (see fleet-selftest.txt); falling back to 8 ranks on loopback"
   bench loopback-8 240 --ranks 8 --mode "$MODES" --ops all_reduce --sizes "$SIZES"
