@@ -37,7 +37,8 @@ def test_tiny_sweep_produces_valid_json(tmp_path):
         capture_output=True, text=True, timeout=220, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     doc = json.loads(out.read_text())
-    assert set(doc) == {"meta", "ceiling", "backends", "results", "comparison"}
+    assert set(doc) == {"meta", "ceiling", "backends", "results", "comparison", "latency"}
+    assert set(doc["latency"]) == set(backends) and all(v["median_us"] > 0 for v in doc["latency"].values())
     assert doc["meta"]["world"] == 2 and doc["meta"]["mode"] == "loopback"
     ceil = doc["ceiling"]
     assert ceil["tool"] in ("iperf3", "tcp-probe") and ceil["mean_bps"] > 0 and len(ceil["per_host_bps"]) == 2
@@ -272,21 +273,22 @@ def test_daemon_mode_on_two_namespace_hosts_with_two_ranks_each(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_daemons_are_stopped_and_swept_whatever_happened(tmp_path):
-    # A rank SIGKILLed with its segment still there: stop() unlinks it, says so, and leaves
-    # no daemon, runtime dir or key behind.
+    # A rank's segment still there at the end (its daemon never heard of it): stop() unlinks
+    # it, says so, and leaves no daemon, runtime dir or key behind. The rank stays alive
+    # until then, so no other developer's daemon sweeps the segment first.
     from libmccl.bench.daemons import HostDaemons
     from libmccl.bench.launch import LocalLauncher
 
     d = HostDaemons(LocalLauncher(1), str(tmp_path)).start()
+    rank = d.popen(0, [sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        rank = d.popen(0, [sys.executable, "-c", "import time; time.sleep(60)"])
         seg = f"/dev/shm/mccl-b0b-0-{rank.pid}-0"
         open(seg, "wb").close()
-        rank.kill()
-        rank.wait(10)
         daemon = d.procs[0]
     finally:
         cleaned = d.stop()
+        rank.kill()
+        rank.wait(10)
     assert cleaned == [f"shared-memory segment {os.path.basename(seg)}"] and not os.path.exists(seg)
     assert daemon.returncode == 0 and not os.path.exists(d.runtime_dir(0)) and not os.path.exists(d.key_file)
     assert d.stop() == []  # idempotent
