@@ -27,16 +27,19 @@ def _mccl_works() -> bool:
     return res.returncode == 0
 
 
+def _bench(out, *args: str, timeout: float = 220, env: dict | None = None) -> tuple[dict, str]:
+    """Run mccl-bench to completion with --json OUT; its result and its stdout."""
+    res = subprocess.run([sys.executable, "-m", "libmccl.bench", *args, "--json", str(out)], capture_output=True,
+                         text=True, timeout=timeout, cwd=ROOT, env=dict(os.environ, **(env or {})))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    return json.loads(out.read_text()), res.stdout
+
+
 @pytest.mark.timeout(240)
 def test_tiny_sweep_produces_valid_json(tmp_path):
     backends = ["gloo"] + (["mccl"] if _mccl_works() else [])
-    out = tmp_path / "r.json"
-    res = subprocess.run(
-        [sys.executable, "-m", "libmccl.bench", "--ranks", "2", "--sizes", "4K,256K", "--backends", ",".join(backends),
-         "--iters", "3", "--repeats", "3", "--ceiling-seconds", "1", "--timeout", "150", "--json", str(out)],
-        capture_output=True, text=True, timeout=220, cwd=ROOT)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    doc = json.loads(out.read_text())
+    doc, stdout = _bench(tmp_path / "r.json", "--ranks", "2", "--sizes", "4K,256K", "--backends", ",".join(backends),
+                         "--iters", "3", "--repeats", "3", "--ceiling-seconds", "1", "--timeout", "150")
     assert set(doc) == {"meta", "ceiling", "backends", "results", "comparison", "latency"}
     assert set(doc["latency"]) == set(backends) and all(v["median_us"] > 0 for v in doc["latency"].values())
     assert doc["meta"]["world"] == 2 and doc["meta"]["mode"] == "loopback"
@@ -57,7 +60,7 @@ def test_tiny_sweep_produces_valid_json(tmp_path):
     if "mccl" in backends:
         assert len(doc["comparison"]) == len(OPS) * 2
         assert all(c["busbw_mccl_over_gloo"] > 0 and c["cpu_mccl_over_gloo"] > 0 for c in doc["comparison"])
-    assert "# all_reduce" in res.stdout and "ring ceiling" in res.stdout
+    assert "# all_reduce" in stdout and "ring ceiling" in stdout
 
 
 @pytest.mark.timeout(120)
@@ -151,13 +154,8 @@ needs_fleet = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip") or 
 @pytest.mark.fleet
 @pytest.mark.timeout(240)
 def test_fleet_sweep_is_capped_by_the_link(tmp_path):
-    out = tmp_path / "r.json"
-    res = subprocess.run(
-        [sys.executable, "-m", "libmccl.bench", "--hosts", "2", "--rate", "200mbit", "--sizes", "4M",
-         "--backends", "gloo", "--ops", "all_reduce", "--iters", "2", "--ceiling-seconds", "1",
-         "--timeout", "150", "--json", str(out)], capture_output=True, text=True, timeout=220, cwd=ROOT)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    doc = json.loads(out.read_text())
+    doc, _ = _bench(tmp_path / "r.json", "--hosts", "2", "--rate", "200mbit", "--sizes", "4M", "--backends", "gloo",
+                    "--ops", "all_reduce", "--iters", "2", "--ceiling-seconds", "1", "--timeout", "150")
     assert doc["meta"]["mode"] == "fleet" and doc["meta"]["rate"] == "200mbit"
     assert 0.7 * 200e6 <= doc["ceiling"]["mean_bps"] <= 0.97 * 200e6
     (r,) = doc["results"]
@@ -198,15 +196,19 @@ def _segments_of(pids: list[int]) -> list[str]:
     return [n for n in os.listdir("/dev/shm") if n.startswith("mccl-") and owner_pid(n) in set(pids)]
 
 
+def _without(tmp_path, module: str) -> dict:
+    """The environment of processes that cannot import ``module`` (as on the device machine)."""
+    shadow = tmp_path / "shadow"
+    shadow.mkdir(exist_ok=True)
+    (shadow / f"{module}.py").write_text(f"raise ImportError('hidden by the test: no {module} here')\n")
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(shadow), os.environ.get("PYTHONPATH")) if p)}
+
+
 def _daemon_run(tmp_path, where: list[str], env: dict | None = None, timeout: float = 250) -> dict:
-    out, logs = tmp_path / "r.json", tmp_path / "logs"
-    res = subprocess.run(
-        [sys.executable, "-m", "libmccl.bench", *where, "--mode", "in-process,daemon", "--sizes", "4K,1M",
-         "--ops", "all_reduce,all_gather", "--iters", "2", "--latency-iters", "20", "--ceiling-seconds", "1",
-         "--timeout", "150", "--log-dir", str(logs), "--json", str(out)],
-        capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=dict(os.environ, **(env or {})))
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    doc = json.loads(out.read_text())
+    logs = tmp_path / "logs"
+    doc, stdout = _bench(tmp_path / "r.json", *where, "--mode", "in-process,daemon", "--sizes", "4K,1M",
+                         "--ops", "all_reduce,all_gather", "--iters", "2", "--latency-iters", "20",
+                         "--ceiling-seconds", "1", "--timeout", "150", "--log-dir", str(logs), timeout=timeout, env=env)
     series = ["mccl", "mccl-daemon", "gloo"]
     assert list(doc["backends"]) == series and all(doc["backends"][s]["ok"] for s in series), doc["backends"]
     for s in series:
@@ -216,7 +218,7 @@ def _daemon_run(tmp_path, where: list[str], env: dict | None = None, timeout: fl
     assert all(r["busbw_GBps"] > 0 and r["cpu_s_per_wire_gb"] > 0 for r in doc["results"])
     assert all(c["busbw_daemon_over_in_process"] > 0 for c in doc["comparison"])
     assert doc["latency"]["daemon_over_in_process"] > 0
-    assert "mccl-daemon" in res.stdout and "daemon/in-proc" in res.stdout
+    assert "mccl-daemon" in stdout and "daemon/in-proc" in stdout
     # The daemons freed everything themselves, and nothing of the run is left: no process,
     # runtime dir, key or segment (the logs stay in --log-dir).
     info = doc["backends"]["mccl-daemon"]
@@ -233,33 +235,43 @@ def _daemon_run(tmp_path, where: list[str], env: dict | None = None, timeout: fl
 def test_daemon_mode_on_loopback_without_zeroconf(tmp_path):
     # Two daemons on loopback, one rank each; zeroconf hidden, as on the device machine:
     # jobs learn their peers through the rendezvous, so the daemons need no mDNS.
-    shadow = tmp_path / "shadow"
-    shadow.mkdir()
-    (shadow / "zeroconf.py").write_text("raise ImportError('hidden by the test: no zeroconf here')\n")
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(shadow), os.environ.get("PYTHONPATH")) if p)}
-    doc = _daemon_run(tmp_path, ["--ranks", "2"], env)
+    doc = _daemon_run(tmp_path, ["--ranks", "2"], _without(tmp_path, "zeroconf"))
     assert doc["meta"]["world"] == 2 and doc["meta"]["hosts"] == 2
     (log,) = tmp_path.glob("logs/run-*/mccl-daemon/daemons/mccld-h0.log")
     assert "mccld.discovery cannot be imported" in log.read_text()
 
 
 @pytest.mark.skipif(not _mccl_works(), reason="the engine is not built")
-@pytest.mark.timeout(300)
-def test_ddp_workload_times_a_step_per_series(tmp_path):
+@pytest.mark.timeout(200)
+def test_a_daemon_that_cannot_start_fails_its_series_only(tmp_path):
+    # mccld without pyzmq exits at once: its series is reported failed with the daemon's own
+    # words, the other series still run, and the run exits 1.
     out = tmp_path / "r.json"
     res = subprocess.run(
-        [sys.executable, "-m", "libmccl.bench", "--ranks", "2", "--mode", "in-process,daemon", "--workload", "ddp",
-         "--ddp-width", "256", "--ddp-steps", "3", "--latency-iters", "0", "--ceiling-seconds", "1",
-         "--timeout", "150", "--json", str(out)], capture_output=True, text=True, timeout=280, cwd=ROOT)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+        [sys.executable, "-m", "libmccl.bench", "--ranks", "2", "--mode", "in-process,daemon", "--backends", "mccl",
+         "--sizes", "4K", "--ops", "all_reduce", "--latency-iters", "0", "--ceiling-tool", "none",
+         "--timeout", "100", "--json", str(out)], capture_output=True, text=True, timeout=180, cwd=ROOT,
+        env=dict(os.environ, **_without(tmp_path, "zmq")))
+    assert res.returncode == 1, res.stdout[-1000:] + res.stderr[-1000:]
     doc = json.loads(out.read_text())
+    assert doc["backends"]["mccl"]["ok"] and not doc["backends"]["mccl-daemon"]["ok"]
+    assert "mccld on host 0 exited" in doc["backends"]["mccl-daemon"]["error"] and "no zmq" in res.stdout
+    assert {r["series"] for r in doc["results"]} == {"mccl"}
+
+
+@pytest.mark.skipif(not _mccl_works(), reason="the engine is not built")
+@pytest.mark.timeout(300)
+def test_ddp_workload_times_a_step_per_series(tmp_path):
+    doc, stdout = _bench(tmp_path / "r.json", "--ranks", "2", "--mode", "in-process,daemon", "--workload", "ddp",
+                         "--ddp-width", "256", "--ddp-steps", "3", "--latency-iters", "0", "--ceiling-seconds", "1",
+                         "--timeout", "150", timeout=280)
     steps = doc["ddp"]
     assert list(steps) == ["mccl", "mccl-daemon", "gloo"] and doc["results"] == []
     # 3 layers of 256x256 weights + biases, float32
     assert all(v["grad_bytes"] == 3 * (256 * 256 + 256) * 4 and v["steps"] == 3 for v in steps.values())
     assert all(v["step_ms"] > 0 and v["compute_ms"] > 0 and v["wire_floor_ms"] > 0 for v in steps.values())
     assert steps["mccl-daemon"]["step_over_in_process"] > 0 and "step_over_gloo" not in steps["gloo"]
-    assert "DDP step" in res.stdout
+    assert "DDP step" in stdout
 
 
 @needs_fleet
