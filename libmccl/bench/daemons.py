@@ -21,6 +21,7 @@ killed with SIGKILL leaves no daemon behind (the daemon's SIGTERM handler frees 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -64,7 +65,7 @@ class HostDaemons:
         return {"MCCL_HOST_ID": f"{self.fleet}-h{host}", "MCCL_RUNTIME_DIR": self.runtime_dir(host),
                 "MCCL_KEY_FILE": self.key_file, "MCCL_FLEET_KEY": "", "MCCL_FLEET": self.fleet,
                 "MCCL_LISTEN_ADDR": self.launcher.addr(host), "MCCL_PORT": "0",
-                "MCCL_STATUS_PORT": "0", "MCCL_METRICS_PORT": "0", "MCCL_DAEMON": "0"}
+                "MCCL_STATUS_PORT": "0", "MCCL_METRICS_PORT": "0"}
 
     def rank_env(self, host: int) -> dict[str, str]:
         return {"MCCL_DAEMON": "1", "MCCL_RUNTIME_DIR": self.runtime_dir(host)}
@@ -104,12 +105,15 @@ class HostDaemons:
         deadline = time.monotonic() + _READY_TIMEOUT_S
         for h, p in enumerate(self.procs):
             while not os.path.exists(os.path.join(self.runtime_dir(h), _TOKEN)):
-                if p.poll() is not None or time.monotonic() > deadline:
-                    state = f"exited with {p.returncode}" if p.poll() is not None else \
-                        f"not ready after {_READY_TIMEOUT_S:.0f}s"
+                if p.poll() is not None:
                     raise DaemonUnavailableError(
-                        f"[bench] mccld on host {h} {state}; likely cause: pyzmq missing or the address "
-                        f"{self.launcher.addr(h)} unusable; its log: {self.tail(h)}")
+                        f"[bench] mccld on host {h} exited with {p.returncode} during start-up; likely cause: "
+                        f"pyzmq or numpy missing, or the address {self.launcher.addr(h)} unusable; its log: "
+                        f"{self.tail(h)}")
+                if time.monotonic() > deadline:
+                    raise DaemonUnavailableError(
+                        f"[bench] Timed out after {_READY_TIMEOUT_S:.0f}s waiting for mccld on host {h} to serve "
+                        f"its attach socket; likely cause: an overloaded machine; its log: {self.tail(h)}")
                 time.sleep(0.1)
 
     def tail(self, host: int) -> str:
@@ -132,11 +136,10 @@ class HostDaemons:
                 p.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 cleaned.append(f"mccld on host {h} (pid {p.pid}) ignored SIGTERM for {_STOP_TIMEOUT_S:.0f}s")
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait(5)
+                with contextlib.suppress(subprocess.TimeoutExpired):   # stuck in the kernel: nothing more to do
+                    p.wait(5)
         cleaned += self._unlink_segments([p.pid for p in self.procs] + self.rank_pids)
         self.procs = []
         shutil.rmtree(self.dir, ignore_errors=True)   # the logs stay in run_dir
