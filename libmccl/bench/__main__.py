@@ -68,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="MLP width; 3 layers of width^2 weights (2048: 50 MB of gradients)")
     what.add_argument("--latency-iters", type=int, default=300,
                       help="8-byte all_reduces timed one by one per series for the small-op latency; 0 = none")
-    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per backend sweep")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per series (a backend in one mode)")
     ap.add_argument("--json", dest="json_out", help="write the full result here")
     ap.add_argument("--log-dir", help="keep every rank's and tool's log here (default: a temporary folder)")
     ap.add_argument("-v", "--verbose", action="store_true", help="show rank 0's progress")

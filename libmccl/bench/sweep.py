@@ -73,7 +73,7 @@ class BenchConfig:
     latency_iters: int = 300       # individually timed 8-byte all_reduces per series; 0: none
     workload: str = "collectives"
     ddp: dict = field(default_factory=dict)   # overrides of ddp.DEFAULTS (width, depth, batch, warmup, steps)
-    timeout_s: float = 1800.0      # per backend sweep
+    timeout_s: float = 1800.0      # per series
     verbose: bool = False
     log_dir: str | None = None     # keep logs here; None: a temporary folder, removed at the end
 
