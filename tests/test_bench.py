@@ -312,14 +312,17 @@ def test_daemons_die_with_a_killed_benchmark(tmp_path):
     code = ("import sys, time; from libmccl.bench.daemons import HostDaemons; "
             "from libmccl.bench.launch import LocalLauncher; "
             f"d = HostDaemons(LocalLauncher(2), {str(tmp_path)!r}).start(); "
-            "print(*[p.pid for p in d.procs], flush=True); time.sleep(120)")
+            "print(d.dir, *[p.pid for p in d.procs], flush=True); time.sleep(120)")
     bench = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
-        pids = [int(x) for x in bench.stdout.readline().split()]
+        runtime, *pids = bench.stdout.readline().split()
+        pids = [int(p) for p in pids]
         assert len(pids) == 2, "the daemons did not start"
     finally:
         bench.send_signal(signal.SIGKILL)
         bench.wait(10)
+    # What a killed benchmark cannot remove itself: its runtime dirs and key (no secret of anyone else's).
+    shutil.rmtree(runtime, ignore_errors=True)
     deadline = time.monotonic() + 30
     while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
