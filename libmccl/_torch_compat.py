@@ -32,6 +32,45 @@ WorkBase = dist.Work
 
 ReduceOp = dist.ReduceOp
 
+
+class _Outcome:
+    __slots__ = ("value", "error")
+
+    def __init__(self, value: Any, error: BaseException | None) -> None:
+        self.value, self.error = value, error
+
+
+def _deliver(settled: Any) -> Any:
+    outcome = settled.value()
+    if outcome.error is not None:
+        raise outcome.error
+    return outcome.value
+
+
+class ResultFuture:
+    """The future a Work hands out, failed so that C++ consumers see an error.
+
+    ``torch.futures.Future.set_exception`` only stores the exception as the future's
+    *value* plus a Python unwrap function: C++ readers of the underlying c10 future
+    (DDP's reducer, TorchScript's wait) see a success holding a non-tensor, and DDP's
+    ``parseCppCommHookResult`` crashes on it. An exception raised in a ``then``
+    callback is the one public way to put an error on a c10 future, so ``future`` is
+    chained off ``settled`` through a callback that raises the failure. Python waiters
+    of ``future`` get it as RuntimeError carrying the typed error's name and message
+    (torch rewraps it); ``MCCLWork.wait`` raises the typed error itself.
+    """
+
+    def __init__(self) -> None:
+        # Completed (always successfully) once the outcome is known.
+        self.settled: torch.futures.Future = torch.futures.Future()
+        self.future: torch.futures.Future = self.settled.then(_deliver)
+
+    def set_result(self, value: Any) -> None:
+        self.settled.set_result(_Outcome(value, None))
+
+    def set_exception(self, error: BaseException) -> None:
+        self.settled.set_result(_Outcome(None, error))
+
 # Methods torch renamed: the trampoline (and distributed_c10d.py) look for either
 # spelling, so the backend defines both. new name -> old name.
 RENAMED_METHODS: dict[str, str] = {

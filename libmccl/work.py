@@ -44,7 +44,7 @@ class MCCLWork(compat.WorkBase):
         self._keep_alive: list[Any] | None = list(keep_alive)
         self._post = post
         self._timeout_s = default_timeout_s
-        self._future: torch.futures.Future = torch.futures.Future()
+        self._result = compat.ResultFuture()
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._source_rank_value = -1
@@ -66,9 +66,9 @@ class MCCLWork(compat.WorkBase):
         # Future callbacks (comm hooks) run inline here; a failure inside one is the
         # hook's error and is already stored in its chained future by torch.
         if error is None:
-            self._future.set_result(self._outputs)
+            self._result.set_result(self._outputs)
         else:
-            self._future.set_exception(error)
+            self._result.set_exception(error)
 
     # -- torch Work API (caller's thread) ---------------------------------------
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
@@ -91,7 +91,7 @@ class MCCLWork(compat.WorkBase):
         return True
 
     def get_future(self) -> torch.futures.Future:
-        return self._future
+        return self._result.future
 
     def is_completed(self) -> bool:
         return self._done.is_set()
@@ -188,7 +188,9 @@ class AllOf(MCCLWork):
     def __init__(self, works: list[MCCLWork], rank: int, timeout_s: float) -> None:
         super().__init__("coalesced", rank, [], (), None, timeout_s)
         self._works = works
-        futures = [w.get_future() for w in works]
+        # The settled futures always succeed: collecting the failing ones would end
+        # at the first error, before the other works are done.
+        futures = [w._result.settled for w in works]
         if not futures:
             self._complete(None, -1)
             return

@@ -84,11 +84,34 @@ def test_work_subclass_keeps_typed_errors() -> None:
     w._complete(PeerLostError("[engine] link lost", peer_rank=1), -1)
     with pytest.raises(PeerLostError):
         w.wait()
-    with pytest.raises(PeerLostError):
+    # The future carries the error as torch's C++ futures do: a RuntimeError naming ours.
+    with pytest.raises(RuntimeError, match="PeerLostError: \\[engine\\] link lost"):
         w.get_future().value()
     with pytest.raises(RuntimeError, match="PeerLostError"):
         chained.wait()
     assert w.is_completed() and not w.is_success()
+
+
+@pytest.mark.timeout(30)
+def test_result_future_fails_for_cxx_readers() -> None:
+    from test_work_futures import cxx_wait
+
+    # Why ResultFuture exists: set_exception reads as a success in C++ (DDP's reducer).
+    plain = torch.futures.Future()
+    plain.set_exception(ValueError("lost"))
+    cxx_wait(plain)
+    failed = compat.ResultFuture()
+    assert not failed.future.done()
+    failed.set_exception(ValueError("lost"))
+    assert failed.settled.done() and failed.future.done()
+    with pytest.raises(RuntimeError, match="TorchScript"):
+        cxx_wait(failed.future)
+    with pytest.raises(RuntimeError, match="ValueError: lost"):
+        failed.future.wait()
+    ok = compat.ResultFuture()
+    ok.set_result([torch.ones(2)])
+    cxx_wait(ok.future)
+    assert torch.equal(ok.future.wait()[0], torch.ones(2))
 
 
 @pytest.mark.timeout(30)

@@ -1,0 +1,170 @@
+"""A rank SIGKILLed in the middle of training: the survivor raises an MCCL error naming
+the lost peer within seconds, through every torch consumer of our Works and Futures
+(DDP's C++ reducer, Python and built-in comm hooks, FSDP2, raw future chains), in
+process and through mccld. Before the fix DDP's reducer read a failed op's future as a
+success holding an exception object and the survivor died of SIGSEGV."""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import time
+
+import pytest
+
+from collective_suite import MODES
+from conftest import collect, init_pg, reap, spawn_ranks
+
+VICTIM = 1
+KILL_STEP = 3
+MAX_STEPS = 50
+# The engine notices a reset link at once and the daemon a dead client within its
+# check interval (0.1 s in tests): "a few seconds" leaves room for a loaded machine.
+NOTICE_S = 8.0
+PG_TIMEOUT_S = 60.0  # far above NOTICE_S: only the peer loss itself may end the step
+
+
+def _model():
+    import torch
+
+    torch.manual_seed(0)
+    # ~1.6 M parameters: with 1 MB buckets DDP runs several all-reduces per backward.
+    return torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
+                               torch.nn.ReLU(), torch.nn.Linear(1024, 256))
+
+
+def _python_allreduce_hook(state, bucket):
+    import torch.distributed as dist
+
+    fut = dist.all_reduce(bucket.buffer() / dist.get_world_size(), async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+def _wrap(kind: str, model):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if kind == "fsdp2":
+        for layer in model:
+            if any(True for _ in layer.parameters()):
+                fully_shard(layer)
+        return fully_shard(model)
+    ddp = DDP(model, bucket_cap_mb=1)
+    if kind == "ddp_python_hook":
+        ddp.register_comm_hook(None, _python_allreduce_hook)
+    elif kind == "ddp_fp16_hook":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    return ddp
+
+
+def _mark_and_die(marker_dir: str) -> None:
+    with open(os.path.join(marker_dir, "killed_at"), "w") as f:
+        f.write(repr(time.time()))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _outcome(exc: BaseException) -> dict:
+    return {"types": [c.__name__ for c in type(exc).__mro__], "message": str(exc), "at": time.time()}
+
+
+def _train_rank(rank: int, world: int, kind: str, marker_dir: str) -> dict:
+    """Train until something fails; the victim kills itself before step KILL_STEP."""
+    import torch
+    import torch.distributed as dist
+
+    init_pg(rank, world, timeout_s=PG_TIMEOUT_S)
+    try:
+        model = _wrap(kind, _model())
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for step in range(MAX_STEPS):
+            if rank == VICTIM and step == KILL_STEP:
+                _mark_and_die(marker_dir)
+            model(torch.randn(8, 256)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return {"types": ["nothing raised"], "message": "", "at": time.time()}
+    except Exception as exc:  # noqa: BLE001 - what was raised is the result
+        return _outcome(exc)
+    finally:
+        dist.destroy_process_group()  # after a peer loss this must neither hang nor crash
+
+
+def _futures_rank(rank: int, world: int, kind: str, marker_dir: str) -> dict:
+    """All-reduce through raw futures and then-chains until the peer is gone; report what
+    each consumer saw: C++ (collect_all), a then-chain, Future.wait and Work.wait."""
+    import torch
+    import torch.distributed as dist
+
+    init_pg(rank, world, timeout_s=PG_TIMEOUT_S)
+    t = torch.ones(1 << 20)
+    try:
+        for step in range(MAX_STEPS):
+            if rank == VICTIM and step == KILL_STEP:
+                _mark_and_die(marker_dir)
+            work = dist.all_reduce(t, async_op=True)
+            fut = work.get_future()
+            chained = fut.then(lambda f: f.value()[0] * 2)
+            try:
+                torch.futures.collect_all([fut]).wait()
+            except Exception as exc:  # noqa: BLE001
+                seen = {"collect_all": _outcome(exc)}
+                for name, wait in (("then", chained.wait), ("future", fut.wait), ("work", work.wait)):
+                    try:
+                        wait()
+                        seen[name] = {"types": ["nothing raised"], "message": ""}
+                    except Exception as exc2:  # noqa: BLE001
+                        seen[name] = _outcome(exc2)
+                return seen
+            t.fill_(1.0)
+        return {"collect_all": {"types": ["nothing raised"], "message": "", "at": time.time()}}
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_survivor(fn, kind: str, env: dict) -> tuple[dict, float]:
+    with tempfile.TemporaryDirectory() as marker_dir:
+        procs, results, _ = spawn_ranks(fn, 2, kind, marker_dir, env=env)
+        try:
+            out = collect(procs, results, 120, expect=1)
+        finally:
+            reap(procs)
+        with open(os.path.join(marker_dir, "killed_at")) as f:
+            killed_at = float(f.read())
+    status, value = out[1 - VICTIM]
+    assert status == "ok", value
+    return value, killed_at
+
+
+def _assert_names_lost_peer(seen: dict, killed_at: float, typed: bool) -> None:
+    text = " ".join(seen["types"]) + " " + seen["message"]
+    assert "PeerLostError" in text, seen
+    assert f"rank {VICTIM}" in seen["message"], f"the error does not name the lost peer: {seen}"
+    if typed:
+        assert "PeerLostError" in seen["types"], f"expected the typed error itself: {seen}"
+    took = seen["at"] - killed_at
+    assert took < NOTICE_S, f"the survivor took {took:.1f}s to notice the lost peer: {seen}"
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("mode", ["inprocess", "daemon"])
+@pytest.mark.parametrize("kind", ["ddp", "ddp_python_hook", "ddp_fp16_hook", "fsdp2"])
+def test_survivor_of_a_killed_rank_raises_in_training(kind: str, mode: str) -> None:
+    with MODES[mode].setup() as env:
+        seen, killed_at = _run_survivor(_train_rank, kind, env)
+    # DDP's reducer and comm hooks reach the error through C++ futures, which carry
+    # it as RuntimeError with our message; FSDP2 waits on our Work in Python.
+    _assert_names_lost_peer(seen, killed_at, typed=kind == "fsdp2")
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("mode", ["inprocess", "daemon"])
+def test_survivor_sees_the_error_through_every_future_consumer(mode: str) -> None:
+    with MODES[mode].setup() as env:
+        seen, killed_at = _run_survivor(_futures_rank, "futures", env)
+    assert set(seen) == {"collect_all", "then", "future", "work"}, seen
+    _assert_names_lost_peer(seen["collect_all"], killed_at, typed=False)
+    for name in ("then", "future"):  # RuntimeError from torch's future, naming our error
+        assert "PeerLostError" in seen[name]["message"] and f"rank {VICTIM}" in seen[name]["message"], seen
+    assert "PeerLostError" in seen["work"]["types"], seen["work"]
