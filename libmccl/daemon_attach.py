@@ -87,8 +87,8 @@ class Attachment:
             if self.sock not in events:
                 if unavailable:
                     raise self.unavailable(unavailable)
-                raise CollectiveTimeout(f"[daemon-client] mccld did not answer {msg['type']} within "
-                                        f"{timeout_s:.0f}s (rank {self.rank}); other ranks of the job "
+                raise CollectiveTimeout(f"[daemon-client] Timed out after {timeout_s:.0f}s: mccld did not "
+                                        f"answer {msg['type']} (rank {self.rank}); other ranks of the job "
                                         "may not have started, or the daemon is overloaded")
             reply = self._proto.decode_reply(self.sock.recv())
             if reply["req"] != req:
@@ -105,8 +105,8 @@ class Attachment:
         try:
             store.wait(keys, datetime.timedelta(seconds=self.timeout_s))
         except Exception as e:  # torch raises DistStoreError (a RuntimeError) on timeout
-            raise CollectiveTimeout(f"[daemon-client] rank {self.rank}: not every rank published its daemon "
-                                    f"within {self.timeout_s:.0f}s ({e}); a rank did not start or cannot "
+            raise CollectiveTimeout(f"[daemon-client] Timed out after {self.timeout_s:.0f}s on rank {self.rank}: "
+                                    f"not every rank published its daemon ({e}); a rank did not start or cannot "
                                     "reach its mccld") from None
         members = [json.loads(store.get(k)) for k in keys]
         hosts: dict[str, dict[str, Any]] = {}

@@ -189,9 +189,9 @@ class DaemonCommunicator:
             while op_id not in self._results:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise CollectiveTimeout(f"[daemon-client] op {op_id} not done within {timeout_s:.1f}s "
-                                            f"on rank {self.rank}; a peer rank may be slow or not have issued "
-                                            "it yet, wait longer or check every rank runs the same ops")
+                    raise CollectiveTimeout(f"[daemon-client] Timed out after {timeout_s:.1f}s waiting for "
+                                            f"op {op_id} on rank {self.rank}; a peer rank may be slow or not have "
+                                            "issued it yet, wait longer or check every rank runs the same ops")
                 self._done_cv.wait(left)
             err = self._results.pop(op_id)
         if err is not None:
@@ -381,7 +381,7 @@ class DaemonCommunicator:
             late = self._recvs.expired(now, self.rank, self.timeout_s)
         if op is not None and now > op.deadline:
             return CollectiveTimeout(
-                f"[daemon-client] {op.spec.name} (op {op.op_id}) did not complete within {self.timeout_s:.0f}s "
+                f"[daemon-client] Timed out after {self.timeout_s:.0f}s waiting for {op.spec.name} (op {op.op_id}) "
                 f"on rank {self.rank}; a peer rank is stuck, slow or skipped this collective")
         return late
 

@@ -58,9 +58,9 @@ class PostedRecvs:
             return None
         src = late[0].args["src"]
         return CollectiveTimeout(
-            f"[daemon-client] recv (op {late[0].op_id}) from {'any rank' if src == -1 else f'rank {src}'} "
-            f"got no message within {timeout_s:.0f}s on rank {rank}; the sender is stuck or skipped the "
-            "send, and mccld did not say so (is it overloaded?)", peer_rank=src)
+            f"[daemon-client] Timed out after {timeout_s:.0f}s: recv (op {late[0].op_id}) from "
+            f"{'any rank' if src == -1 else f'rank {src}'} got no message on rank {rank}; the sender is stuck or "
+            "skipped the send, and mccld did not say so (is it overloaded?)", peer_rank=src)
 
     def take_all(self) -> list[PostedRecv]:
         out = list(self._waiting.values()) + list(self._unsent)

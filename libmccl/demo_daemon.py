@@ -69,7 +69,7 @@ class DemoDaemon:
                 return self
             time.sleep(0.2)
         self.stop()
-        raise DaemonUnavailableError(f"[demo] mccld did not answer within {_READY_TIMEOUT_S:.0f}s; "
+        raise DaemonUnavailableError(f"[demo] Timed out after {_READY_TIMEOUT_S:.0f}s waiting for mccld to answer; "
                                      f"see {self.log_path}")
 
     def _env(self) -> dict[str, str]:

@@ -86,7 +86,7 @@ def _sh(argv: Sequence[str], *, check: bool = True, timeout: float = _CMD_TIMEOU
     try:
         res = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        raise MCCLError(f"[fleet] '{' '.join(argv)}' did not finish in {timeout:.0f}s; "
+        raise MCCLError(f"[fleet] Timed out after {timeout:.0f}s: '{' '.join(argv)}' did not finish; "
                         "the machine may be overloaded, retry") from None
     if check and res.returncode != 0:
         raise MCCLError(f"[fleet] '{' '.join(argv)}' failed (rc={res.returncode}): "

@@ -46,7 +46,7 @@ def _wait_keys(store: Any, keys: list[str], timeout_s: float, what: Callable[[li
         missing = [k for k in keys if not _has_key(store, k)]
         if not missing:
             raise
-        raise CollectiveTimeout(f"[rendezvous] waited {timeout_s:.0f}s for {what(missing)}, "
+        raise CollectiveTimeout(f"[rendezvous] Timed out after {timeout_s:.0f}s waiting for {what(missing)}; "
                                 "likely cause: a rank did not start, crashed, or created a different "
                                 "process group; check every rank's log, or raise the timeout") from exc
 

@@ -83,7 +83,7 @@ class MCCLWork(compat.WorkBase):
                     "Chain with future.then(...) instead of waiting inside a callback")
             if not self._done.wait(limit):
                 raise CollectiveTimeout(
-                    f"[mccl] {self.op_name} did not complete within {limit:.1f}s on rank {self._rank}, "
+                    f"[mccl] Timed out after {limit:.1f} s waiting for {self.op_name} on rank {self._rank}; "
                     "likely cause: a peer is stuck, slow or skipped this collective; "
                     "check every rank issues the same collectives in the same order, or raise the timeout")
         if self._error is not None:

@@ -201,9 +201,10 @@ def local_request(runtime_dir: Path, msg: dict[str, Any], timeout_s: float = 5.0
         for req, m in enumerate(({"type": "hello", "token": token, "pid": os.getpid()}, msg), start=1):
             sock.send(protocol.encode({**m, "req": req}))
             if not sock.poll(int(timeout_s * 1000)):
-                raise DaemonUnavailableError(f"[daemon] mccld at {protocol.endpoint(runtime_dir)} did not "
-                                             f"answer {m['type']} within {timeout_s:.0f}s; it is stopped, "
-                                             "wedged or overloaded: check its log, restart it if need be")
+                raise DaemonUnavailableError(f"[daemon] Timed out after {timeout_s:.0f}s: mccld at "
+                                             f"{protocol.endpoint(runtime_dir)} did not answer {m['type']}; "
+                                             "it is stopped, wedged or overloaded: check its log, restart it "
+                                             "if need be")
             reply = protocol.decode_reply(sock.recv())
             if not reply.get("ok"):
                 raise protocol.error_from_payload(reply.get("error") or {})

@@ -136,7 +136,7 @@ class DataLinks:
         if errors or len(got) != len(peers):
             self.give_back(job, clean=False)
             raise errors[0] if errors else CollectiveTimeout(
-                f"[datalinks] job {job}: agreeing on data sockets did not finish in time")
+                f"[datalinks] Timed out in job {job}: agreeing on data sockets did not finish")
         return got
 
     def give_back(self, job: str, clean: bool) -> None:
@@ -239,7 +239,7 @@ class DataLinks:
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._running:
                     raise CollectiveTimeout(
-                        f"[datalinks] job {key[0]}: no {key[2]} from host {key[1]} in time; its ranks did not "
+                        f"[datalinks] Timed out in job {key[0]}: no {key[2]} from host {key[1]}; its ranks did not "
                         "join, or its daemon is stuck; check that host's mccld log", peer_addr=key[1])
                 self._cv.wait(min(left, 0.2))
 

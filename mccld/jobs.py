@@ -245,8 +245,8 @@ class Job:
                 if now - oldest > self.timeout_s:
                     missing = sorted(set(self.local_ranks) - set(waiting))
                     self.fail(CollectiveTimeout(
-                        f"[daemon] job {self.id}: local rank(s) {missing} did not submit collective #{seq} "
-                        f"within {self.timeout_s:.0f}s while {sorted(waiting)} waited; a rank is stuck or "
+                        f"[daemon] Timed out after {self.timeout_s:.0f}s in job {self.id}: local rank(s) {missing} "
+                        f"did not submit collective #{seq} while {sorted(waiting)} waited; a rank is stuck or "
                         "took another code path", peer_rank=missing[0]), local=True)
                     return
         late = self.p2p.overdue(now)
@@ -319,8 +319,8 @@ class Job:
                     with self._lock:
                         missing = sorted(set(self.local_ranks) - set(self.members))
                     self.fail(CollectiveTimeout(
-                        f"[daemon] job {self.id}: local rank(s) {missing} never joined within "
-                        f"{self.timeout_s:.0f}s; they did not start or use another daemon",
+                        f"[daemon] Timed out after {self.timeout_s:.0f}s in job {self.id}: local rank(s) "
+                        f"{missing} never joined; they did not start or use another daemon",
                         peer_rank=missing[0] if missing else -1), local=True)
                 continue
             if kind == "setup":

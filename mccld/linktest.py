@@ -93,7 +93,7 @@ def measure_goodput(target: str, key: bytes, seconds: float, streams: int) -> di
             received += int(json.loads(body)["received"])
         elapsed = time.monotonic() - start
     except socket.timeout:
-        raise MCCLError(f"[linktest] to peer={peer} timed out; the link is stalled or the "
+        raise MCCLError(f"[linktest] Timed out on the link to peer={peer}; the link is stalled or the "
                         f"peer daemon is overloaded", peer_addr=peer) from None
     finally:
         for conn, _, _ in conns:

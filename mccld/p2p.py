@@ -255,8 +255,8 @@ class PointToPoint:
         p = min(late, key=lambda p: p.since)
         src = "any rank" if p.src == -1 else f"rank {p.src}"
         return CollectiveTimeout(
-            f"[daemon] job {self.job.id}: rank {p.rank}'s recv from {src} (tag {p.tag}, {p.nbytes} bytes) "
-            f"matched no send within {self.job.timeout_s:.0f}s; the sender is stuck, skipped the send or "
+            f"[daemon] Timed out after {self.job.timeout_s:.0f}s in job {self.job.id}: rank {p.rank}'s recv "
+            f"from {src} (tag {p.tag}, {p.nbytes} bytes) matched no send; the sender is stuck, skipped the send or "
             "used another tag", peer_rank=p.src)
 
     def fail(self, exc: MCCLError) -> None:

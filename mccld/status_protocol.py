@@ -162,8 +162,8 @@ def query(addr: str, key: bytes, method: str, args: dict | None = None,
         hello, cnonce, nonce = send_request(conn, key, method, args or {})
         return read_reply(conn, key, cnonce, nonce), hello
     except socket.timeout:
-        raise DaemonUnavailableError(f"[status] status endpoint peer={host}:{port} did not answer "
-                                     f"within {timeout_s:.1f} s; the daemon is overloaded or hung",
+        raise DaemonUnavailableError(f"[status] Timed out after {timeout_s:.1f} s: status endpoint "
+                                     f"peer={host}:{port} did not answer; the daemon is overloaded or hung",
                                      peer_addr=f"{host}:{port}") from None
     except ConnectionError as e:
         raise DaemonUnavailableError(f"[status] status endpoint peer={host}:{port} closed the "

@@ -10,14 +10,16 @@ These tests drive the completion paths directly, without an engine.
 
 from __future__ import annotations
 
+import datetime
 import re
+import warnings
 import warnings
 from typing import Any
 
 import pytest
 import torch
 
-from libmccl.errors import AbortedError, MCCLError, PeerLostError
+from libmccl.errors import AbortedError, CollectiveTimeout, MCCLError, PeerLostError
 from libmccl.work import AllOf, CompletionRouter, MCCLWork, shutdown_error
 
 PEER_LOST_KIND = 1  # mccl::ErrorKind::PeerLost (libmccl/errors.py _KINDS)
@@ -120,3 +122,15 @@ def test_coalesced_work_fails_after_every_member_is_done() -> None:
     assert not group.is_completed() and not group.get_future().done()
     router.on_complete([(7, None, -1)])
     _assert_failed_everywhere(group, PeerLostError, "lost peer (rank 1)")
+
+
+@pytest.mark.timeout(30)
+def test_wait_timeout_says_timed_out_and_the_op_can_still_finish() -> None:
+    router = CompletionRouter(0)
+    work = router.track(8, _work())
+    with pytest.raises(CollectiveTimeout, match=r"^\[mccl\] Timed out after 0\.2 s waiting for allreduce on rank 0"):
+        work.wait(datetime.timedelta(seconds=0.2))
+    assert not work.get_future().done()
+    router.on_complete([(8, None, -1)])
+    cxx_wait(work.get_future())
+    assert work.wait()

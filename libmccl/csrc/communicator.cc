@@ -342,9 +342,9 @@ void Communicator::wait(uint64_t id, double timeout_s) {
 }
 
 void Communicator::throw_wait_timeout(uint64_t id, double timeout_s) const {
-  throw_error(ErrorKind::kTimeout, "[engine] waiting for op #" + std::to_string(id) +
-                                       " timed out after " + format_seconds(timeout_s) +
-                                       " s; it is still running; wait longer or check the "
+  throw_error(ErrorKind::kTimeout, "[engine] Timed out after " + format_seconds(timeout_s) +
+                                       " s waiting for op #" + std::to_string(id) +
+                                       "; it is still running; wait longer or check the "
                                        "other ranks reached the same op");
 }
 

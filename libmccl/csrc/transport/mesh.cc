@@ -52,7 +52,7 @@ void accept_lower_ranks(const MeshSpec& spec, int listen_fd, Deadline deadline,
         if (!missing.empty()) break;
       }
       throw_error(ErrorKind::kTimeout,
-                  "[transport] building links timed out waiting for " + missing +
+                  "[transport] Timed out building links: waiting for " + missing +
                       " to connect to this rank; likely cause: that rank did not start or "
                       "cannot reach " + spec.peer_addrs[spec.rank] +
                       "; check it runs and that the address is reachable (MCCL_BIND_ADDR)");

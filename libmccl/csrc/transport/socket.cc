@@ -170,7 +170,7 @@ Fd connect_tcp(const HostPort& peer, Deadline deadline, int peer_rank,
     backoff = std::min(backoff * 2, std::chrono::milliseconds(500));
   }
   throw_error(ErrorKind::kTimeout,
-              "[transport] cannot connect to peer=" + peer.str() + " (rank " +
+              "[transport] Timed out connecting to peer=" + peer.str() + " (rank " +
                   std::to_string(peer_rank) + "): " + last_err +
                   "; likely cause: that rank did not start, crashed, or its address is not "
                   "reachable from here; check it is running and MCCL_BIND_ADDR/firewall",

@@ -194,10 +194,9 @@ RequestPtr Transport::wait_next(Deadline deadline, double timeout_s) {
         continue;
       }
       Error e(ErrorKind::kTimeout,
-              std::string("[") + op_kind_name(active_sig_.kind) + "] op #" +
-                  std::to_string(active_seq_) + " (" + std::to_string(active_sig_.op_bytes) +
-                  " bytes) timed out after " + format_seconds(timeout_s) + " s waiting for " +
-                  waiting +
+              std::string("[") + op_kind_name(active_sig_.kind) + "] Timed out after " +
+                  format_seconds(timeout_s) + " s in op #" + std::to_string(active_seq_) + " (" +
+                  std::to_string(active_sig_.op_bytes) + " bytes) waiting for " + waiting +
                   "; likely cause: that rank is stalled (stopped, deadlocked, overloaded) or did "
                   "not call this collective; check it, or raise the process group timeout",
               peer, peer >= 0 ? addrs_[peer] : "");
@@ -408,8 +407,8 @@ void Transport::fail(const Error& cause) {
     std::string stall = describe_stall(active_ ? Channel::kCollective : Channel::kP2P, &peer);
     if (peer >= 0 && peer != remote->origin()) {
       e = Error(ErrorKind::kTimeout,
-                "[transport] rank " + std::to_string(remote->origin()) +
-                    " timed out waiting for this rank, which was itself waiting for " + stall +
+                "[transport] Timed out: rank " + std::to_string(remote->origin()) +
+                    " gave up waiting for this rank, which was itself waiting for " + stall +
                     "; likely cause: that rank is stalled (stopped, deadlocked, overloaded) or "
                     "did not call the same collective; check it, or raise the timeout",
                 peer, addrs_[peer]);

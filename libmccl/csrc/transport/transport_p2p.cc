@@ -109,8 +109,8 @@ void Transport::p2p_timeout(double timeout_s) {
   int peer = -1;
   std::string what = describe_stall(Channel::kP2P, &peer);
   Error e(ErrorKind::kTimeout,
-          "[send/recv] waiting for " + what + " timed out after " + format_seconds(timeout_s) +
-              " s; likely cause: the peer never posted the matching recv/send or is stalled; "
+          "[send/recv] Timed out after " + format_seconds(timeout_s) + " s waiting for " + what +
+              "; likely cause: the peer never posted the matching recv/send or is stalled; "
               "check both sides issue matching calls",
           peer, peer >= 0 ? addrs_[peer] : "");
   fail(e);
