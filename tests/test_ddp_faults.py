@@ -1,7 +1,8 @@
 """A rank SIGKILLed in the middle of training: the survivor raises an MCCL error naming
 the lost peer within seconds, through every torch consumer of our Works and Futures
 (DDP's C++ reducer, Python and built-in comm hooks, FSDP2, raw future chains), in
-process and through mccld. Before the fix DDP's reducer read a failed op's future as a
+process and through mccld; a SIGSTOPped rank makes DDP raise "Timed out" at the
+process group's timeout. Before the fix DDP's reducer read a failed op's future as a
 success holding an exception object and the survivor died of SIGSEGV."""
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ MAX_STEPS = 50
 # check interval (0.1 s in tests): "a few seconds" leaves room for a loaded machine.
 NOTICE_S = 8.0
 PG_TIMEOUT_S = 60.0  # far above NOTICE_S: only the peer loss itself may end the step
+STALL_TIMEOUT_S = 3.0  # the process group's timeout when the victim stops instead
 
 
 def _model():
@@ -59,28 +61,29 @@ def _wrap(kind: str, model):
     return ddp
 
 
-def _mark_and_die(marker_dir: str) -> None:
+def _mark_and_die(marker_dir: str, sig: int = signal.SIGKILL) -> None:
     with open(os.path.join(marker_dir, "killed_at"), "w") as f:
         f.write(repr(time.time()))
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), sig)
 
 
 def _outcome(exc: BaseException) -> dict:
     return {"types": [c.__name__ for c in type(exc).__mro__], "message": str(exc), "at": time.time()}
 
 
-def _train_rank(rank: int, world: int, kind: str, marker_dir: str) -> dict:
-    """Train until something fails; the victim kills itself before step KILL_STEP."""
+def _train_rank(rank: int, world: int, kind: str, marker_dir: str, sig: int = signal.SIGKILL,
+                timeout_s: float = PG_TIMEOUT_S) -> dict:
+    """Train until something fails; the victim kills (or stops) itself before step KILL_STEP."""
     import torch
     import torch.distributed as dist
 
-    init_pg(rank, world, timeout_s=PG_TIMEOUT_S)
+    init_pg(rank, world, timeout_s=timeout_s)
     try:
         model = _wrap(kind, _model())
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         for step in range(MAX_STEPS):
             if rank == VICTIM and step == KILL_STEP:
-                _mark_and_die(marker_dir)
+                _mark_and_die(marker_dir, sig)
             model(torch.randn(8, 256)).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
@@ -123,9 +126,9 @@ def _futures_rank(rank: int, world: int, kind: str, marker_dir: str) -> dict:
         dist.destroy_process_group()
 
 
-def _run_survivor(fn, kind: str, env: dict) -> tuple[dict, float]:
+def _run_survivor(fn, kind: str, env: dict, *args) -> tuple[dict, float]:
     with tempfile.TemporaryDirectory() as marker_dir:
-        procs, results, _ = spawn_ranks(fn, 2, kind, marker_dir, env=env)
+        procs, results, _ = spawn_ranks(fn, 2, kind, marker_dir, *args, env=env)
         try:
             out = collect(procs, results, 120, expect=1)
         finally:
@@ -168,3 +171,14 @@ def test_survivor_sees_the_error_through_every_future_consumer(mode: str) -> Non
     for name in ("then", "future"):  # RuntimeError from torch's future, naming our error
         assert "PeerLostError" in seen[name]["message"] and f"rank {VICTIM}" in seen[name]["message"], seen
     assert "PeerLostError" in seen["work"]["types"], seen["work"]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("mode", ["inprocess", "daemon"])
+def test_survivor_of_a_stopped_rank_times_out_in_ddp(mode: str) -> None:
+    with MODES[mode].setup() as env:
+        seen, stopped_at = _run_survivor(_train_rank, "ddp", env, signal.SIGSTOP, STALL_TIMEOUT_S)
+    assert "CollectiveTimeout: [" in seen["message"] and "] Timed out after " in seen["message"], seen
+    assert f"rank(s) [{VICTIM}]" in seen["message"] or f"rank {VICTIM}" in seen["message"], seen
+    took = seen["at"] - stopped_at
+    assert STALL_TIMEOUT_S - 1 < took < STALL_TIMEOUT_S + NOTICE_S, f"timed out after {took:.1f}s: {seen}"
