@@ -71,6 +71,7 @@ class ResultFuture:
     def set_exception(self, error: BaseException) -> None:
         self.settled.set_result(_Outcome(None, error))
 
+
 # Methods torch renamed: the trampoline (and distributed_c10d.py) look for either
 # spelling, so the backend defines both. new name -> old name.
 RENAMED_METHODS: dict[str, str] = {
