@@ -1,8 +1,8 @@
 """A rank SIGKILLed in the middle of training: the survivor raises an MCCL error naming
 the lost peer within seconds, through every torch consumer of our Works and Futures
-(DDP's C++ reducer, Python and built-in comm hooks, FSDP2, raw future chains), in
-process and through mccld; a SIGSTOPped rank makes DDP raise "Timed out" at the
-process group's timeout. Before the fix DDP's reducer read a failed op's future as a
+(DDP's C++ reducer, Python and built-in comm hooks, FSDP2, functional collectives, raw
+future chains), in process and through mccld; a SIGSTOPped rank makes DDP raise
+"Timed out" at the process group's timeout. Before the fix DDP's reducer read a failed op's future as a
 success holding an exception object and the survivor died of SIGSEGV."""
 
 from __future__ import annotations
@@ -126,6 +126,26 @@ def _futures_rank(rank: int, world: int, kind: str, marker_dir: str) -> dict:
         dist.destroy_process_group()
 
 
+def _functional_rank(rank: int, world: int, kind: str, marker_dir: str) -> dict:
+    """Functional collectives (DTensor, torch.compile): C++ waits on our Work."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    init_pg(rank, world, timeout_s=PG_TIMEOUT_S)
+    t = torch.ones(1 << 20)
+    try:
+        for step in range(MAX_STEPS):
+            if rank == VICTIM and step == KILL_STEP:
+                _mark_and_die(marker_dir)
+            float(funcol.wait_tensor(funcol.all_reduce(t, "sum", dist.group.WORLD))[0])
+        return {"types": ["nothing raised"], "message": "", "at": time.time()}
+    except Exception as exc:  # noqa: BLE001 - what was raised is the result
+        return _outcome(exc)
+    finally:
+        dist.destroy_process_group()
+
+
 def _run_survivor(fn, kind: str, env: dict, *args) -> tuple[dict, float]:
     with tempfile.TemporaryDirectory() as marker_dir:
         procs, results, _ = spawn_ranks(fn, 2, kind, marker_dir, *args, env=env)
@@ -171,6 +191,14 @@ def test_survivor_sees_the_error_through_every_future_consumer(mode: str) -> Non
     for name in ("then", "future"):  # RuntimeError from torch's future, naming our error
         assert "PeerLostError" in seen[name]["message"] and f"rank {VICTIM}" in seen[name]["message"], seen
     assert "PeerLostError" in seen["work"]["types"], seen["work"]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("mode", ["inprocess", "daemon"])
+def test_survivor_raises_the_typed_error_through_functional_collectives(mode: str) -> None:
+    with MODES[mode].setup() as env:
+        seen, killed_at = _run_survivor(_functional_rank, "functional", env)
+    _assert_names_lost_peer(seen, killed_at, typed=True)
 
 
 @pytest.mark.timeout(200)
