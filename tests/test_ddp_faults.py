@@ -61,10 +61,14 @@ def _wrap(kind: str, model):
     return ddp
 
 
-def _mark_and_die(marker_dir: str, sig: int = signal.SIGKILL) -> None:
-    with open(os.path.join(marker_dir, "killed_at"), "w") as f:
-        f.write(repr(time.time()))
-    os.kill(os.getpid(), sig)
+def _steps(rank: int, marker_dir: str, sig: int = signal.SIGKILL):
+    """Step numbers; the victim notes the time and kills (or stops) itself before KILL_STEP."""
+    for step in range(MAX_STEPS):
+        if rank == VICTIM and step == KILL_STEP:
+            with open(os.path.join(marker_dir, "killed_at"), "w") as f:
+                f.write(repr(time.time()))
+            os.kill(os.getpid(), sig)
+        yield step
 
 
 def _outcome(exc: BaseException) -> dict:
@@ -73,7 +77,7 @@ def _outcome(exc: BaseException) -> dict:
 
 def _train_rank(rank: int, world: int, kind: str, marker_dir: str, sig: int = signal.SIGKILL,
                 timeout_s: float = PG_TIMEOUT_S) -> dict:
-    """Train until something fails; the victim kills (or stops) itself before step KILL_STEP."""
+    """Train until something fails."""
     import torch
     import torch.distributed as dist
 
@@ -81,9 +85,7 @@ def _train_rank(rank: int, world: int, kind: str, marker_dir: str, sig: int = si
     try:
         model = _wrap(kind, _model())
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        for step in range(MAX_STEPS):
-            if rank == VICTIM and step == KILL_STEP:
-                _mark_and_die(marker_dir, sig)
+        for _ in _steps(rank, marker_dir, sig):
             model(torch.randn(8, 256)).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
@@ -96,24 +98,26 @@ def _train_rank(rank: int, world: int, kind: str, marker_dir: str, sig: int = si
 
 def _futures_rank(rank: int, world: int, kind: str, marker_dir: str) -> dict:
     """All-reduce through raw futures and then-chains until the peer is gone; report what
-    each consumer saw: C++ (collect_all), a then-chain, Future.wait and Work.wait."""
+    each consumer saw: a C++ reader (TorchScript wait), collect_all, a then-chain,
+    Future.wait and Work.wait."""
     import torch
     import torch.distributed as dist
+
+    from test_work_futures import cxx_wait
 
     init_pg(rank, world, timeout_s=PG_TIMEOUT_S)
     t = torch.ones(1 << 20)
     try:
-        for step in range(MAX_STEPS):
-            if rank == VICTIM and step == KILL_STEP:
-                _mark_and_die(marker_dir)
+        for _ in _steps(rank, marker_dir):
             work = dist.all_reduce(t, async_op=True)
             fut = work.get_future()
             chained = fut.then(lambda f: f.value()[0] * 2)
             try:
-                torch.futures.collect_all([fut]).wait()
+                cxx_wait(fut)
             except Exception as exc:  # noqa: BLE001
-                seen = {"collect_all": _outcome(exc)}
-                for name, wait in (("then", chained.wait), ("future", fut.wait), ("work", work.wait)):
+                seen = {"cxx": _outcome(exc)}
+                for name, wait in (("collect_all", torch.futures.collect_all([fut]).wait), ("then", chained.wait),
+                                   ("future", fut.wait), ("work", work.wait)):
                     try:
                         wait()
                         seen[name] = {"types": ["nothing raised"], "message": ""}
@@ -121,7 +125,7 @@ def _futures_rank(rank: int, world: int, kind: str, marker_dir: str) -> dict:
                         seen[name] = _outcome(exc2)
                 return seen
             t.fill_(1.0)
-        return {"collect_all": {"types": ["nothing raised"], "message": "", "at": time.time()}}
+        return {"cxx": {"types": ["nothing raised"], "message": "", "at": time.time()}}
     finally:
         dist.destroy_process_group()
 
@@ -135,9 +139,7 @@ def _functional_rank(rank: int, world: int, kind: str, marker_dir: str) -> dict:
     init_pg(rank, world, timeout_s=PG_TIMEOUT_S)
     t = torch.ones(1 << 20)
     try:
-        for step in range(MAX_STEPS):
-            if rank == VICTIM and step == KILL_STEP:
-                _mark_and_die(marker_dir)
+        for _ in _steps(rank, marker_dir):
             float(funcol.wait_tensor(funcol.all_reduce(t, "sum", dist.group.WORLD))[0])
         return {"types": ["nothing raised"], "message": "", "at": time.time()}
     except Exception as exc:  # noqa: BLE001 - what was raised is the result
@@ -186,9 +188,9 @@ def test_survivor_of_a_killed_rank_raises_in_training(kind: str, mode: str) -> N
 def test_survivor_sees_the_error_through_every_future_consumer(mode: str) -> None:
     with MODES[mode].setup() as env:
         seen, killed_at = _run_survivor(_futures_rank, "futures", env)
-    assert set(seen) == {"collect_all", "then", "future", "work"}, seen
-    _assert_names_lost_peer(seen["collect_all"], killed_at, typed=False)
-    for name in ("then", "future"):  # RuntimeError from torch's future, naming our error
+    assert set(seen) == {"cxx", "collect_all", "then", "future", "work"}, seen
+    _assert_names_lost_peer(seen["cxx"], killed_at, typed=False)
+    for name in ("collect_all", "then", "future"):  # RuntimeError from torch's future, naming ours
         assert "PeerLostError" in seen[name]["message"] and f"rank {VICTIM}" in seen[name]["message"], seen
     assert "PeerLostError" in seen["work"]["types"], seen["work"]
 
