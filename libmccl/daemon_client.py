@@ -18,12 +18,14 @@ later op fails with DaemonUnavailableError; nothing waits longer than ``timeout_
 
 from __future__ import annotations
 
+import atexit
 import collections
 import ctypes
 import logging
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -46,6 +48,24 @@ _RESULTS_KEPT = 4096                             # completions remembered for wa
 _VERDICT_MARGIN_S = 5.0
 _P2P_OPS = ("send", "take")                      # outside the job's collective order
 _KIND_OF = {cls: kind for kind, cls in errors._KINDS.items()}
+_IO_JOIN_S = 5.0                                 # bound on the I/O thread's stop
+_LEAVE_WAIT_S = 1.0                              # for the daemon's answer to our leave
+_EXIT_DRAIN_S = 2.0                              # pending ops' last chance at interpreter exit
+
+_live: "weakref.WeakSet[DaemonCommunicator]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all_at_exit() -> None:
+    """Finish every communicator's teardown before the interpreter finalizes. An I/O thread
+    still failing ops then (it runs torch future callbacks) is frozen inside torch's C++ when
+    it next takes the GIL, and a thread frozen there aborts the process (pthread_exit unwinds
+    a noexcept frame: SIGABRT, seen when mccld was killed); its segment would stay behind too."""
+    for comm in list(_live):
+        try:
+            comm.shutdown(_EXIT_DRAIN_S)
+        except Exception:  # noqa: BLE001 - interpreter exit: nothing left to report to
+            log.debug("[daemon-client] shutdown at exit failed", exc_info=True)
 
 
 def _err_tuple(exc: MCCLError) -> tuple[int, str, int, str]:
@@ -100,6 +120,8 @@ class DaemonCommunicator:
         self._gen = 0
         self._stats = {"ops_completed": 0, "bytes_sent": 0, "bytes_received": 0}
         self._closed = False
+        self._closer: int | None = None            # the thread that tears the communicator down
+        self._torn_down = threading.Event()
         self._thread: threading.Thread | None = None
         self._wake_push: zmq.Socket | None = None
         self._wake_addr = f"inproc://mccl-client-{id(self)}"
@@ -118,6 +140,7 @@ class DaemonCommunicator:
         except BaseException:
             self._close_sockets()
             raise
+        _live.add(self)
 
     # -- set-up --------------------------------------------------------------------------
 
@@ -202,8 +225,6 @@ class DaemonCommunicator:
                                 f"{reason or 'no reason given'}"), leave_abort=reason or "aborted")
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        if self._closed:
-            return
         deadline = time.monotonic() + timeout_s
         with self._done_cv:
             while self._busy_locked() and self._failed is None:
@@ -443,30 +464,52 @@ class DaemonCommunicator:
             pull.close(0)
 
     def _fail(self, exc: MCCLError, leave_abort: str | None) -> None:
-        """Fail every pending and later op with ``exc``, tell the daemon we leave, free the segment."""
+        """Fail every pending and later op with ``exc``, tell the daemon we leave, free the segment.
+
+        Returns once that is done, also when another thread is the one doing it (bounded):
+        a caller that goes on to exit must not cut the teardown short.
+        """
         if os.getpid() != self._pid:
             return  # inherited through fork: the parent still owns the connection and the segment
+        me = threading.get_ident()
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            if self._failed is None:
-                self._failed = exc
-            exc = self._failed
-            ops = (([self._inflight] if self._inflight is not None else []) + list(self._queue)
-                   + self._recvs.take_all())
-            self._inflight = None
-            self._queue.clear()
+            closer = self._closer
+            if closer is None:
+                self._closer = me
+                self._closed = True
+                if self._failed is None:
+                    self._failed = exc
+                exc = self._failed
+                ops = (([self._inflight] if self._inflight is not None else []) + list(self._queue)
+                       + self._recvs.take_all())
+                self._inflight = None
+                self._queue.clear()
+        if closer is not None:
+            # Not on the closing thread itself (a failed op's callback calling shutdown), nor on
+            # the I/O thread: the closer may be joining it.
+            if closer != me and self._thread is not threading.current_thread():
+                self._torn_down.wait(_IO_JOIN_S + _LEAVE_WAIT_S + 1.0)
+            return
+        try:
+            self._teardown(ops, exc, leave_abort)
+        finally:
+            self._torn_down.set()
+
+    def _teardown(self, ops: list[_Op | PostedRecv], exc: MCCLError, leave_abort: str | None) -> None:
+        seg = self._segment
+        if seg is not None:
+            # Unlinked before anyone hears of the failure: a rank that exits on the error leaves
+            # nothing behind. Only the name goes; the mapping stays valid for an I/O thread still copying.
+            seg.unlink()
         self._fail_ops(ops, exc)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._wake()
-            self._thread.join(timeout=5.0)
+            self._thread.join(timeout=_IO_JOIN_S)
             if self._thread.is_alive():
                 # zmq sockets are not thread-safe: leave them to the stuck I/O thread
                 # rather than closing them under it.
-                logging.getLogger(__name__).warning(
-                    "[daemon-client] rank %d: I/O thread did not stop within 5s; leaving its sockets open",
-                    self.rank)
+                log.warning("[daemon-client] rank %d: I/O thread did not stop within %.0fs; leaving its "
+                            "sockets open", self.rank, _IO_JOIN_S)
                 return
         if self._sock is not None and not isinstance(exc, DaemonUnavailableError):
             msg = {"type": "leave", "req": self._req + 1, "job": self._job, "rank": self.rank}
@@ -474,7 +517,7 @@ class DaemonCommunicator:
                 msg["abort"] = leave_abort
             try:
                 self._sock.send(self._proto.encode(msg), zmq.NOBLOCK)
-                self._sock.poll(1000)  # let the daemon free our segment before we vanish
+                self._sock.poll(int(_LEAVE_WAIT_S * 1000))  # the reply: the leave got out before we close
             except zmq.ZMQError:
                 pass
         self._close_sockets()
