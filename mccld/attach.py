@@ -153,8 +153,9 @@ class AttachServer:
         try:
             if len(frames) != 2:
                 raise ProtocolError(f"[daemon] control message with {len(frames) - 1} frames, expected 1")
-            msg = protocol.decode_request(frames[1])
-            req = msg["req"]
+            msg = protocol.parse_request(frames[1])
+            req = msg["req"]       # from here on, errors reach the request that caused them
+            protocol.check_request(msg)
             if msg["type"] == "hello":
                 if not hmac.compare_digest(msg["token"].encode(), self._token.encode()):
                     raise AuthError("[daemon] client presented a wrong attach token; it read the token "

@@ -66,6 +66,9 @@ class DaemonConfig:
     link_timeout_s: float = setting(
         "MCCL_LINK_TIMEOUT", 10.0, "seconds",
         "time to connect and authenticate a daemon-to-daemon link")
+    max_attached_per_process: int = setting(
+        "MCCL_MAX_ATTACHED_PER_PROCESS", 256, "count",
+        "attach connections one process may hold (one per communicator); past it the longest idle one is dropped")
     client_check_s: float = setting(
         "MCCL_CLIENT_CHECK_INTERVAL", 0.25, "seconds",
         "how often the daemon checks that its attached processes are still alive")
@@ -76,6 +79,8 @@ class DaemonConfig:
             _require(0 <= port <= 65535, env, port, "must be a TCP port (0-65535)")
         _require(self.mdns_ttl_s >= 1, "MCCL_MDNS_TTL", self.mdns_ttl_s, "must be at least 1")
         _require(self.link_timeout_s > 0, "MCCL_LINK_TIMEOUT", self.link_timeout_s, "must be positive")
+        _require(self.max_attached_per_process >= 1, "MCCL_MAX_ATTACHED_PER_PROCESS",
+                 self.max_attached_per_process, "must be at least 1")
         _require(self.client_check_s > 0, "MCCL_CLIENT_CHECK_INTERVAL", self.client_check_s,
                  "must be positive")
         _require(bool(self.fleet) and all(c.isalnum() or c in "-_." for c in self.fleet),

@@ -260,9 +260,7 @@ class Daemon:
     def _handle(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any] | None:
         kind = msg["type"]
         if kind == "hello":
-            with self._lock:
-                self.clients[ident] = {"pid": msg["pid"], "memberships": set()}
-            self._stat("set_attached", len(self.clients))
+            self._attach_client(ident, msg["pid"])
             return {"ok": True, "host_id": self.host_id, "link_addr": self.links.address,
                     "daemon_version": __version__, "proto": PROTO_VERSION}
         if kind == "status":
@@ -282,6 +280,7 @@ class Daemon:
                 fh.write(msg["segment"] + "\n")
             return {"ok": True}
         if kind == "op":
+            protocol.check_op_ranks(msg, job.size)
             job.submit(ident, msg["req"], msg)
             return None
         if kind == "overlap":
@@ -303,27 +302,52 @@ class Daemon:
             return {"ok": True}
         raise ProtocolError(f"[daemon] unhandled request type {kind!r}")
 
+    def _attach_client(self, ident: bytes, pid: int) -> None:
+        """Record a connection that said hello. Connections never say goodbye (a CLI's one
+        request, a communicator's set-up that failed), so past the per-process cap the longest
+        idle one of that process (no job joined through it) makes room."""
+        cap = self.cfg.max_attached_per_process
+        with self._lock:
+            known = self.clients.pop(ident, None)
+            mine = [i for i, c in self.clients.items() if c["pid"] == pid]
+            if len(mine) >= cap:
+                idle = [i for i in mine if not self.clients[i]["memberships"]]
+                if not idle:
+                    raise ConfigError(f"[daemon] pid {pid} already has {len(mine)} communicators attached "
+                                      f"(MCCL_MAX_ATTACHED_PER_PROCESS={cap}); it leaks process groups: "
+                                      "destroy the ones it no longer uses, or raise the limit")
+                del self.clients[idle[0]]
+                if self.attach is not None:
+                    self.attach.forget(idle[0])
+            self.clients[ident] = {"pid": pid, "memberships": known["memberships"] if known else set()}
+            attached = len(self.clients)
+        self._stat("set_attached", attached)
+
     def _join(self, ident: bytes, msg: dict[str, Any]) -> None:
-        job_id, hosts = msg["job"], msg["hosts"]
+        job_id, hosts, rank = msg["job"], msg["hosts"], msg["rank"]
         if not (1 <= len(job_id) <= 12 and all(c in "0123456789abcdef" for c in job_id)):
             raise ProtocolError(f"[daemon] job id {job_id!r} must be 1-12 lowercase hex digits")
-        for h in hosts:
-            if not (isinstance(h, dict) and isinstance(h.get("host_id"), str)
-                    and isinstance(h.get("link_addr"), str) and isinstance(h.get("ranks"), list)
-                    and all(isinstance(r, int) for r in h["ranks"])):
-                raise ProtocolError("[daemon] join: every host needs host_id, link_addr and ranks")
-        if not msg["timeout_s"] > 0:
-            raise ProtocolError(f"[daemon] join: timeout_s={msg['timeout_s']} must be positive")
+        if not any(h["host_id"] == self.host_id and rank in h["ranks"] for h in hosts):
+            raise ProtocolError(f"[daemon] job {job_id}: rank {rank} is not placed on this host "
+                                f"({self.host_id}) by the join's host list; the rank reached another "
+                                "host's daemon, or two daemons share a host id")
         with self._lock:
-            job = self.jobs.get(job_id)
-            if job is None or job.state in ("failed", "closed") and not job.members:
-                job = Job(self, job_id, msg["size"], hosts, msg["timeout_s"], msg["opts"])
-                self.jobs[job_id] = job
             client = self.clients.get(ident)
             if client is None:
                 raise ProtocolError("[daemon] join from a client that never said hello")
-            job.join(ident, msg["req"], msg["rank"], client["pid"], msg["size"], hosts)
-            client["memberships"].add((job_id, msg["rank"]))
+            job = self.jobs.get(job_id)
+            fresh = job is None or job.state in ("failed", "closed") and not job.members
+            if fresh:
+                job = Job(self, job_id, msg["size"], hosts, msg["timeout_s"], msg["opts"])
+            try:
+                job.join(ident, msg["req"], rank, client["pid"], msg["size"], hosts)
+            except BaseException:
+                if fresh:
+                    job.close()   # its threads end now; it never was in the table
+                raise
+            if fresh:
+                self.jobs[job_id] = job
+            client["memberships"].add((job_id, rank))
         self._stat("set_state", "training")
         return None
 
@@ -331,7 +355,7 @@ class Daemon:
         started = time.monotonic()
         try:
             link = self.links.link_to(msg["addr"])
-        except MCCLError as e:
+        except Exception as e:  # noqa: BLE001 - every request is answered; non-MCCL errors read "internal"
             self.reply_error(ident, msg["req"], e)
             return
         self.reply(ident, msg["req"], {"ok": True, "host_id": link.peer_host,

@@ -172,6 +172,10 @@ class Job:
         if shm.owner_pid(name) != member.pid:
             raise ProtocolError(f"[daemon] job {self.id} rank {rank}: segment {name} is not named after the "
                                 f"client's pid {member.pid}")
+        if name in member.segments:
+            # An op may be running on (or was checked against) that mapping: segments are immutable.
+            raise ProtocolError(f"[daemon] job {self.id} rank {rank}: field 'segment'={name} is already "
+                                "registered; a client registers each new segment under a new name")
         seg = shm.Segment(name, nbytes, create=False)
         with self._lock:
             # A client registers a new (larger) segment only between ops: the old one is
