@@ -225,6 +225,8 @@ class DaemonCommunicator:
                                 f"{reason or 'no reason given'}"), leave_abort=reason or "aborted")
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
+        if os.getpid() != self._pid:
+            return  # a forked child: no I/O thread here would ever finish the ops it waits for
         deadline = time.monotonic() + timeout_s
         with self._done_cv:
             while self._busy_locked() and self._failed is None:
