@@ -52,7 +52,7 @@ ssize_t Landing::recv_from(int fd, int flags, uint8_t* stage, size_t cap) {
   // The split element's first bytes go in front, so the stage holds whole elements from
   // its start and is reduced in one call.
   std::memcpy(stage, carry_, carry_n_);
-  ssize_t r = ::recv(fd, stage + carry_n_, std::min(left_, cap - carry_n_), flags);
+  ssize_t r = ::recv(fd, stage + carry_n_, next_read(cap), flags);
   if (r <= 0) return r;
   left_ -= static_cast<size_t>(r);
   const size_t have = carry_n_ + static_cast<size_t>(r);

@@ -10,6 +10,7 @@
 #pragma once
 #include <sys/types.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
@@ -31,6 +32,8 @@ class Landing {
   // reduction reads into `stage` (cap bytes) and folds it in. Returns what recv()
   // returned (payload bytes taken, 0 at EOF, -1 with errno set).
   ssize_t recv_from(int fd, int flags, uint8_t* stage, size_t cap);
+  // The most bytes the next recv_from(..., cap) asks for: a shorter read drained the socket.
+  size_t next_read(size_t cap) const { return fn_ ? std::min(left_, cap - carry_n_) : left_; }
 
  private:
   uint8_t* dst_ = nullptr;  // copy: the next byte; reduce: the next whole element

@@ -4,6 +4,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
+
 #include "transport/pair.h"
 
 namespace mccl {
@@ -74,6 +76,7 @@ bool RecvThread::read_pass(std::vector<Job>& jobs, std::vector<RecvDone>& finish
     size_t budget = kReadBudget;
     int outcome = 1;  // 1: keep the job (would block, or over budget)
     while (!halted_.load(std::memory_order_relaxed)) {
+      const size_t asked = job.land->next_read(kStageBytes);
       ssize_t r = job.land->recv_from(job.fd, MSG_DONTWAIT, stage, kStageBytes);
       if (r > 0) {
         job.pair->touch_read();
@@ -81,6 +84,8 @@ bool RecvThread::read_pass(std::vector<Job>& jobs, std::vector<RecvDone>& finish
           outcome = 0;
           break;
         }
+        // A short read drained the socket: back to poll without a recv() for EAGAIN.
+        if (static_cast<size_t>(r) < asked) break;
         if (static_cast<size_t>(r) >= budget) {
           more = true;
           break;
@@ -98,11 +103,18 @@ bool RecvThread::read_pass(std::vector<Job>& jobs, std::vector<RecvDone>& finish
       ++i;
       continue;
     }
+    if (outcome != RecvDone::kEof) set_lowat(job, 1);  // the owner parses headers again
     finished.push_back({job.pair, job.conn, outcome});
     jobs[i] = jobs.back();
     jobs.pop_back();
   }
   return more;
+}
+
+void RecvThread::set_lowat(Job& job, int bytes) {
+  if (job.lowat == bytes) return;
+  // Best effort: where it fails the thread merely wakes more often.
+  if (::setsockopt(job.fd, SOL_SOCKET, SO_RCVLOWAT, &bytes, sizeof(bytes)) == 0) job.lowat = bytes;
 }
 
 void RecvThread::main() {
@@ -137,7 +149,10 @@ void RecvThread::main() {
     if (more || halted_ || stop_ || !jobs_.empty() || mine.empty()) continue;
     // Every lent socket is drained: wait for data, or for another socket to be lent.
     fds.clear();
-    for (const Job& j : mine) fds.push_back({j.fd, POLLIN, 0});
+    for (Job& j : mine) {
+      set_lowat(j, static_cast<int>(std::min(j.land->left(), kWakeBytes)));
+      fds.push_back({j.fd, POLLIN, 0});
+    }
     fds.push_back({wake_read_.get(), POLLIN, 0});
     busy_ = true;
     in_poll_ = true;

@@ -14,7 +14,9 @@
 //   - until then the owner neither polls nor reads that socket;
 //   - halt() keeps it off the sockets and destinations for good (the transport failed or
 //     closes), so the owner may fail the requests and free their buffers.
-// An idle thread sleeps on its condition variable; one with sockets waits in poll().
+// An idle thread sleeps on its condition variable; one with sockets waits in poll(), with
+// the socket's SO_RCVLOWAT raised so that it wakes once per kWakeBytes that arrive rather
+// than once per packet burst (restored before the socket goes back).
 #pragma once
 #include <poll.h>
 #include <sys/types.h>
@@ -70,7 +72,12 @@ class RecvThread {
     size_t conn;
     int fd;
     Landing* land;
+    int lowat = 1;  // the socket's SO_RCVLOWAT as this thread set it
   };
+  // Wake for at most this many bytes of a lent socket: fewer wake-ups and system calls
+  // per byte, and still a few per segment so reads overlap the segment's arrival.
+  static constexpr size_t kWakeBytes = 256 << 10;
+  static void set_lowat(Job& job, int bytes);
   void main();
   void wake_self_locked();
   // Reads each job's socket until it would block; finished or failed jobs go to done_.
