@@ -9,6 +9,8 @@
 # moves on.
 # SEND_THREAD_AB=1 adds, after step 1, N=8 all_reduce at 64/256 MB with MCCL_SEND_THREAD=0
 # (about a minute, taken from step 2's time).
+# RECV_THREADS_AB=1 adds N=8 all_reduce with MCCL_RECV_THREADS=0 and =2 and the world-size-1
+# DDP step (about three minutes, taken from step 2's time).
 # Run from the repository root:  OUT=/some/dir bash libmccl/bench/device_run.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -67,6 +69,14 @@ if timeout 45 $PY -m libmccl.fleet selftest --rate 1gbit > "$OUT/fleet-selftest.
     ( export MCCL_SEND_THREAD=0
       bench n8-10gbit-one-thread 60 --hosts 8 --rate 10gbit --backends mccl --ops all_reduce \
         --sizes 64M,256M --ceiling-tool none )
+  fi
+  if [ "${RECV_THREADS_AB:-0}" = 1 ]; then
+    # Receive threads off (0) and on (2, the default), Gloo in both runs; then world size 1.
+    for rt in 0 2; do
+      ( export MCCL_RECV_THREADS=$rt
+        bench n8-10gbit-recv$rt 80 --hosts 8 --rate 10gbit --ops all_reduce --sizes 16M,64M,256M --ceiling-seconds 3 )
+    done
+    timeout 60 $PY -m libmccl.bench.solo_ddp > "$OUT/solo-ddp.txt" 2>&1; status "solo-ddp rc=$?"
   fi
   for n in 2 4 8; do
     bench n$n-2.5gbit 100 --hosts $n --rate 2.5gbit --ops all_reduce,all_gather \
