@@ -20,7 +20,8 @@ import pytest
 
 from libmccl import _core
 from libmccl.errors import AbortedError, PeerLostError
-from test_engine_helpers import DT, SUM, build, make_options, ptr, ranks, run_ranks, run_threads, thread_count
+from test_engine_helpers import (DT, SUM, build, file_rendezvous, make_options, ptr, ranks, run_ranks, run_threads,
+                                 thread_count)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -96,16 +97,11 @@ from pathlib import Path
 import numpy as np
 from libmccl import _core
 from libmccl.errors import MCCLError
+sys.path.insert(0, 'tests')
+from test_engine_helpers import file_rendezvous
 
 rank, world, comm_id, d = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
-lst = _core.Listener("127.0.0.1", 0)
-(d / f"addr.{rank}.tmp").write_text(lst.address)
-os.rename(d / f"addr.{rank}.tmp", d / f"addr.{rank}")
-deadline = time.monotonic() + 20
-while not all((d / f"addr.{r}").exists() for r in range(world)):
-    assert time.monotonic() < deadline, "peers never published their addresses"
-    time.sleep(0.01)
-addrs = [(d / f"addr.{r}").read_text() for r in range(world)]
+lst, addrs = file_rendezvous(rank, world, d)
 opts = _core.Options()
 opts.timeout_s = 30.0
 opts.connect_timeout_s = 20.0
@@ -128,13 +124,6 @@ while not outcome:
 comm.shutdown(2.0)
 (d / f"result.{rank}").write_text(json.dumps(outcome))
 '''
-
-
-def _publish_and_wait(tmp: Path, rank: int, world: int, lst) -> list[str]:
-    (tmp / f"addr.{rank}.tmp").write_text(lst.address)
-    os.rename(tmp / f"addr.{rank}.tmp", tmp / f"addr.{rank}")
-    _wait_for(tmp, "addr", range(world), 20)
-    return [(tmp / f"addr.{r}").read_text() for r in range(world)]
 
 
 def _wait_for(tmp: Path, name: str, ranks_, timeout: float) -> None:
@@ -179,8 +168,7 @@ def test_abort_while_a_receive_thread_waits_for_a_stopped_peer(tmp_path):
     procs = _spawn(tmp_path, 2, [1], comm_id := random.getrandbits(63))
     try:
         t0 = _settled_thread_count()
-        lst = _core.Listener("127.0.0.1", 0)
-        addrs = _publish_and_wait(tmp_path, 0, 2, lst)
+        lst, addrs = file_rendezvous(0, 2, tmp_path)
         comm = _core.Communicator(0, 2, comm_id, lst, addrs, make_options(), None)
         bufs = [np.ones(8 << 20, np.float32) for _ in range(3)]
         for _ in range(2):

@@ -2,7 +2,6 @@
 
 #include <errno.h>
 #include <sys/socket.h>
-#include <unistd.h>
 
 #include <algorithm>
 
@@ -22,7 +21,6 @@ constexpr size_t kReadBudget = 8 << 20;
 
 RecvThread::RecvThread(std::function<void()> wake_owner)
     : wake_owner_(std::move(wake_owner)), stage_(new uint64_t[kStageBytes / sizeof(uint64_t)]) {
-  make_wake_pipe(&wake_read_, &wake_write_, "receive thread");
   thread_ = std::thread([this] { main(); });
 }
 
@@ -31,24 +29,16 @@ RecvThread::~RecvThread() {
     std::lock_guard<std::mutex> lk(mu_);
     stop_ = true;
     halted_ = true;
-    wake_self_locked();
+    waker_.wake_locked();
     cv_.notify_all();
   }
   if (thread_.joinable()) thread_.join();
 }
 
-void RecvThread::wake_self_locked() {
-  if (in_poll_) {
-    char b = 1;
-    ssize_t rc = ::write(wake_write_.get(), &b, 1);
-    (void)rc;  // a full pipe already wakes the poll
-  }
-}
-
 void RecvThread::lend(Pair* pair, size_t conn, int fd, Landing* land) {
   std::lock_guard<std::mutex> lk(mu_);
   jobs_.push_back({pair, conn, fd, land});
-  wake_self_locked();
+  waker_.wake_locked();
   cv_.notify_all();
 }
 
@@ -63,7 +53,7 @@ void RecvThread::halt() {
   halted_ = true;
   jobs_.clear();
   done_.clear();
-  wake_self_locked();
+  waker_.wake_locked();
   cv_.notify_all();
   cv_.wait(lk, [&] { return !busy_; });
 }
@@ -153,20 +143,7 @@ void RecvThread::main() {
       set_lowat(j, static_cast<int>(std::min(j.land->left(), kWakeBytes)));
       fds.push_back({j.fd, POLLIN, 0});
     }
-    fds.push_back({wake_read_.get(), POLLIN, 0});
-    busy_ = true;
-    in_poll_ = true;
-    lk.unlock();
-    ::poll(fds.data(), fds.size(), 1000);
-    if (fds.back().revents) {
-      char buf[64];
-      while (::read(wake_read_.get(), buf, sizeof(buf)) > 0) {
-      }
-    }
-    lk.lock();
-    in_poll_ = false;
-    busy_ = false;
-    cv_.notify_all();
+    waker_.poll(lk, fds, &busy_, cv_);
   }
 }
 

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "transport/landing.h"
+#include "transport/poll_waker.h"
 #include "transport/socket.h"
 
 namespace mccl {
@@ -79,7 +80,6 @@ class RecvThread {
   static constexpr size_t kWakeBytes = 256 << 10;
   static void set_lowat(Job& job, int bytes);
   void main();
-  void wake_self_locked();
   // Reads each job's socket until it would block; finished or failed jobs go to done_.
   // Returns whether any bytes arrived. Runs without mu_ on the jobs taken from jobs_.
   bool read_pass(std::vector<Job>& jobs, std::vector<RecvDone>& finished);
@@ -89,12 +89,11 @@ class RecvThread {
   std::condition_variable cv_;
   bool stop_ = false;
   std::atomic<bool> halted_{false};
-  bool busy_ = false;     // reading or polling without mu_
-  bool in_poll_ = false;  // waiting for a socket: wake through the pipe, not cv_
+  bool busy_ = false;  // reading or polling without mu_
   std::vector<Job> jobs_;  // lent, not yet picked up by the thread
   std::vector<RecvDone> done_;
   std::unique_ptr<uint64_t[]> stage_;  // reductions read through it (uint64_t: aligned)
-  Fd wake_read_, wake_write_;
+  PollWaker waker_{"receive thread"};
   std::thread thread_;
 };
 
