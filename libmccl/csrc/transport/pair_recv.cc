@@ -82,6 +82,9 @@ void Pair::check_recv_size(const RequestPtr& req, const FrameHeader& h) {
 
 void Pair::on_readable(size_t conn) {
   Conn& c = conns_[conn];
+  // A receive thread reads it (poll may still report POLLHUP/POLLERR for it, polled for
+  // POLLOUT alone when there is no send thread).
+  if (c.lent) return;
   size_t budget = kReadBudget;
   while (c.fd.valid() && budget > 0) {
     if (c.rb_begin == c.rb_end) {
