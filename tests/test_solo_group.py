@@ -71,7 +71,8 @@ def test_collectives_of_one_rank(solo_group):
     coalesced = [x.clone(), x.clone() * 2]
     dist.all_reduce_coalesced(coalesced)
     assert torch.equal(coalesced[1], x * 2)
-    assert thread_count() == solo_group, "a world-size-1 group started engine threads"
+    # (<=: threads of earlier tests may still be winding down)
+    assert thread_count() <= solo_group, "a world-size-1 group started engine threads"
 
 
 def test_group_of_one_refuses_after_shutdown(solo_group):
