@@ -99,7 +99,7 @@ class EngineConfig:
     send_thread: bool = setting(
         "MCCL_SEND_THREAD", True, "bool",
         "a second engine thread per communicator copies bulk frames (512K and up) into the sockets, "
-        "beside the one that receives and reduces; 0 keeps it all on one thread")
+        "beside the ones that receive and reduce; 0 leaves it to the thread that runs the algorithms")
     recv_threads: int = setting(
         "MCCL_RECV_THREADS", 2, "threads",
         "engine threads per communicator that read bulk payloads (128K and up) off the sockets and "
