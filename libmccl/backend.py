@@ -77,6 +77,11 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
             rv = rendezvous.exchange(store, rank, size, None, self._cfg, opts.connect_timeout_s, group_id)
             return DaemonCommunicator(rank=rank, size=size, comm_id=rv.comm_id, store=rv.store, opts=opts,
                                       on_complete=self._router.on_complete, timeout_s=opts.connect_timeout_s)
+        if size == 1:
+            # Nothing to exchange with anyone: each op is done on the caller's thread.
+            from .solo_comm import SoloCommunicator
+
+            return SoloCommunicator(self._router.on_complete)
         rv = rendezvous.exchange(store, rank, size, _core.Listener, self._cfg, opts.connect_timeout_s, group_id)
         return _core.Communicator(rank, size, rv.comm_id, rv.listener, rv.peer_addrs, opts, self._router.on_complete)
 

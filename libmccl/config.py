@@ -99,7 +99,12 @@ class EngineConfig:
     send_thread: bool = setting(
         "MCCL_SEND_THREAD", True, "bool",
         "a second engine thread per communicator copies bulk frames (512K and up) into the sockets, "
-        "beside the one that receives and reduces; 0 keeps it all on one thread")
+        "beside the ones that receive and reduce; 0 leaves it to the thread that runs the algorithms")
+    recv_threads: int = setting(
+        "MCCL_RECV_THREADS", 2, "threads",
+        "engine threads per communicator that read bulk payloads (128K and up) off the sockets and "
+        "reduce them into place, socket i of every link on thread i % n; 0 leaves reading and "
+        "reducing to the thread that runs the algorithms")
     bind_addr: str = setting(
         "MCCL_BIND_ADDR", "", "address",
         "address the engine listens on and advertises; empty: the local end of the route to MASTER_ADDR, "
@@ -126,6 +131,7 @@ class EngineConfig:
         opts.segment_bytes = self.segment_bytes
         opts.small_allreduce_bytes = self.small_allreduce_bytes
         opts.send_thread = self.send_thread
+        opts.recv_threads = self.recv_threads
         opts.timeout_s = timeout_s
         opts.connect_timeout_s = connect_timeout_s
         return opts
@@ -133,6 +139,8 @@ class EngineConfig:
     def validate(self) -> None:
         _require(1 <= self.sockets_per_peer <= 16, "MCCL_SOCKETS_PER_PEER", self.sockets_per_peer,
                  "must be between 1 and 16")
+        _require(0 <= self.recv_threads <= 16, "MCCL_RECV_THREADS", self.recv_threads,
+                 "must be between 0 and 16")
         _require(self.socket_buffer_bytes >= 64 << 10, "MCCL_SOCKET_BUFFER_BYTES",
                  self.socket_buffer_bytes, "must be at least 64K")
         _require(self.segment_bytes == 0 or self.segment_bytes >= 4 << 10, "MCCL_SEGMENT_BYTES",

@@ -95,3 +95,20 @@ def thread_count() -> int:
 
 def fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
+
+
+def file_rendezvous(rank: int, world: int, d, timeout: float = 20.0):
+    """For ranks in separate processes: publish this rank's listener address as a file in
+    directory ``d`` and wait for everyone's; returns (listener, addresses)."""
+    import time
+    from pathlib import Path
+
+    d = Path(d)
+    lst = _core.Listener("127.0.0.1", 0)
+    (d / f"addr.{rank}.tmp").write_text(lst.address)
+    os.rename(d / f"addr.{rank}.tmp", d / f"addr.{rank}")
+    deadline = time.monotonic() + timeout
+    while not all((d / f"addr.{r}").exists() for r in range(world)):
+        assert time.monotonic() < deadline, "peers never published their addresses"
+        time.sleep(0.01)
+    return lst, [(d / f"addr.{r}").read_text() for r in range(world)]

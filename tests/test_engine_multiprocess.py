@@ -26,17 +26,12 @@ from pathlib import Path
 import numpy as np
 from libmccl import _core
 from libmccl.errors import MCCLError
+sys.path.insert(0, 'tests')
+from test_engine_helpers import file_rendezvous
 
 rank, world, comm_id, timeout_s = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 d = Path(sys.argv[5])
-lst = _core.Listener("127.0.0.1", 0)
-(d / f"addr.{rank}.tmp").write_text(lst.address)
-os.rename(d / f"addr.{rank}.tmp", d / f"addr.{rank}")
-deadline = time.monotonic() + 20
-while not all((d / f"addr.{r}").exists() for r in range(world)):
-    assert time.monotonic() < deadline, "peers never published their addresses"
-    time.sleep(0.01)
-addrs = [(d / f"addr.{r}").read_text() for r in range(world)]
+lst, addrs = file_rendezvous(rank, world, d)
 opts = _core.Options()
 opts.timeout_s = timeout_s
 opts.connect_timeout_s = 20.0

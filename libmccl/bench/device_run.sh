@@ -10,6 +10,10 @@
 #   3-ddp-n8-10gbit  8 hosts x 1 rank at 10 Gbit/s, DDP step time of a 50 MB-gradient MLP
 #   4-n16-2.5gbit    16 hosts at 2.5 Gbit/s, all_reduce 16/64/256 MB, in-process + Gloo
 #   5-n24-1gbit      24 hosts at 1 Gbit/s, all_reduce 16/64/256 MB, in-process + Gloo
+#   6-n8-recv0       step 1's in-process all_reduce with MCCL_RECV_THREADS=0 (receive threads off)
+#   7-solo-ddp       a world-size-1 DDP step, Gloo against MCCL
+# STEPS picks which run (default "1 2 3 4 5"; e.g. STEPS="1 2 3 6" then STEPS="4 5 7" as
+# two calls of under ten minutes each).
 # (numbered: a small run's host counts and rates may repeat). Every step has its own time
 # limit, cut further so the script ends within BUDGET_S (8.5 minutes); a step that fails or
 # times out is recorded in status.txt and the script moves on. Results (JSON rewritten after every measurement, tables, logs, plots) go to $RESULTS;
@@ -87,6 +91,9 @@ if ! $PY -c 'import mccld.daemon' > "$RESULTS/mccld-import.txt" 2>&1; then
   status "mccld cannot be imported (see mccld-import.txt): no daemon rows; carry pyzmq/numpy wheels in .whl/"
 fi
 
+STEPS=${STEPS:-1 2 3 4 5}
+want() { [[ " $STEPS " == *" $1 "* ]]; }
+
 bench() {  # bench NAME LIMIT_S ARGS...
   local name=$1 limit=$2; shift 2
   local remaining=$(( $(left) - 15 ))
@@ -107,16 +114,25 @@ bench() {  # bench NAME LIMIT_S ARGS...
 if timeout 45 $PY -m libmccl.fleet selftest --rate 1gbit > "$RESULTS/fleet-selftest.txt" 2>&1; then
   status "fleet selftest ok"
   COMMON=(--ops all_reduce --target-seconds 0.5)
-  bench "1-n$H8-$FAST" 150 --hosts "$H8" --rate "$FAST" --mode "$MODES" --sizes "$SIZES" "${COMMON[@]}"
-  bench "2-n${H_X2}x2-$FAST" 120 --hosts "$H_X2" --ranks-per-host 2 --rate "$FAST" --mode "$MODES" \
+  want 1 && bench "1-n$H8-$FAST" 150 --hosts "$H8" --rate "$FAST" --mode "$MODES" --sizes "$SIZES" "${COMMON[@]}"
+  want 2 && bench "2-n${H_X2}x2-$FAST" 120 --hosts "$H_X2" --ranks-per-host 2 --rate "$FAST" --mode "$MODES" \
     --sizes "$SIZES_X2" "${COMMON[@]}"
-  bench "3-ddp-n$H8-$FAST" 90 --hosts "$H8" --rate "$FAST" --mode "$MODES" --workload ddp \
+  want 3 && bench "3-ddp-n$H8-$FAST" 90 --hosts "$H8" --rate "$FAST" --mode "$MODES" --workload ddp \
     --ddp-width "${DDP_WIDTH:-2048}" --latency-iters 0
-  bench "4-n$H_MID-$MID" 100 --hosts "$H_MID" --rate "$MID" --sizes "$SIZES" --latency-iters 0 "${COMMON[@]}"
-  bench "5-n$H_SLOW-$SLOW" 130 --hosts "$H_SLOW" --rate "$SLOW" --sizes "$SIZES" --latency-iters 0 "${COMMON[@]}"
+  want 4 && bench "4-n$H_MID-$MID" 100 --hosts "$H_MID" --rate "$MID" --sizes "$SIZES" --latency-iters 0 "${COMMON[@]}"
+  want 5 && bench "5-n$H_SLOW-$SLOW" 130 --hosts "$H_SLOW" --rate "$SLOW" --sizes "$SIZES" --latency-iters 0 "${COMMON[@]}"
+  # Receive threads off: what they are worth where a rank has cores to spare (step 1 has them on).
+  want 6 && ( export MCCL_RECV_THREADS=0
+    bench "6-n$H8-$FAST-recv0" 70 --hosts "$H8" --rate "$FAST" --backends mccl --sizes "$SIZES" --latency-iters 0 \
+      --ceiling-seconds 3 "${COMMON[@]}" )
 else
   status "fleet selftest FAILED (see fleet-selftest.txt); falling back to 8 ranks on loopback"
   bench loopback-8 240 --ranks 8 --mode "$MODES" --ops all_reduce --sizes "$SIZES"
+fi
+if want 7; then
+  status "7-solo-ddp start"
+  timeout 90 $PY -m libmccl.bench.solo_ddp > "$RESULTS/7-solo-ddp.txt" 2>&1; status "7-solo-ddp rc=$?"
+  pack
 fi
 
 if $PY -c 'import matplotlib' 2>/dev/null; then

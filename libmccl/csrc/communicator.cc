@@ -75,7 +75,7 @@ MeshSpec Communicator::mesh_spec() const {
 
 void Communicator::start(std::vector<std::vector<Fd>> links) {
   transport_ = std::make_unique<Transport>(rank_, size_, comm_id_, std::move(links), addrs_,
-                                           opts_.send_thread);
+                                           opts_.send_thread, opts_.recv_threads);
   worker_ = std::thread([this] { worker_main(); });
   completer_ = std::thread([this] { completion_main(); });
 }

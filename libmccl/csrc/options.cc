@@ -14,6 +14,9 @@ void Options::validate() const {
   if (sockets_per_peer < 1 || sockets_per_peer > 16) {
     bad("sockets_per_peer=" + std::to_string(sockets_per_peer) + ": must be 1..16 (MCCL_SOCKETS_PER_PEER)");
   }
+  if (recv_threads < 0 || recv_threads > 16) {
+    bad("recv_threads=" + std::to_string(recv_threads) + ": must be 0..16 (MCCL_RECV_THREADS)");
+  }
   if (socket_buffer_bytes < (64 << 10)) {
     bad("socket_buffer_bytes=" + std::to_string(socket_buffer_bytes) +
         ": must be at least 64K (MCCL_SOCKET_BUFFER_BYTES)");

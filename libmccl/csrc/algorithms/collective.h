@@ -40,6 +40,11 @@ struct Collective {
   RequestPtr recv(int peer, void* buf, size_t n, uint32_t tag, uint64_t cookie = 0) {
     return t.irecv(peer, buf, n, tag, cookie);
   }
+  // buf = fn(what arrives, buf), elements of `elem` bytes.
+  RequestPtr recv_reduce(int peer, void* buf, size_t n, uint32_t tag, ReduceFn fn, size_t elem,
+                         uint64_t cookie = 0) {
+    return t.irecv_reduce(peer, buf, n, tag, fn, elem, cookie);
+  }
   // The next finished request of this op (throws on failure or timeout).
   RequestPtr next() { return t.wait_next(deadline, timeout_s); }
   void wait_all(size_t count) {

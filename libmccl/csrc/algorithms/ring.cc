@@ -57,19 +57,21 @@ void ring_pipeline(Collective& c, uint8_t* buf, const RingLayout& L, const RingP
   auto at = [&](int chunk, size_t j) { return buf + (L.off[chunk] + L.seg_begin(chunk, j)) * es; };
   auto bytes = [&](int chunk, size_t j) { return L.seg_len(chunk, j) * es; };
 
-  // Reduce-scatter receives land in a window of W segment-sized slots: item g = s*S + j
-  // uses slot g % W and, once done with, hands it to item g + W. Items arrive from the
-  // left in about that order and are reduced on arrival, so a few in flight suffice; a
-  // window of whole chunks would make a 256 MB all-reduce allocate (and page-fault in)
-  // 128 MB of scratch per op, over the size the communicator keeps between ops.
-  // In place a slot is done with once reduced into `buf`; out of place it holds the
-  // partial sum until the send forwarding it has completed, and the last step needs no
-  // slot (it lands in ph.result).
+  // In place, reduce-scatter receives are reduce-receives straight into `buf` (the
+  // thread reading the socket adds the segment in as it arrives, transport/landing.h), so
+  // they need no scratch and are all posted up front: a region of `buf` is reduced into
+  // only by its one receive, and read by the send that follows its completion.
+  // Out of place, a segment arrives in one of W segment-sized scratch slots: item
+  // g = s*S + j uses slot g % W, holds the partial sum until the send forwarding it has
+  // completed, then hands the slot to item g + W. Items arrive from the left in about
+  // that order, so a few in flight suffice; a window of whole chunks would make a 256 MB
+  // reduce-scatter allocate (and page-fault in) 128 MB of scratch per op. The last step
+  // needs no slot (it lands in ph.result).
   // Slots are `stride` elements: chunks differ in length by one element, so segment
   // lengths of different steps differ too.
   const size_t stride = (L.max_chunk() + S - 1) / S;
-  const int slot_steps = in_place ? rs_steps : rs_steps - 1;
-  const size_t slot_items = size_t(slot_steps) * S;
+  const int slot_steps = in_place ? 0 : rs_steps - 1;
+  const size_t slot_items = size_t(std::max(slot_steps, 0)) * S;
   const size_t window = std::min(slot_items, std::max(kMinRecvSlots,
                                                       kRecvWindowBytes / std::max<size_t>(stride * es, 1)));
   uint8_t* temp = nullptr;
@@ -88,8 +90,12 @@ void ring_pipeline(Collective& c, uint8_t* buf, const RingLayout& L, const RingP
   size_t outstanding = 0;
   auto post_rs_recv = [&](int s, size_t j) {
     int ch = rs_recv_chunk(s);
-    uint8_t* dst = s < slot_steps ? temp_at(s, j) : result_at(ch, j);
-    c.recv(left, dst, bytes(ch, j), tag(s, j), cookie(s, j));
+    if (in_place) {
+      c.recv_reduce(left, at(ch, j), bytes(ch, j), tag(s, j), ph.fn, es, cookie(s, j));
+    } else {
+      uint8_t* dst = s < slot_steps ? temp_at(s, j) : result_at(ch, j);
+      c.recv(left, dst, bytes(ch, j), tag(s, j), cookie(s, j));
+    }
     ++outstanding;
   };
   auto release_slot = [&](int s, size_t j) {
@@ -104,10 +110,11 @@ void ring_pipeline(Collective& c, uint8_t* buf, const RingLayout& L, const RingP
   };
   auto send_chunk = [&](int g, int chunk, size_t j) { send(g, at(chunk, j), bytes(chunk, j), j, kNoSlot); };
 
-  // Post receives ahead, then start every segment's first send.
+  // Post receives ahead (the slot window, and every step that needs no slot), then start
+  // every segment's first send.
   for (size_t g = 0; g < window; ++g) post_rs_recv(static_cast<int>(g / S), g % S);
-  if (!in_place && rs_steps > 0) {
-    for (size_t j = 0; j < S; ++j) post_rs_recv(rs_steps - 1, j);
+  for (int s = std::max(slot_steps, 0); s < rs_steps; ++s) {
+    for (size_t j = 0; j < S; ++j) post_rs_recv(s, j);
   }
   for (int s = 0; s < ag_steps; ++s) {
     int g = rs_steps + s, ch = ag_recv_chunk(s);
@@ -130,9 +137,7 @@ void ring_pipeline(Collective& c, uint8_t* buf, const RingLayout& L, const RingP
     const int g = static_cast<int>(req->cookie >> 32);
     const size_t j = static_cast<size_t>(req->cookie & 0xFFFFFFFFu);
     if (g < rs_steps && in_place) {
-      const int s = g, ch = rs_recv_chunk(s);
-      ph.fn(temp_at(s, j), at(ch, j), L.seg_len(ch, j));
-      release_slot(s, j);
+      const int s = g;  // the segment is reduced into buf already
       if (s + 1 < rs_steps) {
         send_chunk(s + 1, rs_send_chunk(s + 1), j);  // == ch, just reduced
       } else if (ag_steps > 0) {

@@ -8,10 +8,11 @@
 //
 // It runs as a dataflow, segment by segment: the moment segment j of step s arrives it
 // is reduced and sent on as segment j of step s+1, so all links and the reduction work
-// at once instead of in lock-step rounds. Receives are posted ahead: reduce-scatter
-// receives land in a bounded window of scratch slots reused in arrival order; all-gather
-// receives are posted for every step up front, directly into the final buffer (data can
-// only arrive there after this rank is done with that region: it has to go round the ring).
+// at once instead of in lock-step rounds. Receives are posted for every step up front:
+// reduce-scatter receives reduce what arrives straight into the buffer (reduce-receives,
+// done by the thread that reads the socket), all-gather receives land directly in the
+// final buffer (data can only arrive there after this rank is done with that region: it
+// has to go round the ring).
 //
 // Reduce-scatter alone can also run out of place (RingPhases::result): the caller's buffer
 // is then only read, partial sums travel through the scratch slots (a slot is reused once

@@ -218,6 +218,7 @@ void register_engine_bindings(py::module_& m) {
       .def_readwrite("segment_bytes", &Options::segment_bytes)
       .def_readwrite("small_allreduce_bytes", &Options::small_allreduce_bytes)
       .def_readwrite("send_thread", &Options::send_thread)
+      .def_readwrite("recv_threads", &Options::recv_threads)
       .def_readwrite("timeout_s", &Options::timeout_s)
       .def_readwrite("connect_timeout_s", &Options::connect_timeout_s);
 

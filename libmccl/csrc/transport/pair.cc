@@ -16,6 +16,14 @@ namespace {
 
 constexpr size_t kStageBytes = 64 << 10;  // per-socket receive staging buffer
 
+// Stripe s of a message of n bytes cut into `stripes` starts here: whole units of
+// kStripeAlign, so a receiver reducing a stripe as it arrives never sees a split element.
+size_t stripe_begin(size_t n, size_t stripes, size_t s) {
+  if (s == stripes) return n;
+  const size_t units = n / Pair::kStripeAlign;
+  return units * s / stripes * Pair::kStripeAlign;
+}
+
 }  // namespace
 
 Pair::Pair(PairHost& host, int peer_rank, std::string peer_addr, uint64_t comm_id,
@@ -39,7 +47,8 @@ void Pair::drain_for_abort() {
   draining_ = true;
   Deadline end = Clock::now() + std::chrono::milliseconds(50);
   for (size_t i = 0; i < conns_.size(); ++i) {
-    while (conns_[i].fd.valid()) {
+    // A lent socket is mid-payload, so no ABORT frame can be next on it.
+    while (conns_[i].fd.valid() && !conns_[i].lent) {
       pollfd p{conns_[i].fd.get(), POLLIN, 0};
       if (::poll(&p, 1, ms_until(end, 50)) <= 0) break;
       try {
@@ -81,8 +90,8 @@ void Pair::post_send(const RequestPtr& req) {
   req->parts_left = static_cast<int>(stripes);
   size_t first_conn = stripes == 1 ? (next_conn_++ % k) : 0;
   for (size_t s = 0; s < stripes; ++s) {
-    size_t off = n * s / stripes;
-    size_t len = n * (s + 1) / stripes - off;
+    size_t off = stripe_begin(n, stripes, s);
+    size_t len = stripe_begin(n, stripes, s + 1) - off;
     FrameHeader h;
     h.kind = req->sig.kind;
     h.comm_id = comm_id_;
@@ -239,6 +248,7 @@ void Pair::fail_all(const std::shared_ptr<const Error>& err, std::vector<Request
     queued_ = 0;
     c.target.reset();
     c.unexpected = nullptr;
+    c.lent = false;  // the transport halted the receive threads first
   }
   posted_.clear();
   for (auto& kv : unexpected_) {

@@ -3,11 +3,13 @@
 //
 // Sends are zero-copy (sendmsg of [header, payload] straight from the caller's buffer);
 // messages of at least kStripeBytes are split into K stripes, one per socket, each
-// with its own header and offset. Receives read the header, look the key up among the
-// posted receives and then read the payload straight into the posted buffer at the
-// frame's offset. A frame nobody waits for yet is "unexpected": it is read into a
-// buffer of the message's size (bounded by the transport) and copied out when the
-// receive is posted.
+// with its own header and offset (a multiple of kStripeAlign, so a stripe holds whole
+// elements). Receives read the header, look the key up among the posted receives and
+// then read the payload straight into the posted buffer at the frame's offset, or reduce
+// it into that buffer (a reduce-receive, landing.h); a large payload is read by a
+// receive thread, if any (recv_thread.h). A frame nobody waits for yet is "unexpected":
+// it is read into a buffer of the message's size (bounded by the transport) and copied
+// (or reduced) out when the receive is posted.
 #pragma once
 #include <atomic>
 #include <cstdint>
@@ -19,6 +21,8 @@
 #include <vector>
 
 #include "transport/frame.h"
+#include "transport/landing.h"
+#include "transport/recv_thread.h"
 #include "transport/request.h"
 #include "transport/send_thread.h"
 #include "transport/socket.h"
@@ -77,6 +81,7 @@ struct Unexpected {
 class Pair {
  public:
   static constexpr size_t kStripeBytes = 256 << 10;
+  static constexpr size_t kStripeAlign = 64;  // a multiple of every element size
   // Frames with less payload are written by the caller when their socket is idle;
   // larger ones go to the send thread, if any. Handing a frame over costs two thread
   // wake-ups: below ~512K that showed as +20-25 % CPU per byte (N=4, 1-4 MB all-reduce).
@@ -94,10 +99,20 @@ class Pair {
   // Whether the progress thread must poll this socket for POLLOUT: only while no send
   // thread writes for it.
   bool conn_wants_write(size_t i) const { return !writer_running() && !conns_[i].sendq.empty(); }
+  // Whether it must poll it for POLLIN: not while a receive thread reads it.
+  bool conn_wants_read(size_t i) const { return !conns_[i].lent; }
   bool conn_open(size_t i) const { return conns_[i].fd.valid(); }
 
   // Bulk frames go to `writer` from now on (its mutex then guards the send queues).
   void use_writer(SendThread* writer) { writer_ = writer; }
+  // Large payloads arriving on socket i are read by readers[i % size] from now on.
+  void use_readers(std::vector<RecvThread*> readers) { readers_ = std::move(readers); }
+  // Progress thread: a socket lent to a receive thread came back (payload read, or the
+  // read failed: then it throws PeerLost).
+  void on_returned(const RecvDone& d);
+  void touch_read() {
+    last_read_.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
+  }
   // For the send thread, with writer->mu() held.
   bool has_queued(size_t conn) const { return !conns_[conn].sendq.empty(); }
   int gather_iov(size_t conn, struct iovec* iov) const;
@@ -139,7 +154,9 @@ class Pair {
     return Clock::time_point(Clock::duration(last_write_.load(std::memory_order_relaxed)));
   }
   // When bytes last arrived from this peer.
-  Clock::time_point last_read() const { return last_read_; }
+  Clock::time_point last_read() const {
+    return Clock::time_point(Clock::duration(last_read_.load(std::memory_order_relaxed)));
+  }
   // Headers of the collective messages buffered before their op started.
   std::vector<FrameHeader> unexpected_collective_headers() const;
 
@@ -166,8 +183,8 @@ class Pair {
     uint8_t header_buf[kFrameHeaderBytes];
     size_t header_have = 0;
     FrameHeader cur;
-    uint8_t* dst = nullptr;
-    size_t left = 0;
+    Landing land;               // where the current payload goes
+    bool lent = false;          // a receive thread reads the payload (and owns `land`)
     RequestPtr target;          // posted receive being filled
     Unexpected* unexpected = nullptr;
     std::string control;        // abort payload being read
@@ -188,6 +205,8 @@ class Pair {
     last_write_.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
   }
   void on_header(Conn& c);
+  // Starts landing h's payload in req's buffer (checks a reduce-receive's alignment).
+  void land_in(Conn& c, const RequestPtr& req, const FrameHeader& h);
   void on_payload_done(Conn& c);
   void on_eof(size_t conn);
   bool read_to_bye(Conn& c, Deadline deadline);
@@ -208,7 +227,8 @@ class Pair {
   std::atomic<Clock::rep> last_write_{Clock::now().time_since_epoch().count()};
   size_t queued_ = 0;  // frames in all send queues
   SendThread* writer_ = nullptr;
-  Clock::time_point last_read_;
+  std::atomic<Clock::rep> last_read_{0};
+  std::vector<RecvThread*> readers_;
   std::unordered_map<MsgKey, RequestPtr, MsgKeyHash> posted_;
   std::unordered_map<MsgKey, Unexpected, MsgKeyHash> unexpected_;
   std::atomic<uint64_t> bytes_sent_{0};

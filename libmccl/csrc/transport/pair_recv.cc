@@ -49,7 +49,11 @@ void Pair::take_unexpected(const MsgKey& key, const RequestPtr& req) {
 
 void Pair::copy_out(Unexpected& u, const RequestPtr& req) {
   size_t n = u.first.total;
-  if (n) std::memcpy(req->buf, u.data.get(), n);
+  if (n && req->reduce) {
+    req->reduce(u.data.get(), req->buf, n / req->elem);
+  } else if (n) {
+    std::memcpy(req->buf, u.data.get(), n);
+  }
   req->done = n;
   MsgKey key{channel_of(u.first.kind), u.first.seq, u.first.tag};
   host_.release_unexpected(std::move(u.data), u.capacity, n);
@@ -78,13 +82,22 @@ void Pair::check_recv_size(const RequestPtr& req, const FrameHeader& h) {
 
 void Pair::on_readable(size_t conn) {
   Conn& c = conns_[conn];
+  // A receive thread reads it (poll may still report POLLHUP/POLLERR for it, polled for
+  // POLLOUT alone when there is no send thread).
+  if (c.lent) return;
   size_t budget = kReadBudget;
   while (c.fd.valid() && budget > 0) {
     if (c.rb_begin == c.rb_end) {
+      if (c.in_payload && c.land.left() >= RecvThread::kLendBytes && !readers_.empty()) {
+        c.lent = true;
+        readers_[conn % readers_.size()]->lend(this, conn, c.fd.get(), &c.land);
+        return;
+      }
       ssize_t r;
-      bool direct = c.in_payload && c.left >= kDirectReadBytes;
+      bool direct = c.in_payload && c.land.left() >= kDirectReadBytes;
       if (direct) {
-        r = ::recv(c.fd.get(), c.dst, c.left, 0);
+        // Nothing is staged, so a reduction may use the staging buffer as its stage.
+        r = c.land.recv_from(c.fd.get(), 0, c.rbuf.data(), c.rbuf.size());
       } else {
         r = ::recv(c.fd.get(), c.rbuf.data(), c.rbuf.size(), 0);
       }
@@ -98,12 +111,10 @@ void Pair::on_readable(size_t conn) {
         lost("receive failed", errno);
       }
       budget -= std::min(budget, static_cast<size_t>(r));
-      last_read_ = Clock::now();
+      touch_read();
       if (direct) {
         // Bulk data keeps arriving while we copy: read on until EAGAIN.
-        c.dst += r;
-        c.left -= static_cast<size_t>(r);
-        if (c.left == 0) on_payload_done(c);
+        if (c.land.left() == 0) on_payload_done(c);
         continue;
       }
       c.rb_begin = 0;
@@ -125,15 +136,35 @@ void Pair::on_readable(size_t conn) {
           on_header(c);
         }
       } else {
-        size_t take = std::min(c.left, avail);
-        std::memcpy(c.dst, src, take);
-        c.dst += take;
-        c.left -= take;
+        size_t take = std::min(c.land.left(), avail);
+        c.land.put(src, take);
         c.rb_begin += take;
-        if (c.left == 0) on_payload_done(c);
+        if (c.land.left() == 0) on_payload_done(c);
       }
     }
   }
+}
+
+void Pair::on_returned(const RecvDone& d) {
+  Conn& c = conns_[d.conn];
+  c.lent = false;
+  if (d.err == RecvDone::kEof) lost("connection closed by the peer", 0);
+  if (d.err) lost("receive failed", d.err);
+  on_payload_done(c);
+  on_readable(d.conn);  // the next header is likely there already
+}
+
+void Pair::land_in(Conn& c, const RequestPtr& req, const FrameHeader& h) {
+  if (req->reduce && (h.offset % req->elem || h.length % req->elem)) {
+    throw_error(ErrorKind::kProtocol,
+                "[transport] " + who() + " sent a frame at byte " + std::to_string(h.offset) +
+                    " (+" + std::to_string(h.length) + ") of a reduction over " +
+                    std::to_string(req->elem) +
+                    "-byte elements, splitting an element; likely cause: ranks run different "
+                    "MCCL versions; run the same one everywhere",
+                peer_rank_, peer_addr_);
+  }
+  c.land.start(req->buf + h.offset, h.length, req->reduce, req->elem);
 }
 
 void Pair::on_header(Conn& c) {
@@ -155,7 +186,7 @@ void Pair::on_header(Conn& c) {
                   peer_addr_);
     }
     c.control.assign(h.length, '\0');
-    c.dst = reinterpret_cast<uint8_t*>(&c.control[0]);
+    c.land.start(reinterpret_cast<uint8_t*>(&c.control[0]), h.length);
   } else {
     MsgKey key{channel_of(h.kind), h.seq, h.tag};
     if (key.chan == Channel::kCollective) host_.check_collective_frame(*this, h);
@@ -169,7 +200,7 @@ void Pair::on_header(Conn& c) {
     if (req) {
       check_recv_size(req, h);
       c.target = req;
-      c.dst = req->buf + h.offset;
+      land_in(c, req, h);
     } else {
       auto ins = unexpected_.try_emplace(key);
       Unexpected& u = ins.first->second;
@@ -188,12 +219,11 @@ void Pair::on_header(Conn& c) {
                     peer_rank_, peer_addr_);
       }
       c.unexpected = &u;
-      c.dst = u.data.get() + h.offset;
+      c.land.start(u.data.get() + h.offset, h.length);
     }
   }
-  c.left = h.length;
   c.in_payload = true;
-  if (c.left == 0) on_payload_done(c);
+  if (c.land.left() == 0) on_payload_done(c);
 }
 
 void Pair::on_payload_done(Conn& c) {

@@ -20,6 +20,7 @@ bool Transport::release(Deadline deadline) {
   // The sockets go back to their owner: the send thread must be off them for good, and
   // the send queues (checked below) are this thread's alone from here.
   halt_writer();
+  halt_readers();  // a socket still lent is mid-payload: Pair::release refuses it
   bool clean = !failed_;
   for (auto& p : pairs_) {
     if (!p) continue;

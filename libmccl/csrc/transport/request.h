@@ -6,6 +6,7 @@
 #include <memory>
 
 #include "errors.h"
+#include "reduce.h"
 #include "transport/frame.h"
 
 namespace mccl {
@@ -49,6 +50,8 @@ struct Request {
   int parts_left = 0;        // send: stripes not yet fully written
   MsgKey key;
   Signature sig;
+  ReduceFn reduce = nullptr; // receive: fold the payload into buf instead of storing it
+  size_t elem = 1;           // bytes per element of `reduce`
   uint64_t cookie = 0;       // the algorithm's own label for this request
   uint64_t post_order = 0;   // for "which request is oldest" in timeout messages
   std::shared_ptr<const Error> error;

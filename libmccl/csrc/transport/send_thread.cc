@@ -4,22 +4,19 @@
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
-#include <unistd.h>
 
 
 #include "transport/pair.h"
 
 namespace mccl {
 
-SendThread::SendThread(std::function<void()> wake_owner) : wake_owner_(std::move(wake_owner)) {
-  make_wake_pipe(&wake_read_, &wake_write_, "send thread");
-}
+SendThread::SendThread(std::function<void()> wake_owner) : wake_owner_(std::move(wake_owner)) {}
 
 SendThread::~SendThread() {
   {
     std::lock_guard<std::mutex> lk(mu_);
     stop_ = true;
-    wake_self_locked();
+    waker_.wake_locked();
     cv_.notify_all();
   }
   if (thread_.joinable()) thread_.join();
@@ -30,24 +27,16 @@ void SendThread::start(std::vector<Pair*> pairs) {
   thread_ = std::thread([this] { main(); });
 }
 
-void SendThread::wake_self_locked() {
-  if (in_poll_) {
-    char b = 1;
-    ssize_t rc = ::write(wake_write_.get(), &b, 1);
-    (void)rc;  // a full pipe already wakes the poll
-  }
-}
-
 void SendThread::notify_locked() {
   kicked_ = true;
-  wake_self_locked();
+  waker_.wake_locked();
   cv_.notify_all();
 }
 
 void SendThread::pause() {
   std::unique_lock<std::mutex> lk(mu_);
   ++paused_;
-  wake_self_locked();
+  waker_.wake_locked();
   cv_.wait(lk, [&] { return !busy_; });
 }
 
@@ -60,7 +49,7 @@ void SendThread::resume() {
 void SendThread::halt() {
   std::unique_lock<std::mutex> lk(mu_);
   halted_ = true;
-  wake_self_locked();
+  waker_.wake_locked();
   cv_.wait(lk, [&] { return !busy_; });
 }
 
@@ -143,18 +132,7 @@ void SendThread::main() {
       continue;
     }
     // Every socket with frames is full: wait until one drains or we are woken.
-    poll_.push_back({wake_read_.get(), POLLIN, 0});
-    busy_ = true;
-    in_poll_ = true;
-    lk.unlock();
-    ::poll(poll_.data(), poll_.size(), 1000);
-    char buf[64];
-    while (::read(wake_read_.get(), buf, sizeof(buf)) > 0) {
-    }
-    lk.lock();
-    in_poll_ = false;
-    busy_ = false;
-    cv_.notify_all();
+    waker_.poll(lk, poll_, &busy_, cv_);
   }
 }
 

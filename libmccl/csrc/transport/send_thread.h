@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "transport/poll_waker.h"
 #include "transport/request.h"
 #include "transport/socket.h"
 
@@ -62,7 +63,6 @@ class SendThread {
 
  private:
   void main();
-  void wake_self_locked();
   // One pass over every socket with queued frames; returns whether any bytes went out.
   // Sockets that took nothing are added to poll_ for the wait that follows.
   bool write_pass(std::unique_lock<std::mutex>& lk);
@@ -75,13 +75,12 @@ class SendThread {
   std::atomic<bool> halted_{false};
   int paused_ = 0;
   bool busy_ = false;     // in sendmsg or poll without mu_
-  bool in_poll_ = false;  // waiting for a socket: wake through the pipe, not cv_
   bool kicked_ = false;   // frames were queued since the last pass began
   std::vector<SentFrame> sent_;
   Pair* err_pair_ = nullptr;
   int err_ = 0;
   std::vector<struct pollfd> poll_;
-  Fd wake_read_, wake_write_;
+  PollWaker waker_{"send thread"};
   std::thread thread_;
 };
 

@@ -11,13 +11,8 @@
 
 namespace mccl {
 
-namespace {
-
-
-}  // namespace
-
 Transport::Transport(int rank, int size, uint64_t comm_id, std::vector<std::vector<Fd>> links,
-                     std::vector<std::string> addrs, bool send_thread)
+                     std::vector<std::string> addrs, bool send_thread, int recv_threads)
     : rank_(rank), size_(size), comm_id_(comm_id), addrs_(std::move(addrs)) {
   pairs_.resize(size);
   for (int r = 0; r < size; ++r) {
@@ -25,6 +20,16 @@ Transport::Transport(int rank, int size, uint64_t comm_id, std::vector<std::vect
     pairs_[r] = std::make_unique<Pair>(*this, r, addrs_[r], comm_id, std::move(links[r]));
   }
   make_wake_pipe(&wake_read_, &wake_write_, "progress thread");
+  if (size > 1 && recv_threads > 0) {
+    std::vector<RecvThread*> readers;
+    for (int i = 0; i < recv_threads; ++i) {
+      readers_.push_back(std::make_unique<RecvThread>([this] { wake(); }));
+      readers.push_back(readers_.back().get());
+    }
+    for (auto& p : pairs_) {
+      if (p) p->use_readers(readers);
+    }
+  }
   if (!send_thread) return;
   writer_ = std::make_unique<SendThread>([this] { wake(); });
   std::vector<Pair*> live;
@@ -38,6 +43,7 @@ Transport::Transport(int rank, int size, uint64_t comm_id, std::vector<std::vect
 
 Transport::~Transport() {
   if (writer_) writer_->halt();
+  for (auto& r : readers_) r->halt();
   for (auto& p : pairs_) {
     if (p) p->close();
   }
@@ -86,11 +92,18 @@ RequestPtr Transport::isend(int peer, const void* buf, size_t n, uint32_t tag, u
 }
 
 RequestPtr Transport::irecv(int peer, void* buf, size_t n, uint32_t tag, uint64_t cookie) {
+  return irecv_reduce(peer, buf, n, tag, nullptr, 1, cookie);
+}
+
+RequestPtr Transport::irecv_reduce(int peer, void* buf, size_t n, uint32_t tag, ReduceFn fn,
+                                   size_t elem, uint64_t cookie) {
   return guarded([&] {
     check_peer(peer, "receive");
     auto req = make_request(false, peer, buf, n, {Channel::kCollective, active_seq_, tag});
     req->sig = active_sig_;
     req->cookie = cookie;
+    req->reduce = fn;
+    req->elem = elem;
     pairs_[peer]->post_recv(req);
     return req;
   });
@@ -333,8 +346,9 @@ void Transport::progress(Deadline until) {
       if (!p) continue;
       for (size_t i = 0; i < p->num_conns(); ++i) {
         if (!p->conn_open(i)) continue;
-        short ev = POLLIN;
+        short ev = p->conn_wants_read(i) ? POLLIN : 0;
         if (p->conn_wants_write(i)) ev |= POLLOUT;
+        if (!ev) continue;
         fds.push_back({p->conn_fd(i), ev, 0});
         owner.push_back({p.get(), i});
       }
@@ -354,6 +368,7 @@ void Transport::progress(Deadline until) {
       wake_pending_.store(false);
     }
     collect_sent();
+    collect_received();
     for (size_t i = 1; i < fds.size(); ++i) {
       short re = fds[i].revents;
       if (!re) continue;
@@ -385,6 +400,19 @@ void Transport::halt_writer() {
   complete_sent();
 }
 
+void Transport::collect_received() {
+  for (auto& reader : readers_) {
+    reader->take_done(&recv_scratch_);
+    for (const RecvDone& d : recv_scratch_) d.pair->on_returned(d);
+    recv_scratch_.clear();
+  }
+}
+
+void Transport::halt_readers() {
+  for (auto& r : readers_) r->halt();
+  recv_scratch_.clear();
+}
+
 void Transport::complete_sent() {
   writer_->take_sent(&sent_scratch_);
   for (const SentFrame& f : sent_scratch_) f.pair->on_sent(f);
@@ -396,8 +424,9 @@ void Transport::complete_sent() {
 void Transport::fail(const Error& cause) {
   if (failed_) return;
   // From here on this thread alone writes (ABORT frames); frames already written still
-  // complete their requests normally.
+  // complete their requests normally. Nothing reads into the receives failed below.
   halt_writer();
+  halt_readers();
   Error e = cause;
   auto* remote = dynamic_cast<const RemoteAbort*>(&cause);
   if (remote && cause.kind() == ErrorKind::kTimeout && cause.peer_rank() == rank_) {
@@ -459,6 +488,7 @@ void Transport::fail(const Error& cause) {
 
 void Transport::close_gracefully(Deadline deadline) {
   halt_writer();  // every op has ended: nothing is queued but what BYE may need
+  halt_readers();
   if (!failed_) {
     FrameHeader h;
     h.kind = OpKind::kBye;

@@ -1,16 +1,19 @@
 // All links of one communicator and its progress engine.
 //
 // MPI-style progress: the thread that runs the algorithms drives the nonblocking
-// sockets itself while it waits (wait_next/progress): it reads, matches and completes
-// everything. Only the copying of bulk frames into the sockets is left to a send thread
-// (send_thread.h), which hands finished frames and errors back to this one. Every wait
+// sockets itself while it waits (wait_next/progress): it parses, matches and completes
+// everything. Only the copying of bulk bytes is left to other threads, which hand
+// finished frames and errors back to this one: a send thread writes bulk frames into the
+// sockets (send_thread.h), receive threads read bulk payloads out of them and reduce
+// them in where the receive asks for it (recv_thread.h). Every wait
 // polls every peer's sockets, so a peer that dies is noticed at once by every rank, not
 // only by its ring neighbours. A failure (lost peer, timeout, mismatch, local abort) is
 // sticky: every pending request fails with it, live peers get an ABORT frame naming
 // the original culprit, and all sockets are closed.
 //
 // Thread safety: everything runs on the owning (worker) thread except wake(),
-// request_abort(), the byte counters and the send thread's socket writes.
+// request_abort(), the byte counters, the send thread's socket writes and the receive
+// threads' reads of lent sockets.
 #pragma once
 #include <poll.h>
 
@@ -25,6 +28,7 @@
 #include <vector>
 
 #include "transport/pair.h"
+#include "transport/recv_thread.h"
 #include "transport/request.h"
 #include "transport/send_thread.h"
 #include "transport/socket.h"
@@ -39,8 +43,9 @@ class Transport : public PairHost {
   static constexpr size_t kMaxSpareBytes = 64 << 20;
 
   // send_thread: bulk frames are written by a SendThread (else by this thread, in progress).
+  // recv_threads: that many RecvThreads read bulk payloads (0: this thread reads all).
   Transport(int rank, int size, uint64_t comm_id, std::vector<std::vector<Fd>> links,
-            std::vector<std::string> addrs, bool send_thread);
+            std::vector<std::string> addrs, bool send_thread, int recv_threads);
   ~Transport() override;
   Transport(const Transport&) = delete;
   Transport& operator=(const Transport&) = delete;
@@ -53,6 +58,10 @@ class Transport : public PairHost {
   // Collective traffic. Completions are queued for wait_next().
   RequestPtr isend(int peer, const void* buf, size_t n, uint32_t tag, uint64_t cookie = 0);
   RequestPtr irecv(int peer, void* buf, size_t n, uint32_t tag, uint64_t cookie = 0);
+  // A receive whose payload is reduced into buf (buf = fn(payload, buf), elements of
+  // `elem` bytes) as it arrives, on whichever thread reads it.
+  RequestPtr irecv_reduce(int peer, void* buf, size_t n, uint32_t tag, ReduceFn fn, size_t elem,
+                          uint64_t cookie = 0);
   // Frames of collective `seq` are checked against `sig` as they arrive.
   void begin_collective(uint64_t seq, const Signature& sig);
   // How the running collective's algorithm names a tag ("all-gather step 2, segment 5"),
@@ -116,6 +125,10 @@ class Transport : public PairHost {
   // Stops the send thread's writing for good (failure, shutdown); completes what it wrote.
   void halt_writer();
   void complete_sent();  // the frames the send thread has written
+  // Takes back the sockets the receive threads finished reading; their errors throw.
+  void collect_received();
+  // Stops the receive threads' reading for good (failure, shutdown, release).
+  void halt_readers();
   // Who this rank is most likely stuck on, for timeout messages; sets *peer.
   // *sure (if given): the evidence is firm (the peer stopped reading, or sent nothing
   // during this op) rather than "it has not sent the next piece yet".
@@ -175,9 +188,12 @@ class Transport : public PairHost {
   std::mutex abort_mu_;
   std::unique_ptr<Error> abort_reason_;
   std::vector<SentFrame> sent_scratch_;
+  std::vector<RecvDone> recv_scratch_;
   // Last: it writes from the pairs' queues, so it must stop (halt()) before they go.
   // Null when the owner thread writes everything itself.
   std::unique_ptr<SendThread> writer_;
+  // Likewise, they read into the pairs' landings; empty when this thread reads everything.
+  std::vector<std::unique_ptr<RecvThread>> readers_;
 };
 
 }  // namespace mccl

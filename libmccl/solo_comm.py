@@ -1,0 +1,119 @@
+"""The communicator of a world-size-1 in-process group: no engine, threads or sockets.
+
+With one rank every collective is the identity on its buffer (SUM/AVG/MIN/... of one
+contribution is that contribution; the root of a broadcast is this rank) or, out of
+place, one copy of it. ``SoloCommunicator`` does that on the caller's thread at enqueue
+and reports the op complete at once, so the Work is finished before ``_submit`` returns:
+no hand-off to an engine thread and back, and no completion thread waiting for the GIL
+while the caller (DDP's backward) holds it, which made a world-size-1 DDP step cost
+17 ms more than Gloo's. It offers the pointer-level methods of ``_core.Communicator``
+that the backend calls.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import secrets
+import threading
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ._buffers import DTYPE_CODES
+from .errors import AbortedError, ConfigError
+
+_ELEMENT_BYTES = {code: torch.empty(0, dtype=dt).element_size() for dt, code in DTYPE_CODES.items()}
+
+Deliver = Callable[[list[tuple[int, Any, int]]], None]
+
+
+class SoloCommunicator:
+    def __init__(self, on_complete: Deliver) -> None:
+        self._comm_id = secrets.randbits(64)
+        self._deliver = on_complete
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # -- identity --------------------------------------------------------------
+    rank = 0
+    size = 1
+
+    @property
+    def comm_id(self) -> int:
+        return self._comm_id
+
+    def peer_address(self, r: int) -> str:
+        raise ConfigError(f"[mccl] no peer address in a group of one rank (asked for rank {r})")
+
+    # -- collectives -------------------------------------------------------------
+    def allreduce(self, buf: int, count: int, dtype: int, op: int) -> int:
+        return self._done("allreduce")
+
+    def broadcast(self, buf: int, nbytes: int, root: int) -> int:
+        return self._done("broadcast")
+
+    def reduce(self, buf: int, count: int, dtype: int, op: int, root: int) -> int:
+        return self._done("reduce")
+
+    def allgather(self, send: int, recv: int, nbytes: int) -> int:
+        return self._done("allgather", recv, send, nbytes)
+
+    def reduce_scatter(self, send: int, recv: int, count: int, dtype: int, op: int) -> int:
+        return self._done("reduce_scatter", recv, send, count * _ELEMENT_BYTES[dtype])
+
+    def gather(self, send: int, recv: int, nbytes: int, root: int) -> int:
+        return self._done("gather", recv, send, nbytes)
+
+    def scatter(self, send: int, recv: int, nbytes: int, root: int) -> int:
+        return self._done("scatter", recv, send, nbytes)
+
+    def alltoall(self, send: int, recv: int, nbytes: int) -> int:
+        return self._done("alltoall", recv, send, nbytes)
+
+    def alltoallv(self, send: int, send_sizes: Sequence[int], send_offsets: Sequence[int], recv: int,
+                  recv_sizes: Sequence[int], recv_offsets: Sequence[int]) -> int:
+        if send_sizes[0] != recv_sizes[0]:
+            raise ConfigError(f"[mccl] alltoall: rank 0 sends itself {send_sizes[0]} bytes but expects "
+                              f"{recv_sizes[0]}; the split sizes must agree")
+        return self._done("alltoall", recv + recv_offsets[0], send + send_offsets[0], send_sizes[0])
+
+    def barrier(self) -> int:
+        return self._done("barrier")
+
+    def send(self, buf: int, nbytes: int, dst: int, tag: int, timeout_s: float | None = None) -> int:
+        raise ConfigError("[mccl] send in a group of one rank: there is no peer to send to")
+
+    def recv(self, buf: int, nbytes: int, src: int, tag: int, timeout_s: float | None = None) -> int:
+        raise ConfigError("[mccl] recv in a group of one rank: there is no peer to receive from")
+
+    # -- lifecycle -----------------------------------------------------------------
+    def set_timeout(self, timeout_s: float) -> None:
+        if not timeout_s > 0:
+            raise ConfigError(f"[mccl] set_timeout({timeout_s} s): the timeout must be positive")
+
+    def shutdown(self, timeout_s: float = 0.0) -> bool:
+        self._closed = True
+        return False  # no borrowed sockets to hand back
+
+    def abort(self, reason: str = "") -> None:
+        self._closed = True
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            done = next(self._ids) - 1
+            self._ids = itertools.count(done + 1)
+        return {"ops_completed": done, "bytes_sent": 0, "bytes_received": 0, "unexpected_messages": 0,
+                "unexpected_bytes": 0, "per_peer": {}}
+
+    def _done(self, name: str, dst: int = 0, src: int = 0, nbytes: int = 0) -> int:
+        if self._closed:
+            raise AbortedError(f"[mccl] {name} called on a communicator that is shut down or aborted; "
+                               "create a new process group")
+        if nbytes and dst != src:
+            ctypes.memmove(dst, src, nbytes)
+        with self._lock:
+            op_id = next(self._ids)
+        self._deliver([(op_id, None, -1)])
+        return op_id
