@@ -40,12 +40,18 @@ def _rank_main(rank: int, world: int, port: int, stop_file: str, max_s: float) -
     comm = DaemonCommunicator(rank, world, 0x0b5, store, None, None, 60.0)
     buf = np.ones(1 << 16, dtype=np.float32)
     deadline = time.monotonic() + max_s
-    while not os.path.exists(stop_file) and time.monotonic() < deadline:
+    # The last element carries "I saw the stop file" through the all-reduce itself, so every
+    # rank stops after the same collective: a rank that stopped on its own look at the file
+    # would leave its peer waiting in the next all-reduce until the job's timeout.
+    while True:
         buf[:] = 1.0
+        buf[-1] = 2.0 if os.path.exists(stop_file) or time.monotonic() > deadline else 1.0
         comm.wait(comm.allreduce(buf.ctypes.data, buf.size, 0, 0), 30)
-        if not np.all(buf == world):
+        if not (np.all(buf[:-1] == world) and world <= buf[-1] <= 2 * world):
             print(f"rank {rank}: wrong all-reduce result", file=sys.stderr)
             return 1
+        if buf[-1] > world:
+            break
         time.sleep(0.01)
     comm.shutdown(10)
     return 0
