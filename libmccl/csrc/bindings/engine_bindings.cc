@@ -247,6 +247,18 @@ void register_engine_bindings(py::module_& m) {
           if (PyErr_CheckSignals() != 0) throw py::error_already_set();
         }
         t.raise_unless_reached(w, value, timeout_s, what);
+      }, py::arg("value"), py::arg("timeout_s"), py::arg("what") = "[ticket] wait")
+      // False (no error) if not reached within timeout_s, for a caller that waits in slices
+      // and looks at other things between; AbortedError once poisoned.
+      .def("wait_for", [](const Ticket& t, uint64_t value, double timeout_s, const std::string& what) {
+        Ticket::Wait w;
+        {
+          py::gil_scoped_release nogil;
+          w = t.wait_until(value, deadline_after(std::max(timeout_s, 0.0)));
+        }
+        if (w == Ticket::Wait::kTimeout) return false;
+        t.raise_unless_reached(w, value, timeout_s, what);
+        return true;
       }, py::arg("value"), py::arg("timeout_s"), py::arg("what") = "[ticket] wait");
 
   using PC = PyCommunicator;
