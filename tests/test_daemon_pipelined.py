@@ -22,10 +22,10 @@ import pytest
 import mccld.pipelined as pipelined
 from conftest import collect, reap, run_ranks, spawn_ranks
 from libmccl.config import EngineConfig, load
-from libmccl.errors import PeerLostError
+from libmccl.errors import ConfigError, PeerLostError
 from mccld.config import load_config
 from mccld.daemon import Daemon
-from test_daemon_attach import AVG, F16, F32, I32, MAX, SUM, connect, daemon_env
+from test_daemon_attach import AVG, BAND, F16, F32, I32, MAX, SUM, connect, daemon_env
 from test_daemon_failures import job_segments
 
 PIPE = 16 << 10
@@ -107,6 +107,30 @@ def rank_pipelined(rank: int, world: int) -> str:
 def test_pipelined_allreduce_with_random_delays_is_exact(jittery_daemon, world):
     _d, env = jittery_daemon
     assert run_ranks(rank_pipelined, world, env=env) == ["ok"] * world
+
+
+def rank_refused_then_served(rank: int, world: int) -> str:
+    """A pipelined op the daemon refuses (bitwise op on floats) fails alone, at once: the
+    clients, already copying in and waiting on done, get the reply; the next op runs."""
+    comm, _store = connect(rank, world)
+    a = np.ones(1 << 18, dtype=np.float32)
+    started = time.monotonic()
+    try:
+        comm.wait(comm.allreduce(a.ctypes.data, a.size, F32, BAND), 20)
+        raise AssertionError("BAND on float32 was accepted")
+    except ConfigError as e:
+        assert "not defined on floating-point" in str(e), e
+    assert time.monotonic() - started < 5.0
+    comm.wait(comm.allreduce(a.ctypes.data, a.size, F32, SUM), 20)
+    assert (a == world).all()
+    comm.shutdown(5)
+    return "ok"
+
+
+@pytest.mark.timeout(120)
+def test_refused_pipelined_op_fails_alone(jittery_daemon):
+    _d, env = jittery_daemon
+    assert run_ranks(rank_refused_then_served, 2, env=env) == ["ok", "ok"]
 
 
 def rank_dies_mid_op(rank: int, world: int) -> str:

@@ -40,7 +40,7 @@ def test_signal_is_an_atomic_max_and_wakes_a_waiter():
     start = time.monotonic()
     t.signal(25)
     th.join(5)
-    assert woke and woke[0] - start < 0.05
+    assert woke and woke[0] - start < 1.0  # woken, not timed out (10 s)
     t.wait(5, 0.0)  # already reached: returns at once
 
 
