@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from libmccl import _core
-from libmccl.errors import AbortedError, CollectiveMismatch, CollectiveTimeout, ConfigError
+from libmccl.errors import AbortedError, CollectiveMismatch, CollectiveTimeout, ConfigError, MCCLError
 from test_engine_helpers import AVG, DT, MAX, SUM, make_options, ptr, ranks, run_ranks, run_threads
 
 PIPE = 16 << 10  # pipeline bytes small enough that a 1 MB op has 64 pieces
@@ -167,7 +167,7 @@ def test_done_advances_piece_by_piece():
     assert all(count * 2 <= v[0] < count * 4 for v in seen)
 
 
-def test_without_tickets_ranks_still_agree_and_a_mixed_op_is_a_mismatch():
+def test_a_rank_with_tickets_and_one_without_is_a_mismatch():
     count = 1 << 18
     with ranks(2, opts=make_options(pipeline_bytes=PIPE, timeout_s=20.0)) as comms:
         def body(r, c):
@@ -175,10 +175,17 @@ def test_without_tickets_ranks_still_agree_and_a_mixed_op_is_a_mismatch():
             kw = {"ready": _core.Ticket(), "done": _core.Ticket()} if r == 0 else {}
             if r == 0:
                 kw["ready"].signal(buf.nbytes)
-            c.wait(c.allreduce(ptr(buf), count, DT[buf.dtype], SUM, **kw), 20.0)
+            try:
+                c.wait(c.allreduce(ptr(buf), count, DT[buf.dtype], SUM, **kw), 20.0)
+            except MCCLError as e:
+                return e
+            raise AssertionError(f"rank {r}: the mixed all-reduce succeeded")
 
-        with pytest.raises(CollectiveMismatch, match="pipelining mismatch"):
-            run_ranks(comms, body)
+        errs = run_ranks(comms, body)
+    # Whoever sees the other's first frame names the disagreement; the other hears it in
+    # that rank's ABORT, or (about 1 run in 13 here) its send hits the closed socket first
+    # and it reports the peer lost: the transport reads no ABORT after a failed write.
+    assert any(isinstance(e, CollectiveMismatch) and "pipelining mismatch" in str(e) for e in errs), errs
 
 
 def test_producer_that_stalls_times_out_and_poisons_done():
