@@ -96,6 +96,10 @@ class EngineConfig:
         "one-round low-latency all-reduce (instead of the ring) while (world size - 1) x the "
         "buffer is at most this many bytes, the bytes it puts on each link; a broadcast goes "
         "straight from the root while (world size - 1) x its size is within it too")
+    pipeline_bytes: int = setting(
+        "MCCL_PIPELINE_BYTES", 2 << 20, "bytes",
+        "piece of an all-reduce handed over by segment tickets (mccld's shared-memory path, accelerator "
+        "buckets): the engine starts a piece once its input is ready and announces it once final")
     send_thread: bool = setting(
         "MCCL_SEND_THREAD", True, "bool",
         "a second engine thread per communicator copies bulk frames (512K and up) into the sockets, "
@@ -130,6 +134,7 @@ class EngineConfig:
         opts.socket_buffer_bytes = self.socket_buffer_bytes
         opts.segment_bytes = self.segment_bytes
         opts.small_allreduce_bytes = self.small_allreduce_bytes
+        opts.pipeline_bytes = self.pipeline_bytes
         opts.send_thread = self.send_thread
         opts.recv_threads = self.recv_threads
         opts.timeout_s = timeout_s
@@ -147,6 +152,8 @@ class EngineConfig:
                  self.segment_bytes, "must be 0 (auto) or at least 4K")
         _require(self.small_allreduce_bytes >= 0, "MCCL_SMALL_ALLREDUCE_BYTES",
                  self.small_allreduce_bytes, "must not be negative")
+        _require(self.pipeline_bytes >= 4 << 10, "MCCL_PIPELINE_BYTES", self.pipeline_bytes,
+                 "must be at least 4K")
         _require(self.connect_timeout_s >= 0, "MCCL_CONNECT_TIMEOUT", self.connect_timeout_s,
                  "must not be negative")
 

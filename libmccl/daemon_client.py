@@ -7,7 +7,11 @@ regrown on demand); control messages go over ZeroMQ to the daemon's ``ipc://`` s
 
 Ops run one at a time in call order, like the engine's own thread: the next op's
 input is copied into the segment only when the previous op completed, so the segment
-is never overwritten under the daemon. A recv is the exception: it is posted at once
+is never overwritten under the daemon. A large all-reduce is pipelined: its request goes
+first, then the tensor is copied in piece by piece, raising the segment's ``ready``
+ticket, and results are copied out as the daemon's ``done`` ticket covers them
+(mccld/shm.py: the layout; mccld/pipelined.py: the daemon's side); the reply still
+carries success or the typed error. A recv is the exception: it is posted at once
 and only its data's way in (``take``) is queued, once a send matched
 (``daemon_p2p.py``). Each call's segment layout is in ``daemon_ops.py``, the start of
 the connection (hello, rendezvous, join) in ``daemon_attach.py``. A single I/O thread owns the ZeroMQ socket;
@@ -33,7 +37,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from . import errors
-from .config import load
+from .config import EngineConfig, load
 from .daemon_attach import Attachment
 from .daemon_ops import OpBuilder, OpSpec
 from .daemon_p2p import PostedRecv, PostedRecvs
@@ -51,6 +55,9 @@ _KIND_OF = {cls: kind for kind, cls in errors._KINDS.items()}
 _IO_JOIN_S = 5.0                                 # bound on the I/O thread's stop
 _LEAVE_WAIT_S = 1.0                              # for the daemon's answer to our leave
 _EXIT_DRAIN_S = 2.0                              # pending ops' last chance at interpreter exit
+# A pipelined op's results are awaited in slices this long, looking at the daemon's
+# socket between them (an error reply, a lost daemon).
+_PUMP_SLICE_S = 0.05
 
 _live: "weakref.WeakSet[DaemonCommunicator]" = weakref.WeakSet()
 
@@ -74,12 +81,28 @@ def _err_tuple(exc: MCCLError) -> tuple[int, str, int, str]:
 
 
 @dataclass
+class _Pipe:
+    """How far a pipelined op's copies got (bytes of its one range, from the segment's start)."""
+    ptr: int
+    nbytes: int
+    base: int                                  # the op's start in the segment's ticket counts
+    copied_in: int = 0
+    copied_out: int = 0
+    broken: bool = False                       # done was poisoned: the daemon's reply says why
+
+    @property
+    def pumping(self) -> bool:
+        return self.copied_out < self.nbytes and not self.broken
+
+
+@dataclass
 class _Op:
     op_id: int
     spec: OpSpec
     info: int = -1                             # a recv's source rank, reported on completion
     deadline: float = 0.0
     req: int = 0
+    pipe: _Pipe | None = None
 
 
 class DaemonCommunicator:
@@ -109,7 +132,8 @@ class DaemonCommunicator:
         self._lock = threading.Lock()
         self._queue: collections.deque[_Op] = collections.deque()
         self._recvs = PostedRecvs()
-        self._ops = OpBuilder(rank, size)
+        self._piece = int(getattr(opts, "pipeline_bytes", 0) or load(EngineConfig).pipeline_bytes)
+        self._ops = OpBuilder(rank, size, self._piece)
         self._outbox: collections.deque[dict[str, Any]] = collections.deque()  # reports, no reply awaited
         self._register_reqs: set[int] = set()
         self._inflight: _Op | None = None
@@ -117,6 +141,7 @@ class DaemonCommunicator:
         self._results: collections.OrderedDict[int, MCCLError | None] = collections.OrderedDict()
         self._done_cv = threading.Condition(self._lock)
         self._segment = None
+        self._ticket_base = 0                  # bytes the segment's tickets count so far
         self._gen = 0
         self._stats = {"ops_completed": 0, "bytes_sent": 0, "bytes_received": 0}
         self._closed = False
@@ -290,7 +315,8 @@ class DaemonCommunicator:
 
     def _ensure_segment(self, span: int) -> None:
         seg = self._segment
-        if seg is not None and seg.nbytes >= span:
+        # A poisoned segment (a pipelined op failed) cannot order another op: replace it.
+        if seg is not None and seg.nbytes >= span and not seg.done.poisoned:
             return
         size = max(span, 1 << 20, 2 * seg.nbytes if seg else 0)
         self._gen += 1
@@ -301,6 +327,7 @@ class DaemonCommunicator:
         self._sock.send(self._proto.encode({"type": "register", "req": self._req, "job": self._job,
                                             "rank": self.rank, "segment": name, "nbytes": size}))
         self._segment = new
+        self._ticket_base = 0
         if seg is not None:
             seg.close()
             seg.unlink()
@@ -324,16 +351,54 @@ class DaemonCommunicator:
         spec = op.spec
         if spec.span:
             self._ensure_segment(spec.span)
-        base = self._segment.addr if spec.span else 0
-        for off, ptr, n in spec.copy_in:
-            ctypes.memmove(base + off, ptr, n)
         args = dict(spec.args)
+        if spec.pipelined:
+            (_, ptr, n), = spec.copy_in
+            op.pipe = _Pipe(ptr, n, self._ticket_base)
+            args["base"] = self._ticket_base
+            self._ticket_base += n
+        else:
+            base = self._segment.addr if spec.span else 0
+            for off, ptr, n in spec.copy_in:
+                ctypes.memmove(base + off, ptr, n)
         if spec.span:
             args["segment"] = self._segment.name
         self._req += 1
         op.req = self._req
         op.deadline = time.monotonic() + self.timeout_s + _VERDICT_MARGIN_S
         self._send_op(op.req, spec.name, args)
+        if op.pipe is not None:
+            self._pump(op)
+
+    def _pump(self, op: _Op) -> None:
+        """Copies a pipelined op's input in (raising ``ready``), then its results out as far
+        as ``done`` covers them; returns early, to be called again, once the daemon's socket
+        or its monitor has something to say or the op is overdue."""
+        p, seg = op.pipe, self._segment
+        while p.copied_in < p.nbytes:
+            k = min(self._piece, p.nbytes - p.copied_in)
+            ctypes.memmove(seg.addr + p.copied_in, p.ptr + p.copied_in, k)  # releases the GIL
+            p.copied_in += k
+            seg.ready.signal(p.base + p.copied_in)
+        while p.pumping:
+            try:
+                reached = seg.done.wait_for(p.base + min(p.nbytes, p.copied_out + self._piece), _PUMP_SLICE_S)
+            except AbortedError:
+                p.broken = True  # the daemon failed the op; its reply follows
+                return
+            if reached:
+                upto = min(p.nbytes, seg.done.value - p.base)
+                ctypes.memmove(p.ptr + p.copied_out, seg.addr + p.copied_out, upto - p.copied_out)
+                p.copied_out = upto
+            elif (self._closed or self._sock.poll(0) or self._monitor.poll(0)
+                  or time.monotonic() > op.deadline):
+                return
+
+    def _pump_inflight(self) -> None:
+        with self._lock:
+            op = self._inflight
+        if op is not None and op.pipe is not None and op.pipe.pumping and not self._closed:
+            self._pump(op)
 
     def _post_recvs(self) -> None:
         while True:
@@ -373,7 +438,10 @@ class DaemonCommunicator:
                     log.warning("[daemon-client] mccld refused a report from rank %d: %s", self.rank, err)
             return
         spec, err = op.spec, None
-        if reply.get("ok"):
+        if reply.get("ok") and op.pipe is not None:
+            p = op.pipe  # done covers the whole op by now: the rest is final
+            ctypes.memmove(p.ptr + p.copied_out, self._segment.addr + p.copied_out, p.nbytes - p.copied_out)
+        elif reply.get("ok"):
             base = self._segment.addr if spec.span else 0
             for off, ptr, n in spec.copy_out:
                 ctypes.memmove(ptr, base + off, n)
@@ -459,6 +527,7 @@ class DaemonCommunicator:
                     return
                 if self._failed is None:
                     self._start_next()
+                    self._pump_inflight()
         except Exception as e:  # noqa: BLE001 - surface it to every pending op
             log.exception("[daemon-client] I/O thread failed")
             self._fail(MCCLError(f"[daemon-client] I/O thread failed on rank {self.rank}: {e}"), leave_abort=None)

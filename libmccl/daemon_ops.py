@@ -51,11 +51,15 @@ class OpSpec:
     copy_in: list[Copy]
     copy_out: list[Copy]
     nbytes: int                  # for the rank's byte counters
+    # Copied in and out piece by piece through the segment's tickets while the daemon
+    # works (one input range at offset 0, results in place): the request goes first.
+    pipelined: bool = False
 
 
 class OpBuilder:
-    def __init__(self, rank: int, size: int):
+    def __init__(self, rank: int, size: int, pipeline_bytes: int):
         self.rank, self.size = rank, size
+        self.pipeline_bytes = pipeline_bytes
 
     def _spec(self, name: str, args: dict[str, Any], span: int, copy_in: list[Copy], copy_out: list[Copy],
               nbytes: int) -> OpSpec:
@@ -83,8 +87,14 @@ class OpBuilder:
     # -- collectives -----------------------------------------------------------------------
     def allreduce(self, ptr: int, count: int, dtype: int, op: int) -> OpSpec:
         n = self._check_reduce(count, dtype, op)
-        return self._spec("allreduce", {"count": count, "dtype": dtype, "op": op, "offset": 0}, n,
-                          [(0, ptr, n)], [(0, ptr, n)], n)
+        # Over one piece there is something to overlap; every rank decides from the size alone.
+        pipelined = n > self.pipeline_bytes
+        args = {"count": count, "dtype": dtype, "op": op, "offset": 0}
+        if pipelined:
+            args["pipelined"] = True
+        spec = self._spec("allreduce", args, n, [(0, ptr, n)], [(0, ptr, n)], n)
+        spec.pipelined = pipelined
+        return spec
 
     def broadcast(self, ptr: int, nbytes: int, root: int) -> OpSpec:
         self._check_rank(root, "root")

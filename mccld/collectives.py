@@ -22,8 +22,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from libmccl.errors import CollectiveMismatch, ConfigError
+from libmccl.errors import CollectiveMismatch, ConfigError, ProtocolError
 
+from .pipelined import Pipeline, Region
 from .reduce import AVG, DTYPE_SIZE, SUM, ReducePool, check
 
 # Runs one engine op: (method name, *args) -> None once done, raises its typed error.
@@ -37,6 +38,8 @@ def per_rank_args(op: str) -> frozenset[str]:
     """Arguments that legitimately differ between the ranks of one collective."""
     if op == "alltoallv":
         return frozenset({"segment", "send_off", "recv_off", "send_sizes", "recv_sizes"})
+    if op == "allreduce":
+        return frozenset({"segment", "base"})  # base: where the op starts in the rank's tickets
     return frozenset({"segment"})
 
 
@@ -67,21 +70,31 @@ class Topology:
 
 
 class Hierarchy:
-    def __init__(self, topo: Topology, pool: ReducePool, engine: EngineRun | None):
+    def __init__(self, topo: Topology, pool: ReducePool, engine: EngineRun | None, pipeline_bytes: int,
+                 timeout_s: float):
         self.topo = topo
         self.pool = pool
         self.engine = engine  # None: single-host job
+        self.pipeline = Pipeline(pool, pipeline_bytes, timeout_s)
         self._scratch = np.empty(0, dtype=np.uint8)
 
-    def run(self, op: str, bases: dict[int, int], args: dict[int, dict[str, Any]]) -> None:
+    def close(self) -> None:
+        self.pipeline.close()
+
+    def run(self, op: str, bases: dict[int, int], args: dict[int, dict[str, Any]],
+            tickets: dict[int, tuple[Any, Any]] | None = None) -> None:
         """``bases``: local rank -> address of its region; ``args``: local rank -> its
-        arguments as sent by its client."""
+        arguments as sent by its client; ``tickets``: local rank -> its segment's (ready,
+        done), for ops the clients pipeline."""
         fn = getattr(self, "_" + op, None) if op in SUPPORTED else None
         if fn is None:
             raise ConfigError(f"[daemon] collective {op!r} is not supported in daemon mode "
                               f"(supported: {', '.join(SUPPORTED)}); unset MCCL_DAEMON to run it in-process")
         if op == "alltoallv":
             fn(bases, args)
+            return
+        if op == "allreduce" and args[self.topo.local[0]].get("pipelined"):
+            self._allreduce_pipelined(bases, args, tickets or {})
             return
         fn(bases, **{k: v for k, v in args[self.topo.local[0]].items() if k != "segment"})
 
@@ -127,6 +140,20 @@ class Hierarchy:
             self.pool.finalize_avg(buf, count, dtype, self.topo.size)
         for r in self.topo.local[1:]:
             _copy(bases[r] + offset, buf, count * DTYPE_SIZE[dtype])
+
+    def _allreduce_pipelined(self, bases, args: dict[int, dict[str, Any]],
+                             tickets: dict[int, tuple[Any, Any]]) -> None:
+        a = args[self.topo.local[0]]
+        count, dtype, op, offset = a["count"], a["dtype"], a["op"], a.get("offset", 0)
+        check(dtype, op)
+        for r in self.topo.local:
+            if "base" not in args[r] or r not in tickets:
+                raise ProtocolError(f"[daemon] pipelined allreduce: rank {r} sent no base or no segment; "
+                                    "the client and daemon releases differ?")
+        regions = [Region(bases[r] + offset, *tickets[r], args[r]["base"]) for r in self.topo.local]
+        topo = self.topo
+        self.pipeline.allreduce(regions, count, dtype, op, topo.size, self.engine,
+                                engine_divides=topo.size == len(topo.hosts))
 
     def _broadcast(self, bases, nbytes: int, root: int) -> None:
         local = self.topo.local

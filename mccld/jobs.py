@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from libmccl.config import EngineConfig
 from libmccl.errors import (AbortedError, CollectiveMismatch, CollectiveTimeout, ConfigError,
                             MCCLError, PeerLostError, ProtocolError)
 
@@ -41,6 +42,7 @@ class JobHost(Protocol):
     """What a job needs from its daemon."""
     host_id: str
     pool: ReducePool
+    engine_cfg: EngineConfig                  # the engine's settings (pipeline_bytes, ...)
 
     def reply(self, ident: bytes, req: int, payload: dict[str, Any]) -> None: ...
     def reply_error(self, ident: bytes, req: int, exc: BaseException) -> None: ...
@@ -268,6 +270,8 @@ class Job:
             self.pending.clear()
             joining = [(m.ident, m.join_req) for m in self.members.values()] if self.hierarchy is None else []
         log.warning("%s", exc)
+        if self.hierarchy is not None:
+            self.hierarchy.pipeline.abort()  # its stages may wait on a rank that is gone
         self.p2p.fail(exc)
         for p in pending:
             self.host.reply_error(p.ident, p.req, exc)
@@ -359,7 +363,8 @@ class Job:
                     self.host.release_data_sockets(self, False)
                 return
             self.engine = engine
-            self.hierarchy = Hierarchy(self.topo, self.host.pool, self._engine_run if engine else None)
+            self.hierarchy = Hierarchy(self.topo, self.host.pool, self._engine_run if engine else None,
+                                       self.host.engine_cfg.pipeline_bytes, self.timeout_s)
             if engine is not None:
                 self.p2p.start_network(self._engine_run)
             self.state = "ready"
@@ -370,7 +375,7 @@ class Job:
             self.host.reply(ident, req, {"ok": True, "local_ranks": self.local_ranks,
                                          "hosts": len(self.topo.hosts)})
 
-    def _engine_run(self, method: str, *args, deadline: bool = True) -> None:
+    def _engine_run(self, method: str, *args, deadline: bool = True, **tickets) -> None:
         """Runs one engine op to its end. ``deadline=False`` (p2p only): the op may wait
         as long as the engine lives (the mailbox receive); a peer's failure, the job's
         abort or the engine's shutdown end it."""
@@ -379,7 +384,7 @@ class Job:
             raise self.failed or AbortedError(f"[daemon] job {self.id} is closed; no engine op can start")
         try:
             if deadline:
-                engine.wait(getattr(engine, method)(*args), self.timeout_s)
+                engine.wait(getattr(engine, method)(*args, **tickets), self.timeout_s)
             else:
                 op_id = getattr(engine, method)(*args, timeout_s=0)
                 while not engine.wait_for(op_id, _ENGINE_POLL_S):
@@ -419,12 +424,15 @@ class Job:
                         f"[daemon] job {self.id} collective #{first['seq']}: rank {p.msg['rank']} called "
                         f"{p.msg['op']}{a}, rank {first['rank']} called {first['op']}{b}; every rank must "
                         "issue the same collectives in the same order", peer_rank=p.msg["rank"])
-            bases = {r: self.members[r].segments[p.msg["args"].get("segment", "")].addr
-                     if p.msg["args"].get("segment") else 0 for r, p in waiting.items()}
-            self.hierarchy.run(first["op"], bases, {r: p.msg["args"] for r, p in waiting.items()})
+            segs = {r: self.members[r].segments[p.msg["args"]["segment"]]
+                    for r, p in waiting.items() if p.msg["args"].get("segment")}
+            bases = {r: segs[r].addr if r in segs else 0 for r in waiting}
+            self.hierarchy.run(first["op"], bases, {r: p.msg["args"] for r, p in waiting.items()},
+                               {r: (s.ready, s.done) for r, s in segs.items()})
         except MCCLError as e:
             if not isinstance(e, ConfigError):
                 self.fail(e, local=True)
+                e = self.failed or e  # a pipelined op's poisoned tickets only echo the cause
             for p in waiting.values():
                 self.host.reply_error(p.ident, p.req, e)
             return
@@ -467,6 +475,8 @@ class Job:
             except Exception:  # noqa: BLE001 - the job is over either way
                 log.debug("engine shutdown of job %s raised", self.id, exc_info=True)
             self.host.release_data_sockets(self, clean and self.failed is None)
+        if self.hierarchy is not None:
+            self.hierarchy.close()
         self.state = "closed" if self.failed is None else self.state
         log.info("job %s closed", self.id)
         self.host.job_closed(self)

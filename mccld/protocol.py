@@ -90,7 +90,9 @@ _HOST = {"host_id": Field(str, max_len=255), "link_addr": Field(str, max_len=300
 _COUNT, _DTYPE, _REDOP = _BYTES, Field(int, 0, len(DTYPE_SIZE) - 1), Field(int, 0, 7)
 _OFFS = {"send_off": _BYTES, "recv_off": _BYTES}
 OP_ARGS: dict[str, dict[str, Field]] = {
-    "allreduce": {"count": _COUNT, "dtype": _DTYPE, "op": _REDOP, "offset": _BYTES},
+    # pipelined: through the segment's tickets, the op starting at `base` in their counts
+    "allreduce": {"count": _COUNT, "dtype": _DTYPE, "op": _REDOP, "offset": _BYTES,
+                  "pipelined": Field(bool, required=False), "base": Field(int, 0, _MAX_ID, required=False)},
     "broadcast": {"nbytes": _BYTES, "root": _RANK},
     "allgather": {**_OFFS, "nbytes": _BYTES},
     "reduce_scatter": {**_OFFS, "count": _COUNT, "dtype": _DTYPE, "op": _REDOP},

@@ -47,6 +47,11 @@ class ReducePool:
         self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="mccld-reduce") \
             if self._threads > 1 else None
 
+    @property
+    def threads(self) -> int:
+        """How many threads reductions may use (pipelined ops size their stages by it)."""
+        return self._threads
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)

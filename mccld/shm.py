@@ -5,6 +5,17 @@ characters). The owner pid in the name lets any daemon tell a live client's segm
 from one a crash left behind, so a sweep never frees memory that is still in use,
 even when several daemons share one /dev/shm (network-namespace tests).
 
+Every segment starts with a control header, then the data (``Segment.addr``):
+
+    offset 0    ``ready`` ticket: bytes of input the client has copied in (u64)
+    offset 64   ``done`` ticket: bytes of results the daemon has finished (u64)
+    offset 4096 data
+
+Each ticket (libmccl/csrc/ticket.h) is a monotonic counter on its own cache line, counted
+in cumulative bytes over the segment's life: an op covers [base, base + its bytes), where
+base is the bytes of the pipelined ops before it in this segment. The header fills a page
+so the data stays page-aligned for whatever maps it next (a GPU registration, an MTLBuffer).
+
 ``shm_open`` is called directly rather than through ``multiprocessing.shared_memory``:
 its resource tracker would unlink a segment when the *daemon's* reference goes away,
 pulling it from under the client.
@@ -22,6 +33,7 @@ from pathlib import Path
 
 import _posixshmem
 
+from libmccl import _core
 from libmccl.errors import ConfigError, ProtocolError
 
 log = logging.getLogger(__name__)
@@ -29,6 +41,9 @@ log = logging.getLogger(__name__)
 PREFIX = "mccl-"
 _NAME_RE = re.compile(r"^mccl-[0-9a-f]{1,12}-\d{1,6}-(\d{1,9})-\d{1,6}$")
 MAX_NAME = 31
+READY_OFF = 0
+DONE_OFF = 64
+HEADER_BYTES = 4096
 
 
 def segment_name(job: str, rank: int, pid: int, gen: int) -> str:
@@ -63,7 +78,8 @@ def pid_alive(pid: int) -> bool:
 
 
 class Segment:
-    """One mapped segment. The creator (client) or the daemon may unlink it."""
+    """One mapped segment: ``nbytes`` of data at ``addr`` after the control header. The
+    creator (client) or the daemon may unlink it."""
 
     def __init__(self, name: str, nbytes: int, create: bool):
         if not _NAME_RE.match(name):
@@ -75,24 +91,29 @@ class Segment:
         fd = _posixshmem.shm_open("/" + name, flags, 0o600)
         try:
             if create:
-                os.ftruncate(fd, nbytes)
+                os.ftruncate(fd, HEADER_BYTES + nbytes)
             else:
                 have = os.fstat(fd).st_size
-                if have < nbytes:
+                if have < HEADER_BYTES + nbytes:
                     raise ProtocolError(f"[daemon] segment {name} holds {have} bytes, client "
-                                        f"claimed {nbytes}; the client is out of sync")
-            self._map = mmap.mmap(fd, max(nbytes, 1))
+                                        f"claimed {nbytes} after the {HEADER_BYTES}-byte header; "
+                                        "the client is out of sync")
+            self._map = mmap.mmap(fd, HEADER_BYTES + nbytes)
         finally:
             os.close(fd)
-        self._buf = (ctypes.c_char * max(nbytes, 1)).from_buffer(self._map)
-        self.addr = ctypes.addressof(self._buf)
+        self._buf = (ctypes.c_char * (HEADER_BYTES + nbytes)).from_buffer(self._map)
+        start = ctypes.addressof(self._buf)
+        self.addr = start + HEADER_BYTES
+        # Views of the header's words; valid while the mapping is (close() drops them).
+        self.ready = _core.Ticket.at(start + READY_OFF)
+        self.done = _core.Ticket.at(start + DONE_OFF)
 
     def view(self, offset: int = 0, nbytes: int | None = None) -> memoryview:
         end = self.nbytes if nbytes is None else offset + nbytes
         if offset < 0 or end > self.nbytes:
             raise ProtocolError(f"[daemon] range [{offset}, {end}) outside segment {self.name} "
                                 f"of {self.nbytes} bytes")
-        return memoryview(self._map)[offset:end]
+        return memoryview(self._map)[HEADER_BYTES + offset:HEADER_BYTES + end]
 
     @property
     def closed(self) -> bool:
@@ -101,6 +122,7 @@ class Segment:
     def close(self) -> None:
         if self._map is None:
             return
+        self.ready = self.done = None
         del self._buf
         try:
             self._map.close()

@@ -35,9 +35,11 @@ def _skip_unless_fleet() -> None:
 class DaemonFleet:
     """N namespaces, each with one mccld; ``keys`` lets a host hold a wrong key."""
 
-    def __init__(self, n: int, keys: list[str] | None = None, rate: str | None = None):
+    def __init__(self, n: int, keys: list[str] | None = None, rate: str | None = None,
+                 extra_env: dict[str, str] | None = None):
         from libmccl.fleet import Fleet
         self.n = n
+        self.extra_env = extra_env or {}
         self.fleet = Fleet(n, rate=rate)
         self.dir = Path(tempfile.mkdtemp(prefix="mccl-dfleet-"))
         self.keys = keys or [KEY] * n
@@ -46,7 +48,8 @@ class DaemonFleet:
     def env(self, i: int) -> dict[str, str]:
         return {"MCCL_IFACE": "eth0", "MCCL_RUNTIME_DIR": str(self.dir / f"h{i}"), "MCCL_HOST_ID": f"h{i}",
                 "MCCL_FLEET_KEY": self.keys[i], "MCCL_FLEET": "dtest", "MCCL_MDNS_TTL": "6",
-                "MCCL_STATUS_PORT": "0", "MCCL_METRICS_PORT": "0", "MCCL_CLIENT_CHECK_INTERVAL": "0.1"}
+                "MCCL_STATUS_PORT": "0", "MCCL_METRICS_PORT": "0", "MCCL_CLIENT_CHECK_INTERVAL": "0.1",
+                **self.extra_env}
 
     def log(self, i: int) -> str:
         return (self.dir / f"h{i}.log").read_text()
@@ -216,6 +219,20 @@ def test_rank_killed_on_one_host_fails_the_other_host_with_peer_lost():
         _verdicts(out, (0, 1, 2), "PeerLostError")
         assert "rank 3" in out[0][1] or "peer host" in out[0][1], out[0][1]
     assert not list(Path("/dev/shm").glob("mccl-00dead03-*"))
+
+
+@pytest.mark.fleet
+@pytest.mark.timeout(300)
+def test_pipelined_allreduce_across_hosts_with_random_delays():
+    """Tiny pipeline pieces: one rank per host (the engine on the client's region, AVG by the
+    engine), two per host (local reduction, then the ring), and uneven hosts (AVG divided by
+    the daemons)."""
+    _skip_unless_fleet()
+    with DaemonFleet(2, extra_env={"MCCL_PIPELINE_BYTES": "16384"}) as df:
+        for placement in ([0, 1], [0, 0, 1, 1], [0, 1, 1]):
+            out = df.ranks("pipelined", placement, timeout_s=200)
+            for r, (code, text) in out.items():
+                assert code == 0 and text.endswith("ok"), f"{placement} rank {r}:\n{text}\n--- h0 ---\n{df.log(0)[-3000:]}"
 
 
 def _verdicts(out: dict[int, tuple[int, str]], ranks: tuple[int, ...], expect: str) -> list[str]:
@@ -392,7 +409,12 @@ def _any_source_local(rank: int, world: int) -> str:
     return "ok"
 
 
-PROGRAMS = {"collectives": _collectives, "ddp": _ddp, "one_dies": _one_dies, "stalls": _stalls,
+def _pipelined(rank: int, world: int) -> str:
+    import test_daemon_pipelined as t
+    return t.rank_pipelined(rank, world)
+
+
+PROGRAMS = {"collectives": _collectives, "pipelined": _pipelined, "ddp": _ddp, "one_dies": _one_dies, "stalls": _stalls,
             "recv_stalls": _recv_stalls, "any_source_local": _any_source_local}
 
 if __name__ == "__main__":

@@ -108,6 +108,7 @@ uint64_t Communicator::enqueue(Op op) {
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (closing_) {
+      if (op.tickets.done) op.tickets.done->poison();
       throw_error(ErrorKind::kAborted,
                   std::string("[engine] ") + op_kind_name(op.kind) +
                       " called on a communicator that is shut down or aborted; create a new "
@@ -169,6 +170,7 @@ void Communicator::worker_main() {
 
 void Communicator::run(Op& op) {
   if (auto sticky = failure()) {
+    if (op.tickets.done) op.tickets.done->poison();
     complete(op.id, sticky, -1);
     return;
   }
@@ -186,6 +188,8 @@ void Communicator::run(Op& op) {
     on_error(Error(ErrorKind::kGeneric, std::string("[engine] internal error in ") +
                                             op_kind_name(op.kind) + ": " + e.what()));
   }
+  // Before completing: whoever waits on `done` must not see a half-written result as final.
+  if (op.tickets.done) op.tickets.done->poison();
   complete(op.id, failure(), -1);  // a no-op if the failure already completed it
 }
 
@@ -205,6 +209,9 @@ void Communicator::run_collective(Op& op) {
       sig.op_bytes = op.count * es;
       sig.dtype = static_cast<uint8_t>(op.dtype);
       sig.redop = static_cast<uint8_t>(op.op);
+      if (op.tickets.any()) {
+        sig.pieces = static_cast<uint32_t>(allreduce_pieces(opts_, size_, op.count, op.dtype).n);
+      }
       break;
     case OpKind::kAlltoallv:
     case OpKind::kBarrier:
@@ -219,7 +226,13 @@ void Communicator::run_collective(Op& op) {
   transport_->begin_collective(coll_seq_++, sig);
   Collective c{*transport_, deadline_after(op.timeout_s), op.timeout_s, opts_, scratch_};
   switch (op.kind) {
-    case OpKind::kAllreduce: mccl::allreduce(c, op.buf, op.count, op.dtype, op.op); break;
+    case OpKind::kAllreduce:
+      if (op.tickets.any()) {
+        mccl::allreduce(c, op.buf, op.count, op.dtype, op.op, op.tickets);
+      } else {
+        mccl::allreduce(c, op.buf, op.count, op.dtype, op.op);
+      }
+      break;
     case OpKind::kBroadcast: mccl::broadcast(c, op.buf, op.count, op.root); break;
     case OpKind::kAllgather: mccl::allgather_ring(c, op.buf, op.out, op.count); break;
     case OpKind::kReduceScatter:

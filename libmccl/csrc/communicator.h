@@ -35,6 +35,7 @@
 #include "dtype.h"
 #include "errors.h"
 #include "options.h"
+#include "ticket.h"
 #include "transport/frame.h"
 #include "transport/mesh.h"
 #include "transport/transport.h"
@@ -71,6 +72,7 @@ struct Op {
   // Seconds the op may take. < 0: the communicator's timeout, stamped at enqueue;
   // 0 (p2p only): no deadline, so only the message, a peer's failure, abort or shutdown end it.
   double timeout_s = -1;
+  OpTickets tickets;  // all-reduce only; `done` is poisoned when the op fails
   std::vector<size_t> send_sizes, send_offsets, recv_sizes, recv_offsets;
 };
 
@@ -93,7 +95,9 @@ class Communicator {
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
 
-  uint64_t allreduce(void* buf, size_t count, DType dt, ReduceOp op);
+  // With tickets the op reads the buffer piece by piece as `ready` covers it and raises
+  // `done` as pieces finish (ticket.h, algorithms/pieces.h).
+  uint64_t allreduce(void* buf, size_t count, DType dt, ReduceOp op, OpTickets tickets = {});
   uint64_t broadcast(void* buf, size_t nbytes, int root);
   uint64_t allgather(const void* send, void* recv, size_t nbytes);
   uint64_t reduce_scatter(const void* send, void* recv, size_t count, DType dt, ReduceOp op);

@@ -44,10 +44,12 @@ void Communicator::check_reduction(DType dt, ReduceOp op, const char* name) cons
   }
 }
 
-uint64_t Communicator::allreduce(void* buf, size_t count, DType dt, ReduceOp op) {
+uint64_t Communicator::allreduce(void* buf, size_t count, DType dt, ReduceOp op,
+                                 OpTickets tickets) {
   check_reduction(dt, op, "allreduce");
   check_ptr(buf, count, "buffer", "allreduce");
   Op o;
+  o.tickets = std::move(tickets);
   o.kind = OpKind::kAllreduce;
   o.buf = buf;
   o.count = count;

@@ -24,6 +24,9 @@ void Options::validate() const {
   if (segment_bytes != 0 && segment_bytes < (4 << 10)) {
     bad("segment_bytes=" + std::to_string(segment_bytes) + ": must be 0 or at least 4K (MCCL_SEGMENT_BYTES)");
   }
+  if (pipeline_bytes < (4 << 10)) {
+    bad("pipeline_bytes=" + std::to_string(pipeline_bytes) + ": must be at least 4K (MCCL_PIPELINE_BYTES)");
+  }
   if (!(timeout_s > 0)) bad("timeout_s=" + format_seconds(timeout_s) + ": must be positive");
   if (!(connect_timeout_s > 0)) {
     bad("connect_timeout_s=" + format_seconds(connect_timeout_s) + ": must be positive");

@@ -10,6 +10,7 @@ struct Options {
   int socket_buffer_bytes = 4 << 20;    // SO_SNDBUF/SO_RCVBUF, bytes
   size_t segment_bytes = 0;             // ring pipeline segment, bytes; 0 = by message size
   size_t small_allreduce_bytes = 65536; // one-round all-reduce up to this many link bytes ((N-1) x size)
+  size_t pipeline_bytes = 2 << 20;      // piece of an op with tickets (ticket.h), bytes
   bool send_thread = true;              // bulk frames written to the sockets by a second thread
   int recv_threads = 2;                 // threads reading (and reducing) bulk payloads; 0: none
   double timeout_s = 1800.0;            // per operation, seconds

@@ -7,11 +7,18 @@
 #include <vector>
 
 #include "algorithms/collective.h"
+#include "algorithms/pieces.h"
 #include "dtype.h"
 
 namespace mccl {
 
 void allreduce(Collective& c, void* buf, size_t count, DType dt, ReduceOp op);
+// With tickets (either may be null): the ring runs piece by piece as `ready` allows and
+// raises `done` as pieces finish; a one-round op waits for all of its input first.
+void allreduce(Collective& c, void* buf, size_t count, DType dt, ReduceOp op, const OpTickets& t);
+// The pieces a ticketed all-reduce is pipelined in; n == 0 when it is not (one round,
+// one rank, nothing to reduce). Identical on every rank given the same arguments.
+Pieces allreduce_pieces(const Options& opts, int size, size_t count, DType dt);
 void allreduce_ring(Collective& c, void* buf, size_t count, DType dt, ReduceOp op);
 void allreduce_small(Collective& c, void* buf, size_t count, DType dt, ReduceOp op);
 

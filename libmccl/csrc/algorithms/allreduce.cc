@@ -8,17 +8,61 @@
 
 namespace mccl {
 
+namespace {
+
+// The one-round algorithm puts (N-1) copies of the buffer on every link, the ring
+// 2(N-1)/N of one: the threshold bounds those link bytes, so the one-round's latency
+// win is not spent on a link-bound transfer (at N=4 on 1 Gbit/s a 64 KiB one-round
+// took 1.76 ms, the ring 0.83 ms).
+bool one_round(const Options& opts, int size, size_t count, DType dt) {
+  return count * dtype_size(dt) * size_t(size - 1) <= opts.small_allreduce_bytes;
+}
+
+void allreduce_pieced(Collective& c, uint8_t* buf, const Pieces& p, DType dt, ReduceOp op,
+                      const OpTickets& t) {
+  PieceGate gate(c, t, p, op_kind_name(OpKind::kAllreduce));
+  if (op == ReduceOp::kAvg) {
+    // Per piece, once no send reads it any more: every rank divides the same final bits.
+    gate.finalize = [&](size_t begin, size_t elems) {
+      finalize_avg(buf + begin * p.elem, elems, dt, c.size());
+    };
+  }
+  RingLayout L = RingLayout::pieced(c.size(), p);
+  RingPhases ph;
+  ph.fn = reduce_fn(dt, op);
+  ph.gate = &gate;
+  ring_pipeline(c, buf, L, ph);
+}
+
+}  // namespace
+
 void allreduce(Collective& c, void* buf, size_t count, DType dt, ReduceOp op) {
   if (count == 0 || c.size() == 1) return;
-  // The one-round algorithm puts (N-1) copies of the buffer on every link, the ring
-  // 2(N-1)/N of one: the threshold bounds those link bytes, so the one-round's latency
-  // win is not spent on a link-bound transfer (at N=4 on 1 Gbit/s a 64 KiB one-round
-  // took 1.76 ms, the ring 0.83 ms).
-  if (count * dtype_size(dt) * size_t(c.size() - 1) <= c.opts.small_allreduce_bytes) {
+  if (one_round(c.opts, c.size(), count, dt)) {
     allreduce_small(c, buf, count, dt, op);
   } else {
     allreduce_ring(c, buf, count, dt, op);
   }
+}
+
+Pieces allreduce_pieces(const Options& opts, int size, size_t count, DType dt) {
+  if (count == 0 || size == 1 || one_round(opts, size, count, dt)) return Pieces{};
+  return Pieces::cut(count, dtype_size(dt), opts.pipeline_bytes, size);
+}
+
+void allreduce(Collective& c, void* buf, size_t count, DType dt, ReduceOp op, const OpTickets& t) {
+  const Pieces p = allreduce_pieces(c.opts, c.size(), count, dt);
+  if (p.n > 0) {
+    allreduce_pieced(c, static_cast<uint8_t*>(buf), p, dt, op, t);
+    return;
+  }
+  // Not worth pipelining: the whole buffer is one piece.
+  const Pieces whole = Pieces::cut(count, dtype_size(dt), count * dtype_size(dt), 1);
+  PieceGate gate(c, t, whole, op_kind_name(OpKind::kAllreduce));
+  if (whole.n == 0) return;
+  gate.wait_ready(0);
+  allreduce(c, buf, count, dt, op);
+  gate.finished(0);
 }
 
 void allreduce_ring(Collective& c, void* buf, size_t count, DType dt, ReduceOp op) {

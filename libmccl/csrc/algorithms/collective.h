@@ -1,6 +1,7 @@
 // What every algorithm gets: the transport of the running collective, its deadline,
 // tuning knobs and reusable scratch memory. Algorithms are plain functions over this.
 #pragma once
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -47,6 +48,16 @@ struct Collective {
   }
   // The next finished request of this op (throws on failure or timeout).
   RequestPtr next() { return t.wait_next(deadline, timeout_s); }
+  // Like next(), but null if nothing finished by `until` or the deadline, whichever is first
+  // (the caller knows what it waited for and says so).
+  RequestPtr next_until(Deadline until) {
+    until = std::min(until, deadline);
+    while (!t.has_completion()) {
+      if (Clock::now() >= until) return nullptr;
+      t.progress(until);
+    }
+    return next();
+  }
   void wait_all(size_t count) {
     while (count--) next();
   }

@@ -17,6 +17,7 @@
 #include "errors.h"
 #include "listener.h"
 #include "options.h"
+#include "ticket.h"
 
 namespace py = pybind11;
 
@@ -217,10 +218,48 @@ void register_engine_bindings(py::module_& m) {
       .def_readwrite("socket_buffer_bytes", &Options::socket_buffer_bytes)
       .def_readwrite("segment_bytes", &Options::segment_bytes)
       .def_readwrite("small_allreduce_bytes", &Options::small_allreduce_bytes)
+      .def_readwrite("pipeline_bytes", &Options::pipeline_bytes)
       .def_readwrite("send_thread", &Options::send_thread)
       .def_readwrite("recv_threads", &Options::recv_threads)
       .def_readwrite("timeout_s", &Options::timeout_s)
       .def_readwrite("connect_timeout_s", &Options::connect_timeout_s);
+
+  // A ticket owns its word (Ticket()) or views one the caller keeps mapped (Ticket.at).
+  py::class_<Ticket, std::shared_ptr<Ticket>>(m, "Ticket")
+      .def(py::init<>())
+      .def_static("at", [](uintptr_t addr) { return Ticket::at(ptr(addr)); }, py::arg("addr"))
+      .def_property_readonly("value", &Ticket::value)
+      .def_property_readonly("poisoned", &Ticket::poisoned)
+      .def_property_readonly("address", &Ticket::address)
+      .def_readonly_static("POISON", &Ticket::kPoison)
+      .def("signal", &Ticket::signal, py::arg("value"))
+      .def("poison", &Ticket::poison)
+      // Raises CollectiveTimeout / AbortedError; in slices, so Ctrl-C is not held up.
+      .def("wait", [](const Ticket& t, uint64_t value, double timeout_s, const std::string& what) {
+        Deadline end = deadline_after(timeout_s);
+        Ticket::Wait w;
+        while (true) {
+          {
+            py::gil_scoped_release nogil;
+            w = t.wait_until(value, std::min(end, Clock::now() + std::chrono::milliseconds(100)));
+          }
+          if (w != Ticket::Wait::kTimeout || Clock::now() >= end) break;
+          if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+        }
+        t.raise_unless_reached(w, value, timeout_s, what);
+      }, py::arg("value"), py::arg("timeout_s"), py::arg("what") = "[ticket] wait")
+      // False (no error) if not reached within timeout_s, for a caller that waits in slices
+      // and looks at other things between; AbortedError once poisoned.
+      .def("wait_for", [](const Ticket& t, uint64_t value, double timeout_s, const std::string& what) {
+        Ticket::Wait w;
+        {
+          py::gil_scoped_release nogil;
+          w = t.wait_until(value, deadline_after(std::max(timeout_s, 0.0)));
+        }
+        if (w == Ticket::Wait::kTimeout) return false;
+        t.raise_unless_reached(w, value, timeout_s, what);
+        return true;
+      }, py::arg("value"), py::arg("timeout_s"), py::arg("what") = "[ticket] wait");
 
   using PC = PyCommunicator;
   py::class_<PC>(m, "Communicator")
@@ -232,9 +271,12 @@ void register_engine_bindings(py::module_& m) {
                     const Options&, py::object>(),
            py::arg("rank"), py::arg("size"), py::arg("comm_id"), py::arg("sockets"),
            py::arg("peer_addrs"), py::arg("opts"), py::arg("on_complete") = py::none())
-      .def("allreduce", [](PC& c, uintptr_t p, size_t count, int dt, int op) {
-        return c.core().allreduce(ptr(p), count, to_dtype(dt), to_op(op));
-      })
+      .def("allreduce", [](PC& c, uintptr_t p, size_t count, int dt, int op,
+                           std::shared_ptr<Ticket> ready, std::shared_ptr<Ticket> done, uint64_t base) {
+        return c.core().allreduce(ptr(p), count, to_dtype(dt), to_op(op),
+                                  OpTickets{std::move(ready), std::move(done), base});
+      }, py::arg("ptr"), py::arg("count"), py::arg("dtype"), py::arg("op"), py::kw_only(),
+         py::arg("ready") = py::none(), py::arg("done") = py::none(), py::arg("base") = 0)
       .def("broadcast", [](PC& c, uintptr_t p, size_t nbytes, int root) {
         return c.core().broadcast(ptr(p), nbytes, root);
       })

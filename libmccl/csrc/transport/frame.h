@@ -46,7 +46,7 @@ struct FrameHeader {
   uint64_t comm_id = 0;
   uint64_t seq = 0;      // collective sequence number, or p2p per-(peer, tag) number
   uint32_t tag = 0;      // collective: step/segment id; p2p: the user's tag
-  uint32_t flags = 0;    // reserved, must be 0
+  uint32_t flags = 0;    // collective signature: pieces of a pipelined op (0: not pipelined)
   uint64_t offset = 0;   // where this frame's payload goes inside the message
   uint64_t length = 0;   // payload bytes of this frame
   uint64_t total = 0;    // bytes of the whole message (all stripes)

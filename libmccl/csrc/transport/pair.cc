@@ -104,6 +104,7 @@ void Pair::post_send(const RequestPtr& req) {
     h.dtype = req->sig.dtype;
     h.redop = req->sig.redop;
     h.root = req->sig.root;
+    h.flags = req->sig.pieces;
     SendItem item;
     item.req = req;
     encode_header(h, item.header);

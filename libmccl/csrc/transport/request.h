@@ -37,6 +37,7 @@ struct Signature {
   uint8_t dtype = 0;
   uint8_t redop = 0;
   int32_t root = -1;
+  uint32_t pieces = 0;  // a ticketed op's pieces (algorithms/pieces.h); 0: not pipelined
 };
 
 struct Request {

@@ -185,6 +185,14 @@ void Transport::compare_signature(Pair& pair, const FrameHeader& h, const Signat
              reduce_op_name(static_cast<ReduceOp>(s.redop)) +
              "; every rank must pass the same op");
   }
+  if (h.flags != s.pieces) {
+    auto how = [](uint32_t p) {
+      return p ? "pipelined by tickets in " + std::to_string(p) + " pieces" : std::string("not pipelined");
+    };
+    mismatch("pipelining mismatch with " + pair.who() + " for " + opno + ": it runs it " +
+             how(h.flags) + ", this rank " + how(s.pieces) +
+             "; every rank must pass tickets alike and use the same MCCL_PIPELINE_BYTES");
+  }
   if (h.root != s.root) {
     mismatch("root mismatch with " + pair.who() + " for " + opno + ": it uses root " +
              std::to_string(h.root) + ", this rank " + std::to_string(s.root) +

@@ -71,6 +71,7 @@ class Transport : public PairHost {
   // Drives I/O until one of the running collective's requests completes. At the
   // deadline it fails the transport with CollectiveTimeout naming the awaited peer.
   RequestPtr wait_next(Deadline deadline, double timeout_s);
+  bool has_completion() const { return !done_q_.empty(); }  // wait_next would return at once
 
   // Point-to-point. `on_done` runs on this thread when the request completes or fails.
   using DoneFn = std::function<void(Request&)>;

@@ -1,0 +1,74 @@
+#include "algorithms/pieces.h"
+
+#include <algorithm>
+#include <string>
+
+#include "errors.h"
+
+namespace mccl {
+
+namespace {
+
+// How long one wait for the producer sleeps before it looks at the links again.
+constexpr auto kReadySlice = std::chrono::milliseconds(10);
+
+}  // namespace
+
+Pieces Pieces::cut(size_t count, size_t elem, size_t pipeline_bytes, int ranks) {
+  Pieces p;
+  p.count = count;
+  p.elem = elem;
+  const size_t n_ranks = static_cast<size_t>(std::max(ranks, 1));
+  p.piece_elems = std::max(pipeline_bytes / std::max<size_t>(elem, 1), n_ranks);
+  // The ring's tags are u32 = step * pieces + piece: keep the pieces well inside that.
+  const size_t max_pieces = std::max<size_t>(1, (size_t(1) << 30) / (2 * n_ranks));
+  p.piece_elems = std::max(p.piece_elems, (count + max_pieces - 1) / max_pieces);
+  p.n = count == 0 ? 0 : (count + p.piece_elems - 1) / p.piece_elems;
+  return p;
+}
+
+PieceGate::PieceGate(Collective& c, const OpTickets& t, const Pieces& p, const char* op)
+    : c_(c), t_(t), p_(p), op_(op), finished_(p.n, false) {}
+
+bool PieceGate::ready(size_t j) const {
+  if (!t_.ready) return true;
+  const uint64_t v = t_.ready->value();
+  if (v == Ticket::kPoison) {
+    throw_error(ErrorKind::kAborted,
+                std::string("[") + op_ + "] the producer of this rank's buffer poisoned its ready "
+                "ticket (it failed or aborted) before piece " + std::to_string(j + 1) + " of " +
+                std::to_string(p_.n) + " was ready; see the producer's error");
+  }
+  return v >= target(j);
+}
+
+void PieceGate::check_deadline(size_t j) const {
+  if (Clock::now() < c_.deadline) return;
+  throw_error(ErrorKind::kTimeout,
+              std::string("Timed out after ") + format_seconds(c_.timeout_s) + " s: [" + op_ +
+                  "] waited for this rank's input, piece " + std::to_string(j + 1) + " of " +
+                  std::to_string(p_.n) + " (ready ticket at " + std::to_string(t_.ready->value()) +
+                  ", needs " + std::to_string(target(j)) +
+                  "); likely cause: the producer of this buffer (the client copying it in, or "
+                  "the GPU) stalled; check it, or raise the process group timeout");
+}
+
+void PieceGate::wait_ready(size_t j) {
+  while (!ready(j)) {
+    check_deadline(j);
+    t_.ready->wait_until(target(j), std::min(c_.deadline, Clock::now() + kReadySlice));
+    c_.t.progress(Clock::now());  // surfaces an abort or a lost peer; buffers early data
+  }
+}
+
+void PieceGate::finished(size_t j) {
+  if (finalize) finalize(p_.begin(j), p_.len(j));
+  finished_[j] = true;
+  size_t k = next_done_;
+  while (k < p_.n && finished_[k]) ++k;
+  if (k == next_done_) return;
+  next_done_ = k;
+  if (t_.done) t_.done->signal(target(k - 1));
+}
+
+}  // namespace mccl
