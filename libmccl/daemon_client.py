@@ -295,7 +295,14 @@ class DaemonCommunicator:
     def _wake(self) -> None:
         with self._lock:
             if self._wake_push is not None:
-                self._wake_push.send(b"", zmq.NOBLOCK)
+                try:
+                    self._wake_push.send(b"", zmq.NOBLOCK)
+                except zmq.Again:
+                    # Full: wakes are pending already. No peer: the I/O thread has ended (a
+                    # teardown racing its exit). Either way nothing is lost, and the I/O
+                    # thread polls at least once a second; raising here failed a shutdown
+                    # that had finished every op (seen in a DDP run through mccld).
+                    pass
 
     def _finish_locked(self, op: _Op | PostedRecv, err: MCCLError | None) -> None:
         self._results[op.op_id] = err
