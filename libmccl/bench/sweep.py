@@ -119,7 +119,9 @@ class BenchConfig:
 
 def _git_commit() -> str | None:
     try:
-        res = subprocess.run(["git", "-C", _PKG_ROOT, "rev-parse", "--short", "HEAD"],
+        # --dirty: a tree copied elsewhere (a bigger machine) may carry uncommitted or newer
+        # files over an old HEAD, and a bare hash would then name the wrong code.
+        res = subprocess.run(["git", "-C", _PKG_ROOT, "describe", "--always", "--dirty"],
                              capture_output=True, text=True, timeout=5)
         return res.stdout.strip() or None
     except (OSError, subprocess.TimeoutExpired):
