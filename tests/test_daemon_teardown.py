@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port
-from test_daemon_attach import daemon_env, our_segments
+from conftest import free_port, run_ranks
+from test_daemon_attach import daemon, daemon_env, our_segments  # noqa: F401 - fixture
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -108,3 +108,32 @@ def test_fault_campaign_daemon_kill_short():
     failed = [line for line in r.stdout.splitlines() if '"ok": false' in line]
     assert r.returncode == 0 and summary["failed"] == 0, "\n".join(failed) or r.stderr[-2000:]
     assert summary["trials"] >= 1
+
+
+def rank_io_thread_exits_first(rank: int, world: int) -> str:
+    import numpy as np
+    from test_daemon_attach import connect
+    comm, _store = connect(rank, world, comm_id=0xdead08, timeout_s=30)
+    a = np.ones(8, dtype=np.float32)
+    comm.wait(comm.allreduce(a.ctypes.data, a.size, 0, 0), 20)
+    fail_ops = comm._fail_ops
+
+    def io_thread_first(ops, exc):
+        # The order seen in test_daemon_fleet: the I/O thread notices _closed (its poll
+        # returns at least once a second) and exits, closing its end of the wake pipe,
+        # before the closing thread wakes it.
+        comm._thread.join(5)
+        fail_ops(ops, exc)
+
+    comm._fail_ops = io_thread_first
+    comm.shutdown(5)
+    assert not comm._thread.is_alive() and comm._sock is None and comm._segment is None
+    return "ok"
+
+
+@pytest.mark.timeout(60)
+def test_shutdown_after_the_io_thread_exited_completes(daemon):  # noqa: F811
+    """shutdown() raised zmq.Again from its wake-up of an I/O thread that had already gone,
+    leaving the sockets open and the leave unsent."""
+    _d, env = daemon
+    assert run_ranks(rank_io_thread_exits_first, 1, env=env, timeout_s=45) == ["ok"]
