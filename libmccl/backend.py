@@ -24,12 +24,14 @@ import torch
 
 from . import BACKEND_NAME, DEVICES
 from . import _buffers as B
+from . import device_tensors
 from . import _torch_compat as compat
 from . import rendezvous
 from .config import EngineConfig, load
 from .errors import AbortedError, ConfigError, DaemonUnavailableError
 from .group_options import Options
 from .backend_exchange import ExchangeOps
+from .device_order import TICKET_BASE
 from .work import AllOf, CompletionRouter, MCCLWork, shutdown_error
 
 _c10d = torch.distributed
@@ -161,15 +163,39 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
 
     # -- submission --------------------------------------------------------------
     def _submit(self, name: str, launch: Callable[[], int], outputs: Sequence[torch.Tensor], st: B.Staging,
-                opts: Any = None) -> MCCLWork:
+                opts: Any = None, keep: Sequence[Any] = (), order_device: Callable[[], None] | None = None) -> MCCLWork:
         if self._closed:
             raise AbortedError(f"[mccl] {name} on rank {self.rank()}: the process group was shut down or aborted; "
                                "create a new one with init_process_group()/new_group()")
         timeout = compat.options_timeout(opts) if opts is not None else None
-        work = MCCLWork(name, self.rank(), outputs, st.keep, st.post(), timeout or self._timeout_s)
+        work = MCCLWork(name, self.rank(), outputs, [*st.keep, *keep], st.post(), timeout or self._timeout_s,
+                        order_device)
         self._router.track(launch(), work)
         if self._coalescing is not None:
             self._coalescing.append(work)
+        return work
+
+    def _submit_ordered(self, name: str, t: torch.Tensor, launch: Callable[..., int], opts: Any) -> MCCLWork | None:
+        """A collective on a device tensor ordered by tickets (device_order), or None for a
+        tensor no device stream serves. ``launch(buffer, ready=, done=, base=)`` enqueues
+        the engine op on the buffer the engine works on."""
+        found = device_tensors.ordered(t, name)
+        if found is None:
+            return None
+        order, stream = found
+        if self._cfg.daemon:
+            order.abandon()
+            raise ConfigError(f"[mccl] {name}: {t.device} tensors need the in-process engine's tickets, which "
+                              "mccld does not take yet; unset MCCL_DAEMON for jobs with device tensors")
+        try:
+            work = self._submit(name, lambda: launch(order.buffer, ready=order.ready, done=order.done,
+                                                     base=TICKET_BASE),
+                                [t], B.Staging(), opts, keep=[order],
+                                order_device=lambda: order.finish(device_tensors.current_stream(order.ops, t)))
+            order.launch(stream)  # O1, on this (torch's) thread; the engine waits for it
+        except BaseException:
+            order.abandon()  # the engine's wait for ready, if enqueued, fails instead of timing out
+            raise
         return work
 
     # -- all-reduce ---------------------------------------------------------------
@@ -177,6 +203,10 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
         opts = compat.options_or_default(opts, _c10d.AllreduceOptions)
         t = B.check_tensor(B.single(tensors, "allreduce"), "allreduce", "tensor")
         dtype, count, op = B.reduce_codes(t, opts.reduceOp, "allreduce")
+        work = self._submit_ordered("allreduce", t, lambda buf, **tk: self._comm.allreduce(
+            buf, count, dtype, op, **tk), opts)
+        if work is not None:
+            return work
         st = B.Staging()
         buf = st.inout(t)
         return self._submit("allreduce", lambda: self._comm.allreduce(buf.data_ptr(), count, dtype, op),
