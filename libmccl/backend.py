@@ -192,6 +192,7 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
                                                      base=TICKET_BASE),
                                 [t], B.Staging(), opts, keep=[order],
                                 order_device=lambda: order.finish(device_tensors.current_stream(order.ops, t)))
+            order.engine_finished = work.is_completed
             order.launch(stream)  # O1, on this (torch's) thread; the engine waits for it
         except BaseException:
             order.abandon()  # the engine's wait for ready, if enqueued, fails instead of timing out

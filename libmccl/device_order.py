@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import abc
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from .errors import MCCLError
 
@@ -131,6 +131,9 @@ class OrderedOp:
             self.buffer, self._staging = ops.staging_buffer(nbytes)
         self._finish_lock = threading.Lock()
         self._finished = False
+        # Set by the backend once the op is enqueued: the engine holds views of the words
+        # until the op has completed, which may come after ``released``.
+        self.engine_finished: Callable[[], bool] = lambda: True
         ops.on_op(self)
 
     @property
@@ -162,8 +165,9 @@ class OrderedOp:
             t.poison()
 
     def reusable(self) -> bool:
-        """The device has run ``finish``'s work, or the op was abandoned."""
-        return self.released.value >= TICKET_BASE + 1
+        """Neither the device nor the engine refers to the words or the staging buffer any more
+        (or the op was abandoned)."""
+        return self.released.value >= TICKET_BASE + 1 and self.engine_finished()
 
     def retire(self) -> None:
         for t in (self.ready, self.done, self.released):
