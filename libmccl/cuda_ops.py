@@ -52,6 +52,7 @@ class _Driver:
         "cuMemHostAlloc": None, "cuMemHostGetDevicePointer": None, "cuMemFreeHost": None,
         "cuMemcpyDtoHAsync": "cuMemcpyDtoHAsync_v2", "cuMemcpyHtoDAsync": "cuMemcpyHtoDAsync_v2",
         "cuStreamWriteValue64": "cuStreamWriteValue64_v2", "cuStreamWaitValue64": "cuStreamWaitValue64_v2",
+        "cuLaunchHostFunc": None,
     }
 
     def __init__(self) -> None:
@@ -75,6 +76,7 @@ class _Driver:
         self.cuMemHostAlloc.argtypes = [ctypes.POINTER(vp), ctypes.c_size_t, ctypes.c_uint]
         self.cuMemHostGetDevicePointer.argtypes = [ctypes.POINTER(u64), vp, ctypes.c_uint]
         self.cuMemFreeHost.argtypes = [vp]
+        self.cuLaunchHostFunc.argtypes = [vp, vp, vp]
         self.check(self.cuInit(0), "cuInit")
 
     def check(self, rc: int, what: str) -> None:
@@ -108,6 +110,10 @@ class _PinnedBlock:
 class CudaOps(DeviceOps):
     name = "cuda"
     unified = False
+    # A GPU write cannot wake a futex: without a wake the engine sees ``ready`` only at its
+    # next look (the ticket's sleep slice, 2 ms). A host callback after the write wakes it
+    # at once, for a few microseconds of the stream's time (scripts/cuda_check.py measures both).
+    host_wake = True
 
     def __init__(self, device_index: int) -> None:
         self._drv = _Driver()
@@ -170,6 +176,10 @@ class CudaOps(DeviceOps):
         self._bind_context()
         self._drv.check(self._drv.cuStreamWriteValue64(stream, self._device_of[ticket.address], value,
                                                        _CU_STREAM_WRITE_VALUE_DEFAULT), "cuStreamWriteValue64")
+        if self.host_wake:
+            # mccl_ticket_wake is C (no GIL, no CUDA call, as host functions must be).
+            self._drv.check(self._drv.cuLaunchHostFunc(stream, _core.Ticket.WAKE_FN, ticket.address),
+                            "cuLaunchHostFunc")
 
     def wait(self, stream: Any, ticket: Any, value: int) -> None:
         self._bind_context()

@@ -178,6 +178,36 @@ def test_a_poisoned_done_releases_the_stream_and_the_cpu(groups) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_wake_fn_wakes_a_waiter_after_a_write_that_cannot() -> None:
+    """What a GPU stream write followed by cuLaunchHostFunc(mccl_ticket_wake) does: the
+    sleeping waiter returns at once instead of at its next 2 ms look at the word."""
+    import statistics
+    import threading
+    import time
+
+    from libmccl import _core
+
+    wake = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(_core.Ticket.WAKE_FN)
+
+    def latency(with_wake: bool) -> float:
+        t = _core.Ticket()
+        woke: list[float] = []
+        th = threading.Thread(target=lambda: (t.wait(1, 10.0), woke.append(time.perf_counter())))
+        th.start()
+        time.sleep(0.01)  # past its spinning, asleep on the word
+        start = time.perf_counter()
+        ctypes.c_uint64.from_address(t.address).value = 1  # a write that wakes no one
+        if with_wake:
+            wake(t.address)
+        th.join(5)
+        return woke[0] - start
+
+    plain = statistics.median(latency(False) for _ in range(25))
+    woken = statistics.median(latency(True) for _ in range(25))
+    assert woken < plain, (woken, plain)
+
+
+@pytest.mark.timeout(60)
 def test_cuda_ops_without_a_driver_name_what_is_missing() -> None:
     from libmccl import cuda_ops
 
