@@ -173,6 +173,8 @@ class CudaOps(DeviceOps):
 
     # -- stream operations -----------------------------------------------------------------------
     def signal(self, stream: Any, ticket: Any, value: int) -> None:
+        # A plain store, not the atomic max of Ticket.signal: each word has one writer per op,
+        # and the device writes a word only before anything else could raise or poison it.
         self._bind_context()
         self._drv.check(self._drv.cuStreamWriteValue64(stream, self._device_of[ticket.address], value,
                                                        _CU_STREAM_WRITE_VALUE_DEFAULT), "cuStreamWriteValue64")
