@@ -28,7 +28,7 @@ from . import device_tensors
 from . import _torch_compat as compat
 from . import rendezvous
 from .config import EngineConfig, load
-from .errors import AbortedError, ConfigError, DaemonUnavailableError
+from .errors import AbortedError, ConfigError, DaemonUnavailableError, MCCLError
 from .group_options import Options
 from .backend_exchange import ExchangeOps
 from .device_order import TICKET_BASE
@@ -54,6 +54,7 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
         self._closed = False
         self._close_lock = threading.Lock()
         self._coalescing: list[MCCLWork] | None = None
+        self._lost_result: BaseException | None = None
         self._comm = self._connect(store, group_id)
         # An interpreter exiting without destroy_process_group() still stops the
         # engine's threads and closes its links; holds the comm, not self.
@@ -163,17 +164,26 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
 
     # -- submission --------------------------------------------------------------
     def _submit(self, name: str, launch: Callable[[], int], outputs: Sequence[torch.Tensor], st: B.Staging,
-                opts: Any = None, keep: Sequence[Any] = (), order_device: Callable[[], None] | None = None) -> MCCLWork:
+                opts: Any = None, keep: Sequence[Any] = (), device: Any = None) -> MCCLWork:
         if self._closed:
             raise AbortedError(f"[mccl] {name} on rank {self.rank()}: the process group was shut down or aborted; "
                                "create a new one with init_process_group()/new_group()")
+        if self._lost_result is not None:
+            raise MCCLError(f"[mccl] {name} on rank {self.rank()}: an earlier device all_reduce failed after its "
+                            f"future was handed out ({self._lost_result}); the tensor it wrote holds garbage. "
+                            "Create a new process group") from self._lost_result
         timeout = compat.options_timeout(opts) if opts is not None else None
         work = MCCLWork(name, self.rank(), outputs, [*st.keep, *keep], st.post(), timeout or self._timeout_s,
-                        order_device)
+                        device)
         self._router.track(launch(), work)
         if self._coalescing is not None:
             self._coalescing.append(work)
         return work
+
+    def _lose_result(self, error: BaseException) -> None:
+        """A device op failed after its future completed (device_tensors.WaiterSide)."""
+        if self._lost_result is None:
+            self._lost_result = error
 
     def _submit_ordered(self, name: str, t: torch.Tensor, launch: Callable[..., int], opts: Any) -> MCCLWork | None:
         """A collective on a device tensor ordered by tickets (device_order), or None for a
@@ -191,7 +201,7 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
             work = self._submit(name, lambda: launch(order.buffer, ready=order.ready, done=order.done,
                                                      base=TICKET_BASE),
                                 [t], B.Staging(), opts, keep=[order],
-                                order_device=lambda: order.finish(device_tensors.current_stream(order.ops, t)))
+                                device=device_tensors.WaiterSide(order, t, self._lose_result))
             order.engine_finished = work.is_completed
             order.launch(stream)  # O1, on this (torch's) thread; the engine waits for it
         except BaseException:

@@ -1,15 +1,18 @@
 """torch glue of the device-ordering protocol (device_order): which ``DeviceOps`` serve a
-tensor, its address and torch's current stream, and the per-device list of ops whose
-staging buffers and tickets are still in use.
+tensor, its address and torch's current stream, the waiter's side of an op (O2:
+``WaiterSide``), and the per-device list of ops whose staging buffers and tickets are
+still in use.
 
 Only this module and the backend look at torch types; ``DeviceOps`` implementations see
-addresses and stream handles. Every function here runs on a thread torch called us on.
+addresses and stream handles. Everything here runs on a thread torch called us on, except
+``WaiterSide._check``, which touches no device.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
+import weakref
+from typing import Any, Callable
 
 import torch
 
@@ -61,11 +64,12 @@ class _Ledger:
             self._ops = keep
 
 
-_ledgers: dict[int, _Ledger] = {}
+_ledgers: "weakref.WeakKeyDictionary[DeviceOps, _Ledger]" = weakref.WeakKeyDictionary()
 
 
 def _ledger(ops: DeviceOps) -> _Ledger:
-    return _ledgers.setdefault(id(ops), _Ledger())
+    with _cuda_lock:
+        return _ledgers.setdefault(ops, _Ledger())
 
 
 def ops_for(t: torch.Tensor) -> tuple[DeviceOps, Any] | None:
@@ -82,11 +86,71 @@ def ops_for(t: torch.Tensor) -> tuple[DeviceOps, Any] | None:
     return None
 
 
-def current_stream(ops: DeviceOps, t: torch.Tensor) -> Any:
-    """The waiter's current stream for ``t``'s device (O2 runs on the waiter's thread)."""
-    if t.device.type == "cuda":
-        return torch.cuda.current_stream(t.device).cuda_stream
-    return None
+class WaiterSide:
+    """O2 for one op, run by Work.wait() and Work.get_future() on the waiter's thread.
+
+    On a device with one queue (the fake device, Metal) the waiter's stream itself waits
+    for ``done``. On CUDA the wait and the copy back go on a side stream, and consumers
+    are ordered after an event recorded behind them: the waiter's current stream in
+    wait(), and whatever chains on the CUDA-aware future from get_future() (torch runs
+    its callbacks on streams synchronised with that event). So a DDP comm hook taking the
+    future right after the all-reduce does not hold up the rest of backward behind it.
+    """
+
+    def __init__(self, order: OrderedOp, t: torch.Tensor, on_lost: Callable[[BaseException], None]) -> None:
+        self._order, self._t, self._on_lost = order, t, on_lost
+        self._event: Any = None
+        self._future: Any = None
+        self._lock = threading.RLock()
+
+    def wait(self) -> None:
+        if self._t.device.type != "cuda":
+            self._order.finish(None)
+            return
+        torch.cuda.current_stream(self._t.device).wait_event(self._on_side())
+
+    def future(self, cpu_future: Any) -> Any:
+        if self._t.device.type != "cuda":
+            self._order.finish(None)
+            return cpu_future
+        with self._lock:
+            if self._future is None:
+                self._on_side()
+                with torch.cuda.stream(_side_stream(self._t.device)):
+                    fut = torch.futures.Future(devices=[self._t.device])
+                    fut.set_result([self._t])  # records its event on the side stream
+                # Complete before the engine is done, as NCCL's: a failure found later cannot
+                # fail it, so the process group learns of it instead (no silent garbage).
+                cpu_future.add_done_callback(self._check)
+                self._future = fut
+            return self._future
+
+    def _on_side(self) -> Any:
+        with self._lock:
+            if self._event is None:
+                side = _side_stream(self._t.device)
+                self._t.record_stream(side)  # the allocator keeps the memory until the copy back ran
+                self._order.finish(side.cuda_stream)
+                self._event = torch.cuda.Event()
+                self._event.record(side)
+            return self._event
+
+    def _check(self, fut: Any) -> None:  # on the completion thread: no device call
+        try:
+            fut.value()
+        except Exception as exc:  # noqa: BLE001 - handed to the process group
+            self._on_lost(exc)
+
+
+_side: dict[int, Any] = {}
+
+
+def _side_stream(device: torch.device) -> Any:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _cuda_lock:
+        if index not in _side:
+            _side[index] = torch.cuda.Stream(index)
+        return _side[index]
 
 
 def ordered(t: torch.Tensor, name: str) -> tuple[OrderedOp, Any] | None:

@@ -44,13 +44,17 @@ def share_counter(mp: pytest.MonkeyPatch) -> None:
 
 def o2_on_completion_thread(mp: pytest.MonkeyPatch) -> None:
     """The public MCCL's crash: O2 (with the copy back) run by the engine's completion thread."""
-    original = MCCLWork._complete
-    mp.setattr(MCCLWork, "_order_stream", lambda self, what: None)  # not on the waiter's thread
+    init, complete = MCCLWork.__init__, MCCLWork._complete
 
-    def complete(self, error, info):
+    def hide_device(self, *a, **kw):
+        init(self, *a, **kw)
+        self._moved_device, self._device = self._device, None  # wait() and get_future() skip O2
+
+    def o2_here(self, error, info):
         try:
-            if self._order_device is not None:
-                self._order_device()
+            if self._moved_device is not None:
+                self._moved_device.wait()
         finally:
-            original(self, error, info)
-    mp.setattr(MCCLWork, "_complete", complete)
+            complete(self, error, info)
+    mp.setattr(MCCLWork, "__init__", hide_device)
+    mp.setattr(MCCLWork, "_complete", o2_here)
