@@ -32,6 +32,7 @@ from .errors import AbortedError, ConfigError, DaemonUnavailableError, MCCLError
 from .group_options import Options
 from .backend_exchange import ExchangeOps
 from .device_order import TICKET_BASE
+from .solo_comm import SoloCommunicator
 from .work import AllOf, CompletionRouter, MCCLWork, shutdown_error
 
 _c10d = torch.distributed
@@ -82,8 +83,6 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
                                       on_complete=self._router.on_complete, timeout_s=opts.connect_timeout_s)
         if size == 1:
             # Nothing to exchange with anyone: each op is done on the caller's thread.
-            from .solo_comm import SoloCommunicator
-
             return SoloCommunicator(self._router.on_complete)
         rv = rendezvous.exchange(store, rank, size, _core.Listener, self._cfg, opts.connect_timeout_s, group_id)
         return _core.Communicator(rank, size, rv.comm_id, rv.listener, rv.peer_addrs, opts, self._router.on_complete)
@@ -189,6 +188,12 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
         """A collective on a device tensor ordered by tickets (device_order), or None for a
         tensor no device stream serves. ``launch(buffer, ready=, done=, base=)`` enqueues
         the engine op on the buffer the engine works on."""
+        if isinstance(self._comm, SoloCommunicator):
+            if not device_tensors.on_a_stream(t):
+                return None
+            # One rank: the all-reduce is the identity, so the tensor stays untouched where it
+            # is and nothing is queued on its stream (the solo communicator ignores the address).
+            return self._submit(name, lambda: launch(t.data_ptr()), [t], B.Staging(), opts)
         found = device_tensors.ordered(t, name)
         if found is None:
             return None

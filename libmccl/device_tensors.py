@@ -79,11 +79,21 @@ def ops_for(t: torch.Tensor) -> tuple[DeviceOps, Any] | None:
     if t.is_cuda:
         index = t.device.index if t.device.index is not None else torch.cuda.current_device()
         return _cuda_ops(index), torch.cuda.current_stream(index).cuda_stream
+    fake = _fake_owner(t)
+    return None if fake is None else (fake, None)
+
+
+def on_a_stream(t: torch.Tensor) -> bool:
+    """Whether ``ops_for`` would order ``t``, without loading a device's driver."""
+    return t.is_cuda or _fake_owner(t) is not None
+
+
+def _fake_owner(t: torch.Tensor) -> Any:
     if _installed and t.device.type == "cpu":
         nbytes = t.numel() * t.element_size()
         for dev in _installed:
             if dev.owns(t.data_ptr(), nbytes):
-                return dev, None
+                return dev
     return None
 
 

@@ -8,8 +8,8 @@ Run from the repository root on a machine with a CUDA GPU, after building the en
     pip install --no-build-isolation --no-deps -e .     # or put a built libmccl/_core*.so in place
     python scripts/cuda_check.py                         # about a minute
 
-1. all-reduce of CUDA tensors with 2, 3 and 4 ranks sharing GPU 0 equals Gloo on CPU copies
-   (integer-valued data, so every sum is exact). Each bucket is written by a kernel queued
+1. all-reduce of CUDA tensors with 1 (solo_comm: no engine, the identity), 2, 3 and 4 ranks
+   sharing GPU 0 equals Gloo on CPU copies (integer-valued data, so every sum is exact). Each bucket is written by a kernel queued
    behind a ~25 ms GPU sleep, so the CPU is far ahead of the GPU and the engine must wait
    for O1; the result is read by a kernel queued right after Work.wait(), which only O2
    orders (half the buckets are read through Work.get_future() instead, as DDP does).
@@ -225,7 +225,7 @@ def main() -> int:
         print(("PASS " if ok else "FAIL ") + line, flush=True)
 
     sleep_ms = None
-    for world in (2, 3, 4):
+    for world in (1, 2, 3, 4):  # 1: solo_comm, no engine
         t0 = time.monotonic()
         per_rank = _run_world(world)
         rows = [row for rank_rows in per_rank for row in rank_rows if row[0] != "issue_s"]

@@ -231,6 +231,15 @@ def test_seeded_jittered_runs_are_exact(groups) -> None:
         _run(pgs, seed, sizes, unified=seed % 2 == 0)
 
 
+@pytest.mark.timeout(60)
+def test_a_group_of_one_leaves_device_tensors_on_their_stream(groups) -> None:
+    """World size 1 runs no engine (solo_comm): the all-reduce is the identity, done at
+    once, and the tensor's stream still orders the optimizer after the backward."""
+    pgs = groups(1)
+    for seed in range(3):
+        _run(pgs, seed, [1, 1000, 40_000])
+
+
 # -- negative controls: each missing piece fails with its named error ------------------------------
 
 def _control(groups, monkeypatch, patch, error, sizes=(5000, 5000, 5000), timeout_s=30.0, seeds=range(3)):
