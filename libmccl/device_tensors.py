@@ -5,7 +5,7 @@ still in use.
 
 Only this module and the backend look at torch types; ``DeviceOps`` implementations see
 addresses and stream handles. Everything here runs on a thread torch called us on, except
-``WaiterSide._check``, which touches no device.
+the failure callback ``WaiterSide.future`` leaves on the op, which touches no device.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from ._torch_compat import ResultFuture
 from .device_order import DeviceOps, OrderedOp
 from .errors import ConfigError
 
@@ -120,10 +121,11 @@ class WaiterSide:
             return
         torch.cuda.current_stream(self._t.device).wait_event(self._on_side())
 
-    def future(self, cpu_future: Any) -> Any:
+    def future(self, result: ResultFuture) -> Any:
+        """The future to hand out for the op whose outcome ``result`` will hold."""
         if self._t.device.type != "cuda":
             self._order.finish(None)
-            return cpu_future
+            return result.future
         with self._lock:
             if self._future is None:
                 self._on_side()
@@ -132,7 +134,7 @@ class WaiterSide:
                     fut.set_result([self._t])  # records its event on the side stream
                 # Complete before the engine is done, as NCCL's: a failure found later cannot
                 # fail it, so the process group learns of it instead (no silent garbage).
-                cpu_future.add_done_callback(self._check)
+                result.on_failure(self._on_lost)  # on the completion thread: touches no device
                 self._future = fut
             return self._future
 
@@ -145,12 +147,6 @@ class WaiterSide:
                 self._event = torch.cuda.Event()
                 self._event.record(side)
             return self._event
-
-    def _check(self, fut: Any) -> None:  # on the completion thread: no device call
-        try:
-            fut.value()
-        except Exception as exc:  # noqa: BLE001 - handed to the process group
-            self._on_lost(exc)
 
 
 _side: dict[int, Any] = {}

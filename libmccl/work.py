@@ -98,7 +98,7 @@ class MCCLWork(compat.WorkBase):
     def get_future(self) -> torch.futures.Future:
         if self._device is not None:
             self._refuse_completion_thread("get_future()")
-            return self._device.future(self._result.future)
+            return self._device.future(self._result)
         return self._result.future
 
     def _on_completion_thread(self) -> bool:
