@@ -132,6 +132,13 @@ def _unified() -> Any:
     return unified
 
 
+def _refuse_stream_ordered(t: torch.Tensor) -> None:
+    # Staging copies run on the completion thread, which must never touch a CUDA stream.
+    if t.device.type == "cuda":
+        raise ConfigError(f"[mccl] {t.device} tensors are ordered by tickets in all_reduce only (this build); "
+                          "for this collective move the tensor to the CPU first, e.g. with .cpu()")
+
+
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.device != b.device or a.numel() == 0 or b.numel() == 0:
         return False
@@ -159,6 +166,7 @@ class Staging:
 
     def input(self, t: torch.Tensor) -> torch.Tensor:
         """A buffer the engine only reads."""
+        _refuse_stream_ordered(t)
         if t.device.type == "mps":
             return self._hold(_unified().staging_copy_to_cpu(t).contiguous())
         return self._hold(t if t.is_contiguous() else t.contiguous())
@@ -172,6 +180,7 @@ class Staging:
 
     def output(self, t: torch.Tensor) -> torch.Tensor:
         """A buffer the engine only writes."""
+        _refuse_stream_ordered(t)
         if t.device.type == "cpu" and t.is_contiguous():
             return self._hold(t)
         buf = self._hold(torch.empty(t.shape, dtype=t.dtype))

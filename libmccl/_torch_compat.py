@@ -71,6 +71,14 @@ class ResultFuture:
     def set_exception(self, error: BaseException) -> None:
         self.settled.set_result(_Outcome(None, error))
 
+    def on_failure(self, fn: Callable[[BaseException], None]) -> None:
+        """Calls ``fn`` with the typed error (not torch's RuntimeError rewrap) if it fails."""
+        def check(settled: Any) -> None:
+            error = settled.value().error
+            if error is not None:
+                fn(error)
+        self.settled.add_done_callback(check)
+
 
 # Methods torch renamed: the trampoline (and distributed_c10d.py) look for either
 # spelling, so the backend defines both. new name -> old name.

@@ -24,12 +24,15 @@ import torch
 
 from . import BACKEND_NAME, DEVICES
 from . import _buffers as B
+from . import device_tensors
 from . import _torch_compat as compat
 from . import rendezvous
 from .config import EngineConfig, load
-from .errors import AbortedError, ConfigError, DaemonUnavailableError
+from .errors import AbortedError, ConfigError, DaemonUnavailableError, MCCLError
 from .group_options import Options
 from .backend_exchange import ExchangeOps
+from .device_order import TICKET_BASE
+from .solo_comm import SoloCommunicator
 from .work import AllOf, CompletionRouter, MCCLWork, shutdown_error
 
 _c10d = torch.distributed
@@ -52,6 +55,7 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
         self._closed = False
         self._close_lock = threading.Lock()
         self._coalescing: list[MCCLWork] | None = None
+        self._lost_result: BaseException | None = None
         self._comm = self._connect(store, group_id)
         # An interpreter exiting without destroy_process_group() still stops the
         # engine's threads and closes its links; holds the comm, not self.
@@ -79,8 +83,6 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
                                       on_complete=self._router.on_complete, timeout_s=opts.connect_timeout_s)
         if size == 1:
             # Nothing to exchange with anyone: each op is done on the caller's thread.
-            from .solo_comm import SoloCommunicator
-
             return SoloCommunicator(self._router.on_complete)
         rv = rendezvous.exchange(store, rank, size, _core.Listener, self._cfg, opts.connect_timeout_s, group_id)
         return _core.Communicator(rank, size, rv.comm_id, rv.listener, rv.peer_addrs, opts, self._router.on_complete)
@@ -161,15 +163,55 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
 
     # -- submission --------------------------------------------------------------
     def _submit(self, name: str, launch: Callable[[], int], outputs: Sequence[torch.Tensor], st: B.Staging,
-                opts: Any = None) -> MCCLWork:
+                opts: Any = None, keep: Sequence[Any] = (), device: Any = None) -> MCCLWork:
         if self._closed:
             raise AbortedError(f"[mccl] {name} on rank {self.rank()}: the process group was shut down or aborted; "
                                "create a new one with init_process_group()/new_group()")
+        if self._lost_result is not None:
+            raise MCCLError(f"[mccl] {name} on rank {self.rank()}: an earlier device all_reduce failed after its "
+                            f"future was handed out ({self._lost_result}); the tensor it wrote holds garbage. "
+                            "Create a new process group") from self._lost_result
         timeout = compat.options_timeout(opts) if opts is not None else None
-        work = MCCLWork(name, self.rank(), outputs, st.keep, st.post(), timeout or self._timeout_s)
+        work = MCCLWork(name, self.rank(), outputs, [*st.keep, *keep], st.post(), timeout or self._timeout_s,
+                        device)
         self._router.track(launch(), work)
         if self._coalescing is not None:
             self._coalescing.append(work)
+        return work
+
+    def _lose_result(self, error: BaseException) -> None:
+        """A device op failed after its future completed (device_tensors.WaiterSide)."""
+        if self._lost_result is None:
+            self._lost_result = error
+
+    def _submit_ordered(self, name: str, t: torch.Tensor, launch: Callable[..., int], opts: Any) -> MCCLWork | None:
+        """A collective on a device tensor ordered by tickets (device_order), or None for a
+        tensor no device stream serves. ``launch(buffer, ready=, done=, base=)`` enqueues
+        the engine op on the buffer the engine works on."""
+        if isinstance(self._comm, SoloCommunicator):
+            if not device_tensors.on_a_stream(t):
+                return None
+            # One rank: the all-reduce is the identity, so the tensor stays untouched where it
+            # is and nothing is queued on its stream (the solo communicator ignores the address).
+            return self._submit(name, lambda: launch(t.data_ptr()), [t], B.Staging(), opts)
+        found = device_tensors.ordered(t, name)
+        if found is None:
+            return None
+        order, stream = found
+        if self._cfg.daemon:
+            order.abandon()
+            raise ConfigError(f"[mccl] {name}: {t.device} tensors need the in-process engine's tickets, which "
+                              "mccld does not take yet; unset MCCL_DAEMON for jobs with device tensors")
+        try:
+            work = self._submit(name, lambda: launch(order.buffer, ready=order.ready, done=order.done,
+                                                     base=TICKET_BASE),
+                                [t], B.Staging(), opts, keep=[order],
+                                device=device_tensors.WaiterSide(order, t, self._lose_result))
+            order.engine_finished = work.is_completed
+            order.launch(stream)  # O1, on this (torch's) thread; the engine waits for it
+        except BaseException:
+            order.abandon()  # the engine's wait for ready, if enqueued, fails instead of timing out
+            raise
         return work
 
     # -- all-reduce ---------------------------------------------------------------
@@ -177,6 +219,10 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
         opts = compat.options_or_default(opts, _c10d.AllreduceOptions)
         t = B.check_tensor(B.single(tensors, "allreduce"), "allreduce", "tensor")
         dtype, count, op = B.reduce_codes(t, opts.reduceOp, "allreduce")
+        work = self._submit_ordered("allreduce", t, lambda buf, **tk: self._comm.allreduce(
+            buf, count, dtype, op, **tk), opts)
+        if work is not None:
+            return work
         st = B.Staging()
         buf = st.inout(t)
         return self._submit("allreduce", lambda: self._comm.allreduce(buf.data_ptr(), count, dtype, op),

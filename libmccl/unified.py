@@ -15,7 +15,9 @@ On Apple silicon the CPU and GPU share one memory. Two ways to run a collective 
     engine the producer kernels are done, the engine signals back when the result is
     in place, and received segments are combined by the Metal kernels in
     ``metal/reduce.metal``. That needs an Objective-C++ bridge to Metal, which this
-    repository does not contain (it can be neither built nor tested on the Linux CI).
+    repository does not contain (it can be neither built nor tested on the Linux CI);
+    it would implement ``device_order.DeviceOps``, whose protocol already runs for the
+    fake device and CUDA (metal/README.md says how).
     ``UnifiedCollective`` is its entry point and raises ``ConfigError`` saying so.
 
 Both helpers also accept CPU tensors, which is how the staging path is tested on Linux.

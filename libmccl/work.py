@@ -35,7 +35,7 @@ class MCCLWork(compat.WorkBase):
     """One enqueued operation. Holds the buffers the engine reads/writes until done."""
 
     def __init__(self, op_name: str, rank: int, outputs: Sequence[torch.Tensor], keep_alive: Sequence[Any],
-                 post: PostFn | None, default_timeout_s: float) -> None:
+                 post: PostFn | None, default_timeout_s: float, device: Any = None) -> None:
         super().__init__()
         self.op_name = op_name
         self._rank = rank
@@ -49,6 +49,9 @@ class MCCLWork(compat.WorkBase):
         self._error: BaseException | None = None
         self._source_rank_value = -1
         self._router: CompletionRouter | None = None
+        # Device tensors (device_tensors.WaiterSide): orders the waiter's stream after the
+        # result (O2) on the waiter's thread, never on the completion thread.
+        self._device = device
 
     # -- completion (engine's completion thread) ------------------------------------
     def _complete(self, error: BaseException | None, info: int) -> None:
@@ -74,9 +77,11 @@ class MCCLWork(compat.WorkBase):
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
         seconds = compat.timedelta_seconds(timeout)
         limit = seconds if seconds is not None else self._timeout_s + _WAIT_GRACE_S
+        if self._device is not None:
+            self._refuse_completion_thread("wait()")
+            self._device.wait()
         if not self._done.is_set():
-            router = self._router
-            if router is not None and router.on_completion_thread():
+            if self._on_completion_thread():
                 raise MCCLError(
                     f"[mccl] {self.op_name}: wait() called from a future callback running on the "
                     f"engine's completion thread (rank {self._rank}); it would wait on itself. "
@@ -91,7 +96,19 @@ class MCCLWork(compat.WorkBase):
         return True
 
     def get_future(self) -> torch.futures.Future:
+        if self._device is not None:
+            self._refuse_completion_thread("get_future()")
+            return self._device.future(self._result)
         return self._result.future
+
+    def _on_completion_thread(self) -> bool:
+        return self._router is not None and self._router.on_completion_thread()
+
+    def _refuse_completion_thread(self, what: str) -> None:
+        if self._on_completion_thread():
+            raise MCCLError(f"[mccl] {self.op_name}: {what} of a device op called on the engine's completion "
+                            f"thread (rank {self._rank}), which must not touch the device stream; call it on "
+                            "the thread that issued the collective or waits for it")
 
     def is_completed(self) -> bool:
         return self._done.is_set()

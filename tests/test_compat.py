@@ -120,7 +120,7 @@ def test_registration_signature_and_capabilities() -> None:
     assert {"extended_api", "devices"} <= set(params), params
     libmccl.register()  # idempotent
     assert dist.is_backend_available("mccl")
-    assert dist.Backend.backend_capability["mccl"] == ["cpu", "mps"]
+    assert dist.Backend.backend_capability["mccl"] == ["cpu", "mps", "cuda"]
     assert dist.Backend._plugins["MCCL"].extended_api is True
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 
+from libmccl._torch_compat import ResultFuture
 from libmccl.errors import AbortedError, CollectiveTimeout, MCCLError, PeerLostError
 from libmccl.work import AllOf, CompletionRouter, MCCLWork, shutdown_error
 
@@ -134,3 +135,18 @@ def test_wait_timeout_says_timed_out_and_the_op_can_still_finish() -> None:
     router.on_complete([(8, None, -1)])
     cxx_wait(work.get_future())
     assert work.wait()
+
+
+@pytest.mark.timeout(30)
+def test_on_failure_gets_the_typed_error_and_nothing_on_success() -> None:
+    """A CUDA-aware future is handed out done before the engine finishes
+    (device_tensors.WaiterSide); the process group learns a later failure through
+    on_failure, typed, not as torch's RuntimeError rewrap."""
+    seen: list[BaseException] = []
+    ok, failed = ResultFuture(), ResultFuture()
+    for result in (ok, failed):
+        result.on_failure(seen.append)
+    ok.set_result([torch.ones(1)])
+    error = PeerLostError("[transport] lost peer (rank 1)")
+    failed.set_exception(error)
+    assert seen == [error]

@@ -88,14 +88,18 @@ void Ticket::poison() {
   wake_all();
 }
 
-void Ticket::wake_all() const {
+static void wake_word(uint64_t* word) {
 #if defined(__linux__)
   // Not FUTEX_PRIVATE_FLAG: the waiter may be another process mapping the same page.
-  ::syscall(SYS_futex, low_half(word_), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+  ::syscall(SYS_futex, low_half(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 #elif defined(__APPLE__)
-  __ulock_wake(kUlCompareAndWaitShared | kUlfWakeAll, low_half(word_), 0);
+  __ulock_wake(kUlCompareAndWaitShared | kUlfWakeAll, low_half(word), 0);
+#else
+  (void)word;
 #endif
 }
+
+void Ticket::wake_all() const { wake_word(word_); }
 
 void Ticket::sleep_while(uint32_t low, Deadline until) const {
   auto left = std::min<Clock::duration>(until - Clock::now(), kSlice);
@@ -154,3 +158,5 @@ void Ticket::raise_unless_reached(Wait w, uint64_t v, double timeout_s,
 }
 
 }  // namespace mccl
+
+extern "C" void mccl_ticket_wake(void* word) { mccl::wake_word(static_cast<uint64_t*>(word)); }

@@ -57,6 +57,11 @@ class Ticket {
   uint64_t* word_;
 };
 
+// Wakes the waiters of the ticket word at `word` after something that cannot wake them
+// wrote it (a GPU stream write): a C entry point for a device's host callback, e.g.
+// cuLaunchHostFunc(stream, mccl_ticket_wake, word). Touches only the word.
+extern "C" void mccl_ticket_wake(void* word);
+
 // The tickets of one op. The engine waits for ready >= base + end of a piece before it
 // touches the piece and raises done to base + end once the piece's result is final and
 // the engine no longer reads it. Either may be null.

@@ -232,6 +232,10 @@ void register_engine_bindings(py::module_& m) {
       .def_property_readonly("poisoned", &Ticket::poisoned)
       .def_property_readonly("address", &Ticket::address)
       .def_readonly_static("POISON", &Ticket::kPoison)
+      // Address of mccl_ticket_wake(void* word), for a device's host callback.
+      .def_property_readonly_static("WAKE_FN", [](py::object) {
+        return reinterpret_cast<uintptr_t>(&mccl_ticket_wake);
+      })
       .def("signal", &Ticket::signal, py::arg("value"))
       .def("poison", &Ticket::poison)
       // Raises CollectiveTimeout / AbortedError; in slices, so Ctrl-C is not held up.

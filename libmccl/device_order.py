@@ -1,0 +1,177 @@
+"""Ordering a collective against an accelerator's stream with tickets (issue 10).
+
+A device tensor's bucket is written by kernels queued on a stream; the engine must not
+read it before they ran, and nothing queued later on the device may read the result
+before the engine wrote it. Three orderings do that without ever draining the stream:
+
+O1  On the caller's thread, inside the collective call, the stream is told to raise the
+    op's ``ready`` ticket after the work queued so far (the kernels that wrote the
+    bucket; with staging, after an asynchronous device-to-host copy). The engine's
+    all-reduce waits for ``ready`` before it touches a piece (libmccl/csrc/ticket.h).
+O2  The engine raises ``done`` when the ring has finished. On the waiter's thread
+    (``Work.wait()``, or ``get_future()``, before anything can chain on the result) the
+    stream is told to wait for ``done`` before the work queued after it (with staging,
+    the host-to-device copy of the result comes first).
+O3  Only the threads torch calls us on encode or commit device work. The engine's
+    threads and the completion thread only touch tickets and host memory.
+
+Every op gets its own words, never shared with another op, so a stale value of an earlier
+op can never satisfy a later one. A word starts at ``TICKET_BASE`` (2^63) rather than 0:
+CUDA's stream wait compares cyclically (``(int64_t)(*addr - v) >= 0``), and only with the
+targets in the upper half does the engine's poison value (2^64-1, set on abort or error)
+also release a device wait, so no GPU wait stays pending after a failure. A poisoned op's
+device tensor holds garbage; the error surfaces on the CPU in ``Work.wait()``.
+
+This module is torch-free: implementations see stream handles, addresses and byte counts.
+``libmccl.device_tensors`` is the torch glue; ``fake_device`` (CI) and ``cuda_ops``
+implement ``DeviceOps``; the Metal bridge described in metal/README.md is the third.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from typing import Any, Callable
+
+from .errors import MCCLError
+
+TICKET_BASE = 1 << 63
+
+
+class DeviceOrderError(MCCLError):
+    """The device-ordering protocol was broken; the subclass names how."""
+
+
+class DeviceRace(DeviceOrderError):
+    """The device and the engine (or the CPU) touched the same bytes without an ordering."""
+
+
+class ForeignThreadCommit(DeviceOrderError):
+    """Device work was encoded or committed on a thread torch did not call us on (O3)."""
+
+
+class UncommittedCommands(DeviceOrderError):
+    """Commands were encoded but never committed, so the device never ran them."""
+
+
+class DeviceOps(abc.ABC):
+    """One accelerator's stream operations, at the level of addresses and byte counts.
+
+    Every method that takes a ``stream`` queues work on it and returns at once; only
+    ``commit`` hands what was queued to the device (Metal's command buffers; a no-op where
+    the driver submits as it goes, as CUDA does). All of them are called on the caller's
+    thread only (O3).
+    """
+
+    name: str = "device"
+    # True where the engine may reduce in the device buffer itself (Apple unified memory,
+    # the fake device); False where buckets are staged through host memory.
+    unified: bool = False
+
+    @abc.abstractmethod
+    def new_ticket(self) -> Any:
+        """A fresh ``_core.Ticket`` at ``TICKET_BASE`` on a word the device can write and wait on."""
+
+    def retire_ticket(self, ticket: Any) -> None:
+        """``ticket``'s op is over: nothing on the device or the CPU still refers to it."""
+
+    @abc.abstractmethod
+    def signal(self, stream: Any, ticket: Any, value: int) -> None:
+        """Queue: raise ``ticket`` to ``value`` once the work queued before it has run."""
+
+    @abc.abstractmethod
+    def wait(self, stream: Any, ticket: Any, value: int) -> None:
+        """Queue: work queued after this runs once ``ticket`` holds ``value`` or is poisoned."""
+
+    @abc.abstractmethod
+    def copy_to_host(self, stream: Any, host: int, dev: int, nbytes: int) -> None:
+        """Queue an asynchronous copy of device memory into a staging buffer."""
+
+    @abc.abstractmethod
+    def copy_to_device(self, stream: Any, dev: int, host: int, nbytes: int) -> None:
+        """Queue an asynchronous copy of a staging buffer into device memory."""
+
+    @abc.abstractmethod
+    def commit(self, stream: Any) -> None:
+        """Hand the queued work to the device."""
+
+    def staging_buffer(self, nbytes: int) -> tuple[int, Any]:
+        """(address, owner) of host memory the device copies into; for ``unified = False``."""
+        raise NotImplementedError(f"{self.name} reduces in place and stages nothing")
+
+    def release_staging(self, owner: Any) -> None:
+        """A staging buffer's op retired; the buffer may serve another."""
+
+    def on_op(self, op: "OrderedOp") -> None:
+        """A new op's tickets and range are known (the fake device tracks them)."""
+
+
+class OrderedOp:
+    """The device side of one collective on ``nbytes`` at device address ``dev_ptr``.
+
+    ``launch`` (caller's thread, O1) and ``finish`` (waiter's thread, O2) encode and
+    commit; ``buffer`` is what the engine works on: the device buffer when the device
+    memory is the host's, else a staging buffer.
+    """
+
+    def __init__(self, ops: DeviceOps, dev_ptr: int, nbytes: int, what: str) -> None:
+        self.ops = ops
+        self.dev_ptr = dev_ptr
+        self.nbytes = nbytes
+        self.what = what
+        self.ready = ops.new_ticket()
+        self.done = ops.new_ticket()
+        # Raised by the stream after the result's copy back: the staging buffer and the
+        # words may be reused once it is reached.
+        self.released = ops.new_ticket()
+        self._staging: Any = None
+        if ops.unified:
+            self.buffer = dev_ptr
+        else:
+            self.buffer, self._staging = ops.staging_buffer(nbytes)
+        self._finish_lock = threading.Lock()
+        self._finished = False
+        # Set by the backend once the op is enqueued: the engine holds views of the words
+        # until the op has completed, which may come after ``released``.
+        self.engine_finished: Callable[[], bool] = lambda: True
+        ops.on_op(self)
+
+    @property
+    def target(self) -> int:
+        return TICKET_BASE + self.nbytes
+
+    def launch(self, stream: Any) -> None:
+        """O1: after the kernels that wrote the bucket, make it the engine's."""
+        if not self.ops.unified:
+            self.ops.copy_to_host(stream, self.buffer, self.dev_ptr, self.nbytes)
+        self.ops.signal(stream, self.ready, self.target)
+        self.ops.commit(stream)
+
+    def finish(self, stream: Any) -> None:
+        """O2: order the stream's later work after the engine's result; once per op."""
+        with self._finish_lock:
+            if self._finished:
+                return
+            self._finished = True
+        self.ops.wait(stream, self.done, self.target)
+        if not self.ops.unified:
+            self.ops.copy_to_device(stream, self.dev_ptr, self.buffer, self.nbytes)
+        self.ops.signal(stream, self.released, TICKET_BASE + 1)
+        self.ops.commit(stream)
+
+    def abandon(self) -> None:
+        """The op never reached the engine: release every wait on its tickets."""
+        for t in (self.ready, self.done, self.released):
+            t.poison()
+
+    def reusable(self) -> bool:
+        """Neither the device nor the engine refers to the words or the staging buffer any more
+        (or the op was abandoned)."""
+        return self.released.value >= TICKET_BASE + 1 and self.engine_finished()
+
+    def retire(self) -> None:
+        for t in (self.ready, self.done, self.released):
+            self.ops.retire_ticket(t)
+        if self._staging is not None:
+            self.ops.release_staging(self._staging)
+            self._staging = None

@@ -1,0 +1,174 @@
+"""torch glue of the device-ordering protocol (device_order): which ``DeviceOps`` serve a
+tensor, its address and torch's current stream, the waiter's side of an op (O2:
+``WaiterSide``), and the per-device list of ops whose staging buffers and tickets are
+still in use.
+
+Only this module and the backend look at torch types; ``DeviceOps`` implementations see
+addresses and stream handles. Everything here runs on a thread torch called us on, except
+the failure callback ``WaiterSide.future`` leaves on the op, which touches no device.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from ._torch_compat import ResultFuture
+from .device_order import DeviceOps, OrderedOp
+from .errors import ConfigError
+
+# Fake devices (CI) whose memory is host memory: a CPU tensor in their memory is theirs.
+_installed: list[Any] = []
+_cuda: dict[int, DeviceOps] = {}
+_cuda_lock = threading.Lock()
+
+
+def install(dev: Any) -> None:
+    """Route CPU tensors in ``dev``'s memory (``dev.owns``) through ``dev``'s stream."""
+    _installed.append(dev)
+
+
+def uninstall(dev: Any) -> None:
+    _installed.remove(dev)
+
+
+def _cuda_ops(index: int) -> DeviceOps:
+    with _cuda_lock:
+        ops = _cuda.get(index)
+        if ops is None:
+            from .cuda_ops import CudaOps  # ctypes over libcuda; ConfigError names what is missing
+
+            ops = _cuda[index] = CudaOps(index)
+        return ops
+
+
+class _Ledger:
+    """Ops of one device still holding staging memory or tickets: reclaimed once the
+    device has run their ``finish`` work, checked whenever a new op starts."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ops: list[OrderedOp] = []
+
+    def add(self, op: OrderedOp) -> None:
+        with self._lock:
+            self._ops.append(op)
+            keep = []
+            for o in self._ops:
+                if o.reusable():
+                    o.retire()
+                else:
+                    keep.append(o)
+            self._ops = keep
+
+
+_ledgers: "weakref.WeakKeyDictionary[DeviceOps, _Ledger]" = weakref.WeakKeyDictionary()
+
+
+def _ledger(ops: DeviceOps) -> _Ledger:
+    with _cuda_lock:
+        return _ledgers.setdefault(ops, _Ledger())
+
+
+def ops_for(t: torch.Tensor) -> tuple[DeviceOps, Any] | None:
+    """(ops, stream) for a tensor whose collective is ordered on a device stream, else None
+    (CPU tensors, and mps tensors, which stage through blocking copies in _buffers)."""
+    # Cheapest tests first: this runs in every CPU all-reduce.
+    if t.is_cuda:
+        index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+        return _cuda_ops(index), torch.cuda.current_stream(index).cuda_stream
+    fake = _fake_owner(t)
+    return None if fake is None else (fake, None)
+
+
+def on_a_stream(t: torch.Tensor) -> bool:
+    """Whether ``ops_for`` would order ``t``, without loading a device's driver."""
+    return t.is_cuda or _fake_owner(t) is not None
+
+
+def _fake_owner(t: torch.Tensor) -> Any:
+    if _installed and t.device.type == "cpu":
+        nbytes = t.numel() * t.element_size()
+        for dev in _installed:
+            if dev.owns(t.data_ptr(), nbytes):
+                return dev
+    return None
+
+
+class WaiterSide:
+    """O2 for one op, run by Work.wait() and Work.get_future() on the waiter's thread.
+
+    On a device with one queue (the fake device, Metal) the waiter's stream itself waits
+    for ``done``. On CUDA the wait and the copy back go on a side stream, and consumers
+    are ordered after an event recorded behind them: the waiter's current stream in
+    wait(), and whatever chains on the CUDA-aware future from get_future() (torch runs
+    its callbacks on streams synchronised with that event). So a DDP comm hook taking the
+    future right after the all-reduce does not hold up the rest of backward behind it.
+    """
+
+    def __init__(self, order: OrderedOp, t: torch.Tensor, on_lost: Callable[[BaseException], None]) -> None:
+        self._order, self._t, self._on_lost = order, t, on_lost
+        self._event: Any = None
+        self._future: Any = None
+        self._lock = threading.RLock()
+
+    def wait(self) -> None:
+        if self._t.device.type != "cuda":
+            self._order.finish(None)
+            return
+        torch.cuda.current_stream(self._t.device).wait_event(self._on_side())
+
+    def future(self, result: ResultFuture) -> Any:
+        """The future to hand out for the op whose outcome ``result`` will hold."""
+        if self._t.device.type != "cuda":
+            self._order.finish(None)
+            return result.future
+        with self._lock:
+            if self._future is None:
+                self._on_side()
+                with torch.cuda.stream(_side_stream(self._t.device)):
+                    fut = torch.futures.Future(devices=[self._t.device])
+                    fut.set_result([self._t])  # records its event on the side stream
+                # Complete before the engine is done, as NCCL's: a failure found later cannot
+                # fail it, so the process group learns of it instead (no silent garbage).
+                result.on_failure(self._on_lost)  # on the completion thread: touches no device
+                self._future = fut
+            return self._future
+
+    def _on_side(self) -> Any:
+        with self._lock:
+            if self._event is None:
+                side = _side_stream(self._t.device)
+                self._t.record_stream(side)  # the allocator keeps the memory until the copy back ran
+                self._order.finish(side.cuda_stream)
+                self._event = torch.cuda.Event()
+                self._event.record(side)
+            return self._event
+
+
+_side: dict[int, Any] = {}
+
+
+def _side_stream(device: torch.device) -> Any:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _cuda_lock:
+        if index not in _side:
+            _side[index] = torch.cuda.Stream(index)
+        return _side[index]
+
+
+def ordered(t: torch.Tensor, name: str) -> tuple[OrderedOp, Any] | None:
+    """The device side of a collective on ``t``, its tickets fresh, not yet launched."""
+    found = ops_for(t)
+    if found is None:
+        return None
+    ops, stream = found
+    if not t.is_contiguous():
+        raise ConfigError(f"[mccl] {name}: the {t.device} tensor is not contiguous; device tensors are "
+                          "reduced in place, pass tensor.contiguous() and copy the result back")
+    op = OrderedOp(ops, t.data_ptr(), t.numel() * t.element_size(), f"{name} on {t.device}")
+    _ledger(ops).add(op)
+    return op, stream
