@@ -26,7 +26,6 @@ _CU_MEMHOSTALLOC_PORTABLE = 0x01
 _CU_MEMHOSTALLOC_DEVICEMAP = 0x02
 _CU_STREAM_WAIT_VALUE_GEQ = 0x0
 _CU_STREAM_WRITE_VALUE_DEFAULT = 0x0
-_CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS = 93
 _WORDS_PER_SLAB = 512  # one 4 KiB pinned page of ticket words
 
 
@@ -48,7 +47,7 @@ class _Driver:
 
     _SYMBOLS = {
         "cuInit": None, "cuGetErrorName": None, "cuCtxGetCurrent": None, "cuCtxSetCurrent": None,
-        "cuDeviceGet": None, "cuDeviceGetAttribute": None, "cuDevicePrimaryCtxRetain": None,
+        "cuDeviceGet": None, "cuDevicePrimaryCtxRetain": None,
         "cuMemHostAlloc": None, "cuMemHostGetDevicePointer": None, "cuMemFreeHost": None,
         "cuMemcpyDtoHAsync": "cuMemcpyDtoHAsync_v2", "cuMemcpyHtoDAsync": "cuMemcpyHtoDAsync_v2",
         "cuStreamWriteValue64": "cuStreamWriteValue64_v2", "cuStreamWaitValue64": "cuStreamWaitValue64_v2",
@@ -128,12 +127,10 @@ class CudaOps(DeviceOps):
         self._bind_context()
         dev = ctypes.c_int()
         self._drv.check(self._drv.cuDeviceGet(ctypes.byref(dev), device_index), "cuDeviceGet")
-        ok = ctypes.c_int()
-        self._drv.check(self._drv.cuDeviceGetAttribute(ctypes.byref(ok), _CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS,
-                                                       dev), "cuDeviceGetAttribute")
-        if not ok.value:
-            raise ConfigError(f"[cuda] device {device_index} does not support 64-bit stream memory operations "
-                              "(cuStreamWaitValue64); likely cause: an old driver or GPU; keep tensors on the CPU")
+        # No device-attribute check: attribute 93 is CAN_USE_64_BIT_STREAM_MEM_OPS_V1, about the
+        # old v1 entry points (off unless the kernel module enables them); an H200 reports 0
+        # there while the _v2 stream memory operations bound above work. A device without
+        # them fails its first write/wait with the driver's CUDA_ERROR_NOT_SUPPORTED (check()).
 
     def _bind_context(self) -> None:
         """The primary context on this thread (torch's threads have it once they ran CUDA work;

@@ -48,7 +48,6 @@ class _Emulator:
     def cuCtxGetCurrent(self, out): out._obj.value = 1; return 0
     def cuCtxSetCurrent(self, ctx): return 0
     def cuDeviceGet(self, out, index): out._obj.value = index; return 0
-    def cuDeviceGetAttribute(self, out, attr, dev): out._obj.value = 1; return 0
     def cuDevicePrimaryCtxRetain(self, out, dev): out._obj.value = 1; return 0
 
     # -- pinned memory ----------------------------------------------------------------------
