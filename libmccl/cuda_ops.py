@@ -48,7 +48,7 @@ class _Driver:
     _SYMBOLS = {
         "cuInit": None, "cuGetErrorName": None, "cuCtxGetCurrent": None, "cuCtxSetCurrent": None,
         "cuDeviceGet": None, "cuDevicePrimaryCtxRetain": None,
-        "cuMemHostAlloc": None, "cuMemHostGetDevicePointer": None, "cuMemFreeHost": None,
+        "cuMemHostAlloc": None, "cuMemHostGetDevicePointer": "cuMemHostGetDevicePointer_v2", "cuMemFreeHost": None,
         "cuMemcpyDtoHAsync": "cuMemcpyDtoHAsync_v2", "cuMemcpyHtoDAsync": "cuMemcpyHtoDAsync_v2",
         "cuStreamWriteValue64": "cuStreamWriteValue64_v2", "cuStreamWaitValue64": "cuStreamWaitValue64_v2",
         "cuLaunchHostFunc": None,
