@@ -303,7 +303,18 @@ def test_ranks_with_different_segment_options_are_refused():
         assert isinstance(e, ConfigError) and "MCCL_SEGMENT_BYTES" in str(e), e
 
 
-def test_wait_is_interruptible_and_times_out_in_caller():
+@pytest.fixture
+def ctrl_c():
+    """Ctrl-C raising KeyboardInterrupt, as in a terminal. A process started with SIGINT
+    ignored (a background job of a non-interactive shell, as a CI runner may start it) keeps
+    it ignored, and then no wait can be interrupted however it polls."""
+    import signal
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
+def test_wait_is_interruptible_and_times_out_in_caller(ctrl_c):
     import os
     import signal
     import threading
@@ -321,7 +332,7 @@ def test_wait_is_interruptible_and_times_out_in_caller():
         comms[1].abort("test over")
 
 
-def test_building_the_mesh_is_interruptible():
+def test_building_the_mesh_is_interruptible(ctrl_c):
     import os
     import signal
     import threading
