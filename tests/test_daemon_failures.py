@@ -223,7 +223,9 @@ def test_daemon_dying_during_join_is_reported_at_once(tmp_path, monkeypatch):
             time.sleep(0.1)
         store = dist.TCPStore("127.0.0.1", free_port(), 1, True)
         store.set("mccld/member/1", '{"host_id": "%s", "link_addr": "127.0.0.1:1"}' % env["MCCL_HOST_ID"])
-        threading.Timer(1.0, lambda: os.kill(proc.pid, signal.SIGKILL)).start()
+        # 3 s: time for the client to get past hello into join on a loaded box (at 1 s a
+        # run beside another suite was still in hello); join waits 60 s for rank 1.
+        threading.Timer(3.0, lambda: os.kill(proc.pid, signal.SIGKILL)).start()
         monkeypatch.setenv("MCCL_RUNTIME_DIR", str(rdir))
         started = time.monotonic()
         with pytest.raises(DaemonUnavailableError, match="went away during join"):
