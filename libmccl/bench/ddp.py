@@ -107,9 +107,11 @@ def run(torch, dist, cfg: dict, rank: int) -> dict:
         sync = torch.cuda.synchronize
     else:
         sync = lambda: None  # noqa: E731
-    gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own shard of data
-    data = [(torch.randn(batch, width, generator=gen).to(device), torch.randn(batch, width, generator=gen).to(device))
-            for _ in range(4)]
+    # Each rank its own shard of data, drawn where it is used (large batches would take seconds
+    # of CPU to draw and copy), the same in every series.
+    gen = torch.Generator(device=device).manual_seed(1000 + rank)
+    data = [(torch.randn(batch, width, generator=gen, device=device),
+             torch.randn(batch, width, generator=gen, device=device)) for _ in range(4)]
 
     alone = _model(torch, width, cfg["depth"]).to(device)
     opt = torch.optim.SGD(alone.parameters(), lr=1e-3)
