@@ -22,7 +22,7 @@ import time
 from ..errors import MCCLError
 
 DEFAULTS = {"width": 2048, "depth": 3, "batch": 32, "warmup": 3, "steps": 10, "device": "cpu",
-            "variants": ["ddp"]}
+            "variants": ["ddp"], "bucket_mb": None}
 # What a series may time besides plain DDP (``variants``), each from the same initial weights:
 #   nocomm  DDP with a comm hook that returns the bucket untouched: the step with its
 #           communication removed, which a fully hidden all-reduce would match;
@@ -122,7 +122,9 @@ def run(torch, dist, cfg: dict, rank: int) -> dict:
     out = {"config": cfg, "grad_bytes": grad_bytes, "compute_s": compute}
     for variant in cfg["variants"]:
         model = _model(torch, width, cfg["depth"]).to(device)
-        ddp = DistributedDataParallel(model)
+        # Small buckets leave only the last (the first layer's) exposed after backward.
+        ddp = (DistributedDataParallel(model) if cfg["bucket_mb"] is None
+               else DistributedDataParallel(model, bucket_cap_mb=cfg["bucket_mb"]))
         if variant == "nocomm":
             ddp.register_comm_hook(None, _noop_hook(torch))
         elif variant == "staged":
