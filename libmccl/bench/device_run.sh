@@ -132,7 +132,7 @@ if timeout 45 $PY -m libmccl.fleet selftest --rate 1gbit > "$RESULTS/fleet-selft
   # staging through blocking copies, and Gloo (which also runs every variant).
   want 8 && bench "8-cuda-ddp-n4-$FAST" 200 --hosts "${H_CUDA:-4}" --rate "$FAST" --backends mccl,gloo \
     --workload ddp --ddp-device cuda --ddp-variants ddp,nocomm,staged --ddp-width "${CUDA_WIDTH:-1024}" \
-    --ddp-depth "${CUDA_DEPTH:-24}" --ddp-bucket-mb "${CUDA_BUCKET_MB:-4}" --ddp-batch "${CUDA_BATCH:-32768}" \
+    --ddp-depth "${CUDA_DEPTH:-48}" --ddp-bucket-mb "${CUDA_BUCKET_MB:-4}" --ddp-batch "${CUDA_BATCH:-16384}" \
     --ddp-steps 8 --latency-iters 0 --ceiling-seconds 2
 else
   status "fleet selftest FAILED (see fleet-selftest.txt); falling back to 8 ranks on loopback"
