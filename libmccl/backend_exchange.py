@@ -25,7 +25,7 @@ class ExchangeOps:
         out = B.check_tensor(B.single(output_tensors, "scatter", "output_tensors"), "scatter", "output")
         root = B.check_rank(opts.rootRank, self.size(), "scatter", "root")
         n = B.nbytes(out)
-        st = B.Staging()
+        st = B.Staging("scatter", [out, input_tensors])
         send_ptr = 0
         if self.rank() == root:
             ins = B.tensor_list(B.single(input_tensors, "scatter", "input_tensors"), "scatter", "scatter_list",
@@ -45,7 +45,7 @@ class ExchangeOps:
         inp = B.check_tensor(B.single(input_tensors, "gather", "input_tensors"), "gather", "input")
         root = B.check_rank(opts.rootRank, self.size(), "gather", "root")
         n = B.nbytes(inp)
-        st = B.Staging()
+        st = B.Staging("gather", [inp, output_tensors])
         outs: list[torch.Tensor] = []
         recv_ptr = 0
         if self.rank() == root:
@@ -72,7 +72,7 @@ class ExchangeOps:
         B.check_tensor(output, name, "output")
         if output.dtype != input.dtype:
             raise ConfigError(f"[mccl] {name}: output dtype {output.dtype} differs from input dtype {input.dtype}")
-        st = B.Staging()
+        st = B.Staging(name, [output, input])
         dst = st.output(output)
         src = st.input(input.clone() if B.overlaps(input, dst) else input)
         if not output_split_sizes and not input_split_sizes:
@@ -96,7 +96,7 @@ class ExchangeOps:
             if o.dtype != x.dtype:
                 raise ConfigError(f"[mccl] {name}: output_tensor_list[{r}] dtype {o.dtype} differs from "
                                   f"input_tensor_list[{r}] dtype {x.dtype}")
-        st = B.Staging()
+        st = B.Staging(name, [outs, ins])
         send = st.packed(ins)
         recv_sizes = [B.nbytes(o) for o in outs]
         recv = st.scratch(sum(recv_sizes), torch.uint8)
@@ -134,7 +134,7 @@ class ExchangeOps:
     def send(self, tensors: Any, dstRank: int, tag: int = 0) -> MCCLWork:
         t = B.check_tensor(B.single(tensors, "send"), "send", "tensor")
         dst = self._peer(dstRank, "send", "dst")
-        st = B.Staging()
+        st = B.Staging("send", [t])
         buf = st.input(t)
         return self._submit("send", lambda: self._comm.send(buf.data_ptr(), B.nbytes(buf), dst, int(tag)), [t], st)
 
@@ -148,7 +148,7 @@ class ExchangeOps:
         return self._recv(t, -1, int(tag))
 
     def _recv(self, t: torch.Tensor, src: int, tag: int) -> MCCLWork:
-        st = B.Staging()
+        st = B.Staging("recv", [t])
         buf = st.output(t)
         return self._submit("recv", lambda: self._comm.recv(buf.data_ptr(), B.nbytes(buf), src, tag), [t], st)
 

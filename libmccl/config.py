@@ -126,6 +126,10 @@ class EngineConfig:
         "MCCL_UNIFIED_COLLECTIVE", False, "bool",
         "macOS/MPS: 1 asks for the reduction in unified memory ordered by Metal shared events, which this "
         "release does not build (mps collectives then raise ConfigError); 0 stages mps tensors through a CPU copy")
+    cuda_staging_bytes: int = setting(
+        "MCCL_CUDA_STAGING_BYTES", 1 << 30, "bytes",
+        "pinned host memory a process keeps for staging CUDA tensors (reused across ops; allocating pinned "
+        "memory stalls the GPU, so beyond this cap a buffer is freed after its op, logged once)")
 
     def engine_options(self, opts: Any, timeout_s: float, connect_timeout_s: float) -> Any:
         """Fill an ``_core.Options`` (passed in: this module stays free of the engine) from
