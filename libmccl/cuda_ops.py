@@ -56,8 +56,8 @@ class _Driver:
         "cuLaunchHostFunc": None,
     }
 
-    def __init__(self) -> None:
-        lib = _load_driver()
+    def __init__(self, lib: Any = None) -> None:
+        lib = lib if lib is not None else _load_driver()
         for name, preferred in self._SYMBOLS.items():
             fn = None
             for sym in filter(None, (preferred, name)):
@@ -117,8 +117,9 @@ class CudaOps(DeviceOps):
     # at once, for a few microseconds of the stream's time (scripts/cuda_check.py measures both).
     host_wake = True
 
-    def __init__(self, device_index: int) -> None:
-        self._drv = _Driver()
+    def __init__(self, device_index: int, driver: Any = None) -> None:
+        """``driver``: the library to call instead of libcuda (libmccl.cuda_emulator)."""
+        self._drv = _Driver(driver)
         self._index = device_index
         self._lock = threading.Lock()
         self._slabs: list[_PinnedBlock] = []
