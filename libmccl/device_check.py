@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -36,6 +37,9 @@ def pattern(n: int, dtype: torch.dtype, seed: int, device: Any = "cpu") -> torch
 class Device(abc.ABC):
     name = "device"
     produced = 0  # tensors made by produce() since begin()
+    # Added to every seed: a pass with other data than the one before it, so a staging block
+    # still holding the previous pass's inputs cannot pass for this one's.
+    seed_offset = 0
 
     def begin(self) -> None:
         """Hold the stream back: what is queued next runs only after ``release`` (or a delay)."""
@@ -68,7 +72,7 @@ class CpuDevice(Device):
     name = "cpu"
 
     def produce(self, n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-        return pattern(n, dtype, seed)
+        return pattern(n, dtype, seed + self.seed_offset)
 
     def empty(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.full((n,), -99, dtype=dtype)
@@ -91,7 +95,7 @@ class CudaDevice(Device):
 
     def produce(self, n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
         self.produced += 1
-        t = pattern(n, dtype, seed, device="cuda")  # kernels only: no copy from pageable memory
+        t = pattern(n, dtype, seed + self.seed_offset, device="cuda")  # kernels only: no copy from pageable memory
         self._last = torch.cuda.Event()
         self._last.record()
         return t
@@ -146,7 +150,7 @@ class HostMemoryDevice(Device):
 
     def produce(self, n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
         t = self._tensor(n, dtype)
-        values = pattern(n, dtype, seed)
+        values = pattern(n, dtype, seed + self.seed_offset)
         self._queued += 1
         self.produced += 1
 
@@ -303,18 +307,22 @@ class Row:
     returned_early: bool  # the call returned before the device ran the inputs' kernels
     reference: str        # the group that computed the reference
     detail: str = ""
+    issue_s: float = 0.0  # how long the collective call took
 
 
 def run_case(name: str, dev: Device, group: Any, refs: list[tuple[str, Any]], rank: int, world: int,
-             hold: bool = True) -> Row:
+             hold: bool = True, seed_offset: int = 0) -> Row:
     """``name`` on ``dev`` in ``group`` against CPU tensors in the first of ``refs``
     ((label, group)) that has the op (Gloo lacks AVG, for one). ``hold=False`` for a
     warm-up: the first call of a size allocates pinned memory, which waits for the device."""
     case = CASES[name]
+    dev.seed_offset = seed_offset
     if hold:
         dev.begin()
     try:
+        t0 = time.perf_counter()
         works, outs = case(dev, group, rank, world)
+        issue_s = time.perf_counter() - t0
         early = dev.pending() if dev.produced else True  # nothing produced: nothing to be early for
     finally:
         dev.release()
@@ -323,14 +331,16 @@ def run_case(name: str, dev: Device, group: Any, refs: list[tuple[str, Any]], ra
     got = [dev.read(o) for o in outs]
     for label, ref_group in refs:
         try:
-            works, ref = case(CpuDevice(), ref_group, rank, world)
+            cpu = CpuDevice()
+            cpu.seed_offset = seed_offset
+            works, ref = case(cpu, ref_group, rank, world)
             for wk in works:
                 wk.wait()
             break
-        except (RuntimeError, ValueError) as exc:  # the reference backend lacks the op
+        except Exception as exc:  # noqa: BLE001 - the reference backend lacks the op (Gloo: AVG, ...)
             label, ref = f"none ({label}: {str(exc).splitlines()[0][:80]})", None
     if ref is None:
-        return Row(name, False, early, label, "no reference group has this op")
+        return Row(name, False, early, label, "no reference group has this op", issue_s)
     bad = [i for i, (a, b) in enumerate(zip(got, ref)) if not torch.equal(a, b)]
     detail = ""
     if bad:
@@ -338,7 +348,7 @@ def run_case(name: str, dev: Device, group: Any, refs: list[tuple[str, Any]], ra
         detail = f"output {bad[0]}: max |diff| {float((a.double() - b.double()).abs().max()):.3g}"
     elif len(got) != len(ref):
         detail = f"{len(got)} outputs, the reference has {len(ref)}"
-    return Row(name, not detail, early, label, detail)
+    return Row(name, not detail, early, label, detail, issue_s)
 
 
 def without_o1() -> Callable[[], None]:

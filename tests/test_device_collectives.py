@@ -35,7 +35,8 @@ def _rows(rank: int, world: int, kind: str, passes: int = 1, broken: bool = Fals
                 dev.emulator.forbid(*SYNCHRONISING)
             for name in C.CASES:
                 try:
-                    r = C.run_case(name, dev, None, [("mccl-cpu", None)], rank, world, hold=p == passes - 1)
+                    r = C.run_case(name, dev, None, [("mccl-cpu", None)], rank, world, hold=p == passes - 1,
+                                   seed_offset=1000 * p)
                     rows.append((p, r.case, r.equal, r.returned_early or p < passes - 1, r.detail))
                 except Exception as exc:  # noqa: BLE001 - the negative control's DeviceRace, reported
                     if not broken:
