@@ -160,25 +160,35 @@ class Staging:
         self.device: Any = None  # the StagedOp, if a tensor is on a device stream
         self.stream: Any = None
         self.device_tensors: list[torch.Tensor] = []
+        self._name = name
         for t in _flat(tensors):
             if device_tensors.on_a_stream(t):
-                self._stage(t, name)
+                self._stage(t)
 
-    def _stage(self, t: torch.Tensor, name: str) -> None:
+    def _stage(self, t: torch.Tensor) -> None:
         if self.device is None:
-            self.device, self.stream = device_tensors.staged(t, name)
+            self.device, self.stream = device_tensors.staged(t, self._name)
             self.keep.append(self.device)
         elif device_tensors.ops_for(t)[0] is not self.device.ops:
-            raise ConfigError(f"[mccl] {name}: tensors on {self.device_tensors[0].device} and {t.device} in one "
-                              "call; mccl runs one device per process, move them to one device")
+            self._refuse(f"[mccl] {self._name}: tensors on {self.device_tensors[0].device} and {t.device} in one "
+                         "call; mccl runs one device per process, move them to one device")
         self.device_tensors.append(t)
+
+    def _refuse(self, message: str) -> None:
+        if self.device is not None:
+            self.device.abandon()  # never launched: its blocks and words go back at once
+        raise ConfigError(message)
 
     def _hold(self, buf: Any) -> Any:
         self.keep.append(buf)
         return buf
 
     def _on_device(self, t: torch.Tensor) -> bool:
-        return self.device is not None and any(t is d for d in self.device_tensors)
+        if not device_tensors.on_a_stream(t):
+            return False
+        if not any(t is d for d in self.device_tensors):
+            self._stage(t)  # a tensor the constructor was not shown (its scratch may be pageable: slower)
+        return True
 
     def _host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A host buffer: a staging block when a device is involved (copies into pageable
@@ -193,8 +203,8 @@ class Staging:
 
     def _device_contiguous(self, t: torch.Tensor, what: str) -> None:
         if not t.is_contiguous():
-            raise ConfigError(f"[mccl] {self.device.what}: the {t.device} {what} is not contiguous; device "
-                              "tensors are written in place, pass tensor.contiguous() and copy the result back")
+            self._refuse(f"[mccl] {self.device.what}: the {t.device} {what} is not contiguous; device "
+                         "tensors are written in place, pass tensor.contiguous() and copy the result back")
 
     def input(self, t: torch.Tensor) -> torch.Tensor:
         """A buffer the engine only reads."""

@@ -164,6 +164,8 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
     # -- submission --------------------------------------------------------------
     def _submit(self, name: str, launch: Callable[[], int], outputs: Sequence[torch.Tensor], st: B.Staging,
                 opts: Any = None, keep: Sequence[Any] = (), device: Any = None) -> MCCLWork:
+        if (self._closed or self._lost_result is not None) and st.device is not None:
+            st.device.abandon()  # never launched: its blocks and words go back at once
         if self._closed:
             raise AbortedError(f"[mccl] {name} on rank {self.rank()}: the process group was shut down or aborted; "
                                "create a new one with init_process_group()/new_group()")
