@@ -122,13 +122,10 @@ def reduce_codes(t: torch.Tensor, op: Any, name: str) -> tuple[int, int, int]:
 
 
 def _unified() -> Any:
-    from . import unified  # the MPS staging helpers; imported only when an mps tensor shows up
-    from .config import EngineConfig, load
+    # The staging helpers for mps tensors, imported only when one shows up: collectives other
+    # than all_reduce, and all_reduce where the Metal bridge is off (metal_tensors).
+    from . import unified
 
-    if load(EngineConfig).unified_collective:
-        # Asked for the zero-copy Metal path, which this build does not have: refuse
-        # clearly (it raises ConfigError) rather than silently staging.
-        unified.UnifiedCollective()
     return unified
 
 
@@ -162,7 +159,7 @@ class Staging:
         self.device_tensors: list[torch.Tensor] = []
         self._name = name
         for t in _flat(tensors):
-            if device_tensors.on_a_stream(t):
+            if device_tensors.stages(t):
                 self._stage(t)
 
     def _stage(self, t: torch.Tensor) -> None:
@@ -184,7 +181,7 @@ class Staging:
         return buf
 
     def _on_device(self, t: torch.Tensor) -> bool:
-        if not device_tensors.on_a_stream(t):
+        if not device_tensors.stages(t):
             return False
         if not any(t is d for d in self.device_tensors):
             self._stage(t)  # a tensor the constructor was not shown (its scratch may be pageable: slower)

@@ -122,10 +122,11 @@ class EngineConfig:
     daemon: bool = setting(
         "MCCL_DAEMON", False, "bool",
         "hand collectives to the local mccld instead of running the engine in-process")
-    unified_collective: bool = setting(
-        "MCCL_UNIFIED_COLLECTIVE", False, "bool",
-        "macOS/MPS: 1 asks for the reduction in unified memory ordered by Metal shared events, which this "
-        "release does not build (mps collectives then raise ConfigError); 0 stages mps tensors through a CPU copy")
+    unified_collective: str = setting(
+        "MCCL_UNIFIED_COLLECTIVE", "auto", "auto|1|0",
+        "macOS/MPS all-reduce: reduce in the tensor's unified memory (shared storage; private storage is "
+        "blitted into host memory), ordered by Metal shared events through the Metal bridge; auto uses it where "
+        "the bridge loads, 1 requires it (ConfigError names what is missing), 0 stages through blocking CPU copies")
     cuda_staging_bytes: int = setting(
         "MCCL_CUDA_STAGING_BYTES", 1 << 30, "bytes",
         "pinned host memory a process keeps for staging CUDA tensors (reused across ops; allocating pinned "
