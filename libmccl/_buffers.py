@@ -216,16 +216,19 @@ class Staging:
 
     def input_into(self, t: torch.Tensor, dst: torch.Tensor) -> None:
         """``t``'s elements into ``dst``, a host buffer of this op whose rows are contiguous
-        (packing several inputs into one send buffer)."""
+        (packing several inputs into one send buffer): of ``t``'s dtype, or flat bytes."""
         if not self._on_device(t):
-            dst.copy_(self.input(t).reshape(dst.shape))
+            src = self.input(t)
+            if dst.dtype == t.dtype:
+                dst.copy_(src.reshape(dst.shape))
+            else:  # a flat byte slice of a packed buffer
+                dst.copy_(as_bytes(src))
             return
-        src = self._hold(t if t.is_contiguous() else t.contiguous()).reshape(-1)
+        src = self._hold(t if t.is_contiguous() else t.contiguous())
         rows = dst if dst.dim() == 2 else dst.reshape(1, -1)
-        width = rows.shape[1] if rows.dim() == 2 else 0
-        esize = t.element_size()
+        row_bytes = rows.shape[1] * rows.element_size()
         for i in range(rows.shape[0]):
-            self.device.copy_in(rows[i].data_ptr(), src[i * width:].data_ptr(), width * esize)
+            self.device.copy_in(rows[i].data_ptr(), src.data_ptr() + i * row_bytes, row_bytes)
 
     def inout(self, t: torch.Tensor) -> torch.Tensor:
         """A buffer the engine reads and overwrites in place."""
@@ -255,7 +258,7 @@ class Staging:
         buf = self.scratch(sum(nbytes(p) for p in parts), torch.uint8)
         offset = 0
         for p in parts:
-            self.input_into(p, buf[offset:offset + nbytes(p)].view(p.dtype) if nbytes(p) else buf[:0])
+            self.input_into(p, buf[offset:offset + nbytes(p)])
             offset += nbytes(p)
         return buf
 
