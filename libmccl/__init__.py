@@ -22,7 +22,7 @@ from .group_options import Options  # noqa: E402,F401 - public: init_process_gro
 _log = logging.getLogger(__name__)
 
 BACKEND_NAME = "mccl"
-DEVICES = ("cpu", "mps", "cuda")  # cuda: all_reduce only, ordered by tickets (device_order)
+DEVICES = ("cpu", "mps", "cuda")  # cuda: staged through pinned memory, ordered by tickets (device_order)
 _registered = False
 
 

@@ -9,12 +9,12 @@ operation completes.
 
 from __future__ import annotations
 
-
+import ctypes
 from typing import Any, Callable, Sequence
 
 import torch
 
-from . import DEVICES
+from . import DEVICES, device_tensors
 from . import _torch_compat as compat
 from .errors import ConfigError
 
@@ -129,13 +129,6 @@ def _unified() -> Any:
     return unified
 
 
-def _refuse_stream_ordered(t: torch.Tensor) -> None:
-    # Staging copies run on the completion thread, which must never touch a CUDA stream.
-    if t.device.type == "cuda":
-        raise ConfigError(f"[mccl] {t.device} tensors are ordered by tickets in all_reduce only (this build); "
-                          "for this collective move the tensor to the CPU first, e.g. with .cpu()")
-
-
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.device != b.device or a.numel() == 0 or b.numel() == 0:
         return False
@@ -150,26 +143,97 @@ class Staging:
     completion, ``unpack`` steps (slices of a flat receive buffer into per-tensor
     buffers) run first, then the copy-backs into the caller's tensors
     (non-contiguous, MPS), which may read what the unpacking wrote.
+
+    Tensors on a device stream (CUDA; device_tensors) are staged through host blocks of
+    a ``StagedOp`` instead (``device``): their copies in and out are queued on the stream
+    by the op's tickets, never run here. Pass every tensor of the op to the constructor,
+    so that scratch buffers are staging blocks too when a device is involved.
     """
 
-    def __init__(self) -> None:
-        self.keep: list[torch.Tensor] = []
+    def __init__(self, name: str = "", tensors: Sequence[Any] = ()) -> None:
+        self.keep: list[Any] = []
         self._unpack: list[Callable[[], None]] = []
         self._copy_back: list[Callable[[], None]] = []
+        self.device: Any = None  # the StagedOp, if a tensor is on a device stream
+        self.stream: Any = None
+        self.device_tensors: list[torch.Tensor] = []
+        self._name = name
+        for t in _flat(tensors):
+            if device_tensors.stages(t):
+                self._stage(t)
 
-    def _hold(self, buf: torch.Tensor) -> torch.Tensor:
+    def _stage(self, t: torch.Tensor) -> None:
+        if self.device is None:
+            self.device, self.stream = device_tensors.staged(t, self._name)
+            self.keep.append(self.device)
+        elif device_tensors.ops_for(t)[0] is not self.device.ops:
+            self._refuse(f"[mccl] {self._name}: tensors on {self.device_tensors[0].device} and {t.device} in one "
+                         "call; mccl runs one device per process, move them to one device")
+        self.device_tensors.append(t)
+
+    def _refuse(self, message: str) -> None:
+        if self.device is not None:
+            self.device.abandon()  # never launched: its blocks and words go back at once
+        raise ConfigError(message)
+
+    def _hold(self, buf: Any) -> Any:
         self.keep.append(buf)
         return buf
 
+    def _on_device(self, t: torch.Tensor) -> bool:
+        if not device_tensors.stages(t):
+            return False
+        if not any(t is d for d in self.device_tensors):
+            self._stage(t)  # a tensor the constructor was not shown (its scratch may be pageable: slower)
+        return True
+
+    def _host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer: a staging block when a device is involved (copies into pageable
+        memory would be synchronous), else ordinary memory."""
+        if self.device is None:
+            return torch.empty(numel, dtype=dtype)
+        n = numel * torch.empty(0, dtype=dtype).element_size()
+        if n == 0:
+            return torch.empty(numel, dtype=dtype)
+        addr = self.device.block(n)
+        return torch.frombuffer((ctypes.c_char * n).from_address(addr), dtype=torch.uint8).view(dtype)
+
+    def _device_contiguous(self, t: torch.Tensor, what: str) -> None:
+        if not t.is_contiguous():
+            self._refuse(f"[mccl] {self.device.what}: the {t.device} {what} is not contiguous; device "
+                         "tensors are written in place, pass tensor.contiguous() and copy the result back")
+
     def input(self, t: torch.Tensor) -> torch.Tensor:
         """A buffer the engine only reads."""
-        _refuse_stream_ordered(t)
+        if self._on_device(t):
+            src = self._hold(t if t.is_contiguous() else t.contiguous())  # queued on t's stream, before O1
+            buf = self._host(t.numel(), t.dtype).view(t.shape)
+            self.device.copy_in(buf.data_ptr(), src.data_ptr(), nbytes(t))
+            return self._hold(buf)
         if t.device.type == "mps":
             return self._hold(_unified().staging_copy_to_cpu(t).contiguous())
         return self._hold(t if t.is_contiguous() else t.contiguous())
 
+    def input_into(self, t: torch.Tensor, dst: torch.Tensor) -> None:
+        """``t``'s elements into ``dst``, a host buffer of this op whose rows are contiguous
+        (packing several inputs into one send buffer): of ``t``'s dtype, or flat bytes."""
+        if not self._on_device(t):
+            src = self.input(t)
+            if dst.dtype == t.dtype:
+                dst.copy_(src.reshape(dst.shape))
+            else:  # a flat byte slice of a packed buffer
+                dst.copy_(as_bytes(src))
+            return
+        src = self._hold(t if t.is_contiguous() else t.contiguous())
+        rows = dst if dst.dim() == 2 else dst.reshape(1, -1)
+        row_bytes = rows.shape[1] * rows.element_size()
+        for i in range(rows.shape[0]):
+            self.device.copy_in(rows[i].data_ptr(), src.data_ptr() + i * row_bytes, row_bytes)
+
     def inout(self, t: torch.Tensor) -> torch.Tensor:
         """A buffer the engine reads and overwrites in place."""
+        if self._on_device(t):
+            self._device_contiguous(t, "tensor")
         buf = self.input(t)
         if buf is not t:
             self.copy_back(t, buf)
@@ -177,23 +241,33 @@ class Staging:
 
     def output(self, t: torch.Tensor) -> torch.Tensor:
         """A buffer the engine only writes."""
-        _refuse_stream_ordered(t)
-        if t.device.type == "cpu" and t.is_contiguous():
+        if t.device.type == "cpu" and t.is_contiguous() and not self._on_device(t):
             return self._hold(t)
-        buf = self._hold(torch.empty(t.shape, dtype=t.dtype))
+        buf = self._hold(self._host(t.numel(), t.dtype).view(t.shape))
         self.copy_back(t, buf)
         return buf
 
     def scratch(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return self._hold(torch.empty(numel, dtype=dtype))
+        return self._hold(self._host(numel, dtype))
 
     def packed(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         """Inputs concatenated into one flat byte buffer (dtypes may differ)."""
-        flat = [as_bytes(self.input(p)) for p in parts]
-        return self._hold(torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8))
+        if self.device is None:
+            flat = [as_bytes(self.input(p)) for p in parts]
+            return self._hold(torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8))
+        buf = self.scratch(sum(nbytes(p) for p in parts), torch.uint8)
+        offset = 0
+        for p in parts:
+            self.input_into(p, buf[offset:offset + nbytes(p)])
+            offset += nbytes(p)
+        return buf
 
     def copy_back(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        if dst.device.type == "mps":
+        if self._on_device(dst):
+            # After the engine and the unpacking: queued behind the wait for done (O2).
+            self._device_contiguous(dst, "output")
+            self.device.copy_out(dst.data_ptr(), src.data_ptr(), nbytes(dst))
+        elif dst.device.type == "mps":
             self._copy_back.append(lambda: _unified().copy_back(dst, src.view(dst.shape)))
         else:
             self._copy_back.append(lambda: dst.copy_(src.view(dst.shape)))
@@ -204,6 +278,8 @@ class Staging:
 
     def post(self) -> Callable[[], None] | None:
         steps = self._unpack + self._copy_back
+        if self.device is not None:
+            steps.append(lambda: self.device.settle(None))  # last: the device copies the result
         if not steps:
             return None
 
@@ -214,6 +290,14 @@ class Staging:
                 for step in steps:
                     step()
         return run
+
+
+def _flat(xs: Any) -> list[Any]:
+    if isinstance(xs, torch.Tensor):
+        return [xs]
+    if isinstance(xs, (list, tuple)):
+        return [t for x in xs for t in _flat(x)]
+    return []
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

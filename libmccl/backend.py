@@ -164,6 +164,8 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
     # -- submission --------------------------------------------------------------
     def _submit(self, name: str, launch: Callable[[], int], outputs: Sequence[torch.Tensor], st: B.Staging,
                 opts: Any = None, keep: Sequence[Any] = (), device: Any = None) -> MCCLWork:
+        if (self._closed or self._lost_result is not None) and st.device is not None:
+            st.device.abandon()  # never launched: its blocks and words go back at once
         if self._closed:
             raise AbortedError(f"[mccl] {name} on rank {self.rank()}: the process group was shut down or aborted; "
                                "create a new one with init_process_group()/new_group()")
@@ -172,12 +174,38 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
                             f"future was handed out ({self._lost_result}); the tensor it wrote holds garbage. "
                             "Create a new process group") from self._lost_result
         timeout = compat.options_timeout(opts) if opts is not None else None
+        staged = st.device
+        if staged is not None:
+            device = device_tensors.WaiterSide(staged, st.device_tensors, self._lose_result, st.stream)
         work = MCCLWork(name, self.rank(), outputs, [*st.keep, *keep], st.post(), timeout or self._timeout_s,
                         device)
-        self._router.track(launch(), work)
+        op_id = launch() if staged is None else self._launch_staged(staged, st.stream, work, launch)
+        self._router.track(op_id, work)
         if self._coalescing is not None:
             self._coalescing.append(work)
         return work
+
+    def _launch_staged(self, staged: Any, stream: Any, work: MCCLWork, launch: Callable[[], int]) -> int:
+        """O1 on this (torch's) thread, then the engine op behind a gate on its ``ready``:
+        the call returns once the copies are queued, whatever the device still has to run."""
+        if self._cfg.daemon:
+            staged.abandon()
+            raise ConfigError(f"[mccl] {staged.what}: device tensors need the in-process engine's tickets, which "
+                              "mccld does not take yet (MCCL_DAEMON=1); unset MCCL_DAEMON for jobs with CUDA "
+                              "tensors, or move the tensors to the CPU")
+        staged.engine_finished = work.is_completed
+        work._result.on_failure(staged.settle)  # on the completion thread: a ticket store, no device call
+        try:
+            staged.launch(stream)
+        except BaseException:
+            staged.abandon()  # nothing reached the engine
+            raise
+        try:
+            self._comm.gate(staged.ready, TICKET_BASE, 1)
+            return launch()
+        except BaseException:
+            staged.cancel(stream)  # the queued gate passes once the stream raises ready
+            raise
 
     def _lose_result(self, error: BaseException) -> None:
         """A device op failed after its future completed (device_tensors.WaiterSide)."""
@@ -206,7 +234,7 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
             work = self._submit(name, lambda: launch(order.buffer, ready=order.ready, done=order.done,
                                                      base=TICKET_BASE),
                                 [t], B.Staging(), opts, keep=[order],
-                                device=device_tensors.WaiterSide(order, t, self._lose_result))
+                                device=device_tensors.WaiterSide(order, [t], self._lose_result, stream))
             order.engine_finished = work.is_completed
             order.launch(stream)  # O1, on this (torch's) thread; the engine waits for it
         except BaseException:
@@ -223,7 +251,7 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
             buf, count, dtype, op, **tk), opts)
         if work is not None:
             return work
-        st = B.Staging()
+        st = B.Staging("allreduce", [t])
         buf = st.inout(t)
         return self._submit("allreduce", lambda: self._comm.allreduce(buf.data_ptr(), count, dtype, op),
                             [t], st, opts)
@@ -235,12 +263,12 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
             if t.dtype != ts[0].dtype:
                 raise ConfigError(f"[mccl] allreduce_coalesced: tensors[{i}] has dtype {t.dtype} but tensors[0] "
                                   f"has {ts[0].dtype}; coalesced all-reduce needs one dtype")
-        st = B.Staging()
+        st = B.Staging("allreduce_coalesced", ts)
         flat = st.scratch(sum(t.numel() for t in ts), ts[0].dtype)
         offset = 0
         for t in ts:
             part = flat[offset:offset + t.numel()]
-            part.copy_(st.input(t).reshape(-1))
+            st.input_into(t, part)
             st.copy_back(t, part)
             offset += t.numel()
         dtype, count, op = B.reduce_codes(flat, opts.reduceOp, "allreduce_coalesced")
@@ -252,7 +280,7 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
         opts = compat.options_or_default(opts, _c10d.BroadcastOptions)
         t = B.check_tensor(B.single(tensors, "broadcast"), "broadcast", "tensor")
         root = B.check_rank(opts.rootRank, self.size(), "broadcast", "root")
-        st = B.Staging()
+        st = B.Staging("broadcast", [t])
         buf = st.input(t) if root == self.rank() else st.inout(t)
         return self._submit("broadcast", lambda: self._comm.broadcast(buf.data_ptr(), B.nbytes(buf), root),
                             [t], st, opts)
@@ -262,7 +290,7 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
         t = B.check_tensor(B.single(tensors, "reduce"), "reduce", "tensor")
         root = B.check_rank(opts.rootRank, self.size(), "reduce", "root")
         dtype, count, op = B.reduce_codes(t, opts.reduceOp, "reduce")
-        st = B.Staging()
+        st = B.Staging("reduce", [t])
         # The engine leaves non-root buffers unchanged: only the root needs a copy-back.
         buf = st.inout(t) if root == self.rank() else st.input(t)
         return self._submit("reduce", lambda: self._comm.reduce(buf.data_ptr(), count, dtype, op, root),
@@ -276,7 +304,7 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
         for r, o in enumerate(outs):
             B.check_like(o, inp, "allgather", f"output_tensors[{r}]", "the input")
         n = B.nbytes(inp)
-        st = B.Staging()
+        st = B.Staging("allgather", [inp, outs])
         src = st.input(inp)
         recv = st.scratch(self.size() * inp.numel(), inp.dtype)
         for r, o in enumerate(outs):
@@ -289,7 +317,7 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
         B.check_tensor(output, "all_gather_into_tensor", "output")
         B.check_like(output, input, "all_gather_into_tensor", "output", "input", self.size() * input.numel())
         n = B.nbytes(input)
-        st = B.Staging()
+        st = B.Staging("all_gather_into_tensor", [output, input])
         dst = st.output(output)
         # In-place gathers (FSDP passes this rank's block of the output as input) would
         # hand the engine overlapping send/recv buffers.
@@ -308,7 +336,7 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
         for r, lst in enumerate(outs):
             for i, o in enumerate(lst):
                 B.check_like(o, ins[i], name, f"output_lists[{r}][{i}]", f"input_list[{i}]")
-        st = B.Staging()
+        st = B.Staging(name, [ins, outs])
         bufs = [[st.output(o) for o in lst] for lst in outs]
         return self._gather_packed(name, st, ins, lambda r, i: bufs[r][i], [t for lst in outs for t in lst], opts)
 
@@ -318,7 +346,7 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
         outs = B.tensor_list(outputs, name, "outputs", len(ins))
         for i, (o, x) in enumerate(zip(outs, ins)):
             B.check_like(o, x, name, f"outputs[{i}]", f"inputs[{i}]", self.size() * x.numel())
-        st = B.Staging()
+        st = B.Staging(name, [ins, outs])
         # Rank r's block of outputs[i] is row r of a (size, numel) view.
         blocks = [st.output(o).view(self.size(), x.numel()) for o, x in zip(outs, ins)]
         return self._gather_packed(name, st, ins, lambda r, i: blocks[i][r], outs, opts)
@@ -351,10 +379,10 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
         for r, x in enumerate(ins):
             B.check_like(x, out, "reduce_scatter", f"input_list[{r}]", "the output")
         dtype, count, op = B.reduce_codes(out, opts.reduceOp, "reduce_scatter")
-        st = B.Staging()
+        st = B.Staging("reduce_scatter", [out, ins])
         send = st.scratch(self.size() * out.numel(), out.dtype)
         for r, x in enumerate(ins):
-            send[r * out.numel():(r + 1) * out.numel()].copy_(st.input(x).reshape(-1))
+            st.input_into(x, send[r * out.numel():(r + 1) * out.numel()])
         dst = st.output(out)
         return self._submit("reduce_scatter", lambda: self._comm.reduce_scatter(
             send.data_ptr(), dst.data_ptr(), count, dtype, op), [out], st, opts)
@@ -366,7 +394,7 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
         B.check_tensor(output, name, "output")
         B.check_like(input, output, name, "input", "output", self.size() * output.numel())
         dtype, count, op = B.reduce_codes(output, opts.reduceOp, name)
-        st = B.Staging()
+        st = B.Staging(name, [output, input])
         dst = st.output(output)
         src = st.input(input.clone() if B.overlaps(input, dst) else input)
         return self._submit(name, lambda: self._comm.reduce_scatter(src.data_ptr(), dst.data_ptr(), count, dtype, op),
@@ -385,14 +413,14 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
         counts = [o.numel() for o in outs]
         chunk = sum(counts)
         dtype, count, op = B.reduce_codes(outs[0].new_empty(chunk), opts.reduceOp, name)
-        st = B.Staging()
+        st = B.Staging(name, [outs, ins])
         # Rank-major layout: block r holds every input's r-th slice, so one
         # reduce-scatter hands rank r all of its outputs at once.
         send = st.scratch(self.size() * chunk, outs[0].dtype).view(self.size(), chunk)
         recv = st.scratch(chunk, outs[0].dtype)
         offset = 0
         for x, n, o in zip(ins, counts, outs):
-            send[:, offset:offset + n].copy_(st.input(x).reshape(self.size(), n))
+            st.input_into(x, send[:, offset:offset + n])
             st.copy_back(o, recv[offset:offset + n])
             offset += n
         return self._submit(name, lambda: self._comm.reduce_scatter(send.data_ptr(), recv.data_ptr(), count, dtype, op),

@@ -25,18 +25,17 @@ class ExchangeOps:
         out = B.check_tensor(B.single(output_tensors, "scatter", "output_tensors"), "scatter", "output")
         root = B.check_rank(opts.rootRank, self.size(), "scatter", "root")
         n = B.nbytes(out)
-        st = B.Staging()
-        send_ptr = 0
+        ins: list[torch.Tensor] = []
         if self.rank() == root:
             ins = B.tensor_list(B.single(input_tensors, "scatter", "input_tensors"), "scatter", "scatter_list",
                                 self.size())
             for r, x in enumerate(ins):
                 B.check_like(x, out, "scatter", f"scatter_list[{r}]", "the output")
-            send = st.packed(ins)
-            send_ptr = send.data_ptr()
         elif input_tensors and any(len(lst) for lst in input_tensors):
             raise ConfigError(f"[mccl] scatter: rank {self.rank()} passed a scatter_list but is not the root ({root}); "
                               "only the root may")
+        st = B.Staging("scatter", [out, ins])
+        send_ptr = st.packed(ins).data_ptr() if ins else 0
         dst = st.output(out)
         return self._submit("scatter", lambda: self._comm.scatter(send_ptr, dst.data_ptr(), n, root), [out], st, opts)
 
@@ -45,21 +44,22 @@ class ExchangeOps:
         inp = B.check_tensor(B.single(input_tensors, "gather", "input_tensors"), "gather", "input")
         root = B.check_rank(opts.rootRank, self.size(), "gather", "root")
         n = B.nbytes(inp)
-        st = B.Staging()
         outs: list[torch.Tensor] = []
-        recv_ptr = 0
         if self.rank() == root:
             outs = B.tensor_list(B.single(output_tensors, "gather", "output_tensors"), "gather", "gather_list",
                                  self.size())
             for r, o in enumerate(outs):
                 B.check_like(o, inp, "gather", f"gather_list[{r}]", "the input")
+        elif output_tensors and any(len(lst) for lst in output_tensors):
+            raise ConfigError(f"[mccl] gather: rank {self.rank()} passed a gather_list but is not the root ({root}); "
+                              "only the root may")
+        st = B.Staging("gather", [inp, outs])
+        recv_ptr = 0
+        if outs:
             recv = st.scratch(self.size() * inp.numel(), inp.dtype)
             for r, o in enumerate(outs):
                 st.copy_back(o, recv[r * inp.numel():(r + 1) * inp.numel()])
             recv_ptr = recv.data_ptr()
-        elif output_tensors and any(len(lst) for lst in output_tensors):
-            raise ConfigError(f"[mccl] gather: rank {self.rank()} passed a gather_list but is not the root ({root}); "
-                              "only the root may")
         src = st.input(inp)
         return self._submit("gather", lambda: self._comm.gather(src.data_ptr(), recv_ptr, n, root),
                             [outs] if outs else [], st, opts)
@@ -72,7 +72,7 @@ class ExchangeOps:
         B.check_tensor(output, name, "output")
         if output.dtype != input.dtype:
             raise ConfigError(f"[mccl] {name}: output dtype {output.dtype} differs from input dtype {input.dtype}")
-        st = B.Staging()
+        st = B.Staging(name, [output, input])
         dst = st.output(output)
         src = st.input(input.clone() if B.overlaps(input, dst) else input)
         if not output_split_sizes and not input_split_sizes:
@@ -96,7 +96,7 @@ class ExchangeOps:
             if o.dtype != x.dtype:
                 raise ConfigError(f"[mccl] {name}: output_tensor_list[{r}] dtype {o.dtype} differs from "
                                   f"input_tensor_list[{r}] dtype {x.dtype}")
-        st = B.Staging()
+        st = B.Staging(name, [outs, ins])
         send = st.packed(ins)
         recv_sizes = [B.nbytes(o) for o in outs]
         recv = st.scratch(sum(recv_sizes), torch.uint8)
@@ -134,7 +134,7 @@ class ExchangeOps:
     def send(self, tensors: Any, dstRank: int, tag: int = 0) -> MCCLWork:
         t = B.check_tensor(B.single(tensors, "send"), "send", "tensor")
         dst = self._peer(dstRank, "send", "dst")
-        st = B.Staging()
+        st = B.Staging("send", [t])
         buf = st.input(t)
         return self._submit("send", lambda: self._comm.send(buf.data_ptr(), B.nbytes(buf), dst, int(tag)), [t], st)
 
@@ -148,7 +148,7 @@ class ExchangeOps:
         return self._recv(t, -1, int(tag))
 
     def _recv(self, t: torch.Tensor, src: int, tag: int) -> MCCLWork:
-        st = B.Staging()
+        st = B.Staging("recv", [t])
         buf = st.output(t)
         return self._submit("recv", lambda: self._comm.recv(buf.data_ptr(), B.nbytes(buf), src, tag), [t], st)
 

@@ -127,6 +127,10 @@ class EngineConfig:
         "macOS/MPS all-reduce: reduce in the tensor's unified memory (shared storage; private storage is "
         "blitted into host memory), ordered by Metal shared events through the Metal bridge; auto uses it where "
         "the bridge loads, 1 requires it (ConfigError names what is missing), 0 stages through blocking CPU copies")
+    cuda_staging_bytes: int = setting(
+        "MCCL_CUDA_STAGING_BYTES", 1 << 30, "bytes",
+        "pinned host memory a process keeps for staging CUDA tensors (reused across ops; allocating pinned "
+        "memory stalls the GPU, so beyond this cap a buffer is freed after its op, logged once)")
 
     def engine_options(self, opts: Any, timeout_s: float, connect_timeout_s: float) -> Any:
         """Fill an ``_core.Options`` (passed in: this module stays free of the engine) from

@@ -19,7 +19,9 @@ import threading
 from typing import Any
 
 from . import _core
+from .config import EngineConfig, load
 from .device_order import TICKET_BASE, DeviceOps
+from .device_pool import StagingPool
 from .errors import ConfigError, MCCLError
 
 _CU_MEMHOSTALLOC_PORTABLE = 0x01
@@ -54,8 +56,8 @@ class _Driver:
         "cuLaunchHostFunc": None,
     }
 
-    def __init__(self) -> None:
-        lib = _load_driver()
+    def __init__(self, lib: Any = None) -> None:
+        lib = lib if lib is not None else _load_driver()
         for name, preferred in self._SYMBOLS.items():
             fn = None
             for sym in filter(None, (preferred, name)):
@@ -93,17 +95,18 @@ class _PinnedBlock:
     def __init__(self, drv: _Driver, nbytes: int) -> None:
         self._drv = drv
         self.nbytes = nbytes
-        self.host = ctypes.c_void_p()
-        drv.check(drv.cuMemHostAlloc(ctypes.byref(self.host), max(nbytes, 1),
+        self._ptr = ctypes.c_void_p()
+        drv.check(drv.cuMemHostAlloc(ctypes.byref(self._ptr), max(nbytes, 1),
                                      _CU_MEMHOSTALLOC_PORTABLE | _CU_MEMHOSTALLOC_DEVICEMAP),
                   f"cuMemHostAlloc({nbytes})")
         dev = ctypes.c_uint64()
-        drv.check(drv.cuMemHostGetDevicePointer(ctypes.byref(dev), self.host, 0), "cuMemHostGetDevicePointer")
+        drv.check(drv.cuMemHostGetDevicePointer(ctypes.byref(dev), self._ptr, 0), "cuMemHostGetDevicePointer")
         self.device = dev.value
+        self.host: int = self._ptr.value
 
     def __del__(self) -> None:
-        if self.host:
-            self._drv.cuMemFreeHost(self.host)
+        if self._ptr:
+            self._drv.cuMemFreeHost(self._ptr)
 
 
 class CudaOps(DeviceOps):
@@ -114,15 +117,17 @@ class CudaOps(DeviceOps):
     # at once, for a few microseconds of the stream's time (scripts/cuda_check.py measures both).
     host_wake = True
 
-    def __init__(self, device_index: int) -> None:
-        self._drv = _Driver()
+    def __init__(self, device_index: int, driver: Any = None) -> None:
+        """``driver``: the library to call instead of libcuda (libmccl.cuda_emulator)."""
+        self._drv = _Driver(driver)
         self._index = device_index
         self._lock = threading.Lock()
         self._slabs: list[_PinnedBlock] = []
         self._free_words: list[tuple[int, int]] = []  # (host address, device address)
         self._device_of: dict[int, int] = {}          # ticket host address -> device address
         self._words: dict[int, Any] = {}              # keeps each word's Ticket view alive
-        self._spare: list[_PinnedBlock] = []
+        self._pool = StagingPool(lambda n: _PinnedBlock(self._drv, n), load(EngineConfig).cuda_staging_bytes,
+                                 "MCCL_CUDA_STAGING_BYTES")
         self._bound = threading.local()
         self._bind_context()
         dev = ctypes.c_int()
@@ -152,7 +157,7 @@ class CudaOps(DeviceOps):
             if not self._free_words:
                 slab = _PinnedBlock(self._drv, _WORDS_PER_SLAB * 8)
                 self._slabs.append(slab)
-                self._free_words = [(slab.host.value + 8 * i, slab.device + 8 * i) for i in range(_WORDS_PER_SLAB)]
+                self._free_words = [(slab.host + 8 * i, slab.device + 8 * i) for i in range(_WORDS_PER_SLAB)]
             host, dev = self._free_words.pop()
         # A recycled word is no longer referred to by any stream or engine wait (retire_ticket).
         ctypes.c_uint64.from_address(host).value = TICKET_BASE
@@ -198,19 +203,13 @@ class CudaOps(DeviceOps):
     def commit(self, stream: Any) -> None:
         pass  # the driver submits each operation as it is queued
 
-    # -- staging: pinned blocks, reused once an op retired (allocating pins pages: slow) ------------
+    # -- staging: pinned blocks from a pool (allocating pins pages and waits for the GPU) ----------
     def staging_buffer(self, nbytes: int) -> tuple[int, Any]:
-        with self._lock:
-            fits = [b for b in self._spare if b.nbytes >= nbytes]
-            if fits:
-                block = min(fits, key=lambda b: b.nbytes)
-                self._spare.remove(block)
-                return block.host.value, block
-        block = _PinnedBlock(self._drv, nbytes)
-        return block.host.value, block
+        return self._pool.take(nbytes)
 
     def release_staging(self, owner: Any) -> None:
-        with self._lock:
-            self._spare.append(owner)
-            # Keep the few most recent sizes: DDP's buckets repeat every step.
-            del self._spare[:-8]
+        self._pool.give(owner)
+
+    @property
+    def pool(self) -> StagingPool:
+        return self._pool

@@ -102,48 +102,48 @@ class DeviceOps(abc.ABC):
     def release_staging(self, owner: Any) -> None:
         """A staging buffer's op retired; the buffer may serve another."""
 
-    def on_op(self, op: "OrderedOp") -> None:
+    def on_op(self, op: "TicketedOp") -> None:
         """A new op's tickets and range are known (the fake device tracks them)."""
 
 
-class OrderedOp:
-    """The device side of one collective on ``nbytes`` at device address ``dev_ptr``.
+class TicketedOp:
+    """The tickets of one op on a device and the two halves of the protocol around them.
 
     ``launch`` (caller's thread, O1) and ``finish`` (waiter's thread, O2) encode and
-    commit; ``buffer`` is what the engine works on: the device buffer when the device
-    memory is the host's, else a staging buffer.
+    commit; subclasses say what goes before ``ready`` and after the wait for ``done``.
     """
 
-    def __init__(self, ops: DeviceOps, dev_ptr: int, nbytes: int, what: str) -> None:
+    def __init__(self, ops: DeviceOps, what: str) -> None:
         self.ops = ops
-        self.dev_ptr = dev_ptr
-        self.nbytes = nbytes
         self.what = what
         self.ready = ops.new_ticket()
         self.done = ops.new_ticket()
-        # Raised by the stream after the result's copy back: the staging buffer and the
+        # Raised by the stream after the result's copy back: the staging buffers and the
         # words may be reused once it is reached.
         self.released = ops.new_ticket()
-        self._staging: Any = None
-        if ops.unified:
-            self.buffer = dev_ptr
-        else:
-            self.buffer, self._staging = ops.staging_buffer(nbytes)
         self._finish_lock = threading.Lock()
         self._finished = False
         # Set by the backend once the op is enqueued: the engine holds views of the words
         # until the op has completed, which may come after ``released``.
         self.engine_finished: Callable[[], bool] = lambda: True
-        ops.on_op(self)
 
     @property
     def target(self) -> int:
-        return TICKET_BASE + self.nbytes
+        raise NotImplementedError
+
+    def engine_ranges(self) -> list[tuple[int, int]]:
+        """(address, bytes) the engine works on between ``ready`` and ``done``."""
+        raise NotImplementedError
+
+    def _before_ready(self, stream: Any) -> None:
+        """Queued in front of the ``ready`` signal."""
+
+    def _after_done(self, stream: Any) -> None:
+        """Queued behind the stream's wait for ``done``."""
 
     def launch(self, stream: Any) -> None:
-        """O1: after the kernels that wrote the bucket, make it the engine's."""
-        if not self.ops.unified:
-            self.ops.copy_to_host(stream, self.buffer, self.dev_ptr, self.nbytes)
+        """O1: after the kernels that wrote the inputs, make them the engine's."""
+        self._before_ready(stream)
         self.ops.signal(stream, self.ready, self.target)
         self.ops.commit(stream)
 
@@ -154,8 +154,7 @@ class OrderedOp:
                 return
             self._finished = True
         self.ops.wait(stream, self.done, self.target)
-        if not self.ops.unified:
-            self.ops.copy_to_device(stream, self.dev_ptr, self.buffer, self.nbytes)
+        self._after_done(stream)
         self.ops.signal(stream, self.released, TICKET_BASE + 1)
         self.ops.commit(stream)
 
@@ -165,13 +164,115 @@ class OrderedOp:
             t.poison()
 
     def reusable(self) -> bool:
-        """Neither the device nor the engine refers to the words or the staging buffer any more
-        (or the op was abandoned)."""
+        """Neither the device nor the engine refers to the words or the staging buffers any
+        more (or the op was abandoned)."""
         return self.released.value >= TICKET_BASE + 1 and self.engine_finished()
 
     def retire(self) -> None:
         for t in (self.ready, self.done, self.released):
             self.ops.retire_ticket(t)
+        self._release_staging()
+
+    def _release_staging(self) -> None:
+        pass
+
+
+class OrderedOp(TicketedOp):
+    """An all-reduce on ``nbytes`` at device address ``dev_ptr``, pieced by the engine:
+    ``buffer`` is what the engine works on, the device buffer when the device memory is
+    the host's, else a staging buffer."""
+
+    def __init__(self, ops: DeviceOps, dev_ptr: int, nbytes: int, what: str) -> None:
+        super().__init__(ops, what)
+        self.dev_ptr = dev_ptr
+        self.nbytes = nbytes
+        self._staging: Any = None
+        if ops.unified:
+            self.buffer = dev_ptr
+        else:
+            self.buffer, self._staging = ops.staging_buffer(nbytes)
+        ops.on_op(self)
+
+    @property
+    def target(self) -> int:
+        return TICKET_BASE + self.nbytes
+
+    def engine_ranges(self) -> list[tuple[int, int]]:
+        return [(self.buffer, self.nbytes)]
+
+    def _before_ready(self, stream: Any) -> None:
+        if not self.ops.unified:
+            self.ops.copy_to_host(stream, self.buffer, self.dev_ptr, self.nbytes)
+
+    def _after_done(self, stream: Any) -> None:
+        if not self.ops.unified:
+            self.ops.copy_to_device(stream, self.dev_ptr, self.buffer, self.nbytes)
+
+    def _release_staging(self) -> None:
         if self._staging is not None:
             self.ops.release_staging(self._staging)
             self._staging = None
+
+
+class StagedOp(TicketedOp):
+    """Any collective, its device tensors staged through host blocks: the engine runs the
+    same algorithm as for CPU tensors (so CPU and device ranks can share an op) behind a
+    gate on ``ready`` (``Communicator.gate``), and the completion thread raises ``done``
+    once the result's host-side steps ran (``settle``): a ticket store, no device call."""
+
+    def __init__(self, ops: DeviceOps, what: str) -> None:
+        super().__init__(ops, what)
+        self._blocks: list[tuple[int, int, Any]] = []  # (address, bytes, owner)
+        self._to_host: list[tuple[int, int, int]] = []    # (host, device, bytes)
+        self._to_device: list[tuple[int, int, int]] = []  # (device, host, bytes)
+        ops.on_op(self)
+
+    @property
+    def target(self) -> int:
+        return TICKET_BASE + 1
+
+    def block(self, nbytes: int) -> int:
+        """A staging block of at least ``nbytes``, the op's until it retires."""
+        addr, owner = self.ops.staging_buffer(nbytes)
+        self._blocks.append((addr, nbytes, owner))
+        return addr
+
+    def copy_in(self, host: int, dev: int, nbytes: int) -> None:
+        if nbytes:
+            self._to_host.append((host, dev, nbytes))
+
+    def copy_out(self, dev: int, host: int, nbytes: int) -> None:
+        if nbytes:
+            self._to_device.append((dev, host, nbytes))
+
+    def engine_ranges(self) -> list[tuple[int, int]]:
+        return [(addr, n) for addr, n, _ in self._blocks]
+
+    def _before_ready(self, stream: Any) -> None:
+        for host, dev, n in self._to_host:
+            self.ops.copy_to_host(stream, host, dev, n)
+
+    def _after_done(self, stream: Any) -> None:
+        for dev, host, n in self._to_device:
+            self.ops.copy_to_device(stream, dev, host, n)
+
+    def cancel(self, stream: Any) -> None:
+        """Launched, but the engine never took the op: the caller's tensors stay as they
+        were, and the blocks are released once the stream is past the copies in."""
+        self._to_device.clear()
+        self.done.poison()
+        self.finish(stream)
+
+    def settle(self, error: BaseException | None) -> None:
+        """The engine's op and its host-side steps ended (completion thread): the result may
+        go to the device, or on failure every device wait passes (the tensors hold garbage;
+        Work.wait() raises)."""
+        if error is None:
+            self.done.signal(self.target)
+        else:
+            self.done.poison()
+
+    def _release_staging(self) -> None:
+        blocks, self._blocks = self._blocks, []
+        for _, _, owner in blocks:
+            self.ops.release_staging(owner)

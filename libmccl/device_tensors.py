@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from ._torch_compat import ResultFuture
-from .device_order import DeviceOps, OrderedOp
+from .device_order import DeviceOps, OrderedOp, StagedOp, TicketedOp
 from .errors import ConfigError
 
 # Fake devices (CI) whose memory is host memory: a CPU tensor in their memory is theirs.
@@ -51,9 +51,9 @@ class _Ledger:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._ops: list[OrderedOp] = []
+        self._ops: list[TicketedOp] = []
 
-    def add(self, op: OrderedOp) -> None:
+    def add(self, op: TicketedOp) -> None:
         with self._lock:
             self._ops.append(op)
             keep = []
@@ -81,12 +81,18 @@ def ops_for(t: torch.Tensor) -> tuple[DeviceOps, Any] | None:
         index = t.device.index if t.device.index is not None else torch.cuda.current_device()
         return _cuda_ops(index), torch.cuda.current_stream(index).cuda_stream
     fake = _fake_owner(t)
-    return None if fake is None else (fake, None)
+    return None if fake is None else (fake, getattr(fake, "stream", None))
 
 
 def on_a_stream(t: torch.Tensor) -> bool:
     """Whether ``ordered`` may order ``t``, without loading a device's driver."""
     return t.is_cuda or t.device.type == "mps" or _fake_owner(t) is not None
+
+
+def stages(t: torch.Tensor) -> bool:
+    """Whether ``_buffers.Staging`` stages ``t`` through a ``StagedOp`` (host blocks, tickets):
+    CUDA tensors and those of a fake device; mps tensors are the Metal bridge's or copied."""
+    return t.is_cuda or _fake_owner(t) is not None
 
 
 def _fake_owner(t: torch.Tensor) -> Any:
@@ -102,36 +108,43 @@ class WaiterSide:
     """O2 for one op, run by Work.wait() and Work.get_future() on the waiter's thread.
 
     On a device with one queue (the fake device, Metal) the waiter's stream itself waits
-    for ``done``. On CUDA the wait and the copy back go on a side stream, and consumers
+    for ``done``. On CUDA the wait and the copies back go on a side stream, and consumers
     are ordered after an event recorded behind them: the waiter's current stream in
     wait(), and whatever chains on the CUDA-aware future from get_future() (torch runs
     its callbacks on streams synchronised with that event). So a DDP comm hook taking the
     future right after the all-reduce does not hold up the rest of backward behind it.
+    ``tensors`` are the op's device tensors; the first names the device. On devices whose
+    memory torch sees as CPU memory (the fake device, an emulated driver in the tests)
+    ``stream`` is the device's own stream handle.
     """
 
-    def __init__(self, order: OrderedOp, t: torch.Tensor, on_lost: Callable[[BaseException], None]) -> None:
-        self._order, self._t, self._on_lost = order, t, on_lost
+    def __init__(self, order: TicketedOp, tensors: list[torch.Tensor],
+                 on_lost: Callable[[BaseException], None], stream: Any = None) -> None:
+        self._order, self._tensors, self._on_lost = order, tensors, on_lost
+        self._stream = stream  # where O2 goes on a device other than CUDA
+        self._device = tensors[0].device
         self._event: Any = None
         self._future: Any = None
         self._lock = threading.RLock()
 
     def wait(self) -> None:
-        if self._t.device.type != "cuda":
-            self._order.finish(None)
+        if self._device.type != "cuda":
+            self._order.finish(self._stream)
             return
-        torch.cuda.current_stream(self._t.device).wait_event(self._on_side())
+        torch.cuda.current_stream(self._device).wait_event(self._on_side())
 
-    def future(self, result: ResultFuture) -> Any:
-        """The future to hand out for the op whose outcome ``result`` will hold."""
-        if self._t.device.type != "cuda":
-            self._order.finish(None)
+    def future(self, result: ResultFuture, value: Any) -> Any:
+        """The future to hand out for the op whose outcome ``result`` will hold; it completes
+        with ``value`` (the op's outputs)."""
+        if self._device.type != "cuda":
+            self._order.finish(self._stream)
             return result.future
         with self._lock:
             if self._future is None:
                 self._on_side()
-                with torch.cuda.stream(_side_stream(self._t.device)):
-                    fut = torch.futures.Future(devices=[self._t.device])
-                    fut.set_result([self._t])  # records its event on the side stream
+                with torch.cuda.stream(_side_stream(self._device)):
+                    fut = torch.futures.Future(devices=[self._device])
+                    fut.set_result(value)  # records its event on the side stream
                 # Complete before the engine is done, as NCCL's: a failure found later cannot
                 # fail it, so the process group learns of it instead (no silent garbage).
                 result.on_failure(self._on_lost)  # on the completion thread: touches no device
@@ -141,8 +154,9 @@ class WaiterSide:
     def _on_side(self) -> Any:
         with self._lock:
             if self._event is None:
-                side = _side_stream(self._t.device)
-                self._t.record_stream(side)  # the allocator keeps the memory until the copy back ran
+                side = _side_stream(self._device)
+                for t in self._tensors:
+                    t.record_stream(side)  # the allocator keeps the memory until the copy back ran
                 self._order.finish(side.cuda_stream)
                 self._event = torch.cuda.Event()
                 self._event.record(side)
@@ -161,7 +175,9 @@ def _side_stream(device: torch.device) -> Any:
 
 
 def ordered(t: torch.Tensor, name: str) -> tuple[OrderedOp, Any] | None:
-    """The device side of a collective on ``t``, its tickets fresh, not yet launched."""
+    """The device side of an all-reduce on ``t`` reduced in place (unified memory: the fake
+    device, Metal) or staged by the Metal bridge, its tickets fresh, not yet launched; None
+    where Staging stages it (CUDA, ``staged``) or it goes through blocking copies."""
     if t.device.type == "mps":
         from . import metal_tensors  # loads the Metal bridge on first use
 
@@ -175,10 +191,24 @@ def ordered(t: torch.Tensor, name: str) -> tuple[OrderedOp, Any] | None:
         if found is None:
             return None
         ops, stream = found
+        if not ops.unified:
+            return None  # staged like any collective: the engine's plain algorithm behind a gate
         addr = t.data_ptr()
     if not t.is_contiguous():
         raise ConfigError(f"[mccl] {name}: the {t.device} tensor is not contiguous; device tensors are "
                           "reduced in place, pass tensor.contiguous() and copy the result back")
     op = OrderedOp(ops, addr, t.numel() * t.element_size(), f"{name} on {t.device}")
+    _ledger(ops).add(op)
+    return op, stream
+
+
+def staged(t: torch.Tensor, name: str) -> tuple[StagedOp, Any] | None:
+    """A fresh staged op for a collective with device tensor ``t`` in it (not launched),
+    and the stream its copies go on; None for a tensor no device stream serves."""
+    found = ops_for(t)
+    if found is None:
+        return None
+    ops, stream = found
+    op = StagedOp(ops, f"{name} on {t.device}")
     _ledger(ops).add(op)
     return op, stream

@@ -33,7 +33,7 @@ from typing import Any, Callable
 from . import _core
 from .errors import AbortedError, CollectiveTimeout
 from .device_order import (TICKET_BASE, DeviceOps, DeviceOrderError, DeviceRace, ForeignThreadCommit,
-                           OrderedOp, UncommittedCommands)
+                           TicketedOp, UncommittedCommands)
 
 _log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class FakeDevice(DeviceOps):
         self._lock = threading.Lock()
         self._open: list[_Command] = []
         self._queued: list[_Command] = []  # committed, not yet finished
-        self._live: list[OrderedOp] = []   # ops whose engine buffer the device must not touch
+        self._live: list[TicketedOp] = []   # ops whose engine buffer the device must not touch
         self._memory: list[Any] = []       # keeps alloc()'s buffers alive
         self._adopted: list[Range] = []
         self._error: DeviceOrderError | None = None
@@ -118,7 +118,7 @@ class FakeDevice(DeviceOps):
         t.signal(TICKET_BASE)
         return t
 
-    def on_op(self, op: OrderedOp) -> None:
+    def on_op(self, op: TicketedOp) -> None:
         with self._lock:
             self._live.append(op)
 
@@ -204,10 +204,9 @@ class FakeDevice(DeviceOps):
         with self._lock:
             live = list(self._live)
         for op in live:
-            engine = (op.buffer, op.nbytes)
             if op.ready.value < op.target or op.ready.poisoned:
                 continue
-            for r in cmd.touches:
+            for r, engine in ((r, e) for r in cmd.touches for e in op.engine_ranges()):
                 if _overlap(r, engine):
                     raise DeviceRace(
                         f"[fake-device] {cmd.label!r} {when} on bytes {r[0] - engine[0]}..{r[0] - engine[0] + r[1]} "

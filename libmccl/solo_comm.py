@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import queue
 import secrets
 import threading
 from typing import Any, Callable, Sequence
@@ -21,7 +22,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ._buffers import DTYPE_CODES
-from .errors import AbortedError, ConfigError
+from .errors import AbortedError, CollectiveTimeout, ConfigError, MCCLError
 
 _ELEMENT_BYTES = {code: torch.empty(0, dtype=dt).element_size() for dt, code in DTYPE_CODES.items()}
 
@@ -35,6 +36,11 @@ class SoloCommunicator:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._closed = False
+        self._timeout_s = 1800.0
+        # Device ops (gate()): items for the helper thread, and how many it has not run yet.
+        self._backlog: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
+        self._behind = 0
+        self._helper: threading.Thread | None = None
 
     # -- identity --------------------------------------------------------------
     rank = 0
@@ -82,6 +88,18 @@ class SoloCommunicator:
     def barrier(self) -> int:
         return self._done("barrier")
 
+    def gate(self, ready: Any, base: int, nbytes: int) -> None:
+        """Like ``_core.Communicator.gate``: the ops issued after it run once ``ready`` >=
+        base + nbytes (a device's staging copies landed). They run on a helper thread, so
+        the caller does not wait for the device; ops issued while it has a backlog queue
+        behind it, in call order."""
+        with self._lock:
+            if self._helper is None:
+                self._helper = threading.Thread(target=self._helper_main, name="mccl-solo-gate", daemon=True)
+                self._helper.start()
+            self._behind += 1
+            self._backlog.put(("gate", ready, base + nbytes))
+
     def send(self, buf: int, nbytes: int, dst: int, tag: int, timeout_s: float | None = None) -> int:
         raise ConfigError("[mccl] send in a group of one rank: there is no peer to send to")
 
@@ -92,13 +110,18 @@ class SoloCommunicator:
     def set_timeout(self, timeout_s: float) -> None:
         if not timeout_s > 0:
             raise ConfigError(f"[mccl] set_timeout({timeout_s} s): the timeout must be positive")
+        self._timeout_s = timeout_s
 
     def shutdown(self, timeout_s: float = 0.0) -> bool:
-        self._closed = True
+        self._close()
         return False  # no borrowed sockets to hand back
 
     def abort(self, reason: str = "") -> None:
+        self._close()
+
+    def _close(self) -> None:
         self._closed = True
+        self._backlog.put(None)  # ops still behind a gate are failed by the backend's router
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -111,9 +134,31 @@ class SoloCommunicator:
         if self._closed:
             raise AbortedError(f"[mccl] {name} called on a communicator that is shut down or aborted; "
                                "create a new process group")
-        if nbytes and dst != src:
-            ctypes.memmove(dst, src, nbytes)
         with self._lock:
             op_id = next(self._ids)
+            if self._behind:
+                self._behind += 1
+                self._backlog.put(("op", op_id, dst, src, nbytes))
+                return op_id
+        if nbytes and dst != src:
+            ctypes.memmove(dst, src, nbytes)
         self._deliver([(op_id, None, -1)])
         return op_id
+
+    def _helper_main(self) -> None:
+        error: MCCLError | None = None  # the last gate's, for the op it guards
+        while (item := self._backlog.get()) is not None:
+            if item[0] == "gate":
+                try:
+                    item[1].wait(item[2], self._timeout_s, "[mccl] solo group: device gate")
+                except (CollectiveTimeout, AbortedError) as exc:
+                    error = exc
+            else:
+                _, op_id, dst, src, nbytes = item
+                if error is None and nbytes and dst != src:
+                    ctypes.memmove(dst, src, nbytes)
+                kind = None if error is None else (2 if isinstance(error, CollectiveTimeout) else 6, str(error))
+                self._deliver([(op_id, kind, -1)])
+                error = None
+            with self._lock:
+                self._behind -= 1

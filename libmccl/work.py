@@ -98,7 +98,7 @@ class MCCLWork(compat.WorkBase):
     def get_future(self) -> torch.futures.Future:
         if self._device is not None:
             self._refuse_completion_thread("get_future()")
-            return self._device.future(self._result)
+            return self._device.future(self._result, self._outputs)
         return self._result.future
 
     def _on_completion_thread(self) -> bool:
@@ -145,11 +145,13 @@ class CompletionRouter:
         self._lock = threading.Lock()
         self._pending: dict[int, MCCLWork] = {}
         self._early: dict[int, tuple[BaseException | None, int]] = {}
-        self._completion_thread: int | None = None
+        # Set while on_complete runs: a solo group delivers on the caller's thread, which is
+        # the completion thread only for that long.
+        self._delivering = threading.local()
         self._closed_error: BaseException | None = None
 
     def on_completion_thread(self) -> bool:
-        return threading.get_ident() == self._completion_thread
+        return getattr(self._delivering, "depth", 0) > 0
 
     def track(self, op_id: int, work: MCCLWork) -> MCCLWork:
         work._router = self
@@ -166,7 +168,13 @@ class CompletionRouter:
 
     def on_complete(self, batch: list[tuple[int, Any, int]]) -> None:
         """The engine's callback. Never raises into the engine."""
-        self._completion_thread = threading.get_ident()
+        self._delivering.depth = getattr(self._delivering, "depth", 0) + 1  # a callback may deliver again
+        try:
+            self._route(batch)
+        finally:
+            self._delivering.depth -= 1
+
+    def _route(self, batch: list[tuple[int, Any, int]]) -> None:
         for op_id, err, info in batch:
             error = None if err is None else from_kind(*err)
             with self._lock:

@@ -1,31 +1,36 @@
 #!/usr/bin/env python3
-"""CUDA tensors through MCCL's device-ordering protocol (libmccl/device_order.py), checked
-on an NVIDIA host. Self-checking: one line per check, exit status 1 if any fails.
+"""CUDA tensors through MCCL (libmccl/device_order.py, docs/cuda.md), checked on an NVIDIA
+host. Self-checking: one PASS/FAIL line per check, exit status 1 if any fails; with $OUT
+set, every figure also goes to $OUT/cuda_check.json.
 
 Run from the repository root on a machine with a CUDA GPU, after building the engine there
 (torch-free, so any torch with CUDA will do; pyzmq is not needed):
 
     pip install --no-build-isolation --no-deps -e .     # or put a built libmccl/_core*.so in place
-    python scripts/cuda_check.py                         # about a minute
+    python scripts/cuda_check.py                         # about 1-2 minutes on the H200
+    python scripts/cuda_check.py --emulated              # no GPU: the emulated driver (a dry run)
 
-1. all-reduce of CUDA tensors with 1 (solo_comm: no engine, the identity), 2, 3 and 4 ranks
-   sharing GPU 0 equals Gloo on CPU copies (integer-valued data, so every sum is exact). Each bucket is written by a kernel queued
-   behind a ~25 ms GPU sleep, so the CPU is far ahead of the GPU and the engine must wait
-   for O1; the result is read by a kernel queued right after Work.wait(), which only O2
-   orders (half the buckets are read through Work.get_future() instead, as DDP does).
-   Three buckets are in flight at once. Then DDP of a CUDA model over mccl and over Gloo:
-   equal parameters after 5 steps.
-2. The collective call does not block its caller on the GPU (no synchronize): issuing takes
-   far less than the sleep in front of the bucket.
-3. Negative control: with O1 replaced by the CPU raising ``ready`` at once, results are wrong.
-4. Latency of the tickets themselves (no engine): CPU signal -> GPU wait -> GPU signal -> CPU,
-   seen by a CPU spinning on the word and by Ticket.wait (the engine's wait), with and
-   without the host callback that wakes the waiters (CudaOps.host_wake), 2000 trials each.
+1. Every collective (libmccl.device_check.CASES) with CUDA tensors at 1, 2 and 4 ranks
+   sharing GPU 0 equals the same case on CPU copies over Gloo (or mccl's CPU path where
+   Gloo lacks the op), bit for bit (integer-valued data). Each input is written by a kernel
+   queued behind a ~25 ms GPU sleep and the results are read by a kernel queued after
+   Work.wait(), so O1 and O2 are what make them right. A first pass warms the staging pool.
+2. Non-blocking: in the second pass every call returned while the GPU had not yet run
+   the kernels writing its inputs (their event not reached), with its time beside the sleep's.
+3. A CPU rank and a CUDA rank in one job: every case equal.
+4. DDP of a CUDA model (2 ranks, several buckets) over mccl equals DDP over Gloo.
+5. Negative control: with O1 removed (the CPU raises ``ready`` while the copies are queued)
+   the results are wrong.
+6. Latency of an 8-byte all-reduce, CUDA tensor vs CPU tensor (2 ranks), and of the
+   tickets themselves; whether cuMemHostAlloc waits for queued GPU work (the hidden
+   synchronisation the pool avoids).
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import json
 import os
 import socket
 import statistics
@@ -35,11 +40,8 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-SLEEP_CYCLES = 50_000_000  # torch.cuda._sleep: ~25 ms at H200 clocks
-CASES = [  # (elements, dtype name, op name)
-    (1 << 20, "float32", "SUM"), (3_000_001, "float32", "AVG"), (1 << 18, "bfloat16", "SUM"),
-    (7, "float32", "SUM"), (1 << 24, "float32", "SUM"),
-]
+WORLDS = (1, 2, 4)
+LATENCY_ITERS = 200
 
 
 def _free_port() -> int:
@@ -48,78 +50,61 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _drop_o1() -> None:
-    from libmccl.device_order import OrderedOp
+def _init(rank: int, world: int, port: int, emulated: bool):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+    import torch.distributed as dist
 
-    def launch(self, stream):
-        if not self.ops.unified:
-            self.ops.copy_to_host(stream, self.buffer, self.dev_ptr, self.nbytes)
-        self.ready.signal(self.target)  # the CPU says "ready" while the copy is still queued
-    OrderedOp.launch = launch
+    import libmccl  # noqa: F401 - registers "mccl"
 
-
-def _rank(rank: int, world: int, port: int, broken: bool, q) -> None:
-    try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        import torch
-        import torch.distributed as dist
-
-        import libmccl  # noqa: F401 - registers "mccl"
-
-        if broken:
-            _drop_o1()
+    if not emulated:
         torch.cuda.set_device(0)
-        dist.init_process_group("mccl", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-        gloo = dist.new_group(backend="gloo")
+    dist.init_process_group("mccl", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    return dist, dist.new_group(backend="gloo")
+
+
+def _device(emulated: bool, cpu: bool = False):
+    from libmccl import device_check as C
+
+    if cpu:
+        return C.CpuDevice()
+    return C.emulated_cuda() if emulated else C.CudaDevice()
+
+
+def _cases_rank(rank: int, world: int, port: int, emulated: bool, mode: str, q) -> None:
+    """mode: "all" (every case, warm-up then held), "mixed" (rank 0 on the CPU), "broken" (no O1)."""
+    try:
+        dist, gloo = _init(rank, world, port, emulated)
+        from libmccl import device_check as C
+
+        dev = _device(emulated, cpu=mode == "mixed" and rank == 0)
+        undo = C.without_o1() if mode == "broken" else None
         rows = []
-        cases = CASES[:1] if broken else CASES
-        for trial in range(0, len(cases), 3):
-            batch = cases[trial:trial + 3]
-            xs, buckets, works, issue = [], [], [], 0.0
-            for i, (n, dt, _) in enumerate(batch):
-                g = torch.Generator(device="cuda").manual_seed(1000 * (trial + i) + rank)
-                xs.append(torch.randint(-30, 30, (n,), device="cuda", generator=g).to(getattr(torch, dt)))
-            for (n, dt, op), x in zip(batch, xs):
-                torch.cuda._sleep(SLEEP_CYCLES)
-                b = x * 1  # the bucket, written by a kernel behind the sleep
-                t0 = time.perf_counter()
-                works.append(dist.all_reduce(b, op=getattr(dist.ReduceOp, op), async_op=True))
-                issue = max(issue, time.perf_counter() - t0)
-                buckets.append(b)
-            outs = []
-            for i, (w, b) in enumerate(zip(works, buckets)):
-                if (trial + i) % 2 == 0:
-                    w.wait()
-                    outs.append(b.clone())  # a kernel reading the result, ordered after done by O2 only
-                else:  # as DDP: chained on the (CUDA-aware) future
-                    outs.append(w.get_future().then(lambda f: f.value()[0].clone()).wait())
-            for (n, dt, op), x, out in zip(batch, xs, outs):
-                ref = x.cpu()
-                dist.all_reduce(ref, group=gloo)  # Gloo has no AVG: SUM, then divide as the engine does
-                if op == "AVG":
-                    ref = ref / world
-                got = out.cpu()
-                rows.append((n, dt, op, bool(torch.equal(got, ref)), float((got.float() - ref.float()).abs().max())))
-            rows.append(("issue_s", issue))
+        try:
+            for held in (False, True):
+                for name in C.CASES:
+                    r = C.run_case(name, dev, None, [("gloo", gloo), ("mccl-cpu", None)], rank, world, hold=held,
+                                   seed_offset=1000 * held)
+                    if held:
+                        rows.append(r.__dict__)
+        finally:
+            if undo is not None:
+                undo()
+            dev.close()
         dist.destroy_process_group()
         q.put((rank, "ok", rows))
     except BaseException:  # noqa: BLE001 - reported by the parent
         q.put((rank, "error", traceback.format_exc()))
 
 
-def _ddp_rank(rank: int, world: int, port: int, broken: bool, q) -> None:
+def _ddp_rank(rank: int, world: int, port: int, emulated: bool, mode: str, q) -> None:
     """DDP of a CUDA model over mccl and over Gloo, same data: equal parameters."""
     try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist, gloo = _init(rank, world, port, emulated)
         import torch
-        import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        import libmccl  # noqa: F401 - registers "mccl"
-
-        torch.cuda.set_device(0)
-        dist.init_process_group("mccl", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-        gloo = dist.new_group(backend="gloo")
+        from libmccl.device_check import SLEEP_CYCLES
 
         def model():
             torch.manual_seed(0)
@@ -138,20 +123,48 @@ def _ddp_rank(rank: int, world: int, port: int, broken: bool, q) -> None:
                 opt.step()
             trained.append([p.detach().cpu() for p in m.parameters()])
         diff = max(float((a - b).abs().max()) for a, b in zip(*trained))
+        replicas = [torch.cat([p.reshape(-1) for p in trained[0]])]
+        dist.all_reduce(replicas[0], op=dist.ReduceOp.MAX, group=gloo)
+        spread = float((replicas[0] - torch.cat([p.reshape(-1) for p in trained[0]])).abs().max())
         dist.destroy_process_group()
-        q.put((rank, "ok", [("ddp_max_diff", diff)]))
+        q.put((rank, "ok", [{"ddp_max_diff": diff, "replica_spread": spread}]))
     except BaseException:  # noqa: BLE001 - reported by the parent
         q.put((rank, "error", traceback.format_exc()))
 
 
-def _run_world(world: int, broken: bool = False, timeout_s: float = 90.0, target=None) -> list:
+def _latency_rank(rank: int, world: int, port: int, emulated: bool, mode: str, q) -> None:
+    """Median time of a synchronous 8-byte all-reduce: device tensor (result read back) vs CPU tensor."""
+    try:
+        dist, _ = _init(rank, world, port, emulated)
+        import torch
+
+        dev = _device(emulated)
+        out = {}
+        for label in ("device", "cpu"):
+            t = dev.produce(2, torch.float32, rank) if label == "device" else torch.ones(2)
+            times = []
+            for i in range(LATENCY_ITERS + 10):
+                t0 = time.perf_counter()
+                dist.all_reduce(t, async_op=True).wait()
+                if label == "device":
+                    dev.read(t)  # the result is on the device, usable by the next kernel
+                if i >= 10:
+                    times.append(time.perf_counter() - t0)
+            out[label] = statistics.median(times) * 1e6
+        dev.close()
+        dist.destroy_process_group()
+        q.put((rank, "ok", [out]))
+    except BaseException:  # noqa: BLE001 - reported by the parent
+        q.put((rank, "error", traceback.format_exc()))
+
+
+def _run_world(target, world: int, emulated: bool, mode: str = "all", timeout_s: float = 120.0) -> list:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=target or _rank, args=(r, world, port, broken, q), daemon=True)
-             for r in range(world)]
+    procs = [ctx.Process(target=target, args=(r, world, port, emulated, mode, q), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     out = {}
@@ -169,14 +182,57 @@ def _run_world(world: int, broken: bool = False, timeout_s: float = 90.0, target
             if p.is_alive():
                 p.kill()
     if len(out) < world:
-        raise RuntimeError(f"only ranks {sorted(out)} of {world} reported within {timeout_s} s")
+        raise RuntimeError(f"Timed out after {timeout_s} s: only ranks {sorted(out)} of {world} reported")
     for r, (status, value) in sorted(out.items()):
         if status != "ok":
             raise RuntimeError(f"rank {r} failed:\n{value}")
     return [out[r][1] for r in range(world)]
 
 
-def _latency(host_wake: bool, trials: int = 1000) -> tuple[list[float], list[float]]:
+def _sleep_ms() -> float:
+    import torch
+
+    from libmccl.device_check import SLEEP_CYCLES
+
+    s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s0.record()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    s1.record()
+    s1.synchronize()
+    return s0.elapsed_time(s1)
+
+
+def _host_alloc_blocks_ms() -> dict:
+    """How long cuMemHostAlloc(16 MiB) takes with ~25 ms of GPU work queued, per flag set:
+    close to the sleep means it waits for the GPU (why staging blocks come from a pool)."""
+    import ctypes
+
+    import torch
+
+    from libmccl.cuda_ops import _Driver
+    from libmccl.device_check import SLEEP_CYCLES
+
+    drv = _Driver()
+    out = {}
+    for label, flags in (("portable|devicemap", 0x03), ("portable", 0x01), ("none", 0x00)):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        ptr = ctypes.c_void_p()
+        t0 = time.perf_counter()
+        drv.check(drv.cuMemHostAlloc(ctypes.byref(ptr), 16 << 20, flags), "cuMemHostAlloc")
+        out[f"alloc {label}"] = (time.perf_counter() - t0) * 1e3
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        t0 = time.perf_counter()
+        drv.check(drv.cuMemFreeHost(ptr), "cuMemFreeHost")
+        out[f"free {label}"] = (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize()
+    return out
+
+
+def _ticket_latency(host_wake: bool, trials: int = 500) -> tuple[list[float], list[float]]:
+    """CPU signal -> GPU wait -> GPU signal -> CPU, by a CPU spinning on the word and by
+    Ticket.wait (the engine's wait)."""
     import torch
 
     from libmccl.cuda_ops import CudaOps
@@ -212,50 +268,117 @@ def _pct(xs: list[float], p: float) -> float:
 
 
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--emulated", action="store_true",
+                    help="no GPU: CUDA tensors are host memory behind libmccl.cuda_emulator (a dry run of this script)")
+    args = ap.parse_args()
     import torch
 
-    if not torch.cuda.is_available():
-        print("FAIL torch sees no CUDA device")
+    if not args.emulated and not torch.cuda.is_available():
+        print("FAIL torch sees no CUDA device (use --emulated for a dry run without one)")
         return 1
+    t_start = time.monotonic()
     failed = 0
+    report_json: dict = {"emulated": args.emulated, "checks": [], "figures": {}}
 
     def report(ok: bool, line: str) -> None:
         nonlocal failed
         failed += not ok
         print(("PASS " if ok else "FAIL ") + line, flush=True)
+        report_json["checks"].append({"ok": ok, "line": line})
 
-    sleep_ms = None
-    for world in (1, 2, 3, 4):  # 1: solo_comm, no engine
+    def info(line: str, **figures) -> None:
+        print("INFO " + line, flush=True)
+        report_json["figures"].update(figures)
+
+    def guarded(what: str, fn) -> None:
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - one broken check must not hide the others
+            report(False, f"{what}: {type(exc).__name__}: {str(exc)[-1500:]}")
+
+    if args.emulated:
+        held = "the emulated stream was held"
+    else:
+        held_ms = _sleep_ms()
+        held = f"{held_ms:.1f} ms of GPU work was queued in front"
+        info(f"the sleep in front of each case's inputs: {held_ms:.1f} ms of GPU work", sleep_ms=held_ms)
+
+    def cases(world: int) -> None:
         t0 = time.monotonic()
-        per_rank = _run_world(world)
-        rows = [row for rank_rows in per_rank for row in rank_rows if row[0] != "issue_s"]
-        issue = max(row[1] for rank_rows in per_rank for row in rank_rows if row[0] == "issue_s")
-        bad = [row for row in rows if not row[3]]
-        report(not bad, f"all-reduce of cuda tensors equals gloo, {world} ranks on one GPU, "
-                        f"{len(rows)} checks ({time.monotonic() - t0:.1f} s)" + (f"; wrong: {bad[:3]}" if bad else ""))
-        if sleep_ms is None:
-            s0 = torch.cuda.Event(enable_timing=True)
-            s1 = torch.cuda.Event(enable_timing=True)
-            s0.record()
-            torch.cuda._sleep(SLEEP_CYCLES)
-            s1.record()
-            s1.synchronize()
-            sleep_ms = s0.elapsed_time(s1)
-        report(issue * 1e3 < sleep_ms / 2, f"the collective call returned in at most {issue * 1e3:.2f} ms while the "
-                                           f"GPU had {sleep_ms:.1f} ms of work in front of the bucket ({world} ranks)")
-    diffs = [row[1] for rank_rows in _run_world(2, target=_ddp_rank) for row in rank_rows]
-    report(max(diffs) < 1e-5, f"DDP of a cuda model over mccl equals DDP over gloo after 5 steps, 2 ranks "
-                              f"(max parameter difference {max(diffs):.2e})")
-    per_rank = _run_world(2, broken=True)
-    wrong = [row for rank_rows in per_rank for row in rank_rows if row[0] != "issue_s" and not row[3]]
-    report(bool(wrong), "negative control: without O1 the results are wrong" if wrong else
-           "negative control: without O1 the results were still right (the GPU won the race?)")
-    for host_wake in (False, True):
-        spin, waited = _latency(host_wake)
-        print(f"INFO CPU->GPU->CPU round trip through two tickets, host wake {'on' if host_wake else 'off'}: "
-              f"CPU spinning median {statistics.median(spin):.1f} us, p99 {_pct(spin, 0.99):.1f} us; "
-              f"Ticket.wait (the engine's wait) median {statistics.median(waited):.1f} us, "
-              f"p99 {_pct(waited, 0.99):.1f} us ({len(spin)}+{len(waited)} trials)")
+        rows = [row for rank_rows in _run_world(_cases_rank, world, args.emulated) for row in rank_rows]
+        report_json["figures"][f"cases_{world}"] = rows
+        bad = [f"{r['case']} ({r['detail']})" for r in rows if not r["equal"]]
+        refs = sorted({r["reference"] for r in rows})
+        report(not bad, f"every collective ({len({r['case'] for r in rows})} cases) on cuda tensors equals the CPU "
+                        f"reference ({', '.join(refs)}), {world} ranks on one GPU ({time.monotonic() - t0:.1f} s)"
+               + (f"; wrong: {bad[:4]}" if bad else ""))
+        late = [r["case"] for r in rows if not r["returned_early"]]
+        worst = max(r["issue_s"] for r in rows) * 1e3
+        report(not late, f"every collective call returned before the GPU ran its inputs' kernels, at most "
+                         f"{worst:.2f} ms per case while {held} ({world} ranks)" + (f"; waited: {late}" if late else ""))
+
+    for world in WORLDS:
+        guarded(f"every collective, {world} ranks", lambda w=world: cases(w))
+
+    def mixed() -> None:
+        rows = [row for rank_rows in _run_world(_cases_rank, 2, args.emulated, "mixed") for row in rank_rows]
+        bad = [f"{r['case']} ({r['detail']})" for r in rows if not r["equal"]]
+        report(not bad, "a CPU rank and a CUDA rank in one job: every collective equals the CPU reference"
+               + (f"; wrong: {bad[:4]}" if bad else ""))
+    guarded("mixed CPU/CUDA ranks", mixed)
+
+    def ddp() -> None:
+        rows = [row for rank_rows in _run_world(_ddp_rank, 2, args.emulated) for row in rank_rows]
+        diff = max(r["ddp_max_diff"] for r in rows)
+        spread = max(r["replica_spread"] for r in rows)
+        report(diff < 1e-5 and spread == 0.0, f"DDP of a cuda model over mccl equals DDP over gloo after 5 steps, "
+                                              f"2 ranks (max parameter difference {diff:.2e}; replicas differ by "
+                                              f"{spread:.2e})")
+        report_json["figures"]["ddp"] = rows
+    if args.emulated:
+        info("DDP over cuda skipped with --emulated (torch's reducer needs real CUDA tensors; "
+             "tests/test_device_order_ddp.py drives DDP through the fake device)")
+    else:
+        guarded("DDP over cuda", ddp)
+
+    def negative() -> None:
+        rows = [row for rank_rows in _run_world(_cases_rank, 2, args.emulated, "broken") for row in rank_rows]
+        wrong = [r["case"] for r in rows if not r["equal"]]
+        report(bool(wrong), f"negative control: without O1 the checks see wrong results ({len(wrong)} of "
+                            f"{len(rows)} case results)" if wrong else
+               "negative control: without O1 every result was still right (the checks cannot see a missing O1)")
+    guarded("negative control", negative)
+
+    def latency() -> None:
+        rows = [row for rank_rows in _run_world(_latency_rank, 2, args.emulated) for row in rank_rows]
+        dev_us, cpu_us = max(r["device"] for r in rows), max(r["cpu"] for r in rows)
+        info(f"8-byte all_reduce, 2 ranks, median of {LATENCY_ITERS}: cuda tensor {dev_us:.0f} us (call, wait, "
+             f"result read back), cpu tensor {cpu_us:.0f} us", allreduce_8b_cuda_us=dev_us, allreduce_8b_cpu_us=cpu_us)
+    guarded("latency", latency)
+
+    if not args.emulated:
+        def host_alloc() -> None:
+            ms = _host_alloc_blocks_ms()
+            info("pinned allocation with 25 ms of GPU work queued: " + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items())
+                 + f" (near {held_ms:.0f} ms: it waits for the GPU)", host_alloc_ms=ms)
+        guarded("cuMemHostAlloc timing", host_alloc)
+
+        def tickets() -> None:
+            for host_wake in (False, True):
+                spin, waited = _ticket_latency(host_wake)
+                info(f"CPU->GPU->CPU round trip through two tickets, host wake {'on' if host_wake else 'off'}: "
+                     f"CPU spinning median {statistics.median(spin):.1f} us, p99 {_pct(spin, 0.99):.1f} us; "
+                     f"Ticket.wait median {statistics.median(waited):.1f} us, p99 {_pct(waited, 0.99):.1f} us",
+                     **{f"ticket_rtt_us_wake_{host_wake}": statistics.median(waited)})
+        guarded("ticket latency", tickets)
+
+    elapsed = time.monotonic() - t_start
+    print(f"INFO total {elapsed:.0f} s")
+    report_json["elapsed_s"] = elapsed
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "cuda_check.json"), "w") as f:
+            json.dump(report_json, f, indent=1, default=str)
     print("OK" if not failed else f"{failed} check(s) FAILED")
     return 1 if failed else 0
 

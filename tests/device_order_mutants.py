@@ -1,45 +1,50 @@
 """Broken variants of the ordering protocol (device_order), one missing piece each: the
 negative controls of test_device_order and test_device_order_model. Each takes a
-pytest MonkeyPatch and patches OrderedOp / MCCLWork for the test's duration."""
+pytest MonkeyPatch and patches TicketedOp (OrderedOp and StagedOp alike) / MCCLWork for the test's duration."""
 
 from __future__ import annotations
 
 import pytest
 
-from libmccl.device_order import OrderedOp
+from libmccl.device_order import TicketedOp
 from libmccl.work import MCCLWork
 
 
 def drop_o1(mp: pytest.MonkeyPatch) -> None:
-    """The CPU says "ready" at once instead of the stream after the bucket's kernels."""
-    mp.setattr(OrderedOp, "launch", lambda self, s: (self.ready.signal(self.target), self.ops.commit(s)))
+    """The CPU says "ready" at once instead of the stream after the bucket's kernels (and,
+    when staged, after the copies into host memory, which are still queued)."""
+    def launch(self, s):
+        self._before_ready(s)
+        self.ready.signal(self.target)
+        self.ops.commit(s)
+    mp.setattr(TicketedOp, "launch", launch)
 
 
 def drop_o2(mp: pytest.MonkeyPatch) -> None:
     """Nothing orders the stream's later work after the engine's result."""
-    mp.setattr(OrderedOp, "finish", lambda self, s: None)
+    mp.setattr(TicketedOp, "finish", lambda self, s: None)
 
 
 def skip_commit(mp: pytest.MonkeyPatch) -> None:
     """O1 and O2 are encoded but never committed (an encoder left open)."""
     for name in ("launch", "finish"):
-        def uncommitted(self, s, original=getattr(OrderedOp, name)):
+        def uncommitted(self, s, original=getattr(TicketedOp, name)):
             self.ops.commit = lambda s: None  # shadows the method on this instance only
             try:
                 original(self, s)
             finally:
                 del self.ops.commit
-        mp.setattr(OrderedOp, name, uncommitted)
+        mp.setattr(TicketedOp, name, uncommitted)
 
 
 def share_counter(mp: pytest.MonkeyPatch) -> None:
     """Every op of a device raises one ``ready`` word."""
-    init, shared = OrderedOp.__init__, {}
+    init, shared = TicketedOp.__init__, {}
 
     def one_word(self, *a):
         init(self, *a)
         self.ready = shared.setdefault(id(self.ops), self.ready)
-    mp.setattr(OrderedOp, "__init__", one_word)
+    mp.setattr(TicketedOp, "__init__", one_word)
 
 
 def o2_on_completion_thread(mp: pytest.MonkeyPatch) -> None:

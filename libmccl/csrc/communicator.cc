@@ -110,7 +110,7 @@ uint64_t Communicator::enqueue(Op op) {
     if (closing_) {
       if (op.tickets.done) op.tickets.done->poison();
       throw_error(ErrorKind::kAborted,
-                  std::string("[engine] ") + op_kind_name(op.kind) +
+                  std::string("[engine] ") + (op.gate ? "device gate" : op_kind_name(op.kind)) +
                       " called on a communicator that is shut down or aborted; create a new "
                       "process group");
     }
@@ -169,6 +169,10 @@ void Communicator::worker_main() {
 }
 
 void Communicator::run(Op& op) {
+  if (op.gate) {
+    run_gate(op);
+    return;
+  }
   if (auto sticky = failure()) {
     if (op.tickets.done) op.tickets.done->poison();
     complete(op.id, sticky, -1);
@@ -191,6 +195,25 @@ void Communicator::run(Op& op) {
   // Before completing: whoever waits on `done` must not see a half-written result as final.
   if (op.tickets.done) op.tickets.done->poison();
   complete(op.id, failure(), -1);  // a no-op if the failure already completed it
+}
+
+// Silent either way: a failed wait fails the communicator, so the op queued behind the
+// gate (the one it guards) completes with that error.
+void Communicator::run_gate(Op& op) {
+  try {
+    if (!failure()) {
+      Collective c{*transport_, deadline_after(op.timeout_s), op.timeout_s, opts_, scratch_};
+      const Pieces whole = Pieces::cut(1, op.count, op.count, 1);  // target: base + count
+      PieceGate(c, op.tickets, whole, "device gate").wait_ready(0);
+    }
+  } catch (const Error& e) {
+    on_error(e);
+  }
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    pending_.erase(op.id);
+  }
+  done_cv_.notify_all();
 }
 
 std::shared_ptr<const Error> Communicator::failure() const {

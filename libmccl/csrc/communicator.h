@@ -73,6 +73,9 @@ struct Op {
   // 0 (p2p only): no deadline, so only the message, a peer's failure, abort or shutdown end it.
   double timeout_s = -1;
   OpTickets tickets;  // all-reduce only; `done` is poisoned when the op fails
+  // A local step, no message: holds back the ops queued after it until tickets.ready
+  // reaches tickets.base + count (gate()).
+  bool gate = false;
   std::vector<size_t> send_sizes, send_offsets, recv_sizes, recv_offsets;
 };
 
@@ -109,6 +112,10 @@ class Communicator {
                      std::vector<size_t> send_offsets, void* recv, std::vector<size_t> recv_sizes,
                      std::vector<size_t> recv_offsets);
   uint64_t barrier();
+  // The ops enqueued after this one start once `ready` >= base + nbytes: a device's
+  // staging copy has landed (libmccl/device_staging.py). A poisoned ticket or the
+  // timeout fails the communicator, so the next op reports it. Reports no completion.
+  void gate(std::shared_ptr<Ticket> ready, uint64_t base, size_t nbytes);
   // timeout_s: unset, the communicator's timeout; 0, no deadline (a receive that may wait
   // for a message as long as the communicator lives, e.g. mccld's mailbox: a dead peer,
   // abort or shutdown still end it); > 0, its own.
@@ -152,6 +159,7 @@ class Communicator {
 
   void worker_main();
   void run(Op& op);
+  void run_gate(Op& op);
   void run_collective(Op& op);
   void post_p2p(const Op& op);
   void idle_progress();

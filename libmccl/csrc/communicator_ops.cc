@@ -180,6 +180,17 @@ uint64_t Communicator::alltoallv(const void* send, std::vector<size_t> send_size
   return enqueue(std::move(o));
 }
 
+void Communicator::gate(std::shared_ptr<Ticket> ready, uint64_t base, size_t nbytes) {
+  if (!ready || nbytes == 0) {
+    throw_error(ErrorKind::kConfig, "[gate] needs a ready ticket and nbytes > 0");
+  }
+  Op o;
+  o.gate = true;
+  o.tickets = OpTickets{std::move(ready), nullptr, base};
+  o.count = nbytes;
+  enqueue(std::move(o));
+}
+
 uint64_t Communicator::barrier() {
   Op o;
   o.kind = OpKind::kBarrier;

@@ -309,6 +309,9 @@ void register_engine_bindings(py::module_& m) {
                                        std::move(rs), std::move(ro));
            })
       .def("barrier", [](PC& c) { return c.core().barrier(); })
+      .def("gate", [](PC& c, std::shared_ptr<Ticket> ready, uint64_t base, size_t nbytes) {
+        c.core().gate(std::move(ready), base, nbytes);
+      }, py::arg("ready"), py::arg("base"), py::arg("nbytes"))
       .def("set_timeout", [](PC& c, double timeout_s) { c.core().set_timeout(timeout_s); },
            py::arg("timeout_s"))
       // timeout_s: None, the communicator's timeout; 0, no deadline; > 0, its own.
