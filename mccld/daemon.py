@@ -24,6 +24,7 @@ from . import PROTO_VERSION, __version__, protocol, shm
 from .attach import AttachServer
 from .config import DaemonConfig, runtime_dir
 from .datalinks import DataLinks
+from .gate import Gate
 from .jobs import Job
 from .links import LinkManager
 from .netif import choose_address
@@ -101,7 +102,7 @@ class Daemon:
         self.pool = ReducePool()
         try:
             self.links = LinkManager(key, cfg.fleet, self.host_id, self.addr, cfg.port, cfg.link_timeout_s,
-                                     self._on_link_message, self._on_peer)
+                                     self._on_link_message, self._on_peer, gate=Gate.from_config("link", cfg))
             self.datalinks = DataLinks(self.links, self.engine_cfg.sockets_per_peer, cfg.link_timeout_s).start()
             self.links.start()
             self.attach = AttachServer(self.runtime_dir, self._handle, on_disconnect=self._poke.set)
@@ -210,14 +211,15 @@ class Daemon:
             metrics = _optional("metrics")
             if metrics is not None:
                 srv = metrics.MetricsServer(self.stats, self.cfg.metrics_addr, self.cfg.metrics_port,
-                                            host=self.host_id, data_links=self._data_link_status)
+                                            host=self.host_id, data_links=self._data_link_status,
+                                            gate=Gate.from_config("metrics", self.cfg))
                 srv.start()
                 self._servers.append(srv)
         if self.cfg.status_port:
             status = _optional("status_server")
             if status is not None:
                 srv = status.StatusServer(self.status_provider, key, self.addr, self.cfg.status_port,
-                                          stats=self.stats)
+                                          stats=self.stats, gate=Gate.from_config("status", self.cfg))
                 srv.start()
                 self._servers.append(srv)
 
