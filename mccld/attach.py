@@ -52,6 +52,7 @@ class AttachServer:
         self._ready = threading.Event()
         self._inproc = f"inproc://mccld-replies-{id(self)}"
         self._start_error: BaseException | None = None
+        self._owns_files = False   # stop() removes the socket and token only if start() made them
 
     def start(self) -> None:
         sock_path = self.runtime_dir / protocol.SOCKET_NAME
@@ -62,6 +63,7 @@ class AttachServer:
         tmp.write_text(self._token)
         tmp.chmod(0o600)
         tmp.replace(token_path)
+        self._owns_files = True
         self._thread = threading.Thread(target=self._serve, name="mccld-attach", daemon=True)
         self._thread.start()
         if not self._ready.wait(10.0) or self._start_error is not None:
@@ -79,6 +81,9 @@ class AttachServer:
             if self._push is not None:
                 self._push.close(0)
                 self._push = None
+        if not self._owns_files:
+            return
+        self._owns_files = False
         for name in (protocol.SOCKET_NAME, protocol.TOKEN_NAME):
             try:
                 (self.runtime_dir / name).unlink()

@@ -7,15 +7,15 @@ segments and closes everything; both are idempotent.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
+import os
 import socket
 import threading
 import time
 from pathlib import Path
 from typing import Any
-
-import zmq
 
 from libmccl.config import EngineConfig, load
 from libmccl.errors import AbortedError, ConfigError, MCCLError, ProtocolError
@@ -33,6 +33,8 @@ from .reduce import ReducePool
 log = logging.getLogger(__name__)
 
 SEGMENT_RECORD = "segments"
+LOCK_NAME = "mccld.lock"
+_LOCK_PID_WAIT_S = 1.0      # for the winner of a simultaneous start to write its pid
 
 
 def default_host_id() -> str:
@@ -84,6 +86,7 @@ class Daemon:
         self.last_error = ""
         self.started = False
         self.runtime_dir: Path | None = None
+        self._lock_fd: int | None = None     # flock on the runtime dir's lock file, held while we serve it
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> "Daemon":
@@ -94,13 +97,13 @@ class Daemon:
         key = cfg.read_key()
         self.iface, self.addr = choose_address(cfg.iface, cfg.listen_addr, cfg.allow_wifi)
         self.runtime_dir = runtime_dir(cfg, create=True)
-        self._refuse_if_running()
-        self._sweep_segments()
-        stats_mod = _optional("stats")
-        self.stats = stats_mod.DaemonStats() if stats_mod else None
-        self._stat("set_state", "idle")
-        self.pool = ReducePool()
+        self._lock_runtime_dir()
         try:
+            self._sweep_segments()
+            stats_mod = _optional("stats")
+            self.stats = stats_mod.DaemonStats() if stats_mod else None
+            self._stat("set_state", "idle")
+            self.pool = ReducePool()
             self.links = LinkManager(key, cfg.fleet, self.host_id, self.addr, cfg.port, cfg.link_timeout_s,
                                      self._on_link_message, self._on_peer, gate=Gate.from_config("link", cfg))
             self.datalinks = DataLinks(self.links, self.engine_cfg.sockets_per_peer, cfg.link_timeout_s).start()
@@ -155,6 +158,10 @@ class Daemon:
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+        if self._lock_fd is not None:
+            # Last: until here our socket and token were still ours to remove.
+            os.close(self._lock_fd)
+            self._lock_fd = None
         if self.started:
             log.info("mccld stopped")
         self.started = False
@@ -164,22 +171,32 @@ class Daemon:
         log.error("[daemon] aborting: %s", reason)
         self.stop(reason)
 
-    def _refuse_if_running(self) -> None:
-        """Two daemons on one runtime dir would steal each other's clients."""
-        sock_path = self.runtime_dir / protocol.SOCKET_NAME
-        if not sock_path.exists():
-            return
-        ctx = zmq.Context.instance()
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
+    def _lock_runtime_dir(self) -> None:
+        """Two daemons on one runtime dir would steal each other's clients, and the one that
+        gives up would remove the socket and token the other serves with. An flock taken
+        before anything is written there decides, even for two started at the same moment
+        (asking "does a daemon answer?" does not: both can ask before either listens). The
+        kernel drops it when the process dies, so a crashed daemon never blocks the next.
+        The file is never removed: a daemon unlinking it while another waits would let a
+        third lock a new file of the same name."""
+        path = self.runtime_dir / LOCK_NAME
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            s.connect(protocol.endpoint(self.runtime_dir))
-            s.send(protocol.encode({"type": "status", "req": 0}))
-            if s.poll(500):
-                raise ConfigError(f"[daemon] another mccld already serves {sock_path}; stop it first "
-                                  "(or give this one its own MCCL_RUNTIME_DIR)")
-        finally:
-            s.close(0)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                other = b""
+                until = time.monotonic() + _LOCK_PID_WAIT_S
+                while not (other := os.pread(fd, 32, 0).strip()) and time.monotonic() < until:
+                    time.sleep(0.02)
+            finally:
+                os.close(fd)
+            raise ConfigError(f"[daemon] another mccld (pid {other.decode(errors='replace') or 'unknown'}) "
+                              f"already serves {self.runtime_dir} (it holds {path}); stop it first "
+                              "(or give this one its own MCCL_RUNTIME_DIR)") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
 
     def _sweep_segments(self) -> None:
         record = self.runtime_dir / SEGMENT_RECORD
