@@ -191,8 +191,8 @@ class Daemon:
                     time.sleep(0.02)
             finally:
                 os.close(fd)
-            raise ConfigError(f"[daemon] another mccld (pid {other.decode(errors='replace') or 'unknown'}) "
-                              f"already serves {self.runtime_dir} (it holds {path}); stop it first "
+            raise ConfigError(f"[daemon] another mccld already serves {self.runtime_dir}: pid "
+                              f"{other.decode(errors='replace') or 'unknown'} holds {path}; stop it first "
                               "(or give this one its own MCCL_RUNTIME_DIR)") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
