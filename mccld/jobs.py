@@ -310,6 +310,7 @@ class Job:
         if seg is None or seg.closed or seg.nbytes < nbytes:
             raise ProtocolError(f"[daemon] job {self.id} rank {rank}: no registered segment {name!r} of "
                                 f"{nbytes} bytes; the rank left, or its client skipped register")
+        seg.check_size()
         return seg
 
     def _member(self, rank: int, ident: bytes) -> Member:
@@ -426,6 +427,8 @@ class Job:
                         "issue the same collectives in the same order", peer_rank=p.msg["rank"])
             segs = {r: self.members[r].segments[p.msg["args"]["segment"]]
                     for r, p in waiting.items() if p.msg["args"].get("segment")}
+            for seg in segs.values():
+                seg.check_size()   # a client may have truncated it since register (shm.py)
             bases = {r: segs[r].addr if r in segs else 0 for r in waiting}
             self.hierarchy.run(first["op"], bases, {r: p.msg["args"] for r, p in waiting.items()},
                                {r: (s.ready, s.done) for r, s in segs.items()})

@@ -87,19 +87,21 @@ class Segment:
                                 "expected mccl-<job>-<rank>-<pid>-<gen>")
         self.name = name
         self.nbytes = nbytes
+        self._fd = -1      # the daemon's side keeps it: check_size() asks the file, not our memory
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = _posixshmem.shm_open("/" + name, flags, 0o600)
         try:
             if create:
                 os.ftruncate(fd, HEADER_BYTES + nbytes)
             else:
-                have = os.fstat(fd).st_size
-                if have < HEADER_BYTES + nbytes:
-                    raise ProtocolError(f"[daemon] segment {name} holds {have} bytes, client "
-                                        f"claimed {nbytes} after the {HEADER_BYTES}-byte header; "
-                                        "the client is out of sync")
+                self._fd = fd
+                self.check_size()
             self._map = mmap.mmap(fd, HEADER_BYTES + nbytes)
-        finally:
+        except BaseException:
+            self._fd = -1
+            os.close(fd)
+            raise
+        if create:
             os.close(fd)
         self._buf = (ctypes.c_char * (HEADER_BYTES + nbytes)).from_buffer(self._map)
         start = ctypes.addressof(self._buf)
@@ -107,6 +109,26 @@ class Segment:
         # Views of the header's words; valid while the mapping is (close() drops them).
         self.ready = _core.Ticket.at(start + READY_OFF)
         self.done = _core.Ticket.at(start + DONE_OFF)
+
+    def check_size(self) -> None:
+        """ProtocolError unless the file still holds the whole segment.
+
+        The client owns the file and can ftruncate it smaller under our mapping; touching a
+        page past the new end is SIGBUS, which would kill mccld. Nothing on Linux stops a
+        process that can map a shm file read-write from truncating it (only memfd seals can,
+        and an ipc:// ZeroMQ socket cannot pass the fd), so the daemon checks the size at
+        register and again right before every op touches the segment, and fails that job
+        with this error. What this cannot cover: a truncation in the microseconds-to-seconds
+        an op itself runs; closing that needs sealed memfd segments (or a SIGBUS-guarded
+        copy in the engine)."""
+        if self._fd < 0:
+            raise ProtocolError(f"[daemon] segment {self.name} is no longer mapped by mccld; its rank left")
+        have = os.fstat(self._fd).st_size
+        if have < HEADER_BYTES + self.nbytes:
+            raise ProtocolError(f"[daemon] segment {self.name} holds {have} bytes, the client registered "
+                                f"{self.nbytes} after the {HEADER_BYTES}-byte header; the client truncated "
+                                "it: a registered segment must keep its size until its rank "
+                                "leaves (register a new one under a new name to resize)")
 
     def view(self, offset: int = 0, nbytes: int | None = None) -> memoryview:
         end = self.nbytes if nbytes is None else offset + nbytes
@@ -123,6 +145,9 @@ class Segment:
         if self._map is None:
             return
         self.ready = self.done = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         del self._buf
         try:
             self._map.close()
