@@ -229,7 +229,7 @@ class Daemon:
             if metrics is not None:
                 srv = metrics.MetricsServer(self.stats, self.cfg.metrics_addr, self.cfg.metrics_port,
                                             host=self.host_id, data_links=self._data_link_status,
-                                            gate=Gate.from_config("metrics", self.cfg))
+                                            gate=Gate.from_config("metrics", self.cfg), gates=self._gates)
                 srv.start()
                 self._servers.append(srv)
         if self.cfg.status_port:
@@ -500,6 +500,10 @@ class Daemon:
             if (sent, recv) != last and 0 <= rank < len(job.hosts):
                 self._stat("record_peer_traffic", job.hosts[rank]["link_addr"],
                            max(0, sent - last[0]), max(0, recv - last[1]))
+
+    def _gates(self) -> list[Gate]:
+        links = self.links  # read once: stop() may clear it
+        return ([links.gate] if links is not None else []) + [s.gate for s in list(self._servers)]
 
     def _data_link_status(self) -> list[dict[str, Any]]:
         pool = self.datalinks  # read once: stop() may clear it between a check and a call

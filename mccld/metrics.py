@@ -48,10 +48,12 @@ class StatsCollector(Collector):
     """Renders one DaemonStats as Prometheus metric families, live at every scrape."""
 
     def __init__(self, stats: DaemonStats, host: str | None = None,
-                 data_links: Callable[[], list[dict[str, Any]]] | None = None) -> None:
+                 data_links: Callable[[], list[dict[str, Any]]] | None = None,
+                 gates: Callable[[], list[Gate]] | None = None) -> None:
         self._stats = stats
         self._host = host or socket.gethostname()
         self._data_links = data_links  # the daemon's data-socket pool, per peer host
+        self._gates = gates            # the daemon's ports' unauthenticated connections
 
     def collect(self) -> Iterable[Metric]:
         snap = self._stats.snapshot()
@@ -61,6 +63,21 @@ class StatsCollector(Collector):
         yield from self._job_metrics(snap)
         if self._data_links is not None:
             yield from self._data_link_metrics(self._data_links())
+        if self._gates is not None:
+            yield from self._gate_metrics(self._gates())
+
+    @staticmethod
+    def _gate_metrics(gates: list[Gate]) -> Iterable[Metric]:
+        open_ = GaugeMetricFamily("mccl_unauth_connections", "Connections to a port of the daemon that have "
+                                  "not authenticated yet", labels=["port"])
+        closed = CounterMetricFamily("mccl_unauth_connections_closed", "Unauthenticated connections the daemon "
+                                     "closed: over a cap at accept, or at their handshake deadline",
+                                     labels=["port", "reason"])
+        for g in gates:
+            open_.add_metric([g.name], g.unauthenticated())
+            closed.add_metric([g.name, "over_cap"], g.refused)
+            closed.add_metric([g.name, "deadline"], g.expired)
+        yield from (open_, closed)
 
     @staticmethod
     def _data_link_metrics(pools: list[dict[str, Any]]) -> Iterable[Metric]:
@@ -183,10 +200,11 @@ class StatsCollector(Collector):
 
 
 def make_registry(stats: DaemonStats, host: str | None = None,
-                  data_links: Callable[[], list[dict[str, Any]]] | None = None) -> CollectorRegistry:
+                  data_links: Callable[[], list[dict[str, Any]]] | None = None,
+                  gates: Callable[[], list[Gate]] | None = None) -> CollectorRegistry:
     """A registry holding only this daemon's collector (no process/GC default metrics)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StatsCollector(stats, host, data_links))
+    registry.register(StatsCollector(stats, host, data_links, gates))
     return registry
 
 
@@ -229,8 +247,8 @@ class MetricsServer:
 
     def __init__(self, stats: DaemonStats, addr: str = "0.0.0.0", port: int = 29652,
                  host: str | None = None, data_links: Callable[[], list[dict[str, Any]]] | None = None,
-                 gate: Gate | None = None) -> None:
-        self._registry = make_registry(stats, host, data_links)
+                 gate: Gate | None = None, gates: Callable[[], list[Gate]] | None = None) -> None:
+        self._registry = make_registry(stats, host, data_links, gates)
         self._addr = addr
         self._port = port
         self._gate = gate or Gate.from_config("metrics")

@@ -77,6 +77,15 @@ def honest_request(d: Daemon, env: dict, kind: str, port: int) -> None:
             assert peer_host == d.host_id
 
 
+def scraped(d: Daemon, series: str) -> float:
+    port = server(d, "MetricsServer").port
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5.0) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(series + " "):
+                return float(line.split()[-1])
+    raise AssertionError(f"{series} is not exported")
+
+
 def usage() -> tuple[int, int]:
     return len(os.listdir("/proc/self/fd")), threading.active_count()
 
@@ -105,7 +114,8 @@ def closed_by_peer(s: socket.socket) -> bool:
 def test_dribbling_peers_are_capped_and_dropped_at_the_deadline(limited_daemon, kind):
     d, env = limited_daemon
     port = port_of(d, kind)
-    honest_request(d, env, kind, port)      # warm up: imports, the gate's watchdog thread
+    honest_request(d, env, kind, port)      # warm up: imports, the gates' watchdog threads
+    honest_request(d, env, "MetricsServer", server(d, "MetricsServer").port)
     baseline = settles_to(usage(), 5.0)
 
     socks = []
@@ -146,6 +156,10 @@ def test_dribbling_peers_are_capped_and_dropped_at_the_deadline(limited_daemon, 
             s.settimeout(2.0)
         assert all(closed_by_peer(s) for s in socks), "a dribbling connection outlived the handshake deadline"
         assert gate.expired == PER_PEER and gate.unauthenticated() == 0
+        assert scraped(d, f'mccl_unauth_connections_closed_total{{port="{gate.name}",reason="over_cap"}}') \
+            == DRIBBLERS - PER_PEER
+        assert scraped(d, f'mccl_unauth_connections_closed_total{{port="{gate.name}",reason="deadline"}}') \
+            == PER_PEER
     finally:
         stop.set()
         t.join()
