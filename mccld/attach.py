@@ -30,8 +30,8 @@ log = logging.getLogger(__name__)
 
 _FLUSH_LINGER_MS = 500
 
-# (identity, decoded request) -> reply payload, or None when the reply comes later via reply().
-Handler = Callable[[bytes, dict[str, Any]], "dict[str, Any] | None"]
+# (identity, typed request) -> reply payload, or None when the reply comes later via reply().
+Handler = Callable[[bytes, protocol.Request], "dict[str, Any] | None"]
 
 
 class AttachServer:
@@ -158,17 +158,17 @@ class AttachServer:
         try:
             if len(frames) != 2:
                 raise ProtocolError(f"[daemon] control message with {len(frames) - 1} frames, expected 1")
-            msg = protocol.parse_request(frames[1])
-            req = msg["req"]       # from here on, errors reach the request that caused them
-            protocol.check_request(msg)
-            if msg["type"] == "hello":
-                if not hmac.compare_digest(msg["token"].encode(), self._token.encode()):
+            envelope = protocol.parse_request(frames[1])
+            req = envelope["req"]  # from here on, errors reach the request that caused them
+            msg = protocol.build_request(envelope)
+            if isinstance(msg, protocol.Hello):
+                if not hmac.compare_digest(msg.token.encode(), self._token.encode()):
                     raise AuthError("[daemon] client presented a wrong attach token; it read the token "
                                     f"of another daemon (check MCCL_RUNTIME_DIR={self.runtime_dir})")
                 with self._auth_lock:
                     self._authenticated.add(ident)
             elif not self._is_authenticated(ident):
-                raise AuthError(f"[daemon] {msg['type']} request before hello; the client must "
+                raise AuthError(f"[daemon] {msg.type} request before hello; the client must "
                                 "authenticate with the daemon's token first")
             payload = self._handler(ident, msg)
         except MCCLError as e:

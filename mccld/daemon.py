@@ -276,10 +276,10 @@ class Daemon:
                 (self.runtime_dir / SEGMENT_RECORD).write_text("".join(n + "\n" for n in live))
 
     # -- the attach protocol ---------------------------------------------------------------
-    def _handle(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any] | None:
-        kind = msg["type"]
+    def _handle(self, ident: bytes, msg: protocol.Request) -> dict[str, Any] | None:
+        kind = msg.type
         if kind == "hello":
-            self._attach_client(ident, msg["pid"])
+            self._attach_client(ident, msg.pid)
             return {"ok": True, "host_id": self.host_id, "link_addr": self.links.address,
                     "daemon_version": __version__, "proto": PROTO_VERSION}
         if kind == "status":
@@ -287,31 +287,30 @@ class Daemon:
         if kind == "probe":
             threading.Thread(target=self._probe, args=(ident, msg), daemon=True).start()
             return None
-        job_id = msg["job"]
+        job_id = msg.job
         if kind == "join":
             return self._join(ident, msg)
         job = self.jobs.get(job_id)
         if job is None:
             raise ProtocolError(f"[daemon] unknown job {job_id!r}; join it first")
         if kind == "register":
-            job.register(msg["rank"], ident, msg["segment"], msg["nbytes"])
+            job.register(msg.rank, ident, msg.segment, msg.nbytes)
             with self._lock, open(self.runtime_dir / SEGMENT_RECORD, "a") as fh:
-                fh.write(msg["segment"] + "\n")
+                fh.write(msg.segment + "\n")
             return {"ok": True}
         if kind == "op":
-            protocol.check_op_ranks(msg, job.size)
-            job.submit(ident, msg["req"], msg)
+            msg.check_world(job.size)
+            job.submit(ident, msg.req, msg)
             return None
         if kind == "overlap":
-            self._stat("record_overlap", job_id, msg["rank"], float(msg["ratio"]))
+            self._stat("record_overlap", job_id, msg.rank, float(msg.ratio))
             return {"ok": True}
         if kind == "leave":
-            abort = msg.get("abort")
-            job.leave(msg["rank"], ident, str(abort) if abort is not None else None)
+            job.leave(msg.rank, ident, msg.abort)
             with self._lock:
                 client = self.clients.get(ident)
                 if client:
-                    client["memberships"].discard((job_id, msg["rank"]))
+                    client["memberships"].discard((job_id, msg.rank))
                     if not client["memberships"]:
                         # One connection per communicator: its leave ends the attachment.
                         del self.clients[ident]
@@ -342,11 +341,9 @@ class Daemon:
             attached = len(self.clients)
         self._stat("set_attached", attached)
 
-    def _join(self, ident: bytes, msg: dict[str, Any]) -> None:
-        job_id, hosts, rank = msg["job"], msg["hosts"], msg["rank"]
-        if not (1 <= len(job_id) <= 12 and all(c in "0123456789abcdef" for c in job_id)):
-            raise ProtocolError(f"[daemon] job id {job_id!r} must be 1-12 lowercase hex digits")
-        if not any(h["host_id"] == self.host_id and rank in h["ranks"] for h in hosts):
+    def _join(self, ident: bytes, msg: protocol.Join) -> None:
+        job_id, hosts, rank = msg.job, msg.hosts, msg.rank
+        if not any(h.host_id == self.host_id and rank in h.ranks for h in hosts):
             raise ProtocolError(f"[daemon] job {job_id}: rank {rank} is not placed on this host "
                                 f"({self.host_id}) by the join's host list; the rank reached another "
                                 "host's daemon, or two daemons share a host id")
@@ -357,9 +354,9 @@ class Daemon:
             job = self.jobs.get(job_id)
             fresh = job is None or job.state in ("failed", "closed") and not job.members
             if fresh:
-                job = Job(self, job_id, msg["size"], hosts, msg["timeout_s"], msg["opts"])
+                job = Job(self, job_id, msg.size, hosts, msg.timeout_s, msg.opts)
             try:
-                job.join(ident, msg["req"], rank, client["pid"], msg["size"], hosts)
+                job.join(ident, msg.req, rank, client["pid"], msg.size, hosts)
             except BaseException:
                 if fresh:
                     job.close()   # its threads end now; it never was in the table
@@ -370,15 +367,15 @@ class Daemon:
         self._stat("set_state", "training")
         return None
 
-    def _probe(self, ident: bytes, msg: dict[str, Any]) -> None:
+    def _probe(self, ident: bytes, msg: protocol.Probe) -> None:
         started = time.monotonic()
         try:
-            link = self.links.link_to(msg["addr"])
+            link = self.links.link_to(msg.addr)
         except Exception as e:  # noqa: BLE001 - every request is answered; non-MCCL errors read "internal"
-            self.reply_error(ident, msg["req"], e)
+            self.reply_error(ident, msg.req, e)
             return
-        self.reply(ident, msg["req"], {"ok": True, "host_id": link.peer_host,
-                                       "seconds": time.monotonic() - started})
+        self.reply(ident, msg.req, {"ok": True, "host_id": link.peer_host,
+                                    "seconds": time.monotonic() - started})
 
     # -- daemon-to-daemon --------------------------------------------------------------------
     def _on_link_message(self, peer_host: str, msg: dict[str, Any]) -> None:
@@ -389,7 +386,7 @@ class Daemon:
                 datalinks.on_message(peer_host, msg)
         elif kind == "job_failed":
             job = self.jobs.get(str(msg.get("job")))
-            if job is None or all(h["host_id"] != peer_host for h in job.hosts):
+            if job is None or all(h.host_id != peer_host for h in job.hosts):
                 return
             err = protocol.error_from_payload(msg.get("error") or {})
             job.fail(err, local=False)
@@ -412,11 +409,11 @@ class Daemon:
             raise ConfigError("[daemon] this build's engine has no Communicator, so a job spanning hosts "
                               "cannot run in daemon mode; rebuild MCCL (`make build`)") from None
         me = job.topo.host_rank
-        peers = [(h, host["host_id"], host["link_addr"]) for h, host in enumerate(job.hosts) if h != me]
+        peers = [(h, host.host_id, host.link_addr) for h, host in enumerate(job.hosts) if h != me]
         leased = self.datalinks.lease(job.id, peers, time.monotonic() + job.timeout_s, lambda: job.failed)
         opts = self.engine_cfg.engine_options(Options(), job.timeout_s, job.timeout_s)
         # The link addresses only name the peers in the engine's messages: nothing is dialled.
-        addrs = [host["link_addr"] for host in job.hosts]
+        addrs = [host.link_addr for host in job.hosts]
         try:
             # No completion callback: the job thread waits on each op, and a callback would make
             # the engine take the GIL once per op for nothing.
@@ -434,7 +431,7 @@ class Daemon:
 
     def notify_peers_failed(self, job: Job, exc: MCCLError) -> None:
         msg = {"type": "job_failed", "job": job.id, "error": protocol.error_payload(exc)}
-        targets = [h["link_addr"] for i, h in enumerate(job.hosts) if i != job.topo.host_rank]
+        targets = [h.link_addr for i, h in enumerate(job.hosts) if i != job.topo.host_rank]
 
         def send() -> None:  # off the caller's thread: it may hold the job's lock
             for addr in targets:
@@ -498,7 +495,7 @@ class Daemon:
                 last = self._traffic.get((job.id, rank), (0, 0))
                 self._traffic[(job.id, rank)] = (sent, recv)
             if (sent, recv) != last and 0 <= rank < len(job.hosts):
-                self._stat("record_peer_traffic", job.hosts[rank]["link_addr"],
+                self._stat("record_peer_traffic", job.hosts[rank].link_addr,
                            max(0, sent - last[0]), max(0, recv - last[1]))
 
     def _gates(self) -> list[Gate]:

@@ -27,7 +27,6 @@ import ctypes
 import logging
 import mmap
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -36,10 +35,11 @@ import _posixshmem
 from libmccl import _core
 from libmccl.errors import ConfigError, ProtocolError
 
+from .protocol import SEGMENT_RE
+
 log = logging.getLogger(__name__)
 
 PREFIX = "mccl-"
-_NAME_RE = re.compile(r"^mccl-[0-9a-f]{1,12}-\d{1,6}-(\d{1,9})-\d{1,6}$")
 MAX_NAME = 31
 READY_OFF = 0
 DONE_OFF = 64
@@ -48,14 +48,14 @@ HEADER_BYTES = 4096
 
 def segment_name(job: str, rank: int, pid: int, gen: int) -> str:
     name = f"{PREFIX}{job}-{rank}-{pid}-{gen}"
-    if not _NAME_RE.match(name) or len(name) > MAX_NAME:
+    if not SEGMENT_RE.match(name) or len(name) > MAX_NAME:
         raise ConfigError(f"[daemon] shared-memory name {name!r} is malformed or longer than "
                           f"{MAX_NAME} characters; job ids must be short hex strings")
     return name
 
 
 def owner_pid(name: str) -> int | None:
-    m = _NAME_RE.match(name)
+    m = SEGMENT_RE.match(name)
     return int(m.group(1)) if m else None
 
 
@@ -82,7 +82,7 @@ class Segment:
     creator (client) or the daemon may unlink it."""
 
     def __init__(self, name: str, nbytes: int, create: bool):
-        if not _NAME_RE.match(name):
+        if not SEGMENT_RE.match(name):
             raise ProtocolError(f"[daemon] refused shared-memory segment name {name!r}; "
                                 "expected mccl-<job>-<rank>-<pid>-<gen>")
         self.name = name

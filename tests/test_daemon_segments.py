@@ -6,41 +6,16 @@ next job."""
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
-from test_daemon_attach import daemon_env
-from test_daemon_hostile import RawClient
+from test_daemon_hostile import RawClient, mccld_proc  # noqa: F401 - fixture
 
 from mccld import shm
 
 BIG = 1 << 20
 ALLREDUCE = {"count": BIG // 4, "dtype": 0, "op": 0, "offset": 0}
-
-
-@pytest.fixture
-def mccld_proc(tmp_path):
-    rdir = tmp_path / "rt"
-    env = daemon_env(rdir)
-    proc = subprocess.Popen([sys.executable, "-m", "mccld"], env={**os.environ, **env}, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 30
-        while not (rdir / "token").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "mccld did not start"
-            time.sleep(0.1)
-        yield proc, rdir, env["MCCL_HOST_ID"]
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
 
 
 def join(clients: list[RawClient], host: str, job: str) -> list[shm.Segment]:
@@ -89,7 +64,7 @@ def names_segment(reply: dict | None, seg: shm.Segment) -> bool:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("when", ["after_register", "while_pending"])
-def test_a_truncated_segment_fails_its_job_and_mccld_lives(mccld_proc, when):
+def test_a_truncated_segment_fails_its_job_and_mccld_lives(mccld_proc, when):  # noqa: F811
     proc, rdir, host = mccld_proc
     clients = [RawClient(rdir), RawClient(rdir)]
     segs: list[shm.Segment] = []
