@@ -5,8 +5,12 @@ leaves the winner's socket and token alone, so the winner's clients work."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -76,3 +80,37 @@ def test_the_runtime_dir_is_free_again_once_its_daemon_stopped():
         for p in rdir.iterdir():
             p.unlink()
         rdir.rmdir()
+
+
+@pytest.mark.timeout(240)
+def test_two_mccld_processes_started_at_once_the_loser_exits_naming_the_winner(tmp_path):
+    for trial in range(3):
+        rdir = tmp_path / f"rt{trial}"
+        env = {**os.environ, **daemon_env(rdir)}
+        logs = [open(tmp_path / f"mccld-{trial}-{i}.log", "w+") for i in range(2)]
+        procs = [subprocess.Popen([sys.executable, "-m", "mccld"], env=env, stderr=log) for log in logs]
+        try:
+            deadline = time.monotonic() + 60
+            while all(p.poll() is None for p in procs):
+                assert time.monotonic() < deadline, f"trial {trial}: both mccld kept running"
+                time.sleep(0.1)
+            lost = next(i for i, p in enumerate(procs) if p.poll() is not None)
+            loser, winner = procs[lost], procs[1 - lost]
+            logs[lost].seek(0)
+            err = logs[lost].read()
+            assert loser.returncode == 2 and f"pid {winner.pid} holds" in err, (trial, loser.returncode, err)
+            while not (rdir / protocol.TOKEN_NAME).exists():
+                assert winner.poll() is None and time.monotonic() < deadline, f"trial {trial}: the winner died"
+                time.sleep(0.1)
+            assert local_request(rdir, {"type": "status"}, timeout_s=10.0)["ok"]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+                    try:
+                        p.wait(10)
+                    except subprocess.TimeoutExpired:
+                        p.kill()
+                        p.wait(10)
+            for log in logs:
+                log.close()
