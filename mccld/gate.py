@@ -25,6 +25,7 @@ import socket
 import threading
 import time
 
+from .config import DaemonConfig
 from .logutil import OnceLogger
 
 log = logging.getLogger(__name__)
@@ -39,13 +40,13 @@ class Ticket:
         self.peer_ip = peer_ip
         self.deadline = deadline
         self.counted = True       # holds a slot of the gate
-        self.expired = False
 
     def passed(self) -> None:
         """The peer authenticated: no deadline and no slot among the unauthenticated any more."""
         self._gate._drop(self)
 
     def release(self) -> None:
+        """The connection is done (or failed); idempotent, and a no-op after ``passed``."""
         self._gate._drop(self)
 
 
@@ -69,9 +70,8 @@ class Gate:
         self._watchdog: threading.Thread | None = None   # started with the first admitted connection
 
     @classmethod
-    def from_config(cls, name: str, cfg=None) -> "Gate":
+    def from_config(cls, name: str, cfg: DaemonConfig | None = None) -> "Gate":
         """A gate with the daemon's MCCL_UNAUTH_* / MCCL_MAX_UNAUTH_* settings (their defaults without ``cfg``)."""
-        from .config import DaemonConfig
         cfg = cfg or DaemonConfig()
         return cls(name, cfg.max_unauth_connections, cfg.max_unauth_per_peer, cfg.unauth_timeout_s)
 
@@ -142,7 +142,6 @@ class Gate:
                     self._cv.wait(wait)
                     continue
                 ticket = heapq.heappop(self._heap)[2]
-                ticket.expired = True
                 self.expired += 1
                 # Under the lock: the serving thread drops the ticket (in _drop, same lock)
                 # before it closes the socket, so this never shuts down a reused fd.
