@@ -190,13 +190,18 @@ def mccld_proc(tmp_path):
             time.sleep(0.1)
         yield proc, rdir, env["MCCL_HOST_ID"]
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        stop_process(proc)
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM (mccld's clean stop), then SIGKILL if it does not stop in 10 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
 
 
 @pytest.mark.timeout(90)

@@ -8,18 +8,15 @@ from __future__ import annotations
 import os
 import socket
 import struct
-import tempfile
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
-from test_daemon_attach import daemon_env
+from test_daemon_attach import running_daemon
 
 from mccld import auth
-from mccld.config import load_config
 from mccld.daemon import Daemon
 from mccld.status_protocol import query
 
@@ -37,19 +34,11 @@ def free_port() -> int:
 
 @pytest.fixture
 def limited_daemon():
-    rdir = Path(tempfile.mkdtemp(prefix="mccl-limits-"))
     # Port 0 disables the status and metrics endpoints: give them real ones.
-    env = {**daemon_env(rdir), "MCCL_STATUS_PORT": str(free_port()), "MCCL_METRICS_PORT": str(free_port()),
-           "MCCL_METRICS_ADDR": "127.0.0.1",
-           "MCCL_UNAUTH_TIMEOUT": str(DEADLINE_S), "MCCL_MAX_UNAUTH_PER_PEER": str(PER_PEER)}
-    d = Daemon(load_config(env=env)).start()
-    try:
-        yield d, env
-    finally:
-        d.stop()
-        for p in rdir.iterdir():
-            p.unlink()
-        rdir.rmdir()
+    with running_daemon(MCCL_STATUS_PORT=str(free_port()), MCCL_METRICS_PORT=str(free_port()),
+                        MCCL_METRICS_ADDR="127.0.0.1", MCCL_UNAUTH_TIMEOUT=str(DEADLINE_S),
+                        MCCL_MAX_UNAUTH_PER_PEER=str(PER_PEER)) as d_env:
+        yield d_env
 
 
 def server(d: Daemon, kind: str):

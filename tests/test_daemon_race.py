@@ -5,7 +5,6 @@ leaves the winner's socket and token alone, so the winner's clients work."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from test_daemon_attach import daemon_env
+from test_daemon_hostile import stop_process
 
 from libmccl.errors import ConfigError
 from mccld import protocol
@@ -105,12 +105,6 @@ def test_two_mccld_processes_started_at_once_the_loser_exits_naming_the_winner(t
             assert local_request(rdir, {"type": "status"}, timeout_s=10.0)["ok"]
         finally:
             for p in procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-                    try:
-                        p.wait(10)
-                    except subprocess.TimeoutExpired:
-                        p.kill()
-                        p.wait(10)
+                stop_process(p)
             for log in logs:
                 log.close()
