@@ -30,8 +30,8 @@ log = logging.getLogger(__name__)
 
 _FLUSH_LINGER_MS = 500
 
-# (identity, decoded request) -> reply payload, or None when the reply comes later via reply().
-Handler = Callable[[bytes, dict[str, Any]], "dict[str, Any] | None"]
+# (identity, typed request) -> reply payload, or None when the reply comes later via reply().
+Handler = Callable[[bytes, protocol.Request], "dict[str, Any] | None"]
 
 
 class AttachServer:
@@ -52,6 +52,7 @@ class AttachServer:
         self._ready = threading.Event()
         self._inproc = f"inproc://mccld-replies-{id(self)}"
         self._start_error: BaseException | None = None
+        self._owns_files = False   # stop() removes the socket and token only if start() made them
 
     def start(self) -> None:
         sock_path = self.runtime_dir / protocol.SOCKET_NAME
@@ -62,6 +63,7 @@ class AttachServer:
         tmp.write_text(self._token)
         tmp.chmod(0o600)
         tmp.replace(token_path)
+        self._owns_files = True
         self._thread = threading.Thread(target=self._serve, name="mccld-attach", daemon=True)
         self._thread.start()
         if not self._ready.wait(10.0) or self._start_error is not None:
@@ -79,6 +81,9 @@ class AttachServer:
             if self._push is not None:
                 self._push.close(0)
                 self._push = None
+        if not self._owns_files:
+            return
+        self._owns_files = False
         for name in (protocol.SOCKET_NAME, protocol.TOKEN_NAME):
             try:
                 (self.runtime_dir / name).unlink()
@@ -153,17 +158,17 @@ class AttachServer:
         try:
             if len(frames) != 2:
                 raise ProtocolError(f"[daemon] control message with {len(frames) - 1} frames, expected 1")
-            msg = protocol.parse_request(frames[1])
-            req = msg["req"]       # from here on, errors reach the request that caused them
-            protocol.check_request(msg)
-            if msg["type"] == "hello":
-                if not hmac.compare_digest(msg["token"].encode(), self._token.encode()):
+            envelope = protocol.parse_request(frames[1])
+            req = envelope["req"]  # from here on, errors reach the request that caused them
+            msg = protocol.build_request(envelope)
+            if isinstance(msg, protocol.Hello):
+                if not hmac.compare_digest(msg.token.encode(), self._token.encode()):
                     raise AuthError("[daemon] client presented a wrong attach token; it read the token "
                                     f"of another daemon (check MCCL_RUNTIME_DIR={self.runtime_dir})")
                 with self._auth_lock:
                     self._authenticated.add(ident)
             elif not self._is_authenticated(ident):
-                raise AuthError(f"[daemon] {msg['type']} request before hello; the client must "
+                raise AuthError(f"[daemon] {msg.type} request before hello; the client must "
                                 "authenticate with the daemon's token first")
             payload = self._handler(ident, msg)
         except MCCLError as e:

@@ -66,6 +66,16 @@ class DaemonConfig:
     link_timeout_s: float = setting(
         "MCCL_LINK_TIMEOUT", 10.0, "seconds",
         "time to connect and authenticate a daemon-to-daemon link")
+    unauth_timeout_s: float = setting(
+        "MCCL_UNAUTH_TIMEOUT", 5.0, "seconds",
+        "deadline for a connection to the link, status or metrics port to finish its handshake and request, "
+        "as a whole (a per-read timeout would let a peer dribbling bytes hold it forever)")
+    max_unauth_connections: int = setting(
+        "MCCL_MAX_UNAUTH_CONNECTIONS", 32, "count",
+        "concurrent connections not yet authenticated per port (link, status, metrics); more are closed at once")
+    max_unauth_per_peer: int = setting(
+        "MCCL_MAX_UNAUTH_PER_PEER", 8, "count",
+        "concurrent connections not yet authenticated from one peer address per port; more are closed at once")
     max_attached_per_process: int = setting(
         "MCCL_MAX_ATTACHED_PER_PROCESS", 256, "count",
         "attach connections one process may hold (one per communicator); past it the longest idle one is dropped")
@@ -79,6 +89,10 @@ class DaemonConfig:
             _require(0 <= port <= 65535, env, port, "must be a TCP port (0-65535)")
         _require(self.mdns_ttl_s >= 1, "MCCL_MDNS_TTL", self.mdns_ttl_s, "must be at least 1")
         _require(self.link_timeout_s > 0, "MCCL_LINK_TIMEOUT", self.link_timeout_s, "must be positive")
+        _require(self.unauth_timeout_s > 0, "MCCL_UNAUTH_TIMEOUT", self.unauth_timeout_s, "must be positive")
+        for env, n in (("MCCL_MAX_UNAUTH_CONNECTIONS", self.max_unauth_connections),
+                       ("MCCL_MAX_UNAUTH_PER_PEER", self.max_unauth_per_peer)):
+            _require(n >= 1, env, n, "must be at least 1")
         _require(self.max_attached_per_process >= 1, "MCCL_MAX_ATTACHED_PER_PROCESS",
                  self.max_attached_per_process, "must be at least 1")
         _require(self.client_check_s > 0, "MCCL_CLIENT_CHECK_INTERVAL", self.client_check_s,

@@ -7,15 +7,15 @@ segments and closes everything; both are idempotent.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
+import os
 import socket
 import threading
 import time
 from pathlib import Path
 from typing import Any
-
-import zmq
 
 from libmccl.config import EngineConfig, load
 from libmccl.errors import AbortedError, ConfigError, MCCLError, ProtocolError
@@ -24,6 +24,7 @@ from . import PROTO_VERSION, __version__, protocol, shm
 from .attach import AttachServer
 from .config import DaemonConfig, runtime_dir
 from .datalinks import DataLinks
+from .gate import Gate
 from .jobs import Job
 from .links import LinkManager
 from .netif import choose_address
@@ -32,6 +33,8 @@ from .reduce import ReducePool
 log = logging.getLogger(__name__)
 
 SEGMENT_RECORD = "segments"
+LOCK_NAME = "mccld.lock"
+_LOCK_PID_WAIT_S = 1.0      # for the winner of a simultaneous start to write its pid
 
 
 def default_host_id() -> str:
@@ -83,6 +86,7 @@ class Daemon:
         self.last_error = ""
         self.started = False
         self.runtime_dir: Path | None = None
+        self._lock_fd: int | None = None     # flock on the runtime dir's lock file, held while we serve it
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> "Daemon":
@@ -93,15 +97,15 @@ class Daemon:
         key = cfg.read_key()
         self.iface, self.addr = choose_address(cfg.iface, cfg.listen_addr, cfg.allow_wifi)
         self.runtime_dir = runtime_dir(cfg, create=True)
-        self._refuse_if_running()
-        self._sweep_segments()
-        stats_mod = _optional("stats")
-        self.stats = stats_mod.DaemonStats() if stats_mod else None
-        self._stat("set_state", "idle")
-        self.pool = ReducePool()
+        self._lock_runtime_dir()
         try:
+            self._sweep_segments()
+            stats_mod = _optional("stats")
+            self.stats = stats_mod.DaemonStats() if stats_mod else None
+            self._stat("set_state", "idle")
+            self.pool = ReducePool()
             self.links = LinkManager(key, cfg.fleet, self.host_id, self.addr, cfg.port, cfg.link_timeout_s,
-                                     self._on_link_message, self._on_peer)
+                                     self._on_link_message, self._on_peer, gate=Gate.from_config("link", cfg))
             self.datalinks = DataLinks(self.links, self.engine_cfg.sockets_per_peer, cfg.link_timeout_s).start()
             self.links.start()
             self.attach = AttachServer(self.runtime_dir, self._handle, on_disconnect=self._poke.set)
@@ -154,6 +158,10 @@ class Daemon:
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+        if self._lock_fd is not None:
+            # Last: until here our socket and token were still ours to remove.
+            os.close(self._lock_fd)
+            self._lock_fd = None
         if self.started:
             log.info("mccld stopped")
         self.started = False
@@ -163,22 +171,32 @@ class Daemon:
         log.error("[daemon] aborting: %s", reason)
         self.stop(reason)
 
-    def _refuse_if_running(self) -> None:
-        """Two daemons on one runtime dir would steal each other's clients."""
-        sock_path = self.runtime_dir / protocol.SOCKET_NAME
-        if not sock_path.exists():
-            return
-        ctx = zmq.Context.instance()
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
+    def _lock_runtime_dir(self) -> None:
+        """Two daemons on one runtime dir would steal each other's clients, and the one that
+        gives up would remove the socket and token the other serves with. An flock taken
+        before anything is written there decides, even for two started at the same moment
+        (asking "does a daemon answer?" does not: both can ask before either listens). The
+        kernel drops it when the process dies, so a crashed daemon never blocks the next.
+        The file is never removed: a daemon unlinking it while another waits would let a
+        third lock a new file of the same name."""
+        path = self.runtime_dir / LOCK_NAME
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            s.connect(protocol.endpoint(self.runtime_dir))
-            s.send(protocol.encode({"type": "status", "req": 0}))
-            if s.poll(500):
-                raise ConfigError(f"[daemon] another mccld already serves {sock_path}; stop it first "
-                                  "(or give this one its own MCCL_RUNTIME_DIR)")
-        finally:
-            s.close(0)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                other = b""
+                until = time.monotonic() + _LOCK_PID_WAIT_S
+                while not (other := os.pread(fd, 32, 0).strip()) and time.monotonic() < until:
+                    time.sleep(0.02)
+            finally:
+                os.close(fd)
+            raise ConfigError(f"[daemon] another mccld already serves {self.runtime_dir}: pid "
+                              f"{other.decode(errors='replace') or 'unknown'} holds {path}; stop it first "
+                              "(or give this one its own MCCL_RUNTIME_DIR)") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
 
     def _sweep_segments(self) -> None:
         record = self.runtime_dir / SEGMENT_RECORD
@@ -210,14 +228,15 @@ class Daemon:
             metrics = _optional("metrics")
             if metrics is not None:
                 srv = metrics.MetricsServer(self.stats, self.cfg.metrics_addr, self.cfg.metrics_port,
-                                            host=self.host_id, data_links=self._data_link_status)
+                                            host=self.host_id, data_links=self._data_link_status,
+                                            gate=Gate.from_config("metrics", self.cfg), gates=self._gates)
                 srv.start()
                 self._servers.append(srv)
         if self.cfg.status_port:
             status = _optional("status_server")
             if status is not None:
                 srv = status.StatusServer(self.status_provider, key, self.addr, self.cfg.status_port,
-                                          stats=self.stats)
+                                          stats=self.stats, gate=Gate.from_config("status", self.cfg))
                 srv.start()
                 self._servers.append(srv)
 
@@ -257,10 +276,10 @@ class Daemon:
                 (self.runtime_dir / SEGMENT_RECORD).write_text("".join(n + "\n" for n in live))
 
     # -- the attach protocol ---------------------------------------------------------------
-    def _handle(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any] | None:
-        kind = msg["type"]
+    def _handle(self, ident: bytes, msg: protocol.Request) -> dict[str, Any] | None:
+        kind = msg.type
         if kind == "hello":
-            self._attach_client(ident, msg["pid"])
+            self._attach_client(ident, msg.pid)
             return {"ok": True, "host_id": self.host_id, "link_addr": self.links.address,
                     "daemon_version": __version__, "proto": PROTO_VERSION}
         if kind == "status":
@@ -268,31 +287,30 @@ class Daemon:
         if kind == "probe":
             threading.Thread(target=self._probe, args=(ident, msg), daemon=True).start()
             return None
-        job_id = msg["job"]
+        job_id = msg.job
         if kind == "join":
             return self._join(ident, msg)
         job = self.jobs.get(job_id)
         if job is None:
             raise ProtocolError(f"[daemon] unknown job {job_id!r}; join it first")
         if kind == "register":
-            job.register(msg["rank"], ident, msg["segment"], msg["nbytes"])
+            job.register(msg.rank, ident, msg.segment, msg.nbytes)
             with self._lock, open(self.runtime_dir / SEGMENT_RECORD, "a") as fh:
-                fh.write(msg["segment"] + "\n")
+                fh.write(msg.segment + "\n")
             return {"ok": True}
         if kind == "op":
-            protocol.check_op_ranks(msg, job.size)
-            job.submit(ident, msg["req"], msg)
+            msg.check_world(job.size)
+            job.submit(ident, msg.req, msg)
             return None
         if kind == "overlap":
-            self._stat("record_overlap", job_id, msg["rank"], float(msg["ratio"]))
+            self._stat("record_overlap", job_id, msg.rank, float(msg.ratio))
             return {"ok": True}
         if kind == "leave":
-            abort = msg.get("abort")
-            job.leave(msg["rank"], ident, str(abort) if abort is not None else None)
+            job.leave(msg.rank, ident, msg.abort)
             with self._lock:
                 client = self.clients.get(ident)
                 if client:
-                    client["memberships"].discard((job_id, msg["rank"]))
+                    client["memberships"].discard((job_id, msg.rank))
                     if not client["memberships"]:
                         # One connection per communicator: its leave ends the attachment.
                         del self.clients[ident]
@@ -323,11 +341,9 @@ class Daemon:
             attached = len(self.clients)
         self._stat("set_attached", attached)
 
-    def _join(self, ident: bytes, msg: dict[str, Any]) -> None:
-        job_id, hosts, rank = msg["job"], msg["hosts"], msg["rank"]
-        if not (1 <= len(job_id) <= 12 and all(c in "0123456789abcdef" for c in job_id)):
-            raise ProtocolError(f"[daemon] job id {job_id!r} must be 1-12 lowercase hex digits")
-        if not any(h["host_id"] == self.host_id and rank in h["ranks"] for h in hosts):
+    def _join(self, ident: bytes, msg: protocol.Join) -> None:
+        job_id, hosts, rank = msg.job, msg.hosts, msg.rank
+        if not any(h.host_id == self.host_id and rank in h.ranks for h in hosts):
             raise ProtocolError(f"[daemon] job {job_id}: rank {rank} is not placed on this host "
                                 f"({self.host_id}) by the join's host list; the rank reached another "
                                 "host's daemon, or two daemons share a host id")
@@ -338,9 +354,9 @@ class Daemon:
             job = self.jobs.get(job_id)
             fresh = job is None or job.state in ("failed", "closed") and not job.members
             if fresh:
-                job = Job(self, job_id, msg["size"], hosts, msg["timeout_s"], msg["opts"])
+                job = Job(self, job_id, msg.size, hosts, msg.timeout_s, msg.opts)
             try:
-                job.join(ident, msg["req"], rank, client["pid"], msg["size"], hosts)
+                job.join(ident, msg.req, rank, client["pid"], msg.size, hosts)
             except BaseException:
                 if fresh:
                     job.close()   # its threads end now; it never was in the table
@@ -351,15 +367,15 @@ class Daemon:
         self._stat("set_state", "training")
         return None
 
-    def _probe(self, ident: bytes, msg: dict[str, Any]) -> None:
+    def _probe(self, ident: bytes, msg: protocol.Probe) -> None:
         started = time.monotonic()
         try:
-            link = self.links.link_to(msg["addr"])
+            link = self.links.link_to(msg.addr)
         except Exception as e:  # noqa: BLE001 - every request is answered; non-MCCL errors read "internal"
-            self.reply_error(ident, msg["req"], e)
+            self.reply_error(ident, msg.req, e)
             return
-        self.reply(ident, msg["req"], {"ok": True, "host_id": link.peer_host,
-                                       "seconds": time.monotonic() - started})
+        self.reply(ident, msg.req, {"ok": True, "host_id": link.peer_host,
+                                    "seconds": time.monotonic() - started})
 
     # -- daemon-to-daemon --------------------------------------------------------------------
     def _on_link_message(self, peer_host: str, msg: dict[str, Any]) -> None:
@@ -370,7 +386,7 @@ class Daemon:
                 datalinks.on_message(peer_host, msg)
         elif kind == "job_failed":
             job = self.jobs.get(str(msg.get("job")))
-            if job is None or all(h["host_id"] != peer_host for h in job.hosts):
+            if job is None or all(h.host_id != peer_host for h in job.hosts):
                 return
             err = protocol.error_from_payload(msg.get("error") or {})
             job.fail(err, local=False)
@@ -393,11 +409,11 @@ class Daemon:
             raise ConfigError("[daemon] this build's engine has no Communicator, so a job spanning hosts "
                               "cannot run in daemon mode; rebuild MCCL (`make build`)") from None
         me = job.topo.host_rank
-        peers = [(h, host["host_id"], host["link_addr"]) for h, host in enumerate(job.hosts) if h != me]
+        peers = [(h, host.host_id, host.link_addr) for h, host in enumerate(job.hosts) if h != me]
         leased = self.datalinks.lease(job.id, peers, time.monotonic() + job.timeout_s, lambda: job.failed)
         opts = self.engine_cfg.engine_options(Options(), job.timeout_s, job.timeout_s)
         # The link addresses only name the peers in the engine's messages: nothing is dialled.
-        addrs = [host["link_addr"] for host in job.hosts]
+        addrs = [host.link_addr for host in job.hosts]
         try:
             # No completion callback: the job thread waits on each op, and a callback would make
             # the engine take the GIL once per op for nothing.
@@ -415,7 +431,7 @@ class Daemon:
 
     def notify_peers_failed(self, job: Job, exc: MCCLError) -> None:
         msg = {"type": "job_failed", "job": job.id, "error": protocol.error_payload(exc)}
-        targets = [h["link_addr"] for i, h in enumerate(job.hosts) if i != job.topo.host_rank]
+        targets = [h.link_addr for i, h in enumerate(job.hosts) if i != job.topo.host_rank]
 
         def send() -> None:  # off the caller's thread: it may hold the job's lock
             for addr in targets:
@@ -479,8 +495,12 @@ class Daemon:
                 last = self._traffic.get((job.id, rank), (0, 0))
                 self._traffic[(job.id, rank)] = (sent, recv)
             if (sent, recv) != last and 0 <= rank < len(job.hosts):
-                self._stat("record_peer_traffic", job.hosts[rank]["link_addr"],
+                self._stat("record_peer_traffic", job.hosts[rank].link_addr,
                            max(0, sent - last[0]), max(0, recv - last[1]))
+
+    def _gates(self) -> list[Gate]:
+        links = self.links  # read once: stop() may clear it
+        return ([links.gate] if links is not None else []) + [s.gate for s in list(self._servers)]
 
     def _data_link_status(self) -> list[dict[str, Any]]:
         pool = self.datalinks  # read once: stop() may clear it between a check and a call

@@ -21,7 +21,7 @@ from libmccl.config import EngineConfig
 from libmccl.errors import (AbortedError, CollectiveMismatch, CollectiveTimeout, ConfigError,
                             MCCLError, PeerLostError, ProtocolError)
 
-from . import shm
+from . import protocol, shm
 from .collectives import Hierarchy, Topology, per_rank_args
 from .p2p import P2P_OPS, PointToPoint
 from .reduce import DTYPE_SIZE, ReducePool
@@ -75,44 +75,12 @@ class Member:
 class _Pending:
     ident: bytes
     req: int
-    msg: dict[str, Any]
+    msg: protocol.Op
     since: float
 
 
-def _byte_span(op: str, args: dict[str, Any], size: int) -> int:
-    """Bytes of a rank's segment the op touches (for bounds checks)."""
-    def n(key: str) -> int:
-        v = args.get(key, 0)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise ProtocolError(f"[daemon] {op}: argument {key!r}={v!r} is not a non-negative integer")
-        return v
-    es = DTYPE_SIZE[n("dtype")] if "dtype" in args and n("dtype") < len(DTYPE_SIZE) else 1
-    if op in ("allreduce", "reduce"):
-        return n("offset") + n("count") * es
-    if op == "broadcast":
-        return n("nbytes")
-    if op in ("allgather", "gather"):
-        return max(n("send_off") + n("nbytes"), n("recv_off") + size * n("nbytes"))
-    if op == "reduce_scatter":
-        return max(n("send_off") + size * n("count") * es, n("recv_off") + n("count") * es)
-    if op == "scatter":
-        return max(n("send_off") + size * n("nbytes"), n("recv_off") + n("nbytes"))
-    if op == "alltoallv":
-        return max(n("send_off") + sum(_sizes(args, "send_sizes", size)),
-                   n("recv_off") + sum(_sizes(args, "recv_sizes", size)))
-    return 0
-
-
-def _sizes(args: dict[str, Any], key: str, size: int) -> list[int]:
-    v = args.get(key)
-    if not (isinstance(v, list) and len(v) == size
-            and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)):
-        raise ProtocolError(f"[daemon] alltoallv: {key} must list {size} non-negative byte counts, got {v!r}")
-    return v
-
-
 class Job:
-    def __init__(self, host: JobHost, job_id: str, size: int, hosts: list[dict[str, Any]],
+    def __init__(self, host: JobHost, job_id: str, size: int, hosts: tuple[protocol.Host, ...],
                  timeout_s: float, opts: dict[str, Any]):
         self.host = host
         self.id = job_id
@@ -120,14 +88,14 @@ class Job:
         self.hosts = hosts
         self.timeout_s = float(timeout_s)
         self.opts = opts
-        ranks = sorted(r for h in hosts for r in h["ranks"])
+        ranks = sorted(r for h in hosts for r in h.ranks)
         if ranks != list(range(size)):
             raise ProtocolError(f"[daemon] job {job_id}: host list covers ranks {ranks}, expected 0..{size - 1}")
-        mine = [i for i, h in enumerate(hosts) if h["host_id"] == host.host_id]
+        mine = [i for i, h in enumerate(hosts) if h.host_id == host.host_id]
         if len(mine) != 1:
             raise ProtocolError(f"[daemon] job {job_id}: this host ({host.host_id}) appears {len(mine)} "
                                 "times in the job's host list; are two daemons sharing a host id?")
-        self.topo = Topology(size=size, hosts=[sorted(h["ranks"]) for h in hosts], host_rank=mine[0])
+        self.topo = Topology(size=size, hosts=[sorted(h.ranks) for h in hosts], host_rank=mine[0])
         self.members: dict[int, Member] = {}
         self.pending: dict[int, dict[int, _Pending]] = {}   # seq -> rank -> request
         self.failed: MCCLError | None = None
@@ -153,7 +121,7 @@ class Job:
         return int(self.id, 16)
 
     # -- requests from the attach thread ---------------------------------------------------
-    def join(self, ident: bytes, req: int, rank: int, pid: int, size: int, hosts: list) -> None:
+    def join(self, ident: bytes, req: int, rank: int, pid: int, size: int, hosts: tuple) -> None:
         with self._lock:
             if size != self.size or hosts != self.hosts:
                 raise CollectiveMismatch(f"[daemon] job {self.id}: rank {rank} joined with size {size} and "
@@ -186,34 +154,34 @@ class Job:
             member.segments = {name: seg}
         self._tasks.put(("unmap", old))
 
-    def submit(self, ident: bytes, req: int, msg: dict[str, Any]) -> None:
-        rank = msg["rank"]
+    def submit(self, ident: bytes, req: int, msg: protocol.Op) -> None:
+        rank = msg.rank
         member = self._member(rank, ident)
-        if msg["op"] in P2P_OPS:
+        if msg.op in P2P_OPS:
             # Point-to-point is not part of the collective order (``seq`` is ignored).
             with self._lock:
                 if self.failed is not None:
                     raise self.failed
                 if self.state != "ready":
-                    raise ProtocolError(f"[daemon] job {self.id}: {msg['op']} before the job is ready")
-            self.p2p.submit(ident, req, rank, msg["op"], msg["args"])
+                    raise ProtocolError(f"[daemon] job {self.id}: {msg.op} before the job is ready")
+            self.p2p.submit(ident, req, rank, msg.op, msg.args)
             return
-        seg = member.segments.get(msg["args"].get("segment", ""))
-        need = _byte_span(msg["op"], msg["args"], self.size)
+        seg = member.segments.get(msg.args.get("segment", ""))
+        need = msg.span(self.size)
         if need and (seg is None or seg.nbytes < need):
-            raise ProtocolError(f"[daemon] job {self.id} rank {rank}: {msg['op']} needs {need} bytes of a "
+            raise ProtocolError(f"[daemon] job {self.id} rank {rank}: {msg.op} needs {need} bytes of a "
                                 "registered segment; register it first")
         with self._lock:
             if self.failed is not None:
                 raise self.failed
             if self.state != "ready":
                 raise ProtocolError(f"[daemon] job {self.id}: collective before the job is ready")
-            waiting = self.pending.setdefault(msg["seq"], {})
+            waiting = self.pending.setdefault(msg.seq, {})
             if rank in waiting:
-                raise ProtocolError(f"[daemon] job {self.id} rank {rank}: sequence number {msg['seq']} reused")
+                raise ProtocolError(f"[daemon] job {self.id} rank {rank}: sequence number {msg.seq} reused")
             waiting[rank] = _Pending(ident, req, msg, time.monotonic())
             if len(waiting) == len(self.local_ranks):
-                del self.pending[msg["seq"]]
+                del self.pending[msg.seq]
                 self._tasks.put(("op", waiting))
 
     def leave(self, rank: int, ident: bytes, abort_reason: str | None) -> None:
@@ -310,6 +278,7 @@ class Job:
         if seg is None or seg.closed or seg.nbytes < nbytes:
             raise ProtocolError(f"[daemon] job {self.id} rank {rank}: no registered segment {name!r} of "
                                 f"{nbytes} bytes; the rank left, or its client skipped register")
+        seg.check_size()
         return seg
 
     def _member(self, rank: int, ident: bytes) -> Member:
@@ -413,21 +382,23 @@ class Job:
         try:
             if self.failed is not None:
                 raise self.failed
-            own = per_rank_args(first["op"])
-            b = {k: v for k, v in first["args"].items() if k not in own}
+            own = per_rank_args(first.op)
+            b = {k: v for k, v in first.args.items() if k not in own}
             for p in waiting.values():
                 if p.msg is first:
                     continue
-                a = {k: v for k, v in p.msg["args"].items() if k not in own}
-                if p.msg["op"] != first["op"] or a != b:
+                a = {k: v for k, v in p.msg.args.items() if k not in own}
+                if p.msg.op != first.op or a != b:
                     raise CollectiveMismatch(
-                        f"[daemon] job {self.id} collective #{first['seq']}: rank {p.msg['rank']} called "
-                        f"{p.msg['op']}{a}, rank {first['rank']} called {first['op']}{b}; every rank must "
-                        "issue the same collectives in the same order", peer_rank=p.msg["rank"])
-            segs = {r: self.members[r].segments[p.msg["args"]["segment"]]
-                    for r, p in waiting.items() if p.msg["args"].get("segment")}
+                        f"[daemon] job {self.id} collective #{first.seq}: rank {p.msg.rank} called "
+                        f"{p.msg.op}{a}, rank {first.rank} called {first.op}{b}; every rank must "
+                        "issue the same collectives in the same order", peer_rank=p.msg.rank)
+            segs = {r: self.members[r].segments[p.msg.args["segment"]]
+                    for r, p in waiting.items() if p.msg.args.get("segment")}
+            for seg in segs.values():
+                seg.check_size()   # a client may have truncated it since register (shm.py)
             bases = {r: segs[r].addr if r in segs else 0 for r in waiting}
-            self.hierarchy.run(first["op"], bases, {r: p.msg["args"] for r, p in waiting.items()},
+            self.hierarchy.run(first.op, bases, {r: p.msg.args for r, p in waiting.items()},
                                {r: (s.ready, s.done) for r, s in segs.items()})
         except MCCLError as e:
             if not isinstance(e, ConfigError):
@@ -447,7 +418,7 @@ class Job:
         # counters) cost ~15-20 us of Python that the ranks need not wait for.
         for p in waiting.values():
             self.host.reply(p.ident, p.req, {"ok": True})
-        self.host.record_collective(self, first["op"], _nbytes_for_stats(first["op"], first["args"], self.size),
+        self.host.record_collective(self, first.op, _nbytes_for_stats(first.op, first.args, self.size),
                                     seconds)
 
     def _shutdown(self) -> None:

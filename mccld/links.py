@@ -17,6 +17,7 @@ from typing import Any, Callable
 from libmccl.errors import AuthError, MCCLError, PeerLostError, ProtocolError
 
 from . import auth
+from .gate import Gate, Ticket
 from .logutil import OnceLogger
 
 log = logging.getLogger(__name__)
@@ -78,10 +79,12 @@ class LinkManager:
     """Listens for, dials, authenticates and keeps links; hands received messages to ``on_message``."""
 
     def __init__(self, key: bytes, fleet: str, host_id: str, addr: str, port: int, timeout_s: float,
-                 on_message: Handler, on_peer: PeerHandler | None = None, on_data: DataHandler | None = None):
+                 on_message: Handler, on_peer: PeerHandler | None = None, on_data: DataHandler | None = None,
+                 gate: Gate | None = None):
         self._key, self._fleet, self.host_id = key, fleet, host_id
         self._bind = (addr, port)
         self._timeout = timeout_s
+        self.gate = gate or Gate.from_config("link")   # bounds the handshakes of accepted sockets
         self._on_message = on_message
         self._on_peer = on_peer or (lambda host, addr, up: None)
         self.on_data = on_data  # set by the data-socket pool; None: data sockets are refused
@@ -126,6 +129,7 @@ class LinkManager:
             link.close()
         for t in self._threads:
             t.join(timeout=2.0)
+        self.gate.close()
 
     # -- public ------------------------------------------------------------------------
     def link_to(self, addr: str) -> Link:
@@ -196,24 +200,32 @@ class LinkManager:
                 continue
             except OSError:
                 return
-            threading.Thread(target=self._handshake, args=(sock, f"{ip}:{port}"),
-                             name="mccld-link-handshake", daemon=True).start()
+            ticket = self.gate.admit(sock, ip)
+            if ticket is not None:
+                threading.Thread(target=self._handshake, args=(sock, f"{ip}:{port}", ticket),
+                                 name="mccld-link-handshake", daemon=True).start()
 
-    def _handshake(self, sock: socket.socket, peer: str) -> None:
+    def _handshake(self, sock: socket.socket, peer: str, ticket: Ticket) -> None:
         sock.settimeout(self._timeout)
         try:
             peer_host, peer_listen, session, purpose = auth.respond(sock, self._key, self._fleet, self.host_id,
                                                                     self.address, peer)
         except (AuthError, ProtocolError) as e:
+            ticket.release()  # before the close: the gate's watchdog must not shut down a reused fd
             self._once.warn(f"auth:{peer.rpartition(':')[0]}", "%s", e)
             sock.close()
             return
         except (OSError, ValueError) as e:
+            ticket.release()
             self._once.warn(f"hs:{peer.rpartition(':')[0]}",
                             "[link] handshake with peer=%s failed: %s (it may hold another fleet key)",
                             peer, e)
             sock.close()
             return
+        except BaseException:
+            ticket.release()
+            raise
+        ticket.passed()
         if purpose.startswith("data:") and self.on_data is not None:
             sock.settimeout(None)
             self.on_data(sock, peer_host, purpose[len("data:"):])

@@ -18,15 +18,17 @@ import platform
 import socket
 import threading
 from typing import Any, Callable, Iterable
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from prometheus_client.core import (CollectorRegistry, CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily, InfoMetricFamily, Metric)
-from prometheus_client.exposition import start_http_server
+from prometheus_client.exposition import make_wsgi_app
 from prometheus_client.registry import Collector
 
 from libmccl import errors as _errors
 from libmccl.errors import ConfigError
 
+from .gate import Gate
 from .stats import STATES, DaemonStats
 
 log = logging.getLogger(__name__)
@@ -46,10 +48,12 @@ class StatsCollector(Collector):
     """Renders one DaemonStats as Prometheus metric families, live at every scrape."""
 
     def __init__(self, stats: DaemonStats, host: str | None = None,
-                 data_links: Callable[[], list[dict[str, Any]]] | None = None) -> None:
+                 data_links: Callable[[], list[dict[str, Any]]] | None = None,
+                 gates: Callable[[], list[Gate]] | None = None) -> None:
         self._stats = stats
         self._host = host or socket.gethostname()
         self._data_links = data_links  # the daemon's data-socket pool, per peer host
+        self._gates = gates            # the daemon's ports' unauthenticated connections
 
     def collect(self) -> Iterable[Metric]:
         snap = self._stats.snapshot()
@@ -59,6 +63,21 @@ class StatsCollector(Collector):
         yield from self._job_metrics(snap)
         if self._data_links is not None:
             yield from self._data_link_metrics(self._data_links())
+        if self._gates is not None:
+            yield from self._gate_metrics(self._gates())
+
+    @staticmethod
+    def _gate_metrics(gates: list[Gate]) -> Iterable[Metric]:
+        open_ = GaugeMetricFamily("mccl_unauth_connections", "Connections to a port of the daemon that have "
+                                  "not authenticated yet", labels=["port"])
+        closed = CounterMetricFamily("mccl_unauth_connections_closed", "Unauthenticated connections the daemon "
+                                     "closed: over a cap at accept, or at their handshake deadline",
+                                     labels=["port", "reason"])
+        for g in gates:
+            open_.add_metric([g.name], g.unauthenticated())
+            closed.add_metric([g.name, "over_cap"], g.refused)
+            closed.add_metric([g.name, "deadline"], g.expired)
+        yield from (open_, closed)
 
     @staticmethod
     def _data_link_metrics(pools: list[dict[str, Any]]) -> Iterable[Metric]:
@@ -181,22 +200,59 @@ class StatsCollector(Collector):
 
 
 def make_registry(stats: DaemonStats, host: str | None = None,
-                  data_links: Callable[[], list[dict[str, Any]]] | None = None) -> CollectorRegistry:
+                  data_links: Callable[[], list[dict[str, Any]]] | None = None,
+                  gates: Callable[[], list[Gate]] | None = None) -> CollectorRegistry:
     """A registry holding only this daemon's collector (no process/GC default metrics)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StatsCollector(stats, host, data_links))
+    registry.register(StatsCollector(stats, host, data_links, gates))
     return registry
 
 
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        """Scrapes are not worth a log line each."""
+
+
+class _BoundedWSGIServer(WSGIServer):
+    """A thread per connection, as prometheus_client's own server, but only for the connections
+    the gate admits and for as long as its deadline: that server starts a thread for every
+    connection and waits on each without a deadline, so dribbling peers pile up threads and fds."""
+
+    def __init__(self, addr: tuple[str, int], gate: Gate):
+        self.address_family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
+        self.gate = gate
+        super().__init__(addr, _QuietHandler)
+
+    def process_request(self, request: socket.socket, client_address: tuple) -> None:
+        ticket = self.gate.admit(request, client_address[0])
+        if ticket is not None:
+            threading.Thread(target=self._serve_one, args=(request, client_address, ticket),
+                             name="mccld-metrics-conn", daemon=True).start()
+
+    def _serve_one(self, request: socket.socket, client_address: tuple, ticket) -> None:
+        try:
+            self.finish_request(request, client_address)
+        except OSError as e:
+            log.debug("metrics connection from peer=%s ended early: %s", client_address[0], e)
+        except Exception:  # noqa: BLE001 - one bad scrape must not take the thread's caller down
+            log.exception("[metrics] serving peer=%s failed", client_address[0])
+        finally:
+            ticket.release()  # before the close: the gate's watchdog must not shut down a reused fd
+            self.shutdown_request(request)
+
+
 class MetricsServer:
-    """Serves ``/metrics`` over HTTP for one DaemonStats. ``port=0`` picks a free port."""
+    """Serves ``/metrics`` over HTTP for one DaemonStats. ``port=0`` picks a free port.
+    HTTP has no authentication, so a whole scrape counts as unauthenticated (``gate``)."""
 
     def __init__(self, stats: DaemonStats, addr: str = "0.0.0.0", port: int = 29652,
-                 host: str | None = None, data_links: Callable[[], list[dict[str, Any]]] | None = None) -> None:
-        self._registry = make_registry(stats, host, data_links)
+                 host: str | None = None, data_links: Callable[[], list[dict[str, Any]]] | None = None,
+                 gate: Gate | None = None, gates: Callable[[], list[Gate]] | None = None) -> None:
+        self._registry = make_registry(stats, host, data_links, gates)
         self._addr = addr
         self._port = port
-        self._httpd = None
+        self._gate = gate or Gate.from_config("metrics")
+        self._httpd: _BoundedWSGIServer | None = None
         self._thread: threading.Thread | None = None
 
     @property
@@ -207,17 +263,24 @@ class MetricsServer:
     def address(self) -> str:
         return f"{self._addr}:{self.port}"
 
+    @property
+    def gate(self) -> Gate:
+        return self._gate
+
     def start(self) -> None:
         if self._httpd is not None:
             return
         try:
-            self._httpd, self._thread = start_http_server(self._port, addr=self._addr,
-                                                          registry=self._registry)
+            httpd = _BoundedWSGIServer((self._addr, self._port), self._gate)
         except OSError as e:
             raise ConfigError(
                 f"[metrics] cannot serve /metrics on {self._addr}:{self._port}: {e.strerror}; "
                 f"another process (a second mccld?) holds the port or the address is not local; "
                 f"stop it or set MCCL_METRICS_PORT / MCCL_METRICS_ADDR") from e
+        httpd.set_app(make_wsgi_app(self._registry))
+        self._httpd = httpd
+        self._thread = threading.Thread(target=httpd.serve_forever, name="mccld-metrics", daemon=True)
+        self._thread.start()
         log.info("serving Prometheus metrics on http://%s/metrics", self.address)
 
     def stop(self, timeout_s: float = 5.0) -> None:
@@ -230,4 +293,5 @@ class MetricsServer:
             thread.join(timeout=timeout_s)
             if thread.is_alive():
                 log.warning("metrics server thread did not stop within %.1f s", timeout_s)
+        self._gate.close()
         self._httpd = self._thread = None

@@ -22,17 +22,22 @@ Request types and their fields:
   probe    addr                          -> link to the daemon at addr (dial + authenticate)
 Tensor data never travels here: ``args`` name byte ranges of registered segments.
 
-Each field's type and bounds, and each op's exact arguments, are declared below (SCHEMA,
-OP_ARGS) and checked once on arrival (``check_request``): a bad request gets a
-ProtocolError naming its field, and what reaches a handler is well-typed and in range.
+Each request type is a frozen dataclass below whose fields declare their wire type and
+bounds (and OP_ARGS each op's exact arguments). ``build_request`` makes one from a parsed
+frame, once, on arrival: a bad request gets a ProtocolError naming its field, and the
+handlers and the job code only ever see well-typed, in-range objects. What depends on the
+daemon's state (ranks of the job's world, bytes of the registered segment) is checked
+against it with ``Op.check_world`` and ``Op.span``.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import re
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from types import MappingProxyType
+from typing import Any, ClassVar, Mapping
 
 from libmccl import errors
 from libmccl.daemon_ops import DTYPE_SIZE, MAX_TAG
@@ -62,28 +67,172 @@ class Field:
     required: bool = True
 
 
-_JOB = Field(str, max_len=12)
 _RANK = Field(int, 0, MAX_RANKS - 1)
 _BYTES = Field(int, 0, _MAX_BYTES)
 _SEGMENT = Field(str, max_len=64, required=False)
+JOB_RE = re.compile(r"^[0-9a-f]{1,12}$")
+# mccl-<job>-<rank>-<pid>-<gen>; the pid (group 1) tells whose it is (shm.py)
+SEGMENT_RE = re.compile(r"^mccl-[0-9a-f]{1,12}-\d{1,6}-(\d{1,9})-\d{1,6}$")
 
-# Every request type's fields; fields not named here are ignored (a newer client's extras).
-SCHEMA: dict[str, dict[str, Field]] = {
-    "hello": {"token": Field(str, max_len=256), "pid": Field(int, 1, (1 << 31) - 1)},
-    "join": {"job": _JOB, "rank": _RANK, "size": Field(int, 1, MAX_RANKS),
-             "hosts": Field(list, max_len=MAX_HOSTS, items=Field(dict)),
-             "timeout_s": Field((int, float), 1e-3, 1e7), "opts": Field(dict)},
-    "register": {"job": _JOB, "rank": _RANK, "segment": Field(str, max_len=64), "nbytes": Field(int, 1, _MAX_BYTES)},
-    "op": {"job": _JOB, "rank": _RANK, "seq": Field(int, 0, _MAX_ID), "op": Field(str, max_len=32),
-           "args": Field(dict)},
-    "status": {},
-    "overlap": {"job": _JOB, "rank": _RANK, "ratio": Field((int, float), 0.0, 1.0)},
-    "leave": {"job": _JOB, "rank": _RANK, "abort": Field(str, max_len=4096, required=False)},
-    "probe": {"addr": Field(str, max_len=300)},
-}
 
-_HOST = {"host_id": Field(str, max_len=255), "link_addr": Field(str, max_len=300),
-         "ranks": Field(list, max_len=MAX_RANKS, items=_RANK)}
+def wire(kind: type | tuple[type, ...], lo: float | None = None, hi: float | None = None, *,
+         max_len: int = 0, items: Field | None = None, default: Any = MISSING) -> Any:
+    """A request field and its wire check; with ``default`` the field may be absent."""
+    check = Field(kind, lo, hi, max_len, items, required=default is MISSING)
+    return field(default=default, metadata={"wire": check})
+
+
+def _job() -> Any:
+    return wire(str, max_len=12)
+
+
+def _rank() -> Any:
+    return wire(int, 0, MAX_RANKS - 1)
+
+
+def _job_id(where: str, job: str) -> None:
+    if not JOB_RE.match(job):
+        raise ProtocolError(f"[daemon] {where}: field 'job'={_short(job)} must be 1-12 lowercase hex digits")
+
+
+@dataclass(frozen=True)
+class Request:
+    """What every request carries; ``type`` names the subclass on the wire."""
+    type: ClassVar[str] = ""
+    req: int
+
+
+@dataclass(frozen=True)
+class Hello(Request):
+    type: ClassVar[str] = "hello"
+    token: str = wire(str, max_len=256)
+    pid: int = wire(int, 1, (1 << 31) - 1)
+
+
+@dataclass(frozen=True)
+class Host:
+    """One host of a job's placement, as every rank's join lists it."""
+    host_id: str = wire(str, max_len=255)
+    link_addr: str = wire(str, max_len=300)
+    ranks: tuple[int, ...] = wire(list, max_len=MAX_RANKS, items=_RANK)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ranks", tuple(self.ranks))
+
+
+@dataclass(frozen=True)
+class Join(Request):
+    type: ClassVar[str] = "join"
+    job: str = _job()
+    rank: int = _rank()
+    size: int = wire(int, 1, MAX_RANKS)
+    hosts: tuple[Host, ...] = wire(list, max_len=MAX_HOSTS, items=Field(dict))
+    timeout_s: float = wire((int, float), 1e-3, 1e7)
+    opts: dict = wire(dict)
+
+    def __post_init__(self) -> None:
+        _job_id("join", self.job)
+        object.__setattr__(self, "hosts", tuple(_build(Host, f"join: hosts[{i}]", h, exact=False)
+                                                for i, h in enumerate(self.hosts)))
+
+
+@dataclass(frozen=True)
+class Register(Request):
+    type: ClassVar[str] = "register"
+    job: str = _job()
+    rank: int = _rank()
+    segment: str = wire(str, max_len=64)
+    nbytes: int = wire(int, 1, _MAX_BYTES)
+
+    def __post_init__(self) -> None:
+        _job_id("register", self.job)
+        if not SEGMENT_RE.match(self.segment):
+            raise ProtocolError(f"[daemon] register: field 'segment'={_short(self.segment)} is not a segment "
+                                "name (mccl-<job>-<rank>-<pid>-<gen>)")
+
+
+@dataclass(frozen=True)
+class Op(Request):
+    """One collective or p2p step; ``args`` are exactly the op's OP_ARGS (plus ``segment``)."""
+    type: ClassVar[str] = "op"
+    job: str = _job()
+    rank: int = _rank()
+    seq: int = wire(int, 0, _MAX_ID)
+    op: str = wire(str, max_len=32)
+    args: Mapping[str, Any] = wire(dict)
+
+    def __post_init__(self) -> None:
+        _job_id("op", self.job)
+        if self.op not in OP_ARGS:
+            raise ProtocolError(f"[daemon] op: unknown operation {_short(self.op)}; the client is newer "
+                                "than this mccld: upgrade mccld")
+        args = dict(self.args)
+        _check_fields(f"op {self.op}", args, {**OP_ARGS[self.op], "segment": _SEGMENT}, exact=True)
+        object.__setattr__(self, "args", MappingProxyType(args))
+
+    def check_world(self, size: int) -> None:
+        """The job-dependent part: ranks and per-rank lists fit its world of ``size``."""
+        for name in _RANK_ARGS:
+            if name in self.args and not (-1 if name == "src" else 0) <= self.args[name] < size:
+                raise ProtocolError(f"[daemon] op {self.op}: field {name!r}={self.args[name]} is not a rank of "
+                                    f"the job's world of {size}")
+        for name in ("send_sizes", "recv_sizes"):
+            if name in self.args and len(self.args[name]) != size:
+                raise ProtocolError(f"[daemon] op {self.op}: field {name!r} lists {len(self.args[name])} sizes, "
+                                    f"the job's world has {size} ranks")
+
+    def span(self, size: int) -> int:
+        """Bytes of the rank's segment the collective touches, in a world of ``size`` (after
+        ``check_world``); 0 for ops that touch none here (p2p checks its own ranges)."""
+        a = self.args
+        es = DTYPE_SIZE[a["dtype"]] if "dtype" in a else 1
+        if self.op in ("allreduce", "reduce"):
+            return a.get("offset", 0) + a["count"] * es
+        if self.op == "broadcast":
+            return a["nbytes"]
+        if self.op in ("allgather", "gather"):
+            return max(a["send_off"] + a["nbytes"], a["recv_off"] + size * a["nbytes"])
+        if self.op == "reduce_scatter":
+            return max(a["send_off"] + size * a["count"] * es, a["recv_off"] + a["count"] * es)
+        if self.op == "scatter":
+            return max(a["send_off"] + size * a["nbytes"], a["recv_off"] + a["nbytes"])
+        if self.op == "alltoallv":
+            return max(a["send_off"] + sum(a["send_sizes"]), a["recv_off"] + sum(a["recv_sizes"]))
+        return 0
+
+
+@dataclass(frozen=True)
+class Status(Request):
+    type: ClassVar[str] = "status"
+
+
+@dataclass(frozen=True)
+class Overlap(Request):
+    type: ClassVar[str] = "overlap"
+    job: str = _job()
+    rank: int = _rank()
+    ratio: float = wire((int, float), 0.0, 1.0)
+
+
+@dataclass(frozen=True)
+class Leave(Request):
+    type: ClassVar[str] = "leave"
+    job: str = _job()
+    rank: int = _rank()
+    abort: str | None = wire(str, max_len=4096, default=None)   # a reason: fails the job for every rank
+
+
+@dataclass(frozen=True)
+class Probe(Request):
+    type: ClassVar[str] = "probe"
+    addr: str = wire(str, max_len=300)
+
+    def __post_init__(self) -> None:
+        check_addr(self.addr)
+
+
+REQUESTS: dict[str, type[Request]] = {cls.type: cls for cls in (Hello, Join, Register, Op, Status, Overlap,
+                                                                  Leave, Probe)}
 
 # An op's arguments, exactly: the job's thread calls its algorithm with them, so a key
 # unknown to this daemon (or a missing one) is refused here rather than failing there.
@@ -137,23 +286,23 @@ def _check(where: str, name: str, value: Any, f: Field) -> None:
             _check(where, f"{name}[{i}]", item, f.items)
 
 
-def _check_fields(where: str, obj: dict[str, Any], fields: dict[str, Field], exact: bool) -> None:
-    for name, f in fields.items():
+def _check_fields(where: str, obj: dict[str, Any], spec: dict[str, Field], exact: bool) -> None:
+    for name, f in spec.items():
         if name in obj:
             _check(where, name, obj[name], f)
         elif f.required:
             raise ProtocolError(f"[daemon] {where}: field {name!r} is missing; the client speaks another "
                                 "protocol version: upgrade libmccl and mccld to the same release")
     if exact:
-        unknown = sorted(set(obj) - set(fields))
+        unknown = sorted(set(obj) - set(spec))
         if unknown:
             raise ProtocolError(f"[daemon] {where}: unknown argument {_short(unknown[0])}; the client is newer "
-                                f"than this mccld (it knows {sorted(fields)}): upgrade mccld")
+                                f"than this mccld (it knows {sorted(spec)}): upgrade mccld")
 
 
 def parse_request(frame: bytes) -> dict[str, Any]:
     """A request's envelope (JSON object, version, type, request id): enough to address the
-    reply. ``check_request`` then validates the rest."""
+    reply. ``build_request`` then validates the rest."""
     if len(frame) > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"[daemon] control message of {len(frame)} bytes exceeds "
                             f"{MAX_MESSAGE_BYTES}; the client is not speaking the MCCL attach protocol")
@@ -168,7 +317,7 @@ def parse_request(frame: bytes) -> dict[str, Any]:
         raise ProtocolError(f"[daemon] attach protocol version {_short(msg.get('v'))}, daemon speaks "
                             f"{PROTO_VERSION}; upgrade libmccl and mccld to the same release")
     kind = msg.get("type")
-    if not isinstance(kind, str) or kind not in SCHEMA:
+    if not isinstance(kind, str) or kind not in REQUESTS:
         raise ProtocolError(f"[daemon] unknown control message type {_short(kind)}")
     req = msg.get("req")
     if not isinstance(req, int) or isinstance(req, bool) or not 0 <= req <= _MAX_ID:
@@ -176,34 +325,22 @@ def parse_request(frame: bytes) -> dict[str, Any]:
     return msg
 
 
-def check_request(msg: dict[str, Any]) -> None:
-    """Every field of a parsed request; ProtocolError names the first one that is wrong. What
-    passes is well-typed and in range: handlers only check it against the daemon's state."""
+def _build(cls: type, where: str, obj: dict[str, Any], exact: bool) -> Any:
+    """``cls`` from ``obj``, each field checked against its ``wire`` declaration."""
+    spec = {f.name: f.metadata["wire"] for f in fields(cls) if "wire" in f.metadata}
+    _check_fields(where, obj, spec, exact)
+    values = {name: obj[name] for name in spec if name in obj}
+    if "req" in obj and issubclass(cls, Request):
+        values["req"] = obj["req"]
+    return cls(**values)
+
+
+def build_request(msg: dict[str, Any]) -> Request:
+    """The typed request of a frame ``parse_request`` accepted; ProtocolError names the first
+    field that is wrong. Fields this daemon does not know are ignored (a newer client's
+    extras), except in an op's ``args``, which the job's algorithm is called with."""
     kind = msg["type"]
-    _check_fields(kind, msg, SCHEMA[kind], exact=False)
-    if kind == "join":
-        for i, host in enumerate(msg["hosts"]):
-            _check_fields(f"join: hosts[{i}]", host, _HOST, exact=False)
-    elif kind == "op":
-        if msg["op"] not in OP_ARGS:
-            raise ProtocolError(f"[daemon] op: unknown operation {_short(msg['op'])}; the client is newer "
-                                "than this mccld: upgrade mccld")
-        _check_fields(f"op {msg['op']}", msg["args"], {**OP_ARGS[msg["op"]], "segment": _SEGMENT}, exact=True)
-    elif kind == "probe":
-        check_addr(msg["addr"])
-
-
-def check_op_ranks(msg: dict[str, Any], size: int) -> None:
-    """The job-dependent part of an op's validation: ranks and per-rank lists fit its world."""
-    op, args = msg["op"], msg["args"]
-    for name in _RANK_ARGS:
-        if name in args and not (-1 if name == "src" else 0) <= args[name] < size:
-            raise ProtocolError(f"[daemon] op {op}: field {name!r}={args[name]} is not a rank of the "
-                                f"job's world of {size}")
-    for name in ("send_sizes", "recv_sizes"):
-        if name in args and len(args[name]) != size:
-            raise ProtocolError(f"[daemon] op {op}: field {name!r} lists {len(args[name])} sizes, the "
-                                f"job's world has {size} ranks")
+    return _build(REQUESTS[kind], kind, msg, exact=False)
 
 
 def check_addr(addr: str) -> tuple[str, int]:

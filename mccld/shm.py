@@ -27,7 +27,6 @@ import ctypes
 import logging
 import mmap
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -36,10 +35,11 @@ import _posixshmem
 from libmccl import _core
 from libmccl.errors import ConfigError, ProtocolError
 
+from .protocol import SEGMENT_RE
+
 log = logging.getLogger(__name__)
 
 PREFIX = "mccl-"
-_NAME_RE = re.compile(r"^mccl-[0-9a-f]{1,12}-\d{1,6}-(\d{1,9})-\d{1,6}$")
 MAX_NAME = 31
 READY_OFF = 0
 DONE_OFF = 64
@@ -48,14 +48,14 @@ HEADER_BYTES = 4096
 
 def segment_name(job: str, rank: int, pid: int, gen: int) -> str:
     name = f"{PREFIX}{job}-{rank}-{pid}-{gen}"
-    if not _NAME_RE.match(name) or len(name) > MAX_NAME:
+    if not SEGMENT_RE.match(name) or len(name) > MAX_NAME:
         raise ConfigError(f"[daemon] shared-memory name {name!r} is malformed or longer than "
                           f"{MAX_NAME} characters; job ids must be short hex strings")
     return name
 
 
 def owner_pid(name: str) -> int | None:
-    m = _NAME_RE.match(name)
+    m = SEGMENT_RE.match(name)
     return int(m.group(1)) if m else None
 
 
@@ -82,24 +82,26 @@ class Segment:
     creator (client) or the daemon may unlink it."""
 
     def __init__(self, name: str, nbytes: int, create: bool):
-        if not _NAME_RE.match(name):
+        if not SEGMENT_RE.match(name):
             raise ProtocolError(f"[daemon] refused shared-memory segment name {name!r}; "
                                 "expected mccl-<job>-<rank>-<pid>-<gen>")
         self.name = name
         self.nbytes = nbytes
+        self._fd = -1      # the daemon's side keeps it: check_size() asks the file, not our memory
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = _posixshmem.shm_open("/" + name, flags, 0o600)
         try:
             if create:
                 os.ftruncate(fd, HEADER_BYTES + nbytes)
             else:
-                have = os.fstat(fd).st_size
-                if have < HEADER_BYTES + nbytes:
-                    raise ProtocolError(f"[daemon] segment {name} holds {have} bytes, client "
-                                        f"claimed {nbytes} after the {HEADER_BYTES}-byte header; "
-                                        "the client is out of sync")
+                self._fd = fd
+                self.check_size()
             self._map = mmap.mmap(fd, HEADER_BYTES + nbytes)
-        finally:
+        except BaseException:
+            self._fd = -1
+            os.close(fd)
+            raise
+        if create:
             os.close(fd)
         self._buf = (ctypes.c_char * (HEADER_BYTES + nbytes)).from_buffer(self._map)
         start = ctypes.addressof(self._buf)
@@ -107,6 +109,26 @@ class Segment:
         # Views of the header's words; valid while the mapping is (close() drops them).
         self.ready = _core.Ticket.at(start + READY_OFF)
         self.done = _core.Ticket.at(start + DONE_OFF)
+
+    def check_size(self) -> None:
+        """ProtocolError unless the file still holds the whole segment.
+
+        The client owns the file and can ftruncate it smaller under our mapping; touching a
+        page past the new end is SIGBUS, which would kill mccld. Nothing on Linux stops a
+        process that can map a shm file read-write from truncating it (only memfd seals can,
+        and an ipc:// ZeroMQ socket cannot pass the fd), so the daemon checks the size at
+        register and again right before every op touches the segment, and fails that job
+        with this error. What this cannot cover: a truncation in the microseconds-to-seconds
+        an op itself runs; closing that needs sealed memfd segments (or a SIGBUS-guarded
+        copy in the engine)."""
+        if self._fd < 0:
+            raise ProtocolError(f"[daemon] segment {self.name} is no longer mapped by mccld; its rank left")
+        have = os.fstat(self._fd).st_size
+        if have < HEADER_BYTES + self.nbytes:
+            raise ProtocolError(f"[daemon] segment {self.name} holds {have} bytes, the client registered "
+                                f"{self.nbytes} after the {HEADER_BYTES}-byte header; the client truncated "
+                                "it: a registered segment must keep its size until its rank "
+                                "leaves (register a new one under a new name to resize)")
 
     def view(self, offset: int = 0, nbytes: int | None = None) -> memoryview:
         end = self.nbytes if nbytes is None else offset + nbytes
@@ -123,6 +145,9 @@ class Segment:
         if self._map is None:
             return
         self.ready = self.done = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         del self._buf
         try:
             self._map.close()

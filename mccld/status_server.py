@@ -20,6 +20,7 @@ from typing import Any, Callable
 from libmccl.errors import ConfigError, MCCLError, ProtocolError
 
 from . import linktest, tcpinfo
+from .gate import Gate, Ticket
 from .logutil import OnceLogger
 from .stats import DaemonStats, mccl_version
 from .status_protocol import (IO_TIMEOUT_S, PROTO, READ_METHODS, SINK, WRITE_METHODS, Conn, mac_ok,
@@ -29,7 +30,7 @@ __all__ = ["StatusServer", "merge_status", "query", "split_addr"]
 
 log = logging.getLogger(__name__)
 
-MAX_CONNECTIONS = 16         # concurrent clients; more are refused, not queued forever
+MAX_CONNECTIONS = 16         # concurrent authenticated clients; more are refused, not queued forever
 
 
 def merge_status(daemon: dict, snap: dict | None, tcp_text: str | None = None,
@@ -119,7 +120,7 @@ class StatusServer:
 
     def __init__(self, provider: Callable[[], dict], key: bytes, addr: str = "0.0.0.0",
                  port: int = 29651, stats: DaemonStats | None = None,
-                 record_ceiling: Callable[[str, float], None] | None = None) -> None:
+                 record_ceiling: Callable[[str, float], None] | None = None, gate: Gate | None = None) -> None:
         if not key:
             raise ConfigError("[status] no fleet key for the status endpoint; set MCCL_KEY_FILE")
         self._provider = provider
@@ -131,6 +132,9 @@ class StatusServer:
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        # Until its MAC checks out a connection holds a slot of the gate (capped, with one
+        # deadline for hello + request); after that, one of the authenticated slots.
+        self._gate = gate or Gate.from_config("status")
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._lock = threading.Lock()
         self._linktests: dict[str, dict] = {}      # peer link address -> last result
@@ -144,6 +148,10 @@ class StatusServer:
     @property
     def address(self) -> str:
         return f"{self._addr}:{self.port}"
+
+    @property
+    def gate(self) -> Gate:
+        return self._gate
 
     def start(self) -> None:
         if self._sock is not None:
@@ -172,6 +180,7 @@ class StatusServer:
         if self._thread is not None:
             self._thread.join(timeout=timeout_s)
         self._sock.close()
+        self._gate.close()
         self._sock = self._thread = None
 
     def linktest_results(self) -> dict[str, dict]:
@@ -188,15 +197,13 @@ class StatusServer:
                 if not self._stop.is_set():
                     log.exception("status endpoint accept failed")
                 return
-            if not self._slots.acquire(blocking=False):
-                self._once.warn("<too many clients>", "[status] %d clients already connected, refusing peer=%s:%d; "
-                                "something polls this daemon too often", MAX_CONNECTIONS, host, port)
-                conn.close()
-                continue
-            threading.Thread(target=self._serve, args=(conn, f"{host}:{port}"),
-                             name="mccld-status-conn", daemon=True).start()
+            ticket = self._gate.admit(conn, host)
+            if ticket is not None:
+                threading.Thread(target=self._serve, args=(conn, f"{host}:{port}", ticket),
+                                 name="mccld-status-conn", daemon=True).start()
 
-    def _serve(self, sock: socket.socket, peer: str) -> None:
+    def _serve(self, sock: socket.socket, peer: str, ticket: Ticket) -> None:
+        slot = False
         try:
             sock.settimeout(IO_TIMEOUT_S)
             conn = Conn(sock, peer)
@@ -213,6 +220,14 @@ class StatusServer:
                                       f"authentication; the client uses another fleet's key")
                 conn.send({"ok": False, "error": {"kind": "AuthError", "message":
                            "[status] request MAC does not match; use this fleet's key (MCCL_KEY_FILE)"}})
+                return
+            ticket.passed()
+            slot = self._slots.acquire(blocking=False)
+            if not slot:
+                self._once.warn("<too many clients>", "[status] %d clients already connected, refusing peer=%s; "
+                                "something polls this daemon too often", MAX_CONNECTIONS, peer)
+                self._reply(conn, nonce, cnonce, None, {"kind": "MCCLError", "message": (
+                    f"[status] {MAX_CONNECTIONS} clients are already being served; retry later")})
                 return
             try:
                 call = json.loads(body)
@@ -237,8 +252,10 @@ class StatusServer:
         except Exception:
             log.exception("status endpoint: unexpected failure serving peer=%s", peer)
         finally:
+            ticket.release()  # before the close: the gate's watchdog must not shut down a reused fd
             sock.close()
-            self._slots.release()
+            if slot:
+                self._slots.release()
 
     def _reply(self, conn: Conn, nonce: str, cnonce: str, result: Any, error: dict | None) -> None:
         conn.send(signed_reply(self._key, cnonce, nonce, result, error))

@@ -6,6 +6,7 @@ memory exactly as a training script would.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import tempfile
@@ -37,10 +38,11 @@ def our_segments() -> list[str]:
     return sorted(p.name for p in Path("/dev/shm").glob("mccl-*"))
 
 
-@pytest.fixture
-def daemon():
+@contextlib.contextmanager
+def running_daemon(**overrides: str):
+    """An in-process daemon on a fresh runtime dir, its env with ``overrides``: (daemon, env)."""
     rdir = Path(tempfile.mkdtemp(prefix="mccl-dtest-"))
-    env = daemon_env(rdir)
+    env = {**daemon_env(rdir), **overrides}
     d = Daemon(load_config(env=env)).start()
     try:
         yield d, env
@@ -49,6 +51,12 @@ def daemon():
         for p in rdir.iterdir():
             p.unlink()
         rdir.rmdir()
+
+
+@pytest.fixture
+def daemon():
+    with running_daemon() as d_env:
+        yield d_env
 
 
 def connect(rank: int, world: int, comm_id: int = 0x5eed, timeout_s: float = 30.0):

@@ -5,6 +5,7 @@ the daemon crashed, wedged, or holding threads and table entries it will never f
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import zmq
 
 from test_daemon_attach import daemon, daemon_env  # noqa: F401 - fixture
 
+from libmccl.errors import ProtocolError
 from mccld import protocol, shm
 from mccld.attach import local_request
 from mccld.config import load_config
@@ -175,24 +177,44 @@ def test_attached_table_is_capped_per_process():
         rdir.rmdir()
 
 
-@pytest.mark.timeout(90)
-def test_reregistering_a_segment_smaller_under_a_pending_op_is_refused(tmp_path):
-    """The op was checked against the first mapping; swapping in a smaller one under it made
-    mccld write past the new mapping (SIGSEGV). The daemon runs in a subprocess here."""
+@pytest.fixture
+def mccld_proc(tmp_path):
+    """mccld in a subprocess, so that a crash shows as its exit: (process, runtime dir, host id)."""
     rdir = tmp_path / "rt"
     env = daemon_env(rdir)
     proc = subprocess.Popen([sys.executable, "-m", "mccld"], env={**os.environ, **env}, stderr=subprocess.DEVNULL)
-    clients: list[RawClient] = []
-    segs: list[shm.Segment] = []
     try:
         deadline = time.monotonic() + 30
         while not (rdir / "token").exists():
             assert proc.poll() is None and time.monotonic() < deadline, "mccld did not start"
             time.sleep(0.1)
+        yield proc, rdir, env["MCCL_HOST_ID"]
+    finally:
+        stop_process(proc)
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM (mccld's clean stop), then SIGKILL if it does not stop in 10 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+@pytest.mark.timeout(90)
+def test_reregistering_a_segment_smaller_under_a_pending_op_is_refused(mccld_proc):
+    """The op was checked against the first mapping; swapping in a smaller one under it made
+    mccld write past the new mapping (SIGSEGV)."""
+    proc, rdir, host = mccld_proc
+    clients: list[RawClient] = []
+    segs: list[shm.Segment] = []
+    try:
         clients = [RawClient(rdir), RawClient(rdir)]
         link = clients[0].hello()["link_addr"]
         clients[1].hello()
-        host = env["MCCL_HOST_ID"]
         for r, c in enumerate(clients):
             c.send({"type": "join", "job": "c33", "rank": r, "size": 2, "timeout_s": 30.0, "opts": {},
                      "hosts": [{"host_id": host, "link_addr": link, "ranks": [0, 1]}]})
@@ -222,10 +244,26 @@ def test_reregistering_a_segment_smaller_under_a_pending_op_is_refused(tmp_path)
         for s in segs:
             s.close()
             s.unlink()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+
+
+@pytest.mark.timeout(60)
+def test_requests_are_typed_objects_checked_once_with_the_field_named():
+    """Validation in one place (issue 11): the handlers get frozen objects, never dicts."""
+    op = protocol.build_request({"type": "op", "req": 7, "job": "a11", "rank": 0, "seq": 1, "op": "allreduce",
+                                 "args": {**ALLREDUCE, "segment": "mccl-a11-0-1-1"}})
+    assert isinstance(op, protocol.Op) and op.args["count"] == 16 and op.span(1) == 64
+    with pytest.raises(TypeError):
+        op.args["count"] = 1 << 40          # nothing downstream can change a checked value
+    join = protocol.build_request({"type": "join", "req": 1, "job": "a11", "rank": 0, "size": 1, "timeout_s": 5,
+                                   "opts": {}, "hosts": [{"host_id": "h", "link_addr": "h:1", "ranks": [0]}]})
+    assert join.hosts == (protocol.Host("h", "h:1", (0,)),)
+    bad = [({"type": "join", "req": 1, "job": "A11", "rank": 0, "size": 1, "timeout_s": 5, "opts": {},
+             "hosts": []}, "'job'"),
+           ({"type": "join", "req": 1, "job": "a11", "rank": 0, "size": 1, "timeout_s": 5, "opts": {},
+             "hosts": [{"host_id": "h", "link_addr": "h:1", "ranks": ["0"]}]}, "'ranks[0]'"),
+           ({"type": "register", "req": 1, "job": "a11", "rank": 0, "segment": "../etc/passwd", "nbytes": 8},
+            "'segment'"),
+           ({"type": "leave", "req": 1, "job": "a11", "rank": 0, "abort": 5}, "'abort'")]
+    for msg, field in bad:
+        with pytest.raises(ProtocolError, match=re.escape(field)):
+            protocol.build_request(msg)

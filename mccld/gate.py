@@ -1,0 +1,154 @@
+"""Admission and deadlines for connections that have not authenticated yet.
+
+Every TCP port of mccld (links, status, metrics) accepts anyone on the LAN. Until a
+connection has proven it holds the fleet key it may cost us only a bounded share of
+threads and fds, for a bounded time:
+
+* ``admit`` refuses (closes at once, never blocks the accept loop) past a cap per port
+  and per peer address, so one noisy host cannot take every slot from the others;
+* each admitted connection has one deadline for its whole handshake / request. A
+  per-``recv`` timeout does not bound that: a peer dribbling a byte a second resets
+  it forever. When the deadline passes the watchdog shuts the socket down, which
+  wakes whatever thread is blocked reading it (the read sees EOF and the serving
+  code's ordinary "closed early" path cleans up).
+
+``Ticket.passed()`` ends both once the peer authenticated; ``Ticket.release()`` (always,
+in the serving thread's ``finally``) gives the slot back.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import socket
+import threading
+import time
+
+from .config import DaemonConfig
+from .logutil import OnceLogger
+
+log = logging.getLogger(__name__)
+
+
+class Ticket:
+    """One admitted connection's slot and deadline."""
+
+    def __init__(self, gate: "Gate", sock: socket.socket, peer_ip: str, deadline: float):
+        self._gate = gate
+        self.sock = sock
+        self.peer_ip = peer_ip
+        self.deadline = deadline
+        self.counted = True       # holds a slot of the gate
+
+    def passed(self) -> None:
+        """The peer authenticated: no deadline and no slot among the unauthenticated any more."""
+        self._gate._drop(self)
+
+    def release(self) -> None:
+        """The connection is done (or failed); idempotent, and a no-op after ``passed``."""
+        self._gate._drop(self)
+
+
+class Gate:
+    """Caps and deadlines of the unauthenticated connections of one listening port."""
+
+    def __init__(self, name: str, max_total: int, max_per_peer: int, deadline_s: float):
+        self.name = name
+        self.max_total = max_total
+        self.max_per_peer = max_per_peer
+        self.deadline_s = deadline_s
+        self.refused = 0          # closed at accept: over a cap
+        self.expired = 0          # shut down at their deadline
+        self._per_peer: dict[str, int] = {}
+        self._total = 0
+        self._heap: list[tuple[float, int, Ticket]] = []
+        self._seq = itertools.count()
+        self._cv = threading.Condition()
+        self._closed = False
+        self._once = OnceLogger(log)
+        self._watchdog: threading.Thread | None = None   # started with the first admitted connection
+
+    @classmethod
+    def from_config(cls, name: str, cfg: DaemonConfig | None = None) -> "Gate":
+        """A gate with the daemon's MCCL_UNAUTH_* / MCCL_MAX_UNAUTH_* settings (their defaults without ``cfg``)."""
+        cfg = cfg or DaemonConfig()
+        return cls(name, cfg.max_unauth_connections, cfg.max_unauth_per_peer, cfg.unauth_timeout_s)
+
+    def admit(self, sock: socket.socket, peer_ip: str) -> Ticket | None:
+        """A ticket for a just-accepted socket, or None after closing it (over a cap)."""
+        with self._cv:
+            n = self._per_peer.get(peer_ip, 0)
+            full = self._total >= self.max_total or n >= self.max_per_peer
+            if not full:
+                self._per_peer[peer_ip] = n + 1
+                self._total += 1
+                ticket = Ticket(self, sock, peer_ip, time.monotonic() + self.deadline_s)
+                heapq.heappush(self._heap, (ticket.deadline, next(self._seq), ticket))
+                if self._watchdog is None:
+                    self._closed = False
+                    self._watchdog = threading.Thread(target=self._watch, name=f"mccld-gate-{self.name}",
+                                                      daemon=True)
+                    self._watchdog.start()
+                self._cv.notify()
+                return ticket
+            self.refused += 1
+        self._once.warn(f"full:{peer_ip}", "[%s] refusing a connection from peer=%s: %d unauthenticated "
+                        "connections from it, %d on the port (caps %d and %d: MCCL_MAX_UNAUTH_PER_PEER, "
+                        "MCCL_MAX_UNAUTH_CONNECTIONS); a scanner or a misconfigured client floods this port",
+                        self.name, peer_ip, n, self._total, self.max_per_peer, self.max_total)
+        try:
+            sock.close()
+        except OSError:
+            pass
+        return None
+
+    def unauthenticated(self) -> int:
+        with self._cv:
+            return self._total
+
+    def close(self) -> None:
+        """Stop the watchdog (the port is closed); a later ``admit`` starts it again."""
+        with self._cv:
+            watchdog, self._watchdog = self._watchdog, None
+            self._closed = True
+            self._cv.notify()
+        if watchdog is not None:
+            watchdog.join(timeout=2.0)
+
+    def _drop(self, ticket: Ticket) -> None:
+        with self._cv:
+            if not ticket.counted:
+                return
+            ticket.counted = False
+            self._total -= 1
+            left = self._per_peer[ticket.peer_ip] - 1
+            if left:
+                self._per_peer[ticket.peer_ip] = left
+            else:
+                del self._per_peer[ticket.peer_ip]
+            # Its heap entry stays until its deadline; the watchdog skips uncounted tickets.
+
+    def _watch(self) -> None:
+        with self._cv:
+            while not self._closed and self._watchdog is threading.current_thread():
+                while self._heap and not self._heap[0][2].counted:
+                    heapq.heappop(self._heap)
+                if not self._heap:
+                    self._cv.wait()
+                    continue
+                wait = self._heap[0][0] - time.monotonic()
+                if wait > 0:
+                    self._cv.wait(wait)
+                    continue
+                ticket = heapq.heappop(self._heap)[2]
+                self.expired += 1
+                # Under the lock: the serving thread drops the ticket (in _drop, same lock)
+                # before it closes the socket, so this never shuts down a reused fd.
+                try:
+                    ticket.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass      # already closed by its peer
+                self._once.warn(f"late:{ticket.peer_ip}", "[%s] peer=%s did not authenticate within %.1f s "
+                                "(MCCL_UNAUTH_TIMEOUT); closed its connection (a slow or hostile client)",
+                                self.name, ticket.peer_ip, self.deadline_s)
