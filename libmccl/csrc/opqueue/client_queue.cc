@@ -3,6 +3,8 @@
 #include <chrono>
 #include <cstring>
 
+#include "opqueue/thread_name.h"
+
 namespace mccl::opqueue {
 
 namespace {
@@ -40,10 +42,11 @@ void ClientQueue::submit(uint64_t op_id, uint64_t seq, Kind kind, DType dt, Redu
                                         "-byte slot; send it on the regular path");
   }
   std::lock_guard<std::mutex> lk(mu_);
-  if (stop_ || completed_->poisoned()) {
+  if (stop_) {
     throw_error(ErrorKind::kAborted, "[opqueue] rank " + std::to_string(rank_) +
-                                         ": the fast-path queue is closed or failed");
+                                         ": the fast-path queue is closed");
   }
+  if (completed_->poisoned()) throw Error(*daemon_error());  // mccld failed the job meanwhile
   if (inflight_) {
     throw_error(ErrorKind::kConfig, "[opqueue] rank " + std::to_string(rank_) +
                                         ": submit while an op is in flight; one at a time");
@@ -86,6 +89,7 @@ std::shared_ptr<const Error> ClientQueue::daemon_error() const {
 }
 
 void ClientQueue::completer_main() {
+  name_this_thread("mccl-fastq");
   while (true) {
     uint64_t target, op_id;
     void* buf;

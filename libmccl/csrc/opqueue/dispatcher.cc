@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "opqueue/thread_name.h"
+
 #include "reduce.h"
 #include "transport/socket.h"
 
@@ -106,6 +108,7 @@ void Dispatcher::protocol_error(int rank, uint64_t n, const std::string& what) c
 }
 
 void Dispatcher::main() {
+  name_this_thread("mccld-fastpath");
   uint64_t n = 0;  // fast ops served
   while (!stopping()) {
     bool from_engine = false;
