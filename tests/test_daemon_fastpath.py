@@ -2,6 +2,8 @@
 each client's shared-memory queue to mccld's native dispatcher (docs/daemon-fastpath.md).
 
 One mccld in the test process, clients in spawned processes, as in test_daemon_attach.py.
+A client killed in a small op, and mccld killed under one, are test_daemon_failures.py's
+cases (their all-reduces are small).
 """
 
 from __future__ import annotations
@@ -9,7 +11,6 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import signal
 import struct
 import time
 from pathlib import Path
@@ -17,14 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import collect, reap, run_ranks, spawn_ranks
+from conftest import run_ranks
 from test_daemon_attach import AVG, BAND, F16, F32, F64, I32, I64, MAX, MIN, SUM, connect, daemon  # noqa: F401
+from test_daemon_failures import job_segments
 
 ENTRY_OFF = 3072   # libmccl/csrc/opqueue/layout.h
-
-
-def job_segments(comm_id: int) -> list[str]:
-    return sorted(p.name for p in Path("/dev/shm").glob(f"mccl-{comm_id & 0xFFFFFFFF:08x}-*"))
 
 
 def thread_cpu_s(pid: int, name: str) -> float | None:
@@ -146,45 +144,12 @@ def test_local_rank_that_never_submits_times_out_the_others(daemon):  # noqa: F8
     assert float(took[:-1]) < 6, waited                     # at the job's timeout, not the client's margin
 
 
-def rank_killed(rank: int, world: int) -> str:
-    from libmccl.errors import PeerLostError
-    comm, _store = connect(rank, world, comm_id=0xfa5a, timeout_s=60)
-    a = np.ones(4, dtype=np.float32)
-    comm.wait(comm.allreduce(a.ctypes.data, a.size, F32, SUM), 20)
-    if rank == 1:
-        time.sleep(0.5)   # rank 0 is waiting in the next one
-        os.kill(os.getpid(), signal.SIGKILL)
-    started = time.monotonic()
-    with pytest.raises(PeerLostError) as info:
-        comm.wait(comm.allreduce(a.ctypes.data, a.size, F32, SUM), 30)
-    assert info.value.peer_rank == 1 and "rank 1" in str(info.value), info.value
-    comm.shutdown(5)
-    return f"{time.monotonic() - started:.2f}"
-
-
 def rank_plain(rank: int, world: int, comm_id: int) -> str:
     comm, _store = connect(rank, world, comm_id=comm_id)
     a = np.full(4, rank + 1.0, dtype=np.float32)
     comm.wait(comm.allreduce(a.ctypes.data, a.size, F32, SUM), 20)
     comm.shutdown(10)
     return str(a[0])
-
-
-@pytest.mark.timeout(120)
-def test_client_killed_in_a_small_op_fails_the_other_with_peer_lost(daemon):  # noqa: F811
-    d, env = daemon
-    procs, results, _ = spawn_ranks(rank_killed, 2, env=env)
-    try:
-        out = collect(procs, results, 60, expect=1)
-    finally:
-        reap(procs)
-    status, took = out[0]
-    assert status == "ok" and float(took) < 5, out
-    deadline = time.monotonic() + 5
-    while job_segments(0xfa5a) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert job_segments(0xfa5a) == []
-    assert run_ranks(rank_plain, 2, 0xfa5b, env=env) == ["3.0", "3.0"]   # the daemon serves the next job
 
 
 def rank_writes_garbage(rank: int, world: int, entry: bytes) -> str:
@@ -224,3 +189,19 @@ def test_malformed_entry_fails_its_job_with_protocol_error(daemon, what):  # noq
     (msg,) = run_ranks(rank_writes_garbage, 1, GARBAGE[what], env=env)
     assert "fast-path entry" in msg and "rank 0" in msg, msg
     assert run_ranks(rank_plain, 1, 0xfa5d, env=env) == ["1.0"]   # mccld lives on
+
+
+def rank_own_fast_bytes(rank: int, world: int) -> str:
+    from libmccl.errors import ConfigError
+    os.environ["MCCL_DAEMON_FAST_BYTES"] = "0" if rank == 1 else "64K"
+    with pytest.raises(ConfigError) as info:
+        connect(rank, world, comm_id=0xfa5e)
+    return str(info.value)
+
+
+@pytest.mark.timeout(120)
+def test_ranks_of_a_host_with_different_fast_bytes_fail_at_join(daemon):  # noqa: F811
+    d, env = daemon
+    for msg in run_ranks(rank_own_fast_bytes, 2, env=env):
+        assert "MCCL_DAEMON_FAST_BYTES" in msg and "[1]" in msg, msg
+    assert job_segments(0xfa5e) == []
