@@ -122,13 +122,10 @@ def reduce_codes(t: torch.Tensor, op: Any, name: str) -> tuple[int, int, int]:
 
 
 def _unified() -> Any:
-    from . import unified  # the MPS staging helpers; imported only when an mps tensor shows up
-    from .config import EngineConfig, load
+    # The staging helpers for mps tensors, imported only when one shows up: collectives other
+    # than all_reduce, and all_reduce where the Metal bridge is off (metal_tensors).
+    from . import unified
 
-    if load(EngineConfig).unified_collective:
-        # Asked for the zero-copy Metal path, which this build does not have: refuse
-        # clearly (it raises ConfigError) rather than silently staging.
-        unified.UnifiedCollective()
     return unified
 
 

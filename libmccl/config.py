@@ -127,10 +127,11 @@ class EngineConfig:
         "MCCL_DAEMON=1: all-reduces up to this size, and barriers, go to mccld through a shared-memory "
         "queue that a native thread serves (docs/daemon-fastpath.md); 0 sends every op over ZeroMQ "
         "to mccld's Python job thread. Every rank of a host must use the same value")
-    unified_collective: bool = setting(
-        "MCCL_UNIFIED_COLLECTIVE", False, "bool",
-        "macOS/MPS: 1 asks for the reduction in unified memory ordered by Metal shared events, which this "
-        "release does not build (mps collectives then raise ConfigError); 0 stages mps tensors through a CPU copy")
+    unified_collective: str = setting(
+        "MCCL_UNIFIED_COLLECTIVE", "auto", "auto|1|0",
+        "macOS/MPS all-reduce: reduce in the tensor's unified memory (shared storage; private storage is "
+        "blitted into host memory), ordered by Metal shared events through the Metal bridge; auto uses it where "
+        "the bridge loads, 1 requires it (ConfigError names what is missing), 0 stages through blocking CPU copies")
 
     def engine_options(self, opts: Any, timeout_s: float, connect_timeout_s: float) -> Any:
         """Fill an ``_core.Options`` (passed in: this module stays free of the engine) from

@@ -85,8 +85,8 @@ def ops_for(t: torch.Tensor) -> tuple[DeviceOps, Any] | None:
 
 
 def on_a_stream(t: torch.Tensor) -> bool:
-    """Whether ``ops_for`` would order ``t``, without loading a device's driver."""
-    return t.is_cuda or _fake_owner(t) is not None
+    """Whether ``ordered`` may order ``t``, without loading a device's driver."""
+    return t.is_cuda or t.device.type == "mps" or _fake_owner(t) is not None
 
 
 def _fake_owner(t: torch.Tensor) -> Any:
@@ -162,13 +162,23 @@ def _side_stream(device: torch.device) -> Any:
 
 def ordered(t: torch.Tensor, name: str) -> tuple[OrderedOp, Any] | None:
     """The device side of a collective on ``t``, its tickets fresh, not yet launched."""
-    found = ops_for(t)
-    if found is None:
-        return None
-    ops, stream = found
+    if t.device.type == "mps":
+        from . import metal_tensors  # loads the Metal bridge on first use
+
+        placed = metal_tensors.ops_for(t, name)
+        if placed is None:
+            return None  # staged through blocking copies (MCCL_UNIFIED_COLLECTIVE)
+        ops, addr = placed
+        stream: Any = None  # torch's one MPS stream, which the bridge finds itself
+    else:
+        found = ops_for(t)
+        if found is None:
+            return None
+        ops, stream = found
+        addr = t.data_ptr()
     if not t.is_contiguous():
         raise ConfigError(f"[mccl] {name}: the {t.device} tensor is not contiguous; device tensors are "
                           "reduced in place, pass tensor.contiguous() and copy the result back")
-    op = OrderedOp(ops, t.data_ptr(), t.numel() * t.element_size(), f"{name} on {t.device}")
+    op = OrderedOp(ops, addr, t.numel() * t.element_size(), f"{name} on {t.device}")
     _ledger(ops).add(op)
     return op, stream

@@ -1,24 +1,14 @@
-"""MPS tensors and Apple unified memory: the staging path that exists, the fast path that does not.
+"""MPS tensors staged through CPU copies: the path for mps tensors the Metal bridge does not serve.
 
-On Apple silicon the CPU and GPU share one memory. Two ways to run a collective on an
-``mps`` tensor follow from that; ``MCCL_UNIFIED_COLLECTIVE`` picks between them:
-
-``=0``, staging (implemented, used today)
-    ``staging_copy_to_cpu`` waits for the work queued on the tensor (a blocking
-    ``.to("cpu")`` synchronises the MPS stream) and copies it into an ordinary CPU
-    buffer the engine works on; ``copy_back`` copies the result into the ``mps`` tensor
-    when the operation completes. Costs two memory copies per collective.
-
-``=1``, unified collective (NOT implemented in this build)
-    The engine would reduce in the shared-storage ``MTLBuffer`` behind the tensor, with
-    no copies: an ``MTLSharedEvent`` signalled by the MPS command queue tells the
-    engine the producer kernels are done, the engine signals back when the result is
-    in place, and received segments are combined by the Metal kernels in
-    ``metal/reduce.metal``. That needs an Objective-C++ bridge to Metal, which this
-    repository does not contain (it can be neither built nor tested on the Linux CI);
-    it would implement ``device_order.DeviceOps``, whose protocol already runs for the
-    fake device and CUDA (metal/README.md says how).
-    ``UnifiedCollective`` is its entry point and raises ``ConfigError`` saying so.
+On Apple silicon the CPU and GPU share one memory. An mps all-reduce normally goes through
+the Metal bridge (``libmccl.metal_tensors``, ``MCCL_UNIFIED_COLLECTIVE=auto|1``): the engine
+reduces in the tensor's shared-storage MTLBuffer, ordered by Metal shared events, without
+blocking the caller. What it does not serve comes here (``MCCL_UNIFIED_COLLECTIVE=0``,
+collectives other than all-reduce, a Mac where the bridge does not load):
+``staging_copy_to_cpu`` waits for the work queued on the tensor (a blocking ``.to("cpu")``
+synchronises the MPS stream) and copies it into an ordinary CPU buffer the engine works on;
+``copy_back`` copies the result into the ``mps`` tensor when the operation completes.
+Two memory copies per collective, and the caller waits for the GPU.
 
 Both helpers also accept CPU tensors, which is how the staging path is tested on Linux.
 """
@@ -71,27 +61,13 @@ def copy_back(tensor: torch.Tensor, cpu: torch.Tensor) -> None:
 
 
 def unified_available() -> tuple[bool, str]:
-    """Whether the unified-memory collective can run here, and if not, why.
-
-    Always False in this build; the reason tells macOS users the missing piece.
-    """
+    """Whether the Metal bridge serves mps all-reduces here, and if not, why."""
     if platform.system() != "Darwin":
         return False, f"the unified-memory collective needs macOS with MPS, this is {platform.system()}"
-    mps = getattr(torch.backends, "mps", None)
-    if mps is None or not mps.is_available():
-        return False, "the unified-memory collective needs macOS with MPS, and torch reports MPS unavailable"
-    return False, ("the unified-memory collective needs the Objective-C++ Metal bridge, "
-                   "which this build of MCCL does not include")
+    from . import metal_tensors
 
-
-class UnifiedCollective:
-    """Entry point of the zero-copy MPS path (``MCCL_UNIFIED_COLLECTIVE=1``).
-
-    Not implemented in this build (see the module docstring): constructing it raises
-    ``ConfigError`` naming what is missing and how to fall back to staging.
-    """
-
-    def __init__(self, comm: object = None) -> None:
-        _, why = unified_available()
-        raise ConfigError(f"[metal] {why}; set MCCL_UNIFIED_COLLECTIVE=0 to stage mps tensors "
-                          "through CPU copies")
+    try:
+        metal_tensors.device()
+    except ConfigError as exc:
+        return False, str(exc)
+    return True, ""

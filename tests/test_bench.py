@@ -274,6 +274,31 @@ def test_ddp_workload_times_a_step_per_series(tmp_path):
     assert "DDP step" in stdout
 
 
+@pytest.mark.skipif(not _mccl_works(), reason="the engine is not built")
+@pytest.mark.timeout(300)
+def test_ddp_variants_time_the_step_without_communication_and_staged(tmp_path):
+    doc, stdout = _bench(tmp_path / "r.json", "--ranks", "2", "--workload", "ddp", "--ddp-width", "128",
+                         "--ddp-steps", "3", "--ddp-variants", "ddp,nocomm,staged", "--latency-iters", "0",
+                         "--ceiling-seconds", "1", "--timeout", "150", timeout=280)
+    steps = doc["ddp"]
+    assert list(steps) == ["mccl", "gloo"]
+    for v in steps.values():
+        assert v["step_ms"] > 0 and v["nocomm_ms"] > 0 and v["staged_ms"] > 0 and v["step_over_nocomm"] > 0
+    # Same weights, same data, same steps: the backends' final parameters agree.
+    assert steps["mccl"]["params_match_gloo"] is True
+    assert "communication removed" in stdout and "parameters match gloo's" in stdout
+
+
+def test_params_close_compares_fingerprints() -> None:
+    from libmccl.bench.ddp import params_close
+
+    a = {"fingerprint": {"sum": 10.0, "head": [1.0, 2.0, 3.0]}}
+    assert params_close(a, {"fingerprint": {"sum": 10.0 + 1e-7, "head": [1.0, 2.0 + 1e-6, 3.0]}})
+    assert not params_close(a, {"fingerprint": {"sum": 10.0, "head": [1.0, 2.1, 3.0]}})
+    assert not params_close(a, {"fingerprint": {"sum": 11.0, "head": [1.0, 2.0, 3.0]}})
+    assert not params_close(a, {})
+
+
 @needs_fleet
 @pytest.mark.fleet
 @pytest.mark.skipif(not _mccl_works(), reason="the engine is not built")

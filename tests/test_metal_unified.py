@@ -57,25 +57,7 @@ def test_bad_arguments_raise_config_error() -> None:
 
 
 @pytest.mark.timeout(30)
-def test_unified_collective_is_unavailable_with_a_clear_error() -> None:
+def test_unified_collective_says_why_it_is_unavailable_off_macos() -> None:
     ok, why = unified.unified_available()
-    assert not ok
     if platform.system() != "Darwin":
-        assert "needs macOS with MPS" in why
-    with pytest.raises(ConfigError) as info:
-        unified.UnifiedCollective(comm=None)
-    msg = str(info.value)
-    assert msg.startswith("[metal] the unified-memory collective needs ")
-    assert "set MCCL_UNIFIED_COLLECTIVE=0" in msg
-
-
-@pytest.mark.timeout(30)
-def test_glue_refuses_unified_path_it_does_not_have(monkeypatch):
-    from libmccl import _buffers
-    from libmccl.errors import ConfigError
-
-    monkeypatch.setenv("MCCL_UNIFIED_COLLECTIVE", "1")
-    with pytest.raises(ConfigError, match="MCCL_UNIFIED_COLLECTIVE=0"):
-        _buffers._unified()
-    monkeypatch.setenv("MCCL_UNIFIED_COLLECTIVE", "0")
-    assert _buffers._unified().staging_copy_to_cpu is not None
+        assert not ok and "needs macOS with MPS" in why

@@ -66,6 +66,15 @@ def _parser() -> argparse.ArgumentParser:
     what.add_argument("--ddp-steps", type=int, default=10, help="timed DDP steps per series (after 3 warm-up)")
     what.add_argument("--ddp-width", type=int, default=2048,
                       help="MLP width; 3 layers of width^2 weights (2048: 50 MB of gradients)")
+    what.add_argument("--ddp-depth", type=int, default=3, help="linear layers of the DDP model")
+    what.add_argument("--ddp-batch", type=int, default=32, help="samples per rank per DDP step")
+    what.add_argument("--ddp-bucket-mb", type=float, default=None,
+                      help="DDP's bucket_cap_mb (default: DDP's own, 25)")
+    what.add_argument("--ddp-device", default="cpu",
+                      help="where the DDP model lives: cpu, or cuda (every rank on the one GPU, cuda:0)")
+    what.add_argument("--ddp-variants", type=_csv, default=["ddp"],
+                      help="comma list of ddp (plain DDP), nocomm (communication removed: a no-op comm hook), "
+                           "staged (a hook staging each bucket through a blocking CPU copy)")
     what.add_argument("--latency-iters", type=int, default=300,
                       help="8-byte all_reduces timed one by one per series for the small-op latency; 0 = none")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per series (a backend in one mode)")
@@ -111,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = BenchConfig(hosts=args.hosts, ranks=args.ranks, ranks_per_host=args.ranks_per_host,
                           rate=None if args.rate == "none" else args.rate, backends=args.backends,
                           modes=args.modes, ops=args.ops, latency_iters=args.latency_iters, sizes=sizes,
-                          workload=args.workload, ddp={"steps": args.ddp_steps, "width": args.ddp_width},
+                          workload=args.workload,
+                          ddp={"steps": args.ddp_steps, "width": args.ddp_width, "depth": args.ddp_depth,
+                               "batch": args.ddp_batch, "device": args.ddp_device, "variants": args.ddp_variants,
+                               "bucket_mb": args.ddp_bucket_mb},
                           warmup=args.warmup, iters=args.iters, repeats=args.repeats, target_s=args.target_seconds,
                           max_iters=args.max_iters, ceiling_seconds=args.ceiling_seconds,
                           ceiling_tool=args.ceiling_tool, timeout_s=args.timeout, verbose=args.verbose,

@@ -21,7 +21,17 @@ import time
 
 from ..errors import MCCLError
 
-DEFAULTS = {"width": 2048, "depth": 3, "batch": 32, "warmup": 3, "steps": 10}
+DEFAULTS = {"width": 2048, "depth": 3, "batch": 32, "warmup": 3, "steps": 10, "device": "cpu",
+            "variants": ["ddp"], "bucket_mb": None}
+# What a series may time besides plain DDP (``variants``), each from the same initial weights:
+#   nocomm  DDP with a comm hook that returns the bucket untouched: the step with its
+#           communication removed, which a fully hidden all-reduce would match;
+#   staged  a comm hook that copies the bucket to the CPU, all-reduces it there and copies it
+#           back, blocking: what staging through copies costs (with Gloo: "Gloo with manual
+#           copies", the baseline for accelerator tensors).
+VARIANTS = ("ddp", "nocomm", "staged")
+# Parameters compared across series (the first ones of the flattened model, and the sum).
+_FINGERPRINT = 4096
 
 
 def _model(torch, width: int, depth: int):
@@ -38,48 +48,112 @@ def _step(torch, model, opt, x, y) -> None:
     opt.step()
 
 
-def _timed(torch, model, opt, data, n: int) -> list[float]:
+def _timed(torch, model, opt, data, n: int, sync) -> list[float]:
     out = []
     for i in range(n):
         x, y = data[i % len(data)]
         t0 = time.perf_counter()
         _step(torch, model, opt, x, y)
+        sync()  # on an accelerator the step is over when its queued work is
         out.append(time.perf_counter() - t0)
     return out
 
 
+def _staged_hook(torch, dist):
+    def hook(state, bucket):
+        buf = bucket.buffer()
+        cpu = buf.cpu()
+        dist.all_reduce(cpu)
+        buf.copy_(cpu.div_(dist.get_world_size()))
+        fut = torch.futures.Future()
+        fut.set_result(buf)
+        return fut
+    return hook
+
+
+def _noop_hook(torch):
+    def hook(state, bucket):
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+    return hook
+
+
+def _comm_alone(torch, dist, nbytes: int, device, sync) -> float:
+    """Median seconds of one all-reduce of the whole gradient, alone: what overlap hides."""
+    t = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    times = []
+    for _ in range(4):
+        sync()
+        t0 = time.perf_counter()
+        dist.all_reduce(t)
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
 def run(torch, dist, cfg: dict, rank: int) -> dict:
-    """This rank's compute-alone and DDP step times (seconds); raises if the replicas diverged."""
+    """This rank's compute-alone and DDP step times (seconds) per variant; raises if the replicas diverged."""
     from torch.nn.parallel import DistributedDataParallel
 
     cfg = {**DEFAULTS, **cfg}
+    unknown = set(cfg["variants"]) - set(VARIANTS)
+    if unknown:
+        raise ValueError(f"[bench] unknown DDP variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
     width, batch = cfg["width"], cfg["batch"]
-    gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own shard of data
-    data = [(torch.randn(batch, width, generator=gen), torch.randn(batch, width, generator=gen)) for _ in range(4)]
+    device = torch.device(cfg["device"])
+    if device.type == "cuda":
+        torch.cuda.set_device(device.index or 0)  # ranks sharing a GPU: all on the one device
+        sync = torch.cuda.synchronize
+    else:
+        sync = lambda: None  # noqa: E731
+    # Each rank its own shard of data, drawn where it is used (large batches would take seconds
+    # of CPU to draw and copy), the same in every series.
+    gen = torch.Generator(device=device).manual_seed(1000 + rank)
+    data = [(torch.randn(batch, width, generator=gen, device=device),
+             torch.randn(batch, width, generator=gen, device=device)) for _ in range(4)]
 
-    alone = _model(torch, width, cfg["depth"])
+    alone = _model(torch, width, cfg["depth"]).to(device)
     opt = torch.optim.SGD(alone.parameters(), lr=1e-3)
-    compute = _timed(torch, alone, opt, data, cfg["warmup"] + 3)[cfg["warmup"]:]
+    compute = _timed(torch, alone, opt, data, cfg["warmup"] + 3, sync)[cfg["warmup"]:]
+    grad_bytes = sum(p.numel() * p.element_size() for p in alone.parameters())
     del alone, opt
 
-    model = _model(torch, width, cfg["depth"])
-    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    ddp = DistributedDataParallel(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
-    _timed(torch, ddp, opt, data, cfg["warmup"])
-    dist.barrier()
-    steps = _timed(torch, ddp, opt, data, cfg["steps"])
+    out = {"config": cfg, "grad_bytes": grad_bytes, "compute_s": compute}
+    for variant in cfg["variants"]:
+        model = _model(torch, width, cfg["depth"]).to(device)
+        # Small buckets leave only the last (the first layer's) exposed after backward.
+        ddp = (DistributedDataParallel(model) if cfg["bucket_mb"] is None
+               else DistributedDataParallel(model, bucket_cap_mb=cfg["bucket_mb"]))
+        if variant == "nocomm":
+            ddp.register_comm_hook(None, _noop_hook(torch))
+        elif variant == "staged":
+            ddp.register_comm_hook(None, _staged_hook(torch, dist))
+        opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+        _timed(torch, ddp, opt, data, cfg["warmup"], sync)
+        dist.barrier()
+        out["step_s" if variant == "ddp" else f"{variant}_s"] = _timed(torch, ddp, opt, data, cfg["steps"], sync)
+        if variant != "nocomm":
+            _check_replicas(torch, dist, model, cfg, variant)
+        if variant == "ddp":
+            flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double().cpu()
+            out["fingerprint"] = {"sum": float(flat.sum()), "head": flat[:_FINGERPRINT].tolist()}
+        del ddp, model, opt
+    if device.type != "cpu":
+        out["comm_alone_s"] = _comm_alone(torch, dist, grad_bytes, device, sync)
+    return out
 
+
+def _check_replicas(torch, dist, model, cfg: dict, variant: str) -> None:
     # Identical replicas have identical sums: min and max over ranks must agree to the bit.
     total = torch.tensor([sum(float(p.double().sum()) for p in model.parameters())], dtype=torch.float64)
     lo, hi = total.clone(), total.clone()
     dist.all_reduce(lo, op=dist.ReduceOp.MIN)
     dist.all_reduce(hi, op=dist.ReduceOp.MAX)
     if float(lo[0]) != float(hi[0]):
-        raise MCCLError(f"[bench] DDP replicas diverged after {cfg['warmup'] + cfg['steps']} steps (parameter "
-                        f"sums {float(lo[0])!r} .. {float(hi[0])!r}); the backend corrupts gradients, do not "
-                        "trust its step times")
-    return {"config": cfg, "grad_bytes": grad_bytes, "compute_s": compute, "step_s": steps}
+        raise MCCLError(f"[bench] DDP replicas diverged ({variant}) after {cfg['warmup'] + cfg['steps']} steps "
+                        f"(parameter sums {float(lo[0])!r} .. {float(hi[0])!r}); the backend corrupts gradients, "
+                        "do not trust its step times")
 
 
 def summarize(docs: list[dict], ceiling: dict | None) -> dict | None:
@@ -87,10 +161,36 @@ def summarize(docs: list[dict], ceiling: dict | None) -> dict | None:
     if not docs[0].get("ddp"):
         return None
     n = len(docs)
-    steps = [max(ts) for ts in zip(*(d["ddp"]["step_s"] for d in docs))]
-    compute = [max(ts) for ts in zip(*(d["ddp"]["compute_s"] for d in docs))]
+
+    def slowest(key: str) -> list[float]:
+        return [max(ts) for ts in zip(*(d["ddp"][key] for d in docs))]
+
+    steps = slowest("step_s") if "step_s" in docs[0]["ddp"] else []
+    compute = slowest("compute_s")
     grad = docs[0]["ddp"]["grad_bytes"]
     wire_s = grad * 2 * (n - 1) / n * 8 / ceiling["mean_bps"] if ceiling else None
-    return {"grad_bytes": grad, "steps": len(steps), "step_ms": statistics.median(steps) * 1e3,
-            "step_ms_all": [s * 1e3 for s in steps], "compute_ms": statistics.median(compute) * 1e3,
-            "wire_floor_ms": wire_s * 1e3 if wire_s is not None else None, "config": docs[0]["ddp"]["config"]}
+    out = {"grad_bytes": grad, "steps": len(steps), "step_ms": statistics.median(steps) * 1e3 if steps else None,
+           "step_ms_all": [s * 1e3 for s in steps], "compute_ms": statistics.median(compute) * 1e3,
+           "wire_floor_ms": wire_s * 1e3 if wire_s is not None else None, "config": docs[0]["ddp"]["config"]}
+    for variant in ("nocomm", "staged"):
+        if f"{variant}_s" in docs[0]["ddp"]:
+            out[f"{variant}_ms"] = statistics.median(slowest(f"{variant}_s")) * 1e3
+    if "comm_alone_s" in docs[0]["ddp"]:
+        out["comm_alone_ms"] = max(d["ddp"]["comm_alone_s"] for d in docs) * 1e3
+    if steps and "nocomm_ms" in out:
+        out["step_over_nocomm"] = out["step_ms"] / out["nocomm_ms"]
+        if out.get("comm_alone_ms"):
+            exposed = max(0.0, out["step_ms"] - out["nocomm_ms"])
+            out["overlap_ratio"] = max(0.0, 1.0 - exposed / out["comm_alone_ms"])
+    if "fingerprint" in docs[0]["ddp"]:
+        out["fingerprint"] = docs[0]["ddp"]["fingerprint"]
+    return out
+
+
+def params_close(a: dict, b: dict, rtol: float = 1e-4, atol: float = 1e-6) -> bool:
+    """Whether two series' final parameters agree (DDP on the same data from the same weights)."""
+    fa, fb = a.get("fingerprint"), b.get("fingerprint")
+    if not fa or not fb or len(fa["head"]) != len(fb["head"]):
+        return False
+    close = all(abs(x - y) <= atol + rtol * abs(y) for x, y in zip(fa["head"], fb["head"]))
+    return close and abs(fa["sum"] - fb["sum"]) <= atol * len(fa["head"]) + rtol * max(1.0, abs(fb["sum"]))

@@ -12,6 +12,8 @@
 #   5-n24-1gbit      24 hosts at 1 Gbit/s, all_reduce 16/64/256 MB, in-process + Gloo
 #   6-n8-recv0       step 1's in-process all_reduce with MCCL_RECV_THREADS=0 (receive threads off)
 #   7-solo-ddp       a world-size-1 DDP step, Gloo against MCCL
+#   8-cuda-ddp-n4    DDP on cuda tensors, 4 hosts x 1 rank sharing the GPU, 10 Gbit/s: step vs the
+#                    step without communication (overlap), staged copies, Gloo
 # STEPS picks which run (default "1 2 3 4 5"; e.g. STEPS="1 2 3 6" then STEPS="4 5 7" as
 # two calls of under ten minutes each).
 # (numbered: a small run's host counts and rates may repeat). Every step has its own time
@@ -125,6 +127,13 @@ if timeout 45 $PY -m libmccl.fleet selftest --rate 1gbit > "$RESULTS/fleet-selft
   want 6 && ( export MCCL_RECV_THREADS=0
     bench "6-n$H8-$FAST-recv0" 70 --hosts "$H8" --rate "$FAST" --backends mccl --sizes "$SIZES" --latency-iters 0 \
       --ceiling-seconds 3 "${COMMON[@]}" )
+  # Issue 10's NVIDIA target: DDP on cuda tensors, 4 ranks sharing the GPU, each in its own
+  # emulated host at 10 Gbit/s; plain DDP beside the step without communication (overlap),
+  # staging through blocking copies, and Gloo (which also runs every variant).
+  want 8 && bench "8-cuda-ddp-n4-$FAST" 200 --hosts "${H_CUDA:-4}" --rate "$FAST" --backends mccl,gloo \
+    --workload ddp --ddp-device cuda --ddp-variants ddp,nocomm,staged --ddp-width "${CUDA_WIDTH:-1024}" \
+    --ddp-depth "${CUDA_DEPTH:-48}" --ddp-bucket-mb "${CUDA_BUCKET_MB:-4}" --ddp-batch "${CUDA_BATCH:-16384}" \
+    --ddp-steps 8 --latency-iters 0 --ceiling-seconds 2
 else
   status "fleet selftest FAILED (see fleet-selftest.txt); falling back to 8 ranks on loopback"
   bench loopback-8 240 --ranks 8 --mode "$MODES" --ops all_reduce --sizes "$SIZES"

@@ -54,7 +54,15 @@ def _ddp_lines(result: dict) -> list[str]:
     for name, v in steps.items():
         rel = "".join(f", {v[k]:.2f}x {what}" for k, what in (("step_over_gloo", "gloo"),
                                                                ("step_over_in_process", "in-process")) if k in v)
-        out.append(f"#   {name:<12} {v['step_ms']:8.1f} ms a step (compute alone {v['compute_ms']:.1f} ms){rel}")
+        extra = "".join(f", {what} {v[k]:.1f} ms" for k, what in (("nocomm_ms", "communication removed"),
+                                                                  ("staged_ms", "staged through CPU copies"),
+                                                                  ("comm_alone_ms", "all-reduce alone")) if k in v)
+        if "overlap_ratio" in v:
+            extra += f", {v['step_over_nocomm']:.3f}x the step without communication, overlap {v['overlap_ratio']:.2f}"
+        if "params_match_gloo" in v:
+            extra += ", parameters " + ("match" if v["params_match_gloo"] else "DIFFER from") + " gloo's"
+        step = f"{v['step_ms']:8.1f} ms a step" if v["step_ms"] else "(plain DDP not timed)"
+        out.append(f"#   {name:<12} {step} (compute alone {v['compute_ms']:.1f} ms{extra}){rel}")
     return out
 
 
@@ -124,7 +132,7 @@ def markdown(result: dict) -> str:
     if steps:
         out += ["", _ddp_lines(result)[0].lstrip("# "), "", "| series | step ms | compute alone ms | vs gloo |",
                 "|---|---|---|---|"]
-        out += [f"| {name} | {v['step_ms']:.1f} | {v['compute_ms']:.1f} | "
+        out += [f"| {name} | {v['step_ms'] or 0:.1f} | {v['compute_ms']:.1f} | "
                 + (f"{v['step_over_gloo']:.2f}× |" if "step_over_gloo" in v else "- |") for name, v in steps.items()]
     head = (["op", "size"] + [f"{b} {k}" for b in series for k in ("time µs", "busbw Gbit/s", "% ceil", "CPU s/GB")]
             + [h for _, h in shown])

@@ -265,9 +265,11 @@ def _assemble(meta: dict, ceilings: list[dict], series: dict, docs_by_series: di
         lat["daemon_over_in_process"] = lat["mccl-daemon"]["median_us"] / lat["mccl"]["median_us"]
     steps = {k: v for k, v in steps.items() if v}
     for name, v in steps.items():
-        if name != "gloo" and "gloo" in steps:
+        if name != "gloo" and "gloo" in steps and v["step_ms"] and steps["gloo"]["step_ms"]:
             v["step_over_gloo"] = v["step_ms"] / steps["gloo"]["step_ms"]
-        if name == "mccl-daemon" and "mccl" in steps:
+        if name != "gloo" and "gloo" in steps and "fingerprint" in v:
+            v["params_match_gloo"] = ddp.params_close(v, steps["gloo"])
+        if name == "mccl-daemon" and "mccl" in steps and v["step_ms"] and steps["mccl"]["step_ms"]:
             v["step_over_in_process"] = v["step_ms"] / steps["mccl"]["step_ms"]
     meta = dict(meta, complete=complete, seconds=time.time() - meta["t0"], loadavg_end=os.getloadavg())
     del meta["t0"]
