@@ -369,7 +369,7 @@ class Job:
             return
         try:
             with self._lock:
-                queues = {r: m.queue for r, m in self.members.items()}
+                queues = {r: m.queue for r, m in self.members.items()} if self.failed is None else {}
             self.fast.start(self.local_ranks, queues, self.size, len(self.topo.hosts), engine, self._fast_failed)
         except MCCLError as e:
             if engine is not None:
@@ -451,6 +451,7 @@ class Job:
             if self.failed is not None:
                 raise self.failed
             self.fast.wait_turn(first["seq"])
+            started = time.monotonic()  # the op's own time, not its wait for the ones before it
             own = per_rank_args(first["op"])
             b = {k: v for k, v in first["args"].items() if k not in own}
             for p in waiting.values():

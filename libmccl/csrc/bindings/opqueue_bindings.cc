@@ -56,7 +56,10 @@ class PyFastQueue {
     py::object* cb = &on_done_;
     q_ = std::make_unique<ClientQueue>(
         name, slot_bytes, rank, [cb](uint64_t id, std::shared_ptr<const Error> err) {
-          with_gil([&] { (*cb)(id, error_or_none(err)); });
+          with_gil([&] {
+            py::object fn = *cb;  // a reference of our own: the call may drop the queue's
+            fn(id, error_or_none(err));
+          });
         });
   }
   ~PyFastQueue() {

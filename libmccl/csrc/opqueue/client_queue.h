@@ -42,28 +42,33 @@ class ClientQueue {
               void* buf);
   // Stops the completer (joined unless called from it) without reporting the op in flight.
   void close();
-  void unlink() const { map_->unlink(); }
-  const std::string& name() const { return map_->name(); }
-  size_t slot_bytes() const { return slot_bytes_; }
+  void unlink() const { s_->map->unlink(); }
+  const std::string& name() const { return s_->map->name(); }
+  size_t slot_bytes() const { return s_->slot_bytes; }
 
  private:
-  void completer_main();
-  std::shared_ptr<const Error> daemon_error() const;
+  // Everything the completer touches, shared with it: the queue may be destroyed on the
+  // completer itself (the last reference to its owner dropped inside Done), and the
+  // thread must still find its state when Done returns.
+  struct State {
+    size_t slot_bytes;
+    int rank;
+    Done done;
+    std::unique_ptr<SharedMap> map;
+    std::shared_ptr<Ticket> submitted, completed;
+    std::mutex mu;
+    std::condition_variable cv;  // completer: an op was published, or stop
+    bool stop = false;
+    bool inflight = false;
+    uint64_t published = 0;      // ops published so far (the value of `submitted`)
+    uint64_t op_id = 0;
+    void* buf = nullptr;
+    size_t nbytes = 0;
+    std::shared_ptr<const Error> daemon_error() const;
+  };
+  static void completer_main(std::shared_ptr<State> s);
 
-  const size_t slot_bytes_;
-  const int rank_;
-  Done done_;
-  std::unique_ptr<SharedMap> map_;
-  std::shared_ptr<Ticket> submitted_, completed_;
-
-  std::mutex mu_;
-  std::condition_variable cv_;  // completer: an op was published, or stop
-  bool stop_ = false;
-  bool inflight_ = false;
-  uint64_t published_ = 0;      // ops published so far (the value of `submitted`)
-  uint64_t op_id_ = 0;
-  void* buf_ = nullptr;
-  size_t nbytes_ = 0;
+  std::shared_ptr<State> s_;
   std::thread thread_;
 };
 
