@@ -122,6 +122,11 @@ class EngineConfig:
     daemon: bool = setting(
         "MCCL_DAEMON", False, "bool",
         "hand collectives to the local mccld instead of running the engine in-process")
+    daemon_fast_bytes: int = setting(
+        "MCCL_DAEMON_FAST_BYTES", 64 << 10, "bytes",
+        "MCCL_DAEMON=1: all-reduces up to this size, and barriers, go to mccld through a shared-memory "
+        "queue that a native thread serves (docs/daemon-fastpath.md); 0 sends every op over ZeroMQ "
+        "to mccld's Python job thread. Every rank of a host must use the same value")
     unified_collective: str = setting(
         "MCCL_UNIFIED_COLLECTIVE", "auto", "auto|1|0",
         "macOS/MPS all-reduce: reduce in the tensor's unified memory (shared storage; private storage is "
@@ -159,6 +164,8 @@ class EngineConfig:
                  self.small_allreduce_bytes, "must not be negative")
         _require(self.pipeline_bytes >= 4 << 10, "MCCL_PIPELINE_BYTES", self.pipeline_bytes,
                  "must be at least 4K")
+        _require(0 <= self.daemon_fast_bytes <= 16 << 20, "MCCL_DAEMON_FAST_BYTES", self.daemon_fast_bytes,
+                 "must be between 0 (off) and 16M")
         _require(self.connect_timeout_s >= 0, "MCCL_CONNECT_TIMEOUT", self.connect_timeout_s,
                  "must not be negative")
 

@@ -97,8 +97,9 @@ class Attachment:
                 raise self._proto.error_from_payload(reply.get("error") or {})
             return reply
 
-    def join(self, store: Any, job: str) -> None:
-        """Members publish (host id, daemon link address) in the store; the daemons do the rest."""
+    def join(self, store: Any, job: str, opts: dict[str, Any] | None = None) -> None:
+        """Members publish (host id, daemon link address) in the store; the daemons do the rest.
+        ``opts``: this rank's extras for its daemon (its small-op queue)."""
         me = json.dumps({"host_id": self.host_id, "link_addr": self.daemon_addr})
         store.set(f"mccld/member/{self.rank}", me)
         keys = [f"mccld/member/{r}" for r in range(self.size)]
@@ -122,4 +123,4 @@ class Attachment:
             rendezvous.linger(store, "mccld", self.rank, self.size, self.timeout_s)
             raise
         self.call({"type": "join", "job": job, "rank": self.rank, "size": self.size, "hosts": ordered,
-                   "timeout_s": self.timeout_s, "opts": {}}, self.timeout_s + 5.0)
+                   "timeout_s": self.timeout_s, "opts": opts or {}}, self.timeout_s + 5.0)

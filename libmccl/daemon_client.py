@@ -14,7 +14,10 @@ ticket, and results are copied out as the daemon's ``done`` ticket covers them
 carries success or the typed error. A recv is the exception: it is posted at once
 and only its data's way in (``take``) is queued, once a send matched
 (``daemon_p2p.py``). Each call's segment layout is in ``daemon_ops.py``, the start of
-the connection (hello, rendezvous, join) in ``daemon_attach.py``. A single I/O thread owns the ZeroMQ socket;
+the connection (hello, rendezvous, join) in ``daemon_attach.py``. Small all-reduces and barriers
+skip ZeroMQ: they go through the rank's small-op queue in shared memory, which a native
+thread of mccld serves (``_core.FastQueue``; docs/daemon-fastpath.md), in the same one-at-a-time
+order and under the same job sequence numbers. A single I/O thread owns the ZeroMQ socket;
 callers hand it ops through an inproc pipe, and completions (ZeroMQ push from the
 daemon) run ``on_complete`` on that thread. If the daemon goes away, every pending and
 later op fails with DaemonUnavailableError; nothing waits longer than ``timeout_s``.
@@ -133,7 +136,9 @@ class DaemonCommunicator:
         self._queue: collections.deque[_Op] = collections.deque()
         self._recvs = PostedRecvs()
         self._piece = int(getattr(opts, "pipeline_bytes", 0) or load(EngineConfig).pipeline_bytes)
-        self._ops = OpBuilder(rank, size, self._piece)
+        fast_bytes = load(EngineConfig).daemon_fast_bytes
+        self._ops = OpBuilder(rank, size, self._piece, fast_bytes)
+        self._fastq: Any = None                # _core.FastQueue, the small-op queue to mccld
         self._outbox: collections.deque[dict[str, Any]] = collections.deque()  # reports, no reply awaited
         self._register_reqs: set[int] = set()
         self._inflight: _Op | None = None
@@ -154,9 +159,13 @@ class DaemonCommunicator:
         self.endpoint = att.endpoint
         try:
             att.connect()
-            att.join(store, self._job)
+            if fast_bytes:
+                self._fastq = self._open_fast_queue(fast_bytes)
+            att.join(store, self._job, {"fast_queue": self._fastq.name, "fast_bytes": fast_bytes}
+                     if self._fastq is not None else {})
         except BaseException:
             att.close()
+            self._close_fast_queue()
             raise
         self._sock, self._monitor, self._req = att.sock, att.monitor, att.req
         self.host_id, self.daemon_addr, self._link_addrs = att.host_id, att.daemon_addr, att.link_addrs
@@ -168,6 +177,17 @@ class DaemonCommunicator:
         _live.add(self)
 
     # -- set-up --------------------------------------------------------------------------
+    def _open_fast_queue(self, slot_bytes: int) -> Any:
+        from libmccl import _core
+        # Generation 0 is the queue's; the data segments count from 1.
+        name = self._shm.segment_name(self._job, self.rank, os.getpid(), 0)
+        self._fast_kind = {"allreduce": _core.FAST_ALLREDUCE, "barrier": _core.FAST_BARRIER}
+        return _core.FastQueue(name, slot_bytes, self.rank, self._on_fast_done)
+
+    def _close_fast_queue(self) -> None:
+        if self._fastq is not None:
+            self._fastq.unlink()
+            self._fastq.close()   # joins its completer, unless this is that thread
 
     def _start_io(self) -> None:
         pull = self._ctx.socket(zmq.PULL)
@@ -288,7 +308,7 @@ class DaemonCommunicator:
                 self._queue.append(op)
         if failed is not None:
             self._fail_ops([op], failed)
-        else:
+        elif not self._start_fast():
             self._wake()
         return op.op_id
 
@@ -344,14 +364,67 @@ class DaemonCommunicator:
         if name in _P2P_OPS or name == "recv":
             seq = 0
         else:
-            self._seq += 1
-            seq = self._seq
+            with self._lock:
+                self._seq += 1
+                seq = self._seq
         self._sock.send(self._proto.encode({"type": "op", "req": req, "job": self._job, "rank": self.rank,
                                             "seq": seq, "op": name, "args": args}))
 
-    def _start_next(self) -> None:
+    def _start_fast(self) -> bool:
+        """Publishes the next op if it is a small one and nothing is in flight; any thread
+        may call it (no ZeroMQ). True if it did."""
         with self._lock:
-            if self._inflight is not None or not self._queue or self._failed is not None:
+            if (self._inflight is not None or not self._queue or self._failed is not None
+                    or not self._queue[0].spec.fast):
+                return False
+            op = self._queue.popleft()
+            self._inflight = op
+            self._seq += 1
+            op.deadline = time.monotonic() + self.timeout_s + _VERDICT_MARGIN_S  # watched by the I/O thread
+            spec, args = op.spec, op.spec.args
+            try:
+                if spec.name == "barrier":
+                    self._fastq.submit(op.op_id, self._seq, self._fast_kind["barrier"], 0, 0, 0, 0)
+                else:
+                    (_, ptr, _), = spec.copy_in
+                    self._fastq.submit(op.op_id, self._seq, self._fast_kind["allreduce"], args["dtype"],
+                                       args["op"], args["count"], ptr)
+                return True
+            except MCCLError as e:
+                failed = e
+        self._fail(failed, leave_abort=None)
+        return True
+
+    def _on_fast_done(self, op_id: int, err_tuple: tuple | None) -> None:
+        """The small-op queue's completer thread: the op in flight finished (its result is
+        in place) or the daemon failed the job."""
+        err = None if err_tuple is None else errors.from_kind(*err_tuple)
+        with self._lock:
+            op = self._inflight
+            if op is None or op.op_id != op_id:
+                return  # failed meanwhile: already reported
+            self._inflight = None
+            self._stats["ops_completed"] += 1
+            self._stats["bytes_sent"] += sum(c[2] for c in op.spec.copy_in)
+            self._stats["bytes_received"] += sum(c[2] for c in op.spec.copy_out)
+            self._finish_locked(op, err)
+            if err is not None and self._failed is None:
+                self._failed = err
+        self._on_complete([(op_id, None if err is None else _err_tuple(err), -1)])
+        if err is not None:
+            self._fail(err, leave_abort=None)
+        elif not self._start_fast():
+            with self._lock:
+                more = bool(self._queue)
+            if more:
+                self._wake()
+
+    def _start_next(self) -> None:
+        if self._start_fast():
+            return
+        with self._lock:
+            if (self._inflight is not None or not self._queue or self._failed is not None
+                    or self._queue[0].spec.fast):
                 return
             op = self._queue.popleft()
             self._inflight = op
@@ -579,6 +652,7 @@ class DaemonCommunicator:
             # Unlinked before anyone hears of the failure: a rank that exits on the error leaves
             # nothing behind. Only the name goes; the mapping stays valid for an I/O thread still copying.
             seg.unlink()
+        self._close_fast_queue()
         self._fail_ops(ops, exc)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._wake()

@@ -54,12 +54,16 @@ class OpSpec:
     # Copied in and out piece by piece through the segment's tickets while the daemon
     # works (one input range at offset 0, results in place): the request goes first.
     pipelined: bool = False
+    # Served by mccld's native thread through the rank's small-op queue (docs/daemon-fastpath.md):
+    # an all-reduce of at most fast_bytes, or a barrier.
+    fast: bool = False
 
 
 class OpBuilder:
-    def __init__(self, rank: int, size: int, pipeline_bytes: int):
+    def __init__(self, rank: int, size: int, pipeline_bytes: int, fast_bytes: int = 0):
         self.rank, self.size = rank, size
         self.pipeline_bytes = pipeline_bytes
+        self.fast_bytes = fast_bytes                # 0: no small-op queue
 
     def _spec(self, name: str, args: dict[str, Any], span: int, copy_in: list[Copy], copy_out: list[Copy],
               nbytes: int) -> OpSpec:
@@ -94,6 +98,7 @@ class OpBuilder:
             args["pipelined"] = True
         spec = self._spec("allreduce", args, n, [(0, ptr, n)], [(0, ptr, n)], n)
         spec.pipelined = pipelined
+        spec.fast = 0 < n <= self.fast_bytes and not pipelined
         return spec
 
     def broadcast(self, ptr: int, nbytes: int, root: int) -> OpSpec:
@@ -136,7 +141,9 @@ class OpBuilder:
                           off + nbytes, cin, [(off, recv_ptr, nbytes)], nbytes)
 
     def barrier(self) -> OpSpec:
-        return self._spec("barrier", {}, 0, [], [], 0)
+        spec = self._spec("barrier", {}, 0, [], [], 0)
+        spec.fast = self.fast_bytes > 0
+        return spec
 
     def alltoall(self, send_ptr: int, recv_ptr: int, nbytes: int) -> OpSpec:
         sizes = [nbytes] * self.size

@@ -356,7 +356,7 @@ class Daemon:
             if fresh:
                 job = Job(self, job_id, msg.size, hosts, msg.timeout_s, msg.opts)
             try:
-                job.join(ident, msg.req, rank, client["pid"], msg.size, hosts)
+                job.join(ident, msg.req, rank, client["pid"], msg.size, hosts, msg.opts)
             except BaseException:
                 if fresh:
                     job.close()   # its threads end now; it never was in the table

@@ -4,8 +4,9 @@ the ordered stream of collectives they submit.
 Lifecycle: created by the first ``join`` -> *joining* until every local rank joined
 and (multi-host) the engine communicator among the job's daemons is built -> *ready*
 -> *failed* (any error: every pending and later op gets it) or *closed* (every local
-rank left). All work runs on the job's own thread, in submission order; the attach
-thread only files requests.
+rank left). Collectives run in the job's sequence order (``fastpath.FastPath.turn``): small
+all-reduces and barriers on a native thread fed by the clients' shared-memory queues, the
+rest on the job's own thread; the attach thread only files requests.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from libmccl.errors import (AbortedError, CollectiveMismatch, CollectiveTimeout,
 
 from . import protocol, shm
 from .collectives import Hierarchy, Topology, per_rank_args
+from .fastpath import FastPath, announced_queue
 from .p2p import P2P_OPS, PointToPoint
 from .reduce import DTYPE_SIZE, ReducePool
 
@@ -60,6 +62,7 @@ class Member:
     ident: bytes
     pid: int
     join_req: int
+    queue: tuple[str, int] | None = None      # its small-op queue: (segment, slot bytes)
     segments: dict[str, shm.Segment] = field(default_factory=dict)
 
     def release(self) -> list[shm.Segment]:
@@ -67,6 +70,8 @@ class Member:
         segs = list(self.segments.values())
         for seg in segs:
             seg.unlink()
+        if self.queue is not None:
+            shm.unlink(self.queue[0])  # a killed client's; the dispatcher keeps its own mapping
         self.segments.clear()
         return segs
 
@@ -108,6 +113,7 @@ class Job:
         # attach thread takes it before running a small copy that takes it again).
         self.segment_lock = threading.RLock()
         self.p2p = PointToPoint(self)
+        self.fast = FastPath(job_id, self.timeout_s)
         self._tasks: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._worker, name=f"mccld-job-{job_id}", daemon=True)
         self._thread.start()
@@ -121,7 +127,9 @@ class Job:
         return int(self.id, 16)
 
     # -- requests from the attach thread ---------------------------------------------------
-    def join(self, ident: bytes, req: int, rank: int, pid: int, size: int, hosts: tuple) -> None:
+    def join(self, ident: bytes, req: int, rank: int, pid: int, size: int, hosts: tuple,
+             opts: dict[str, Any] | None = None) -> None:
+        fast_queue = announced_queue(self.id, rank, pid, opts)
         with self._lock:
             if size != self.size or hosts != self.hosts:
                 raise CollectiveMismatch(f"[daemon] job {self.id}: rank {rank} joined with size {size} and "
@@ -133,7 +141,7 @@ class Job:
                 raise ProtocolError(f"[daemon] job {self.id}: rank {rank} joined twice")
             if self.failed is not None:
                 raise self.failed
-            self.members[rank] = Member(rank, ident, pid, req)
+            self.members[rank] = Member(rank, ident, pid, req, fast_queue)
             if len(self.members) == len(self.local_ranks):
                 self._tasks.put(("setup", None))
 
@@ -223,6 +231,8 @@ class Job:
                         f"did not submit collective #{seq} while {sorted(waiting)} waited; a rank is stuck or "
                         "took another code path", peer_rank=missing[0]), local=True)
                     return
+        for op, nbytes, seconds in self.fast.records():
+            self.host.record_collective(self, op, nbytes, seconds)
         late = self.p2p.overdue(now)
         if late is not None:
             self.fail(late, local=True)
@@ -238,6 +248,7 @@ class Job:
             self.pending.clear()
             joining = [(m.ident, m.join_req) for m in self.members.values()] if self.hierarchy is None else []
         log.warning("%s", exc)
+        self.fast.fail(exc)  # before the engine's abort: its verdict must not be the one clients see
         if self.hierarchy is not None:
             self.hierarchy.pipeline.abort()  # its stages may wait on a rank that is gone
         self.p2p.fail(exc)
@@ -325,6 +336,15 @@ class Job:
             self.fail(ProtocolError(f"[daemon] job {self.id}: building the host communicator failed: {e}"),
                       local=True)
             return
+        try:
+            with self._lock:
+                queues = {r: m.queue for r, m in self.members.items()} if self.failed is None else {}
+            self.fast.start(self.local_ranks, queues, self.size, len(self.topo.hosts), engine, self._fast_failed)
+        except MCCLError as e:
+            if engine is not None:
+                engine.abort(str(e))
+            self.fail(e, local=True)
+            return
         with self._lock:
             if self.failed is not None:
                 if engine is not None:
@@ -361,27 +381,46 @@ class Job:
                         # Shut down while this op was pending: shutdown fails it (at its own timeout).
                         engine.wait(op_id, _ENGINE_CLOSE_S)
         except (AbortedError, CollectiveTimeout) as e:
-            if self.failed is None and not self.aborting:
-                # Every local rank is here, so the culprit is on another host; its
-                # daemon's verdict names the rank (a stuck one, a dead one).
-                until = time.monotonic() + _PEER_VERDICT_GRACE_S
-                while self.failed is None and time.monotonic() < until:
-                    time.sleep(0.05)
-            if self.failed is not None:
-                raise self.failed from None
-            if isinstance(e, AbortedError) and not self.aborting:
-                # A peer daemon aborted the engine: that only happens when it lost a rank.
-                raise PeerLostError(f"[daemon] job {self.id}: a peer host aborted the job ({e}); "
-                                    "a rank on another host died or left", peer_rank=e.peer_rank,
-                                    peer_addr=e.peer_addr) from None
-            raise
+            raise self._engine_verdict(e) from None
+
+    def _engine_verdict(self, e: AbortedError | CollectiveTimeout) -> MCCLError:
+        """What an engine op that was aborted or timed out tells the ranks."""
+        if self.failed is None and not self.aborting:
+            # Every local rank is here, so the culprit is on another host; its
+            # daemon's verdict names the rank (a stuck one, a dead one).
+            until = time.monotonic() + _PEER_VERDICT_GRACE_S
+            while self.failed is None and time.monotonic() < until:
+                time.sleep(0.05)
+        if self.failed is not None:
+            return self.failed
+        if isinstance(e, AbortedError) and not self.aborting:
+            # A peer daemon aborted the engine: that only happens when it lost a rank.
+            return PeerLostError(f"[daemon] job {self.id}: a peer host aborted the job ({e}); "
+                                 "a rank on another host died or left", peer_rank=e.peer_rank, peer_addr=e.peer_addr)
+        return e
+
+    def _fast_failed(self, exc: MCCLError, from_engine: bool) -> None:
+        """The native dispatcher's verdict (its own thread): fail the job with it."""
+        if from_engine and isinstance(exc, (AbortedError, CollectiveTimeout)):
+            exc = self._engine_verdict(exc)
+        self.fail(exc, local=True)
 
     def _run(self, waiting: dict[int, _Pending]) -> None:
+        seq = waiting[self.local_ranks[0]].msg.seq
+        try:
+            self._run_op(waiting)
+        finally:
+            if self.failed is None:
+                self.fast.finished(seq)
+
+    def _run_op(self, waiting: dict[int, _Pending]) -> None:
         first = waiting[self.local_ranks[0]].msg
         started = time.monotonic()
         try:
             if self.failed is not None:
                 raise self.failed
+            self.fast.wait_turn(first.seq)
+            started = time.monotonic()  # the op's own time, not its wait for the ones before it
             own = per_rank_args(first.op)
             b = {k: v for k, v in first.args.items() if k not in own}
             for p in waiting.values():
@@ -422,6 +461,9 @@ class Job:
                                     seconds)
 
     def _shutdown(self) -> None:
+        self.fast.close()   # every rank left: no small op is in flight
+        for op, nbytes, seconds in self.fast.records():
+            self.host.record_collective(self, op, nbytes, seconds)
         self.p2p.stop()     # sends the peers our closing header
         engine = self.engine
         if engine is not None:

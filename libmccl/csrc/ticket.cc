@@ -101,8 +101,8 @@ static void wake_word(uint64_t* word) {
 
 void Ticket::wake_all() const { wake_word(word_); }
 
-void Ticket::sleep_while(uint32_t low, Deadline until) const {
-  auto left = std::min<Clock::duration>(until - Clock::now(), kSlice);
+void Ticket::sleep_while(uint32_t low, Deadline until, Clock::duration slice) const {
+  auto left = std::min<Clock::duration>(until - Clock::now(), slice);
   if (left <= Clock::duration::zero()) return;
 #if defined(__linux__)
   auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
@@ -122,6 +122,10 @@ void Ticket::sleep_while(uint32_t low, Deadline until) const {
 }
 
 Ticket::Wait Ticket::wait_until(uint64_t v, Deadline deadline) const {
+  return wait_until(v, deadline, kSlice);
+}
+
+Ticket::Wait Ticket::wait_until(uint64_t v, Deadline deadline, Clock::duration slice) const {
   for (int i = 0;; ++i) {
     const uint64_t cur = value();
     if (cur == kPoison) return Wait::kPoisoned;
@@ -131,7 +135,7 @@ Ticket::Wait Ticket::wait_until(uint64_t v, Deadline deadline) const {
       continue;
     }
     if (Clock::now() >= deadline) return Wait::kTimeout;
-    sleep_while(static_cast<uint32_t>(cur), deadline);
+    sleep_while(static_cast<uint32_t>(cur), deadline, slice);
   }
 }
 

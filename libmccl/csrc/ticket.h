@@ -40,6 +40,9 @@ class Ticket {
   void poison();
   // Returns once value() >= v (kReached), at the deadline (kTimeout) or once poisoned.
   Wait wait_until(uint64_t v, Deadline deadline) const;
+  // The same, re-reading the word at least every `slice`: a word only CPUs write (they
+  // wake) may sleep longer than the default slice, so an idle waiter stays idle.
+  Wait wait_until(uint64_t v, Deadline deadline, Clock::duration slice) const;
   // wait_until for `timeout_s`, turning the outcomes into typed errors whose message names
   // `what` (e.g. "[engine] all-reduce input"): CollectiveTimeout ("Timed out ...") or
   // AbortedError.
@@ -51,7 +54,7 @@ class Ticket {
  private:
   explicit Ticket(uint64_t* word) : word_(word) {}
   void wake_all() const;
-  void sleep_while(uint32_t low, Deadline until) const;
+  void sleep_while(uint32_t low, Deadline until, Clock::duration slice) const;
 
   std::unique_ptr<uint64_t> own_;  // null for a view
   uint64_t* word_;

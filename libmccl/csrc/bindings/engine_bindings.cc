@@ -43,14 +43,6 @@ ReduceOp to_op(int v) {
 
 void* ptr(uintptr_t p) { return reinterpret_cast<void*>(p); }
 
-bool python_finalizing() {
-#if PY_VERSION_HEX >= 0x030D0000
-  return Py_IsFinalizing();
-#else
-  return _Py_IsFinalizing();
-#endif
-}
-
 py::object error_tuple(const Error& e) {
   return py::make_tuple(static_cast<int>(e.kind()), std::string(e.what()), e.peer_rank(),
                         e.peer_addr());
@@ -173,6 +165,19 @@ class PyCommunicator {
 };
 
 }  // namespace
+
+bool python_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
+
+Communicator* communicator_of(py::handle comm) {
+  if (comm.is_none()) return nullptr;
+  return &comm.cast<PyCommunicator&>().core();
+}
 
 void register_engine_bindings(py::module_& m) {
   py::register_exception_translator([](std::exception_ptr p) {
