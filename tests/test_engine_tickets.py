@@ -167,6 +167,29 @@ def test_done_advances_piece_by_piece():
     assert all(count * 2 <= v[0] < count * 4 for v in seen)
 
 
+def test_waiting_for_a_slow_producer_uses_little_cpu():
+    """While its input is not ready the ring sleeps in its 2 ms slices: it polled with a
+    timeout rounded down to whole milliseconds, so the last one of every slice was a
+    busy loop of poll(0) (about half a core per rank)."""
+    count = 1 << 18
+    stall_s = 1.0
+    with ranks(2, opts=make_options(pipeline_bytes=PIPE)) as comms:
+        def body(r, c):
+            ready = _core.Ticket()
+            buf = np.ones(count, dtype=np.float32)
+            op = c.allreduce(ptr(buf), count, DT[buf.dtype], SUM, ready=ready, done=_core.Ticket())
+            time.sleep(stall_s)  # every rank's engine waits for its first piece meanwhile
+            ready.signal(buf.nbytes)
+            c.wait(op, 30.0)
+
+        cpu = time.process_time()
+        run_ranks(comms, body)
+        cpu = time.process_time() - cpu
+    # Both ranks' engines (and this process's Python threads) for the whole stall: the
+    # spin cost ~0.5 s per rank; sleeping, a few ms.
+    assert cpu < 0.25 * stall_s, f"{cpu:.2f} s of CPU while waiting {stall_s} s for the producers"
+
+
 def test_a_rank_with_tickets_and_one_without_is_a_mismatch():
     count = 1 << 18
     with ranks(2, opts=make_options(pipeline_bytes=PIPE, timeout_s=20.0)) as comms:
