@@ -216,6 +216,29 @@ def test_a_ring_waiting_for_its_first_piece_starts_when_the_producer_signals():
     assert max(medians) < 0.8e-3, f"signal to result took {[f'{m * 1e3:.2f}' for m in medians]} ms (median)"
 
 
+def test_pieces_grow_until_ring_messages_reach_a_megabyte():
+    """A piece is at least pipeline_bytes, and for large ops as large as N MB (a 1 MB ring
+    message, whose stripes the send and receive threads take), up to 1/16 of the buffer.
+    With 16K pieces a 32 MB op between 2 ranks was 2048 pieces of 8K messages; now 2 MB
+    pieces: ready at 3 MB lets done reach 2 MB and no further."""
+    count = 8 << 20  # 32 MB of float32
+    with ranks(2, opts=make_options(pipeline_bytes=PIPE)) as comms:
+        def body(r, c):
+            ready, done = _core.Ticket(), _core.Ticket()
+            buf = np.full(count, float(r + 1), dtype=np.float32)
+            op = c.allreduce(ptr(buf), count, DT[buf.dtype], SUM, ready=ready, done=done)
+            ready.signal(3 << 20)
+            done.wait(2 << 20, 30.0)
+            time.sleep(0.3)  # time for a wrongly cut piece to finish beyond 2 MB
+            stalled_at = done.value
+            ready.signal(buf.nbytes)
+            c.wait(op, 30.0)
+            np.testing.assert_array_equal(buf, 3.0)
+            return stalled_at
+
+        assert run_ranks(comms, body) == [2 << 20, 2 << 20]
+
+
 def test_a_rank_with_tickets_and_one_without_is_a_mismatch():
     count = 1 << 18
     with ranks(2, opts=make_options(pipeline_bytes=PIPE, timeout_s=20.0)) as comms:
