@@ -98,8 +98,9 @@ class EngineConfig:
         "straight from the root while (world size - 1) x its size is within it too")
     pipeline_bytes: int = setting(
         "MCCL_PIPELINE_BYTES", 2 << 20, "bytes",
-        "piece of an all-reduce handed over by segment tickets (mccld's shared-memory path, accelerator "
-        "buckets): the engine starts a piece once its input is ready and announces it once final")
+        "smallest piece of an all-reduce handed over by segment tickets (mccld's shared-memory path, "
+        "accelerator buckets): the engine starts a piece once its input is ready and announces it once "
+        "final; large ops use pieces of up to N MB at N ranks (at most 1/16 of the buffer)")
     send_thread: bool = setting(
         "MCCL_SEND_THREAD", True, "bool",
         "a second engine thread per communicator copies bulk frames (512K and up) into the sockets, "

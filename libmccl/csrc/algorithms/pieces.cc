@@ -11,6 +11,14 @@ namespace {
 
 // How long one wait for the producer sleeps before it looks at the links again.
 constexpr auto kReadySlice = std::chrono::milliseconds(10);
+// A ring message is 1/N of a piece. Where the op is large enough pieces grow until it is
+// this large: its stripes (two sockets) are then handed to the send thread and the receive
+// threads (transport/pair.h, recv_thread.h). At 8 hosts, 2 MB pieces made 256K messages,
+// 128K stripes that the thread running the ring wrote, read and reduced all by itself.
+constexpr size_t kMessageBytes = 1 << 20;
+// ... but pieces stay at most this fraction of the buffer: the producer's first piece and
+// the consumer's last are what the pipeline cannot hide.
+constexpr size_t kMinPieces = 16;
 
 }  // namespace
 
@@ -19,7 +27,9 @@ Pieces Pieces::cut(size_t count, size_t elem, size_t pipeline_bytes, int ranks) 
   p.count = count;
   p.elem = elem;
   const size_t n_ranks = static_cast<size_t>(std::max(ranks, 1));
-  p.piece_elems = std::max(pipeline_bytes / std::max<size_t>(elem, 1), n_ranks);
+  const size_t e = std::max<size_t>(elem, 1);
+  const size_t grown = std::min(kMessageBytes * n_ranks, count * e / kMinPieces);
+  p.piece_elems = std::max(std::max(pipeline_bytes, grown) / e, n_ranks);
   // The ring's tags are u32 = step * pieces + piece: keep the pieces well inside that.
   const size_t max_pieces = std::max<size_t>(1, (size_t(1) << 30) / (2 * n_ranks));
   p.piece_elems = std::max(p.piece_elems, (count + max_pieces - 1) / max_pieces);

@@ -23,7 +23,8 @@ struct Pieces {
   size_t piece_elems = 1;  // elements per piece (the last one may be shorter)
   size_t n = 0;            // pieces
 
-  // Pieces of about `pipeline_bytes`, each at least one element per rank.
+  // Pieces of at least `pipeline_bytes`, grown with the buffer and the ring (pieces.cc),
+  // each at least one element per rank.
   static Pieces cut(size_t count, size_t elem, size_t pipeline_bytes, int ranks);
   size_t begin(size_t j) const { return j * piece_elems; }
   size_t end(size_t j) const { return j + 1 < n ? (j + 1) * piece_elems : count; }

@@ -178,6 +178,14 @@ void ring_pipeline(Collective& c, uint8_t* buf, const RingLayout& L, const RingP
     RequestPtr req;
     if (started < S) {
       while (started < S && gate->ready(started)) start(started++);
+      if (started < S && outstanding == (S - started) * size_t(ag_steps)) {
+        // Only the all-gather receives of pieces not started are in flight, and none can
+        // complete before this rank sends its part of the piece: sleep on the ready
+        // ticket, whose producer wakes us, not in poll slices that notice it up to
+        // kProducerPoll late (every op's first piece, and a producer slower than the links).
+        gate->wait_ready(started);
+        continue;
+      }
       // Waiting for the producer as well as the links: wake up now and then to look.
       req = started < S ? c.next_until(Clock::now() + kProducerPoll) : c.next();
       if (!req) {

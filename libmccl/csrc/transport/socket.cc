@@ -20,7 +20,9 @@
 namespace mccl {
 
 int ms_until(Deadline d, int cap_ms) {
-  auto left = std::chrono::duration_cast<std::chrono::milliseconds>(d - Clock::now()).count();
+  // Rounded up: rounded down, the last millisecond before `d` became poll(0) in a loop,
+  // a busy spin (the ring's 2 ms waits for a producer spent up to half their time so).
+  auto left = std::chrono::ceil<std::chrono::milliseconds>(d - Clock::now()).count();
   if (left <= 0) return 0;
   return static_cast<int>(std::min<long long>(left, cap_ms));
 }

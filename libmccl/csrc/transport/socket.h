@@ -20,7 +20,8 @@ inline Deadline deadline_after(double seconds) {
                             std::chrono::duration<double>(seconds));
 }
 
-// Milliseconds left until `d` for poll(), clamped to [0, cap_ms].
+// Milliseconds left until `d` for poll(), rounded up and clamped to [0, cap_ms]: 0 only
+// once `d` has passed.
 int ms_until(Deadline d, int cap_ms = 1000);
 
 // "12.5" (one decimal) for messages.
