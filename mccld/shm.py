@@ -88,7 +88,11 @@ class Segment:
         self.name = name
         self.nbytes = nbytes
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = _posixshmem.shm_open("/" + name, flags, 0o600)
+        try:
+            fd = _posixshmem.shm_open("/" + name, flags, 0o600)
+        except FileNotFoundError:
+            raise ProtocolError(f"[daemon] field 'segment'={name} names no shared-memory segment; the client "
+                                "never created it or unlinked it before registering it") from None
         try:
             if create:
                 os.ftruncate(fd, HEADER_BYTES + nbytes)
