@@ -17,6 +17,7 @@ then fail and answer everything still pending.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -36,6 +37,7 @@ _REPLY_WAIT_S = 0.05         # per request; one that waits longer is counted at 
 _END_WAIT_S = 15.0           # for the pending requests' answers once the batch's pid is gone
 _SEG_BYTES = 1 << 16
 PLACEHOLDERS = ("$TOKEN", "$PID", "$JOB", "$SEG")
+_BATCHES = itertools.count(1)
 
 
 class AttachSurface(Surface):
@@ -81,7 +83,7 @@ class AttachSurface(Surface):
 
     # -- batches -------------------------------------------------------------------------
     def begin_batch(self) -> None:
-        self._batch += 1
+        self._batch = next(_BATCHES)      # job ids stay unique across surfaces of one process
         self._sent = self._got = 0
         ctx = zmq.Context.instance()
         self._helper = Helper()
@@ -96,6 +98,8 @@ class AttachSurface(Surface):
     @property
     def job(self) -> str:
         return f"f{os.getpid() % 0xFFFF:04x}{self._batch % 0xFFFFFF:06x}"
+
+
 
     def end_batch(self) -> int:
         assert self._sock is not None and self._helper is not None

@@ -23,6 +23,7 @@ data surface, stages:
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
@@ -44,6 +45,7 @@ _LEN = struct.Struct("!I")
 _HELLO = struct.Struct("<IIQIIIIIQQ")        # handshake.cc encode_hello: 52 bytes
 _MAGIC = 0x4C43434D
 _K = 1                                       # MCCL_SOCKETS_PER_PEER of the fuzzed daemon
+_JOBS = itertools.count(1)
 
 
 def _frame(body: bytes) -> bytes:
@@ -280,7 +282,7 @@ class DataSurface(Surface):
 
     def _engine(self, hello: bytes, frame: bytes, frame_kind: bytes) -> Verdict:
         assert self._att is not None and self._peer is not None
-        self._jobs += 1
+        self._jobs = next(_JOBS)          # unique across surfaces of one process
         job = f"e{os.getpid() % 0xFFFF:04x}{self._jobs % 0xFFFFFF:06x}"
         fake = self._peer.host_id
         hosts = [{"host_id": fake, "link_addr": self._peer.listen, "ranks": [0]},

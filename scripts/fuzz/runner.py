@@ -49,13 +49,15 @@ class SurfaceRun:
     unanswered: int = 0
     crashes: list[dict[str, Any]] = field(default_factory=list)
     health_failures: list[str] = field(default_factory=list)
+    harness_errors: list[str] = field(default_factory=list)   # the fuzzer's own failures, not the daemon's
     seconds: float = 0.0
     resources: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {"inputs": self.inputs, "batches": self.batches, "stages": dict(self.stages),
                 "unanswered": self.unanswered, "crashes": self.crashes, "health_failures": self.health_failures,
-                "seconds": round(self.seconds, 1), "resources": self.resources,
+                "harness_errors": self.harness_errors[:20], "seconds": round(self.seconds, 1),
+                "resources": self.resources,
                 "inputs_per_s": round(self.inputs / self.seconds, 1) if self.seconds else 0.0}
 
 
@@ -73,6 +75,10 @@ class Fuzzer:
         err = self.daemon.collective()
         if err:
             raise RuntimeError(f"[fuzz] the first collective through a fresh mccld failed: {err}")
+        # Links are kept once dialled, by design: the one a probe of the daemon's own address
+        # (an attach seed) opens belongs in the baseline, not among the leaks.
+        from mccld.attach import local_request
+        local_request(self.daemon.rdir, {"type": "probe", "addr": self.daemon.link_addr}, timeout_s=20.0)
         return self.daemon.steady()
 
     def stop(self) -> None:
@@ -107,7 +113,16 @@ class Fuzzer:
             batch.append(inp)
             run.inputs += 1
             run.stages[inp.stage] += 1
-            verdict = self._send(surface, inp)
+            try:
+                verdict = self._send(surface, inp)
+            except Exception as e:  # noqa: BLE001 - a fuzzer bug must not end the run; the batch starts over
+                run.harness_errors.append(f"{type(e).__name__}: {e}"[:300])
+                self._save([inp], f"harness error: {e!r}"[:300])
+                verdict = Verdict(True, counted=False)
+                if self.daemon.alive():
+                    surface.end_batch()
+                    batch.clear()
+                    surface.begin_batch()
             if not self.daemon.alive():
                 self._crashed(surface, run, batch)
                 batch.clear()
@@ -198,8 +213,9 @@ class Fuzzer:
         return path
 
 
-def run(surfaces: list[str] | dict[str, int], inputs: int, seed_value: int = 1, batch: int = 200, corpus: Path | None = None,
-        budget_s: float | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+def run(surfaces: list[str] | dict[str, int], inputs: int, seed_value: int = 1, batch: int = 200,
+        corpus: Path | None = None, budget_s: float | None = None,
+        log: Callable[[str], None] = print) -> dict[str, Any]:
     """Fuzz each surface with ``inputs`` inputs (a dict: its own count per surface), or for
     ``budget_s`` seconds each; the JSON summary. Each surface's own resource figures are
     taken once the daemon settled after it, against the figures before it."""
@@ -222,12 +238,14 @@ def run(surfaces: list[str] | dict[str, int], inputs: int, seed_value: int = 1, 
     res = summary_resources(before, after)
     leaks = fz.restarts == 0 and (after.fds > before.fds or after.threads > before.threads)
     ok = (not final and not leaks and res["rss_growth_mb"] <= MAX_RSS_GROWTH_MB
-          and all(not r["crashes"] and not r["unanswered"] and not r["health_failures"] for r in runs.values()))
+          and all(not r["crashes"] and not r["unanswered"] and not r["health_failures"] and not r["harness_errors"]
+                  for r in runs.values()))
     return {"ok": ok, "seed": seed_value, "batch": batch, "total_inputs": sum(r["inputs"] for r in runs.values()),
             "inputs": {n: r["inputs"] for n, r in runs.items()},
             "crashes": sum(len(r["crashes"]) for r in runs.values()),
             "unanswered": sum(r["unanswered"] for r in runs.values()),
             "health_failures": sum(len(r["health_failures"]) for r in runs.values()),
+            "harness_errors": sum(len(r["harness_errors"]) for r in runs.values()),
             "final_collective": final or "ok", "restarts": fz.restarts, "resources": res,
             "fds_threads_back": not leaks, "seconds": round(time.monotonic() - started, 1), "surfaces": runs}
 
