@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import select
 import socket
 import struct
 import time
@@ -214,6 +215,7 @@ class DataSurface(Surface):
         self._jobs = 0
         self._pending = 0
         self._joins: dict[int, str] = {}       # join request id -> job
+        self._answered: set[str] = set()       # jobs whose join got its reply
 
     def capture(self) -> None:
         with _Capture() as sent:
@@ -247,8 +249,11 @@ class DataSurface(Surface):
         self._att.send(protocol.encode(self._hello()))
         if not self._att.poll(10_000) or not json.loads(self._att.recv()).get("ok"):
             raise RuntimeError("[fuzz] mccld refused the data batch's hello")
-        self._peer = PeerLink(self.daemon, fake_host_id(3), "127.0.0.9:29650")
+        # Its own listen address: a mutated hello claiming an address makes the daemon map it to
+        # that hello's host (links.py), so one the mutants use could route the lease elsewhere.
+        self._peer = PeerLink(self.daemon, fake_host_id(3), "127.0.0.10:29650")
         self._pending = 0
+        self._answered.clear()
 
     def _hello(self) -> dict[str, Any]:
         assert self._helper is not None
@@ -297,6 +302,8 @@ class DataSurface(Surface):
             auth.initiate(sock, _KEY, FLEET, fake, self._peer.listen, self.daemon.link_addr, f"data:{sock_id}")
             self._peer.send({"type": "data_lease", "job": job, "round": 0, "ids": [sock_id]})
             ack = self._lease_ack(job)
+            if ack is None:        # the job failed before the lease: its join was answered
+                return Verdict(True, detail="join refused")
             if ack.get("missing"):
                 return Verdict(False, detail=f"lease not acked: {ack}")
             # The daemon's engine now waits for our Hello on the leased socket.
@@ -320,19 +327,26 @@ class DataSurface(Surface):
         finally:
             sock.close()
 
-    def _lease_ack(self, job: str) -> dict[str, Any]:
-        """The daemon's data_ack for ``job`` (job_failed notices of earlier jobs come on this link too)."""
+    def _lease_ack(self, job: str) -> dict[str, Any] | None:
+        """The daemon's data_ack for ``job``, or None once its join was answered first (the job
+        failed); job_failed notices of earlier jobs come on the link too."""
         assert self._peer is not None
         deadline = time.monotonic() + ANSWER_TIMEOUT_S
-        while True:
-            msg = self._peer.recv(max(0.01, deadline - time.monotonic()))
+        while time.monotonic() < deadline:
+            if self._join_answered(job, wait_s=0.0):
+                return None
+            if not select.select([self._peer.sock], [], [], 0.05)[0]:
+                continue
+            msg = self._peer.recv(ANSWER_TIMEOUT_S)      # a whole frame: never cut one in two
             if msg.get("type") == "data_ack" and msg.get("job") == job:
                 return msg
+        raise socket.timeout(f"no data_ack for job {job}")
 
-    def _join_answered(self, job: str) -> bool:
+    def _join_answered(self, job: str, wait_s: float = ANSWER_TIMEOUT_S) -> bool:
+        """Handle the attach replies that came (within ``wait_s``); True once ``job``'s join is answered."""
         assert self._att is not None
-        deadline = time.monotonic() + ANSWER_TIMEOUT_S
-        while self._att.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+        deadline = time.monotonic() + wait_s
+        while self._att.poll(max(0, int((deadline - time.monotonic()) * 1000))):
             reply = json.loads(self._att.recv())
             self._pending -= 1
             joined = self._joins.pop(reply.get("req"), None)
@@ -343,8 +357,10 @@ class DataSurface(Surface):
                 self._att.send(protocol.encode(self._hello()))
                 self._pending += 2
             if joined == job:
+                self._answered.add(job)
+            if job in self._answered:
                 return True
-        return False
+        return job in self._answered
 
 
 def _json(data: bytes, comm_id: int) -> Any:

@@ -26,7 +26,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 FLEET_KEY = "fuzz-key-" + "k" * 24
-FLEET = "fuzz"
+FLEET = f"fuzz{os.getpid()}"       # its own: fuzzed daemons of other runs are not its peers (mDNS)
 _START_S = 30.0
 _SETTLE_S = 20.0            # for fds and threads to return to their baseline at the end
 _COLLECTIVE_TIMEOUT_S = 20.0
