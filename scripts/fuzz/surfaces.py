@@ -104,8 +104,8 @@ def drain_until_closed(sock: socket.socket, timeout_s: float = ANSWER_TIMEOUT_S)
             got += chunk
 
 
-def send_and_close(sock: socket.socket, data: bytes) -> Verdict:
-    """Send ``data``, half-close, and wait for the daemon to close its end."""
+def send_and_close(sock: socket.socket, data: bytes, timeout_s: float = ANSWER_TIMEOUT_S) -> Verdict:
+    """Send ``data``, half-close, and wait up to ``timeout_s`` for the daemon to close its end."""
     try:
         if data:
             sock.sendall(data)
@@ -113,7 +113,7 @@ def send_and_close(sock: socket.socket, data: bytes) -> Verdict:
     except OSError:
         return Verdict(True, detail="closed while we sent")   # the daemon hung up: an answer too
     try:
-        closed, _ = drain_until_closed(sock)
+        closed, _ = drain_until_closed(sock, timeout_s)
         return Verdict(closed, detail="" if closed else "connection neither answered nor closed")
     finally:
         sock.close()
