@@ -114,13 +114,11 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
     def set_timeout(self, timeout: datetime.timedelta) -> None:
         """Timeout of the ops issued from now on: the engine's per-op deadline and
         Work.wait(). Through the daemon (MCCL_DAEMON=1) the daemon side keeps the timeout
-        the job joined with; only the client's own wait changes."""
+        the job joined with; only the client's own waits change."""
         seconds = compat.timedelta_seconds(timeout)
         if not seconds or seconds <= 0:
             raise ConfigError(f"[mccl] set_timeout({timeout!r}): the timeout must be positive")
-        setter = getattr(self._comm, "set_timeout", None)
-        if setter is not None:
-            setter(seconds)
+        self._comm.set_timeout(seconds)
         self._timeout_s = seconds
 
     _set_default_timeout = set_timeout  # the name c10d's own backends use

@@ -109,7 +109,7 @@ class _Op:
 
 
 class DaemonCommunicator:
-    """Same API as ``_core.Communicator``; see docs/dev/interfaces.md §1."""
+    """A ``communicator.Communicator``, as ``_core.Communicator`` is; see docs/dev/interfaces.md §1."""
 
     def __init__(self, rank: int, size: int, comm_id: int, store: Any, opts: Any = None,
                  on_complete: Callable[[list], None] | None = None, timeout_s: float = 1800.0):
@@ -280,6 +280,13 @@ class DaemonCommunicator:
                     break
                 self._done_cv.wait(left)
         self._fail(AbortedError(f"[daemon-client] communicator shut down on rank {self.rank}"), leave_abort=None)
+
+    def set_timeout(self, timeout_s: float) -> None:
+        """The client's own deadline for ops started from now on; the daemon keeps the
+        timeout the job joined with (its verdict still comes first when that one is shorter)."""
+        if not timeout_s > 0:
+            raise ConfigError(f"[daemon-client] set_timeout({timeout_s} s): the timeout must be positive")
+        self.timeout_s = float(timeout_s)
 
     def report_overlap(self, ratio: float) -> None:
         """Share of communication hidden behind compute (0..1) for the daemon's exporter; never blocks."""

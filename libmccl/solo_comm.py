@@ -6,8 +6,7 @@ place, one copy of it. ``SoloCommunicator`` does that on the caller's thread at 
 and reports the op complete at once, so the Work is finished before ``_submit`` returns:
 no hand-off to an engine thread and back, and no completion thread waiting for the GIL
 while the caller (DDP's backward) holds it, which made a world-size-1 DDP step cost
-17 ms more than Gloo's. It offers the pointer-level methods of ``_core.Communicator``
-that the backend calls.
+17 ms more than Gloo's. It implements ``communicator.Communicator``, as the engine does.
 """
 
 from __future__ import annotations
@@ -54,36 +53,36 @@ class SoloCommunicator:
         raise ConfigError(f"[mccl] no peer address in a group of one rank (asked for rank {r})")
 
     # -- collectives -------------------------------------------------------------
-    def allreduce(self, buf: int, count: int, dtype: int, op: int) -> int:
+    def allreduce(self, ptr: int, count: int, dtype: int, op: int) -> int:
         return self._done("allreduce")
 
-    def broadcast(self, buf: int, nbytes: int, root: int) -> int:
+    def broadcast(self, ptr: int, nbytes: int, root: int) -> int:
         return self._done("broadcast")
 
-    def reduce(self, buf: int, count: int, dtype: int, op: int, root: int) -> int:
+    def reduce(self, ptr: int, count: int, dtype: int, op: int, root: int) -> int:
         return self._done("reduce")
 
-    def allgather(self, send: int, recv: int, nbytes: int) -> int:
-        return self._done("allgather", recv, send, nbytes)
+    def allgather(self, send_ptr: int, recv_ptr: int, nbytes: int) -> int:
+        return self._done("allgather", recv_ptr, send_ptr, nbytes)
 
-    def reduce_scatter(self, send: int, recv: int, count: int, dtype: int, op: int) -> int:
-        return self._done("reduce_scatter", recv, send, count * _ELEMENT_BYTES[dtype])
+    def reduce_scatter(self, send_ptr: int, recv_ptr: int, count: int, dtype: int, op: int) -> int:
+        return self._done("reduce_scatter", recv_ptr, send_ptr, count * _ELEMENT_BYTES[dtype])
 
-    def gather(self, send: int, recv: int, nbytes: int, root: int) -> int:
-        return self._done("gather", recv, send, nbytes)
+    def gather(self, send_ptr: int, recv_ptr: int, nbytes: int, root: int) -> int:
+        return self._done("gather", recv_ptr, send_ptr, nbytes)
 
-    def scatter(self, send: int, recv: int, nbytes: int, root: int) -> int:
-        return self._done("scatter", recv, send, nbytes)
+    def scatter(self, send_ptr: int, recv_ptr: int, nbytes: int, root: int) -> int:
+        return self._done("scatter", recv_ptr, send_ptr, nbytes)
 
-    def alltoall(self, send: int, recv: int, nbytes: int) -> int:
-        return self._done("alltoall", recv, send, nbytes)
+    def alltoall(self, send_ptr: int, recv_ptr: int, nbytes: int) -> int:
+        return self._done("alltoall", recv_ptr, send_ptr, nbytes)
 
-    def alltoallv(self, send: int, send_sizes: Sequence[int], send_offsets: Sequence[int], recv: int,
+    def alltoallv(self, send_ptr: int, send_sizes: Sequence[int], send_offsets: Sequence[int], recv_ptr: int,
                   recv_sizes: Sequence[int], recv_offsets: Sequence[int]) -> int:
         if send_sizes[0] != recv_sizes[0]:
             raise ConfigError(f"[mccl] alltoall: rank 0 sends itself {send_sizes[0]} bytes but expects "
                               f"{recv_sizes[0]}; the split sizes must agree")
-        return self._done("alltoall", recv + recv_offsets[0], send + send_offsets[0], send_sizes[0])
+        return self._done("alltoall", recv_ptr + recv_offsets[0], send_ptr + send_offsets[0], send_sizes[0])
 
     def barrier(self) -> int:
         return self._done("barrier")
@@ -100,10 +99,10 @@ class SoloCommunicator:
             self._behind += 1
             self._backlog.put(("gate", ready, base + nbytes))
 
-    def send(self, buf: int, nbytes: int, dst: int, tag: int, timeout_s: float | None = None) -> int:
+    def send(self, ptr: int, nbytes: int, dst: int, tag: int = 0, timeout_s: float | None = None) -> int:
         raise ConfigError("[mccl] send in a group of one rank: there is no peer to send to")
 
-    def recv(self, buf: int, nbytes: int, src: int, tag: int, timeout_s: float | None = None) -> int:
+    def recv(self, ptr: int, nbytes: int, src: int, tag: int = 0, timeout_s: float | None = None) -> int:
         raise ConfigError("[mccl] recv in a group of one rank: there is no peer to receive from")
 
     # -- lifecycle -----------------------------------------------------------------
@@ -112,7 +111,7 @@ class SoloCommunicator:
             raise ConfigError(f"[mccl] set_timeout({timeout_s} s): the timeout must be positive")
         self._timeout_s = timeout_s
 
-    def shutdown(self, timeout_s: float = 0.0) -> bool:
+    def shutdown(self, timeout_s: float = 10.0) -> bool:
         self._close()
         return False  # no borrowed sockets to hand back
 

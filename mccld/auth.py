@@ -65,8 +65,9 @@ def recv_plain(sock: socket.socket, peer: str) -> dict[str, Any]:
         raise ProtocolError(f"[link] handshake frame of {n} bytes from peer={peer}; not an mccld")
     try:
         msg = json.loads(_recv_exact(sock, n))
-    except ValueError:
-        raise ProtocolError(f"[link] handshake frame from peer={peer} is not JSON; not an mccld") from None
+    except (ValueError, RecursionError):   # RecursionError: nested deeper than the parser goes
+        raise ProtocolError(f"[link] handshake frame from peer={peer} is not JSON (or nests too deep); "
+                            "not an mccld") from None
     if not isinstance(msg, dict):
         raise ProtocolError(f"[link] handshake frame from peer={peer} is not an object; not an mccld")
     return msg
@@ -101,8 +102,8 @@ class Session:
         self._recv_seq += 1
         try:
             msg = json.loads(body)
-        except ValueError:
-            raise ProtocolError(f"[link] frame from peer={self.peer} is not JSON") from None
+        except (ValueError, RecursionError):
+            raise ProtocolError(f"[link] frame from peer={self.peer} is not JSON (or nests too deep)") from None
         if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
             raise ProtocolError(f"[link] frame from peer={self.peer} has no message type")
         return msg

@@ -89,7 +89,11 @@ class Segment:
         self.nbytes = nbytes
         self._fd = -1      # the daemon's side keeps it: check_size() asks the file, not our memory
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = _posixshmem.shm_open("/" + name, flags, 0o600)
+        try:
+            fd = _posixshmem.shm_open("/" + name, flags, 0o600)
+        except FileNotFoundError:
+            raise ProtocolError(f"[daemon] field 'segment'={name} names no shared-memory segment; the client "
+                                "never created it or unlinked it before registering it") from None
         try:
             if create:
                 os.ftruncate(fd, HEADER_BYTES + nbytes)

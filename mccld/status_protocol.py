@@ -86,7 +86,7 @@ class Conn:
     def _parse(self, line: bytes, what: str) -> dict:
         try:
             obj = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             obj = None
         if not isinstance(obj, dict):
             raise ProtocolError(f"[status] {what} from peer={self.peer} is not a JSON object; "

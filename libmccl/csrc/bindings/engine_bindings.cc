@@ -288,31 +288,33 @@ void register_engine_bindings(py::module_& m) {
          py::arg("ready") = py::none(), py::arg("done") = py::none(), py::arg("base") = 0)
       .def("broadcast", [](PC& c, uintptr_t p, size_t nbytes, int root) {
         return c.core().broadcast(ptr(p), nbytes, root);
-      })
+      }, py::arg("ptr"), py::arg("nbytes"), py::arg("root"))
       .def("allgather", [](PC& c, uintptr_t s, uintptr_t r, size_t nbytes) {
         return c.core().allgather(ptr(s), ptr(r), nbytes);
-      })
+      }, py::arg("send_ptr"), py::arg("recv_ptr"), py::arg("nbytes"))
       .def("reduce_scatter", [](PC& c, uintptr_t s, uintptr_t r, size_t count, int dt, int op) {
         return c.core().reduce_scatter(ptr(s), ptr(r), count, to_dtype(dt), to_op(op));
-      })
+      }, py::arg("send_ptr"), py::arg("recv_ptr"), py::arg("count"), py::arg("dtype"), py::arg("op"))
       .def("reduce", [](PC& c, uintptr_t p, size_t count, int dt, int op, int root) {
         return c.core().reduce(ptr(p), count, to_dtype(dt), to_op(op), root);
-      })
+      }, py::arg("ptr"), py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("root"))
       .def("gather", [](PC& c, uintptr_t s, uintptr_t r, size_t nbytes, int root) {
         return c.core().gather(ptr(s), ptr(r), nbytes, root);
-      })
+      }, py::arg("send_ptr"), py::arg("recv_ptr"), py::arg("nbytes"), py::arg("root"))
       .def("scatter", [](PC& c, uintptr_t s, uintptr_t r, size_t nbytes, int root) {
         return c.core().scatter(ptr(s), ptr(r), nbytes, root);
-      })
+      }, py::arg("send_ptr"), py::arg("recv_ptr"), py::arg("nbytes"), py::arg("root"))
       .def("alltoall", [](PC& c, uintptr_t s, uintptr_t r, size_t nbytes) {
         return c.core().alltoall(ptr(s), ptr(r), nbytes);
-      })
+      }, py::arg("send_ptr"), py::arg("recv_ptr"), py::arg("nbytes"))
       .def("alltoallv",
            [](PC& c, uintptr_t s, std::vector<size_t> ss, std::vector<size_t> so, uintptr_t r,
               std::vector<size_t> rs, std::vector<size_t> ro) {
              return c.core().alltoallv(ptr(s), std::move(ss), std::move(so), ptr(r),
                                        std::move(rs), std::move(ro));
-           })
+           },
+           py::arg("send_ptr"), py::arg("send_sizes"), py::arg("send_offsets"), py::arg("recv_ptr"),
+           py::arg("recv_sizes"), py::arg("recv_offsets"))
       .def("barrier", [](PC& c) { return c.core().barrier(); })
       .def("gate", [](PC& c, std::shared_ptr<Ticket> ready, uint64_t base, size_t nbytes) {
         c.core().gate(std::move(ready), base, nbytes);
@@ -364,7 +366,7 @@ void register_engine_bindings(py::module_& m) {
       .def_property_readonly("rank", [](PC& c) { return c.core().rank(); })
       .def_property_readonly("size", [](PC& c) { return c.core().size(); })
       .def_property_readonly("comm_id", [](PC& c) { return c.core().comm_id(); })
-      .def("peer_address", [](PC& c, int r) { return c.core().peer_address(r); })
+      .def("peer_address", [](PC& c, int r) { return c.core().peer_address(r); }, py::arg("r"))
       .def("stats", [](PC& c) {
         CommStats s = c.core().stats();
         py::dict per_peer;
