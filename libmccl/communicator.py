@@ -50,6 +50,10 @@ class Communicator(Protocol):
 
     def barrier(self) -> int: ...
 
+    # Holds back the ops issued after it until ``ready`` >= base + nbytes (device staging,
+    # device_order.StagedOp); a local step. mccld takes no device tensors: its client refuses.
+    def gate(self, ready: Any, base: int, nbytes: int) -> None: ...
+
     # -- point to point -----------------------------------------------------------------------
     def send(self, ptr: int, nbytes: int, dst: int, tag: int = 0) -> int: ...
 

@@ -225,6 +225,11 @@ class DaemonCommunicator:
     def barrier(self) -> int:
         return self._enqueue(self._ops.barrier())
 
+    def gate(self, ready: Any, base: int, nbytes: int) -> None:
+        # The backend refuses device tensors with MCCL_DAEMON=1 before it would get here.
+        raise ConfigError("[daemon-client] mccld takes no device tensors (no tickets across processes yet); "
+                          "unset MCCL_DAEMON for jobs with CUDA tensors")
+
     def alltoall(self, send_ptr: int, recv_ptr: int, nbytes: int) -> int:
         return self._enqueue(self._ops.alltoall(send_ptr, recv_ptr, nbytes))
 

@@ -72,9 +72,8 @@ def test_registering_a_segment_that_does_not_exist_is_a_protocol_error(raw):
         seg.unlink()
 
 
-@pytest.mark.xfail(strict=True, reason="found while fuzzing (reading shm.py, confirmed here), not fixed, no small "
-                   "fix: a client that shrinks its registered segment with ftruncate makes mccld die of SIGBUS "
-                   "at the next op on it")
+# Found while fuzzing (mccld died of SIGBUS at the next op); fixed by the size check before
+# every op (shm.Segment.check_size). A truncation during the op itself is still fatal (shm.py).
 @pytest.mark.timeout(90)
 def test_a_client_shrinking_its_registered_segment_does_not_kill_mccld():
     import sys
