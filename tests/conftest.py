@@ -146,3 +146,30 @@ def run_command(cmd: list[str], timeout_s: float, env: dict | None = None) -> "s
         except ProcessLookupError:
             pass
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+# -- the leak check after every test (tests/leak_check.py) ---------------------------------------
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "leaks_ok(reason): skip the after-test leak check (a test that "
+                                       "deliberately leaves something running for later tests)")
+
+
+@pytest.fixture(scope="session")
+def _leak_warm_up() -> None:
+    import leak_check
+    leak_check.warm_up()
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks(request, _leak_warm_up):
+    """Function-scoped, so module- and session-scoped fixtures are set up before the
+    baseline is taken and torn down after the check: what they hold is not the test's."""
+    import leak_check
+    if request.node.get_closest_marker("leaks_ok"):
+        yield
+        return
+    before = leak_check.snapshot()
+    yield
+    left = leak_check.leftovers(before)
+    if left:
+        pytest.fail(f"the test left behind: {left}", pytrace=False)
