@@ -15,7 +15,8 @@ inject one fault (faults.py) into a random rank, link or daemon, then check that
   nothing at all within 10 s more: ``hang``);
 - every result before (and after) the fault matched its locally computed expectation;
 - nothing leaked: every rank exited and was reaped, the trial's /dev/shm/mccl-<job>-*
-  segments are gone, the surviving daemons are back to their threads and fds.
+  segments are gone (``leaks``), the surviving daemons are back to the threads and fds
+  they had before the trial (``daemon_growth``).
 
 Daemons live across trials; one a fault killed or stopped is replaced. The trial's seed
 fixes everything random in it: ``--seed S --trials 1`` replays trial S.
@@ -56,7 +57,7 @@ HANG_AFTER_S = 10.0                    # past the detection deadline: no answer 
 READY_TIMEOUT_S = 60.0
 FAULT_DELAY_S = (0.0, 0.5)             # after every rank completed a collective
 REAP_S = 10.0
-SETTLE_S = 5.0                         # for the daemons to drop a failed job's segments and threads
+SETTLE_S = 3.0                         # for the daemons to drop a failed job's segments and threads
 
 
 @dataclass
@@ -219,7 +220,8 @@ def _judge(t: Trial, kind: faults.FaultKind, survivors: list[int], victim_host: 
         t.problem("wrong_errors", f"not every survivor named the culprit {sorted(victims)}: "
                                   f"{ {r: t.results[r].get('msg') for r in survivors if r in t.results} }")
     elif kind.named == "any" and not any(named):
-        t.problem("wrong_errors", f"no survivor named the culprit {sorted(victims)}")
+        t.problem("wrong_errors", f"no survivor named the culprit {sorted(victims)}: "
+                                  f"{ {r: t.results[r].get('msg') for r in survivors if r in t.results} }")
     times = [t.results[r]["t"] - t_fault for r in survivors if r in t.results and "t" in t.results[r]]
     t.detect_s = round(max(times), 3) if times and len(times) == len(survivors) else None
 
@@ -241,11 +243,11 @@ def _check_leaks(t: Trial, job: str, daemons: HostDaemons | None, before: dict, 
     if segs:
         t.problem("leaks", f"segments left {SETTLE_S:.0f}s after the ranks exited: {segs}")
     for h, (b, n) in grown.items():
-        t.problem("leaks", f"mccld on h{h} grew from {b} to {n}")
+        t.problem("daemon_growth", f"mccld on h{h} grew from {b} to {n}")
 
 
 def _summary(trials: list[Trial], seconds: float, first_seed: int, mode: str) -> dict:
-    cats = ("hangs", "wrong_errors", "corrupted", "leaks", "late", "setup")
+    cats = ("hangs", "wrong_errors", "corrupted", "leaks", "daemon_growth", "late", "setup")
     kinds: dict[str, dict] = {}
     for t in trials:
         k = kinds.setdefault(t.kind, {"trials": 0, "ok": 0, **{c: 0 for c in cats}, "detect_s": []})
