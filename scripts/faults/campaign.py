@@ -57,7 +57,8 @@ HANG_AFTER_S = 10.0                    # past the detection deadline: no answer 
 READY_TIMEOUT_S = 60.0
 FAULT_DELAY_S = (0.0, 0.5)             # after every rank completed a collective
 REAP_S = 10.0
-SETTLE_S = 3.0                         # for the daemons to drop a failed job's segments and threads
+SEGMENTS_S = 3.0                       # for the daemons to drop a failed job's segments ...
+DAEMON_SETTLE_S = 1.0                  # ... and its threads
 
 
 @dataclass
@@ -104,6 +105,23 @@ def _names_culprit(res: dict, victims: set[int], hosts: list[str]) -> bool:
     msg = res.get("msg") or ""
     return (res.get("peer_rank") in victims or any(f"rank {v}" in msg for v in victims)
             or any(h in msg or h == res.get("peer_addr") for h in hosts))
+
+
+def warm_up(daemons: HostDaemons, fleet, base: Path, seed: int) -> None:
+    """One clean job through every daemon: a daemon's first job builds what it keeps for
+    later ones (links, pools), which must not count as a trial's leak."""
+    work = base / f"warm{seed}"
+    work.mkdir()
+    world = len(PLACEMENT)
+    pids = {r: _fork_rank(RankSpec(r, world, "daemon", seed, random.Random(seed).getrandbits(63) | 1,
+                                   fleet.hosts[h].ns, fleet.hosts[h].addr, TIMEOUT_S, work, daemons.env(h),
+                                   max_ops=3))
+            for r, h in enumerate(PLACEMENT)}
+    stuck = _reap(pids, time.monotonic() + READY_TIMEOUT_S)
+    results = _read_results(work, world)
+    shutil.rmtree(work, ignore_errors=True)
+    if stuck or any(res.get("cls") for res in results.values()) or len(results) != world:
+        raise RuntimeError(f"[campaign] the warm-up job failed (ranks {stuck} stuck): {results}")
 
 
 def run_trial(seed: int, mode: str, daemons: HostDaemons | None, fleet, base: Path, keep: Path | None) -> Trial:
@@ -173,6 +191,7 @@ def run_trial(seed: int, mode: str, daemons: HostDaemons | None, fleet, base: Pa
             t.problem("leaks", f"ranks {stuck} had not exited {REAP_S:.0f}s after the verdict")
         if daemons and kind.kills_daemon:
             daemons.replace(victim_host)
+            warm_up(daemons, fleet, base, seed)
         _check_leaks(t, job, daemons, before, victim_host if kind.kills_daemon else None)
         for name in _segments(job):
             Path("/dev/shm", name).unlink(missing_ok=True)
@@ -211,6 +230,9 @@ def _judge(t: Trial, kind: faults.FaultKind, survivors: list[int], victim_host: 
         if res.get("cls") not in allowed or not res.get("mccl"):
             t.problem("wrong_errors", f"rank {r} raised {res.get('cls')} ({res.get('msg')}), "
                                       f"expected one of {sorted(allowed)}")
+        elif res["t"] < t_fault:
+            t.problem("wrong_errors", f"rank {r} raised {res['cls']} {t_fault - res['t']:.2f}s before the fault: "
+                                      f"{res.get('msg')}")
         elif res["t"] > detect_deadline:
             t.problem("late", f"rank {r} raised {res['cls']} {res['t'] - t_fault:.2f}s after the fault")
         if res.get("shutdown_error"):
@@ -227,21 +249,21 @@ def _judge(t: Trial, kind: faults.FaultKind, survivors: list[int], victim_host: 
 
 
 def _check_leaks(t: Trial, job: str, daemons: HostDaemons | None, before: dict, replaced: int | None) -> None:
-    deadline = time.monotonic() + SETTLE_S
+    deadline = time.monotonic() + SEGMENTS_S
+    while _segments(job) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if _segments(job):
+        t.problem("leaks", f"segments left {SEGMENTS_S:.0f}s after the ranks exited: {_segments(job)}")
+    if not daemons:
+        return
+    deadline = time.monotonic() + DAEMON_SETTLE_S
     while True:
-        segs = _segments(job)
-        grown = {}
-        if daemons:
-            now = daemons.footprints()
-            grown = {h: (before[h], now[h]) for h in before if h != replaced and
-                     (now[h]["threads"] > before[h]["threads"] or now[h]["fds"] > before[h]["fds"])}
-        if not segs and not grown:
-            return
-        if time.monotonic() > deadline:
+        now = daemons.footprints()
+        grown = {h: (before[h], now[h]) for h in before if h != replaced and h in now and
+                 (now[h]["threads"] > before[h]["threads"] or now[h]["fds"] > before[h]["fds"])}
+        if not grown or time.monotonic() > deadline:
             break
         time.sleep(0.1)
-    if segs:
-        t.problem("leaks", f"segments left {SETTLE_S:.0f}s after the ranks exited: {segs}")
     for h, (b, n) in grown.items():
         t.problem("daemon_growth", f"mccld on h{h} grew from {b} to {n}")
 
@@ -288,9 +310,10 @@ def main(argv: list[str] | None = None) -> int:
     with Fleet(max(PLACEMENT) + 1, rate=None) as fleet:
         daemons = HostDaemons(fleet, base / "daemons") if args.mode == "daemon" else None
         try:
+            (base / "trials").mkdir()
             if daemons:
                 daemons.start_all()
-            (base / "trials").mkdir()
+                warm_up(daemons, fleet, base / "trials", first)
             for i in range(args.trials):
                 if args.max_seconds and time.monotonic() - began > args.max_seconds:
                     break

@@ -59,6 +59,7 @@ class RankSpec:
     timeout_s: float
     workdir: Path
     env: dict[str, str]       # MCCL_RUNTIME_DIR and friends of the host's mccld (daemon mode)
+    max_ops: int = 0          # stop cleanly after this many (a warm-up job); 0: until a fault
 
 
 class FileStore:
@@ -195,7 +196,7 @@ def _loop(spec: RankSpec) -> dict[str, Any]:
         return out
     looper = Looper(comm, spec)
     try:
-        while True:
+        while not spec.max_ops or looper.ops < spec.max_ops:
             looper.step()
             if looper.ops == 1:
                 (spec.workdir / f"ready.{spec.rank}").write_text("1")
