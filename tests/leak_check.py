@@ -62,7 +62,8 @@ def snapshot() -> Snapshot:
     return Snapshot(_tasks(), _fds(), _children(), _segments())
 
 
-def _held_segments() -> set[str]:
+def held_segments() -> set[str]:
+    """Names of the /dev/shm/mccl* segments this process maps or holds open."""
     held = set()
     with open("/proc/self/maps") as f:
         held.update(Path(line.split()[-1]).name for line in f if "/dev/shm/mccl" in line)
@@ -105,7 +106,7 @@ def _diff(before: Snapshot) -> dict[str, list[str]]:
     new = now.segments - before.segments
     if new:
         mine = {os.getpid()} | set(now.children)
-        held = _held_segments()
+        held = held_segments()
         ours = sorted(n for n in new if n in held or _owner_pid(n) in mine)
         if ours:
             out["segments"] = ours
@@ -136,6 +137,6 @@ def warm_up() -> None:
     import torch
     import zmq
 
-    zmq.Context.instance()
+    zmq.Context.instance().socket(zmq.PAIR).close()     # its I/O threads start with the first socket
     torch.ones(1 << 20).add_(1).sum()
     rt.ensure_running()
