@@ -7,7 +7,7 @@ run beside this one on a shared machine: child processes are direct children (al
 zombies), and a new segment counts when this process maps or holds it, or its name's pid
 field is this process or one of its children. ``warm_up()`` creates once the per-process
 singletons that a first user would otherwise be blamed for (ZeroMQ's I/O threads, torch's
-intra-op pool, multiprocessing's resource tracker).
+intra-op pool, multiprocessing's resource tracker, libuv's signal pipe under TCPStore).
 """
 
 from __future__ import annotations
@@ -135,8 +135,12 @@ def warm_up() -> None:
     import multiprocessing.resource_tracker as rt
 
     import torch
+    import torch.distributed as dist
     import zmq
 
     zmq.Context.instance().socket(zmq.PAIR).close()     # its I/O threads start with the first socket
     torch.ones(1 << 20).add_(1).sum()
     rt.ensure_running()
+    # libuv's signal lock: a pipe the first TCPStore server opens and the process keeps.
+    store = dist.TCPStore("127.0.0.1", 0, 1, True)
+    del store

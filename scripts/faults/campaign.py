@@ -303,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from libmccl.fleet import Fleet
 
+    # SIGTERM (a CI timeout) unwinds like Ctrl-C, so the fleet and its daemons are torn down.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     first = args.seed if args.seed is not None else random.randrange(1 << 30)
     print(f"[campaign] mode={args.mode} trials={args.trials} first seed={first} "
           f"(replay one: --mode {args.mode} --seed S --trials 1)", flush=True)
