@@ -73,6 +73,12 @@ class Trial:
     detect_s: float | None = None
     results: dict[int, dict] = field(default_factory=dict)
     seconds: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)   # where the trial's time went
+
+    def mark(self, phase: str, since: float) -> float:
+        now = time.monotonic()
+        self.phases[phase] = round(now - since, 2)
+        return now
 
     def problem(self, category: str, what: str) -> None:
         self.problems.setdefault(category, []).append(what)
@@ -155,6 +161,7 @@ def run_trial(seed: int, mode: str, daemons: HostDaemons | None, fleet, base: Pa
                 t.problem("setup", f"ranks did not all start looping: {_read_results(work, world)}")
                 return t
             time.sleep(0.01)
+        t.mark("start", started)
         time.sleep(delay)
         t_fault = time.monotonic()
         gone: set[int] = set()         # ranks that cannot answer: killed or stopped
@@ -182,19 +189,24 @@ def run_trial(seed: int, mode: str, daemons: HostDaemons | None, fleet, base: Pa
                 break
             time.sleep(0.02)
         t.results = _read_results(work, world)
+        t.mark("verdict", t_fault)
         if t.kind == "rank_sigstop":
             faults.signal_pid(pids[t.victim], signal.SIGKILL)
         _judge(t, kind, survivors, victim_host, t_fault, detect_deadline, fleet, host_fault)
     finally:
         if link_cut:
             faults.set_link(fleet.hosts[victim_host].ns, up=True)
+        mark = time.monotonic()
         stuck = _reap(pids, time.monotonic() + REAP_S)
+        mark = t.mark("reap", mark)
         if stuck:
             t.problem("leaks", f"ranks {stuck} had not exited {REAP_S:.0f}s after the verdict")
         if daemons and kind.kills_daemon:
             daemons.replace(victim_host)
             warm_up(daemons, fleet, base, seed)
+            mark = t.mark("replace_daemon", mark)
         _check_leaks(t, job, daemons, before, victim_host if kind.kills_daemon else None)
+        t.mark("leak_check", mark)
         for name in _segments(job):
             Path("/dev/shm", name).unlink(missing_ok=True)
         t.seconds = round(time.monotonic() - started, 2)
@@ -325,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
                 trials.append(t)
                 if t.problems or args.verbose:
                     print(json.dumps({"seed": t.seed, "kind": t.kind, "victim": t.victim, "ok": not t.problems,
-                                      "detect_s": t.detect_s, "seconds": t.seconds, "problems": t.problems}),
+                                      "detect_s": t.detect_s, "seconds": t.seconds, "phases": t.phases,
+                                      "problems": t.problems}),
                           flush=True)
         finally:
             if daemons:
