@@ -252,10 +252,11 @@ def _judge(t: Trial, kind: faults.FaultKind, survivors: list[int], victim_host: 
         if res.get("shutdown_error"):
             t.problem("wrong_errors", f"rank {r}: shutdown raised {res['shutdown_error']}")
         named.append(r not in victims and _names_culprit(res, victims, hosts))
-    if kind.named == "all" and not all(named):
+    rule = kind.naming(t.mode)
+    if rule == "all" and not all(named):
         t.problem("wrong_errors", f"not every survivor named the culprit {sorted(victims)}: "
                                   f"{ {r: t.results[r].get('msg') for r in survivors if r in t.results} }")
-    elif kind.named == "any" and not any(named):
+    elif rule == "any" and not any(named):
         t.problem("wrong_errors", f"no survivor named the culprit {sorted(victims)}: "
                                   f"{ {r: t.results[r].get('msg') for r in survivors if r in t.results} }")
     times = [t.results[r]["t"] - t_fault for r in survivors if r in t.results and "t" in t.results[r]]
