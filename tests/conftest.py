@@ -2,7 +2,8 @@
 
 Multi-process tests run each rank in a spawned process (a fresh interpreter, as
 torchrun would give). ``run_ranks`` always reaps its children: whatever happens in
-the test, no rank outlives it.
+the test, no rank outlives it. After every test an autouse check (``_no_leaks``,
+tests/leak_check.py) fails it if it left threads, fds, child processes or shm segments.
 """
 
 from __future__ import annotations

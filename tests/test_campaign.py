@@ -1,7 +1,7 @@
 """The short fault campaign (scripts/faults/campaign.py) in both modes, as CI runs it.
 
-One module-scoped run per mode (>= 100 trials, a fixed seed so a failure replays with
-``--seed``); each test below asserts one of the brief's targets on its summary.
+Both modes run once per module, side by side (>= 100 trials each, a fixed seed so a
+failure replays with ``--seed``); each test below asserts one target on a mode's summary.
 """
 
 from __future__ import annotations

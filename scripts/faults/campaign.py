@@ -25,6 +25,9 @@ Usage::
 
     .venv/bin/python scripts/faults/campaign.py --mode daemon --trials 100 [--seed S] [--json out.json]
 
+scripts/faults/daemon_kill.py is the mccld SIGKILL trial through torch.distributed itself
+(a torch import per rank: slower, but it covers the glue's teardown).
+
 Exit status 0 when every trial passed. One JSON line per failed trial (every trial with
 ``-v``) and a summary per fault kind on stdout.
 """
