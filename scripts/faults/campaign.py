@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import faults  # noqa: E402
-from daemons import HostDaemons, daemon_footprint  # noqa: E402
+from daemons import HostDaemons  # noqa: E402
 from rank import RankSpec, run_rank  # noqa: E402
 
 PLACEMENT = (0, 0, 1, 1)               # rank -> host
