@@ -31,6 +31,7 @@ class HostDaemons:
         self.extra_env = extra_env or {}
         self.procs: dict[int, subprocess.Popen] = {}
         self.generation: dict[int, int] = {}
+        self.baseline: dict[int, dict[str, int]] = {}    # footprints once warmed up (set by the campaign)
         root.mkdir(parents=True, exist_ok=True)
 
     def env(self, h: int) -> dict[str, str]:
