@@ -21,8 +21,10 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -129,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (a CI timeout) unwinds like Ctrl-C, so the fleet and its daemons are torn down.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = Path(tempfile.mkdtemp(prefix="mccl-soak-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)
     world = len(PLACEMENT)
     samples: list[dict] = []
     began = time.time()
@@ -185,9 +188,6 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({k: v for k, v in summary.items() if k != "samples"}, indent=1), flush=True)
     if args.json:
         args.json.write_text(text)
-    for f in sorted(work.rglob("*"), reverse=True):
-        f.rmdir() if f.is_dir() else f.unlink()
-    work.rmdir()
     return 1 if problems else 0
 
 

@@ -35,6 +35,7 @@ Exit status 0 when every trial passed. One JSON line per failed trial (every tri
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import random
@@ -331,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     base = Path(tempfile.mkdtemp(prefix="mccl-campaign-"))
     trials: list[Trial] = []
     began = time.monotonic()
+    atexit.register(shutil.rmtree, base, ignore_errors=True)
     with Fleet(max(PLACEMENT) + 1, rate=None) as fleet:
         daemons = HostDaemons(fleet, base / "daemons") if args.mode == "daemon" else None
         try:
@@ -354,7 +356,6 @@ def main(argv: list[str] | None = None) -> int:
     leftovers = [ns for ns in _namespaces() if ns.startswith(f"mccl{fleet.id}h")]
     summary = _summary(trials, time.monotonic() - began, first, args.mode)
     summary["namespaces_left"] = leftovers
-    shutil.rmtree(base, ignore_errors=True)
     text = json.dumps(summary, indent=1)
     print(text, flush=True)
     if args.json:
