@@ -63,6 +63,14 @@ def _thread_ids() -> set[int]:
     return {int(t) for t in os.listdir("/proc/self/task")}
 
 
+def _still_running(ours: set[int], timeout_s: float = 5.0) -> set[int]:
+    """Which of the threads ``ours`` are still there once they had ``timeout_s`` to end."""
+    deadline = time.monotonic() + timeout_s
+    while ours & _thread_ids() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return ours & _thread_ids()
+
+
 @pytest.mark.parametrize("recv_threads", [0, 3])
 def test_threads_per_communicator_and_none_left_after_shutdown(recv_threads):
     # worker, completion and send thread, plus the receive threads, per communicator. The
@@ -75,10 +83,8 @@ def test_threads_per_communicator_and_none_left_after_shutdown(recv_threads):
     allreduce_all(comms, 4 << 20, np.float32)
     run_threads(2, lambda r: comms[r].shutdown(5.0))
     del comms
-    deadline = time.monotonic() + 5
-    while ours & _thread_ids() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not ours & _thread_ids(), f"{len(ours & _thread_ids())} engine thread(s) outlived shutdown"
+    left = _still_running(ours)
+    assert not left, f"{len(left)} engine thread(s) outlived shutdown"
 
 
 def test_an_idle_communicator_uses_no_cpu():
@@ -168,7 +174,7 @@ def test_abort_while_a_receive_thread_waits_for_a_stopped_peer(tmp_path):
     # this rank's receive threads sit on half-read payloads when it aborts.
     procs = _spawn(tmp_path, 2, [1], comm_id := random.getrandbits(63))
     try:
-        t0 = _settled_thread_count()
+        before = _thread_ids()
         lst, addrs = file_rendezvous(0, 2, tmp_path)
         comm = _core.Communicator(0, 2, comm_id, lst, addrs, make_options(), None)
         bufs = [np.ones(8 << 20, np.float32) for _ in range(3)]
@@ -192,7 +198,7 @@ def test_abort_while_a_receive_thread_waits_for_a_stopped_peer(tmp_path):
         assert not aborter.is_alive() and time.monotonic() - started < 5
         comm.shutdown(2.0)
         del comm
-        assert _settled_thread_count(t0) <= t0
+        assert not _still_running(_thread_ids() - before)
     finally:
         os.kill(procs[0].pid, signal.SIGCONT)
         _reap(procs)
