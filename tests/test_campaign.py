@@ -90,9 +90,9 @@ def test_every_survivor_raised_its_error_within_the_timeout_plus_3s(summary):
 def test_every_survivor_raised_the_named_error_of_its_fault(summary, request):
     if summary["mode"] == "daemon":
         request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "mccld: after a link down the ranks' errors mostly name no host (the daemon's engine.wait gives up "
-            "at the op's own timeout: '[engine] Timed out after 2.0 s waiting for op #N'); where one is named "
-            "it is by host index, as 'rank N' (4 of 17 link-down trials in a 100-trial run)")))
+            "mccld: in 4 of 17 link-down trials (100-trial run) no rank's error named the cut host: the "
+            "daemon's engine.wait gives up at the op's own timeout ('[engine] Timed out after 2.0 s waiting "
+            "for op #N'), and the engine's messages name hosts by index as 'rank N'")))
     assert summary["total"]["wrong_errors"] == 0, _failures(summary, "wrong errors")
 
 
