@@ -131,6 +131,8 @@ class Daemon:
             job.fail(AbortedError(f"[daemon] job {job.id}: {reason}; restart the job once mccld is back"),
                      local=True)
             job.free_segments()
+        for job in jobs:
+            job.close(stopping=True)    # its threads end now, not with the process (an in-process mccld)
         for srv in reversed(self._servers):
             try:
                 srv.stop()

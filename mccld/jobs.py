@@ -34,6 +34,7 @@ _SETUP_TIMEOUT_FLOOR_S = 5.0
 _CLOSE_BARRIER_S = 30.0
 _ENGINE_POLL_S = 1.0       # how often a deadline-free engine op looks whether the engine closed
 _ENGINE_CLOSE_S = 10.0     # bound on an op's end once its engine is shutting down
+_STOP_JOIN_S = 10.0        # mccld stopping: for a failed job's thread to finish closing it
 _MAILBOX_CLOSE_S = 2.0     # for the peers' closing headers after the closing barrier
 # A peer daemon that fails a job tells us over its link and aborts the engine; the abort
 # (or our own engine timeout) races the link message, which carries the real cause.
@@ -270,8 +271,12 @@ class Job:
             # rather than at the connect timeout.
             self.host.release_data_sockets(self, False)
 
-    def close(self) -> None:
-        self._tasks.put(("close", None))
+    def close(self, *, stopping: bool = False) -> None:
+        """Close once the last rank left; ``stopping`` (mccld is going away): close now, with
+        ranks still joined, and wait for the job's thread to end."""
+        self._tasks.put(("stop" if stopping else "close", None))
+        if stopping and self._thread is not threading.current_thread():
+            self._thread.join(_STOP_JOIN_S)
 
     def free_segments(self) -> None:
         """Unmap and unlink every local rank's segments (the daemon is going away)."""
@@ -319,9 +324,9 @@ class Job:
                 with self.segment_lock:
                     for seg in item:
                         seg.close()
-            elif kind == "close":
+            elif kind in ("close", "stop"):
                 with self._lock:
-                    if self.members:
+                    if self.members and kind == "close":
                         continue
                 self._shutdown()
                 return
@@ -491,6 +496,7 @@ class Job:
         if self.hierarchy is not None:
             self.hierarchy.close()
         self.state = "closed" if self.failed is None else self.state
+        _drop_frames(self.failed)
         log.info("job %s closed", self.id)
         self.host.job_closed(self)
 
@@ -506,3 +512,16 @@ def _nbytes_for_stats(op: str, args: dict[str, Any], size: int) -> int:
     if op == "alltoallv":
         return sum(args["send_sizes"])
     return args.get("nbytes", 0)
+
+
+def _drop_frames(exc: BaseException | None) -> None:
+    """Each raise of a failed job's error (and the engine error it was raised over) kept the
+    frames of ``_engine_run``, whose locals hold the engine: a cycle through the job that
+    kept the engine's threads and pipes until a full GC (found by scripts/faults/campaign.py)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        exc.__traceback__ = None
+        nxt = exc.__cause__ or exc.__context__
+        exc.__cause__ = exc.__context__ = None
+        exc = nxt

@@ -2,7 +2,8 @@
 
 Multi-process tests run each rank in a spawned process (a fresh interpreter, as
 torchrun would give). ``run_ranks`` always reaps its children: whatever happens in
-the test, no rank outlives it.
+the test, no rank outlives it. After every test an autouse check (``_no_leaks``,
+tests/leak_check.py) fails it if it left threads, fds, child processes or shm segments.
 """
 
 from __future__ import annotations
@@ -146,3 +147,30 @@ def run_command(cmd: list[str], timeout_s: float, env: dict | None = None) -> "s
         except ProcessLookupError:
             pass
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+# -- the leak check after every test (tests/leak_check.py) ---------------------------------------
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "leaks_ok(reason): skip the after-test leak check (a test that "
+                                       "deliberately leaves something running for later tests)")
+
+
+@pytest.fixture(scope="session")
+def _leak_warm_up() -> None:
+    import leak_check
+    leak_check.warm_up()
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks(request, _leak_warm_up):
+    """Function-scoped, so module- and session-scoped fixtures are set up before the
+    baseline is taken and torn down after the check: what they hold is not the test's."""
+    import leak_check
+    if request.node.get_closest_marker("leaks_ok"):
+        yield
+        return
+    before = leak_check.snapshot()
+    yield
+    left = leak_check.leftovers(before)
+    if left:
+        pytest.fail(f"the test left behind: {left}", pytrace=False)

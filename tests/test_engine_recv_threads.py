@@ -20,8 +20,7 @@ import pytest
 
 from libmccl import _core
 from libmccl.errors import AbortedError, PeerLostError
-from test_engine_helpers import (DT, SUM, build, file_rendezvous, make_options, ptr, ranks, run_ranks, run_threads,
-                                 thread_count)
+from test_engine_helpers import DT, SUM, build, file_rendezvous, make_options, ptr, ranks, run_ranks, run_threads
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -60,41 +59,32 @@ def test_frames_arriving_before_their_reduce_receive_are_reduced_when_it_is_post
         assert comms[1].stats()["unexpected_messages"] > before, "nothing arrived early: the test tests nothing"
 
 
-def _settled_thread_count(target: int | None = None) -> int:
-    """The thread count once it reached ``target``, or (no target) once it held still for
-    0.3 s: an earlier test's threads may still be exiting, and a baseline taken while they
-    do makes the count of this test's threads look short (seen in a full run: 23 - 14 < 12)."""
-    deadline = time.monotonic() + 5
-    if target is not None:
-        while thread_count() != target and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return thread_count()
-    last, since = thread_count(), time.monotonic()
-    while time.monotonic() - since < 0.3 and time.monotonic() < deadline:
+def _thread_ids() -> set[int]:
+    return {int(t) for t in os.listdir("/proc/self/task")}
+
+
+def _still_running(ours: set[int], timeout_s: float = 5.0) -> set[int]:
+    """Which of the threads ``ours`` are still there once they had ``timeout_s`` to end."""
+    deadline = time.monotonic() + timeout_s
+    while ours & _thread_ids() and time.monotonic() < deadline:
         time.sleep(0.05)
-        now = thread_count()
-        if now != last:
-            last, since = now, time.monotonic()
-    return last
+    return ours & _thread_ids()
 
 
 @pytest.mark.parametrize("recv_threads", [0, 3])
 def test_threads_per_communicator_and_none_left_after_shutdown(recv_threads):
-    # worker, completion and send thread, plus the receive threads, per communicator. Other
-    # tests' threads may still be exiting while we count (a full run saw a baseline of 57),
-    # so the lower bound gets three tries, each with communicators built and shut down.
-    for attempt in range(3):
-        t0 = _settled_thread_count()
-        comms = build(2, opts=make_options(recv_threads=recv_threads))
-        if thread_count() - t0 >= 2 * (3 + recv_threads) or attempt == 2:
-            break
-        run_threads(2, lambda r: comms[r].shutdown(5.0))
-        del comms
-    assert thread_count() - t0 >= 2 * (3 + recv_threads)
+    # worker, completion and send thread, plus the receive threads, per communicator. The
+    # threads are told apart by id, not counted: an earlier test's threads still exiting
+    # meanwhile made every count-based bound flaky (a full run saw a baseline of 57).
+    before = _thread_ids()
+    comms = build(2, opts=make_options(recv_threads=recv_threads))
+    ours = _thread_ids() - before
+    assert len(ours) >= 2 * (3 + recv_threads), (recv_threads, len(ours))
     allreduce_all(comms, 4 << 20, np.float32)
     run_threads(2, lambda r: comms[r].shutdown(5.0))
     del comms
-    assert _settled_thread_count(t0) <= t0
+    left = _still_running(ours)
+    assert not left, f"{len(left)} engine thread(s) outlived shutdown"
 
 
 def test_an_idle_communicator_uses_no_cpu():
@@ -184,7 +174,7 @@ def test_abort_while_a_receive_thread_waits_for_a_stopped_peer(tmp_path):
     # this rank's receive threads sit on half-read payloads when it aborts.
     procs = _spawn(tmp_path, 2, [1], comm_id := random.getrandbits(63))
     try:
-        t0 = _settled_thread_count()
+        before = _thread_ids()
         lst, addrs = file_rendezvous(0, 2, tmp_path)
         comm = _core.Communicator(0, 2, comm_id, lst, addrs, make_options(), None)
         bufs = [np.ones(8 << 20, np.float32) for _ in range(3)]
@@ -208,7 +198,7 @@ def test_abort_while_a_receive_thread_waits_for_a_stopped_peer(tmp_path):
         assert not aborter.is_alive() and time.monotonic() - started < 5
         comm.shutdown(2.0)
         del comm
-        assert _settled_thread_count(t0) <= t0
+        assert not _still_running(_thread_ids() - before)
     finally:
         os.kill(procs[0].pid, signal.SIGCONT)
         _reap(procs)

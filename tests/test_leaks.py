@@ -9,6 +9,7 @@ import pytest
 
 from collective_suite import MODES
 from conftest import free_port, init_pg
+from leak_check import held_segments
 
 CYCLES = 3
 
@@ -80,22 +81,7 @@ def _leak_rank(rank: int, world: int, p2p: bool, ports: list[int]) -> dict:
         else:
             _cycle(rank, world, p2p, ports[i])
     after = _settled(baseline)
-    return {"baseline": baseline, "during": during, "after": after, "shm": _shm_in_use()}
-
-
-def _shm_in_use() -> list[str]:
-    """/dev/shm/mccl* segments this process still maps or holds open."""
-    used = set()
-    with open("/proc/self/maps") as f:
-        used.update(line.split()[-1] for line in f if "/dev/shm/mccl" in line)
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("/dev/shm/mccl"):
-            used.add(target)
-    return sorted(used)
+    return {"baseline": baseline, "during": during, "after": after, "shm": sorted(held_segments())}
 
 
 @pytest.mark.timeout(180)

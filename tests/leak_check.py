@@ -1,0 +1,146 @@
+"""What a test left behind in the pytest process: threads, fds, child processes, shm segments.
+
+``snapshot()`` before the test and ``leftovers(before)`` after it compare identities, not
+counts: the threads (task ids), fds, child pids and /dev/shm/mccl* segments that exist
+now and did not before. Only what this process can own is counted, since other suites
+run beside this one on a shared machine: child processes are direct children (alive, not
+zombies), and a new segment counts when this process maps or holds it, or its name's pid
+field is this process or one of its children. ``warm_up()`` creates once the per-process
+singletons that a first user would otherwise be blamed for (ZeroMQ's I/O threads, torch's
+intra-op pool, multiprocessing's resource tracker, libuv's signal pipe under TCPStore).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+GRACE_S = 5.0        # threads still exiting, sockets still closing, children still being reaped
+_POLL_S = 0.1
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    tasks: frozenset[int]
+    fds: frozenset[int]
+    children: frozenset[int]
+    segments: frozenset[str]
+
+
+def _tasks() -> frozenset[int]:
+    return frozenset(int(t) for t in os.listdir("/proc/self/task"))
+
+
+def _fds() -> frozenset[int]:
+    return frozenset(int(f) for f in os.listdir("/proc/self/fd"))
+
+
+def _children() -> frozenset[int]:
+    me, out = os.getpid(), set()
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{d}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) == me and fields[0] != "Z":
+            out.add(int(d))
+    return frozenset(out)
+
+
+def _segments() -> frozenset[str]:
+    return frozenset(p.name for p in Path("/dev/shm").glob("mccl*"))
+
+
+def snapshot() -> Snapshot:
+    return Snapshot(_tasks(), _fds(), _children(), _segments())
+
+
+def held_segments() -> set[str]:
+    """Names of the /dev/shm/mccl* segments this process maps or holds open."""
+    held = set()
+    with open("/proc/self/maps") as f:
+        held.update(Path(line.split()[-1]).name for line in f if "/dev/shm/mccl" in line)
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/dev/shm/mccl"):
+            held.add(Path(target).name)
+    return held
+
+
+def _owner_pid(name: str) -> int | None:
+    """mccl-<job>-<rank>-<pid>-<gen> (libmccl/daemon_client.py names them so)."""
+    parts = name.split("-")
+    return int(parts[3]) if len(parts) >= 4 and parts[3].isdigit() else None
+
+
+def _describe_fd(fd: int) -> str:
+    try:
+        return f"{fd}->{os.readlink(f'/proc/self/fd/{fd}')}"
+    except OSError:
+        return str(fd)
+
+
+def _diff(before: Snapshot) -> dict[str, list[str]]:
+    now = snapshot()
+    out: dict[str, list[str]] = {}
+    threads = now.tasks - before.tasks
+    if threads:
+        names = sorted(t.name for t in threading.enumerate() if t.native_id in threads)
+        out["threads"] = [f"{len(threads)} new task(s), Python threads among them: {names}"]
+    fds = sorted(now.fds - before.fds)
+    if fds:
+        out["fds"] = [_describe_fd(fd) for fd in fds]
+    children = now.children - before.children
+    if children:
+        out["children"] = [f"{pid} {_cmdline(pid)}" for pid in sorted(children)]
+    new = now.segments - before.segments
+    if new:
+        mine = {os.getpid()} | set(now.children)
+        held = held_segments()
+        ours = sorted(n for n in new if n in held or _owner_pid(n) in mine)
+        if ours:
+            out["segments"] = ours
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
+    except OSError:
+        return "(gone)"
+
+
+def leftovers(before: Snapshot, grace_s: float = GRACE_S) -> dict[str, list[str]]:
+    """What the test created and still holds, once ``grace_s`` passed without it going away."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        gc.collect()
+        left = _diff(before)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(_POLL_S)
+
+
+def warm_up() -> None:
+    import multiprocessing.resource_tracker as rt
+
+    import torch
+    import torch.distributed as dist
+    import zmq
+
+    zmq.Context.instance().socket(zmq.PAIR).close()     # its I/O threads start with the first socket
+    torch.ones(1 << 20).add_(1).sum()
+    rt.ensure_running()
+    # libuv's signal lock: a pipe the first TCPStore server opens and the process keeps.
+    store = dist.TCPStore("127.0.0.1", 0, 1, True)
+    del store
