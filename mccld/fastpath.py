@@ -16,6 +16,7 @@ its verdicts to the job, and drains its op records into the exporter.
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Callable
 
 from libmccl import _core, errors
@@ -50,6 +51,7 @@ class FastPath:
         self.job_id = job_id
         self.timeout_s = timeout_s
         self._dispatcher: Any = None
+        self._final: list[tuple[int, int, float]] = []  # the closed dispatcher's last records
         self.turn = _core.Ticket()  # replaced by the dispatcher's own once it starts
 
     def start(self, local_ranks: list[int], queues: dict[int, tuple[str, int] | None], world: int, hosts: int,
@@ -66,8 +68,15 @@ class FastPath:
                               f"(queues: {{rank: (segment, bytes)}} = {have}, without one: {without}); "
                               "give every rank of the job the same setting")
 
+        # Weakly: the dispatcher is a C++ object the cyclic GC cannot see through, so a strong
+        # reference back to the job would keep the job, and the engine the dispatcher holds
+        # (its threads and pipes), alive forever.
+        target = weakref.WeakMethod(on_fail) if hasattr(on_fail, "__self__") else (lambda: on_fail)
+
         def failed(kind: int, message: str, peer_rank: int, peer_addr: str, from_engine: bool) -> None:
-            on_fail(from_kind(kind, message, peer_rank, peer_addr), from_engine)
+            fn = target()
+            if fn is not None:
+                fn(from_kind(kind, message, peer_rank, peer_addr), from_engine)
 
         self._dispatcher = _core.FastDispatcher(self.job_id, local_ranks, [have[r][0] for r in local_ranks],
                                                 slots.pop(), world, hosts, self.timeout_s, engine, failed)
@@ -92,17 +101,22 @@ class FastPath:
             self._dispatcher.fail(_kind_of(exc), str(exc), exc.peer_rank if exc.peer_rank is not None else -1,
                                   exc.peer_addr or "")
         else:
-            self.turn.poison()
 
     def close(self) -> None:
-        if self._dispatcher is not None:
-            self._dispatcher.close()
+        """Stops the dispatcher and lets go of it (and of the engine it holds)."""
+        d, self._dispatcher = self._dispatcher, None
+        if d is not None:
+            d.close()
+            self._final = d.take_records()
+            self.turn = _core.Ticket()  # the dispatcher's own word goes with it
 
     def records(self) -> list[tuple[str, int, float]]:
         """(op, bytes, seconds) of the small ops served since the last call."""
         if self._dispatcher is None:
-            return []
-        return [(_OP_NAME.get(k, "?"), n, s) for k, n, s in self._dispatcher.take_records()]
+            taken, self._final = self._final, []
+        else:
+            taken = self._dispatcher.take_records()
+        return [(_OP_NAME.get(k, "?"), n, s) for k, n, s in taken]
 
 
 def _kind_of(exc: MCCLError) -> int:
