@@ -101,6 +101,7 @@ class FastPath:
             self._dispatcher.fail(_kind_of(exc), str(exc), exc.peer_rank if exc.peer_rank is not None else -1,
                                   exc.peer_addr or "")
         else:
+            self.turn.poison()
 
     def close(self) -> None:
         """Stops the dispatcher and lets go of it (and of the engine it holds)."""
