@@ -59,10 +59,9 @@ def _pipes() -> int:
     return n
 
 
-@pytest.mark.xfail(strict=True, reason="found by fuzzing, not fixed here (mccld/jobs.py, branch fastpath): a "
-                   "failed multi-host job's error keeps, through its traceback, the frame of Job._engine_run "
-                   "holding the engine; jobs sit in reference cycles, so the engine's pipes and threads stay "
-                   "until Python's cyclic GC runs")
+# Found by fuzzing: a failed multi-host job kept its engine's pipes and threads (its error's
+# frames held the engine, and the fast path's dispatcher held the job); fixed in jobs.py
+# (_drop_frames) and fastpath.py (a weak callback, the dispatcher let go at close).
 @pytest.mark.timeout(120)
 def test_a_failed_multi_host_job_frees_its_engine_without_the_cyclic_gc():
     """The data surface's engine stage in-process, with the cyclic GC off: once the jobs whose
