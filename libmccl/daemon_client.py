@@ -185,9 +185,13 @@ class DaemonCommunicator:
         return _core.FastQueue(name, slot_bytes, self.rank, self._on_fast_done)
 
     def _close_fast_queue(self) -> None:
-        if self._fastq is not None:
-            self._fastq.unlink()
-            self._fastq.close()   # joins its completer, unless this is that thread
+        # Let go of the queue too: it is a C++ object holding our callback, a cycle the GC cannot
+        # see through, so keeping it would keep its mapping (and this client) for the process's life.
+        with self._lock:
+            q, self._fastq = self._fastq, None
+        if q is not None:
+            q.unlink()
+            q.close()   # joins its completer, unless this is that thread
 
     def _start_io(self) -> None:
         pull = self._ctx.socket(zmq.PULL)
@@ -387,7 +391,7 @@ class DaemonCommunicator:
         may call it (no ZeroMQ). True if it did."""
         with self._lock:
             if (self._inflight is not None or not self._queue or self._failed is not None
-                    or not self._queue[0].spec.fast):
+                    or self._fastq is None or not self._queue[0].spec.fast):
                 return False
             op = self._queue.popleft()
             self._inflight = op

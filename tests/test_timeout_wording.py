@@ -5,6 +5,8 @@ backstop is checked in test_work_futures.py."""
 
 from __future__ import annotations
 
+import re
+
 import time
 
 import numpy as np
@@ -49,5 +51,7 @@ def _rank_skips_the_collective(rank: int, world: int) -> str:
 def test_daemon_job_deadline_says_timed_out(daemon) -> None:  # noqa: F811
     _d, env = daemon
     message = run_ranks(_rank_skips_the_collective, 2, env=env, timeout_s=60)[0]
-    assert message.startswith("[daemon] Timed out after 2s in job "), message
+    # A small op times out in mccld's native dispatcher ("2.0 s"), a larger one in its job
+    # worker ("2s"): both say it torch's way first.
+    assert re.match(r"\[daemon\] Timed out after 2(\.0 )?s in job ", message), message
     assert "local rank(s) [1] did not submit collective #1" in message, message
