@@ -146,7 +146,6 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
             self._comm.shutdown(10.0)
         finally:
             self._router.fail_all(shutdown_error(self.rank()))
-            device_tensors.reclaim_finished()
 
     def abort(self) -> None:
         """Fail every pending op with AbortedError and tell live peers; idempotent."""

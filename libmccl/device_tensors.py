@@ -58,10 +58,6 @@ class _Ledger:
             self._ops.append(op)
             self._reclaim_locked()
 
-    def reclaim(self) -> None:
-        with self._lock:
-            self._reclaim_locked()
-
     def _reclaim_locked(self) -> None:
         keep = []
         for o in self._ops:
@@ -78,16 +74,6 @@ _ledgers: "weakref.WeakKeyDictionary[DeviceOps, _Ledger]" = weakref.WeakKeyDicti
 def _ledger(ops: DeviceOps) -> _Ledger:
     with _cuda_lock:
         return _ledgers.setdefault(ops, _Ledger())
-
-
-def reclaim_finished() -> None:
-    """Retire every finished op now rather than at its device's next op: a finished op still
-    refers to its Work, and through it to the process group, which would outlive its
-    shutdown (its engine's threads and sockets) until the device ran another collective."""
-    with _cuda_lock:
-        ledgers = list(_ledgers.values())
-    for ledger in ledgers:
-        ledger.reclaim()
 
 
 def ops_for(t: torch.Tensor) -> tuple[DeviceOps, Any] | None:
