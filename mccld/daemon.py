@@ -108,15 +108,17 @@ class Daemon:
                                      self._on_link_message, self._on_peer, gate=Gate.from_config("link", cfg))
             self.datalinks = DataLinks(self.links, self.engine_cfg.sockets_per_peer, cfg.link_timeout_s).start()
             self.links.start()
-            self.attach = AttachServer(self.runtime_dir, self._handle, on_disconnect=self._poke.set)
-            self.attach.start()
+            self._checker = threading.Thread(target=self._check_loop, name="mccld-checker", daemon=True)
+            self._checker.start()
             self._start_servers(key)
             self._start_discovery()
+            # Last: the token file it writes is what clients, mcclctl and tests take for
+            # "mccld is up", so every service and thread of the daemon runs by then.
+            self.attach = AttachServer(self.runtime_dir, self._handle, on_disconnect=self._poke.set)
+            self.attach.start()
         except BaseException:
             self.stop()
             raise
-        self._checker = threading.Thread(target=self._check_loop, name="mccld-checker", daemon=True)
-        self._checker.start()
         self.started = True
         log.info("mccld %s up: host %s fleet %s on %s (%s), attach %s", __version__, self.host_id,
                  cfg.fleet, self.links.address, self.iface or "address given", self.attach.endpoint)

@@ -67,7 +67,10 @@ class Gate:
         self._cv = threading.Condition()
         self._closed = False
         self._once = OnceLogger(log)
-        self._watchdog: threading.Thread | None = None   # started with the first admitted connection
+        # Started with the port's server, not lazily at the first connection: a daemon's
+        # thread count is then the same before and after its ports are first used (the
+        # fuzzer and the campaign compare footprints across a run).
+        self._watchdog: threading.Thread | None = None
 
     @classmethod
     def from_config(cls, name: str, cfg: DaemonConfig | None = None) -> "Gate":
@@ -75,8 +78,19 @@ class Gate:
         cfg = cfg or DaemonConfig()
         return cls(name, cfg.max_unauth_connections, cfg.max_unauth_per_peer, cfg.unauth_timeout_s)
 
+    def start(self) -> None:
+        """Start the deadline watchdog (with the port's server); idempotent."""
+        with self._cv:
+            if self._watchdog is not None:
+                return
+            self._closed = False
+            self._watchdog = threading.Thread(target=self._watch, name=f"mccld-gate-{self.name}", daemon=True)
+            self._watchdog.start()
+
     def admit(self, sock: socket.socket, peer_ip: str) -> Ticket | None:
         """A ticket for a just-accepted socket, or None after closing it (over a cap)."""
+        if self._watchdog is None:
+            raise RuntimeError(f"[{self.name}] Gate.admit before Gate.start: no deadline would be enforced")
         with self._cv:
             n = self._per_peer.get(peer_ip, 0)
             full = self._total >= self.max_total or n >= self.max_per_peer
@@ -85,11 +99,6 @@ class Gate:
                 self._total += 1
                 ticket = Ticket(self, sock, peer_ip, time.monotonic() + self.deadline_s)
                 heapq.heappush(self._heap, (ticket.deadline, next(self._seq), ticket))
-                if self._watchdog is None:
-                    self._closed = False
-                    self._watchdog = threading.Thread(target=self._watch, name=f"mccld-gate-{self.name}",
-                                                      daemon=True)
-                    self._watchdog.start()
                 self._cv.notify()
                 return ticket
             self.refused += 1
@@ -108,7 +117,7 @@ class Gate:
             return self._total
 
     def close(self) -> None:
-        """Stop the watchdog (the port is closed); a later ``admit`` starts it again."""
+        """Stop the watchdog (the port is closed); ``start`` starts it again."""
         with self._cv:
             watchdog, self._watchdog = self._watchdog, None
             self._closed = True

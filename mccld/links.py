@@ -111,6 +111,7 @@ class LinkManager:
         srv.listen(64)
         srv.settimeout(0.5)
         self._server = srv
+        self.gate.start()
         host, port = srv.getsockname()
         self.address = f"{host}:{port}"
         t = threading.Thread(target=self._accept_loop, name="mccld-link-accept", daemon=True)

@@ -279,6 +279,7 @@ class MetricsServer:
                 f"stop it or set MCCL_METRICS_PORT / MCCL_METRICS_ADDR") from e
         httpd.set_app(make_wsgi_app(self._registry))
         self._httpd = httpd
+        self._gate.start()
         self._thread = threading.Thread(target=httpd.serve_forever, name="mccld-metrics", daemon=True)
         self._thread.start()
         log.info("serving Prometheus metrics on http://%s/metrics", self.address)

@@ -169,6 +169,7 @@ class StatusServer:
         sock.settimeout(0.5)  # the accept loop wakes to notice stop()
         self._sock = sock
         self._stop.clear()
+        self._gate.start()
         self._thread = threading.Thread(target=self._accept_loop, name="mccld-status", daemon=True)
         self._thread.start()
         log.info("status endpoint listening on %s", self.address)

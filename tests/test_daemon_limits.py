@@ -155,3 +155,35 @@ def test_dribbling_peers_are_capped_and_dropped_at_the_deadline(limited_daemon, 
         for s in socks:
             s.close()
     assert settles_to(baseline, 5.0) <= baseline, "fds or threads of the daemon stayed above the baseline"
+
+
+@pytest.mark.timeout(60)
+def test_every_daemon_thread_runs_when_its_token_appears_and_first_connections_add_none(tmp_path):
+    """The fuzzer and the campaign compare a daemon's threads before and after a run: once
+    seen one thread up, because mccld's checker started after its token file (the "mccld is
+    up" sign) and each port's gate watchdog at the port's first connection."""
+    from mccld import protocol
+    from mccld.config import load_config
+    from test_daemon_attach import daemon_env
+
+    env = {**daemon_env(tmp_path), "MCCL_STATUS_PORT": str(free_port()),
+           "MCCL_METRICS_PORT": str(free_port()), "MCCL_METRICS_ADDR": "127.0.0.1"}
+    d = Daemon(load_config(env=env))
+    starter = threading.Thread(target=d.start, name="test-daemon-start")
+    starter.start()
+    try:
+        token = tmp_path / protocol.TOKEN_NAME
+        until = time.monotonic() + 30
+        while not token.exists():
+            assert time.monotonic() < until and starter.is_alive(), "mccld never wrote its token"
+            time.sleep(0.001)
+        names = {t.name for t in threading.enumerate()}
+        assert {"mccld-checker", "mccld-gate-link", "mccld-gate-status", "mccld-gate-metrics"} <= names, names
+        starter.join(30)
+        before = threading.active_count()
+        for kind in ("StatusServer", "link", "MetricsServer"):
+            honest_request(d, env, kind, port_of(d, kind))
+        assert settles_to((len(os.listdir("/proc/self/fd")), before), 5.0)[1] <= before
+    finally:
+        starter.join(30)
+        d.stop()
