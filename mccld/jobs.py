@@ -378,7 +378,8 @@ class Job:
             raise self.failed or AbortedError(f"[daemon] job {self.id} is closed; no engine op can start")
         try:
             if deadline:
-                engine.wait(getattr(engine, method)(*args, **tickets), self.timeout_s)
+                engine.wait(getattr(engine, method)(*args, **tickets),
+                            self.timeout_s + engine.OWN_DEADLINE_GRACE_S)
             else:
                 op_id = getattr(engine, method)(*args, timeout_s=0)
                 while not engine.wait_for(op_id, _ENGINE_POLL_S):
@@ -387,6 +388,8 @@ class Job:
                         engine.wait(op_id, _ENGINE_CLOSE_S)
         except (AbortedError, CollectiveTimeout) as e:
             raise self._engine_verdict(e) from None
+        except MCCLError as e:
+            raise self._in_host_terms(e) from None
 
     def _engine_verdict(self, e: AbortedError | CollectiveTimeout) -> MCCLError:
         """What an engine op that was aborted or timed out tells the ranks."""
@@ -400,14 +403,35 @@ class Job:
             return self.failed
         if isinstance(e, AbortedError) and not self.aborting:
             # A peer daemon aborted the engine: that only happens when it lost a rank.
-            return PeerLostError(f"[daemon] job {self.id}: a peer host aborted the job ({e}); "
-                                 "a rank on another host died or left", peer_rank=e.peer_rank, peer_addr=e.peer_addr)
-        return e
+            return PeerLostError(f"[daemon] job {self.id}: a peer host aborted the job ({self._engine_peer(e)}); "
+                                 "a rank on another host died or left", peer_rank=self._peer_rank(e),
+                                 peer_addr=e.peer_addr)
+        return self._in_host_terms(e)
+
+    def _in_host_terms(self, e: MCCLError) -> MCCLError:
+        """An engine error naming a peer, with that peer said as the job's host and its ranks."""
+        if e.peer_rank is None:
+            return e
+        return type(e)(self._engine_peer(e), peer_rank=self._peer_rank(e), peer_addr=e.peer_addr)
+
+    # The engine among the daemons has one rank per host: its "rank N" is host N of the job,
+    # which a user would read as a torch rank. These put the host and its ranks beside it.
+    def _peer_rank(self, e: MCCLError) -> int | None:
+        h = e.peer_rank
+        return self.topo.hosts[h][0] if h is not None and 0 <= h < len(self.topo.hosts) else None
+
+    def _engine_peer(self, e: MCCLError) -> str:
+        h = e.peer_rank
+        if h is None or not 0 <= h < len(self.hosts):
+            return str(e)
+        return (f"{e} [in job {self.id} the engine's rank {h} is host {self.hosts[h].host_id}, "
+                f"ranks {self.topo.hosts[h]}]")
 
     def _fast_failed(self, exc: MCCLError, from_engine: bool) -> None:
         """The native dispatcher's verdict (its own thread): fail the job with it."""
-        if from_engine and isinstance(exc, (AbortedError, CollectiveTimeout)):
-            exc = self._engine_verdict(exc)
+        if from_engine:
+            exc = (self._engine_verdict(exc) if isinstance(exc, (AbortedError, CollectiveTimeout))
+                   else self._in_host_terms(exc))
         self.fail(exc, local=True)
 
     def _run(self, waiting: dict[int, _Pending]) -> None:

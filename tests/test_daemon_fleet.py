@@ -285,6 +285,26 @@ def test_sigstopped_rank_times_out_the_others_and_the_daemons_serve_a_new_job():
 
 @pytest.mark.fleet
 @pytest.mark.timeout(120)
+def test_a_cut_link_times_out_the_far_hosts_ranks_naming_the_cut_host():
+    """No FIN, no RST: h1's cable is pulled mid-loop. The ranks on h0 waited on h1 and must
+    say so: the cut host by name, with its ranks (the campaign once saw them get the daemon's
+    bare 'Timed out waiting for op #N' instead, and the engine's host index as 'rank 1')."""
+    _skip_unless_fleet()
+    with DaemonFleet(2) as df:
+        procs = df.start_ranks("loops", [0, 0, 1, 1], {"MCCL_TEST_MARKERS": str(df.dir)})
+        deadline = time.monotonic() + 60
+        while len(list(df.dir.glob("looping.*"))) < 4:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the ranks never looped"
+            time.sleep(0.05)
+        subprocess.run(["ip", "-n", df.fleet.hosts[1].ns, "link", "set", "eth0", "down"], check=True, timeout=10)
+        out = df.finish(procs, timeout_s=60)
+    for last in _verdicts(out, (0, 1), "CollectiveTimeout peer=2 after"):
+        assert float(last.split()[3]) < STALL_TIMEOUT_S + 3.0, f"too late: {last}"
+        assert "host h1, ranks [2, 3]" in last and df.fleet.hosts[1].addr in last, last
+
+
+@pytest.mark.fleet
+@pytest.mark.timeout(120)
 def test_recv_from_another_host_that_never_sends_times_out_naming_the_peer():
     _skip_unless_fleet()
     with DaemonFleet(2) as df:
@@ -386,6 +406,25 @@ def _stalls(rank: int, world: int) -> str:
     return "no error"
 
 
+def _loops(rank: int, world: int) -> str:
+    """All-reduces until one fails (the test cuts a link); a marker file once looping."""
+    import numpy as np
+    import test_daemon_attach as t
+    from libmccl.errors import MCCLError
+    from test_daemon_p2p import verdict
+    comm, _store = t.connect(rank, world, comm_id=0xdead07, timeout_s=STALL_TIMEOUT_S)
+    grads = np.ones(1 << 16, dtype=np.float32)
+    for step in range(100_000):
+        started = time.monotonic()
+        try:
+            comm.wait(comm.allreduce(grads.ctypes.data, grads.size, 0, 0), 60)
+        except MCCLError as e:
+            return verdict(e, started)
+        if step == 1:
+            Path(os.environ["MCCL_TEST_MARKERS"], f"looping.{rank}").touch()
+    return "no error"
+
+
 def _recv_stalls(rank: int, world: int) -> str:
     """Rank 3 waits for a message rank 0 (another host) never sends."""
     import test_daemon_attach as t
@@ -420,7 +459,7 @@ def _pipelined(rank: int, world: int) -> str:
 
 
 PROGRAMS = {"collectives": _collectives, "pipelined": _pipelined, "ddp": _ddp, "one_dies": _one_dies, "stalls": _stalls,
-            "recv_stalls": _recv_stalls, "any_source_local": _any_source_local}
+            "recv_stalls": _recv_stalls, "any_source_local": _any_source_local, "loops": _loops}
 
 if __name__ == "__main__":
     fn, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
