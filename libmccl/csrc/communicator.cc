@@ -438,6 +438,7 @@ void Communicator::stop_threads(bool from_completion_thread) {
   queue_cv_.notify_all();
   transport_->wake();
   if (worker_.joinable()) worker_.join();
+  transport_->stop_helpers();
   {
     std::lock_guard<std::mutex> lk(cmu_);
     cstop_ = true;

@@ -49,6 +49,17 @@ Transport::~Transport() {
   }
 }
 
+void Transport::stop_helpers() {
+  for (auto& p : pairs_) {
+    if (p) {
+      p->use_writer(nullptr);
+      p->use_readers({});
+    }
+  }
+  writer_.reset();   // halts and joins
+  readers_.clear();  // likewise
+}
+
 std::string Transport::who(int r) const {
   return "peer=" + addrs_[r] + " (rank " + std::to_string(r) + ")";
 }

@@ -96,6 +96,11 @@ class Transport : public PairHost {
   // only our dups. True if every stream ended exactly at the peer's BYE, so the sockets can
   // carry another communicator; on false they were shut down (both owners discard them).
   bool release(Deadline deadline);
+  // The owner thread is done with the transport (the communicator's worker has exited):
+  // joins the send and receive threads and closes their wake pipes now, rather than when
+  // the last reference to the communicator goes (in mccld a failed job's error could keep
+  // one alive until a full GC: 3 threads and 8 pipe fds a job). Idempotent.
+  void stop_helpers();
 
   // Messages (and their bytes) that arrived before their receive was posted and had to
   // be buffered and copied: a measure of how far peers run ahead.
