@@ -127,8 +127,9 @@ class Communicator {
   // A waiter that bounds an op by the op's own timeout waits this much longer: the op's
   // deadline starts when the worker takes it up, after the wait began, so without it the
   // wait's bare "Timed out waiting for op #N" wins the race against the op's own error,
-  // which names the peer it waited for (mccld's job thread and dispatcher).
-  static constexpr double kOwnDeadlineGraceS = 0.5;
+  // which names the peer it waited for (mccld's job thread and dispatcher). 0.5 s was
+  // too little once on the 2-core VM under load (a campaign trial got the bare wait).
+  static constexpr double kOwnDeadlineGraceS = 1.0;
   // Blocks until op `id` finished; throws its error, or CollectiveTimeout after timeout_s.
   void wait(uint64_t id, double timeout_s);
   // Like wait, but returns false (instead of throwing) if the op is still pending.
