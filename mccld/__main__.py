@@ -4,6 +4,7 @@ fleet key; ``mccld status`` prints the local daemon's status."""
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import signal
 import sys
@@ -53,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    # `kill -USR1 <mccld>` writes every thread's stack to the log: what a wedged or
+    # growing daemon is doing, without a debugger on the host.
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     try:
         daemon = Daemon(load_config(args.config)).start()
     except MCCLError as e:

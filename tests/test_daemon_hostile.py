@@ -267,3 +267,24 @@ def test_requests_are_typed_objects_checked_once_with_the_field_named():
     for msg, field in bad:
         with pytest.raises(ProtocolError, match=re.escape(field)):
             protocol.build_request(msg)
+
+
+@pytest.mark.timeout(60)
+def test_sigusr1_writes_every_thread_stack_to_the_log_and_mccld_serves_on(tmp_path):
+    """How the campaign found which threads a grown daemon kept: ``kill -USR1``."""
+    rdir, log = tmp_path / "rt", tmp_path / "mccld.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "mccld"], env={**os.environ, **daemon_env(rdir)}, stderr=out)
+    try:
+        deadline = time.monotonic() + 30
+        while not (rdir / "token").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "mccld did not start"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGUSR1)
+        while "_check_loop" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, f"no stacks in the log:\n{log.read_text()}"
+            time.sleep(0.1)
+        assert "Thread 0x" in log.read_text() and "_accept_loop" in log.read_text()
+        assert local_request(rdir, {"type": "status"})["ok"]
+    finally:
+        stop_process(proc)
