@@ -65,6 +65,7 @@ FAULT_DELAY_S = (0.0, 0.5)             # after every rank completed a collective
 REAP_S = 10.0
 SEGMENTS_S = 3.0                       # for the daemons to drop a failed job's segments ...
 DAEMON_SETTLE_S = 3.0                  # ... and its threads (a failure notice to a peer host may still be on its way)
+DAEMON_LATE_S = 15.0                   # how long a grown daemon is watched on, to tell a slow close from a leak
 # A daemon's threads and fds move by one or two between jobs (links redialled, pool workers);
 # a leak per failed job (3 threads, 8 fds, as the campaign once found) passes these at once.
 THREAD_SLACK, FD_SLACK = 2, 4
@@ -220,6 +221,8 @@ def run_trial(seed: int, mode: str, daemons: HostDaemons | None, fleet, base: Pa
         t.seconds = round(time.monotonic() - started, 2)
         if t.problems and keep is not None:
             shutil.copytree(work, keep / f"t{seed}", dirs_exist_ok=True)
+            for h in range(fleet.n_hosts) if daemons else ():
+                shutil.copy(daemons.log(h), keep / f"t{seed}" / f"mccld-h{h}.log")
         shutil.rmtree(work, ignore_errors=True)
     return t
 
@@ -279,16 +282,31 @@ def _check_leaks(t: Trial, job: str, daemons: HostDaemons | None, replaced: int 
         t.problem("leaks", f"segments left {SEGMENTS_S:.0f}s after the ranks exited: {_segments(job)}")
     if not daemons:
         return
-    deadline = time.monotonic() + DAEMON_SETTLE_S
+    began = time.monotonic()
+    deadline, late = began + DAEMON_SETTLE_S, began + DAEMON_LATE_S
+    grown_at_deadline: dict = {}
     while True:
         now = daemons.footprints()
         grown = {h: (b, now[h]) for h, b in daemons.baseline.items() if h != replaced and h in now and
                  (now[h]["threads"] > b["threads"] + THREAD_SLACK or now[h]["fds"] > b["fds"] + FD_SLACK)}
-        if not grown or time.monotonic() > deadline:
+        if grown and not grown_at_deadline and time.monotonic() > deadline:
+            grown_at_deadline = grown
+        if not grown or time.monotonic() > late:
             break
         time.sleep(0.1)
-    for h, (b, n) in grown.items():
-        t.problem("daemon_growth", f"mccld on h{h} grew from {b} to {n}")
+    # Still grown at the deadline is the failure; watching on tells a slow close (it came
+    # back later, and when) from a leak (it never did), which need different fixes.
+    for h, (b, n) in grown_at_deadline.items():
+        if h in grown:
+            try:
+                jobs = [{k: j.get(k) for k in ("job", "state", "ranks", "attached")} for j in daemons.jobs(h)]
+            except Exception as e:  # noqa: BLE001 - a diagnostic only
+                jobs = f"status failed: {e}"
+            fate = f"still {grown[h][1]} after {DAEMON_LATE_S:.0f}s; jobs it lists: {jobs}; stacks in its log"
+            faults.signal_pid(daemons.pid(h), signal.SIGUSR1)   # mccld dumps every thread's stack
+        else:
+            fate = f"back after {time.monotonic() - began:.1f}s"
+        t.problem("daemon_growth", f"mccld on h{h} grew from {b} to {n} ({fate})")
 
 
 def _summary(trials: list[Trial], seconds: float, first_seed: int, mode: str) -> dict:

@@ -80,6 +80,11 @@ class HostDaemons:
     def footprints(self) -> dict[int, dict[str, int]]:
         return {h: daemon_footprint(p.pid) for h, p in self.procs.items() if p.poll() is None}
 
+    def jobs(self, h: int) -> list[dict]:
+        """The jobs host h's daemon still lists (its status over the attach socket)."""
+        from mccld.attach import local_request
+        return local_request(self.root / f"h{h}", {"type": "status"}, timeout_s=5.0)["status"]["jobs"]
+
     def stop_all(self) -> None:
         for p in self.procs.values():
             if p.poll() is None:
