@@ -263,5 +263,5 @@ def test_each_broken_protocol_fails_with_its_named_error(groups, monkeypatch, pa
         for seed in range(3):
             _run(pgs, seed, [5000, 5000, 5000])
 
-# The autouse leak check (conftest._no_leaks) is off for this module: the engine's shutdown leaves its transport threads (send, receive) and poll-waker pipes until the communicator object is destroyed, and the process groups in this module outlive the check in their fixtures; known, not fixed (see the closing note).
+# The autouse leak check (conftest._no_leaks) is off for this module: the process groups in this module outlive the check in their fixtures, and a shut-down communicator keeps its progress wake pipe until the object is destroyed (its threads and the helper threads' pipes go at shutdown).
 pytestmark = pytest.mark.leaks_ok

@@ -232,5 +232,5 @@ def test_unified_collective_setting(monkeypatch) -> None:
         metal_tensors.device()
     metal_tensors.reset_for_tests()
 
-# The autouse leak check (conftest._no_leaks) is off for this module: the engine's shutdown leaves its transport threads (send, receive) and poll-waker pipes until the communicator object is destroyed, and the process groups in this module outlive the check in their fixtures; known, not fixed (see the closing note).
+# The autouse leak check (conftest._no_leaks) is off for this module: the process groups in this module outlive the check in their fixtures, and a shut-down communicator keeps its progress wake pipe until the object is destroyed (its threads and the helper threads' pipes go at shutdown).
 pytestmark = pytest.mark.leaks_ok
