@@ -39,6 +39,17 @@ def _fds() -> frozenset[int]:
     return frozenset(int(f) for f in os.listdir("/proc/self/fd"))
 
 
+def pipe_fds() -> int:
+    """How many of this process's fds are pipes (an engine's wake pipes are)."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:")
+        except OSError:
+            pass       # closed since the listing
+    return n
+
+
 def _children() -> frozenset[int]:
     me, out = os.getpid(), set()
     for d in os.listdir("/proc"):

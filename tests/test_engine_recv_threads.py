@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from libmccl import _core
+from leak_check import pipe_fds
 from libmccl.errors import AbortedError, PeerLostError
 from test_engine_helpers import DT, SUM, build, file_rendezvous, make_options, ptr, ranks, run_ranks, run_threads
 
@@ -71,22 +72,12 @@ def _still_running(ours: set[int], timeout_s: float = 5.0) -> set[int]:
     return ours & _thread_ids()
 
 
-def _pipes() -> int:
-    n = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            n += os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:")
-        except OSError:
-            pass       # closed since the listing
-    return n
-
-
 @pytest.mark.parametrize("recv_threads", [0, 3])
 def test_threads_per_communicator_and_none_left_after_shutdown(recv_threads):
     # worker, completion and send thread, plus the receive threads, per communicator. The
     # threads are told apart by id, not counted: an earlier test's threads still exiting
     # meanwhile made every count-based bound flaky (a full run saw a baseline of 57).
-    before, pipes_before = _thread_ids(), _pipes()
+    before, pipes_before = _thread_ids(), pipe_fds()
     comms = build(2, opts=make_options(recv_threads=recv_threads))
     ours = _thread_ids() - before
     assert len(ours) >= 2 * (3 + recv_threads), (recv_threads, len(ours))
@@ -97,8 +88,7 @@ def test_threads_per_communicator_and_none_left_after_shutdown(recv_threads):
     # threads' pipes back; each keeps only its own wake pipe until it is dropped.
     left = _still_running(ours)
     assert not left, f"{len(left)} engine thread(s) outlived shutdown"
-    assert _pipes() <= pipes_before + 2 * 2, (pipes_before, _pipes())
-    del comms
+    assert pipe_fds() <= pipes_before + 2 * 2, (pipes_before, pipe_fds())
 
 
 def test_an_idle_communicator_uses_no_cpu():

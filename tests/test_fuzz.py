@@ -6,7 +6,6 @@ here each surface gets a time budget so the whole run fits in about two minutes.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 pytest.importorskip("hypothesis")
 from fuzz import runner  # noqa: E402
+from leak_check import pipe_fds  # noqa: E402
 from libmccl.config import EngineConfig, load  # noqa: E402
 
 CORPUS = ROOT / "tests" / "fuzz_corpus"
@@ -51,16 +51,6 @@ def test_saved_inputs_are_handled():
     assert runner.replay(paths) == []
 
 
-def _pipes() -> int:
-    n = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            n += os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:")
-        except OSError:
-            pass
-    return n
-
-
 # Found by fuzzing: a failed multi-host job kept its engine's pipes and threads (its error's
 # frames held the engine, and the fast path's dispatcher held the job); fixed in jobs.py
 # (_drop_frames) and fastpath.py (a weak callback, the dispatcher let go at close).
@@ -91,15 +81,15 @@ def test_a_failed_multi_host_job_frees_its_engine_without_the_cyclic_gc():
         s = DataSurface(SimpleNamespace(rdir=rdir, link_addr=d.links.address, host_id=d.host_id))
         s.capture()
         s.begin_batch()
-        before = _pipes()
+        before = pipe_fds()
         hello, frame = encode(s.seeds["engine_hello"][0]), encode(s.seeds["engine_frame"][0])
         for _ in range(3):
             assert s.send(Input("data", "engine", [hello, frame, b"json"])).answered
         assert s.end_batch() == 0
         deadline = time.monotonic() + 10
-        while _pipes() > before and time.monotonic() < deadline:
+        while pipe_fds() > before and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert _pipes() <= before, f"{_pipes() - before} pipe fds of the closed job's engine are still open"
+        assert pipe_fds() <= before, f"{pipe_fds() - before} pipe fds of the closed job's engine are still open"
     finally:
         gc.enable()
         d.stop()
