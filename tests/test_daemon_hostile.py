@@ -288,3 +288,27 @@ def test_sigusr1_writes_every_thread_stack_to_the_log_and_mccld_serves_on(tmp_pa
         assert local_request(rdir, {"type": "status"})["ok"]
     finally:
         stop_process(proc)
+
+
+@pytest.mark.timeout(60)
+def test_a_segment_created_but_never_registered_goes_when_its_client_dies(raw):
+    """A rank SIGKILLed between creating its segment and registering it (the campaign saw it
+    once in 100 rank kills) left a segment no job knew of until mccld restarted."""
+    d, c = raw
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        c.hello(pid=child.pid)
+        name = shm.segment_name("0badc0de", 1, child.pid, 0)
+        shm.Segment(name, 4096, create=True).close()     # created in its name, never registered
+        path = Path("/dev/shm", name)
+        assert path.exists()
+        child.kill()
+        child.wait(10)
+        deadline = time.monotonic() + 10
+        while path.exists():
+            assert time.monotonic() < deadline, "the dead client's unregistered segment is still there"
+            time.sleep(0.05)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
