@@ -8,6 +8,7 @@ belongs to the I/O thread.
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import os
 import time
@@ -21,6 +22,10 @@ from . import listen_addr, rendezvous
 from .errors import CollectiveTimeout, ConfigError, DaemonUnavailableError
 
 _HELLO_TIMEOUT_S = 5.0
+# pyzmq names a monitor's inproc endpoint after the socket's fd unless told otherwise; a
+# closed socket's endpoint is released later by ZeroMQ's reaper, so a new socket that got
+# the same fd number failed with "Address already in use" (seen in the fuzz replay).
+_MONITOR_IDS = itertools.count()
 _LOOPBACK_ADVICE = ("Likely cause: MCCL_LISTEN_ADDR or MCCL_IFACE set to loopback for that host's mccld; set "
                     "MCCL_IFACE to the training network's interface, or MCCL_LISTEN_ADDR to the host's address "
                     "on it, and restart that mccld")
@@ -61,7 +66,8 @@ class Attachment:
         # Heartbeats make a wedged (stopped) daemon look like a dead one within ~3 intervals.
         s.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         s.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
-        self.monitor = s.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
+        self.monitor = s.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED,
+                                            addr=f"inproc://mccl-monitor-{os.getpid()}-{next(_MONITOR_IDS)}")
         s.connect(self.endpoint)
         self.sock = s
         reply = self.call({"type": "hello", "token": token, "pid": os.getpid()}, _HELLO_TIMEOUT_S,
