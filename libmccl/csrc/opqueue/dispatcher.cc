@@ -268,9 +268,10 @@ void Dispatcher::wait_turn(uint64_t seq) {
 }
 
 void Dispatcher::run(const Entry& e) {
-  const double t = spec_.timeout_s;
+  // The engine op's own deadline decides; this bound only catches a wedged engine.
+  const double wait_s = spec_.timeout_s + Communicator::kOwnDeadlineGraceS;
   if (e.kind == static_cast<uint32_t>(Kind::kBarrier)) {
-    if (engine_) engine_->wait(engine_->barrier(), t + Communicator::kOwnDeadlineGraceS);
+    if (engine_) engine_->wait(engine_->barrier(), wait_s);
     return;
   }
   const auto dt = static_cast<DType>(e.dtype);
@@ -286,7 +287,7 @@ void Dispatcher::run(const Entry& e) {
   const bool engine_divides = avg && spec_.world == spec_.hosts;
   if (engine_) {
     ReduceOp engine_op = avg && !engine_divides ? ReduceOp::kSum : op;
-    engine_->wait(engine_->allreduce(lead, count, dt, engine_op), t + Communicator::kOwnDeadlineGraceS);
+    engine_->wait(engine_->allreduce(lead, count, dt, engine_op), wait_s);
   }
   if (avg && !(engine_ && engine_divides)) finalize_avg(lead, count, dt, spec_.world);
   for (size_t i = 1; i < queues_.size(); ++i) std::memcpy(queues_[i].data(), lead, nbytes);
