@@ -433,6 +433,11 @@ class Job:
             exc = (self._engine_verdict(exc) if isinstance(exc, (AbortedError, CollectiveTimeout))
                    else self._in_host_terms(exc))
         self.fail(exc, local=True)
+        # Another thread (a peer daemon's notice, say) may have set the job's verdict and not
+        # failed the dispatcher yet, so fail() above returned early; the dispatcher would then
+        # fail its clients with the raw engine error it holds once this returns. Failing it
+        # here with the verdict is idempotent and leaves the clients only the verdict to read.
+        self.fast.fail(self.failed or exc)
 
     def _run(self, waiting: dict[int, _Pending]) -> None:
         seq = waiting[self.local_ranks[0]].msg.seq

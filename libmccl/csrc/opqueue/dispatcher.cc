@@ -144,7 +144,7 @@ void Dispatcher::main() {
     } catch (const Error& e) {
       if (!stopping()) {
         try {
-          on_fail_(e, from_engine);
+          on_fail_(e, from_engine);  // the owner fails us with its verdict: fail(e) is then a no-op
         } catch (...) {
           // The owner could not take the verdict: fail on our own below.
         }

@@ -1,0 +1,95 @@
+"""What a failed job's ranks read is the job's verdict, never the engine's echo of it.
+
+When a peer host fails a job, two things reach this daemon at about the same time: the
+peer's ``job_failed`` notice on the control link (its verdict: "rank 3 died") and the
+engine's abort ("[engine] communicator aborted by rank 1: <that verdict>"). The campaign
+saw 2 of 100 trials under load where the far host's ranks got the second: the link thread
+had set the job's verdict but not failed the native dispatcher yet, the dispatcher's own
+callback found the job failed and returned, and the dispatcher then failed its clients
+with the raw engine error it held. A Job with a stand-in host and dispatcher replays that
+interleaving exactly.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from libmccl.errors import AbortedError, MCCLError, PeerLostError
+from mccld import protocol
+from mccld.jobs import Job
+
+
+class _Host:
+    """The JobHost seam, recording what the job tells its daemon."""
+    host_id = "h0"
+    pool = None
+    engine_cfg = None
+
+    def __init__(self) -> None:
+        self.notified: list[MCCLError] = []
+
+    def reply(self, ident, req, payload) -> None: ...
+    def reply_error(self, ident, req, exc) -> None: ...
+    def build_engine(self, job): raise AssertionError("no engine in this test")
+    def release_data_sockets(self, job, clean) -> None: ...
+    def notify_peers_failed(self, job, exc) -> None: self.notified.append(exc)
+    def record_collective(self, job, op, nbytes, seconds) -> None: ...
+    def poll_traffic(self, job) -> None: ...
+    def job_closed(self, job) -> None: ...
+
+
+class _Dispatcher:
+    """The fast path's fail(): the first error wins, as in the native dispatcher."""
+
+    def __init__(self) -> None:
+        self.written: MCCLError | None = None
+
+    def fail(self, exc: MCCLError) -> None:
+        if self.written is None:
+            self.written = exc
+
+    def close(self) -> None: ...
+    def records(self) -> list:
+        return []
+
+
+@pytest.fixture
+def job():
+    hosts = (protocol.Host("h0", "10.0.0.1:1", (0, 1)), protocol.Host("h1", "10.0.0.2:1", (2, 3)))
+    j = Job(_Host(), "00000000000000aa", 4, hosts, 2.0, {})
+    j.fast = _Dispatcher()
+    yield j
+    j.close(stopping=True)
+
+
+def test_the_dispatchers_clients_read_the_peers_verdict_when_its_notice_wins_the_race(job):
+    verdict = PeerLostError("[daemon] job 00000000000000aa: rank 3 (pid 1) on host h1 died", peer_rank=3)
+    echo = AbortedError(f"[engine] communicator aborted by rank 1: {verdict}", peer_rank=1)
+    # The link thread is inside job.fail(verdict): the verdict is set, the dispatcher not failed yet.
+    with job._lock:
+        job.failed, job.state = verdict, "failed"
+    # The dispatcher's thread reports the engine's abort; once its callback returns it fails
+    # its clients with what it holds unless the callback failed it first.
+    job._fast_failed(echo, from_engine=True)
+    job.fast.fail(echo)
+    assert job.fast.written is verdict, job.fast.written
+
+
+def test_a_dispatcher_error_with_no_verdict_yet_becomes_the_verdict(job):
+    echo = AbortedError("[engine] communicator aborted by rank 1: rank 3 died", peer_rank=1)
+    done = threading.Event()
+
+    def report() -> None:
+        job._fast_failed(echo, from_engine=True)
+        done.set()
+
+    t = threading.Thread(target=report)
+    t.start()
+    assert done.wait(10)
+    t.join()
+    assert isinstance(job.fast.written, PeerLostError), job.fast.written
+    assert job.fast.written is job.failed
+    assert "host h1, ranks [2, 3]" in str(job.failed)
+    assert job.host.notified == [job.failed]
