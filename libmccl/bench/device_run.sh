@@ -14,6 +14,7 @@
 #   7-solo-ddp       a world-size-1 DDP step, Gloo against MCCL
 #   8-cuda-ddp-n4    DDP on cuda tensors, 4 hosts x 1 rank sharing the GPU, 10 Gbit/s: step vs the
 #                    step without communication (overlap), staged copies, Gloo
+#   9-campaign       issue 11's fault campaign, 1,000 trials per mode (scripts/faults/campaign.py)
 # STEPS picks which run (default "1 2 3 4 5"; e.g. STEPS="1 2 3 6" then STEPS="4 5 7" as
 # two calls of under ten minutes each).
 # (numbered: a small run's host counts and rates may repeat). Every step has its own time
@@ -141,6 +142,24 @@ fi
 if want 7; then
   status "7-solo-ddp start"
   timeout 90 $PY -m libmccl.bench.solo_ddp > "$RESULTS/7-solo-ddp.txt" 2>&1; status "7-solo-ddp rc=$?"
+  pack
+fi
+
+# Issue 11's full fault campaign: 1,000 trials per mode, as campaigns side by side (a trial
+# mostly waits out timeouts), both modes at once; --max-seconds keeps it inside the budget.
+# Failed trials' rank and daemon logs land in campaign-kept/.
+if want 9; then
+  CS=${CAMPAIGN_SECONDS:-$(( $(left) - 60 ))}
+  status "9-campaign start (trials stop starting after ${CS}s)"
+  campaign() {  # campaign MODE SHARDS
+    timeout --kill-after=30 $(( CS + 90 )) $PY scripts/faults/campaign.py --mode "$1" --shards "$2" \
+      --trials "${CAMPAIGN_TRIALS:-1000}" --seed "${CAMPAIGN_SEED:-100000}" --max-seconds "$CS" \
+      --keep "$RESULTS/campaign-kept" --json "$RESULTS/9-campaign-$1.json" > "$RESULTS/9-campaign-$1.txt" 2>&1
+    status "9-campaign $1 rc=$?"
+  }
+  campaign inproc "${INPROC_SHARDS:-6}" &
+  [[ $MODES == *daemon* ]] && campaign daemon "${DAEMON_SHARDS:-14}" &
+  wait
   pack
 fi
 

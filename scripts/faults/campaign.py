@@ -24,6 +24,8 @@ fixes everything random in it: ``--seed S --trials 1`` replays trial S.
 Usage::
 
     .venv/bin/python scripts/faults/campaign.py --mode daemon --trials 100 [--seed S] [--json out.json]
+    # the full run, on a machine with 16 cores: ten campaigns side by side, one summary
+    .venv/bin/python scripts/faults/campaign.py --mode daemon --trials 1000 --shards 10 --json daemon.json
 
 scripts/faults/daemon_kill.py is the mccld SIGKILL trial through torch.distributed itself
 (a torch import per rank: slower, but it covers the glue's teardown).
@@ -41,6 +43,7 @@ import os
 import random
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -310,24 +313,53 @@ def _check_leaks(t: Trial, job: str, daemons: HostDaemons | None, replaced: int 
 
 
 def _summary(trials: list[Trial], seconds: float, first_seed: int, mode: str) -> dict:
-    cats = ("hangs", "wrong_errors", "corrupted", "leaks", "daemon_growth", "late", "setup")
     kinds: dict[str, dict] = {}
     for t in trials:
-        k = kinds.setdefault(t.kind, {"trials": 0, "ok": 0, **{c: 0 for c in cats}, "detect_s": []})
+        k = kinds.setdefault(t.kind, {"trials": 0, "ok": 0, **{c: 0 for c in _CATEGORIES}, "detect_s": []})
         k["trials"] += 1
         k["ok"] += not t.problems
         for c in t.problems:
             k[c] += 1
         if t.detect_s is not None:
             k["detect_s"].append(t.detect_s)
+    return _finish_summary(mode, first_seed, seconds, kinds, [t.seed for t in trials if t.problems])
+
+
+_CATEGORIES = ("hangs", "wrong_errors", "corrupted", "leaks", "daemon_growth", "late", "setup")
+
+
+def _finish_summary(mode: str, first_seed: int, seconds: float, kinds: dict[str, dict],
+                    failed_seeds: list[int]) -> dict:
+    """Per kind: counts and every detection time (sorted), their median and maximum; totals."""
     for k in kinds.values():
-        d = sorted(k.pop("detect_s"))
+        d = k["detect_s"] = sorted(k["detect_s"])
         k["detect_p50_s"] = d[len(d) // 2] if d else None
         k["detect_max_s"] = d[-1] if d else None
-    total = {c: sum(k[c] for k in kinds.values()) for c in ("trials", "ok") + cats}
+    total = {c: sum(k[c] for k in kinds.values()) for c in ("trials", "ok") + _CATEGORIES}
     return {"mode": mode, "first_seed": first_seed, "seconds": round(seconds, 1), "total": total,
-            "kinds": dict(sorted(kinds.items())),
-            "failed_seeds": [t.seed for t in trials if t.problems]}
+            "kinds": dict(sorted(kinds.items())), "failed_seeds": sorted(failed_seeds)}
+
+
+def _printable(summary: dict) -> str:
+    """The summary without every detection time (the JSON file keeps them)."""
+    kinds = {n: {c: v for c, v in k.items() if c != "detect_s"} for n, k in summary["kinds"].items()}
+    return json.dumps({**summary, "kinds": kinds}, indent=1)
+
+
+def combine(parts: list[dict]) -> dict:
+    """Campaigns of one mode run side by side (``--shards``) as one summary."""
+    kinds: dict[str, dict] = {}
+    for p in parts:
+        for name, k in p["kinds"].items():
+            into = kinds.setdefault(name, {"trials": 0, "ok": 0, **{c: 0 for c in _CATEGORIES}, "detect_s": []})
+            for c in ("trials", "ok") + _CATEGORIES:
+                into[c] += k[c]
+            into["detect_s"] += k["detect_s"]
+    summary = _finish_summary(parts[0]["mode"], min(p["first_seed"] for p in parts),
+                              max(p["seconds"] for p in parts), kinds,
+                              [s for p in parts for s in p["failed_seeds"]])
+    summary["namespaces_left"] = sorted({n for p in parts for n in p.get("namespaces_left", [])})
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -339,7 +371,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-seconds", type=float, default=0, help="stop starting trials after this long")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every trial, not only failed ones")
     ap.add_argument("--keep", type=Path, default=None, help="copy failed trials' files (rank logs) here")
+    ap.add_argument("--shards", type=int, default=1,
+                    help="run the trials as this many campaigns side by side, each on its own fleet "
+                         "(trials mostly wait out timeouts: a machine with C cores takes about C of them)")
     args = ap.parse_args(argv)
+    if args.shards < 1 or args.trials < 1:
+        ap.error("--shards and --trials must be at least 1")
+    if args.shards > 1:
+        return run_shards(args)
     from libmccl.fleet import Fleet
 
     # SIGTERM (a CI timeout) unwinds like Ctrl-C, so the fleet and its daemons are torn down.
@@ -374,11 +413,49 @@ def main(argv: list[str] | None = None) -> int:
     leftovers = [ns for ns in _namespaces() if ns.startswith(f"mccl{fleet.id}h")]
     summary = _summary(trials, time.monotonic() - began, first, args.mode)
     summary["namespaces_left"] = leftovers
-    text = json.dumps(summary, indent=1)
-    print(text, flush=True)
+    print(_printable(summary), flush=True)
     if args.json:
-        args.json.write_text(text)
+        args.json.write_text(json.dumps(summary, indent=1))
     bad = summary["total"]["ok"] != summary["total"]["trials"] or leftovers
+    return 1 if bad else 0
+
+
+def run_shards(args: argparse.Namespace) -> int:
+    """``--trials`` split over ``--shards`` child campaigns with consecutive seeds; one summary."""
+    first = args.seed if args.seed is not None else random.randrange(1 << 30)
+    per = -(-args.trials // args.shards)
+    out = Path(tempfile.mkdtemp(prefix="mccl-campaign-shards-"))
+    atexit.register(shutil.rmtree, out, ignore_errors=True)
+    print(f"[campaign] mode={args.mode} trials={args.trials} in {args.shards} shards, first seed={first}", flush=True)
+    children = []
+    for i, seed in enumerate(range(first, first + args.trials, per)):
+        cmd = [sys.executable, __file__, "--mode", args.mode, "--trials", str(min(per, first + args.trials - seed)),
+               "--seed", str(seed), "--json", str(out / f"{i}.json")]
+        cmd += (["--keep", str(args.keep)] if args.keep else []) + (["-v"] if args.verbose else [])
+        cmd += ["--max-seconds", str(args.max_seconds)] if args.max_seconds else []
+        children.append((subprocess.Popen(cmd, stdout=open(out / f"{i}.log", "w"), stderr=subprocess.STDOUT), i))
+    # A SIGTERM (a CI timeout) reaches the children too: each tears its fleet down.
+    signal.signal(signal.SIGTERM, lambda *_: [c.terminate() for c, _ in children if c.poll() is None])
+    parts, broken = [], []
+    for child, i in children:
+        child.wait()
+        log = (out / f"{i}.log").read_text()
+        for line in log.splitlines():
+            if line.startswith('{"seed"'):
+                print(line, flush=True)       # each shard's failed (or, with -v, every) trial
+        if (out / f"{i}.json").exists():
+            parts.append(json.loads((out / f"{i}.json").read_text()))
+        else:
+            broken.append(i)
+            print(f"[campaign] shard {i} wrote no summary (exit {child.returncode}):\n{log[-4000:]}", flush=True)
+    if not parts:
+        return 1
+    summary = combine(parts)
+    summary["shards"] = len(children)
+    print(_printable(summary), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=1))
+    bad = broken or summary["total"]["ok"] != summary["total"]["trials"] or summary["namespaces_left"]
     return 1 if bad else 0
 
 
