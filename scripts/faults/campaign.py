@@ -154,7 +154,9 @@ def run_trial(seed: int, mode: str, daemons: HostDaemons | None, fleet, base: Pa
     world = len(PLACEMENT)
     t.victim = rng.randrange(fleet.n_hosts) if host_fault else rng.randrange(world)
     victim_host = t.victim if host_fault else PLACEMENT[t.victim]
-    comm_id = rng.getrandbits(63) | 1
+    # The mode goes into the id: campaigns of both modes run side by side from the same seeds
+    # (test_campaign, the device script), and the leak check looks for the job's segments by it.
+    comm_id = (rng.getrandbits(63) | 1) ^ (0x80000000 if mode == "daemon" else 0)
     job = f"{comm_id & 0xFFFFFFFF:08x}"
     delay = rng.uniform(*FAULT_DELAY_S)
     started = time.monotonic()
