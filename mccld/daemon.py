@@ -418,12 +418,14 @@ class Daemon:
         opts = self.engine_cfg.engine_options(Options(), job.timeout_s, job.timeout_s)
         # The link addresses only name the peers in the engine's messages: nothing is dialled.
         addrs = [host.link_addr for host in job.hosts]
+        keys = ({h: [s.session.frame_keys(job.id) for s in socks] for h, socks in leased.items()}
+                if self.cfg.frame_mac else {})
         try:
             # No completion callback: the job thread waits on each op, and a callback would make
             # the engine take the GIL once per op for nothing.
             return Communicator(me, len(job.hosts), job.comm_id,
                                 {h: [s.sock.fileno() for s in socks] for h, socks in leased.items()},
-                                addrs, opts, None)
+                                addrs, opts, None, frame_keys=keys)
         except BaseException:
             self.datalinks.give_back(job.id, clean=False)
             raise

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[str, dict[str, Any]], None]  # (peer host id, message)
 PeerHandler = Callable[[str, str, bool], None]   # (peer host id, peer link address, up)
-DataHandler = Callable[[socket.socket, str, str], None]  # (socket, peer host id, data socket id)
+DataHandler = Callable[[socket.socket, str, str, auth.Session], None]  # (socket, peer host, socket id, session)
 
 
 # A peer that vanishes (power loss, cable pulled) sends no FIN: keepalive probes notice an
@@ -159,12 +159,13 @@ class LinkManager:
         with self._lock:
             return [{"host": h, "peer": l.peer_addr, "up": True} for h, l in self._links.items() if not l.closed]
 
-    def dial_data(self, addr: str, sock_id: str) -> tuple[socket.socket, str]:
+    def dial_data(self, addr: str, sock_id: str) -> tuple[socket.socket, str, auth.Session]:
         """A new data socket to the daemon at ``ip:port``, authenticated and named ``sock_id``
-        on both sides; returns it (blocking, no timeout) and the peer's host id."""
-        sock, peer_host, _, _ = self._connect(addr, f"data:{sock_id}")
+        on both sides; returns it (blocking, no timeout), the peer's host id and the
+        handshake's session (the engine's frame keys come from it)."""
+        sock, peer_host, _, session = self._connect(addr, f"data:{sock_id}")
         sock.settimeout(None)
-        return sock, peer_host
+        return sock, peer_host, session
 
     # -- internals ---------------------------------------------------------------------
     def _connect(self, addr: str, purpose: str) -> tuple[socket.socket, str, str, auth.Session]:
@@ -229,7 +230,7 @@ class LinkManager:
         ticket.passed()
         if purpose.startswith("data:") and self.on_data is not None:
             sock.settimeout(None)
-            self.on_data(sock, peer_host, purpose[len("data:"):])
+            self.on_data(sock, peer_host, purpose[len("data:"):], session)
         elif purpose == auth.CONTROL:
             self._adopt(sock, session, peer_host, peer_listen)
         else:

@@ -206,13 +206,15 @@ def _env(rdir: Path, host: str, metrics_port: int = 0) -> dict[str, str]:
 
 
 @pytest.fixture
-def two_daemons():
+def two_daemons(request):
+    """Two daemons on loopback; ``indirect`` parametrisation adds settings to both."""
+    extra = getattr(request, "param", {})
     dirs = [Path(tempfile.mkdtemp(prefix="mccl-dltest-")) for _ in range(2)]
     names = [f"dla{os.getpid()}", f"dlb{os.getpid()}"]
     daemons = []
     try:
         for d, name in zip(dirs, names):
-            env = _env(d, name, free_port())
+            env = _env(d, name, free_port()) | extra
             daemons.append(Daemon(load_config(env=env), engine_cfg=None).start())
         yield daemons, [str(d) for d in dirs]
     finally:
@@ -261,8 +263,12 @@ def _data_links(d: Daemon) -> list[dict]:
 
 
 @pytest.mark.timeout(180)
-def test_two_jobs_between_two_daemons_reuse_the_same_data_sockets(two_daemons):
+@pytest.mark.parametrize("two_daemons", [{}, {"MCCL_FRAME_MAC": "1"}], ids=["plain", "frame-mac"], indirect=True)
+def test_two_jobs_between_two_daemons_reuse_the_same_data_sockets(two_daemons, request):
+    """With MCCL_FRAME_MAC=1 too: every frame tagged under per-job keys, and the sockets,
+    released at the tagged BYEs, still serve the second job."""
     daemons, dirs = two_daemons
+    assert [d.cfg.frame_mac for d in daemons] == [request.node.callspec.id == "frame-mac"] * 2
     assert run_ranks(rank_jobs, 2, dirs, [0x1a1, 0x1a2], None, timeout_s=150) == ["ok", "ok"]
     low = min(range(2), key=lambda i: daemons[i].host_id)      # the proposer dials
     st = [_data_links(d) for d in daemons]

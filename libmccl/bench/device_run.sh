@@ -15,6 +15,7 @@
 #   8-cuda-ddp-n4    DDP on cuda tensors, 4 hosts x 1 rank sharing the GPU, 10 Gbit/s: step vs the
 #                    step without communication (overlap), staged copies, Gloo
 #   9-campaign       issue 11's fault campaign, 1,000 trials per mode (scripts/faults/campaign.py)
+#   10-n8-mac        issue 11's per-frame MAC: daemon busbw with MCCL_FRAME_MAC=0 and 1, 8 hosts x 10 Gbit/s
 # STEPS picks which run (default "1 2 3 4 5"; e.g. STEPS="1 2 3 6" then STEPS="4 5 7" as
 # two calls of under ten minutes each).
 # (numbered: a small run's host counts and rates may repeat). Every step has its own time
@@ -143,6 +144,18 @@ if want 7; then
   status "7-solo-ddp start"
   timeout 90 $PY -m libmccl.bench.solo_ddp > "$RESULTS/7-solo-ddp.txt" 2>&1; status "7-solo-ddp rc=$?"
   pack
+fi
+
+# Issue 11's per-frame MAC: what MCCL_FRAME_MAC=1 costs the daemon path at 8 hosts x 10 Gbit/s,
+# each invocation with its own in-process baseline, off and on alternating (noise spreads over both).
+if want 10 && [[ $MODES == *daemon* ]]; then
+  for rep in ${MAC_REPEATS:-1 2}; do
+    for mac in 0 1; do
+      MCCL_FRAME_MAC=$mac bench "10-n$H8-$FAST-mac$mac-r$rep" 110 --hosts "$H8" --rate "$FAST" --mode in-process,daemon \
+        --backends mccl --ops all_reduce --sizes "${MAC_SIZES:-64M,256M}" --latency-iters 0 --ceiling-seconds 2 \
+        --target-seconds 0.5
+    done
+  done
 fi
 
 # Issue 11's full fault campaign: 1,000 trials per mode, as campaigns side by side (a trial

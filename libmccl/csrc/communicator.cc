@@ -34,16 +34,26 @@ Communicator::Communicator(int rank, int size, uint64_t comm_id, int listen_fd,
 
 Communicator::Communicator(int rank, int size, uint64_t comm_id,
                            std::vector<std::vector<int>> fds, std::vector<std::string> peer_addrs,
-                           const Options& opts, Deliver deliver)
+                           const Options& opts, Deliver deliver,
+                           std::vector<std::vector<FrameKeys>> frame_keys)
     : rank_(rank),
       size_(size),
       comm_id_(comm_id),
       opts_(opts),
       addrs_(std::move(peer_addrs)),
+      frame_keys_(std::move(frame_keys)),
       borrowed_(true),
       timeout_s_(opts.timeout_s),
       deliver_(std::move(deliver)) {
   validate_world();
+  if (!frame_keys_.empty()) {
+    for (size_t r = 0; r < fds.size(); ++r) {
+      if (frame_keys_.size() != fds.size() || frame_keys_[r].size() != fds[r].size()) {
+        throw_error(ErrorKind::kConfig, "[engine] frame keys do not match the sockets to rank " +
+                                            std::to_string(r) + "; give one key pair per socket");
+      }
+    }
+  }
   start(adopt_mesh(mesh_spec(), fds, deadline_after(opts_.connect_timeout_s)));
 }
 
@@ -67,6 +77,7 @@ MeshSpec Communicator::mesh_spec() const {
   spec.comm_id = comm_id_;
   spec.sockets_per_peer = opts_.sockets_per_peer;
   spec.socket_buffer_bytes = opts_.socket_buffer_bytes;
+  spec.frame_mac = !frame_keys_.empty();
   spec.segment_bytes = opts_.segment_bytes;
   spec.small_allreduce_bytes = opts_.small_allreduce_bytes;
   spec.peer_addrs = addrs_;
@@ -75,7 +86,7 @@ MeshSpec Communicator::mesh_spec() const {
 
 void Communicator::start(std::vector<std::vector<Fd>> links) {
   transport_ = std::make_unique<Transport>(rank_, size_, comm_id_, std::move(links), addrs_,
-                                           opts_.send_thread, opts_.recv_threads);
+                                           opts_.send_thread, opts_.recv_threads, frame_keys_);
   worker_ = std::thread([this] { worker_main(); });
   completer_ = std::thread([this] { completion_main(); });
 }

@@ -92,8 +92,11 @@ class Communicator {
   // opts.sockets_per_peer sockets to each peer (empty for this rank), which the engine
   // dup()s and handshakes on (transport/mesh.h adopt_mesh). These borrowed sockets are
   // left reusable by a clean shutdown (see released_clean).
+  // `frame_keys`: empty, or frame_keys[peer] with one FrameKeys per socket of fds[peer]:
+  // every frame then carries a MAC under them (integrity/mac.h; mccld's MCCL_FRAME_MAC).
   Communicator(int rank, int size, uint64_t comm_id, std::vector<std::vector<int>> fds,
-               std::vector<std::string> peer_addrs, const Options& opts, Deliver deliver);
+               std::vector<std::string> peer_addrs, const Options& opts, Deliver deliver,
+               std::vector<std::vector<FrameKeys>> frame_keys = {});
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
@@ -180,6 +183,7 @@ class Communicator {
   const uint64_t comm_id_;
   const Options opts_;
   std::vector<std::string> addrs_;
+  std::vector<std::vector<FrameKeys>> frame_keys_;  // empty: no frame MACs
   const bool borrowed_;         // links built on the caller's sockets (adopt_mesh)
   double release_timeout_s_ = 2.0;  // set by shutdown() before the worker reads it
   std::atomic<bool> released_clean_{false};

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <future>
 #include <map>
 #include <memory>
@@ -69,8 +70,11 @@ class PyCommunicator {
   }
 
   // On sockets the caller connected: {peer rank: [fd, ...]}; the caller keeps its fds.
+  // frame_keys: {} (no frame MACs) or {peer rank: [(send key, receive key), ...]}, 32-byte
+  // keys, one pair per socket.
   PyCommunicator(int rank, int size, uint64_t comm_id, std::map<int, std::vector<int>> sockets,
-                 std::vector<std::string> peer_addrs, const Options& opts, py::object on_complete)
+                 std::vector<std::string> peer_addrs, const Options& opts, py::object on_complete,
+                 const std::map<int, std::vector<std::pair<py::bytes, py::bytes>>>& frame_keys)
       : on_complete_(std::move(on_complete)) {
     std::vector<std::vector<int>> fds(size > 0 ? size : 0);
     for (auto& kv : sockets) {
@@ -81,11 +85,31 @@ class PyCommunicator {
       }
       fds[kv.first] = std::move(kv.second);
     }
+    std::vector<std::vector<FrameKeys>> keys;
+    if (!frame_keys.empty()) keys.resize(fds.size());
+    for (auto& kv : frame_keys) {
+      if (kv.first < 0 || kv.first >= size) {
+        throw_error(ErrorKind::kConfig, "[engine] frame keys given for rank " + std::to_string(kv.first) +
+                                            " in a world of size " + std::to_string(size));
+      }
+      for (auto& pair : kv.second) {
+        std::string_view send(pair.first), recv(pair.second);
+        if (send.size() != kMacKeyBytes || recv.size() != kMacKeyBytes) {
+          throw_error(ErrorKind::kConfig, "[engine] frame keys for rank " + std::to_string(kv.first) +
+                                              " must be " + std::to_string(kMacKeyBytes) + " bytes each");
+        }
+        FrameKeys k;
+        std::memcpy(k.send, send.data(), kMacKeyBytes);
+        std::memcpy(k.recv, recv.data(), kMacKeyBytes);
+        keys[kv.first].push_back(k);
+      }
+    }
     Communicator::Deliver deliver = make_deliver();
     // The handshakes are bounded by the connect timeout and cannot be cancelled midway.
     build([&](std::atomic<bool>*) {
       return std::make_unique<Communicator>(rank, size, comm_id, std::move(fds),
-                                            std::move(peer_addrs), opts, std::move(deliver));
+                                            std::move(peer_addrs), opts, std::move(deliver),
+                                            std::move(keys));
     });
   }
 
@@ -278,9 +302,11 @@ void register_engine_bindings(py::module_& m) {
            py::arg("rank"), py::arg("size"), py::arg("comm_id"), py::arg("listener"),
            py::arg("peer_addrs"), py::arg("opts"), py::arg("on_complete") = py::none())
       .def(py::init<int, int, uint64_t, std::map<int, std::vector<int>>, std::vector<std::string>,
-                    const Options&, py::object>(),
+                    const Options&, py::object,
+                    const std::map<int, std::vector<std::pair<py::bytes, py::bytes>>>&>(),
            py::arg("rank"), py::arg("size"), py::arg("comm_id"), py::arg("sockets"),
-           py::arg("peer_addrs"), py::arg("opts"), py::arg("on_complete") = py::none())
+           py::arg("peer_addrs"), py::arg("opts"), py::arg("on_complete") = py::none(),
+           py::arg("frame_keys") = std::map<int, std::vector<std::pair<py::bytes, py::bytes>>>{})
       .def("allreduce", [](PC& c, uintptr_t p, size_t count, int dt, int op,
                            std::shared_ptr<Ticket> ready, std::shared_ptr<Ticket> done, uint64_t base) {
         return c.core().allreduce(ptr(p), count, to_dtype(dt), to_op(op),

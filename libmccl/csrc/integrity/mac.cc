@@ -129,13 +129,17 @@ void Poly1305::finish(uint8_t tag[kMacTagBytes]) {
   put64(tag + 8, (h1 >> 20) | (h2 << 24));
 }
 
-void frame_tag(const uint8_t link_key[kMacKeyBytes], uint32_t stream, uint64_t frame_no, const uint8_t* header,
-               size_t header_bytes, const uint8_t* payload, size_t payload_bytes, uint8_t tag[kMacTagBytes]) {
+Poly1305 frame_mac(const uint8_t link_key[kMacKeyBytes], uint32_t stream, uint64_t frame_no) {
   uint8_t nonce[12], block[64];
   put32(nonce, stream);
   put64(nonce + 4, frame_no);
   chacha20_block(link_key, 0, nonce, block);
-  Poly1305 mac(block);  // the first 32 bytes: RFC 8439 2.6's one-time key
+  return Poly1305(block);  // the first 32 bytes: RFC 8439 2.6's one-time key
+}
+
+void frame_tag(const uint8_t link_key[kMacKeyBytes], uint32_t stream, uint64_t frame_no, const uint8_t* header,
+               size_t header_bytes, const uint8_t* payload, size_t payload_bytes, uint8_t tag[kMacTagBytes]) {
+  Poly1305 mac = frame_mac(link_key, stream, frame_no);
   mac.update(header, header_bytes);
   mac.update(payload, payload_bytes);
   mac.finish(tag);

@@ -5,7 +5,8 @@
 // not take part in the handshake can neither forge nor alter a frame undetected).
 //
 // Self-contained, portable C++ (64-bit limbs with unsigned __int128); checked against
-// RFC 8439's test vectors (tests/test_frame_mac.py). Not wired into the transport yet.
+// RFC 8439's test vectors (tests/test_frame_mac.py). The transport tags every frame with it
+// when its owner gives a link keys (transport/pair.h; mccld with MCCL_FRAME_MAC=1).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -31,6 +32,22 @@ class Poly1305 {
   uint8_t buf_[16];
   size_t have_ = 0;
 };
+
+// The two keys of one socket: what this side's frames are tagged with, and what the
+// peer's are checked with (mccld derives both from the socket's authenticated handshake
+// and the job, so no two jobs or directions share one).
+struct FrameKeys {
+  uint8_t send[kMacKeyBytes];
+  uint8_t recv[kMacKeyBytes];
+};
+
+// Frames of one direction of a socket are numbered per stream: data frames in the order
+// they are queued, control frames (ABORT, BYE), which jump the queue, apart.
+enum class MacStream : uint32_t { kData = 0, kControl = 1 };
+
+// A Poly1305 ready for frame `frame_no` of `stream` under `link_key` (its one-time key is
+// chacha20_block(link_key, 0, {stream, frame_no})); the receiver feeds it as bytes arrive.
+Poly1305 frame_mac(const uint8_t link_key[kMacKeyBytes], uint32_t stream, uint64_t frame_no);
 
 // The tag of one frame: Poly1305 keyed by chacha20_block(link_key, 0, {stream, frame_no}),
 // over header then payload. `stream` tells the directions and sockets of a link apart, so

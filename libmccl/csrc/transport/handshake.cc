@@ -10,7 +10,7 @@ namespace mccl {
 
 namespace {
 
-constexpr size_t kHelloBytes = 52;
+constexpr size_t kHelloBytes = 56;
 constexpr size_t kReplyFixed = 12;
 constexpr uint32_t kMaxReason = 1024;
 
@@ -37,6 +37,7 @@ void encode_hello(const Hello& h, uint8_t* out) {
   put32(out + 32, h.socks_per_peer);
   put64(out + 36, h.segment_bytes);
   put64(out + 44, h.small_allreduce_bytes);
+  put32(out + 52, h.frame_mac);
 }
 
 // The refusal says what differs; `kind` decides the exception class on both sides.
@@ -91,6 +92,12 @@ Verdict judge(const Hello& theirs, uint32_t version, const Hello& mine) {
                                     n(mine.small_allreduce_bytes) +
                                     " bytes); set MCCL_SMALL_ALLREDUCE_BYTES the same on every rank"};
   }
+  if (theirs.frame_mac != mine.frame_mac) {
+    auto on = [](uint32_t v) { return std::string(v ? "on" : "off"); };
+    return {ErrorKind::kConfig, "frame MAC mismatch (dialer " + on(theirs.frame_mac) + ", acceptor " +
+                                    on(mine.frame_mac) +
+                                    "); set MCCL_FRAME_MAC the same on every mccld of the fleet"};
+  }
   return {};
 }
 
@@ -144,6 +151,7 @@ std::optional<Hello> handshake_accept_impl(int fd, const Hello& mine, Deadline d
   theirs.socks_per_peer = get32(buf + 32);
   theirs.segment_bytes = get64(buf + 36);
   theirs.small_allreduce_bytes = get64(buf + 44);
+  theirs.frame_mac = get32(buf + 52);
 
   Verdict v = judge(theirs, version, mine);
   if (v.reason.empty() && is_dup(ctx, theirs.from_rank, theirs.sock_index)) {

@@ -22,6 +22,7 @@ struct Hello {
   uint32_t socks_per_peer = 0;
   uint64_t segment_bytes = 0;          // options that decide how messages are cut:
   uint64_t small_allreduce_bytes = 0;  // every rank must agree on them
+  uint32_t frame_mac = 0;              // 1: frames carry MACs (both sides must agree)
 };
 
 // Dialer side: send `hello`, wait for the verdict. Throws ProtocolError/ConfigError

@@ -16,6 +16,7 @@ void Landing::start(uint8_t* dst, size_t n, ReduceFn fn, size_t elem) {
 }
 
 void Landing::put(const uint8_t* src, size_t n) {
+  if (mac_) mac_->update(src, n);
   left_ -= n;
   if (!fn_) {
     std::memcpy(dst_, src, n);
@@ -44,6 +45,7 @@ ssize_t Landing::recv_from(int fd, int flags, uint8_t* stage, size_t cap) {
   if (!fn_) {
     ssize_t r = ::recv(fd, dst_, left_, flags);
     if (r > 0) {
+      if (mac_) mac_->update(dst_, static_cast<size_t>(r));
       dst_ += r;
       left_ -= static_cast<size_t>(r);
     }
@@ -54,6 +56,7 @@ ssize_t Landing::recv_from(int fd, int flags, uint8_t* stage, size_t cap) {
   std::memcpy(stage, carry_, carry_n_);
   ssize_t r = ::recv(fd, stage + carry_n_, next_read(cap), flags);
   if (r <= 0) return r;
+  if (mac_) mac_->update(stage + carry_n_, static_cast<size_t>(r));
   left_ -= static_cast<size_t>(r);
   const size_t have = carry_n_ + static_cast<size_t>(r);
   const size_t whole = have - have % elem_;

@@ -7,6 +7,9 @@
 // recv() returns arbitrary byte counts, so an element can be split between two reads;
 // the reduction only ever sees whole elements, and the bytes of a split one wait in a
 // small carry until the rest arrives.
+//
+// With per-frame MACs on, every payload byte is fed to the frame's MAC as it is read,
+// before any reduction, so the tag is checked over what the peer sent.
 #pragma once
 #include <sys/types.h>
 
@@ -14,6 +17,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "integrity/mac.h"
 #include "reduce.h"
 
 namespace mccl {
@@ -25,6 +29,8 @@ class Landing {
   void start(uint8_t* dst, size_t n, ReduceFn fn = nullptr, size_t elem = 1);
   size_t left() const { return left_; }
   bool reduces() const { return fn_ != nullptr; }
+  // Every byte taken from now on is fed to `mac` too (null: none); start() keeps it.
+  void authenticate(Poly1305* mac) { mac_ = mac; }
 
   // Takes n <= left() payload bytes from src (any alignment).
   void put(const uint8_t* src, size_t n);
@@ -42,6 +48,7 @@ class Landing {
   size_t elem_ = 1;
   alignas(16) uint8_t carry_[16];  // the first bytes of a split element
   size_t carry_n_ = 0;
+  Poly1305* mac_ = nullptr;
 };
 
 }  // namespace mccl

@@ -23,6 +23,7 @@ Hello hello_of(const MeshSpec& spec) {
   h.socks_per_peer = static_cast<uint32_t>(spec.sockets_per_peer);
   h.segment_bytes = spec.segment_bytes;
   h.small_allreduce_bytes = spec.small_allreduce_bytes;
+  h.frame_mac = spec.frame_mac ? 1 : 0;
   return h;
 }
 
@@ -37,6 +38,7 @@ void accept_lower_ranks(const MeshSpec& spec, int listen_fd, Deadline deadline,
   mine.socks_per_peer = static_cast<uint32_t>(k);
   mine.segment_bytes = spec.segment_bytes;
   mine.small_allreduce_bytes = spec.small_allreduce_bytes;
+  mine.frame_mac = spec.frame_mac ? 1 : 0;
   auto seen = [&](uint32_t r, uint32_t s) { return (*links)[r][s].valid(); };
   while (expected > 0) {
     if (stop.load()) return;
@@ -109,6 +111,7 @@ std::vector<std::vector<Fd>> build_mesh(const MeshSpec& spec, int listen_fd, Dea
         h.socks_per_peer = static_cast<uint32_t>(k);
         h.segment_bytes = spec.segment_bytes;
         h.small_allreduce_bytes = spec.small_allreduce_bytes;
+        h.frame_mac = spec.frame_mac ? 1 : 0;
         if (!handshake_dial(fd.get(), h, hp.str(), deadline, &stop)) break;
         configure_link_socket(fd.get(), spec.socket_buffer_bytes);
         set_nonblocking(fd.get(), true);

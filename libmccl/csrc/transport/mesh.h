@@ -24,6 +24,7 @@ struct MeshSpec {
   int socket_buffer_bytes = 4 << 20;
   uint64_t segment_bytes = 0;          // checked equal on every link (handshake)
   uint64_t small_allreduce_bytes = 0;
+  bool frame_mac = false;               // checked equal on every link (handshake)
   std::vector<std::string> peer_addrs;  // one per rank, "host:port"
 };
 

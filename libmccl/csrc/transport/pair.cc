@@ -27,12 +27,19 @@ size_t stripe_begin(size_t n, size_t stripes, size_t s) {
 }  // namespace
 
 Pair::Pair(PairHost& host, int peer_rank, std::string peer_addr, uint64_t comm_id,
-           std::vector<Fd> fds)
+           std::vector<Fd> fds, const std::vector<FrameKeys>& keys)
     : host_(host), peer_rank_(peer_rank), peer_addr_(std::move(peer_addr)), comm_id_(comm_id) {
+  if (!keys.empty() && keys.size() != fds.size()) {
+    throw_error(ErrorKind::kConfig, "[transport] " + std::to_string(keys.size()) +
+                                        " frame key pairs for " + std::to_string(fds.size()) +
+                                        " sockets to rank " + std::to_string(peer_rank) +
+                                        "; give one per socket, or none");
+  }
   conns_.resize(fds.size());
   for (size_t i = 0; i < fds.size(); ++i) {
     conns_[i].fd = std::move(fds[i]);
     conns_[i].rbuf.resize(kStageBytes);
+    if (!keys.empty()) conns_[i].keys = std::make_unique<FrameKeys>(keys[i]);
   }
 }
 
@@ -125,6 +132,12 @@ void Pair::enqueue(size_t conn, SendItem&& item) {
     const bool was_idle = c.sendq.empty();
     const bool inline_write = !writer_running() || item.length < kInlineBytes;
     if (queued_ == 0) touch_write();  // a stall counts from the first queued send
+    if (c.keys) {
+      // Numbered in queue order, which is the order the frames go out on this socket.
+      frame_tag(c.keys->send, static_cast<uint32_t>(MacStream::kData), c.frames_out[0]++,
+                item.header, kFrameHeaderBytes, item.payload, item.length, item.tag);
+      item.tag_len = kMacTagBytes;
+    }
     ++queued_;
     c.sendq.push_back(std::move(item));
     if (was_idle && inline_write) err = write_queued(conn, &sent);  // most small sends end here
@@ -137,13 +150,16 @@ void Pair::enqueue(size_t conn, SendItem&& item) {
 int Pair::gather_iov(size_t conn, iovec* iov) const {
   const Conn& c = conns_[conn];
   int cnt = 0;
-  for (auto it = c.sendq.begin(); it != c.sendq.end() && cnt + 2 <= kMaxIov; ++it) {
+  for (auto it = c.sendq.begin(); it != c.sendq.end() && cnt + 3 <= kMaxIov; ++it) {
     if (it->header_sent < kFrameHeaderBytes) {
       iov[cnt++] = {const_cast<uint8_t*>(it->header) + it->header_sent,
                     kFrameHeaderBytes - it->header_sent};
     }
     if (it->sent < it->length) {
       iov[cnt++] = {const_cast<uint8_t*>(it->payload) + it->sent, it->length - it->sent};
+    }
+    if (it->tag_sent < it->tag_len) {
+      iov[cnt++] = {const_cast<uint8_t*>(it->tag) + it->tag_sent, it->tag_len - it->tag_sent};
     }
   }
   return cnt;
@@ -161,7 +177,10 @@ void Pair::advance(size_t conn, size_t written, std::vector<SentFrame>* sent) {
     size_t p = std::min(left, it.length - it.sent);
     it.sent += p;
     left -= p;
-    if (it.header_sent < kFrameHeaderBytes || it.sent < it.length) break;
+    size_t t = std::min(left, it.tag_len - it.tag_sent);
+    it.tag_sent += t;
+    left -= t;
+    if (it.header_sent < kFrameHeaderBytes || it.sent < it.length || it.tag_sent < it.tag_len) break;
     sent->push_back({this, std::move(it.req), it.length});
     c.sendq.pop_front();
     --queued_;
@@ -208,8 +227,14 @@ void Pair::on_writable(size_t conn) {
   if (conns_[conn].fd.valid()) flush(conn);
 }
 
+void Pair::tag_control(Conn& c, const uint8_t* frame, size_t n, uint8_t tag[kMacTagBytes]) {
+  frame_tag(c.keys->send, static_cast<uint32_t>(MacStream::kControl), c.frames_out[1]++, frame,
+            kFrameHeaderBytes, frame + kFrameHeaderBytes, n - kFrameHeaderBytes, tag);
+}
+
 void Pair::send_control(const FrameHeader& h, const std::string& payload, Deadline deadline) {
-  std::string bytes(kFrameHeaderBytes + payload.size(), '\0');
+  const size_t n = kFrameHeaderBytes + payload.size();
+  std::string bytes(n + kMacTagBytes, '\0');  // the tag's room is used with frame MACs only
   encode_header(h, reinterpret_cast<uint8_t*>(&bytes[0]));
   std::copy(payload.begin(), payload.end(), bytes.begin() + kFrameHeaderBytes);
   for (size_t i = 0; i < conns_.size(); ++i) {
@@ -224,7 +249,9 @@ void Pair::send_control(const FrameHeader& h, const std::string& payload, Deadli
         ::poll(&p, 1, ms_until(deadline, 100));
       }
       if (!c.sendq.empty() && c.sendq.front().started()) continue;
-      write_all(c.fd.get(), bytes.data(), bytes.size(), deadline);
+      uint8_t* frame = reinterpret_cast<uint8_t*>(&bytes[0]);
+      if (c.keys) tag_control(c, frame, n, frame + n);
+      write_all(c.fd.get(), frame, c.keys ? n + kMacTagBytes : n, deadline);
     } catch (const Error&) {
       // best effort: this socket is already broken
     }

@@ -10,16 +10,23 @@
 // receive thread, if any (recv_thread.h). A frame nobody waits for yet is "unexpected":
 // it is read into a buffer of the message's size (bounded by the transport) and copied
 // (or reduced) out when the receive is posted.
+//
+// Given keys (one FrameKeys per socket), every frame carries a 16-byte Poly1305 tag after
+// its payload (integrity/mac.h): computed when the frame is queued (data) or written
+// (control), checked as the payload is read, and a frame counts (a receive completes, a
+// BYE or ABORT is acted on) only once its tag matched.
 #pragma once
 #include <atomic>
 #include <cstdint>
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
+#include "integrity/mac.h"
 #include "transport/frame.h"
 #include "transport/landing.h"
 #include "transport/recv_thread.h"
@@ -88,8 +95,9 @@ class Pair {
   static constexpr size_t kInlineBytes = 512 << 10;
   static constexpr int kMaxIov = 64;  // frames gathered into one sendmsg()
 
+  // `keys`: empty (no frame MACs) or one per socket.
   Pair(PairHost& host, int peer_rank, std::string peer_addr, uint64_t comm_id,
-       std::vector<Fd> fds);
+       std::vector<Fd> fds, const std::vector<FrameKeys>& keys = {});
 
   int peer_rank() const { return peer_rank_; }
   const std::string& peer_addr() const { return peer_addr_; }
@@ -172,6 +180,9 @@ class Pair {
     size_t length = 0;
     size_t sent = 0;
     std::string owned;         // control payload storage
+    uint8_t tag[kMacTagBytes];
+    size_t tag_len = 0;        // kMacTagBytes with frame MACs on, else 0
+    size_t tag_sent = 0;
     bool started() const { return header_sent > 0; }
   };
   struct Conn {
@@ -190,6 +201,14 @@ class Pair {
     std::string control;        // abort payload being read
     std::vector<uint8_t> rbuf;  // staging for headers and small payloads
     size_t rb_begin = 0, rb_end = 0;
+    // frame MACs (null keys: off); frames are numbered per direction and MacStream
+    std::unique_ptr<FrameKeys> keys;
+    uint64_t frames_out[2] = {0, 0};
+    uint64_t frames_in[2] = {0, 0};
+    std::optional<Poly1305> mac_in;  // of the frame being read
+    bool in_tag = false;             // its payload is read, its tag not yet
+    uint8_t tag_buf[kMacTagBytes];
+    size_t tag_have = 0;
   };
 
   void enqueue(size_t conn, SendItem&& item);
@@ -208,6 +227,10 @@ class Pair {
   // Starts landing h's payload in req's buffer (checks a reduce-receive's alignment).
   void land_in(Conn& c, const RequestPtr& req, const FrameHeader& h);
   void on_payload_done(Conn& c);
+  void on_tag_done(Conn& c);   // checks the tag, then on_frame_done
+  void on_frame_done(Conn& c);  // the frame is whole (and authentic): act on it
+  // The tag of a frame written now on c: header, then payload (control frames).
+  void tag_control(Conn& c, const uint8_t* frame, size_t n, uint8_t tag[kMacTagBytes]);
   void on_eof(size_t conn);
   bool read_to_bye(Conn& c, Deadline deadline);
   [[noreturn]] void lost(const std::string& what, int err);

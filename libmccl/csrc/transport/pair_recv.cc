@@ -126,7 +126,13 @@ void Pair::on_readable(size_t conn) {
     while (c.rb_begin < c.rb_end) {
       size_t avail = c.rb_end - c.rb_begin;
       const uint8_t* src = c.rbuf.data() + c.rb_begin;
-      if (!c.in_payload) {
+      if (c.in_tag) {
+        size_t take = std::min(kMacTagBytes - c.tag_have, avail);
+        std::memcpy(c.tag_buf + c.tag_have, src, take);
+        c.tag_have += take;
+        c.rb_begin += take;
+        if (c.tag_have == kMacTagBytes) on_tag_done(c);
+      } else if (!c.in_payload) {
         size_t take = std::min(kFrameHeaderBytes - c.header_have, avail);
         std::memcpy(c.header_buf + c.header_have, src, take);
         c.header_have += take;
@@ -173,14 +179,16 @@ void Pair::on_header(Conn& c) {
   c.cur = h;
   c.target.reset();
   c.unexpected = nullptr;
-  if (h.kind == OpKind::kBye) {
-    if (!c.bye) {
-      c.bye = true;
-      ++byes_;
-    }
-    return;
+  if (c.keys) {
+    const MacStream stream = (h.kind == OpKind::kAbort || h.kind == OpKind::kBye) ? MacStream::kControl
+                                                                                  : MacStream::kData;
+    const int si = static_cast<int>(stream);
+    c.mac_in.emplace(frame_mac(c.keys->recv, static_cast<uint32_t>(stream), c.frames_in[si]++));
+    c.mac_in->update(c.header_buf, kFrameHeaderBytes);
   }
-  if (h.kind == OpKind::kAbort) {
+  if (h.kind == OpKind::kBye) {
+    c.land.start(nullptr, 0);  // no payload; acted on once whole (on_frame_done)
+  } else if (h.kind == OpKind::kAbort) {
     if (h.offset != 0 || h.length != h.total) {
       throw_error(ErrorKind::kProtocol, "[transport] split abort frame from " + who(), peer_rank_,
                   peer_addr_);
@@ -222,13 +230,47 @@ void Pair::on_header(Conn& c) {
       c.land.start(u.data.get() + h.offset, h.length);
     }
   }
+  c.land.authenticate(c.keys ? &*c.mac_in : nullptr);
   c.in_payload = true;
   if (c.land.left() == 0) on_payload_done(c);
 }
 
 void Pair::on_payload_done(Conn& c) {
   c.in_payload = false;
+  if (!c.keys) {
+    on_frame_done(c);
+    return;
+  }
+  c.land.authenticate(nullptr);
+  c.in_tag = true;  // the frame counts once its tag, next on the socket, matched
+  c.tag_have = 0;
+}
+
+void Pair::on_tag_done(Conn& c) {
+  c.in_tag = false;
+  uint8_t want[kMacTagBytes];
+  c.mac_in->finish(want);
+  c.mac_in.reset();
+  if (!tags_equal(want, c.tag_buf)) {
+    throw_error(ErrorKind::kProtocol,
+                "[transport] a " + std::string(op_kind_name(c.cur.kind)) + " frame from " + who() +
+                    " failed its MAC check (MCCL_FRAME_MAC): it was altered or injected on the way, "
+                    "or the two daemons derived different keys; the link is dropped; check the "
+                    "network path between the hosts and that both run the same MCCL",
+                peer_rank_, peer_addr_);
+  }
+  on_frame_done(c);
+}
+
+void Pair::on_frame_done(Conn& c) {
   const FrameHeader& h = c.cur;
+  if (h.kind == OpKind::kBye) {
+    if (!c.bye) {
+      c.bye = true;
+      ++byes_;
+    }
+    return;
+  }
   if (h.kind == OpKind::kAbort) {
     AbortInfo info;
     if (!decode_abort(reinterpret_cast<const uint8_t*>(c.control.data()), c.control.size(),

@@ -37,7 +37,7 @@ bool Pair::release(Deadline deadline) {
   FrameHeader h;
   h.kind = OpKind::kBye;
   h.comm_id = comm_id_;
-  uint8_t bye[kFrameHeaderBytes];
+  uint8_t bye[kFrameHeaderBytes + kMacTagBytes];
   encode_header(h, bye);
   // Messages that arrived whole but were never received (an eager p2p send nobody took)
   // die with this communicator; they do not matter to the streams. What would: a frame
@@ -45,8 +45,9 @@ bool Pair::release(Deadline deadline) {
   bool clean = true;
   for (auto& c : conns_) {
     if (!clean) break;
+    if (c.keys) tag_control(c, bye, kFrameHeaderBytes, bye + kFrameHeaderBytes);
     clean = c.fd.valid() && c.sendq.empty() && !c.in_payload &&
-            write_all(c.fd.get(), bye, sizeof(bye), deadline);
+            write_all(c.fd.get(), bye, c.keys ? sizeof(bye) : kFrameHeaderBytes, deadline);
   }
   for (auto& c : conns_) {
     if (!clean) break;
@@ -61,28 +62,52 @@ bool Pair::release(Deadline deadline) {
 }
 
 bool Pair::read_to_bye(Conn& c, Deadline deadline) {
-  const size_t leftover = c.rb_end - c.rb_begin;
+  size_t leftover = c.rb_end - c.rb_begin;
   if (c.bye) {
     // The BYE was parsed while idle: it must have been the last byte read.
-    return leftover == 0 && c.header_have == 0;
+    return leftover == 0 && c.header_have == 0 && !c.in_tag;
   }
-  if (c.header_have + leftover > kFrameHeaderBytes) return false;  // a frame after all ops
-  std::memcpy(c.header_buf + c.header_have, c.rbuf.data() + c.rb_begin, leftover);
-  c.header_have += leftover;
+  if (!c.in_tag) {
+    if (c.header_have + leftover > kFrameHeaderBytes) return false;  // a frame after all ops
+    std::memcpy(c.header_buf + c.header_have, c.rbuf.data() + c.rb_begin, leftover);
+    c.header_have += leftover;
+    c.rb_begin = c.rb_end;
+    leftover = 0;
+    if (!read_all(c.fd.get(), c.header_buf + c.header_have, kFrameHeaderBytes - c.header_have,
+                  deadline)) {
+      return false;  // the peer is late, gone, or closed the socket
+    }
+    c.header_have = 0;
+    FrameHeader h = decode_header(c.header_buf);
+    if (h.magic != kFrameMagic || h.version != kProtocolVersion || h.comm_id != comm_id_ ||
+        h.kind != OpKind::kBye || h.total != 0) {
+      return false;
+    }
+    if (!c.keys) {
+      c.bye = true;
+      ++byes_;
+      return true;
+    }
+    c.cur = h;
+    c.mac_in.emplace(frame_mac(c.keys->recv, static_cast<uint32_t>(MacStream::kControl), c.frames_in[1]++));
+    c.mac_in->update(c.header_buf, kFrameHeaderBytes);
+    c.in_tag = true;
+    c.tag_have = 0;
+  }
+  // Frame MACs: exactly the BYE's tag is left to read (its header may have been parsed
+  // while idle).
+  if (c.cur.kind != OpKind::kBye || c.tag_have + leftover > kMacTagBytes) return false;
+  std::memcpy(c.tag_buf + c.tag_have, c.rbuf.data() + c.rb_begin, leftover);
+  c.tag_have += leftover;
   c.rb_begin = c.rb_end;
-  if (!read_all(c.fd.get(), c.header_buf + c.header_have, kFrameHeaderBytes - c.header_have,
-                deadline)) {
-    return false;  // the peer is late, gone, or closed the socket
+  if (!read_all(c.fd.get(), c.tag_buf + c.tag_have, kMacTagBytes - c.tag_have, deadline)) return false;
+  c.tag_have = kMacTagBytes;
+  try {
+    on_tag_done(c);  // counts the BYE
+  } catch (const Error&) {
+    return false;  // not the peer's BYE: the socket is not reused
   }
-  c.header_have = 0;
-  FrameHeader h = decode_header(c.header_buf);
-  if (h.magic != kFrameMagic || h.version != kProtocolVersion || h.comm_id != comm_id_ ||
-      h.kind != OpKind::kBye) {
-    return false;
-  }
-  c.bye = true;
-  ++byes_;
-  return true;
+  return c.bye;
 }
 
 }  // namespace mccl

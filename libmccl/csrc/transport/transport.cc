@@ -12,12 +12,14 @@
 namespace mccl {
 
 Transport::Transport(int rank, int size, uint64_t comm_id, std::vector<std::vector<Fd>> links,
-                     std::vector<std::string> addrs, bool send_thread, int recv_threads)
+                     std::vector<std::string> addrs, bool send_thread, int recv_threads,
+                     const std::vector<std::vector<FrameKeys>>& keys)
     : rank_(rank), size_(size), comm_id_(comm_id), addrs_(std::move(addrs)) {
   pairs_.resize(size);
   for (int r = 0; r < size; ++r) {
     if (r == rank) continue;
-    pairs_[r] = std::make_unique<Pair>(*this, r, addrs_[r], comm_id, std::move(links[r]));
+    pairs_[r] = std::make_unique<Pair>(*this, r, addrs_[r], comm_id, std::move(links[r]),
+                                       keys.empty() ? std::vector<FrameKeys>{} : keys[r]);
   }
   make_wake_pipe(&wake_read_, &wake_write_, "progress thread");
   if (size > 1 && recv_threads > 0) {

@@ -44,8 +44,10 @@ class Transport : public PairHost {
 
   // send_thread: bulk frames are written by a SendThread (else by this thread, in progress).
   // recv_threads: that many RecvThreads read bulk payloads (0: this thread reads all).
+  // keys: empty (no frame MACs), or keys[peer] with one FrameKeys per socket of links[peer].
   Transport(int rank, int size, uint64_t comm_id, std::vector<std::vector<Fd>> links,
-            std::vector<std::string> addrs, bool send_thread, int recv_threads);
+            std::vector<std::string> addrs, bool send_thread, int recv_threads,
+            const std::vector<std::vector<FrameKeys>>& keys = {});
   ~Transport() override;
   Transport(const Transport&) = delete;
   Transport& operator=(const Transport&) = delete;
