@@ -15,7 +15,7 @@ link surface, stages:
 data surface, stages:
   hello    as link/hello with a "data:<id>" purpose: the socket joins the daemon's pool
   engine   a two-host job with this fuzzer as the other host: the data socket is leased
-           to it over the control link as a peer would, then the engine's 52-byte
+           to it over the control link as a peer would, then the engine's 56-byte
            Hello (handshake.cc) is sent mutated, and after it, when accepted, a mutated
            72-byte frame header (frame.h); the engine's verdict or a close must come,
            and the job's join must be answered
@@ -43,7 +43,7 @@ from .target import FLEET, FLEET_KEY, Helper, fake_host_id
 
 _KEY = FLEET_KEY.encode()
 _LEN = struct.Struct("!I")
-_HELLO = struct.Struct("<IIQIIIIIQQ")        # handshake.cc encode_hello: 52 bytes
+_HELLO = struct.Struct("<IIQIIIIIQQI")       # handshake.cc encode_hello: 56 bytes
 _MAGIC = 0x4C43434D
 _K = 1                                       # MCCL_SOCKETS_PER_PEER of the fuzzed daemon
 _JOBS = itertools.count(1)
@@ -224,7 +224,7 @@ class DataSurface(Surface):
             sock.close()
         cfg = _engine_defaults()
         hello = {"magic": _MAGIC, "version": 1, "comm_id": "$COMM", "from_rank": 0, "to_rank": 1, "world": 2,
-                 "sock_index": 0, "socks_per_peer": _K, **cfg}
+                 "sock_index": 0, "socks_per_peer": _K, "frame_mac": 0, **cfg}
         header = {"magic": _MAGIC, "version": 1, "kind": 1, "comm_id": "$COMM", "seq": 1, "tag": 0, "flags": 0,
                   "offset": 0, "length": 8, "total": 8, "op_bytes": 8, "dtype": 0, "redop": 0, "root": -1}
         abort = {**header, "kind": 12, "seq": 0, "op_bytes": 0, "length": 33, "total": 33,
@@ -404,7 +404,8 @@ def _pack_hello(h: Any) -> bytes:
     return _HELLO.pack(_u(h.get("magic"), 32), _u(h.get("version"), 32), _u(h.get("comm_id"), 64),
                        _u(h.get("from_rank"), 32), _u(h.get("to_rank"), 32), _u(h.get("world"), 32),
                        _u(h.get("sock_index"), 32), _u(h.get("socks_per_peer"), 32),
-                       _u(h.get("segment_bytes"), 64), _u(h.get("small_allreduce_bytes"), 64))
+                       _u(h.get("segment_bytes"), 64), _u(h.get("small_allreduce_bytes"), 64),
+                       _u(h.get("frame_mac"), 32))
 
 
 def _pack_header(h: Any) -> bytes:
