@@ -1,0 +1,35 @@
+"""OnceLogger: a repeated network error is logged at WARNING once, then at DEBUG, and the
+keys it remembers are capped (a hostile peer mints a new key with every connection)."""
+
+from __future__ import annotations
+
+import logging
+
+from mccld.logutil import OnceLogger
+
+
+def test_warns_once_per_key_then_logs_at_debug(caplog):
+    log = logging.getLogger("test.once")
+    caplog.set_level(logging.DEBUG, logger="test.once")
+    once = OnceLogger(log)
+    for _ in range(3):
+        once.warn("peer:a", "lost %s", "a")
+    once.warn("peer:b", "lost %s", "b")
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("WARNING", "lost a"), ("DEBUG", "lost a"), ("DEBUG", "lost a"), ("WARNING", "lost b")]
+    once.forget("peer:a")
+    once.warn("peer:a", "lost %s", "a")
+    assert caplog.records[-1].levelname == "WARNING"
+
+
+def test_the_keys_it_remembers_are_capped_oldest_out_first(caplog):
+    log = logging.getLogger("test.once.cap")
+    caplog.set_level(logging.DEBUG, logger="test.once.cap")
+    once = OnceLogger(log, max_keys=100)
+    for i in range(10_000):
+        once.warn(f"client:{i}", "bad request from %d", i)
+    assert len(once) == 100
+    once.warn("client:9999", "again")           # still remembered: DEBUG
+    assert caplog.records[-1].levelname == "DEBUG"
+    once.warn("client:0", "again")              # long forgotten: WARNING again
+    assert caplog.records[-1].levelname == "WARNING"
