@@ -188,6 +188,9 @@ class DaemonStats:
                 self._trim(o.window, now)
             j = self._jobs.get(job)
             if j is None:
+                # Pruned here too, not only when read: with nobody scraping, one entry per job
+                # would pile up for as long as the daemon runs.
+                self._prune(self._jobs, now)
                 j = self._jobs[job] = _Job()
             j.world = world
             j.ops += 1
@@ -235,6 +238,7 @@ class DaemonStats:
             key = (job, int(rank))
             ov = self._overlap.get(key)
             if ov is None:
+                self._prune(self._overlap, now)
                 ov = self._overlap[key] = _Overlap()
             ov.latest = ratio
             ov.total += ratio
@@ -297,13 +301,11 @@ class DaemonStats:
                                "tx_bytes_per_s": sum(w[1] for w in p.window) / span,
                                "rx_bytes_per_s": sum(w[2] for w in p.window) / span,
                                "ceiling_bits_per_s": p.ceiling_bps, "ceiling_at": p.ceiling_at}
-            for key in [k for k, v in self._overlap.items() if now - v.seen > JOB_STALE_AFTER_S]:
-                del self._overlap[key]
+            self._prune(self._overlap, now)
             overlap = [{"job": job, "rank": rank, "latest": v.latest,
                         "mean": v.total / v.samples, "samples": v.samples}
                        for (job, rank), v in self._overlap.items()]
-            for key in [k for k, v in self._jobs.items() if now - v.seen > JOB_STALE_AFTER_S]:
-                del self._jobs[key]
+            self._prune(self._jobs, now)
             jobs = {job: {"world": j.world, "ops": j.ops, "bytes": j.bytes,
                           "idle_s": now - j.seen} for job, j in self._jobs.items()}
             return {
@@ -333,6 +335,12 @@ class DaemonStats:
         # Rates average over the whole window, or over the daemon's life while it is
         # younger than the window; never less than one second (the slot granularity).
         return max(1.0, min(BUSBW_WINDOW_S, now - self._start_mono))
+
+    @staticmethod
+    def _prune(table: dict, now: float) -> None:
+        """Drop the entries of jobs not seen for JOB_STALE_AFTER_S (the caller holds the lock)."""
+        for key in [k for k, v in table.items() if now - v.seen > JOB_STALE_AFTER_S]:
+            del table[key]
 
     @staticmethod
     def _trim(window: deque, now: float) -> None:

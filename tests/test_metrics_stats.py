@@ -161,3 +161,15 @@ def test_bus_world_overrides_world_for_bus_bytes_only():
     snap = s.snapshot()
     assert snap["ops"]["allreduce"]["bus_bytes"] == pytest.approx(1000.0)
     assert snap["jobs"]["j"]["world"] == 4
+
+
+@pytest.mark.timeout(10)
+def test_finished_jobs_are_forgotten_even_when_nobody_reads_the_stats():
+    """A daemon nobody scrapes runs job after job: its per-job entries must not pile up."""
+    clock = FakeClock()
+    s = st.DaemonStats(clock=clock)
+    for i in range(1000):
+        s.record_collective(f"job{i}", "allreduce", 1024, 0.001, 4)
+        s.record_overlap(f"job{i}", 0, 0.5)
+        clock.t += st.JOB_STALE_AFTER_S / 100       # a job every 3 s, each seen once
+    assert len(s._jobs) <= 101 and len(s._overlap) <= 101
