@@ -227,6 +227,8 @@ class Pair {
   // Starts landing h's payload in req's buffer (checks a reduce-receive's alignment).
   void land_in(Conn& c, const RequestPtr& req, const FrameHeader& h);
   void on_payload_done(Conn& c);
+  // Starts the MAC of the frame whose header c.header_buf holds (the next of `stream`).
+  void start_mac_in(Conn& c, MacStream stream);
   void on_tag_done(Conn& c);   // checks the tag, then on_frame_done
   void on_frame_done(Conn& c);  // the frame is whole (and authentic): act on it
   // The tag of a frame written now on c: header, then payload (control frames).

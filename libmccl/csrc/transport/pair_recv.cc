@@ -180,11 +180,8 @@ void Pair::on_header(Conn& c) {
   c.target.reset();
   c.unexpected = nullptr;
   if (c.keys) {
-    const MacStream stream = (h.kind == OpKind::kAbort || h.kind == OpKind::kBye) ? MacStream::kControl
-                                                                                  : MacStream::kData;
-    const int si = static_cast<int>(stream);
-    c.mac_in.emplace(frame_mac(c.keys->recv, static_cast<uint32_t>(stream), c.frames_in[si]++));
-    c.mac_in->update(c.header_buf, kFrameHeaderBytes);
+    start_mac_in(c, (h.kind == OpKind::kAbort || h.kind == OpKind::kBye) ? MacStream::kControl
+                                                                        : MacStream::kData);
   }
   if (h.kind == OpKind::kBye) {
     c.land.start(nullptr, 0);  // no payload; acted on once whole (on_frame_done)
@@ -244,6 +241,12 @@ void Pair::on_payload_done(Conn& c) {
   c.land.authenticate(nullptr);
   c.in_tag = true;  // the frame counts once its tag, next on the socket, matched
   c.tag_have = 0;
+}
+
+void Pair::start_mac_in(Conn& c, MacStream stream) {
+  const int si = static_cast<int>(stream);
+  c.mac_in.emplace(frame_mac(c.keys->recv, static_cast<uint32_t>(stream), c.frames_in[si]++));
+  c.mac_in->update(c.header_buf, kFrameHeaderBytes);
 }
 
 void Pair::on_tag_done(Conn& c) {

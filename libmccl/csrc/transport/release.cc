@@ -89,8 +89,7 @@ bool Pair::read_to_bye(Conn& c, Deadline deadline) {
       return true;
     }
     c.cur = h;
-    c.mac_in.emplace(frame_mac(c.keys->recv, static_cast<uint32_t>(MacStream::kControl), c.frames_in[1]++));
-    c.mac_in->update(c.header_buf, kFrameHeaderBytes);
+    start_mac_in(c, MacStream::kControl);
     c.in_tag = true;
     c.tag_have = 0;
   }
