@@ -241,13 +241,19 @@ class Job:
     def fail(self, exc: MCCLError, local: bool) -> None:
         """Fail every pending and later op with ``exc``; ``local``: tell the peer daemons too."""
         with self._lock:
-            if self.failed is not None:
-                return
-            self.failed = exc
-            self.state = "failed"
-            pending = [p for waiting in self.pending.values() for p in waiting.values()]
-            self.pending.clear()
-            joining = [(m.ident, m.join_req) for m in self.members.values()] if self.hierarchy is None else []
+            verdict = self.failed
+            if verdict is None:
+                self.failed = exc
+                self.state = "failed"
+                pending = [p for waiting in self.pending.values() for p in waiting.values()]
+                self.pending.clear()
+                joining = [(m.ident, m.join_req) for m in self.members.values()] if self.hierarchy is None else []
+        if verdict is not None:
+            # Another thread set the verdict and may not have failed the dispatcher yet; a
+            # dispatcher whose own error brought us here fails its clients with that raw error
+            # once we return, unless it holds the verdict first (idempotent: the first wins).
+            self.fast.fail(verdict)
+            return
         log.warning("%s", exc)
         self.fast.fail(exc)  # before the engine's abort: its verdict must not be the one clients see
         if self.hierarchy is not None:
@@ -433,11 +439,6 @@ class Job:
             exc = (self._engine_verdict(exc) if isinstance(exc, (AbortedError, CollectiveTimeout))
                    else self._in_host_terms(exc))
         self.fail(exc, local=True)
-        # Another thread (a peer daemon's notice, say) may have set the job's verdict and not
-        # failed the dispatcher yet, so fail() above returned early; the dispatcher would then
-        # fail its clients with the raw engine error it holds once this returns. Failing it
-        # here with the verdict is idempotent and leaves the clients only the verdict to read.
-        self.fast.fail(self.failed or exc)
 
     def _run(self, waiting: dict[int, _Pending]) -> None:
         seq = waiting[self.local_ranks[0]].msg.seq

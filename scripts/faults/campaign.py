@@ -317,7 +317,7 @@ def _check_leaks(t: Trial, job: str, daemons: HostDaemons | None, replaced: int 
 def _summary(trials: list[Trial], seconds: float, first_seed: int, mode: str) -> dict:
     kinds: dict[str, dict] = {}
     for t in trials:
-        k = kinds.setdefault(t.kind, {"trials": 0, "ok": 0, **{c: 0 for c in _CATEGORIES}, "detect_s": []})
+        k = kinds.setdefault(t.kind, _empty_kind())
         k["trials"] += 1
         k["ok"] += not t.problems
         for c in t.problems:
@@ -328,6 +328,10 @@ def _summary(trials: list[Trial], seconds: float, first_seed: int, mode: str) ->
 
 
 _CATEGORIES = ("hangs", "wrong_errors", "corrupted", "leaks", "daemon_growth", "late", "setup")
+
+
+def _empty_kind() -> dict:
+    return {"trials": 0, "ok": 0, **{c: 0 for c in _CATEGORIES}, "detect_s": []}
 
 
 def _finish_summary(mode: str, first_seed: int, seconds: float, kinds: dict[str, dict],
@@ -353,7 +357,7 @@ def combine(parts: list[dict]) -> dict:
     kinds: dict[str, dict] = {}
     for p in parts:
         for name, k in p["kinds"].items():
-            into = kinds.setdefault(name, {"trials": 0, "ok": 0, **{c: 0 for c in _CATEGORIES}, "detect_s": []})
+            into = kinds.setdefault(name, _empty_kind())
             for c in ("trials", "ok") + _CATEGORIES:
                 into[c] += k[c]
             into["detect_s"] += k["detect_s"]

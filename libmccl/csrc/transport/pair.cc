@@ -29,12 +29,6 @@ size_t stripe_begin(size_t n, size_t stripes, size_t s) {
 Pair::Pair(PairHost& host, int peer_rank, std::string peer_addr, uint64_t comm_id,
            std::vector<Fd> fds, const std::vector<FrameKeys>& keys)
     : host_(host), peer_rank_(peer_rank), peer_addr_(std::move(peer_addr)), comm_id_(comm_id) {
-  if (!keys.empty() && keys.size() != fds.size()) {
-    throw_error(ErrorKind::kConfig, "[transport] " + std::to_string(keys.size()) +
-                                        " frame key pairs for " + std::to_string(fds.size()) +
-                                        " sockets to rank " + std::to_string(peer_rank) +
-                                        "; give one per socket, or none");
-  }
   conns_.resize(fds.size());
   for (size_t i = 0; i < fds.size(); ++i) {
     conns_[i].fd = std::move(fds[i]);

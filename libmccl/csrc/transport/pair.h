@@ -95,7 +95,7 @@ class Pair {
   static constexpr size_t kInlineBytes = 512 << 10;
   static constexpr int kMaxIov = 64;  // frames gathered into one sendmsg()
 
-  // `keys`: empty (no frame MACs) or one per socket.
+  // `keys`: empty (no frame MACs) or one per socket (the Communicator checked the shape).
   Pair(PairHost& host, int peer_rank, std::string peer_addr, uint64_t comm_id,
        std::vector<Fd> fds, const std::vector<FrameKeys>& keys = {});
 
