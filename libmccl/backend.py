@@ -186,11 +186,6 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
     def _launch_staged(self, staged: Any, stream: Any, work: MCCLWork, launch: Callable[[], int]) -> int:
         """O1 on this (torch's) thread, then the engine op behind a gate on its ``ready``:
         the call returns once the copies are queued, whatever the device still has to run."""
-        if self._cfg.daemon:
-            staged.abandon()
-            raise ConfigError(f"[mccl] {staged.what}: device tensors need the in-process engine's tickets, which "
-                              "mccld does not take yet (MCCL_DAEMON=1); unset MCCL_DAEMON for jobs with CUDA "
-                              "tensors, or move the tensors to the CPU")
         staged.engine_finished = work.is_completed
         work._result.on_failure(staged.settle)  # on the completion thread: a ticket store, no device call
         try:
@@ -224,10 +219,6 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
         if found is None:
             return None
         order, stream = found
-        if self._cfg.daemon:
-            order.abandon()
-            raise ConfigError(f"[mccl] {name}: {t.device} tensors need the in-process engine's tickets, which "
-                              "mccld does not take yet; unset MCCL_DAEMON for jobs with device tensors")
         try:
             work = self._submit(name, lambda: launch(order.buffer, ready=order.ready, done=order.done,
                                                      base=TICKET_BASE),

@@ -51,7 +51,7 @@ class Communicator(Protocol):
     def barrier(self) -> int: ...
 
     # Holds back the ops issued after it until ``ready`` >= base + nbytes (device staging,
-    # device_order.StagedOp); a local step. mccld takes no device tensors: its client refuses.
+    # device_order.StagedOp); a local step (through mccld, in the client's queue: daemon_gates.py).
     def gate(self, ready: Any, base: int, nbytes: int) -> None: ...
 
     # -- point to point -----------------------------------------------------------------------

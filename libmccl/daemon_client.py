@@ -42,7 +42,8 @@ from zmq.utils.monitor import parse_monitor_message
 from . import errors
 from .config import EngineConfig, load
 from .daemon_attach import Attachment
-from .daemon_ops import OpBuilder, OpSpec
+from .daemon_gates import Gate, GateWatcher, gate_timeout
+from .daemon_ops import DTYPE_SIZE, OpBuilder, OpSpec
 from .daemon_p2p import PostedRecv, PostedRecvs
 from .errors import (AbortedError, CollectiveTimeout, ConfigError, DaemonUnavailableError, MCCLError,
                      ProtocolError)
@@ -106,6 +107,8 @@ class _Op:
     deadline: float = 0.0
     req: int = 0
     pipe: _Pipe | None = None
+    done: Any = None                           # a device op's done ticket (unified all-reduce), and
+    done_target: int = 0                       # the value it gets once the result is in place
 
 
 class DaemonCommunicator:
@@ -133,7 +136,8 @@ class DaemonCommunicator:
         self._next_op = 0
         self._seq = 0
         self._lock = threading.Lock()
-        self._queue: collections.deque[_Op] = collections.deque()
+        self._queue: collections.deque[_Op | Gate] = collections.deque()
+        self._gates = GateWatcher(f"mccl-daemon-gate-{rank}", self._wake)
         self._recvs = PostedRecvs()
         self._piece = int(getattr(opts, "pipeline_bytes", 0) or load(EngineConfig).pipeline_bytes)
         fast_bytes = load(EngineConfig).daemon_fast_bytes
@@ -205,8 +209,16 @@ class DaemonCommunicator:
         self._thread.start()
 
     # -- the engine API -------------------------------------------------------------------------
-    def allreduce(self, ptr: int, count: int, dtype: int, op: int) -> int:
-        return self._enqueue(self._ops.allreduce(ptr, count, dtype, op))
+    def allreduce(self, ptr: int, count: int, dtype: int, op: int, *, ready: Any = None, done: Any = None,
+                  base: int = 0) -> int:
+        """With tickets (a device buffer in host-visible memory, device_order.OrderedOp), as the
+        engine takes them: nothing of the op starts before ``ready`` >= base + its bytes, and
+        ``done`` gets that value once the result is in the buffer (poisoned if the op fails)."""
+        spec = self._ops.allreduce(ptr, count, dtype, op)   # validates dtype and count
+        nbytes = count * DTYPE_SIZE[dtype]
+        if ready is not None and nbytes:
+            self.gate(ready, base, nbytes)
+        return self._enqueue(spec, done, base + nbytes)
 
     def broadcast(self, ptr: int, nbytes: int, root: int) -> int:
         return self._enqueue(self._ops.broadcast(ptr, nbytes, root))
@@ -230,9 +242,15 @@ class DaemonCommunicator:
         return self._enqueue(self._ops.barrier())
 
     def gate(self, ready: Any, base: int, nbytes: int) -> None:
-        # The backend refuses device tensors with MCCL_DAEMON=1 before it would get here.
-        raise ConfigError("[daemon-client] mccld takes no device tensors (no tickets across processes yet); "
-                          "unset MCCL_DAEMON for jobs with CUDA tensors")
+        """Ops issued after this start once ``ready`` >= base + nbytes (daemon_gates.py)."""
+        if nbytes <= 0:
+            raise ConfigError(f"[daemon-client] gate needs nbytes > 0, got {nbytes}")
+        gate = Gate(ready, base + nbytes)
+        with self._lock:
+            if self._failed is not None:
+                return  # every later op fails with that error anyway
+            self._queue.append(gate)
+        self._wake()
 
     def alltoall(self, send_ptr: int, recv_ptr: int, nbytes: int) -> int:
         return self._enqueue(self._ops.alltoall(send_ptr, recv_ptr, nbytes))
@@ -315,9 +333,9 @@ class DaemonCommunicator:
             return {**self._stats, "per_peer": {}}
 
     # -- internals -----------------------------------------------------------------------------
-    def _enqueue(self, spec: OpSpec) -> int:
+    def _enqueue(self, spec: OpSpec, done: Any = None, done_target: int = 0) -> int:
         with self._lock:
-            op = _Op(self._next_op, spec)
+            op = _Op(self._next_op, spec, done=done, done_target=done_target)
             self._next_op += 1
             failed = self._failed
             if failed is None:
@@ -341,6 +359,14 @@ class DaemonCommunicator:
                     pass
 
     def _finish_locked(self, op: _Op | PostedRecv, err: MCCLError | None) -> None:
+        done = getattr(op, "done", None)
+        if done is not None:
+            # Before anyone hears of the completion, as the engine does: a device waiting on
+            # done must not pass before the result is in place, nor stay blocked on a failure.
+            if err is None:
+                done.signal(op.done_target)
+            else:
+                done.poison()
         self._results[op.op_id] = err
         while len(self._results) > _RESULTS_KEPT:
             self._results.popitem(last=False)
@@ -355,6 +381,21 @@ class DaemonCommunicator:
 
     def _busy_locked(self) -> bool:
         return bool(self._inflight is not None or self._queue or self._recvs)
+
+    def _head_locked(self) -> _Op | None:
+        """The next op to start, past the gates that opened; None if there is none or a
+        closed gate holds it back (then the watcher waits on that gate)."""
+        while self._queue and isinstance(self._queue[0], Gate):
+            gate = self._queue[0]
+            if not gate.open() and gate.error is None:
+                if not gate.deadline:
+                    gate.deadline = time.monotonic() + self.timeout_s
+                    self._gates.watch(gate)
+                return None
+            if gate.error is not None:
+                return None  # the I/O thread fails the communicator with it (_expired)
+            self._queue.popleft()
+        return self._queue[0] if self._queue else None
 
     def _ensure_segment(self, span: int) -> None:
         seg = self._segment
@@ -390,8 +431,10 @@ class DaemonCommunicator:
         """Publishes the next op if it is a small one and nothing is in flight; any thread
         may call it (no ZeroMQ). True if it did."""
         with self._lock:
-            if (self._inflight is not None or not self._queue or self._failed is not None
-                    or self._fastq is None or not self._queue[0].spec.fast):
+            if self._inflight is not None or self._failed is not None or self._fastq is None:
+                return False
+            head = self._head_locked()
+            if head is None or not head.spec.fast:
                 return False
             op = self._queue.popleft()
             self._inflight = op
@@ -439,8 +482,10 @@ class DaemonCommunicator:
         if self._start_fast():
             return
         with self._lock:
-            if (self._inflight is not None or not self._queue or self._failed is not None
-                    or self._queue[0].spec.fast):
+            if self._inflight is not None or self._failed is not None:
+                return
+            head = self._head_locked()
+            if head is None or head.spec.fast:
                 return
             op = self._queue.popleft()
             self._inflight = op
@@ -560,12 +605,21 @@ class DaemonCommunicator:
             waits = self._recvs.deadlines()
             if self._inflight is not None:
                 waits.append(self._inflight.deadline)
+            elif self._queue and isinstance(self._queue[0], Gate) and self._queue[0].deadline:
+                waits.append(self._queue[0].deadline)
         return min(waits, default=None)
 
-    def _expired(self, now: float) -> CollectiveTimeout | None:
+    def _expired(self, now: float) -> MCCLError | None:
         with self._lock:
             op = self._inflight
             late = self._recvs.expired(now, self.rank, self.timeout_s)
+            gate = self._queue[0] if op is None and self._queue and isinstance(self._queue[0], Gate) else None
+        if gate is not None:
+            opened = gate.open()
+            if gate.error is not None:
+                return gate.error
+            if not opened and gate.deadline and now > gate.deadline:
+                return gate_timeout(gate, self.rank, self.timeout_s)
         if op is not None and now > op.deadline:
             return CollectiveTimeout(
                 f"[daemon-client] Timed out after {self.timeout_s:.0f}s waiting for {op.spec.name} (op {op.op_id}) "
@@ -647,8 +701,8 @@ class DaemonCommunicator:
                 if self._failed is None:
                     self._failed = exc
                 exc = self._failed
-                ops = (([self._inflight] if self._inflight is not None else []) + list(self._queue)
-                       + self._recvs.take_all())
+                ops = (([self._inflight] if self._inflight is not None else [])
+                       + [op for op in self._queue if not isinstance(op, Gate)] + self._recvs.take_all())
                 self._inflight = None
                 self._queue.clear()
         if closer is not None:
@@ -669,6 +723,7 @@ class DaemonCommunicator:
             # nothing behind. Only the name goes; the mapping stays valid for an I/O thread still copying.
             seg.unlink()
         self._close_fast_queue()
+        self._gates.stop()
         self._fail_ops(ops, exc)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._wake()

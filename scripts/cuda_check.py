@@ -9,6 +9,7 @@ Run from the repository root on a machine with a CUDA GPU, after building the en
     pip install --no-build-isolation --no-deps -e .     # or put a built libmccl/_core*.so in place
     python scripts/cuda_check.py                         # about 1-2 minutes on the H200
     python scripts/cuda_check.py --emulated              # no GPU: the emulated driver (a dry run)
+    python scripts/cuda_check.py --daemon                # the same through one mccld (MCCL_DAEMON=1; needs pyzmq)
 
 1. Every collective (libmccl.device_check.CASES) with CUDA tensors at 1, 2 and 4 ranks
    sharing GPU 0 equals the same case on CPU copies over Gloo (or mccl's CPU path where
@@ -271,7 +272,38 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--emulated", action="store_true",
                     help="no GPU: CUDA tensors are host memory behind libmccl.cuda_emulator (a dry run of this script)")
+    ap.add_argument("--daemon", action="store_true",
+                    help="every rank through one mccld started by this script (MCCL_DAEMON=1), as on one host")
     args = ap.parse_args()
+    if args.daemon:
+        return _with_daemon(lambda: _checks(args))
+    return _checks(args)
+
+
+def _with_daemon(run) -> int:
+    """Start one mccld in this process for the spawned ranks (they inherit the environment)."""
+    import contextlib
+    import tempfile
+
+    from mccld.config import load_config
+    from mccld.daemon import Daemon
+
+    with tempfile.TemporaryDirectory(prefix="mccl-cudacheck-") as rdir, contextlib.ExitStack() as stack:
+        env = {"MCCL_RUNTIME_DIR": rdir, "MCCL_FLEET_KEY": "cuda-check-" + "k" * 16, "MCCL_LISTEN_ADDR": "127.0.0.1",
+               "MCCL_PORT": "0", "MCCL_STATUS_PORT": "0", "MCCL_METRICS_PORT": "0",
+               "MCCL_HOST_ID": f"cudacheck{os.getpid()}"}
+        daemon = Daemon(load_config(env=env)).start()
+        stack.callback(daemon.stop)
+        os.environ.update(env, MCCL_DAEMON="1")
+        rc = run()
+        ops = daemon.stats.snapshot()["ops"] if daemon.stats is not None else {}
+        served = sum(o["count"] for o in ops.values())
+        print(("PASS " if served else "FAIL ") + f"mccld served the ranks' collectives ({served} ops: "
+              + ", ".join(f"{k} {o['count']}" for k, o in sorted(ops.items())) + ")", flush=True)
+        return rc if served else 1
+
+
+def _checks(args) -> int:
     import torch
 
     if not args.emulated and not torch.cuda.is_available():
@@ -376,8 +408,10 @@ def main() -> int:
     elapsed = time.monotonic() - t_start
     print(f"INFO total {elapsed:.0f} s")
     report_json["elapsed_s"] = elapsed
+    report_json["daemon"] = bool(args.daemon)
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "cuda_check.json"), "w") as f:
+        name = "cuda_check_daemon.json" if args.daemon else "cuda_check.json"
+        with open(os.path.join(os.environ["OUT"], name), "w") as f:
             json.dump(report_json, f, indent=1, default=str)
     print("OK" if not failed else f"{failed} check(s) FAILED")
     return 1 if failed else 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from collective_suite import MODES
 from conftest import init_pg
 
 
@@ -45,6 +46,9 @@ def _rows(rank: int, world: int, kind: str, passes: int = 1, broken: bool = Fals
                     break
         if hasattr(dev, "emulator"):
             rows.append(("calls", dict(dev.emulator.calls)))
+        import sys
+        client = sys.modules.get("libmccl.daemon_client")   # imported only with MCCL_DAEMON=1
+        rows.append(("comm", "daemon" if client is not None and client._live else "in-process"))
     finally:
         if undo is not None:
             undo()
@@ -58,7 +62,7 @@ def _rows(rank: int, world: int, kind: str, passes: int = 1, broken: bool = Fals
 def _check(per_rank: list[list[tuple]]) -> None:
     for rank, rows in enumerate(per_rank):
         for row in rows:
-            if row[0] == "calls":
+            if row[0] in ("calls", "comm"):
                 continue
             _, case, equal, early, detail = row
             assert equal, f"rank {rank}: {case} differs from the CPU run: {detail}"
@@ -71,8 +75,20 @@ def test_every_collective_on_the_emulated_cuda_driver(ranks, world: int) -> None
     per_rank = ranks(_rows, world, "emulated", 2, timeout_s=200)
     _check(per_rank)
     for rows in per_rank:
-        calls = rows[-1][1]
+        calls = rows[-2][1]
         assert not calls.get("cuStreamSynchronize") and not calls.get("cuCtxSynchronize"), calls
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["emulated", "fake-staged", "fake-unified", "mixed"])
+def test_every_collective_through_mccld(ranks, kind: str) -> None:
+    """The same cases with MCCL_DAEMON=1: the gates and the unified all-reduce's tickets are
+    kept by the daemon client's queue (libmccl/daemon_gates.py) instead of the engine's."""
+    with MODES["daemon"].setup() as env:
+        per_rank = ranks(_rows, 2 if kind != "mixed" else 3, kind, 2 if kind in ("emulated", "mixed") else 1,
+                         timeout_s=250, env=env)
+    _check(per_rank)
+    assert {rows[-1] for rows in per_rank} == {("comm", "daemon")}, [rows[-1] for rows in per_rank]
 
 
 @pytest.mark.timeout(240)
@@ -89,12 +105,14 @@ def test_a_cpu_rank_and_cuda_ranks_share_every_collective(ranks) -> None:
 @pytest.mark.timeout(240)
 def test_without_o1_the_results_are_wrong_on_the_emulated_driver(ranks) -> None:
     per_rank = ranks(_rows, 2, "emulated", 2, True, timeout_s=200)
-    wrong = [row for rows in per_rank for row in rows if row[0] != "calls" and not row[2]]
+    wrong = [row for rows in per_rank for row in rows if row[0] not in ("calls", "comm") and not row[2]]
     assert wrong, "the negative control (O1 removed) gave right results: the checks cannot see a missing O1"
 
 
 @pytest.mark.timeout(240)
-def test_without_o1_the_fake_device_names_the_race(ranks) -> None:
-    per_rank = ranks(_rows, 2, "fake-staged", 1, True, timeout_s=200)
-    details = [row[4] for rows in per_rank for row in rows if row[0] != "calls" and not row[2]]
+@pytest.mark.parametrize("mode", ["inprocess", "daemon"])
+def test_without_o1_the_fake_device_names_the_race(ranks, mode: str) -> None:
+    with MODES[mode].setup() as env:
+        per_rank = ranks(_rows, 2, "fake-staged", 1, True, timeout_s=200, env=env)
+    details = [row[4] for rows in per_rank for row in rows if row[0] not in ("calls", "comm") and not row[2]]
     assert any("DeviceRace" in d for d in details), details

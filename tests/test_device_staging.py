@@ -4,7 +4,6 @@ its StagedOp is abandoned (every ticket poisoned, so its blocks and words are re
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import datetime
 
 import pytest
@@ -37,14 +36,6 @@ def _tensor(fake: FakeDevice, numel: int) -> torch.Tensor:
 
 def _last_op(fake: FakeDevice):
     return device_tensors._ledger(fake)._ops[-1]
-
-
-def test_with_the_daemon_a_device_tensor_is_refused_naming_the_setting(solo) -> None:
-    pg, (fake, _) = solo
-    pg._cfg = dataclasses.replace(pg._cfg, daemon=True)  # as MCCL_DAEMON=1 would have it
-    with pytest.raises(ConfigError, match="MCCL_DAEMON"):
-        pg.all_gather_single(_tensor(fake, 8), _tensor(fake, 8))
-    assert _last_op(fake).reusable()
 
 
 def test_a_non_contiguous_device_output_is_refused(solo) -> None:

@@ -13,7 +13,7 @@
 #   6-n8-recv0       step 1's in-process all_reduce with MCCL_RECV_THREADS=0 (receive threads off)
 #   7-solo-ddp       a world-size-1 DDP step, Gloo against MCCL
 #   8-cuda-ddp-n4    DDP on cuda tensors, 4 hosts x 1 rank sharing the GPU, 10 Gbit/s: step vs the
-#                    step without communication (overlap), staged copies, Gloo
+#                    step without communication (overlap), staged copies, Gloo; in-process and through mccld
 #   9-campaign       issue 11's fault campaign, 1,000 trials per mode (scripts/faults/campaign.py)
 #   10-n8-mac        issue 11's per-frame MAC: daemon busbw with MCCL_FRAME_MAC=0 and 1, 8 hosts x 10 Gbit/s
 # STEPS picks which run (default "1 2 3 4 5"; e.g. STEPS="1 2 3 6" then STEPS="4 5 7" as
@@ -132,7 +132,7 @@ if timeout 45 $PY -m libmccl.fleet selftest --rate 1gbit > "$RESULTS/fleet-selft
   # Issue 10's NVIDIA target: DDP on cuda tensors, 4 ranks sharing the GPU, each in its own
   # emulated host at 10 Gbit/s; plain DDP beside the step without communication (overlap),
   # staging through blocking copies, and Gloo (which also runs every variant).
-  want 8 && bench "8-cuda-ddp-n4-$FAST" 200 --hosts "${H_CUDA:-4}" --rate "$FAST" --backends mccl,gloo \
+  want 8 && bench "8-cuda-ddp-n4-$FAST" 280 --hosts "${H_CUDA:-4}" --rate "$FAST" --backends mccl,gloo --mode "$MODES" \
     --workload ddp --ddp-device cuda --ddp-variants ddp,nocomm,staged --ddp-width "${CUDA_WIDTH:-1024}" \
     --ddp-depth "${CUDA_DEPTH:-48}" --ddp-bucket-mb "${CUDA_BUCKET_MB:-4}" --ddp-batch "${CUDA_BATCH:-16384}" \
     --ddp-steps 8 --latency-iters 0 --ceiling-seconds 2
