@@ -10,13 +10,13 @@ build:
 	@.venv/bin/pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
 
 demo: setup
-	@$(PY) -m libmccl.demo --with-daemon
+	@$(PY) -m tools.demo --with-daemon
 
 test: setup
 	@bash scripts/test.sh
 
 bench: setup
-	@$(PY) -m libmccl.bench
+	@$(PY) -m tools.bench
 
 clean:
 	rm -rf build .venv *.egg-info

@@ -14,9 +14,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from mccl_common.errors import ConfigError
+
 from . import DEVICES, device_tensors
 from . import _torch_compat as compat
-from .errors import ConfigError
 
 # Values of mccl::DType (csrc/dtype.h): part of the engine ABI, append-only.
 DTYPE_CODES: dict[torch.dtype, int] = {
@@ -39,7 +40,6 @@ REDUCE_OP_CODES: dict[Any, int] = {
     _R.SUM: 0, _R.AVG: 1, _R.MIN: 2, _R.MAX: 3, _R.PRODUCT: 4, _R.BAND: 5, _R.BOR: 6, _R.BXOR: 7,
 }
 _COMPLEX_OK = {0, 1}  # SUM, AVG
-
 
 
 def nbytes(t: torch.Tensor) -> int:

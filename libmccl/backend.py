@@ -22,13 +22,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from mccl_common.errors import AbortedError, ConfigError, DaemonUnavailableError, MCCLError
+from mccl_common.settings import EngineConfig, load
+
 from . import BACKEND_NAME, DEVICES
 from . import _buffers as B
 from . import device_tensors
 from . import _torch_compat as compat
 from . import rendezvous
-from .config import EngineConfig, load
-from .errors import AbortedError, ConfigError, DaemonUnavailableError, MCCLError
 from .group_options import Options
 from .backend_exchange import ExchangeOps
 from .device_order import TICKET_BASE

@@ -8,9 +8,10 @@ from typing import Any, Sequence
 
 import torch
 
+from mccl_common.errors import ConfigError
+
 from . import _buffers as B
 from . import _torch_compat as compat
-from .errors import ConfigError
 from .work import MCCLWork
 
 _c10d = torch.distributed

@@ -18,11 +18,12 @@ import ctypes.util
 import threading
 from typing import Any
 
+from mccl_common.errors import ConfigError, MCCLError
+from mccl_common.settings import EngineConfig, load
+
 from . import _core
-from .config import EngineConfig, load
 from .device_order import TICKET_BASE, DeviceOps
 from .device_pool import StagingPool
-from .errors import ConfigError, MCCLError
 
 _CU_MEMHOSTALLOC_PORTABLE = 0x01
 _CU_MEMHOSTALLOC_DEVICEMAP = 0x02

@@ -18,8 +18,10 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from mccl_common import attach_protocol as protocol
+from mccl_common.errors import CollectiveTimeout, ConfigError, DaemonUnavailableError
+
 from . import listen_addr, rendezvous
-from .errors import CollectiveTimeout, ConfigError, DaemonUnavailableError
 
 _HELLO_TIMEOUT_S = 5.0
 # pyzmq names a monitor's inproc endpoint after the socket's fd unless told otherwise; a
@@ -33,8 +35,6 @@ _LOOPBACK_ADVICE = ("Likely cause: MCCL_LISTEN_ADDR or MCCL_IFACE set to loopbac
 
 class Attachment:
     def __init__(self, rdir: Path, rank: int, size: int, timeout_s: float):
-        from mccld import protocol
-        self._proto = protocol
         self._rdir = rdir
         self.endpoint = protocol.endpoint(rdir)
         self.rank, self.size, self.timeout_s = rank, size, timeout_s
@@ -58,7 +58,7 @@ class Attachment:
 
     def connect(self) -> None:
         try:
-            token = (self._rdir / self._proto.TOKEN_NAME).read_text().strip()
+            token = (self._rdir / protocol.TOKEN_NAME).read_text().strip()
         except OSError as e:
             raise self.unavailable(f"cannot read its token: {e.strerror}") from None
         s = zmq.Context.instance().socket(zmq.DEALER)
@@ -77,7 +77,7 @@ class Attachment:
     def call(self, msg: dict[str, Any], timeout_s: float, unavailable: str | None = None) -> dict[str, Any]:
         self.req += 1
         req = self.req
-        self.sock.send(self._proto.encode({**msg, "req": req}))
+        self.sock.send(protocol.encode({**msg, "req": req}))
         deadline = time.monotonic() + timeout_s
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
@@ -96,11 +96,11 @@ class Attachment:
                 raise CollectiveTimeout(f"[daemon-client] Timed out after {timeout_s:.0f}s: mccld did not "
                                         f"answer {msg['type']} (rank {self.rank}); other ranks of the job "
                                         "may not have started, or the daemon is overloaded")
-            reply = self._proto.decode_reply(self.sock.recv())
+            reply = protocol.decode_reply(self.sock.recv())
             if reply["req"] != req:
                 continue  # a late reply to an earlier request that timed out
             if not reply.get("ok"):
-                raise self._proto.error_from_payload(reply.get("error") or {})
+                raise protocol.error_from_payload(reply.get("error") or {})
             return reply
 
     def join(self, store: Any, job: str, opts: dict[str, Any] | None = None) -> None:

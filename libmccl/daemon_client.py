@@ -10,7 +10,7 @@ input is copied into the segment only when the previous op completed, so the seg
 is never overwritten under the daemon. A large all-reduce is pipelined: its request goes
 first, then the tensor is copied in piece by piece, raising the segment's ``ready``
 ticket, and results are copied out as the daemon's ``done`` ticket covers them
-(mccld/shm.py: the layout; mccld/pipelined.py: the daemon's side); the reply still
+(mccl_common/shm.py: the layout; mccld/pipelined.py: the daemon's side); the reply still
 carries success or the typed error. A recv is the exception: it is posted at once
 and only its data's way in (``take``) is queued, once a send matched
 (``daemon_p2p.py``). Each call's segment layout is in ``daemon_ops.py``, the start of
@@ -39,14 +39,18 @@ from typing import Any, Callable
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from . import errors
-from .config import EngineConfig, load
+from mccl_common import attach_protocol as protocol
+from mccl_common import errors, shm
+from mccl_common.daemon_settings import DaemonConfig, runtime_dir
+from mccl_common.errors import (AbortedError, CollectiveTimeout, ConfigError, DaemonUnavailableError, MCCLError,
+                                ProtocolError)
+from mccl_common.settings import EngineConfig, load
+from mccl_common.wire import DTYPE_SIZE
+
 from .daemon_attach import Attachment
 from .daemon_gates import Gate, GateWatcher, gate_timeout
-from .daemon_ops import DTYPE_SIZE, OpBuilder, OpSpec
+from .daemon_ops import OpBuilder, OpSpec
 from .daemon_p2p import PostedRecv, PostedRecvs
-from .errors import (AbortedError, CollectiveTimeout, ConfigError, DaemonUnavailableError, MCCLError,
-                     ProtocolError)
 
 log = logging.getLogger(__name__)
 
@@ -116,13 +120,8 @@ class DaemonCommunicator:
 
     def __init__(self, rank: int, size: int, comm_id: int, store: Any, opts: Any = None,
                  on_complete: Callable[[list], None] | None = None, timeout_s: float = 1800.0):
-        from mccld import shm
-        from mccld.config import DaemonConfig, runtime_dir
-        from mccld import protocol
-
         if not (0 <= rank < size):
             raise ConfigError(f"[daemon-client] rank {rank} outside world size {size}")
-        self._shm, self._proto = shm, protocol
         self._pid = os.getpid()  # a forked child (DataLoader worker) must not touch our sockets
         self.rank, self.size, self.comm_id = rank, size, int(comm_id)
         self.timeout_s = float(getattr(opts, "timeout_s", 0) or timeout_s)
@@ -184,7 +183,7 @@ class DaemonCommunicator:
     def _open_fast_queue(self, slot_bytes: int) -> Any:
         from libmccl import _core
         # Generation 0 is the queue's; the data segments count from 1.
-        name = self._shm.segment_name(self._job, self.rank, os.getpid(), 0)
+        name = shm.segment_name(self._job, self.rank, os.getpid(), 0)
         self._fast_kind = {"allreduce": _core.FAST_ALLREDUCE, "barrier": _core.FAST_BARRIER}
         return _core.FastQueue(name, slot_bytes, self.rank, self._on_fast_done)
 
@@ -404,11 +403,12 @@ class DaemonCommunicator:
             return
         size = max(span, 1 << 20, 2 * seg.nbytes if seg else 0)
         self._gen += 1
-        name = self._shm.segment_name(self._job, self.rank, os.getpid(), self._gen)
-        new = self._shm.Segment(name, size, create=True)
+        name = shm.segment_name(self._job, self.rank, os.getpid(), self._gen)
+        from . import _core
+        new = shm.Segment(name, size, create=True, ticket_at=_core.Ticket.at)
         self._req += 1
         self._register_reqs.add(self._req)
-        self._sock.send(self._proto.encode({"type": "register", "req": self._req, "job": self._job,
+        self._sock.send(protocol.encode({"type": "register", "req": self._req, "job": self._job,
                                             "rank": self.rank, "segment": name, "nbytes": size}))
         self._segment = new
         self._ticket_base = 0
@@ -424,7 +424,7 @@ class DaemonCommunicator:
             with self._lock:
                 self._seq += 1
                 seq = self._seq
-        self._sock.send(self._proto.encode({"type": "op", "req": req, "job": self._job, "rank": self.rank,
+        self._sock.send(protocol.encode({"type": "op", "req": req, "job": self._job, "rank": self.rank,
                                             "seq": seq, "op": name, "args": args}))
 
     def _start_fast(self) -> bool:
@@ -562,7 +562,7 @@ class DaemonCommunicator:
             with self._lock:
                 self._queue.appendleft(take)
         else:
-            err = self._proto.error_from_payload(reply.get("error") or {})
+            err = protocol.error_from_payload(reply.get("error") or {})
             self._fail_ops([recv], err)
             self._fail(err, leave_abort=None)
 
@@ -572,7 +572,7 @@ class DaemonCommunicator:
             was_register = reply["req"] in self._register_reqs
             self._register_reqs.discard(reply["req"])
             if not reply.get("ok"):
-                err = self._proto.error_from_payload(reply.get("error") or {})
+                err = protocol.error_from_payload(reply.get("error") or {})
                 if was_register:  # the daemon cannot see our data: nothing further can run
                     self._fail(err, leave_abort=None)
                 else:
@@ -587,7 +587,7 @@ class DaemonCommunicator:
             for off, ptr, n in spec.copy_out:
                 ctypes.memmove(ptr, base + off, n)
         else:
-            err = self._proto.error_from_payload(reply.get("error") or {})
+            err = protocol.error_from_payload(reply.get("error") or {})
         with self._lock:
             self._inflight = None
             self._stats["ops_completed"] += 1
@@ -648,7 +648,7 @@ class DaemonCommunicator:
                         if report is None:
                             break
                         self._req += 1
-                        self._sock.send(self._proto.encode({**report, "req": self._req}))
+                        self._sock.send(protocol.encode({**report, "req": self._req}))
                     self._post_recvs()
                 if self._monitor in events:
                     ev = parse_monitor_message(self._monitor.recv_multipart())
@@ -665,7 +665,7 @@ class DaemonCommunicator:
                         except zmq.Again:
                             break
                         try:
-                            self._on_reply(self._proto.decode_reply(frame))
+                            self._on_reply(protocol.decode_reply(frame))
                         except ProtocolError as e:
                             self._fail(e, leave_abort=None)
                             return
@@ -739,7 +739,7 @@ class DaemonCommunicator:
             if leave_abort is not None:
                 msg["abort"] = leave_abort
             try:
-                self._sock.send(self._proto.encode(msg), zmq.NOBLOCK)
+                self._sock.send(protocol.encode(msg), zmq.NOBLOCK)
                 self._sock.poll(int(_LEAVE_WAIT_S * 1000))  # the reply: the leave got out before we close
             except zmq.ZMQError:
                 pass

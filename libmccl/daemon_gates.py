@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .errors import AbortedError, CollectiveTimeout, ConfigError, MCCLError
+from mccl_common.errors import AbortedError, CollectiveTimeout, ConfigError, MCCLError
 
 # The watcher re-checks whether it was stopped or handed another gate this often; a
 # ticket written by a CPU wakes it at once, so this only bounds how long a stop waits.

@@ -13,10 +13,9 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
 
-from .errors import ConfigError
+from mccl_common.errors import ConfigError
 
-DTYPE_SIZE = [4, 8, 2, 2, 1, 1, 4, 8, 1]      # mccl::DType order (csrc/dtype.h)
-MAX_TAG = (1 << 32) - 1                      # the engine's p2p tag range, kept in daemon mode
+from mccl_common.wire import DTYPE_SIZE, MAX_TAG, OP_NAMES
 _ALIGN = 64
 
 Copy = tuple[int, int, int]                  # (segment offset, user pointer, nbytes)
@@ -70,7 +69,7 @@ class OpBuilder:
         return OpSpec(name, args, span, _merge(copy_in), _merge(copy_out), nbytes)
 
     def _check_reduce(self, count: int, dtype: int, op: int) -> int:
-        if not (0 <= int(dtype) < len(DTYPE_SIZE)) or not (0 <= int(op) < 8) or count < 0:
+        if not (0 <= int(dtype) < len(DTYPE_SIZE)) or not (0 <= int(op) < len(OP_NAMES)) or count < 0:
             raise ConfigError(f"[daemon-client] bad count/dtype/op ({count}, {dtype}, {op}) on rank {self.rank}; "
                               "pass a non-negative count and a dtype/op code of mccl::DType / mccl::ReduceOp")
         return count * DTYPE_SIZE[dtype]

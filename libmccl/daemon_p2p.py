@@ -13,7 +13,7 @@ import collections
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import CollectiveTimeout
+from mccl_common.errors import CollectiveTimeout
 
 
 @dataclass

@@ -33,7 +33,7 @@ import abc
 import threading
 from typing import Any, Callable
 
-from .errors import MCCLError
+from mccl_common.errors import MCCLError
 
 TICKET_BASE = 1 << 63
 

@@ -16,9 +16,10 @@ from typing import Any, Callable
 
 import torch
 
+from mccl_common.errors import ConfigError
+
 from ._torch_compat import ResultFuture
 from .device_order import DeviceOps, OrderedOp, StagedOp, TicketedOp
-from .errors import ConfigError
 
 # Fake devices (CI) whose memory is host memory: a CPU tensor in their memory is theirs.
 _installed: list[Any] = []

@@ -30,8 +30,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from mccl_common.errors import AbortedError, CollectiveTimeout
+
 from . import _core
-from .errors import AbortedError, CollectiveTimeout
 from .device_order import (TICKET_BASE, DeviceOps, DeviceOrderError, DeviceRace, ForeignThreadCommit,
                            TicketedOp, UncommittedCommands)
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .config import EngineConfig
-from .errors import ConfigError
+from mccl_common.errors import ConfigError
+from mccl_common.settings import EngineConfig
 
 # EngineConfig's annotations are strings (postponed evaluation); the accepted Python types.
 _TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}

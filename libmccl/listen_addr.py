@@ -27,8 +27,8 @@ import sys
 import threading
 from typing import Any
 
-from .config import EngineConfig
-from .errors import ConfigError
+from mccl_common.errors import ConfigError
+from mccl_common.settings import EngineConfig
 
 _log = logging.getLogger(__name__)
 

@@ -30,9 +30,10 @@ import threading
 from collections import deque
 from typing import Any, Protocol
 
+from mccl_common.errors import ConfigError
+
 from . import _core
 from .device_order import TICKET_BASE, DeviceOps, OrderedOp
-from .errors import ConfigError
 
 BRIDGE_ABI = 1
 SHARED, PRIVATE = 0, 2  # MTLStorageMode numbers

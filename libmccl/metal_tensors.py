@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from .config import EngineConfig, load
-from .errors import ConfigError
+from mccl_common.errors import ConfigError
+from mccl_common.settings import EngineConfig, load
 from .metal_ops import CBridge, MetalDevice, MetalOps, bridge_path
 
 _log = logging.getLogger(__name__)

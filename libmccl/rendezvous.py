@@ -18,9 +18,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from mccl_common.errors import CollectiveTimeout, ConfigError
+from mccl_common.settings import EngineConfig
+
 from . import listen_addr
-from .config import EngineConfig
-from .errors import CollectiveTimeout, ConfigError
 
 _log = logging.getLogger(__name__)
 

@@ -20,8 +20,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from mccl_common.errors import AbortedError, CollectiveTimeout, ConfigError, MCCLError
+
 from ._buffers import DTYPE_CODES
-from .errors import AbortedError, CollectiveTimeout, ConfigError, MCCLError
 
 _ELEMENT_BYTES = {code: torch.empty(0, dtype=dt).element_size() for dt, code in DTYPE_CODES.items()}
 

@@ -19,7 +19,7 @@ import platform
 
 import torch
 
-from .errors import ConfigError
+from mccl_common.errors import ConfigError
 
 _STAGEABLE = ("mps", "cpu")
 

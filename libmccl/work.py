@@ -18,8 +18,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from mccl_common.errors import AbortedError, CollectiveTimeout, MCCLError, from_kind
+
 from . import _torch_compat as compat
-from .errors import AbortedError, CollectiveTimeout, MCCLError, from_kind
 
 _log = logging.getLogger(__name__)
 

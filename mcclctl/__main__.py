@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from libmccl.errors import MCCLError
+from mccl_common.errors import MCCLError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
                 "linktest": commands.cmd_linktest, "doctor": doctor.cmd_doctor,
                 "prometheus-sd": prometheus_sd.cmd_prometheus_sd}
     if args.command == "prometheus-sd" and args.fleet is None:
-        from mccld.config import load_config
+        from mccl_common.daemon_settings import load_config
         args.fleet = load_config().fleet
     try:
         return handlers[args.command](args)

@@ -7,8 +7,8 @@ import sys
 import time
 from typing import Callable
 
-from libmccl.errors import ConfigError, MCCLError
-from mccld.stats import mccl_version
+from mccl_common import __version__ as MCCL_VERSION
+from mccl_common.errors import ConfigError, MCCLError
 
 from . import formatting as fmt
 from .targets import Target, discover, fetch, from_hosts, load_key, version_mismatches
@@ -54,10 +54,10 @@ def _render_status(args, key: bytes) -> tuple[str, int]:
     if args.json:
         data = [{"target": r.target.status_addr, "host": r.target.host, "status": r.result,
                  "error": r.error} for r in replies]
-        return fmt.to_json({"mcclctl_version": mccl_version(), "daemons": data,
+        return fmt.to_json({"mcclctl_version": MCCL_VERSION, "daemons": data,
                             "warnings": version_mismatches(replies)}), _rc(replies)
     rows = [(r.target.host, r.result, r.error) for r in replies]
-    return fmt.status_table(rows, mccl_version(), version_mismatches(replies)), _rc(replies)
+    return fmt.status_table(rows, MCCL_VERSION, version_mismatches(replies)), _rc(replies)
 
 
 def _rc(replies) -> int:

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from libmccl.config import EngineConfig, load
-from libmccl.errors import ConfigError
+from mccl_common.errors import ConfigError
+from mccl_common.settings import EngineConfig, load
 
 SKEW_WARN_S = 0.5     # beyond this, log lines and timeouts of two hosts no longer line up
 CONNECT_TIMEOUT_S = 2.0
@@ -243,8 +243,8 @@ def engine_socket_buffer() -> int:
 
 
 def cmd_doctor(args) -> int:
-    from mccld.config import load_config
-    from mccld.netif import choose_address
+    from mccl_common.daemon_settings import load_config
+    from mccl_common.netif import choose_address
 
     from . import formatting as fmt
     from .targets import discover, fetch, from_hosts

@@ -8,9 +8,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from libmccl.errors import ConfigError, MCCLError
-from mccld.stats import mccl_version
-from mccld.status_protocol import query, split_addr
+from mccl_common import __version__ as MCCL_VERSION
+from mccl_common.errors import ConfigError, MCCLError
+from mccl_common.status_protocol import query, split_addr
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def _field(rec: Any, *names: str, default: Any = None) -> Any:
 
 def from_record(rec: Any, status_port: int = DEFAULT_STATUS_PORT,
                 metrics_port: int = DEFAULT_METRICS_PORT) -> Target:
-    """A Target from one ``mccld.discovery.browse_fleet`` record (dict or object).
+    """A Target from one ``mccl_common.discovery.browse_fleet`` record (dict or object).
 
     The ports come from the record when the daemon advertises them, else from this
     host's settings (a fleet normally uses one MCCL_STATUS_PORT / MCCL_METRICS_PORT).
@@ -77,8 +77,8 @@ def from_record(rec: Any, status_port: int = DEFAULT_STATUS_PORT,
 def discover(timeout_s: float) -> list[Target]:
     """Daemons of this host's fleet (MCCL_FLEET) announced over mDNS, sorted by host id."""
     try:
-        from mccld.config import load_config
-        from mccld.discovery import browse_fleet
+        from mccl_common.daemon_settings import load_config
+        from mccl_common.discovery import browse_fleet
     except ImportError as e:
         raise ConfigError(f"[mcclctl] mDNS discovery is unavailable ({e}); name daemons with --host") from None
     cfg = load_config()
@@ -89,7 +89,7 @@ def discover(timeout_s: float) -> list[Target]:
 
 
 def load_key(key_file: str | None) -> bytes:
-    from mccld.config import load_config
+    from mccl_common.daemon_settings import load_config
     env = None
     if key_file:
         import os
@@ -120,6 +120,6 @@ def fetch(targets: list[Target], key: bytes, method: str, args: dict | None = No
 
 
 def version_mismatches(replies: list[Reply]) -> list[str]:
-    ours = mccl_version()
+    ours = MCCL_VERSION
     return [f"{r.target.host} runs mccld {r.version}, this mcclctl is {ours}; upgrade both to the "
             f"same release" for r in replies if r.version and r.version != ours]

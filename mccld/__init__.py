@@ -5,7 +5,4 @@ them, and serves local training processes (``MCCL_DAEMON=1``) over ZeroMQ and sh
 memory: their collectives are reduced on this host first, then across hosts.
 """
 
-__version__ = "0.1.0"
-
-# Bumped whenever the client<->daemon or daemon<->daemon wire format changes.
-PROTO_VERSION = 1
+from mccl_common import PROTO_VERSION, __version__  # noqa: F401 - mccld's version is the release's

@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 
-from libmccl.errors import MCCLError
+from mccl_common.errors import MCCLError
 
 from . import __version__
 
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from .config import load_config, write_key_file
+    from mccl_common.daemon_settings import load_config, write_key_file
     if args.cmd == "keygen":
         try:
             path = write_key_file(args.path)
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "status":
         import json
         from .attach import local_request
-        from .config import runtime_dir
+        from mccl_common.daemon_settings import runtime_dir
         try:
             reply = local_request(runtime_dir(load_config(args.config), create=False), {"type": "status"})
         except MCCLError as e:

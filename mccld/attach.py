@@ -21,9 +21,9 @@ from typing import Any, Callable
 
 import zmq
 
-from libmccl.errors import AuthError, MCCLError, ProtocolError
+from mccl_common import attach_protocol as protocol
+from mccl_common.errors import AuthError, MCCLError, ProtocolError
 
-from . import protocol
 from .logutil import OnceLogger
 
 log = logging.getLogger(__name__)
@@ -193,7 +193,7 @@ class AttachServer:
 def local_request(runtime_dir: Path, msg: dict[str, Any], timeout_s: float = 5.0) -> dict[str, Any]:
     """One request to the daemon serving ``runtime_dir`` (hello first); for CLIs and tests."""
     import os
-    from libmccl.errors import DaemonUnavailableError
+    from mccl_common.errors import DaemonUnavailableError
     try:
         token = (runtime_dir / protocol.TOKEN_NAME).read_text().strip()
     except OSError as e:

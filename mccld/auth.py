@@ -26,7 +26,7 @@ import socket
 import struct
 from typing import Any
 
-from libmccl.errors import AuthError, ProtocolError
+from mccl_common.errors import AuthError, ProtocolError
 
 from . import PROTO_VERSION
 

@@ -22,10 +22,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from libmccl.errors import CollectiveMismatch, ConfigError, ProtocolError
+from mccl_common.errors import CollectiveMismatch, ConfigError, ProtocolError
+from mccl_common.wire import AVG, DTYPE_SIZE, SUM
 
 from .pipelined import Pipeline, Region
-from .reduce import AVG, DTYPE_SIZE, SUM, ReducePool, check
+from .reduce import ReducePool, check
 
 # Runs one engine op: (method name, *args) -> None once done, raises its typed error.
 EngineRun = Callable[..., None]

@@ -17,17 +17,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from libmccl.config import EngineConfig, load
-from libmccl.errors import AbortedError, ConfigError, MCCLError, ProtocolError
+from mccl_common import PROTO_VERSION, __version__, shm
+from mccl_common import attach_protocol as protocol
+from mccl_common.daemon_settings import DaemonConfig, runtime_dir
+from mccl_common.errors import AbortedError, ConfigError, MCCLError, ProtocolError
+from mccl_common.netif import choose_address
+from mccl_common.settings import EngineConfig, load
 
-from . import PROTO_VERSION, __version__, protocol, shm
 from .attach import AttachServer
-from .config import DaemonConfig, runtime_dir
 from .datalinks import DataLinks
 from .gate import Gate
 from .jobs import Job
 from .links import LinkManager
-from .netif import choose_address
 from .reduce import ReducePool
 
 log = logging.getLogger(__name__)
@@ -50,12 +51,13 @@ def default_host_id() -> str:
 
 
 def _optional(module: str):
-    """Observability parts are optional: a daemon without them still serves jobs."""
+    """Observability parts and discovery are optional: a daemon without them still serves jobs.
+    ``module`` is a full name (mccld.stats, mccl_common.discovery)."""
     try:
-        return __import__(f"mccld.{module}", fromlist=["_"])
+        return __import__(module, fromlist=["_"])
     except ImportError as e:
         # WARNING, not INFO: the operator configured this endpoint (or discovery) and will not get it.
-        log.warning("[daemon] mccld.%s cannot be imported (%s); running without it: install the missing "
+        log.warning("[daemon] %s cannot be imported (%s); running without it: install the missing "
                     "package (zeroconf / prometheus-client) or set its port to 0 to silence this", module, e)
         return None
 
@@ -100,7 +102,7 @@ class Daemon:
         self._lock_runtime_dir()
         try:
             self._sweep_segments()
-            stats_mod = _optional("stats")
+            stats_mod = _optional("mccld.stats")
             self.stats = stats_mod.DaemonStats() if stats_mod else None
             self._stat("set_state", "idle")
             self.pool = ReducePool()
@@ -212,7 +214,7 @@ class Daemon:
         record.write_text("")
 
     def _start_discovery(self) -> None:
-        disc = _optional("discovery")
+        disc = _optional("mccl_common.discovery")
         if disc is None:
             return
         self.fleet = disc.FleetTable(self.cfg.fleet, [self.addr], on_change=self._on_fleet_change,
@@ -229,7 +231,7 @@ class Daemon:
         if self.stats is None:
             return
         if self.cfg.metrics_port:
-            metrics = _optional("metrics")
+            metrics = _optional("mccld.metrics")
             if metrics is not None:
                 srv = metrics.MetricsServer(self.stats, self.cfg.metrics_addr, self.cfg.metrics_port,
                                             host=self.host_id, data_links=self._data_link_status,
@@ -237,7 +239,7 @@ class Daemon:
                 srv.start()
                 self._servers.append(srv)
         if self.cfg.status_port:
-            status = _optional("status_server")
+            status = _optional("mccld.status_server")
             if status is not None:
                 srv = status.StatusServer(self.status_provider, key, self.addr, self.cfg.status_port,
                                           stats=self.stats, gate=Gate.from_config("status", self.cfg))

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from libmccl.errors import CollectiveTimeout, MCCLError, ProtocolError
+from mccl_common.errors import CollectiveTimeout, MCCLError, ProtocolError
 
 from .auth import Session
 from .links import LinkManager, bound_dead_link

@@ -19,10 +19,9 @@ import logging
 import weakref
 from typing import Any, Callable
 
-from libmccl import _core, errors
-from libmccl.errors import ConfigError, MCCLError, ProtocolError, from_kind
-
-from . import shm
+from libmccl import _core
+from mccl_common import errors, shm
+from mccl_common.errors import ConfigError, MCCLError, ProtocolError, from_kind
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,8 @@ import socket
 import threading
 import time
 
-from .config import DaemonConfig
+from mccl_common.daemon_settings import DaemonConfig
+
 from .logutil import OnceLogger
 
 log = logging.getLogger(__name__)

@@ -18,15 +18,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from libmccl.config import EngineConfig
-from libmccl.errors import (AbortedError, CollectiveMismatch, CollectiveTimeout, ConfigError,
-                            MCCLError, PeerLostError, ProtocolError)
+from libmccl import _core
+from mccl_common import attach_protocol as protocol
+from mccl_common import shm
+from mccl_common.errors import (AbortedError, CollectiveMismatch, CollectiveTimeout, ConfigError, MCCLError,
+                                PeerLostError, ProtocolError)
+from mccl_common.settings import EngineConfig
+from mccl_common.wire import DTYPE_SIZE
 
-from . import protocol, shm
 from .collectives import Hierarchy, Topology, per_rank_args
 from .fastpath import FastPath, announced_queue
 from .p2p import P2P_OPS, PointToPoint
-from .reduce import DTYPE_SIZE, ReducePool
+from .reduce import ReducePool
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +158,7 @@ class Job:
             # An op may be running on (or was checked against) that mapping: segments are immutable.
             raise ProtocolError(f"[daemon] job {self.id} rank {rank}: field 'segment'={name} is already "
                                 "registered; a client registers each new segment under a new name")
-        seg = shm.Segment(name, nbytes, create=False)
+        seg = shm.Segment(name, nbytes, create=False, ticket_at=_core.Ticket.at)
         with self._lock:
             # A client registers a new (larger) segment only between ops: the old one is
             # unused, and unmapping it is what returns its memory (the client unlinked it).
@@ -470,7 +473,7 @@ class Job:
             segs = {r: self.members[r].segments[p.msg.args["segment"]]
                     for r, p in waiting.items() if p.msg.args.get("segment")}
             for seg in segs.values():
-                seg.check_size()   # a client may have truncated it since register (shm.py)
+                seg.check_size()   # a client may have truncated it since register (mccl_common/shm.py)
             bases = {r: segs[r].addr if r in segs else 0 for r in waiting}
             self.hierarchy.run(first.op, bases, {r: p.msg.args for r, p in waiting.items()},
                                {r: (s.ready, s.done) for r, s in segs.items()})

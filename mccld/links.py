@@ -14,7 +14,7 @@ import socket
 import threading
 from typing import Any, Callable
 
-from libmccl.errors import AuthError, MCCLError, PeerLostError, ProtocolError
+from mccl_common.errors import AuthError, MCCLError, PeerLostError, ProtocolError
 
 from . import auth
 from .gate import Gate, Ticket

@@ -14,10 +14,9 @@ import socket
 import threading
 import time
 
-from libmccl.errors import AuthError, MCCLError, ProtocolError
-
-from .status_protocol import (IO_TIMEOUT_S, SINK, Conn, canon, connect, mac, mac_ok, read_reply,
-                              send_request, signed_reply, split_addr)
+from mccl_common.errors import AuthError, MCCLError, ProtocolError
+from mccl_common.status_protocol import (IO_TIMEOUT_S, SINK, Conn, canon, connect, mac, mac_ok, read_reply,
+                                         send_request, signed_reply, split_addr)
 
 MAX_SECONDS = 30.0
 MAX_STREAMS = 16

@@ -25,8 +25,8 @@ from prometheus_client.core import (CollectorRegistry, CounterMetricFamily, Gaug
 from prometheus_client.exposition import make_wsgi_app
 from prometheus_client.registry import Collector
 
-from libmccl import errors as _errors
-from libmccl.errors import ConfigError
+from mccl_common import errors as _errors
+from mccl_common.errors import ConfigError
 
 from .gate import Gate
 from .stats import STATES, DaemonStats

@@ -41,7 +41,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from libmccl.errors import AbortedError, CollectiveMismatch, CollectiveTimeout, MCCLError, ProtocolError
+from mccl_common.errors import AbortedError, CollectiveMismatch, CollectiveTimeout, MCCLError, ProtocolError
+from mccl_common.wire import MAX_TAG
 
 if TYPE_CHECKING:
     from .jobs import Job
@@ -49,7 +50,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 P2P_OPS = ("send", "recv", "take")
-MAX_TAG = (1 << 32) - 1
 _HEADER = struct.Struct("<iiQQ")          # source rank, destination rank, user tag, payload bytes
 _TAG_HEADER, _TAG_DATA = 1, 2
 _CLOSING = -2                             # the source rank of a closing header; its dst is the host

@@ -1,7 +1,7 @@
 """The pipelined all-reduce of one host's ranks, piece by piece through segment tickets.
 
 Each local rank's client copies its tensor into its segment and raises the segment's
-``ready`` ticket as pieces land (shm.py: the layout); this module overlaps everything
+``ready`` ticket as pieces land (mccl_common/shm.py: the layout); this module overlaps everything
 after that by piece:
 
     reduce  (ReducePool-sized set of threads): once every rank's ``ready`` covers piece k,
@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from libmccl import _core
+from mccl_common.wire import AVG, DTYPE_SIZE, SUM
 
-from .reduce import AVG, DTYPE_SIZE, SUM, ReducePool
+from .reduce import ReducePool
 
 # (method, *args, **tickets) -> None once the engine op finished; raises its typed error.
 EngineRun = Callable[..., None]

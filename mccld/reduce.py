@@ -10,30 +10,23 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 
-from libmccl.errors import ConfigError
+from mccl_common.errors import ConfigError
 
 try:
     from libmccl import _core
 except ImportError:  # reported when a pool is created: single-host jobs need it too
     _core = None
 
-# mccl::DType values (csrc/dtype.h).
-F32, F64, F16, BF16, I8, U8, I32, I64, BOOL = range(9)
-SUM, AVG, MIN, MAX, PROD, BAND, BOR, BXOR = range(8)
-OP_NAMES = ["sum", "avg", "min", "max", "product", "band", "bor", "bxor"]
-DTYPE_SIZE = [4, 8, 2, 2, 1, 1, 4, 8, 1]
-_FLOATS = (F32, F64, F16, BF16)
+from mccl_common.wire import DTYPE_SIZE, bad_reduce
+
 _CHUNK_BYTES = 4 << 20
 
 
 def check(dtype: int, op: int) -> None:
-    if not 0 <= dtype < len(DTYPE_SIZE):
-        raise ConfigError(f"[daemon] unknown dtype {dtype}; client and daemon releases differ?")
-    if op not in range(8):
-        raise ConfigError(f"[daemon] unknown reduce op {op}; client and daemon releases differ?")
-    if op in (BAND, BOR, BXOR) and dtype in _FLOATS:
-        raise ConfigError(f"[daemon] reduce op {OP_NAMES[op]} is not defined on floating-point "
-                          f"dtype {dtype}; use an integer or bool tensor")
+    why = bad_reduce(dtype, op)
+    if why is not None:
+        raise ConfigError(f"[daemon] {why}; client and daemon releases differ, or use an integer or bool "
+                          "tensor for bitwise ops")
 
 
 class ReducePool:

@@ -17,14 +17,14 @@ import threading
 import time
 from typing import Any, Callable
 
-from libmccl.errors import ConfigError, MCCLError, ProtocolError
+from mccl_common.errors import ConfigError, MCCLError, ProtocolError
+from mccl_common.status_protocol import (IO_TIMEOUT_S, PROTO, READ_METHODS, SINK, WRITE_METHODS, Conn, mac_ok,
+                                         query, signed_reply, split_addr)
 
 from . import linktest, tcpinfo
 from .gate import Gate, Ticket
 from .logutil import OnceLogger
 from .stats import DaemonStats, mccl_version
-from .status_protocol import (IO_TIMEOUT_S, PROTO, READ_METHODS, SINK, WRITE_METHODS, Conn, mac_ok,
-                              query, signed_reply, split_addr)
 
 __all__ = ["StatusServer", "merge_status", "query", "split_addr"]
 

@@ -2,7 +2,7 @@
 # Removes anything a crashed test run may have left: MCCL processes, test namespaces and
 # shared-memory segments. Only touches names MCCL itself creates.
 set -u
-for pid in $(pgrep -f 'mccld|libmccl.bench|mccl_fleet' 2>/dev/null); do
+for pid in $(pgrep -f 'mccld|tools.bench|mccl_fleet' 2>/dev/null); do
   [ "$pid" != "$$" ] && kill -9 "$pid" 2>/dev/null
 done
 if command -v ip >/dev/null; then

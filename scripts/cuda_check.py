@@ -285,7 +285,7 @@ def _with_daemon(run) -> int:
     import contextlib
     import tempfile
 
-    from mccld.config import load_config
+    from mccl_common.daemon_settings import load_config
     from mccld.daemon import Daemon
 
     with tempfile.TemporaryDirectory(prefix="mccl-cudacheck-") as rdir, contextlib.ExitStack() as stack:

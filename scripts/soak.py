@@ -1,6 +1,6 @@
 """Soak: a small DDP training job through mccld on an emulated fleet, for a given time.
 
-Two hosts (network namespaces, libmccl.fleet) with one mccld and two ranks each. The
+Two hosts (network namespaces, tools.fleet) with one mccld and two ranks each. The
 ranks train an MLP under DistributedDataParallel with ``init_process_group("mccl")`` and
 MCCL_DAEMON=1, the path a user runs; every ``--epoch-seconds`` they destroy the group
 and build a new one (a new job on every daemon). Every step is checked: each rank
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     from daemons import HostDaemons, daemon_footprint
-    from libmccl.fleet import Fleet
+    from tools.fleet import Fleet
 
     # SIGTERM (a CI timeout) unwinds like Ctrl-C, so the fleet and its daemons are torn down.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

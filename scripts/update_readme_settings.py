@@ -1,11 +1,11 @@
-"""Rewrite the settings table in README.md from the declarations (python -m libmccl.config)."""
+"""Rewrite the settings table in README.md from the declarations (python -m mccl_common.settings)."""
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 root = Path(__file__).resolve().parent.parent
-table = subprocess.run([sys.executable, "-m", "libmccl.config"], check=True, capture_output=True,
+table = subprocess.run([sys.executable, "-m", "mccl_common.settings"], check=True, capture_output=True,
                        text=True, cwd=root).stdout.strip()
 readme = root / "README.md"
 text = readme.read_text()

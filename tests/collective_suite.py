@@ -46,7 +46,7 @@ def _inprocess() -> Iterator[dict[str, str]]:
 
 @contextlib.contextmanager
 def _daemon() -> Iterator[dict[str, str]]:
-    from mccld.config import load_config
+    from mccl_common.daemon_settings import load_config
     from mccld.daemon import Daemon
     from test_daemon_attach import daemon_env  # the daemon tests own its test settings
 

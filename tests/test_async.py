@@ -176,7 +176,7 @@ def test_process_groups_as_threads() -> None:
 def test_router_early_completion_fail_all_and_guard() -> None:
     import torch
 
-    from libmccl.errors import AbortedError, MCCLError, PeerLostError
+    from mccl_common.errors import AbortedError, MCCLError, PeerLostError
     from libmccl.work import CompletionRouter, MCCLWork
 
     router = CompletionRouter(rank=0)
@@ -215,7 +215,7 @@ def test_router_early_completion_fail_all_and_guard() -> None:
 
 @pytest.mark.timeout(30)
 def test_wait_times_out_in_caller_thread() -> None:
-    from libmccl.errors import CollectiveTimeout
+    from mccl_common.errors import CollectiveTimeout
     from libmccl.work import CompletionRouter, MCCLWork
 
     router = CompletionRouter(rank=1)

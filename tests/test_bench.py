@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from libmccl.bench.metrics import OPS, op_elements, parse_bytes, sweep_sizes
-from libmccl.bench.sweep import BenchConfig, aggregate, compare
-from libmccl.errors import ConfigError
+from tools.bench.metrics import OPS, op_elements, parse_bytes, sweep_sizes
+from tools.bench.sweep import BenchConfig, aggregate, compare
+from mccl_common.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,7 +29,7 @@ def _mccl_works() -> bool:
 
 def _bench(out, *args: str, timeout: float = 220, env: dict | None = None) -> tuple[dict, str]:
     """Run mccl-bench to completion with --json OUT; its result and its stdout."""
-    res = subprocess.run([sys.executable, "-m", "libmccl.bench", *args, "--json", str(out)], capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "tools.bench", *args, "--json", str(out)], capture_output=True,
                          text=True, timeout=timeout, cwd=ROOT, env=dict(os.environ, **(env or {})))
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     return json.loads(out.read_text()), res.stdout
@@ -70,7 +70,7 @@ def test_failing_backend_is_reported_not_faked(tmp_path):
     out = tmp_path / "r.json"
     env = dict(os.environ, GLOO_SOCKET_IFNAME="nosuchif0")
     res = subprocess.run(
-        [sys.executable, "-m", "libmccl.bench", "--ranks", "2", "--sizes", "4K", "--backends", "gloo",
+        [sys.executable, "-m", "tools.bench", "--ranks", "2", "--sizes", "4K", "--backends", "gloo",
          "--ops", "all_reduce", "--ceiling-tool", "none", "--timeout", "60", "--json", str(out)],
         capture_output=True, text=True, timeout=100, cwd=ROOT, env=env)
     assert res.returncode == 1, res.stdout[-1000:] + res.stderr[-1000:]
@@ -139,7 +139,7 @@ def test_busbw_counts_every_rank_of_every_host():
 
 @pytest.mark.timeout(30)
 def test_results_saved_before_the_daemon_mode_still_render():
-    from libmccl.bench.report import markdown, render
+    from tools.bench.report import markdown, render
 
     with open(os.path.join(ROOT, "docs", "results", "device-final", "n8-10gbit.json")) as f:
         old = json.load(f)
@@ -166,8 +166,8 @@ def test_fleet_sweep_is_capped_by_the_link(tmp_path):
 @pytest.mark.timeout(60)
 def test_bench_and_fleet_import_neither_zmq_nor_zeroconf():
     # The device runner has torch and the engine only; the bench must not need the daemon's deps.
-    code = ("import sys, libmccl.bench.__main__, libmccl.bench.sweep, libmccl.bench.worker, libmccl.bench.plot, "
-            "libmccl.fleet, libmccl.fleet_cli; bad = {'zmq', 'zeroconf', 'torch'} & set(sys.modules); "
+    code = ("import sys, tools.bench.__main__, tools.bench.sweep, tools.bench.worker, tools.bench.plot, "
+            "tools.fleet, tools.fleet_cli; bad = {'zmq', 'zeroconf', 'torch'} & set(sys.modules); "
             "assert not bad, bad")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-1000:]
@@ -176,8 +176,8 @@ def test_bench_and_fleet_import_neither_zmq_nor_zeroconf():
 @pytest.mark.timeout(60)
 def test_builtin_probe_measures_a_loopback_ring(tmp_path):
     # The fallback for hosts without iperf3: same ring pattern, bytes and CPU from the probes.
-    from libmccl.bench.ceiling import ring_ceiling
-    from libmccl.bench.launch import LocalLauncher
+    from tools.bench.ceiling import ring_ceiling
+    from tools.bench.launch import LocalLauncher
 
     c = ring_ceiling(LocalLauncher(2), 1.0, str(tmp_path), tool="probe")
     assert c["tool"] == "tcp-probe" and len(c["per_host_bps"]) == 2
@@ -185,13 +185,13 @@ def test_builtin_probe_measures_a_loopback_ring(tmp_path):
 
 
 def _gone(pid: int) -> bool:
-    from mccld.shm import pid_alive
+    from mccl_common.shm import pid_alive
 
     return not pid_alive(pid)
 
 
 def _segments_of(pids: list[int]) -> list[str]:
-    from mccld.shm import owner_pid
+    from mccl_common.shm import owner_pid
 
     return [n for n in os.listdir("/dev/shm") if n.startswith("mccl-") and owner_pid(n) in set(pids)]
 
@@ -238,7 +238,7 @@ def test_daemon_mode_on_loopback_without_zeroconf(tmp_path):
     doc = _daemon_run(tmp_path, ["--ranks", "2"], _without(tmp_path, "zeroconf"))
     assert doc["meta"]["world"] == 2 and doc["meta"]["hosts"] == 2
     (log,) = tmp_path.glob("logs/run-*/mccl-daemon/daemons/mccld-h0.log")
-    assert "mccld.discovery cannot be imported" in log.read_text()
+    assert "mccl_common.discovery cannot be imported" in log.read_text()
 
 
 @pytest.mark.skipif(not _mccl_works(), reason="the engine is not built")
@@ -248,7 +248,7 @@ def test_a_daemon_that_cannot_start_fails_its_series_only(tmp_path):
     # words, the other series still run, and the run exits 1.
     out = tmp_path / "r.json"
     res = subprocess.run(
-        [sys.executable, "-m", "libmccl.bench", "--ranks", "2", "--mode", "in-process,daemon", "--backends", "mccl",
+        [sys.executable, "-m", "tools.bench", "--ranks", "2", "--mode", "in-process,daemon", "--backends", "mccl",
          "--sizes", "4K", "--ops", "all_reduce", "--latency-iters", "0", "--ceiling-tool", "none",
          "--timeout", "100", "--json", str(out)], capture_output=True, text=True, timeout=180, cwd=ROOT,
         env=dict(os.environ, **_without(tmp_path, "zmq")))
@@ -290,7 +290,7 @@ def test_ddp_variants_time_the_step_without_communication_and_staged(tmp_path):
 
 
 def test_params_close_compares_fingerprints() -> None:
-    from libmccl.bench.ddp import params_close
+    from tools.bench.ddp import params_close
 
     a = {"fingerprint": {"sum": 10.0, "head": [1.0, 2.0, 3.0]}}
     assert params_close(a, {"fingerprint": {"sum": 10.0 + 1e-7, "head": [1.0, 2.0 + 1e-6, 3.0]}})
@@ -313,8 +313,8 @@ def test_daemons_are_stopped_and_swept_whatever_happened(tmp_path):
     # A rank's segment still there at the end (its daemon never heard of it): stop() unlinks
     # it, says so, and leaves no daemon, runtime dir or key behind. The rank stays alive
     # until then, so no other developer's daemon sweeps the segment first.
-    from libmccl.bench.daemons import HostDaemons
-    from libmccl.bench.launch import LocalLauncher
+    from tools.bench.daemons import HostDaemons
+    from tools.bench.launch import LocalLauncher
 
     d = HostDaemons(LocalLauncher(1), str(tmp_path)).start()
     rank = d.popen(0, [sys.executable, "-c", "import time; time.sleep(60)"])
@@ -334,8 +334,8 @@ def test_daemons_are_stopped_and_swept_whatever_happened(tmp_path):
 @pytest.mark.timeout(120)
 def test_daemons_die_with_a_killed_benchmark(tmp_path):
     # Even SIGKILL of the benchmark (no finally runs) stops its daemons: they get SIGTERM.
-    code = ("import sys, time; from libmccl.bench.daemons import HostDaemons; "
-            "from libmccl.bench.launch import LocalLauncher; "
+    code = ("import sys, time; from tools.bench.daemons import HostDaemons; "
+            "from tools.bench.launch import LocalLauncher; "
             f"d = HostDaemons(LocalLauncher(2), {str(tmp_path)!r}).start(); "
             "print(d.dir, *[p.pid for p in d.procs], flush=True); time.sleep(120)")
     bench = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)

@@ -29,8 +29,8 @@ pytestmark = [pytest.mark.fleet, pytest.mark.slow]
 
 
 def _skip_unless_fleet() -> None:
-    from libmccl.errors import ConfigError
-    from libmccl.fleet import check_prerequisites
+    from mccl_common.errors import ConfigError
+    from tools.fleet import check_prerequisites
     try:
         check_prerequisites()
     except ConfigError as e:

@@ -171,7 +171,7 @@ class _Store:
 
 def test_one_allreduce_through_the_daemon(monkeypatch):
     from test_daemon_attach import daemon_env
-    from mccld.config import load_config
+    from mccl_common.daemon_settings import load_config
     from mccld.daemon import Daemon
     rdir = Path(tempfile.mkdtemp(prefix="mccl-comm-"))
     env = daemon_env(rdir)

@@ -75,7 +75,7 @@ def test_reduce_op_kind_and_timeouts() -> None:
 
 @pytest.mark.timeout(30)
 def test_work_subclass_keeps_typed_errors() -> None:
-    from libmccl.errors import PeerLostError
+    from mccl_common.errors import PeerLostError
     from libmccl.work import MCCLWork
 
     w = MCCLWork("allreduce", 0, [torch.ones(1)], (), None, 5.0)

@@ -17,7 +17,7 @@ import pytest
 from libmccl import cuda_ops
 from libmccl.cuda_emulator import Emulator
 from libmccl.device_order import TICKET_BASE, OrderedOp
-from libmccl.errors import AbortedError
+from mccl_common.errors import AbortedError
 from test_engine_helpers import DT, SUM, make_options, ranks, run_ranks
 
 PIPE = 16 << 10

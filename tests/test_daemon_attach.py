@@ -17,11 +17,11 @@ import pytest
 import zmq
 
 from conftest import run_ranks
-from libmccl.errors import DaemonUnavailableError, ProtocolError
+from mccl_common.errors import DaemonUnavailableError, ProtocolError
 
-from mccld import protocol
+from mccl_common import attach_protocol as protocol
 from mccld.attach import local_request
-from mccld.config import load_config
+from mccl_common.daemon_settings import load_config
 from mccld.daemon import Daemon
 
 F32, F64, F16, BF16, I8, U8, I32, I64, BOOL = range(9)

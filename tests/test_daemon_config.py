@@ -7,11 +7,11 @@ import stat
 
 import pytest
 
-from libmccl.config import ALL_SETTINGS, markdown_table
-from libmccl.errors import ConfigError
+from mccl_common.errors import ConfigError
+from mccl_common.settings import ALL_SETTINGS, markdown_table
 
-from mccld import netif
-from mccld.config import DaemonConfig, load_config, runtime_dir, write_key_file
+from mccl_common import netif
+from mccl_common.daemon_settings import DaemonConfig, load_config, runtime_dir, write_key_file
 
 
 @pytest.mark.timeout(10)

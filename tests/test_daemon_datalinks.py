@@ -25,10 +25,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import collect, free_port, reap, run_ranks, spawn_ranks
 from libmccl import _core
-from libmccl.errors import AuthError, PeerLostError
+from mccl_common.errors import AuthError, PeerLostError
 
 from mccld import PROTO_VERSION, auth
-from mccld.config import load_config
+from mccl_common.daemon_settings import load_config
 from mccld.daemon import Daemon
 from mccld.datalinks import DataLinks
 from mccld.links import LinkManager

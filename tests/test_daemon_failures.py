@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 from conftest import collect, reap, spawn_ranks
-from libmccl.errors import AbortedError, DaemonUnavailableError, MCCLError, PeerLostError
+from mccl_common.errors import AbortedError, DaemonUnavailableError, MCCLError, PeerLostError
 
-from mccld import shm
+from mccl_common import shm
 from mccld.attach import local_request
-from mccld.config import load_config
+from mccl_common.daemon_settings import load_config
 from mccld.daemon import Daemon
 from test_daemon_attach import connect, daemon, daemon_env, our_segments  # noqa: F401 - fixture
 
@@ -154,7 +154,7 @@ def test_start_sweeps_segments_of_dead_processes():
 
 @pytest.mark.timeout(60)
 def test_second_daemon_on_same_runtime_dir_is_refused(daemon):  # noqa: F811
-    from libmccl.errors import ConfigError
+    from mccl_common.errors import ConfigError
     _d, env = daemon
     with pytest.raises(ConfigError, match="another mccld already serves"):
         Daemon(load_config(env=env)).start()
@@ -187,7 +187,7 @@ def test_abort_by_one_rank_fails_the_others_with_aborted(daemon):  # noqa: F811
 
 
 def rank_mismatch(rank: int, world: int) -> str:
-    from libmccl.errors import CollectiveMismatch
+    from mccl_common.errors import CollectiveMismatch
     comm, _store = connect(rank, world, comm_id=0xdead05, timeout_s=30)
     a = np.ones(10 + 10 * rank, dtype=np.float32)           # rank 1 sends twice as many elements
     with pytest.raises(CollectiveMismatch, match="every rank must issue the same collectives"):

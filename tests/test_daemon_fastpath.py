@@ -92,7 +92,7 @@ def test_small_and_large_ops_keep_one_order(daemon, fast_bytes):  # noqa: F811
 
 
 def rank_mismatch(rank: int, world: int, big_on_rank1: bool) -> str:
-    from libmccl.errors import CollectiveMismatch, CollectiveTimeout
+    from mccl_common.errors import CollectiveMismatch, CollectiveTimeout
     comm, _store = connect(rank, world, comm_id=0xfa58, timeout_s=4)
     a = np.ones(1 << 15 if big_on_rank1 and rank == 1 else 4 + 4 * rank, dtype=np.float32)
     try:
@@ -120,7 +120,7 @@ def test_small_op_against_a_large_one_fails_the_job(daemon):  # noqa: F811
 
 
 def rank_skips_op(rank: int, world: int) -> str:
-    from libmccl.errors import CollectiveTimeout, MCCLError
+    from mccl_common.errors import CollectiveTimeout, MCCLError
     comm, _store = connect(rank, world, comm_id=0xfa59, timeout_s=2)
     a = np.ones(4, dtype=np.float32)
     if rank == 1:
@@ -156,7 +156,7 @@ def rank_plain(rank: int, world: int, comm_id: int) -> str:
 
 def rank_writes_garbage(rank: int, world: int, entry: bytes) -> str:
     from libmccl import _core
-    from libmccl.errors import ProtocolError
+    from mccl_common.errors import ProtocolError
     comm, _store = connect(rank, world, comm_id=0xfa5c)
     a = np.ones(4, dtype=np.float32)
     comm.wait(comm.allreduce(a.ctypes.data, a.size, F32, SUM), 20)
@@ -194,7 +194,7 @@ def test_malformed_entry_fails_its_job_with_protocol_error(daemon, what):  # noq
 
 
 def rank_own_fast_bytes(rank: int, world: int) -> str:
-    from libmccl.errors import ConfigError
+    from mccl_common.errors import ConfigError
     os.environ["MCCL_DAEMON_FAST_BYTES"] = "0" if rank == 1 else "64K"
     with pytest.raises(ConfigError) as info:
         connect(rank, world, comm_id=0xfa5e)

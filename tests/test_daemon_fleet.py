@@ -1,6 +1,6 @@
 """Daemons on an emulated fleet (network namespaces, real mDNS, real TCP links).
 
-Needs root and iproute2 (libmccl.fleet); skipped otherwise. Every daemon and rank is
+Needs root and iproute2 (tools.fleet); skipped otherwise. Every daemon and rank is
 started through the Fleet, whose teardown kills whatever is left in its namespaces.
 Run directly (``python tests/test_daemon_fleet.py FN RANK WORLD``) it is the rank
 program the tests start inside the namespaces.
@@ -24,8 +24,8 @@ KEY = "fleet-test-key-" + "k" * 24
 
 
 def _skip_unless_fleet() -> None:
-    from libmccl.errors import ConfigError
-    from libmccl.fleet import check_prerequisites
+    from mccl_common.errors import ConfigError
+    from tools.fleet import check_prerequisites
     try:
         check_prerequisites()
     except ConfigError as e:
@@ -37,7 +37,7 @@ class DaemonFleet:
 
     def __init__(self, n: int, keys: list[str] | None = None, rate: str | None = None,
                  extra_env: dict[str, str] | None = None):
-        from libmccl.fleet import Fleet
+        from tools.fleet import Fleet
         self.n = n
         self.extra_env = extra_env or {}
         self.fleet = Fleet(n, rate=rate)
@@ -134,7 +134,7 @@ class DaemonFleet:
 @pytest.mark.timeout(120)
 def test_daemons_discover_each_other_and_refuse_a_wrong_key():
     _skip_unless_fleet()
-    from libmccl.errors import AuthError
+    from mccl_common.errors import AuthError
     from mccld.attach import local_request
     with DaemonFleet(3, keys=[KEY, KEY, "another-key-" + "z" * 20]) as df:
         deadline = time.monotonic() + 30
@@ -148,7 +148,7 @@ def test_daemons_discover_each_other_and_refuse_a_wrong_key():
         assert entry["fleet"] == "dtest" and entry["addresses"] == [df.fleet.hosts[1].addr]
         assert entry["cores"] > 0 and entry["state"] == "idle" and entry["proto"] == 1
         # browse_fleet (what mcclctl calls) from a fresh process on host 0
-        code = ("import json; from mccld.discovery import browse_fleet; "
+        code = ("import json; from mccl_common.discovery import browse_fleet; "
                 "print(json.dumps(browse_fleet(3.0, fleet='dtest', interfaces=['%s'])))" % df.fleet.hosts[0].addr)
         res = df.fleet.run(0, [sys.executable, "-c", code], timeout=30)
         assert res.returncode == 0, res.stderr
@@ -371,7 +371,7 @@ def _ddp(rank: int, world: int) -> str:
 def _one_dies(rank: int, world: int) -> str:
     import numpy as np
     import test_daemon_attach as t
-    from libmccl.errors import MCCLError
+    from mccl_common.errors import MCCLError
     comm, _store = t.connect(rank, world, comm_id=0xdead03, timeout_s=40)
     a = np.ones(4096, dtype=np.float32)
     comm.wait(comm.allreduce(a.ctypes.data, a.size, 0, 0), 20)
@@ -391,7 +391,7 @@ def _stalls(rank: int, world: int) -> str:
     """Training steps; rank 3 stops itself (SIGSTOP) after two of them."""
     import numpy as np
     import test_daemon_attach as t
-    from libmccl.errors import MCCLError
+    from mccl_common.errors import MCCLError
     from test_daemon_p2p import verdict
     comm, _store = t.connect(rank, world, comm_id=0xdead04, timeout_s=STALL_TIMEOUT_S)
     grads = np.ones(1 << 16, dtype=np.float32)
@@ -410,7 +410,7 @@ def _loops(rank: int, world: int) -> str:
     """All-reduces until one fails (the test cuts a link); a marker file once looping."""
     import numpy as np
     import test_daemon_attach as t
-    from libmccl.errors import MCCLError
+    from mccl_common.errors import MCCLError
     from test_daemon_p2p import verdict
     comm, _store = t.connect(rank, world, comm_id=0xdead07, timeout_s=STALL_TIMEOUT_S)
     grads = np.ones(1 << 16, dtype=np.float32)

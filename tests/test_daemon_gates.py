@@ -22,7 +22,7 @@ SMALL, LARGE = 16, 1 << 18      # the fast path's size and a pipelined one (1 MB
 
 
 def _not_done(comm, op: int) -> bool:
-    from libmccl.errors import CollectiveTimeout
+    from mccl_common.errors import CollectiveTimeout
     try:
         comm.wait(op, 0.05)
     except CollectiveTimeout:
@@ -74,7 +74,7 @@ def test_ops_wait_for_their_gate_and_done_follows_the_result(daemon):  # noqa: F
 
 def rank_bad_gate(rank: int, world: int, how: str) -> str:
     from libmccl import _core
-    from libmccl.errors import MCCLError
+    from mccl_common.errors import MCCLError
     comm, _store = connect(rank, world, comm_id=0x6a7f, timeout_s=3)
     a = np.ones(SMALL, dtype=np.float32)
     done = _core.Ticket()

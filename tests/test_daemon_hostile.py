@@ -18,10 +18,10 @@ import zmq
 
 from test_daemon_attach import daemon, daemon_env  # noqa: F401 - fixture
 
-from libmccl.errors import ProtocolError
-from mccld import protocol, shm
+from mccl_common.errors import ProtocolError
+from mccl_common import attach_protocol as protocol, shm
 from mccld.attach import local_request
-from mccld.config import load_config
+from mccl_common.daemon_settings import load_config
 from mccld.daemon import Daemon
 
 

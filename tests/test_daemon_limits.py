@@ -18,7 +18,7 @@ from test_daemon_attach import running_daemon
 
 from mccld import auth
 from mccld.daemon import Daemon
-from mccld.status_protocol import query
+from mccl_common.status_protocol import query
 
 DEADLINE_S = 3.0
 PER_PEER = 8
@@ -162,8 +162,8 @@ def test_every_daemon_thread_runs_when_its_token_appears_and_first_connections_a
     """The fuzzer and the campaign compare a daemon's threads before and after a run: once
     seen one thread up, because mccld's checker started after its token file (the "mccld is
     up" sign) and each port's gate watchdog at the port's first connection."""
-    from mccld import protocol
-    from mccld.config import load_config
+    from mccl_common import attach_protocol as protocol
+    from mccl_common.daemon_settings import load_config
     from test_daemon_attach import daemon_env
 
     env = {**daemon_env(tmp_path), "MCCL_STATUS_PORT": str(free_port()),

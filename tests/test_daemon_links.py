@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from libmccl.errors import AuthError, PeerLostError
+from mccl_common.errors import AuthError, PeerLostError
 
 from mccld.links import LinkManager
 

@@ -130,7 +130,7 @@ def verdict(e: Exception, started: float) -> str:
 def recv_never_matched(comm, rank: int, receiver: int, sender: int, timeout_s: float) -> str:
     """``receiver`` waits for a message ``sender`` never sends; the others try a barrier
     once the job must have failed."""
-    from libmccl.errors import MCCLError
+    from mccl_common.errors import MCCLError
     buf = np.zeros(4, dtype=np.int64)
     started = time.monotonic()
     try:
@@ -160,7 +160,7 @@ def test_recv_without_send_times_out_naming_the_peer(daemon):  # noqa: F811
 
 
 def rank_size_mismatch(rank: int, world: int) -> str:
-    from libmccl.errors import MCCLError
+    from mccl_common.errors import MCCLError
     comm, _store = connect(rank, world, comm_id=0x5123, timeout_s=20.0)
     buf = np.zeros(2, dtype=np.int64)
     started = time.monotonic()
@@ -184,7 +184,7 @@ def test_recv_of_another_size_fails_both_ranks_with_mismatch(daemon):  # noqa: F
 
 
 def test_mailbox_matches_exactly_and_in_order():
-    from libmccl.errors import CollectiveMismatch, ProtocolError
+    from mccl_common.errors import CollectiveMismatch, ProtocolError
     from mccld.p2p import Mailbox, Message, Posted
 
     def msg(src, tag, fill, n=2):
@@ -214,7 +214,7 @@ def test_mailbox_matches_exactly_and_in_order():
 
 
 def test_mailbox_caps_unreceived_bytes(monkeypatch):
-    from libmccl.errors import CollectiveMismatch
+    from mccl_common.errors import CollectiveMismatch
     from mccld import p2p
     monkeypatch.setattr(p2p, "_HELD_CAP_BYTES", 100)
     box = p2p.Mailbox()

@@ -21,9 +21,9 @@ import pytest
 
 import mccld.pipelined as pipelined
 from conftest import collect, reap, run_ranks, spawn_ranks
-from libmccl.config import EngineConfig, load
-from libmccl.errors import ConfigError, PeerLostError
-from mccld.config import load_config
+from mccl_common.errors import ConfigError, PeerLostError
+from mccl_common.settings import EngineConfig, load
+from mccl_common.daemon_settings import load_config
 from mccld.daemon import Daemon
 from test_daemon_attach import AVG, BAND, F16, F32, I32, MAX, SUM, connect, daemon_env
 from test_daemon_failures import job_segments

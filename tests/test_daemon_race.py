@@ -17,10 +17,10 @@ import pytest
 from test_daemon_attach import daemon_env
 from test_daemon_hostile import stop_process
 
-from libmccl.errors import ConfigError
-from mccld import protocol
+from mccl_common.errors import ConfigError
+from mccl_common import attach_protocol as protocol
 from mccld.attach import local_request
-from mccld.config import load_config
+from mccl_common.daemon_settings import load_config
 from mccld.daemon import Daemon
 
 TRIALS = 10

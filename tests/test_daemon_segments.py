@@ -12,7 +12,7 @@ import pytest
 
 from test_daemon_hostile import RawClient, mccld_proc  # noqa: F401 - fixture
 
-from mccld import shm
+from mccl_common import shm
 
 BIG = 1 << 20
 ALLREDUCE = {"count": BIG // 4, "dtype": 0, "op": 0, "offset": 0}

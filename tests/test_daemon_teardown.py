@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch.distributed as dist
 from libmccl.daemon_client import DaemonCommunicator
-from libmccl.errors import DaemonUnavailableError
+from mccl_common.errors import DaemonUnavailableError
 
 work, port = Path(sys.argv[1]), int(sys.argv[2])
 stores = [dist.TCPStore("127.0.0.1", port, 2, True, wait_for_workers=False),

@@ -16,8 +16,8 @@ import threading
 
 import pytest
 
-from libmccl.errors import AbortedError, MCCLError, PeerLostError
-from mccld import protocol
+from mccl_common.errors import AbortedError, MCCLError, PeerLostError
+from mccl_common import attach_protocol as protocol
 from mccld.jobs import Job
 
 

@@ -24,7 +24,7 @@ from libmccl import device_tensors
 from libmccl.backend import ProcessGroupMCCL
 from libmccl.device_order import (TICKET_BASE, DeviceOrderError, DeviceRace, ForeignThreadCommit, OrderedOp,
                                   UncommittedCommands)
-from libmccl.errors import AbortedError, ConfigError, MCCLError
+from mccl_common.errors import AbortedError, ConfigError, MCCLError
 from libmccl.fake_device import FakeDevice
 from test_engine_helpers import run_threads
 

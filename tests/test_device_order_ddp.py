@@ -76,7 +76,7 @@ def test_ddp_through_the_fake_device_matches_gloo(ranks) -> None:
 
 
 def _ddp_broken_rank(rank: int, world: int) -> str:
-    from libmccl.errors import MCCLError
+    from mccl_common.errors import MCCLError
 
     try:
         _ddp_fake_rank(rank, world, "drop_o1")

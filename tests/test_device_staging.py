@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from libmccl import device_tensors
 from libmccl.backend import ProcessGroupMCCL
-from libmccl.errors import ConfigError
+from mccl_common.errors import ConfigError
 from libmccl.fake_device import FakeDevice
 
 

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-import libmccl.config as config
-import mccld.config  # noqa: F401  (registers the daemon's settings)
+import mccl_common.settings as config
+import mccl_common.daemon_settings  # noqa: F401  (registers the daemon's settings)
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from libmccl import _core
-from libmccl.errors import MCCLError, ProtocolError
+from mccl_common.errors import MCCLError, ProtocolError
 
 from test_engine_helpers import DT, SUM, fd_count, make_options, ptr, run_ranks, run_threads
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from libmccl import _core
-from libmccl.errors import (AbortedError, CollectiveMismatch, CollectiveTimeout, ConfigError,
-                            MCCLError, PeerLostError, ProtocolError)
+from mccl_common.errors import (AbortedError, CollectiveMismatch, CollectiveTimeout, ConfigError,
+                                MCCLError, PeerLostError, ProtocolError)
 from test_engine_helpers import (DT, SUM, build, fd_count, make_options, ptr, ranks, run_ranks,
                                  run_threads, thread_count)
 

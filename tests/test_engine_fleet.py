@@ -1,5 +1,5 @@
 """The engine between emulated hosts (network namespaces on a shaped bridge, see
-libmccl/fleet.py): real IP addresses instead of loopback, a 1 Gbit/s line rate, and a
+tools/fleet.py): real IP addresses instead of loopback, a 1 Gbit/s line rate, and a
 host whose link goes down mid-collective (no FIN, no RST: only the timeout can tell)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from libmccl import fleet as fleet_mod
-from libmccl.errors import ConfigError
+from tools import fleet as fleet_mod
+from mccl_common.errors import ConfigError
 
 pytestmark = [pytest.mark.fleet, pytest.mark.timeout(120)]
 
@@ -23,7 +23,7 @@ import json, os, sys, time
 from pathlib import Path
 import numpy as np
 from libmccl import _core
-from libmccl.errors import MCCLError
+from mccl_common.errors import MCCLError
 
 rank, world, comm_id, host = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 timeout_s, iters, d = float(sys.argv[5]), int(sys.argv[6]), Path(sys.argv[7])

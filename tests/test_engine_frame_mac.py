@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from libmccl import _core
-from libmccl.errors import ConfigError, MCCLError, ProtocolError
+from mccl_common.errors import ConfigError, MCCLError, ProtocolError
 
 from test_engine_borrowed import K, Mesh, allreduce_check
 from test_engine_helpers import DT, SUM, make_options, ptr, run_ranks, run_threads

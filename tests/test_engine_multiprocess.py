@@ -25,7 +25,7 @@ import json, os, sys, time
 from pathlib import Path
 import numpy as np
 from libmccl import _core
-from libmccl.errors import MCCLError
+from mccl_common.errors import MCCLError
 sys.path.insert(0, 'tests')
 from test_engine_helpers import file_rendezvous
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from libmccl import _core
-from libmccl.errors import AbortedError, CollectiveTimeout, ConfigError, PeerLostError
+from mccl_common.errors import AbortedError, CollectiveTimeout, ConfigError, PeerLostError
 from test_engine_helpers import make_options, ptr, ranks, run_ranks
 
 pytestmark = pytest.mark.timeout(60)

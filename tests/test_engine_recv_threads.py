@@ -20,7 +20,7 @@ import pytest
 
 from libmccl import _core
 from leak_check import pipe_fds
-from libmccl.errors import AbortedError, PeerLostError
+from mccl_common.errors import AbortedError, PeerLostError
 from test_engine_helpers import DT, SUM, build, file_rendezvous, make_options, ptr, ranks, run_ranks, run_threads
 
 pytestmark = pytest.mark.timeout(120)
@@ -107,7 +107,7 @@ import json, os, sys, time
 from pathlib import Path
 import numpy as np
 from libmccl import _core
-from libmccl.errors import MCCLError
+from mccl_common.errors import MCCLError
 sys.path.insert(0, 'tests')
 from test_engine_helpers import file_rendezvous
 

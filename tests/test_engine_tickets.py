@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from libmccl import _core
-from libmccl.errors import AbortedError, CollectiveMismatch, CollectiveTimeout, ConfigError, MCCLError
+from mccl_common.errors import AbortedError, CollectiveMismatch, CollectiveTimeout, ConfigError, MCCLError
 from test_engine_helpers import AVG, DT, MAX, SUM, make_options, ptr, ranks, run_ranks, run_threads
 
 PIPE = 16 << 10  # pipeline bytes small enough that a 1 MB op has 64 pieces

@@ -104,7 +104,7 @@ def _mismatch_rank(rank: int, world: int, ports: list[int]) -> dict:
     import torch
     import torch.distributed as dist
 
-    from libmccl.errors import CollectiveMismatch, MCCLError
+    from mccl_common.errors import CollectiveMismatch, MCCLError
 
     seen = {}
     # 1) all-reduce with a different element count on rank 1.
@@ -178,7 +178,7 @@ def _skipped_rank(rank: int, world: int) -> float:
     import torch
     import torch.distributed as dist
 
-    from libmccl.errors import CollectiveTimeout
+    from mccl_common.errors import CollectiveTimeout
 
     init_pg(rank, world, timeout_s=60)
     try:
@@ -204,7 +204,7 @@ def _set_timeout_rank(rank: int, world: int) -> tuple[float, str]:
     import torch
     import torch.distributed as dist
 
-    from libmccl.errors import CollectiveTimeout, ConfigError
+    from mccl_common.errors import CollectiveTimeout, ConfigError
 
     init_pg(rank, world, timeout_s=60)
     try:
@@ -237,7 +237,7 @@ def _bad_args_rank(rank: int, world: int) -> list[str]:
     import torch.distributed as dist
 
     from libmccl import _torch_compat as compat
-    from libmccl.errors import ConfigError
+    from mccl_common.errors import ConfigError
 
     init_pg(rank, world)
     messages = []

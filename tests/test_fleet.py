@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from libmccl import fleet as fleet_mod
-from libmccl.errors import ConfigError
-from libmccl.fleet import PREFIX, Fleet, list_links, list_namespaces
-from libmccl.fleet_cli import iperf3_pair, unreachable_pairs
+from tools import fleet as fleet_mod
+from mccl_common.errors import ConfigError
+from tools.fleet import PREFIX, Fleet, list_links, list_namespaces
+from tools.fleet_cli import iperf3_pair, unreachable_pairs
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
                                 reason="the fleet needs root and iproute2 (ip, tc)")

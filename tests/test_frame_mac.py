@@ -80,7 +80,7 @@ def test_any_change_changes_the_tag() -> None:
 
 
 def test_bad_lengths_are_config_errors() -> None:
-    from libmccl.errors import ConfigError
+    from mccl_common.errors import ConfigError
 
     with pytest.raises(ConfigError, match="key must be 32 bytes"):
         _core.poly1305(bytes(16), b"x")

@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 pytest.importorskip("hypothesis")
 from fuzz import runner  # noqa: E402
 from leak_check import pipe_fds  # noqa: E402
-from libmccl.config import EngineConfig, load  # noqa: E402
+from mccl_common.settings import EngineConfig, load  # noqa: E402
 
 CORPUS = ROOT / "tests" / "fuzz_corpus"
 BUDGET_S = 10.0                # per surface; capture, batches' collectives and settling come on top
@@ -69,7 +69,7 @@ def test_a_failed_multi_host_job_frees_its_engine_without_the_cyclic_gc():
     from fuzz.mutate import encode
     from fuzz.surfaces import Input
     from fuzz.target import FLEET, FLEET_KEY
-    from mccld.config import load_config
+    from mccl_common.daemon_settings import load_config
     from mccld.daemon import Daemon
 
     rdir = Path(tempfile.mkdtemp(prefix="mccl-gc-"))

@@ -12,8 +12,9 @@ import pytest
 from test_daemon_attach import daemon  # noqa: F401 - fixture
 from test_daemon_hostile import one_rank_job, raw, refused  # noqa: F401 - fixture
 
-from libmccl.errors import ProtocolError
-from mccld import auth, shm, status_protocol
+from mccl_common import shm, status_protocol
+from mccl_common.errors import ProtocolError
+from mccld import auth
 
 DEEP = b"[" * 20_000 + b"]" * 20_000        # deeper than json can parse, small enough for a socketpair
 

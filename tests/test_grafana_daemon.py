@@ -103,7 +103,7 @@ needs_fleet = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None
 @pytest.mark.skipif(not prometheus_util.available(), reason="prometheus is not installed")
 @pytest.mark.timeout(280)
 def test_dashboards_have_data_from_daemons_running_a_job():
-    from libmccl.fleet import Fleet
+    from tools.fleet import Fleet
 
     work = Path(tempfile.mkdtemp(prefix="mccl-graf-fleet-"))
     fleet_name = f"gd{os.getpid()}"

@@ -11,8 +11,8 @@ from conftest import init_pg
 
 def test_options_validate_names_types_and_ranges() -> None:
     from libmccl import Options
-    from libmccl.config import EngineConfig
-    from libmccl.errors import ConfigError
+    from mccl_common.settings import EngineConfig
+    from mccl_common.errors import ConfigError
 
     base = EngineConfig()
     cfg = Options(sockets_per_peer=4, segment_bytes=1 << 20).apply(base)
@@ -36,7 +36,7 @@ def _rank(rank: int, world: int, mismatch: bool) -> str:
     import torch.distributed as dist
 
     from libmccl import Options
-    from libmccl.errors import ConfigError
+    from mccl_common.errors import ConfigError
 
     init_pg(rank, world)
     try:

@@ -15,8 +15,8 @@ import time
 import pytest
 
 from libmccl import listen_addr as la
-from libmccl.config import EngineConfig
-from libmccl.errors import ConfigError
+from mccl_common.errors import ConfigError
+from mccl_common.settings import EngineConfig
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -76,7 +76,7 @@ def test_doctor_report_counts():
 
 @pytest.mark.timeout(10)
 def test_discovery_records_become_targets():
-    # The shape mccld.discovery.browse_fleet returns.
+    # The shape mccl_common.discovery.browse_fleet returns.
     rec = {"host_id": "mac1", "fleet": "lab", "addresses": ["10.0.0.1"], "port": 29650, "state": "idle"}
     assert from_record(rec) == Target("mac1", "10.0.0.1:29651", "10.0.0.1:29652")
     assert from_record(rec, 31000, 32000) == Target("mac1", "10.0.0.1:31000", "10.0.0.1:32000")
@@ -123,7 +123,7 @@ def test_buffer_checks_flag_small_limits(tmp_path):
 def test_skew_and_key_checks(tmp_path):
     checks = doctor.skew_checks([("mac2", 2.0, 0.01), ("mac3", 0.01, 0.01), ("mac4", None, None)])
     assert [c["status"] for c in checks] == ["warn", "ok"]
-    from libmccl.errors import ConfigError
+    from mccl_common.errors import ConfigError
 
     def bad():
         raise ConfigError("[config] key file /k has mode 0644; ... run `chmod 600 /k`")

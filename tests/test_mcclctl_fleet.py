@@ -84,7 +84,7 @@ def _wait_for(what: str, fn, timeout_s: float = 45.0):
 @pytest.mark.fleet
 @pytest.mark.timeout(240)
 def test_status_lists_three_hosts_with_their_states():
-    from libmccl.fleet import Fleet
+    from tools.fleet import Fleet
 
     work = Path(tempfile.mkdtemp(prefix="mccl-ctl-fleet-"))
     key = work / "fleet.key"

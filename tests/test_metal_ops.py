@@ -17,7 +17,7 @@ import torch.distributed as dist
 from libmccl import _core, device_tensors, metal_tensors
 from libmccl.backend import ProcessGroupMCCL
 from libmccl.device_order import TICKET_BASE, ForeignThreadCommit, OrderedOp
-from libmccl.errors import ConfigError
+from mccl_common.errors import ConfigError
 from libmccl.metal_ops import PRIVATE, SHARED, CBridge, MetalDevice, MetalOps
 from fake_metal_bridge import FakeBridge
 from test_engine_helpers import run_threads

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from libmccl import unified
-from libmccl.errors import ConfigError
+from mccl_common.errors import ConfigError
 
 
 @pytest.mark.timeout(30)

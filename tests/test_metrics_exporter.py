@@ -135,7 +135,7 @@ def test_metrics_server_serves_and_stops():
 
 @pytest.mark.timeout(20)
 def test_metrics_port_in_use_is_a_clear_config_error():
-    from libmccl.errors import ConfigError
+    from mccl_common.errors import ConfigError
     first = MetricsServer(st.DaemonStats(), addr="127.0.0.1", port=0)
     first.start()
     try:

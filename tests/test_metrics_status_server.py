@@ -4,8 +4,8 @@ import socket
 
 import pytest
 
-from libmccl.errors import AuthError, ConfigError, DaemonUnavailableError, ProtocolError
-from mccld import status_protocol as sp
+from mccl_common.errors import AuthError, ConfigError, DaemonUnavailableError, ProtocolError
+from mccl_common import status_protocol as sp
 from mccld import status_server as ss
 from mccld import tcpinfo
 from mccld.stats import DaemonStats

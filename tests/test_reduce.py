@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from libmccl import _core
-from libmccl.errors import ConfigError
+from mccl_common.errors import ConfigError
 
 # Codes of mccl::DType / mccl::ReduceOp (csrc/dtype.h).
 DTYPES = {

@@ -10,8 +10,8 @@ import pytest
 
 from conftest import init_pg
 from libmccl import rendezvous
-from libmccl.config import EngineConfig
-from libmccl.errors import CollectiveTimeout, ConfigError
+from mccl_common.errors import CollectiveTimeout, ConfigError
+from mccl_common.settings import EngineConfig
 
 
 class _FakeListener:
@@ -117,7 +117,7 @@ def _abort_rank(rank: int, world: int) -> str:
     import torch
     import torch.distributed as dist
 
-    from libmccl.errors import AbortedError, MCCLError
+    from mccl_common.errors import AbortedError, MCCLError
 
     init_pg(rank, world, timeout_s=60)
     try:
@@ -174,7 +174,7 @@ def test_hosts_in_namespaces_find_each_other(ifname: str) -> None:
     import subprocess
     import sys
 
-    from libmccl.fleet import Fleet, check_prerequisites
+    from tools.fleet import Fleet, check_prerequisites
 
     try:
         check_prerequisites()

@@ -1,5 +1,5 @@
 """init_process_group with a TCPStore or a file:// method and no MASTER_ADDR, between
-emulated hosts (network namespaces, libmccl/fleet.py): each rank must pick an address its
+emulated hosts (network namespaces, tools/fleet.py): each rank must pick an address its
 peers can dial, and a rank left on loopback must make every rank fail at once instead of
 waiting out the timeout. Needs root; skipped otherwise."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from libmccl.errors import ConfigError
+from mccl_common.errors import ConfigError
 
 pytestmark = [pytest.mark.fleet, pytest.mark.timeout(240)]
 
@@ -26,7 +26,7 @@ import datetime, json, os, sys, time
 for k in ("MASTER_ADDR", "MASTER_PORT"):
     os.environ.pop(k, None)
 import torch, torch.distributed as dist
-from libmccl.errors import MCCLError
+from mccl_common.errors import MCCLError
 
 mode, rank, world, where, timeout_s = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], float(sys.argv[5])
 timeout = datetime.timedelta(seconds=timeout_s)
@@ -55,7 +55,7 @@ print("RESULT " + json.dumps(res), flush=True)
 
 @pytest.fixture
 def fleet2():
-    from libmccl import fleet as fleet_mod
+    from tools import fleet as fleet_mod
 
     try:
         fleet_mod.check_prerequisites()

@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_one_minute_soak_is_correct_and_flat(tmp_path):
-    from libmccl.errors import ConfigError
-    from libmccl.fleet import check_prerequisites
+    from mccl_common.errors import ConfigError
+    from tools.fleet import check_prerequisites
     try:
         check_prerequisites()
     except ConfigError as e:

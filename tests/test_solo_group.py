@@ -78,5 +78,5 @@ def test_collectives_of_one_rank(solo_group):
 def test_group_of_one_refuses_after_shutdown(solo_group):
     pg = dist.group.WORLD
     pg.shutdown()
-    with pytest.raises(libmccl.errors.AbortedError):
+    with pytest.raises(mccl_common.errors.AbortedError):
         pg.allreduce([torch.zeros(1)])

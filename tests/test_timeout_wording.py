@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import run_ranks
-from libmccl.errors import CollectiveTimeout
+from mccl_common.errors import CollectiveTimeout
 from test_daemon_attach import connect, daemon  # noqa: F401 - fixture
 from test_engine_helpers import DT, SUM, make_options, ptr, ranks
 

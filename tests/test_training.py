@@ -196,7 +196,7 @@ def test_demo_runs_and_learns() -> None:
 
     from conftest import run_command
 
-    out = run_command([sys.executable, "-m", "libmccl.demo", "--world", "2", "--seconds", "8"], 170)
+    out = run_command([sys.executable, "-m", "tools.demo", "--world", "2", "--seconds", "8"], 170)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "[demo] OK" in out.stdout and "samples/s" in out.stdout, out.stdout
 

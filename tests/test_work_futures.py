@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from libmccl._torch_compat import ResultFuture
-from libmccl.errors import AbortedError, CollectiveTimeout, MCCLError, PeerLostError
+from mccl_common.errors import AbortedError, CollectiveTimeout, MCCLError, PeerLostError
 from libmccl.work import AllOf, CompletionRouter, MCCLWork, shutdown_error
 
-PEER_LOST_KIND = 1  # mccl::ErrorKind::PeerLost (libmccl/errors.py _KINDS)
+PEER_LOST_KIND = 1  # mccl::ErrorKind::PeerLost (mccl_common/errors.py _KINDS)
 
 
 def _cxx_wait_fn(fut: torch.jit.Future[Any]) -> bool:

@@ -1,5 +1,5 @@
 // Typed engine errors. Each kind maps one-to-one onto a Python exception class in
-// libmccl/errors.py; the binding layer does the translation.
+// mccl_common/errors.py; the binding layer does the translation.
 #pragma once
 #include <stdexcept>
 #include <string>

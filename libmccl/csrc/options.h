@@ -1,4 +1,4 @@
-// Engine knobs, filled from libmccl.config.EngineConfig by the Python side (which
+// Engine knobs, filled from mccl_common.settings.EngineConfig by the Python side (which
 // declares the MCCL_* variables, defaults and units once). Plain data.
 #pragma once
 #include <cstddef>

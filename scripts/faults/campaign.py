@@ -1,6 +1,6 @@
 """Fault campaign: ranks loop random collectives; one fault hits a random rank, link or daemon.
 
-Topology: an emulated fleet (libmccl.fleet: network namespaces on a bridge) of two hosts
+Topology: an emulated fleet (tools.fleet: network namespaces on a bridge) of two hosts
 with two ranks each. ``--mode inproc`` runs the in-process engine (libmccl._core) between
 the hosts' addresses; ``--mode daemon`` attaches every rank to its host's mccld
 (libmccl.daemon_client: shared memory, ZeroMQ, the daemons' TCP links). See rank.py for
@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--shards and --trials must be at least 1")
     if args.shards > 1:
         return run_shards(args)
-    from libmccl.fleet import Fleet
+    from tools.fleet import Fleet
 
     # SIGTERM (a CI timeout) unwinds like Ctrl-C, so the fleet and its daemons are torn down.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -466,7 +466,7 @@ def run_shards(args: argparse.Namespace) -> int:
 
 
 def _namespaces() -> list[str]:
-    from libmccl.fleet import list_namespaces
+    from tools.fleet import list_namespaces
     return list_namespaces()
 
 

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from libmccl import _core
-from libmccl.errors import MCCLError
+from mccl_common.errors import MCCLError
 
 _CLONE_NEWNET = 0x40000000
 _CONNECT_TIMEOUT_S = 30.0

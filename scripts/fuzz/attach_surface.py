@@ -1,7 +1,7 @@
 """The attach socket (ZeroMQ ROUTER, JSON control messages): the surface local clients reach.
 
 Seeds are the messages a real ``DaemonCommunicator`` sends, captured from
-``mccld.protocol.encode`` while it runs collectives, with the values a batch must
+``mccl_common.attach_protocol.encode`` while it runs collectives, with the values a batch must
 supply replaced by placeholders ($TOKEN, $PID, $JOB, $SEG). Stages:
 
   raw     frames on a connection that never said hello (random bytes, several frames,
@@ -27,7 +27,7 @@ import numpy as np
 import zmq
 from hypothesis import strategies as st
 
-from mccld import protocol, shm
+from mccl_common import attach_protocol as protocol, shm
 
 from .mutate import byte_noise, encode, mutated_json, random_bytes
 from .surfaces import Input, Surface, Verdict

@@ -21,7 +21,7 @@ from typing import Any
 from hypothesis import strategies as st
 
 from mccld import linktest
-from mccld import status_protocol as sp
+from mccl_common import status_protocol as sp
 
 from .mutate import byte_noise, encode, mutated_json, random_bytes
 from .surfaces import ANSWER_TIMEOUT_S, Input, Surface, Verdict, connect, json_line, send_and_close

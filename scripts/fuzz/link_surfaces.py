@@ -35,7 +35,8 @@ from typing import Any
 import zmq
 from hypothesis import strategies as st
 
-from mccld import auth, protocol
+from mccld import auth
+from mccl_common import attach_protocol as protocol
 
 from .mutate import byte_noise, encode, mutated_json, random_bytes
 from .surfaces import ANSWER_TIMEOUT_S, Input, Surface, Verdict, connect, drain_until_closed, send_and_close
@@ -387,7 +388,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
 
 
 def _engine_defaults() -> dict[str, int]:
-    from libmccl.config import EngineConfig, load
+    from mccl_common.settings import EngineConfig, load
     cfg = load(EngineConfig)
     return {"segment_bytes": cfg.segment_bytes, "small_allreduce_bytes": cfg.small_allreduce_bytes}
 

@@ -118,7 +118,7 @@ class Daemon:
         return self.proc is not None and self.proc.poll() is None
 
     def start(self) -> None:
-        from mccld import protocol
+        from mccl_common import attach_protocol as protocol
         from mccld.attach import local_request
         self.log_path = self.rdir.with_suffix(".log")
         token = self.rdir / protocol.TOKEN_NAME

@@ -1,5 +1,5 @@
 // _core.Listener, _core.Options, _core.Communicator, _core.DType, _core.ReduceOp and
-// the translation of mccl::Error into libmccl.errors classes. Thin: checks argument
+// the translation of mccl::Error into mccl_common.errors classes. Thin: checks argument
 // types, releases the GIL around everything that blocks, and nothing else.
 #include "bindings/engine_bindings.h"
 
@@ -208,7 +208,7 @@ void register_engine_bindings(py::module_& m) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const Error& e) {
-      py::object exc = py::module_::import("libmccl.errors")
+      py::object exc = py::module_::import("mccl_common.errors")
                            .attr("from_kind")(static_cast<int>(e.kind()), std::string(e.what()),
                                               e.peer_rank(), e.peer_addr());
       PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());

@@ -1,6 +1,6 @@
 // Exposes the reduction kernels to Python so tests can check them against torch.
 // Pointers are plain integers (tensor.data_ptr()); counts are elements. mccl::Error
-// becomes the matching libmccl.errors class through the module-wide translator
+// becomes the matching mccl_common.errors class through the module-wide translator
 // (engine_bindings.cc).
 #include "reduce_bindings.h"
 

@@ -21,7 +21,7 @@ constexpr size_t kEntryOff = 3072;    // Entry of the op in flight
 constexpr size_t kDataOff = 4096;     // its data (page-aligned), slot_bytes long
 constexpr size_t kErrorMsgMax = 2048;
 constexpr size_t kMaxSlotBytes = size_t{16} << 20;
-// Error kinds an ErrorRecord may carry: mccl::ErrorKind's, then libmccl/errors.py's Python-only
+// Error kinds an ErrorRecord may carry: mccl::ErrorKind's, then mccl_common/errors.py's Python-only
 // ones (7: DaemonUnavailableError, 8: AuthError), which only travel through to Python.
 constexpr int32_t kLastKind = 8;
 

@@ -1,14 +1,14 @@
 """What attaching through mccld costs: kept as a short name for ``mccl-bench``'s daemon mode.
 
-    sudo .venv/bin/python -m mccld.bench_attach                  # 2 emulated hosts x 1 rank
-    sudo .venv/bin/python -m mccld.bench_attach --ranks-per-host 2
-    .venv/bin/python -m mccld.bench_attach --local --ranks-per-host 2   # one host, no root
+    sudo .venv/bin/python -m tools.bench_attach                  # 2 emulated hosts x 1 rank
+    sudo .venv/bin/python -m tools.bench_attach --ranks-per-host 2
+    .venv/bin/python -m tools.bench_attach --local --ranks-per-host 2   # one host, no root
 
-runs ``mccl-bench --backends mccl --mode in-process,daemon --ops all_reduce --sizes BYTES
+runs ``python -m tools.bench --backends mccl --mode in-process,daemon --ops all_reduce --sizes BYTES
 --ceiling-tool none`` on the same hosts: the 8-byte all_reduce latency and the all_reduce
 bus bandwidth at --bytes, in-process and through one mccld per host (which mccl-bench
 starts and stops). Everything else mccl-bench does (Gloo, the ring ceiling, sweeps, JSON)
-is there: ``mccl-bench --help``.
+is there: ``python -m tools.bench --help``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from libmccl.bench.__main__ import main as bench_main
+from tools.bench.__main__ import main as bench_main
 
 
 def bench_argv(args: argparse.Namespace) -> list[str]:
@@ -28,7 +28,7 @@ def bench_argv(args: argparse.Namespace) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mccld.bench_attach", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.bench_attach", description=__doc__.split("\n\n")[0])
     ap.add_argument("--hosts", type=int, default=2, help="emulated hosts (network namespaces; needs root)")
     ap.add_argument("--ranks-per-host", type=int, default=1)
     ap.add_argument("--local", action="store_true", help="one host on loopback, no namespaces")

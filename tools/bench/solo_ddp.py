@@ -1,7 +1,7 @@
 """A world-size-1 DDP step, Gloo against MCCL in the same run: what a single-process job
 pays for its backend when there is no network at all.
 
-    python -m libmccl.bench.solo_ddp [--steps 30] [--repeats 3]
+    python -m tools.bench.solo_ddp [--steps 30] [--repeats 3]
 
 Each repeat builds a fresh group per backend (alternating, so both see the same machine
 load), trains a 24-layer MLP (6.3M parameters, DDP buckets of 4 MB) and takes the median

@@ -1,6 +1,6 @@
 """Built-in ring bandwidth probe, for hosts without iperf3.
 
-``python -m libmccl.bench.probe LISTEN_ADDR LISTEN_PORT RIGHT_ADDR RIGHT_PORT SECONDS``:
+``python -m tools.bench.probe LISTEN_ADDR LISTEN_PORT RIGHT_ADDR RIGHT_PORT SECONDS``:
 accepts one connection from the left neighbour and receives, while sending to the right
 neighbour for SECONDS. Prints one JSON line: bytes received, the receive window, and
 this process's CPU seconds. Large sendall/recv_into calls release the GIL, so one

@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import sys
 
-from ..errors import MCCLError
+from mccl_common.errors import MCCLError
 from ..fleet import wait_for_output
 from .launch import first_failure, run_group
 
@@ -70,7 +70,7 @@ def iperf3_ring(launcher, seconds: float, log_dir: str) -> dict:
 def probe_ring(launcher, seconds: float, log_dir: str) -> dict:
     n = launcher.n
     ports = [launcher.free_port(BASE_PORT + i) for i in range(n)]
-    argvs = [[sys.executable, "-m", "libmccl.bench.probe", launcher.addr(i), str(ports[i]),
+    argvs = [[sys.executable, "-m", "tools.bench.probe", launcher.addr(i), str(ports[i]),
               launcher.addr((i + 1) % n), str(ports[(i + 1) % n]), f"{seconds:g}"] for i in range(n)]
     done = run_group(launcher, argvs, [{}] * n, log_dir, seconds + 60, "probe")
     why = first_failure(done)

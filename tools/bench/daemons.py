@@ -14,7 +14,7 @@ address through torch's rendezvous store, and the daemons dial those addresses. 
 daemons run without zeroconf (mccld then logs that it has no mDNS); where zeroconf is
 installed they announce themselves on their own address only (127.0.0.1 on loopback).
 
-``python -m libmccl.bench.daemons [mccld args]`` is how each daemon is started: mccld's own
+``python -m tools.bench.daemons [mccld args]`` is how each daemon is started: mccld's own
 entry point, after asking Linux to SIGTERM it if the benchmark dies, so even a benchmark
 killed with SIGKILL leaves no daemon behind (the daemon's SIGTERM handler frees its jobs).
 """
@@ -32,13 +32,13 @@ import sys
 import tempfile
 import time
 
-from ..errors import DaemonUnavailableError
+from mccl_common.errors import DaemonUnavailableError
 
 log = logging.getLogger(__name__)
 
 _READY_TIMEOUT_S = 60.0     # a 2-core box under load takes several seconds to import mccld
 _STOP_TIMEOUT_S = 15.0
-_TOKEN = "token"            # mccld writes it once its attach socket serves (mccld/protocol.py)
+_TOKEN = "token"            # mccld writes it once its attach socket serves (mccl_common/attach_protocol.py)
 _SHM_DIR = "/dev/shm"
 
 
@@ -92,7 +92,7 @@ class HostDaemons:
                 self.logs.append(path)
                 with open(path, "wb") as f:
                     self.procs.append(self.launcher.popen(
-                        h, [sys.executable, "-m", "libmccl.bench.daemons", "--log-level", "WARNING"],
+                        h, [sys.executable, "-m", "tools.bench.daemons", "--log-level", "WARNING"],
                         env=self.daemon_env(h), stdout=f, stderr=subprocess.STDOUT))
             self._wait_ready()
         except BaseException:
@@ -149,7 +149,7 @@ class HostDaemons:
 
     @staticmethod
     def _unlink_segments(pids: list[int]) -> list[str]:
-        from mccld.shm import PREFIX, owner_pid  # torch-, zmq- and zeroconf-free
+        from mccl_common.shm import PREFIX, owner_pid  # torch-, zmq- and zeroconf-free
 
         ours, cleaned = set(pids), []
         try:

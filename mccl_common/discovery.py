@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from zeroconf import IPVersion, ServiceBrowser, ServiceInfo, ServiceStateChange, Zeroconf
 
-from libmccl.errors import MCCLError
+from .errors import MCCLError
 
 from . import PROTO_VERSION, __version__
 

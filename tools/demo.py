@@ -1,4 +1,4 @@
-"""``python -m libmccl.demo``: train a tiny transformer with DDP over the mccl backend.
+"""``python -m tools.demo``: train a tiny transformer with DDP over the mccl backend.
 
 Launches N ranks (default 4) on this machine, each an ordinary torch.distributed
 process calling ``init_process_group("mccl")``. They learn a synthetic language (a
@@ -302,7 +302,7 @@ def _run_with_daemon(args: DemoArgs) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m libmccl.demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, default=4, help="ranks to launch (default 4)")
     p.add_argument("--steps", type=int, default=300, help="at most this many steps (default 300)")
     p.add_argument("--seconds", type=float, default=30.0, help="stop training after this long (default 30)")

@@ -39,11 +39,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, ClassVar, Mapping
 
-from libmccl import errors
-from libmccl.daemon_ops import DTYPE_SIZE, MAX_TAG
-from libmccl.errors import MCCLError, ProtocolError
-
-from . import PROTO_VERSION
+from . import PROTO_VERSION, errors
+from .errors import MCCLError, ProtocolError
+from .wire import DTYPE_SIZE, MAX_TAG, OP_NAMES
 
 SOCKET_NAME = "mccld.sock"
 TOKEN_NAME = "token"
@@ -236,7 +234,7 @@ REQUESTS: dict[str, type[Request]] = {cls.type: cls for cls in (Hello, Join, Reg
 
 # An op's arguments, exactly: the job's thread calls its algorithm with them, so a key
 # unknown to this daemon (or a missing one) is refused here rather than failing there.
-_COUNT, _DTYPE, _REDOP = _BYTES, Field(int, 0, len(DTYPE_SIZE) - 1), Field(int, 0, 7)
+_COUNT, _DTYPE, _REDOP = _BYTES, Field(int, 0, len(DTYPE_SIZE) - 1), Field(int, 0, len(OP_NAMES) - 1)
 _OFFS = {"send_off": _BYTES, "recv_off": _BYTES}
 OP_ARGS: dict[str, dict[str, Field]] = {
     # pipelined: through the segment's tickets, the op starting at `base` in their counts

@@ -3,7 +3,7 @@
 Each field of a settings dataclass below *is* the declaration: its environment
 variable, default, unit and help text live in the field's metadata, next to the
 default. ``load(Cls)`` reads the environment (and, for the daemon, an optional TOML
-file) into a frozen instance. ``python -m libmccl.config`` prints the table that the
+file) into a frozen instance. ``python -m mccl_common.settings`` prints the table that the
 README carries.
 """
 
@@ -194,11 +194,8 @@ def markdown_table() -> str:
 
 
 if __name__ == "__main__":  # pragma: no cover - a documentation helper
-    try:  # pull in the other components' declarations when they are importable
-        import mccld.config  # noqa: F401
-    except ImportError:
-        pass
-    # Run as __main__, this file is a second copy of libmccl.config; the other components
-    # registered their classes with the imported one, so print that one's table.
-    from libmccl import config as _registry
+    # Run as __main__, this file is a second copy of mccl_common.settings; the daemon's
+    # declarations register with the imported one, so print that one's table.
+    import mccl_common.daemon_settings  # noqa: F401
+    from mccl_common import settings as _registry
     sys.stdout.write(_registry.markdown_table() + "\n")

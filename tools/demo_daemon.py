@@ -19,7 +19,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from .errors import DaemonUnavailableError
+from mccl_common.errors import DaemonUnavailableError
 
 _READY_TIMEOUT_S = 60.0
 _STOP_TIMEOUT_S = 15.0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 
-from ..errors import ConfigError
+from mccl_common.errors import ConfigError
 from .metrics import fmt_bytes
 from .report import where, series_of
 

@@ -4,7 +4,7 @@ One invocation measures, on the same hosts and in the same run: the ring ceiling
 every host sending to its right neighbour at once), then each series' collectives over a
 range of sizes (mccl in-process, mccl through one mccld per host, Gloo), with algbw/busbw,
 latency and CPU seconds per wire GB, or DDP training steps (``--workload ddp``). Ranks are
-separate processes, on loopback or on the hosts of an emulated fleet (libmccl.fleet).
+separate processes, on loopback or on the hosts of an emulated fleet (tools.fleet).
 
 The harness imports torch only inside the rank processes (worker.py), and never zmq or
 zeroconf: it runs on machines that have only torch and the built engine. Only the daemon

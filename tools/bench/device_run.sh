@@ -24,10 +24,10 @@
 # after every step they are packed into $OUT/results.tgz, and status.txt and summary.txt
 # (every table) are copied to $OUT, so a run cut short still returns what it measured.
 #
-# Run from the repository root:  OUT=/some/dir bash libmccl/bench/device_run.sh
+# Run from the repository root:  OUT=/some/dir bash tools/bench/device_run.sh
 # Smaller versions (a check of the script on any root Linux box; 2-4 minutes on 2 cores):
 #   H8=2 H_X2=2 H_MID=2 H_SLOW=3 FAST=1gbit MID=1gbit SLOW=1gbit SIZES=1M,4M SIZES_X2=4M \
-#     DDP_WIDTH=512 SKIP_BUILD=1 PY=.venv/bin/python OUT=/tmp/o bash libmccl/bench/device_run.sh
+#     DDP_WIDTH=512 SKIP_BUILD=1 PY=.venv/bin/python OUT=/tmp/o bash tools/bench/device_run.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/out}
@@ -106,7 +106,7 @@ bench() {  # bench NAME LIMIT_S ARGS...
   status "$name start (limit ${limit}s)"
   # -v: progress lines go to .err as they happen; the JSON is rewritten after every series,
   # so a run cut short by its limit still leaves what it measured.
-  timeout --kill-after=20 "$limit" $PY -m libmccl.bench -v --json "$RESULTS/$name.json" "$@" \
+  timeout --kill-after=20 "$limit" $PY -m tools.bench -v --json "$RESULTS/$name.json" "$@" \
     > "$RESULTS/$name.txt" 2> "$RESULTS/$name.err"
   local rc=$?
   status "$name rc=$rc"
@@ -115,7 +115,7 @@ bench() {  # bench NAME LIMIT_S ARGS...
 }
 
 # --- can this machine build a fleet at all? ------------------------------------------------
-if timeout 45 $PY -m libmccl.fleet selftest --rate 1gbit > "$RESULTS/fleet-selftest.txt" 2>&1; then
+if timeout 45 $PY -m tools.fleet selftest --rate 1gbit > "$RESULTS/fleet-selftest.txt" 2>&1; then
   status "fleet selftest ok"
   COMMON=(--ops all_reduce --target-seconds 0.5)
   want 1 && bench "1-n$H8-$FAST" 150 --hosts "$H8" --rate "$FAST" --mode "$MODES" --sizes "$SIZES" "${COMMON[@]}"
@@ -142,7 +142,7 @@ else
 fi
 if want 7; then
   status "7-solo-ddp start"
-  timeout 90 $PY -m libmccl.bench.solo_ddp > "$RESULTS/7-solo-ddp.txt" 2>&1; status "7-solo-ddp rc=$?"
+  timeout 90 $PY -m tools.bench.solo_ddp > "$RESULTS/7-solo-ddp.txt" 2>&1; status "7-solo-ddp rc=$?"
   pack
 fi
 
@@ -178,7 +178,7 @@ fi
 
 if $PY -c 'import matplotlib' 2>/dev/null; then
   for f in "$RESULTS"/*.json; do
-    [ -s "$f" ] && $PY -m libmccl.bench plot "$f" "${f%.json}.png" >/dev/null 2>&1
+    [ -s "$f" ] && $PY -m tools.bench plot "$f" "${f%.json}.png" >/dev/null 2>&1
   done
 fi
 status "done"

@@ -23,8 +23,8 @@ import os
 import socket
 from typing import Any
 
-from libmccl import errors as errmod
-from libmccl.errors import AuthError, ConfigError, DaemonUnavailableError, MCCLError, ProtocolError
+from . import errors as errmod
+from .errors import AuthError, ConfigError, DaemonUnavailableError, MCCLError, ProtocolError
 
 PROTO = 1
 DEFAULT_PORT = 29651

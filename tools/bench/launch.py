@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from ..errors import CollectiveTimeout
+from mccl_common.errors import CollectiveTimeout
 
 
 class LocalLauncher:
@@ -49,7 +49,7 @@ class LocalLauncher:
 
 
 class FleetLauncher:
-    """One emulated host (network namespace) per process; see libmccl.fleet."""
+    """One emulated host (network namespace) per process; see tools.fleet."""
 
     kind = "fleet"
 

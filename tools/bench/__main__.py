@@ -1,16 +1,16 @@
-"""mccl-bench: ``mccl-bench [options]`` runs a sweep; ``mccl-bench plot RESULTS.json... OUT.png`` plots;
-``mccl-bench table RESULTS.json...`` prints saved results as Markdown tables.
+"""mccl-bench: ``python -m tools.bench [options]`` runs a sweep; ``... plot RESULTS.json... OUT.png`` plots;
+``python -m tools.bench table RESULTS.json...`` prints saved results as Markdown tables.
 
 Examples::
 
-    mccl-bench --ranks 2 --max-bytes 64M               # 2 ranks on loopback
-    mccl-bench --hosts 4 --rate 1gbit --json n4.json   # 4 emulated hosts (root)
-    mccl-bench --hosts 4 --ranks-per-host 2 --mode in-process,daemon --ops all_reduce --sizes 64M,256M
+    python -m tools.bench --ranks 2 --max-bytes 64M               # 2 ranks on loopback
+    python -m tools.bench --hosts 4 --rate 1gbit --json n4.json   # 4 emulated hosts (root)
+    python -m tools.bench --hosts 4 --ranks-per-host 2 --mode in-process,daemon --ops all_reduce --sizes 64M,256M
                                                        # + mccl through one mccld per host
-    mccl-bench --hosts 4 --ops all_reduce --sizes 8    # small-message latency
-    mccl-bench --hosts 8 --rate 10gbit --mode in-process,daemon --workload ddp   # DDP step times
-    mccl-bench plot n4.json docs/img/n4-1gbit.png
-    mccl-bench table n4.json
+    python -m tools.bench --hosts 4 --ops all_reduce --sizes 8    # small-message latency
+    python -m tools.bench --hosts 8 --rate 10gbit --mode in-process,daemon --workload ddp   # DDP step times
+    python -m tools.bench plot n4.json docs/img/n4-1gbit.png
+    python -m tools.bench table n4.json
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import os
 import signal
 import sys
 
-from ..errors import MCCLError
+from mccl_common.errors import MCCLError
 from .metrics import OPS, parse_bytes, sweep_sizes
 from .sweep import BACKENDS, MODES, WORKLOADS, BenchConfig, run_bench
 
@@ -32,7 +32,7 @@ def _csv(text: str) -> list[str]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="mccl-bench", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     where = ap.add_argument_group("where the ranks run")
     where.add_argument("--hosts", type=int, default=0,
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["plot"]:
         if len(argv) < 3:
-            print("usage: mccl-bench plot RESULTS.json [MORE.json...] OUT.png", file=sys.stderr)
+            print("usage: python -m tools.bench plot RESULTS.json [MORE.json...] OUT.png", file=sys.stderr)
             return 2
         from .plot import plot
 

@@ -1,4 +1,4 @@
-"""``python -m libmccl.fleet``: bring an emulated fleet up or down, run commands in it,
+"""``python -m tools.fleet``: bring an emulated fleet up or down, run commands in it,
 or check that this machine can emulate one at all (``selftest``)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 
-from .errors import MCCLError
+from mccl_common.errors import MCCLError
 from .fleet import PREFIX, Fleet, list_links, list_namespaces, parse_rate_bits, teardown, wait_for_output
 
 IPERF_PORT = 5201
@@ -113,7 +113,7 @@ def _selftest(n: int, rate: str, seconds: float) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m libmccl.fleet", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m tools.fleet", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", help="build a fleet and leave it up (tear down with 'down')")
     up.add_argument("name", help="fleet id: 1-5 lowercase letters/digits")

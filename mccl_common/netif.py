@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from libmccl.errors import ConfigError
+from .errors import ConfigError
 
 log = logging.getLogger(__name__)
 

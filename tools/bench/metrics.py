@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from ..errors import ConfigError
+from mccl_common.errors import ConfigError
 
 ELEMENT_BYTES = 4  # float32: every op is benchmarked on float32 with SUM
 

@@ -1,4 +1,4 @@
-"""One rank of a benchmark run: ``python -m libmccl.bench.worker '<json plan>'``.
+"""One rank of a benchmark run: ``python -m tools.bench.worker '<json plan>'``.
 
 Reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT from the environment like any
 torch.distributed program. For each (op, size) it first checks the result of one op on
@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Callable
 
-from ..errors import ConfigError, MCCLError
+from mccl_common.errors import ConfigError, MCCLError
 from .metrics import OPS, op_elements
 
 # Exit code of a rank whose measurements completed but whose shutdown failed.

@@ -19,7 +19,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from ..errors import MCCLError
+from mccl_common.errors import MCCLError
 
 DEFAULTS = {"width": 2048, "depth": 3, "batch": 32, "warmup": 3, "steps": 10, "device": "cpu",
             "variants": ["ddp"], "bucket_mb": None}

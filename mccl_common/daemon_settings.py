@@ -13,8 +13,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from libmccl.config import _require, load, register, setting
-from libmccl.errors import ConfigError
+from .errors import ConfigError
+from .settings import _require, load, register, setting
 
 DEFAULT_KEY_FILES = ("/etc/mccl/fleet.key", "~/.config/mccl/fleet.key")
 

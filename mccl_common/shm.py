@@ -29,13 +29,12 @@ import mmap
 import os
 import sys
 from pathlib import Path
+from typing import Any, Callable
 
 import _posixshmem
 
-from libmccl import _core
-from libmccl.errors import ConfigError, ProtocolError
-
-from .protocol import SEGMENT_RE
+from .attach_protocol import SEGMENT_RE
+from .errors import ConfigError, ProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +78,13 @@ def pid_alive(pid: int) -> bool:
 
 class Segment:
     """One mapped segment: ``nbytes`` of data at ``addr`` after the control header. The
-    creator (client) or the daemon may unlink it."""
+    creator (client) or the daemon may unlink it.
 
-    def __init__(self, name: str, nbytes: int, create: bool):
+    ``ticket_at`` (the engine's ``_core.Ticket.at``) makes ``ready`` and ``done`` views of
+    the header's words; this package knows the layout, not the engine, so a caller that
+    moves data through the tickets passes it, one that only maps the segment need not."""
+
+    def __init__(self, name: str, nbytes: int, create: bool, ticket_at: Callable[[int], Any] | None = None):
         if not SEGMENT_RE.match(name):
             raise ProtocolError(f"[daemon] refused shared-memory segment name {name!r}; "
                                 "expected mccl-<job>-<rank>-<pid>-<gen>")
@@ -111,8 +114,8 @@ class Segment:
         start = ctypes.addressof(self._buf)
         self.addr = start + HEADER_BYTES
         # Views of the header's words; valid while the mapping is (close() drops them).
-        self.ready = _core.Ticket.at(start + READY_OFF)
-        self.done = _core.Ticket.at(start + DONE_OFF)
+        self.ready = ticket_at(start + READY_OFF) if ticket_at is not None else None
+        self.done = ticket_at(start + DONE_OFF) if ticket_at is not None else None
 
     def check_size(self) -> None:
         """ProtocolError unless the file still holds the whole segment.

@@ -29,7 +29,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from ..errors import ConfigError, MCCLError
+from mccl_common.errors import ConfigError, MCCLError
 from . import ddp
 from .ceiling import ring_ceiling
 from .daemons import HostDaemons
@@ -161,7 +161,7 @@ def _run_series(launcher, cfg: BenchConfig, series: Series, tmp: str) -> SeriesR
             runner = daemons    # the ranks attach to their host's daemon (MCCL_DAEMON=1)
             plan["daemon_pids"] = {str(h * per_host): p.pid for h, p in enumerate(daemons.procs)}
             run.daemon_pids = [p.pid for p in daemons.procs]
-        argv = [sys.executable, "-m", "libmccl.bench.worker", json.dumps(plan)]
+        argv = [sys.executable, "-m", "tools.bench.worker", json.dumps(plan)]
         done = run_group(runner, [argv] * n, envs, tmp, cfg.timeout_s, f"{series.name}-rank",
                          stream_first=cfg.verbose, soft_codes=(TEARDOWN_FAILED,), hosts=placement)
     why = first_failure(done, soft_codes=(TEARDOWN_FAILED,))

@@ -37,7 +37,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from .errors import ConfigError, MCCLError
+from mccl_common.errors import ConfigError, MCCLError
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def check_prerequisites() -> None:
     if not _is_root():
         raise ConfigError(
             "[fleet] needs root (network namespaces, veths and tc qdiscs), running as uid "
-            f"{os.geteuid()}; run as root, or use loopback mode (mccl-bench --hosts 0)")
+            f"{os.geteuid()}; run as root, or use loopback mode (python -m tools.bench --hosts 0)")
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             raise ConfigError(
@@ -197,7 +197,7 @@ class Fleet:
                 raise MCCLError(f"[fleet] could not create bridge {PREFIX}{cand}br: {res.stderr.strip()}")
         raise ConfigError(
             f"[fleet] no free fleet id (tried {', '.join(candidates[:5])}...); a fleet with that name "
-            "is already up or a crashed run left namespaces behind: run 'python -m libmccl.fleet down' "
+            "is already up or a crashed run left namespaces behind: run 'python -m tools.fleet down' "
             "for it, or scripts/cleanup.sh")
 
     def _add_host(self, h: Host) -> None:
@@ -258,8 +258,8 @@ class Fleet:
                 log.warning("[fleet] pid %d survived SIGKILL for %.0fs (stuck in the kernel?)", p.pid, _KILL_WAIT_S)
 
     def release(self) -> None:
-        """Forget the fleet without tearing it down (``python -m libmccl.fleet up``);
-        ``python -m libmccl.fleet down <id>`` or ``teardown(id)`` removes it later."""
+        """Forget the fleet without tearing it down (``python -m tools.fleet up``);
+        ``python -m tools.fleet down <id>`` or ``teardown(id)`` removes it later."""
         with self._lock:
             self._stopped = True
         atexit.unregister(self.stop)

@@ -1,0 +1,85 @@
+"""Typed errors raised by every MCCL component.
+
+Messages follow one shape so that a log line alone tells an operator what to do:
+``[component] what failed, peer=host:port, likely cause, what to do``.
+The C++ engine reports an error *kind* (see ``csrc/errors.h``); ``from_kind``
+maps it onto the classes below.
+"""
+
+from __future__ import annotations
+
+
+class MCCLError(RuntimeError):
+    """Base class of every MCCL error."""
+
+    def __init__(self, message: str, *, peer_rank: int | None = None, peer_addr: str | None = None):
+        super().__init__(message)
+        self.peer_rank = peer_rank if peer_rank is not None and peer_rank >= 0 else None
+        self.peer_addr = peer_addr or None
+
+
+class PeerLostError(MCCLError):
+    """A peer died, closed its link or reset it while an operation needed it."""
+
+
+class CollectiveTimeout(MCCLError, TimeoutError):
+    """An operation did not finish within the process group's timeout."""
+
+
+class ConfigError(MCCLError, ValueError):
+    """A bad argument or setting: wrong sizes, unsupported dtype/op, bad rank, bad MCCL_* value."""
+
+
+class ProtocolError(MCCLError):
+    """A malformed frame or message, or a protocol/communicator mismatch."""
+
+
+class CollectiveMismatch(MCCLError):
+    """Ranks disagree on the collective, its size or its order."""
+
+
+class AbortedError(MCCLError):
+    """The communicator was aborted or shut down while the operation was pending."""
+
+
+class DaemonUnavailableError(MCCLError):
+    """MCCL_DAEMON=1 but no mccld answers on this host."""
+
+
+class AuthError(MCCLError):
+    """A peer or client failed fleet-key authentication."""
+
+
+# Order matches mccl::ErrorKind in csrc/errors.h.
+_KINDS: dict[int, type[MCCLError]] = {
+    0: MCCLError,
+    1: PeerLostError,
+    2: CollectiveTimeout,
+    3: ConfigError,
+    4: ProtocolError,
+    5: CollectiveMismatch,
+    6: AbortedError,
+    # Python-only kinds: raised by the daemon client (libmccl/daemon_client.py), never by the engine.
+    7: DaemonUnavailableError,
+    8: AuthError,
+}
+
+
+def from_kind(kind: int, message: str, peer_rank: int = -1, peer_addr: str = "") -> MCCLError:
+    """Build the typed exception for an engine error kind."""
+    cls = _KINDS.get(int(kind), MCCLError)
+    return cls(message, peer_rank=peer_rank, peer_addr=peer_addr)
+
+
+__all__ = [
+    "MCCLError",
+    "PeerLostError",
+    "CollectiveTimeout",
+    "ConfigError",
+    "ProtocolError",
+    "CollectiveMismatch",
+    "AbortedError",
+    "DaemonUnavailableError",
+    "AuthError",
+    "from_kind",
+]
