@@ -124,3 +124,12 @@ def test_the_torch_glue_maps_onto_the_wire_codes() -> None:
     for dtype, code in _buffers.DTYPE_CODES.items():
         assert wire.DTYPE_NAMES[code] == str(dtype).replace("torch.", ""), (dtype, code)
         assert torch.empty(0, dtype=dtype).element_size() == wire.DTYPE_SIZE[code], (dtype, code)
+
+
+def test_libmccl_errors_is_the_public_name_of_the_same_classes() -> None:
+    import libmccl.errors
+    from mccl_common import errors
+
+    assert libmccl.errors.__all__ == errors.__all__
+    for name in errors.__all__:
+        assert getattr(libmccl.errors, name) is getattr(errors, name), name

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import libmccl
+import libmccl.errors
 from test_engine_helpers import thread_count
 
 pytestmark = pytest.mark.timeout(120)
@@ -78,5 +79,5 @@ def test_collectives_of_one_rank(solo_group):
 def test_group_of_one_refuses_after_shutdown(solo_group):
     pg = dist.group.WORLD
     pg.shutdown()
-    with pytest.raises(mccl_common.errors.AbortedError):
+    with pytest.raises(libmccl.errors.AbortedError):
         pg.allreduce([torch.zeros(1)])
