@@ -3,7 +3,7 @@
 The dashboards are code so that every panel uses the same datasource variable, the
 same host join and the same label conventions; the JSON files are committed so the
 folder can be dropped into Grafana's provisioning directory as is. Re-run after an
-edit: ``python grafana/build_dashboards.py``; tests/test_grafana_queries.py runs every
+edit: ``python grafana/build_dashboards.py``; tests/e2e/test_grafana_queries.py runs every
 query below against a real Prometheus.
 """
 

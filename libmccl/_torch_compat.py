@@ -2,7 +2,7 @@
 
 torch.distributed's extension surface for out-of-tree backends moves between
 releases (method renames, constructor overloads, group-name plumbing). Nothing else
-in libmccl touches ``torch._C`` or underscore attributes; tests/test_compat.py pins
+in libmccl touches ``torch._C`` or underscore attributes; tests/torch/test_compat.py pins
 each assumption below against the installed torch so an upgrade fails loudly there
 instead of deep inside a collective.
 

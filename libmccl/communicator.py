@@ -5,7 +5,7 @@ world-size-1 group's ``SoloCommunicator`` (solo_comm.py) and ``DaemonCommunicato
 (daemon_client.py, ``MCCL_DAEMON=1``). Every operation takes raw pointers, byte or
 element counts and the dtype / reduce-op codes of ``_buffers`` (no torch types), enqueues
 the op and returns its id at once; completion reaches the backend through the
-``on_complete`` callback the communicator was built with. tests/test_communicator.py
+``on_complete`` callback the communicator was built with. tests/torch/test_communicator.py
 checks each implementation against this protocol, parameter by parameter.
 
 An implementation may take more than the protocol lists, as optional arguments only

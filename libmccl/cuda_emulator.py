@@ -1,5 +1,6 @@
 """An emulated CUDA driver: the entry points ``cuda_ops.CudaOps`` calls, over host memory,
-so the CUDA path runs without a GPU (tests/test_cuda_*.py, scripts/cuda_check.py --emulated).
+so the CUDA path runs without a GPU (tests/torch/test_cuda_ops_emulated.py,
+tests/torch/test_device_collectives.py, scripts/cuda_check.py --emulated).
 
 Pinned "host" memory has its host address as device address (UVA), and "device memory"
 is host memory too (``EmulatedCuda.alloc``), so torch sees CPU tensors that

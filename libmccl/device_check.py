@@ -1,5 +1,5 @@
 """Every collective with device tensors, against a reference run on CPU tensors: the cases
-of scripts/cuda_check.py (a GPU, or ``--emulated``) and tests/test_device_collectives.py.
+of scripts/cuda_check.py (a GPU, or ``--emulated``) and tests/torch/test_device_collectives.py.
 
 A ``Device`` makes the tensors of a case. Before each case it holds its stream back
 (``begin``: a GPU sleep, or an emulated stream that waits for ``release``), so every input

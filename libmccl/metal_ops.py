@@ -2,7 +2,7 @@
 
 Torch-free: it sees MTLBuffer handles, CPU addresses and byte counts; which tensor goes
 where is ``metal_tensors``' choice. Everything the bridge is asked to do is decided here,
-in code that runs on Linux against ``FakeBridge``-style stand-ins (tests/test_metal_ops.py);
+in code that runs on Linux against ``FakeBridge``-style stand-ins (tests/torch/test_metal_ops.py);
 the Objective-C++ only encodes, commits and mirrors.
 
 How the orderings map onto Metal (metal/README.md has the table):

@@ -3,7 +3,7 @@
 ``libmccl`` (the torch backend and the daemon client), ``mccld`` and ``mcclctl`` import
 this package and the engine (``libmccl._core``, C++, which knows bytes, dtypes and reduce
 ops); none of them imports another's modules, and this package imports none of ours
-(tests/test_layers.py checks both). What is here:
+(tests/project/test_layers.py checks both). What is here:
 
 - ``errors``: the typed errors, and their codes on the wire;
 - ``settings`` (the registry and the engine's ``MCCL_*`` settings) and ``daemon_settings``;

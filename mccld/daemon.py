@@ -267,7 +267,7 @@ class Daemon:
     def record_collective(self, job: Job, op: str, nbytes: int, seconds: float) -> None:
         self._stat("record_collective", job.id, op, nbytes, seconds, job.size, len(job.hosts))
         # Poll now, while the engine exists: the checker alone misses the bytes of the
-        # last collectives before a job closes (found by tests/test_grafana_daemon.py).
+        # last collectives before a job closes (found by tests/e2e/test_grafana_daemon.py).
         self.poll_traffic(job)
 
     def job_closed(self, job: Job) -> None:

@@ -370,7 +370,7 @@ def _checks(args) -> int:
         report_json["figures"]["ddp"] = rows
     if args.emulated:
         info("DDP over cuda skipped with --emulated (torch's reducer needs real CUDA tensors; "
-             "tests/test_device_order_ddp.py drives DDP through the fake device)")
+             "tests/torch/test_device_order_ddp.py drives DDP through the fake device)")
     else:
         guarded("DDP over cuda", ddp)
 

@@ -1,126 +1,25 @@
-"""Shared helpers: spawning ranks as processes, free ports, leftover cleanup.
+"""Fixtures every test folder shares, and the after-test leak check.
 
-Multi-process tests run each rank in a spawned process (a fresh interpreter, as
-torchrun would give). ``run_ranks`` always reaps its children: whatever happens in
-the test, no rank outlives it. After every test an autouse check (``_no_leaks``,
-tests/leak_check.py) fails it if it left threads, fds, child processes or shm segments.
+The tests are grouped by layer: ``engine/`` (the C++ engine, ranks as threads),
+``torch/`` (the backend and its devices), ``daemon/`` (mccld and its client, one host),
+``cli/`` (mcclctl), ``e2e/`` (emulated fleets, the tools, campaigns, soak, fuzzing) and
+``project/`` (the repository's own checks). Their shared helpers are the ``support``
+package. After every test an autouse check (``_no_leaks``, support/leak_check.py) fails
+it if it left threads, fds, child processes or shared-memory segments.
 """
 
 from __future__ import annotations
 
-import datetime
 import os
-import queue
-import signal
-import socket
 import sys
-import time
-import traceback
 from typing import Any, Callable
 
 import pytest
-import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # ``support`` for every folder
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init_pg(rank: int, world: int, timeout_s: float = 60.0, backend: str = "mccl", port: int | None = None) -> None:
-    """init_process_group from the env the harness set (MASTER_ADDR/PORT).
-
-    Pass a fresh ``port`` to initialise again in the same process: torch's env://
-    store re-binding the previous port races its own clients."""
-    import torch.distributed as dist
-
-    if port is not None:
-        os.environ["MASTER_PORT"] = str(port)
-
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
-
-
-def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, env: dict, results: Any) -> None:
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
-    os.environ.update(env)
-    import torch
-
-    torch.set_num_threads(1)
-    try:
-        results.put((rank, "ok", fn(rank, world, *args)))
-    except BaseException:  # noqa: BLE001 - report every failure to the parent
-        results.put((rank, "error", traceback.format_exc()))
-
-
-class RankFailure(AssertionError):
-    pass
-
-
-def spawn_ranks(fn: Callable[..., Any], world: int, *args: Any, env: dict | None = None) -> tuple[list, Any, int]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        p = ctx.Process(target=_entry, args=(fn, rank, world, port, args, env or {}, results), daemon=True)
-        p.start()
-        procs.append(p)
-    return procs, results, port
-
-
-def reap(procs: list) -> None:
-    """SIGKILL and join every process still alive."""
-    for p in procs:
-        if p.is_alive():
-            try:
-                os.kill(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    for p in procs:
-        p.join(5)
-
-
-def collect(procs: list, results: Any, timeout_s: float, expect: int | None = None) -> dict[int, tuple[str, Any]]:
-    """Results of ``expect`` ranks (default: all), failing the test past ``timeout_s``."""
-    expect = len(procs) if expect is None else expect
-    deadline = time.monotonic() + timeout_s
-    out: dict[int, tuple[str, Any]] = {}
-    while len(out) < expect:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise RankFailure(f"only ranks {sorted(out)} reported within {timeout_s}s; "
-                              f"alive: {[i for i, p in enumerate(procs) if p.is_alive()]}")
-        try:
-            rank, status, value = results.get(timeout=min(left, 1.0))
-        except queue.Empty:
-            if not any(p.is_alive() for p in procs) and results.empty():
-                codes = [p.exitcode for p in procs]
-                raise RankFailure(f"ranks exited without reporting (exit codes {codes}); got {sorted(out)}") from None
-            continue
-        out[rank] = (status, value)
-    return out
-
-
-def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 120.0,
-              env: dict | None = None) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` in ``world`` spawned processes; return their results.
-
-    ``fn`` must be a module-level function. Any rank's exception fails the test with
-    that rank's traceback.
-    """
-    procs, results, _ = spawn_ranks(fn, world, *args, env=env)
-    try:
-        out = collect(procs, results, timeout_s)
-    finally:
-        reap(procs)
-    errors = [f"--- rank {r} ---\n{v}" for r, (s, v) in sorted(out.items()) if s != "ok"]
-    if errors:
-        raise RankFailure("\n".join(errors))
-    return [out[r][1] for r in range(world)]
+from support.daemon import daemon, mccld_proc, raw  # noqa: E402,F401 - fixtures for every folder
+from support.ranks import run_ranks  # noqa: E402 - needs the path above
 
 
 @pytest.fixture
@@ -128,28 +27,7 @@ def ranks() -> Callable[..., list[Any]]:
     return run_ranks
 
 
-def run_command(cmd: list[str], timeout_s: float, env: dict | None = None) -> "subprocess.CompletedProcess[str]":
-    """Run ``cmd`` in its own session; on timeout kill the whole session (torchrun's
-    workers included) and fail."""
-    import subprocess
-
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env=env)
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise RankFailure(f"{cmd} ran past {timeout_s}s:\n{out[-2000:]}\n{err[-2000:]}") from None
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # stragglers of a finished run
-        except ProcessLookupError:
-            pass
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-# -- the leak check after every test (tests/leak_check.py) ---------------------------------------
+# -- the leak check after every test (support/leak_check.py) ---------------------------------------
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "leaks_ok(reason): skip the after-test leak check (a test that "
                                        "deliberately leaves something running for later tests)")
@@ -157,7 +35,7 @@ def pytest_configure(config) -> None:
 
 @pytest.fixture(scope="session")
 def _leak_warm_up() -> None:
-    import leak_check
+    from support import leak_check
     leak_check.warm_up()
 
 
@@ -165,7 +43,7 @@ def _leak_warm_up() -> None:
 def _no_leaks(request, _leak_warm_up):
     """Function-scoped, so module- and session-scoped fixtures are set up before the
     baseline is taken and torn down after the check: what they hold is not the test's."""
-    import leak_check
+    from support import leak_check
     if request.node.get_closest_marker("leaks_ok"):
         yield
         return

@@ -1,7 +1,7 @@
 """Tools around MCCL, not part of it: the benchmark (``python -m tools.bench``), the emulated
 fleet (``python -m tools.fleet``), the README's demo (``python -m tools.demo``) and the attach
 benchmark (``python -m tools.bench_attach``). They run from a checkout and are not in the wheel;
-they may import anything of ours, and nothing of the product imports them (tests/test_layers.py).
+they may import anything of ours, and nothing of the product imports them (tests/project/test_layers.py).
 """
 
 import os

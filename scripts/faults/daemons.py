@@ -1,7 +1,7 @@
 """One mccld per emulated host, for the campaign and the soak: started, replaced, measured.
 
 Each daemon gets its own MCCL_RUNTIME_DIR and MCCL_HOST_ID (``h<i>``) and a fleet name and
-key private to this run, as tests/test_daemon_fleet.py does; ``footprint`` reads a
+key private to this run, as tests/e2e/test_daemon_fleet.py does; ``footprint`` reads a
 daemon's RSS, fds and threads from /proc.
 """
 

@@ -1,0 +1,119 @@
+"""The pipelined all-reduce through one mccld (mccld/pipelined.py, the client's pump).
+
+The daemon runs in the test process with a tiny pipeline (a 1 MB op has 64 pieces);
+the ranks are spawned processes. Random delays are injected on both sides of the tickets:
+in the clients' copies (their ``ctypes.memmove``) and in the daemon's reductions and
+copies, so every stage finds the one before it sometimes ahead, sometimes behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mccld.pipelined as pipelined
+from support.ranks import collect, reap, run_ranks, spawn_ranks
+from mccl_common.errors import ConfigError, PeerLostError
+from mccl_common.settings import EngineConfig, load
+from mccl_common.daemon_settings import load_config
+from mccld.daemon import Daemon
+from support.daemon import BAND, F32, SUM, connect, daemon_env, job_segments
+from support.pipelined import PIPE_ENV, Jittery, rank_pipelined
+
+
+@pytest.fixture
+def jittery_daemon(monkeypatch):
+    monkeypatch.setattr(pipelined, "ctypes", Jittery(ctypes, ("memmove",), 1))
+    monkeypatch.setattr(pipelined, "_core", Jittery(pipelined._core, ("reduce_inplace", "finalize_avg"), 2))
+    rdir = Path(tempfile.mkdtemp(prefix="mccl-ptest-"))
+    env = daemon_env(rdir)
+    d = Daemon(load_config(env=env), load(EngineConfig, env=PIPE_ENV)).start()
+    try:
+        yield d, {**env, **PIPE_ENV}
+    finally:
+        d.stop()
+        for p in rdir.iterdir():
+            p.unlink()
+        rdir.rmdir()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world", [1, 3])
+def test_pipelined_allreduce_with_random_delays_is_exact(jittery_daemon, world):
+    _d, env = jittery_daemon
+    assert run_ranks(rank_pipelined, world, env=env) == ["ok"] * world
+
+
+def rank_refused_then_served(rank: int, world: int) -> str:
+    """A pipelined op the daemon refuses (bitwise op on floats) fails alone, at once: the
+    clients, already copying in and waiting on done, get the reply; the next op runs."""
+    comm, _store = connect(rank, world)
+    a = np.ones(1 << 18, dtype=np.float32)
+    started = time.monotonic()
+    try:
+        comm.wait(comm.allreduce(a.ctypes.data, a.size, F32, BAND), 20)
+        raise AssertionError("BAND on float32 was accepted")
+    except ConfigError as e:
+        assert "not defined on floating-point" in str(e), e
+    assert time.monotonic() - started < 5.0
+    comm.wait(comm.allreduce(a.ctypes.data, a.size, F32, SUM), 20)
+    assert (a == world).all()
+    comm.shutdown(5)
+    return "ok"
+
+
+@pytest.mark.timeout(120)
+def test_refused_pipelined_op_fails_alone(jittery_daemon):
+    _d, env = jittery_daemon
+    assert run_ranks(rank_refused_then_served, 2, env=env) == ["ok", "ok"]
+
+
+def rank_dies_mid_op(rank: int, world: int) -> str:
+    comm, _store = connect(rank, world, comm_id=0xdead05, timeout_s=30)
+    a = np.ones(1 << 18, dtype=np.float32)
+    comm.wait(comm.allreduce(a.ctypes.data, a.size, F32, SUM), 20)
+    if rank == 1:
+        import libmccl.daemon_client as dc
+        calls = []
+
+        def memmove_then_die(dst, src, n):
+            calls.append(n)
+            if len(calls) == 10:  # ten pieces copied in: the daemon is mid-way through the op
+                os.kill(os.getpid(), signal.SIGKILL)
+            return ctypes.memmove(dst, src, n)
+
+        dc.ctypes = type("C", (), {"memmove": staticmethod(memmove_then_die)})
+    started = time.monotonic()
+    try:
+        comm.wait(comm.allreduce(a.ctypes.data, a.size, F32, SUM), 25)
+    except PeerLostError as e:
+        assert "rank 1" in str(e) and "died" in str(e), e
+        return f"PeerLostError after {time.monotonic() - started:.2f}s"
+    raise AssertionError("the collective succeeded although rank 1 died")
+
+
+@pytest.mark.timeout(120)
+def test_client_killed_mid_pipelined_op(jittery_daemon):
+    d, env = jittery_daemon
+    procs, results, _ = spawn_ranks(rank_dies_mid_op, 3, env=env)
+    try:
+        out = collect(procs, results, 60, expect=2)
+    finally:
+        reap(procs)
+    for r in (0, 2):
+        status, value = out[r]
+        assert status == "ok", value
+        assert float(value.split()[-1][:-1]) < 5.0, value  # the pid check, not a timeout
+    deadline = time.monotonic() + 5
+    while job_segments(0xdead05) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert job_segments(0xdead05) == []
+    # The daemon serves the next job.
+    assert run_ranks(rank_pipelined, 2, env=env) == ["ok", "ok"]

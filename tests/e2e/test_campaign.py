@@ -1,0 +1,101 @@
+"""The short fault campaign (scripts/faults/campaign.py) in both modes, as CI runs it.
+
+Issue 11 asks for >= 100 trials per mode in CI. The in-process mode runs them in one
+campaign (about 2.5 minutes on 2 cores); the daemon mode, at about 4 s a trial (most of
+it waiting out a 2 s timeout and the daemons' 2 s verdict grace), runs as two campaigns of
+50 side by side (``--shards 2``), so all three take about as long as one daemon half.
+Fixed seeds: a failure replays with ``--mode M --seed S --trials 1``; each test below
+asserts one target on a mode's summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from support.fleet import skip_unless_fleet
+
+ROOT = Path(__file__).resolve().parents[2]
+TRIALS = 100
+RUNS = (("inproc", 1), ("daemon", 2))    # (mode, campaigns side by side: --shards)
+RUN_TIMEOUT_S = 840
+MODES = sorted(mode for mode, _ in RUNS)
+
+pytestmark = [pytest.mark.fleet, pytest.mark.slow]
+
+
+
+
+@pytest.fixture(scope="module")
+def summaries(tmp_path_factory) -> dict[str, dict]:
+    """Both modes at once: their trials mostly wait out timeouts, so three campaigns share two cores well."""
+    skip_unless_fleet()
+    out = tmp_path_factory.mktemp("campaign")
+    procs = {}
+    for mode, shards in RUNS:
+        procs[mode] = subprocess.Popen([sys.executable, str(ROOT / "scripts/faults/campaign.py"), "--mode", mode,
+                                        "--trials", str(TRIALS), "--seed", "1", "--shards", str(shards),
+                                        "--json", str(out / f"{mode}.json")],
+                                       stdout=open(out / f"{mode}.log", "w"), stderr=subprocess.STDOUT,
+                                       start_new_session=True)
+    try:
+        for p in procs.values():
+            p.wait(RUN_TIMEOUT_S)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)    # each campaign's Fleet tears down on the way out
+                p.wait(60)
+    found = {}
+    for mode in procs:
+        log = (out / f"{mode}.log").read_text()
+        assert (out / f"{mode}.json").exists(), f"the {mode} campaign wrote no summary:\n{log[-4000:]}"
+        found[mode] = {**json.loads((out / f"{mode}.json").read_text()), "_output": log[-8000:]}
+    return found
+
+
+@pytest.fixture(params=MODES)
+def summary(request, summaries) -> dict:
+    return summaries[request.param]
+
+
+def _failures(s: dict, category: str) -> str:
+    return f"{category} in {s['mode']} mode: {s['total']}\n{s['_output']}"
+
+
+@pytest.mark.timeout(900)
+def test_every_trial_ran_and_no_rank_hung(summary):
+    assert summary["total"]["trials"] == TRIALS and summary["total"]["setup"] == 0, _failures(summary, "setup")
+    assert summary["total"]["hangs"] == 0, _failures(summary, "hangs")
+    assert len(summary["kinds"]) >= 4, summary["kinds"]
+
+
+@pytest.mark.timeout(900)
+def test_no_result_was_wrong(summary):
+    assert summary["total"]["corrupted"] == 0, _failures(summary, "corrupted")
+
+
+@pytest.mark.timeout(900)
+def test_every_survivor_raised_its_error_within_the_timeout_plus_3s(summary):
+    assert summary["total"]["late"] == 0, _failures(summary, "late")
+
+
+@pytest.mark.timeout(900)
+def test_every_survivor_raised_the_named_error_of_its_fault(summary):
+    assert summary["total"]["wrong_errors"] == 0, _failures(summary, "wrong errors")
+
+
+@pytest.mark.timeout(900)
+def test_nothing_leaked(summary):
+    assert summary["total"]["leaks"] == 0 and not summary["namespaces_left"], _failures(summary, "leaks")
+
+
+@pytest.mark.timeout(900)
+def test_daemons_give_back_a_failed_jobs_threads_and_fds(summary):
+    assert summary["total"]["daemon_growth"] == 0, _failures(summary, "daemon growth")

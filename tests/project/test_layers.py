@@ -1,0 +1,135 @@
+"""The package graph points one way (mccl_common/__init__.py draws it):
+
+    mccl_common            imports nothing of ours
+    libmccl._core          the engine (C++): bytes, dtypes, reduce ops
+    libmccl                torch glue + daemon client   -> mccl_common, libmccl
+    mccld                  the daemon                   -> mccl_common, libmccl._core
+    mcclctl                the CLI                      -> mccl_common
+    tools                  benchmark, fleet emulator, demo (not in the wheel) -> anything
+
+Every import counts, also one inside a function; nothing of the product imports the tools.
+A new upward or sideways import fails here, naming the file and the line.
+"""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("mccl_common", "libmccl", "mccld", "mcclctl", "tools")
+ALLOWED = {
+    "mccl_common": ("mccl_common",),
+    "libmccl": ("mccl_common", "libmccl"),
+    "mccld": ("mccl_common", "mccld", "libmccl._core"),
+    "mcclctl": ("mccl_common", "mcclctl"),
+    "tools": PACKAGES,
+}
+
+
+def _under(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> list[tuple[int, str]]:
+    """(line, imported module) for every import in ``path``; ``from pkg import name`` counts
+    as ``pkg.name`` (a module or a name of pkg: either way pkg.name is what it reaches)."""
+    mod = _module_name(path)
+    package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            out += [(node.lineno, f"{target}.{a.name}") for a in node.names]
+    return out
+
+
+def _edges() -> list[tuple[str, int, str]]:
+    edges = []
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            mod = _module_name(path)
+            for line, target in imports_of(path):
+                if target.split(".")[0] in PACKAGES:
+                    edges.append((mod, line, target))
+    return edges
+
+
+def test_every_import_follows_the_layers() -> None:
+    bad = []
+    for mod, line, target in _edges():
+        path = mod.replace(".", "/")
+        if not _under(target, ALLOWED[mod.split(".")[0]]):
+            bad.append(f"{path}:{line}: {mod} imports {target}; {mod.split('.')[0]} may import only "
+                       f"{', '.join(ALLOWED[mod.split('.')[0]])}")
+    assert not bad, "imports against the layers (tests/project/test_layers.py):\n" + "\n".join(bad)
+
+
+def test_the_wheel_holds_the_product_and_no_tools() -> None:
+    build = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert build["tool"]["scikit-build"]["wheel"]["packages"] == ["mccl_common", "libmccl", "mccld", "mcclctl"]
+    scripts = build["project"]["scripts"]
+    assert not [s for s in scripts.values() if s.startswith("tools")], scripts
+
+
+def test_the_check_sees_an_upward_import(tmp_path: Path) -> None:
+    """Negative control: the parser resolves relative, aliased and function-local imports."""
+    f = ROOT / "mccl_common" / "_layers_probe.py"
+    f.write_text("def f():\n    from libmccl import backend\n    from . import errors as e\n"
+                 "    import mccld.jobs\n")
+    try:
+        got = [t for _, t in imports_of(f)]
+    finally:
+        f.unlink()
+    assert got == ["libmccl.backend", "mccl_common.errors", "mccld.jobs"], got
+
+
+def test_wire_tables_match_the_engine() -> None:
+    _core = pytest.importorskip("libmccl._core")
+    from mccl_common import wire
+
+    assert [(m.name, int(m)) for m in sorted(_core.DType.__members__.values(), key=int)] == \
+        [(n, i) for i, n in enumerate(wire.DTYPE_NAMES)]
+    assert [int(m) for m in sorted(_core.ReduceOp.__members__.values(), key=int)] == list(range(len(wire.OP_NAMES)))
+    assert [m.name.lower() for m in sorted(_core.ReduceOp.__members__.values(), key=int)] == list(wire.OP_NAMES)
+    import numpy as np
+    for code, size in enumerate(wire.DTYPE_SIZE):
+        # The engine's own element size: reducing one element of 0x01 bytes into zeros changes
+        # exactly that element's bytes (every pattern of 0x01 bytes is a normal or exact value).
+        src, dst = np.full(16, 1, dtype=np.uint8), np.zeros(16, dtype=np.uint8)
+        _core.reduce_inplace(src.ctypes.data, dst.ctypes.data, 1, code, wire.BOR if code == wire.BOOL else wire.SUM)
+        assert int(np.count_nonzero(dst)) == size and dst[:size].all(), (wire.DTYPE_NAMES[code], size, dst)
+
+
+def test_the_torch_glue_maps_onto_the_wire_codes() -> None:
+    import torch
+
+    from libmccl import _buffers
+    from mccl_common import wire
+    for dtype, code in _buffers.DTYPE_CODES.items():
+        assert wire.DTYPE_NAMES[code] == str(dtype).replace("torch.", ""), (dtype, code)
+        assert torch.empty(0, dtype=dtype).element_size() == wire.DTYPE_SIZE[code], (dtype, code)
+
+
+def test_libmccl_errors_is_the_public_name_of_the_same_classes() -> None:
+    import libmccl.errors
+    from mccl_common import errors
+
+    assert libmccl.errors.__all__ == errors.__all__
+    for name in errors.__all__:
+        assert getattr(libmccl.errors, name) is getattr(errors, name), name

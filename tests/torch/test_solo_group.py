@@ -1,0 +1,83 @@
+"""A world-size-1 group (libmccl/solo_comm.py): every collective gives what the engine
+would, completes before the call returns, and no engine (threads, sockets) is started."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import libmccl
+import libmccl.errors
+from support.engine import thread_count
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture()
+def solo_group():
+    libmccl.register()
+    threads = thread_count()
+    # A HashStore starts no thread of its own, so any new thread would be the engine's.
+    dist.init_process_group("mccl", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        yield threads
+    finally:
+        dist.destroy_process_group()
+
+
+def done_now(work) -> None:
+    assert work.is_completed() and work.is_success()
+    work.wait()
+
+
+def test_collectives_of_one_rank(solo_group):
+    x = torch.arange(10, dtype=torch.float32)
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX, dist.ReduceOp.PRODUCT):
+        t = x.clone()
+        done_now(dist.all_reduce(t, op=op, async_op=True))
+        assert torch.equal(t, x)
+    strided = torch.arange(20, dtype=torch.int64)[::2]
+    done_now(dist.all_reduce(strided, async_op=True))
+    assert torch.equal(strided, torch.arange(0, 20, 2))
+    done_now(dist.broadcast(t, 0, async_op=True))
+    done_now(dist.reduce(t, 0, async_op=True))
+    assert torch.equal(t, x)
+
+    out = [torch.zeros(10)]
+    done_now(dist.all_gather(out, x, async_op=True))
+    assert torch.equal(out[0], x)
+    flat = torch.zeros(10)
+    done_now(dist.all_gather_into_tensor(flat, x, async_op=True))
+    assert torch.equal(flat, x)
+    rs = torch.zeros(10)
+    done_now(dist.reduce_scatter(rs, [x], async_op=True))
+    assert torch.equal(rs, x)
+    rs2 = torch.zeros(10, dtype=torch.float16)
+    done_now(dist.reduce_scatter_tensor(rs2, x.half(), async_op=True))
+    assert torch.equal(rs2, x.half())
+    a2a = torch.zeros(10)
+    done_now(dist.all_to_all_single(a2a, x, async_op=True))
+    assert torch.equal(a2a, x)
+    g = [torch.zeros(10)]
+    done_now(dist.gather(x, g, dst=0, async_op=True))
+    assert torch.equal(g[0], x)
+    s = torch.zeros(10)
+    done_now(dist.scatter(s, [x], src=0, async_op=True))
+    assert torch.equal(s, x)
+    done_now(dist.barrier(async_op=True))
+    coalesced = [x.clone(), x.clone() * 2]
+    dist.all_reduce_coalesced(coalesced)
+    assert torch.equal(coalesced[1], x * 2)
+    # (<=: threads of earlier tests may still be winding down)
+    assert thread_count() <= solo_group, "a world-size-1 group started engine threads"
+
+
+def test_group_of_one_refuses_after_shutdown(solo_group):
+    pg = dist.group.WORLD
+    pg.shutdown()
+    with pytest.raises(libmccl.errors.AbortedError):
+        pg.allreduce([torch.zeros(1)])
