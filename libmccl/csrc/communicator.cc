@@ -262,17 +262,19 @@ void Communicator::run_collective(Op& op) {
   switch (op.kind) {
     case OpKind::kAllreduce:
       if (op.tickets.any()) {
-        mccl::allreduce(c, op.buf, op.count, op.dtype, op.op, op.tickets);
+        mccl::allreduce(c, op.buf, op.count, Reduction::of(op.dtype, op.op), op.tickets);
       } else {
-        mccl::allreduce(c, op.buf, op.count, op.dtype, op.op);
+        mccl::allreduce(c, op.buf, op.count, Reduction::of(op.dtype, op.op));
       }
       break;
     case OpKind::kBroadcast: mccl::broadcast(c, op.buf, op.count, op.root); break;
     case OpKind::kAllgather: mccl::allgather_ring(c, op.buf, op.out, op.count); break;
     case OpKind::kReduceScatter:
-      mccl::reduce_scatter_ring(c, op.buf, op.out, op.count, op.dtype, op.op);
+      mccl::reduce_scatter_ring(c, op.buf, op.out, op.count, Reduction::of(op.dtype, op.op));
       break;
-    case OpKind::kReduce: mccl::reduce_to_root(c, op.buf, op.count, op.dtype, op.op, op.root); break;
+    case OpKind::kReduce:
+      mccl::reduce_to_root(c, op.buf, op.count, Reduction::of(op.dtype, op.op), op.root);
+      break;
     case OpKind::kGather: mccl::gather(c, op.buf, op.out, op.count, op.root); break;
     case OpKind::kScatter: mccl::scatter(c, op.buf, op.out, op.count, op.root); break;
     case OpKind::kAlltoall: mccl::alltoall(c, op.buf, op.out, op.count); break;

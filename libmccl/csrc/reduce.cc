@@ -318,6 +318,10 @@ ReduceFn reduce_fn(DType dtype, ReduceOp op) {
   return fn;
 }
 
+Reduction Reduction::of(DType dtype, ReduceOp op) {
+  return Reduction{dtype, op, reduce_fn(dtype, op), dtype_size(dtype)};
+}
+
 void finalize_avg(void* buf, size_t n, DType dtype, size_t divisor) {
   check_valid(dtype, ReduceOp::kAvg);
   if (divisor == 0)

@@ -1,6 +1,6 @@
 // The collective algorithms. Each is a small unit over a Collective (transport +
-// deadline + scratch); reductions come from reduce.h. Sizes are bytes unless named
-// `count` (elements). Every rank of the communicator calls the same function with
+// deadline + scratch) and, where it reduces, a Reduction (reduce.h: combine, then finish
+// once). Sizes are bytes unless named `count` (elements). Every rank of the communicator calls the same function with
 // the same sizes; the transport checks that (frame signatures).
 #pragma once
 #include <cstddef>
@@ -9,24 +9,24 @@
 #include "algorithms/collective.h"
 #include "algorithms/pieces.h"
 #include "dtype.h"
+#include "reduce.h"
 
 namespace mccl {
 
-void allreduce(Collective& c, void* buf, size_t count, DType dt, ReduceOp op);
+void allreduce(Collective& c, void* buf, size_t count, const Reduction& red);
 // With tickets (either may be null): the ring runs piece by piece as `ready` allows and
 // raises `done` as pieces finish; a one-round op waits for all of its input first.
-void allreduce(Collective& c, void* buf, size_t count, DType dt, ReduceOp op, const OpTickets& t);
+void allreduce(Collective& c, void* buf, size_t count, const Reduction& red, const OpTickets& t);
 // The pieces a ticketed all-reduce is pipelined in; n == 0 when it is not (one round,
 // one rank, nothing to reduce). Identical on every rank given the same arguments.
 Pieces allreduce_pieces(const Options& opts, int size, size_t count, DType dt);
-void allreduce_ring(Collective& c, void* buf, size_t count, DType dt, ReduceOp op);
-void allreduce_small(Collective& c, void* buf, size_t count, DType dt, ReduceOp op);
+void allreduce_ring(Collective& c, void* buf, size_t count, const Reduction& red);
+void allreduce_small(Collective& c, void* buf, size_t count, const Reduction& red);
 
 void allgather_ring(Collective& c, const void* send, void* recv, size_t nbytes);
-void reduce_scatter_ring(Collective& c, const void* send, void* recv, size_t count, DType dt,
-                         ReduceOp op);
+void reduce_scatter_ring(Collective& c, const void* send, void* recv, size_t count, const Reduction& red);
 void broadcast(Collective& c, void* buf, size_t nbytes, int root);
-void reduce_to_root(Collective& c, void* buf, size_t count, DType dt, ReduceOp op, int root);
+void reduce_to_root(Collective& c, void* buf, size_t count, const Reduction& red, int root);
 void gather(Collective& c, const void* send, void* recv, size_t nbytes, int root);
 void scatter(Collective& c, const void* send, void* recv, size_t nbytes, int root);
 void alltoall(Collective& c, const void* send, void* recv, size_t nbytes);

@@ -18,30 +18,28 @@ bool one_round(const Options& opts, int size, size_t count, DType dt) {
   return count * dtype_size(dt) * size_t(size - 1) <= opts.small_allreduce_bytes;
 }
 
-void allreduce_pieced(Collective& c, uint8_t* buf, const Pieces& p, DType dt, ReduceOp op,
+void allreduce_pieced(Collective& c, uint8_t* buf, const Pieces& p, const Reduction& red,
                       const OpTickets& t) {
   PieceGate gate(c, t, p, op_kind_name(OpKind::kAllreduce));
-  if (op == ReduceOp::kAvg) {
-    // Per piece, once no send reads it any more: every rank divides the same final bits.
-    gate.finalize = [&](size_t begin, size_t elems) {
-      finalize_avg(buf + begin * p.elem, elems, dt, c.size());
-    };
+  if (red.finishes()) {
+    // Per piece, once no send reads it any more: every rank finishes the same final bits.
+    gate.finalize = [&](size_t begin, size_t elems) { red.finish(buf + begin * p.elem, elems, c.size()); };
   }
   RingLayout L = RingLayout::pieced(c.size(), p);
   RingPhases ph;
-  ph.fn = reduce_fn(dt, op);
+  ph.fn = red.fn;
   ph.gate = &gate;
   ring_pipeline(c, buf, L, ph);
 }
 
 }  // namespace
 
-void allreduce(Collective& c, void* buf, size_t count, DType dt, ReduceOp op) {
+void allreduce(Collective& c, void* buf, size_t count, const Reduction& red) {
   if (count == 0 || c.size() == 1) return;
-  if (one_round(c.opts, c.size(), count, dt)) {
-    allreduce_small(c, buf, count, dt, op);
+  if (one_round(c.opts, c.size(), count, red.dtype)) {
+    allreduce_small(c, buf, count, red);
   } else {
-    allreduce_ring(c, buf, count, dt, op);
+    allreduce_ring(c, buf, count, red);
   }
 }
 
@@ -50,39 +48,39 @@ Pieces allreduce_pieces(const Options& opts, int size, size_t count, DType dt) {
   return Pieces::cut(count, dtype_size(dt), opts.pipeline_bytes, size);
 }
 
-void allreduce(Collective& c, void* buf, size_t count, DType dt, ReduceOp op, const OpTickets& t) {
-  const Pieces p = allreduce_pieces(c.opts, c.size(), count, dt);
+void allreduce(Collective& c, void* buf, size_t count, const Reduction& red, const OpTickets& t) {
+  const Pieces p = allreduce_pieces(c.opts, c.size(), count, red.dtype);
   if (p.n > 0) {
-    allreduce_pieced(c, static_cast<uint8_t*>(buf), p, dt, op, t);
+    allreduce_pieced(c, static_cast<uint8_t*>(buf), p, red, t);
     return;
   }
   // Not worth pipelining: the whole buffer is one piece.
-  const Pieces whole = Pieces::cut(count, dtype_size(dt), count * dtype_size(dt), 1);
+  const Pieces whole = Pieces::cut(count, red.elem, count * red.elem, 1);
   PieceGate gate(c, t, whole, op_kind_name(OpKind::kAllreduce));
   if (whole.n == 0) return;
   gate.wait_ready(0);
-  allreduce(c, buf, count, dt, op);
+  allreduce(c, buf, count, red);
   gate.finished(0);
 }
 
-void allreduce_ring(Collective& c, void* buf, size_t count, DType dt, ReduceOp op) {
-  const size_t es = dtype_size(dt);
+void allreduce_ring(Collective& c, void* buf, size_t count, const Reduction& red) {
+  const size_t es = red.elem;
   const size_t chunk_bytes = (count + c.size() - 1) / c.size() * es;
   RingLayout L = RingLayout::balanced(c.size(), count, es, auto_segment_bytes(c.opts, chunk_bytes));
   RingPhases ph;
-  ph.fn = reduce_fn(dt, op);
+  ph.fn = red.fn;
   ring_pipeline(c, static_cast<uint8_t*>(buf), L, ph);
-  // Every rank holds the same final bits and divides them the same way.
-  if (op == ReduceOp::kAvg) finalize_avg(buf, count, dt, c.size());
+  // Every rank holds the same final bits and finishes them the same way.
+  red.finish(buf, count, c.size());
 }
 
 // Every rank sends its whole buffer to every peer and folds all contributions in rank
 // order 0..N-1, so the result is the same bits everywhere. One network round instead of
 // the 2 log N of recursive doubling or 2(N-1) of the ring; the extra bytes do not matter
 // below the small-message threshold.
-void allreduce_small(Collective& c, void* buf, size_t count, DType dt, ReduceOp op) {
+void allreduce_small(Collective& c, void* buf, size_t count, const Reduction& red) {
   const int n = c.size(), r = c.rank();
-  const size_t nb = count * dtype_size(dt);
+  const size_t nb = count * red.elem;
   uint8_t* all = c.scratch.get(2, nb * n);
   std::memcpy(all + r * nb, buf, nb);
   for (int p = 0; p < n; ++p) {
@@ -91,10 +89,9 @@ void allreduce_small(Collective& c, void* buf, size_t count, DType dt, ReduceOp 
     c.send(p, all + r * nb, nb, 0);
   }
   c.wait_all(2 * size_t(n - 1));
-  ReduceFn fn = reduce_fn(dt, op);
   std::memcpy(buf, all, nb);
-  for (int p = 1; p < n; ++p) fn(all + p * nb, buf, count);
-  if (op == ReduceOp::kAvg) finalize_avg(buf, count, dt, n);
+  for (int p = 1; p < n; ++p) red.fn(all + p * nb, buf, count);
+  red.finish(buf, count, n);
 }
 
 }  // namespace mccl

@@ -8,15 +8,13 @@
 
 namespace mccl {
 
-void reduce_scatter_ring(Collective& c, const void* send, void* recv, size_t count, DType dt,
-                         ReduceOp op) {
+void reduce_scatter_ring(Collective& c, const void* send, void* recv, size_t count, const Reduction& red) {
   const int n = c.size();
-  const size_t es = dtype_size(dt), block = count * es;
+  const size_t es = red.elem, block = count * es;
   if (count == 0) return;
-  ReduceFn fn = reduce_fn(dt, op);
   if (n == 1) {
     std::memmove(recv, send, block);
-    if (op == ReduceOp::kAvg) finalize_avg(recv, count, dt, n);
+    red.finish(recv, count, n);
     return;
   }
   // n equal blocks: the balanced layout puts block b at element b * count.
@@ -24,7 +22,7 @@ void reduce_scatter_ring(Collective& c, const void* send, void* recv, size_t cou
   RingPhases ph;
   ph.all_gather = false;
   ph.shift = -1;  // rank r ends owning block r
-  ph.fn = fn;
+  ph.fn = red.fn;
   const uint8_t* in = static_cast<const uint8_t*>(send);
   if (ranges_overlap(in, block * n, recv, block)) {
     // The result would overwrite input still to be read (and sent): work on a copy.
@@ -36,7 +34,7 @@ void reduce_scatter_ring(Collective& c, const void* send, void* recv, size_t cou
   // reduce-scatter neither copies its input nor faults in an input-sized scratch buffer.
   ph.result = static_cast<uint8_t*>(recv);
   ring_pipeline(c, const_cast<uint8_t*>(in), L, ph);
-  if (op == ReduceOp::kAvg) finalize_avg(recv, count, dt, n);
+  red.finish(recv, count, n);
 }
 
 }  // namespace mccl

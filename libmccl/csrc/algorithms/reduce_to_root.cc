@@ -9,11 +9,11 @@
 
 namespace mccl {
 
-void reduce_to_root(Collective& c, void* buf, size_t count, DType dt, ReduceOp op, int root) {
+void reduce_to_root(Collective& c, void* buf, size_t count, const Reduction& red, int root) {
   const int n = c.size(), r = c.rank();
   if (count == 0) return;
-  ReduceFn fn = reduce_fn(dt, op);
-  const size_t es = dtype_size(dt), nbytes = count * es;
+  const ReduceFn fn = red.fn;
+  const size_t es = red.elem, nbytes = count * es;
   uint8_t* p = static_cast<uint8_t*>(buf);
   if (n > 1) {
     const int pos = ring_mod(r - root - 1, n);  // the root is last
@@ -54,7 +54,7 @@ void reduce_to_root(Collective& c, void* buf, size_t count, DType dt, ReduceOp o
     }
     c.wait_all(outstanding);
   }
-  if (r == root && op == ReduceOp::kAvg) finalize_avg(buf, count, dt, n);
+  if (r == root) red.finish(buf, count, n);
 }
 
 }  // namespace mccl
