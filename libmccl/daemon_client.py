@@ -404,12 +404,12 @@ class DaemonCommunicator:
         size = max(span, 1 << 20, 2 * seg.nbytes if seg else 0)
         self._gen += 1
         name = shm.segment_name(self._job, self.rank, os.getpid(), self._gen)
-        from . import _core
+        from . import _core  # the engine's ticket views over the segment's header
         new = shm.Segment(name, size, create=True, ticket_at=_core.Ticket.at)
         self._req += 1
         self._register_reqs.add(self._req)
         self._sock.send(protocol.encode({"type": "register", "req": self._req, "job": self._job,
-                                            "rank": self.rank, "segment": name, "nbytes": size}))
+                                         "rank": self.rank, "segment": name, "nbytes": size}))
         self._segment = new
         self._ticket_base = 0
         if seg is not None:
@@ -425,7 +425,7 @@ class DaemonCommunicator:
                 self._seq += 1
                 seq = self._seq
         self._sock.send(protocol.encode({"type": "op", "req": req, "job": self._job, "rank": self.rank,
-                                            "seq": seq, "op": name, "args": args}))
+                                         "seq": seq, "op": name, "args": args}))
 
     def _start_fast(self) -> bool:
         """Publishes the next op if it is a small one and nothing is in flight; any thread

@@ -12,8 +12,8 @@ import pytest
 from libmccl import _core
 from mccl_common.errors import (AbortedError, CollectiveMismatch, CollectiveTimeout, ConfigError,
                                 MCCLError, PeerLostError, ProtocolError)
-from support.engine import (DT, SUM, build, fd_count, make_options, ptr, ranks, run_ranks,
-                                 run_threads, thread_count)
+from support.engine import (DT, SUM, build, fd_count, make_options, ptr, ranks, run_ranks, run_threads,
+                            thread_count)
 
 pytestmark = pytest.mark.timeout(60)
 
