@@ -203,31 +203,20 @@ def test_mismatched_collectives_fail_every_rank(daemon):  # noqa: F811
 
 
 @pytest.mark.timeout(90)
-def test_daemon_dying_during_join_is_reported_at_once(tmp_path, monkeypatch):
+def test_daemon_dying_during_join_is_reported_at_once(mccld_proc, monkeypatch):
     """Rank 0 of a 2-rank job waits in join (rank 1 never comes); the daemon is killed."""
     import threading
     import torch.distributed as dist
     from support.ranks import free_port
     from libmccl.daemon_client import DaemonCommunicator
-    rdir = tmp_path / "rt"
-    env = daemon_env(rdir)
-    proc = subprocess.Popen([sys.executable, "-m", "mccld"], env={**os.environ, **env}, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 30
-        while not (rdir / "token").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "mccld did not start"
-            time.sleep(0.1)
-        store = dist.TCPStore("127.0.0.1", free_port(), 1, True)
-        store.set("mccld/member/1", '{"host_id": "%s", "link_addr": "127.0.0.1:1"}' % env["MCCL_HOST_ID"])
-        # 3 s: time for the client to get past hello into join on a loaded box (at 1 s a
-        # run beside another suite was still in hello); join waits 60 s for rank 1.
-        threading.Timer(3.0, lambda: os.kill(proc.pid, signal.SIGKILL)).start()
-        monkeypatch.setenv("MCCL_RUNTIME_DIR", str(rdir))
-        started = time.monotonic()
-        with pytest.raises(DaemonUnavailableError, match="went away during join"):
-            DaemonCommunicator(0, 2, 0xdead06, store, None, None, timeout_s=60)
-        assert time.monotonic() - started < 10
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(10)
+    proc, rdir, host_id = mccld_proc
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True)
+    store.set("mccld/member/1", '{"host_id": "%s", "link_addr": "127.0.0.1:1"}' % host_id)
+    # 3 s: time for the client to get past hello into join on a loaded box (at 1 s a
+    # run beside another suite was still in hello); join waits 60 s for rank 1.
+    threading.Timer(3.0, lambda: os.kill(proc.pid, signal.SIGKILL)).start()
+    monkeypatch.setenv("MCCL_RUNTIME_DIR", str(rdir))
+    started = time.monotonic()
+    with pytest.raises(DaemonUnavailableError, match="went away during join"):
+        DaemonCommunicator(0, 2, 0xdead06, store, None, None, timeout_s=60)
+    assert time.monotonic() - started < 10
