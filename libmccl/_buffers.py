@@ -19,7 +19,7 @@ from mccl_common.errors import ConfigError
 from . import DEVICES, device_tensors
 from . import _torch_compat as compat
 
-# Values of mccl::DType (csrc/dtype.h): part of the engine ABI, append-only.
+# Values of mccl::DType (csrc/core/dtype.h): part of the engine ABI, append-only.
 DTYPE_CODES: dict[torch.dtype, int] = {
     torch.float32: 0,
     torch.float64: 1,
@@ -35,7 +35,7 @@ DTYPE_CODES: dict[torch.dtype, int] = {
 _COMPLEX_AS_REAL = {torch.complex64: torch.float32, torch.complex128: torch.float64}
 
 _R = compat.ReduceOp.RedOpType
-# Values of mccl::ReduceOp (csrc/dtype.h).
+# Values of mccl::ReduceOp (csrc/core/dtype.h).
 REDUCE_OP_CODES: dict[Any, int] = {
     _R.SUM: 0, _R.AVG: 1, _R.MIN: 2, _R.MAX: 3, _R.PRODUCT: 4, _R.BAND: 5, _R.BOR: 6, _R.BXOR: 7,
 }

@@ -7,7 +7,7 @@ client's queue does: a ``Gate`` sits in it like an op, and nothing behind it sta
 even the copy into the shared segment, until ``ready`` holds the target. The wait itself
 runs on one ``GateWatcher`` thread per communicator, started at the first gate that is not
 already open, so the client's I/O thread keeps serving the daemon's replies meanwhile; the
-watcher sleeps on the ticket word (a device's host callback wakes it, libmccl/csrc/ticket.h)
+watcher sleeps on the ticket word (a device's host callback wakes it, libmccl/csrc/core/ticket.h)
 and wakes the I/O thread when the gate opens, is poisoned or runs out of time.
 """
 

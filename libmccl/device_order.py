@@ -7,7 +7,7 @@ before the engine wrote it. Three orderings do that without ever draining the st
 O1  On the caller's thread, inside the collective call, the stream is told to raise the
     op's ``ready`` ticket after the work queued so far (the kernels that wrote the
     bucket; with staging, after an asynchronous device-to-host copy). The engine's
-    all-reduce waits for ``ready`` before it touches a piece (libmccl/csrc/ticket.h).
+    all-reduce waits for ``ready`` before it touches a piece (libmccl/csrc/core/ticket.h).
 O2  The engine raises ``done`` when the ring has finished. On the waiter's thread
     (``Work.wait()``, or ``get_future()``, before anything can chain on the result) the
     stream is told to wait for ``done`` before the work queued after it (with staging,

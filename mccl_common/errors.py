@@ -2,7 +2,7 @@
 
 Messages follow one shape so that a log line alone tells an operator what to do:
 ``[component] what failed, peer=host:port, likely cause, what to do``.
-The C++ engine reports an error *kind* (see ``csrc/errors.h``); ``from_kind``
+The C++ engine reports an error *kind* (see ``csrc/core/errors.h``); ``from_kind``
 maps it onto the classes below.
 """
 
@@ -50,7 +50,7 @@ class AuthError(MCCLError):
     """A peer or client failed fleet-key authentication."""
 
 
-# Order matches mccl::ErrorKind in csrc/errors.h.
+# Order matches mccl::ErrorKind in csrc/core/errors.h.
 _KINDS: dict[int, type[MCCLError]] = {
     0: MCCLError,
     1: PeerLostError,

@@ -11,7 +11,7 @@ Every segment starts with a control header, then the data (``Segment.addr``):
     offset 64   ``done`` ticket: bytes of results the daemon has finished (u64)
     offset 4096 data
 
-Each ticket (libmccl/csrc/ticket.h) is a monotonic counter on its own cache line, counted
+Each ticket (libmccl/csrc/core/ticket.h) is a monotonic counter on its own cache line, counted
 in cumulative bytes over the segment's life: an op covers [base, base + its bytes), where
 base is the bytes of the pipelined ops before it in this segment. The header fills a page
 so the data stays page-aligned for whatever maps it next (a GPU registration, an MTLBuffer).

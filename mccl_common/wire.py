@@ -1,7 +1,7 @@
 """The dtype and reduce-op codes every component puts on the wire, in one place.
 
 The numbers are the engine's (``mccl::DType`` / ``mccl::ReduceOp`` in
-libmccl/csrc/dtype.h, exported as ``_core.DType`` / ``_core.ReduceOp``): the daemon client
+libmccl/csrc/core/dtype.h, exported as ``_core.DType`` / ``_core.ReduceOp``): the daemon client
 sends them, mccld checks and reduces with them, the torch glue maps torch's dtypes onto
 them. tests/project/test_layers.py compares these tables with the engine's enums, so a new dtype
 added to the engine and not here fails CI instead of drifting.

@@ -1,4 +1,4 @@
-// Elementwise reduction kernels for Apple GPUs, the Metal twin of libmccl/csrc/reduce.cc:
+// Elementwise reduction kernels for Apple GPUs, the Metal twin of libmccl/csrc/reduce/reduce.cc:
 //   reduce_kernel:        inout[i] = op(inout[i], in[i])   one thread per element
 //   finalize_avg_kernel:  inout[i] = inout[i] / divisor    (AVG reduces as SUM first)
 // Kernels are looked up by host name, "mccl_reduce_<op>_<dtype>" and

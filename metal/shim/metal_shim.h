@@ -6,7 +6,7 @@
 //   - argument attributes ([[buffer(i)]], [[thread_position_in_grid]]) become
 //     [[maybe_unused]], so the source's attribute syntax is kept untouched;
 //   - `half` and `bfloat` are 16-bit storage structs converting through float32 with
-//     round-to-nearest-even (libmccl/csrc/half.h), explicit conversions only, so a
+//     round-to-nearest-even (libmccl/csrc/core/half.h), explicit conversions only, so a
 //     kernel that forgets to widen to float does not compile here either;
 //   - `as_type<T>` is a same-size bit cast;
 //   - the kernel instantiation macros register each kernel under its host name in a
@@ -23,7 +23,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "half.h"
+#include "core/half.h"
 
 #define MCCL_METAL_SHIM 1
 #define __HAVE_BFLOAT__ 1

@@ -6,7 +6,7 @@
 //
 // Build: the CMake target metal_kernel_check, or directly (tests/test_metal_kernels.py):
 //   c++ -std=c++17 -Imetal -Ilibmccl/csrc metal/tests/kernel_check.cc
-//       libmccl/csrc/reduce*.cc libmccl/csrc/dtype.cc libmccl/csrc/errors.cc
+//       libmccl/csrc/reduce/reduce*.cc libmccl/csrc/core/dtype.cc libmccl/csrc/core/errors.cc
 // On x86-64 with F16C the CPU path converts float16 in hardware while the shim's `half`
 // uses the portable code of half.h, so this also cross-checks the two.
 #include <cmath>
@@ -18,8 +18,8 @@
 #include <string>
 #include <vector>
 
-#include "dtype.h"
-#include "reduce.h"
+#include "core/dtype.h"
+#include "reduce/reduce.h"
 
 // The shim must come after every standard header (it defines keyword macros).
 #include "shim/metal_shim.h"

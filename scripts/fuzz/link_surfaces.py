@@ -46,6 +46,7 @@ _KEY = FLEET_KEY.encode()
 _LEN = struct.Struct("!I")
 _HELLO = struct.Struct("<IIQIIIIIQQI")       # handshake.cc encode_hello: 56 bytes
 _MAGIC = 0x4C43434D
+_ENGINE_VERSION = 2                           # frame.h kProtocolVersion
 _K = 1                                       # MCCL_SOCKETS_PER_PEER of the fuzzed daemon
 _JOBS = itertools.count(1)
 
@@ -224,14 +225,16 @@ class DataSurface(Surface):
                           f"data:{fake_host_id(2)}.capture.1")
             sock.close()
         cfg = _engine_defaults()
-        hello = {"magic": _MAGIC, "version": 1, "comm_id": "$COMM", "from_rank": 0, "to_rank": 1, "world": 2,
+        hello = {"magic": _MAGIC, "version": _ENGINE_VERSION, "comm_id": "$COMM", "from_rank": 0, "to_rank": 1, "world": 2,
                  "sock_index": 0, "socks_per_peer": _K, "frame_mac": 0, **cfg}
-        header = {"magic": _MAGIC, "version": 1, "kind": 1, "comm_id": "$COMM", "seq": 1, "tag": 0, "flags": 0,
-                  "offset": 0, "length": 8, "total": 8, "op_bytes": 8, "dtype": 0, "redop": 0, "root": -1}
-        abort = {**header, "kind": 12, "seq": 0, "op_bytes": 0, "length": 33, "total": 33,
+        # A collective frame of a 2-float allreduce (op_signature.cc), an ABORT and a BYE.
+        header = {"magic": _MAGIC, "version": _ENGINE_VERSION, "kind": 1, "comm_id": "$COMM", "seq": 1, "tag": 0,
+                  "offset": 0, "length": 8, "total": 8,
+                  "op": 1, "op_bytes": 8, "dtype": 0, "redop": 0, "root": -1, "pieces": 0}
+        abort = {**header, "kind": 3, "seq": 0, "op": 0, "op_bytes": 0, "length": 33, "total": 33,
                  "payload": [0, 0, 3, 9, 4, "127.0.0.1", "lost"]}
         self.seeds = {"hello": [sent[0]], "engine_hello": [hello],
-                      "engine_frame": [header, abort, {**header, "kind": 13, "length": 0, "total": 0}]}
+                      "engine_frame": [header, abort, {**header, "kind": 4, "op": 0, "length": 0, "total": 0}]}
 
     def strategy(self) -> st.SearchStrategy[Input]:
         hello = mutated_json(self.seeds["hello"]).map(encode).map(_frame).flatmap(byte_noise)
@@ -414,10 +417,11 @@ def _pack_header(h: Any) -> bytes:
     (``payload``: origin, lost, kind, address length, message length, address, message),
     else ``length`` zero bytes (at most 4 KiB of them)."""
     h = h if isinstance(h, dict) else {}
-    head = struct.pack("<IHHQQIIQQQQBBHI", *(_u(h.get(k), b) for k, b in (
-        ("magic", 32), ("version", 16), ("kind", 16), ("comm_id", 64), ("seq", 64), ("tag", 32), ("flags", 32),
-        ("offset", 64), ("length", 64), ("total", 64), ("op_bytes", 64), ("dtype", 8), ("redop", 8),
-        ("reserved", 16), ("root", 32))))
+    head = struct.pack("<IHHQQIQQQHQBBII", *(_u(h.get(k), b) for k, b in (
+        ("magic", 32), ("version", 16), ("kind", 16), ("comm_id", 64), ("seq", 64), ("tag", 32),
+        ("offset", 64), ("length", 64), ("total", 64),
+        # the opaque signature, as the engine's communicator fills it
+        ("op", 16), ("op_bytes", 64), ("dtype", 8), ("redop", 8), ("root", 32), ("pieces", 32))))
     p = h.get("payload")
     if isinstance(p, list) and len(p) == 7:
         strs = [str(x).encode("utf-8", "surrogatepass")[:4096] for x in p[5:]]

@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 COMM_ID = 0x0b5e
 JOB = f"{COMM_ID:08x}"                      # the daemon's job id for this communicator
 SIZES = (4 << 10, 256 << 10, 2 << 20)       # bytes: three size classes
-F32, SUM, MAX = 0, 0, 3                     # csrc/dtype.h numbering (never renumbered)
+F32, SUM, MAX = 0, 0, 3                     # csrc/core/dtype.h numbering (never renumbered)
 STEP_TIMEOUT_S = 30.0
 
 

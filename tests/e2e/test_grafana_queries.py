@@ -34,7 +34,7 @@ JOB = "train-1"
 KEY = b"grafana-test-fleet-key-0123456789"
 SIZES = (1 << 10, 64 << 10, 1 << 20)        # bytes per all-reduce: three size classes
 OP_TIMEOUT_S = 30.0
-F32, SUM, MAX = 0, 0, 3   # mccl::DType / mccl::ReduceOp numbers (csrc/dtype.h: never renumbered)
+F32, SUM, MAX = 0, 0, 3   # mccl::DType / mccl::ReduceOp numbers (csrc/core/dtype.h: never renumbered)
 
 
 class Rank:

@@ -89,8 +89,10 @@ def test_hello_of_another_communicator_is_refused():
 
 
 def stale_frame(comm_id: int) -> bytes:
-    """A well-formed 72-byte broadcast frame header of communicator ``comm_id`` (frame.cc layout)."""
-    return struct.pack("<IHHQQIIQQQQBBHi", 0x4C43434D, 1, 2, comm_id, 0, 0, 0, 0, 8, 8, 8, 0, 0, 0, 0)
+    """A well-formed 72-byte collective frame header of communicator ``comm_id`` (frame.cc
+    layout, protocol 2), signed as an 8-byte broadcast from root 0 (op_signature.cc)."""
+    signature = struct.pack("<HQBBiI", 2, 8, 0, 0, 0, 0)
+    return struct.pack("<IHHQQIQQQ", 0x4C43434D, 2, 1, comm_id, 0, 0, 0, 8, 8) + signature
 
 
 @pytest.mark.timeout(60)

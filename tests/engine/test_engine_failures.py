@@ -12,7 +12,7 @@ import pytest
 from libmccl import _core
 from mccl_common.errors import (AbortedError, CollectiveMismatch, CollectiveTimeout, ConfigError,
                                 MCCLError, PeerLostError, ProtocolError)
-from support.engine import (DT, SUM, build, fd_count, make_options, ptr, ranks, run_ranks, run_threads,
+from support.engine import (DT, MAX, SUM, build, fd_count, make_options, ptr, ranks, run_ranks, run_threads,
                             thread_count)
 
 pytestmark = pytest.mark.timeout(60)
@@ -68,6 +68,28 @@ def test_op_and_root_mismatch():
             return expect(c, nxt, CollectiveMismatch)
 
         assert all("root mismatch" in str(e) for e in run_ranks(comms, body2))
+
+
+@pytest.mark.parametrize("what", ["dtype", "reduce-op"])
+def test_dtype_and_reduce_op_mismatch_name_both_sides(what):
+    """The transport carries the signature as opaque bytes; the communicator's rules
+    decode both sides' and say what differs in the user's words."""
+    with ranks(2) as comms:
+        def body(r, c):
+            if what == "dtype":
+                a = np.zeros(64, np.float32 if r == 0 else np.int32)  # same byte size
+                op = c.allreduce(ptr(a), 64, DT[a.dtype], SUM)
+            else:
+                a = np.zeros(64, np.float32)
+                op = c.allreduce(ptr(a), 64, DT[a.dtype], SUM if r == 0 else MAX)
+            return expect(c, op, CollectiveMismatch)
+
+        errs = run_ranks(comms, body)
+    want = {"dtype": ("float32", "int32"), "reduce-op": ("sum", "max")}[what]
+    for e in errs:
+        text = str(e).lower()
+        assert f"{what} mismatch" in text and all(w in text for w in want), e
+        assert text.startswith("[allreduce]"), e
 
 
 def test_p2p_size_mismatch():
@@ -303,6 +325,23 @@ def test_ranks_with_different_segment_options_are_refused():
         assert isinstance(e, ConfigError) and "MCCL_SEGMENT_BYTES" in str(e), e
 
 
+def test_ranks_with_different_small_allreduce_thresholds_are_refused():
+    listeners = [_core.Listener("127.0.0.1", 0) for _ in range(2)]
+    addrs = [x.address for x in listeners]
+    opts = [make_options(connect_timeout_s=10.0, small_allreduce_bytes=s) for s in (65536, 4096)]
+
+    def make(r):
+        try:
+            return _core.Communicator(r, 2, 6, listeners[r], addrs, opts[r])
+        except MCCLError as e:
+            return e
+
+    out = run_threads(2, make)
+    for e in out:
+        assert isinstance(e, ConfigError) and "MCCL_SMALL_ALLREDUCE_BYTES" in str(e), e
+        assert "65536" in str(e) and "4096" in str(e), e
+
+
 @pytest.fixture
 def ctrl_c():
     """Ctrl-C raising KeyboardInterrupt, as in a terminal. A process started with SIGINT
@@ -360,3 +399,4 @@ def test_ring_timeout_names_the_stalled_rank_and_step():
     for e in errs:
         assert e.peer_rank == 2, e
         assert "reduce-scatter step 1 of 2, segment" in str(e), e
+

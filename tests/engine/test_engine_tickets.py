@@ -1,4 +1,4 @@
-"""Segment tickets (libmccl/csrc/ticket.h) and the all-reduce that honours them.
+"""Segment tickets (libmccl/csrc/core/ticket.h) and the all-reduce that honours them.
 
 Ranks are threads of this process (test_engine_helpers); the producer of each rank's
 buffer is another thread that writes the buffer piece by piece with random delays and

@@ -37,8 +37,8 @@ def kernel_check(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cmd = [cxx, "-std=c++17", "-O2", "-Wall", "-Wextra", "-Werror", f"-I{METAL}", f"-I{CSRC}",
            str(METAL / "tests" / "kernel_check.cc"),
            # the CPU reduction path: reduce.cc and its reduce_*.cc helpers, dtype and errors
-           *(str(f) for f in sorted(CSRC.glob("reduce*.cc"))),
-           str(CSRC / "dtype.cc"), str(CSRC / "errors.cc"), "-o", str(exe)]
+           *(str(f) for f in sorted((CSRC / "reduce").glob("reduce*.cc"))),
+           str(CSRC / "core" / "dtype.cc"), str(CSRC / "core" / "errors.cc"), "-o", str(exe)]
     build = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert build.returncode == 0, f"kernel_check did not compile:\n{build.stderr[-4000:]}"
     return exe

@@ -1,4 +1,4 @@
-"""The reduction kernels (csrc/reduce.cc) against torch's own CPU results.
+"""The reduction kernels (csrc/reduce/reduce.cc) against torch's own CPU results.
 
 Every kernel computes inout[i] = op(inout[i], in[i]); the reference is the matching
 torch elementwise op on the same two tensors. Floats must agree bit for bit (NaN only
@@ -16,7 +16,7 @@ import torch
 from libmccl import _core
 from mccl_common.errors import ConfigError
 
-# Codes of mccl::DType / mccl::ReduceOp (csrc/dtype.h).
+# Codes of mccl::DType / mccl::ReduceOp (csrc/core/dtype.h).
 DTYPES = {
     torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3,
     torch.int8: 4, torch.uint8: 5, torch.int32: 6, torch.int64: 7, torch.bool: 8,

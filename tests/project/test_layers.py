@@ -133,3 +133,44 @@ def test_libmccl_errors_is_the_public_name_of_the_same_classes() -> None:
     assert libmccl.errors.__all__ == errors.__all__
     for name in errors.__all__:
         assert getattr(libmccl.errors, name) is getattr(errors, name), name
+
+
+# The engine's folders, lowest first (libmccl/csrc/README.md draws them). A file may include
+# its own folder and any folder listed before it; the top-level Metal bridge is its own.
+ENGINE = ROOT / "libmccl" / "csrc"
+ENGINE_LAYERS = ("core", "reduce", "integrity", "transport", "algorithms", "communicator",
+                 "opqueue", "bindings")
+
+
+def engine_include_violations(root: Path) -> list[str]:
+    import re
+    bad = []
+    for path in sorted(root.rglob("*")):
+        if path.suffix not in (".h", ".cc") or path.parent == root:
+            continue
+        folder = path.relative_to(root).parts[0]
+        if folder not in ENGINE_LAYERS:
+            bad.append(f"{path.relative_to(root)}: folder {folder!r} is not one of the engine's layers")
+            continue
+        below = ENGINE_LAYERS[:ENGINE_LAYERS.index(folder) + 1]
+        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+            m = re.match(r'\s*#include "([a-z_]+)/', line)
+            if m and m.group(1) not in below:
+                bad.append(f"{path.relative_to(root)}:{lineno}: {folder} includes {m.group(1)}, "
+                           f"which is above it")
+    return bad
+
+
+def test_engine_includes_point_down_the_layers() -> None:
+    assert not [p for p in ENGINE.iterdir() if p.suffix in (".h", ".cc")], \
+        "every engine source lives in one of the layer folders"
+    assert engine_include_violations(ENGINE) == []
+
+
+def test_the_engine_check_sees_an_upward_include(tmp_path: Path) -> None:
+    (tmp_path / "transport").mkdir()
+    (tmp_path / "transport" / "pair.h").write_text('#include "core/errors.h"\n#include "algorithms/ring.h"\n')
+    (tmp_path / "core").mkdir()
+    (tmp_path / "core" / "dtype.h").write_text('#include "core/half.h"\n')
+    found = engine_include_violations(tmp_path)
+    assert len(found) == 1 and "transport includes algorithms" in found[0]

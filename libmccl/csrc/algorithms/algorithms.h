@@ -8,8 +8,8 @@
 
 #include "algorithms/collective.h"
 #include "algorithms/pieces.h"
-#include "dtype.h"
-#include "reduce.h"
+#include "core/dtype.h"
+#include "reduce/reduce.h"
 
 namespace mccl {
 

@@ -4,7 +4,7 @@
 
 #include "algorithms/algorithms.h"
 #include "algorithms/ring.h"
-#include "reduce.h"
+#include "reduce/reduce.h"
 
 namespace mccl {
 
@@ -20,7 +20,7 @@ bool one_round(const Options& opts, int size, size_t count, DType dt) {
 
 void allreduce_pieced(Collective& c, uint8_t* buf, const Pieces& p, const Reduction& red,
                       const OpTickets& t) {
-  PieceGate gate(c, t, p, op_kind_name(OpKind::kAllreduce));
+  PieceGate gate(c, t, p, "allreduce");
   if (red.finishes()) {
     // Per piece, once no send reads it any more: every rank finishes the same final bits.
     gate.finalize = [&](size_t begin, size_t elems) { red.finish(buf + begin * p.elem, elems, c.size()); };
@@ -56,7 +56,7 @@ void allreduce(Collective& c, void* buf, size_t count, const Reduction& red, con
   }
   // Not worth pipelining: the whole buffer is one piece.
   const Pieces whole = Pieces::cut(count, red.elem, count * red.elem, 1);
-  PieceGate gate(c, t, whole, op_kind_name(OpKind::kAllreduce));
+  PieceGate gate(c, t, whole, "allreduce");
   if (whole.n == 0) return;
   gate.wait_ready(0);
   allreduce(c, buf, count, red);

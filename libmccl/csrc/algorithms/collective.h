@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <memory>
 
-#include "options.h"
+#include "core/options.h"
 #include "transport/transport.h"
 
 namespace mccl {

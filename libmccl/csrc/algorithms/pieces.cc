@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <string>
 
-#include "errors.h"
+#include "core/errors.h"
 
 namespace mccl {
 

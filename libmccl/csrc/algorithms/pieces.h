@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "algorithms/collective.h"
-#include "ticket.h"
+#include "core/ticket.h"
 
 namespace mccl {
 

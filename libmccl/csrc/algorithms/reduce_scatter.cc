@@ -4,7 +4,7 @@
 
 #include "algorithms/algorithms.h"
 #include "algorithms/ring.h"
-#include "reduce.h"
+#include "reduce/reduce.h"
 
 namespace mccl {
 

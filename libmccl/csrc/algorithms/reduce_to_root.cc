@@ -5,7 +5,7 @@
 #include <string>
 
 #include "algorithms/algorithms.h"
-#include "reduce.h"
+#include "reduce/reduce.h"
 
 namespace mccl {
 

@@ -31,7 +31,7 @@
 
 #include "algorithms/collective.h"
 #include "algorithms/pieces.h"
-#include "reduce.h"
+#include "reduce/reduce.h"
 
 namespace mccl {
 

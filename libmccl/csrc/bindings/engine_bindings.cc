@@ -13,12 +13,12 @@
 #include <memory>
 #include <thread>
 
-#include "communicator.h"
-#include "dtype.h"
-#include "errors.h"
-#include "listener.h"
-#include "options.h"
-#include "ticket.h"
+#include "communicator/communicator.h"
+#include "core/dtype.h"
+#include "core/errors.h"
+#include "transport/listener.h"
+#include "core/options.h"
+#include "core/ticket.h"
 
 namespace py = pybind11;
 

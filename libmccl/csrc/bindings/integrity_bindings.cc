@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "errors.h"
+#include "core/errors.h"
 #include "integrity/mac.h"
 
 namespace py = pybind11;

@@ -1,7 +1,7 @@
 #include <pybind11/pybind11.h>
 
-#include "dtype.h"
-#include "errors.h"
+#include "core/dtype.h"
+#include "core/errors.h"
 #include "bindings/engine_bindings.h"
 #include "bindings/opqueue_bindings.h"
 #include "bindings/integrity_bindings.h"

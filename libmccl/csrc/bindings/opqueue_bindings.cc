@@ -7,7 +7,7 @@
 #include <memory>
 
 #include "bindings/engine_bindings.h"
-#include "dtype.h"
+#include "core/dtype.h"
 #include "opqueue/client_queue.h"
 #include "opqueue/dispatcher.h"
 

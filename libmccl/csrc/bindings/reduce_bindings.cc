@@ -7,9 +7,9 @@
 #include <cstdint>
 #include <string>
 
-#include "dtype.h"
-#include "errors.h"
-#include "reduce.h"
+#include "core/dtype.h"
+#include "core/errors.h"
+#include "reduce/reduce.h"
 
 namespace py = pybind11;
 

@@ -17,11 +17,11 @@
 #include <string>
 #include <thread>
 
-#include "dtype.h"
-#include "errors.h"
+#include "core/dtype.h"
+#include "core/errors.h"
 #include "opqueue/layout.h"
 #include "opqueue/shm_map.h"
-#include "ticket.h"
+#include "core/ticket.h"
 
 namespace mccl::opqueue {
 

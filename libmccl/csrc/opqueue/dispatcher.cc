@@ -5,7 +5,7 @@
 
 #include "opqueue/thread_name.h"
 
-#include "reduce.h"
+#include "reduce/reduce.h"
 #include "transport/socket.h"
 
 namespace mccl::opqueue {

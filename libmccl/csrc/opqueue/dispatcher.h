@@ -30,11 +30,11 @@
 #include <thread>
 #include <vector>
 
-#include "communicator.h"
-#include "errors.h"
+#include "communicator/communicator.h"
+#include "core/errors.h"
 #include "opqueue/layout.h"
 #include "opqueue/shm_map.h"
-#include "ticket.h"
+#include "core/ticket.h"
 
 namespace mccl::opqueue {
 

@@ -8,7 +8,7 @@
 #include <cerrno>
 #include <cstring>
 
-#include "errors.h"
+#include "core/errors.h"
 
 namespace mccl::opqueue {
 

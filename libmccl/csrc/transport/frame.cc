@@ -1,6 +1,6 @@
 #include "transport/frame.h"
 
-#include "errors.h"
+#include "core/errors.h"
 
 namespace mccl {
 
@@ -29,28 +29,18 @@ T get(const uint8_t*& p) {
 
 }  // namespace
 
-const char* op_kind_name(OpKind k) {
+const char* frame_kind_name(FrameKind k) {
   switch (k) {
-    case OpKind::kAllreduce: return "allreduce";
-    case OpKind::kBroadcast: return "broadcast";
-    case OpKind::kAllgather: return "allgather";
-    case OpKind::kReduceScatter: return "reduce_scatter";
-    case OpKind::kReduce: return "reduce";
-    case OpKind::kGather: return "gather";
-    case OpKind::kScatter: return "scatter";
-    case OpKind::kAlltoall: return "alltoall";
-    case OpKind::kAlltoallv: return "alltoallv";
-    case OpKind::kBarrier: return "barrier";
-    case OpKind::kP2P: return "send/recv";
-    case OpKind::kAbort: return "abort";
-    case OpKind::kBye: return "bye";
+    case FrameKind::kCollective: return "collective";
+    case FrameKind::kP2P: return "send/recv";
+    case FrameKind::kAbort: return "abort";
+    case FrameKind::kBye: return "bye";
   }
   return "unknown";
 }
 
-bool op_kind_is_collective(OpKind k) {
-  return k >= OpKind::kAllreduce && k <= OpKind::kBarrier;
-}
+static_assert(4 + 2 + 2 + 8 + 8 + 4 + 8 + 8 + 8 + kSignatureBytes == kFrameHeaderBytes,
+              "encode_header writes exactly kFrameHeaderBytes");
 
 void encode_header(const FrameHeader& h, uint8_t out[kFrameHeaderBytes]) {
   uint8_t* p = out;
@@ -60,15 +50,10 @@ void encode_header(const FrameHeader& h, uint8_t out[kFrameHeaderBytes]) {
   put<uint64_t>(p, h.comm_id);
   put<uint64_t>(p, h.seq);
   put<uint32_t>(p, h.tag);
-  put<uint32_t>(p, h.flags);
   put<uint64_t>(p, h.offset);
   put<uint64_t>(p, h.length);
   put<uint64_t>(p, h.total);
-  put<uint64_t>(p, h.op_bytes);
-  put<uint8_t>(p, h.dtype);
-  put<uint8_t>(p, h.redop);
-  put<uint16_t>(p, h.reserved);
-  put<uint32_t>(p, static_cast<uint32_t>(h.root));
+  for (uint8_t b : h.sig) *p++ = b;
 }
 
 FrameHeader decode_header(const uint8_t in[kFrameHeaderBytes]) {
@@ -76,19 +61,14 @@ FrameHeader decode_header(const uint8_t in[kFrameHeaderBytes]) {
   FrameHeader h;
   h.magic = get<uint32_t>(p);
   h.version = get<uint16_t>(p);
-  h.kind = static_cast<OpKind>(get<uint16_t>(p));
+  h.kind = static_cast<FrameKind>(get<uint16_t>(p));
   h.comm_id = get<uint64_t>(p);
   h.seq = get<uint64_t>(p);
   h.tag = get<uint32_t>(p);
-  h.flags = get<uint32_t>(p);
   h.offset = get<uint64_t>(p);
   h.length = get<uint64_t>(p);
   h.total = get<uint64_t>(p);
-  h.op_bytes = get<uint64_t>(p);
-  h.dtype = get<uint8_t>(p);
-  h.redop = get<uint8_t>(p);
-  h.reserved = get<uint16_t>(p);
-  h.root = static_cast<int32_t>(get<uint32_t>(p));
+  for (uint8_t& b : h.sig) b = *p++;
   return h;
 }
 
@@ -112,7 +92,7 @@ void validate_header(const FrameHeader& h, uint64_t comm_id, int peer_rank,
                 peer_rank, peer_addr);
   }
   auto k = static_cast<uint16_t>(h.kind);
-  if (k < static_cast<uint16_t>(OpKind::kAllreduce) || k > static_cast<uint16_t>(OpKind::kBye)) {
+  if (k < static_cast<uint16_t>(FrameKind::kCollective) || k > static_cast<uint16_t>(FrameKind::kBye)) {
     bad_frame("unknown frame kind " + std::to_string(k), peer_rank, peer_addr);
   }
   if (h.total > kMaxFrameBytes || h.length > h.total || h.offset > h.total - h.length) {
@@ -120,10 +100,10 @@ void validate_header(const FrameHeader& h, uint64_t comm_id, int peer_rank,
                   ") outside a message of " + std::to_string(h.total) + " bytes",
               peer_rank, peer_addr);
   }
-  if (h.kind == OpKind::kAbort && h.total > kMaxAbortPayload) {
+  if (h.kind == FrameKind::kAbort && h.total > kMaxAbortPayload) {
     bad_frame("oversized abort frame", peer_rank, peer_addr);
   }
-  if (h.kind == OpKind::kBye && h.total != 0) bad_frame("bye frame with payload", peer_rank, peer_addr);
+  if (h.kind == FrameKind::kBye && h.total != 0) bad_frame("bye frame with payload", peer_rank, peer_addr);
 }
 
 std::string encode_abort(const AbortInfo& a) {

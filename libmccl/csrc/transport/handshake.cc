@@ -3,7 +3,7 @@
 #include <cstring>
 #include <vector>
 
-#include "errors.h"
+#include "core/errors.h"
 #include "transport/frame.h"
 
 namespace mccl {
@@ -35,8 +35,7 @@ void encode_hello(const Hello& h, uint8_t* out) {
   put32(out + 24, h.world);
   put32(out + 28, h.sock_index);
   put32(out + 32, h.socks_per_peer);
-  put64(out + 36, h.segment_bytes);
-  put64(out + 44, h.small_allreduce_bytes);
+  std::memcpy(out + 36, h.terms.data(), kTermsBytes);
   put32(out + 52, h.frame_mac);
 }
 
@@ -46,7 +45,8 @@ struct Verdict {
   std::string reason;  // empty: accepted
 };
 
-Verdict judge(const Hello& theirs, uint32_t version, const Hello& mine) {
+Verdict judge(const Hello& theirs, uint32_t version, const Hello& mine,
+              const SignatureRules& rules) {
   auto n = [](uint64_t v) { return std::to_string(v); };
   if (version != kProtocolVersion) {
     return {ErrorKind::kProtocol, "protocol version mismatch (dialer speaks " + n(version) +
@@ -79,18 +79,11 @@ Verdict judge(const Hello& theirs, uint32_t version, const Hello& mine) {
                                     ", acceptor " + n(mine.socks_per_peer) +
                                     "); set MCCL_SOCKETS_PER_PEER the same on every rank"};
   }
-  // Both pick the algorithm and its message cutting: ranks that disagree would post
-  // receives that never match (a hang until the timeout) instead of failing now.
-  if (theirs.segment_bytes != mine.segment_bytes) {
-    return {ErrorKind::kConfig, "pipeline segment mismatch (dialer " + n(theirs.segment_bytes) +
-                                    ", acceptor " + n(mine.segment_bytes) +
-                                    " bytes); set MCCL_SEGMENT_BYTES the same on every rank"};
-  }
-  if (theirs.small_allreduce_bytes != mine.small_allreduce_bytes) {
-    return {ErrorKind::kConfig, "small all-reduce threshold mismatch (dialer " +
-                                    n(theirs.small_allreduce_bytes) + ", acceptor " +
-                                    n(mine.small_allreduce_bytes) +
-                                    " bytes); set MCCL_SMALL_ALLREDUCE_BYTES the same on every rank"};
+  // Typically how the algorithms cut messages: ranks that disagree would post receives
+  // that never match (a hang until the timeout) instead of failing now.
+  if (theirs.terms != mine.terms) {
+    std::string why = rules.terms_mismatch(theirs.terms, mine.terms);
+    return {ErrorKind::kConfig, why.empty() ? "the ranks' options differ" : why};
   }
   if (theirs.frame_mac != mine.frame_mac) {
     auto on = [](uint32_t v) { return std::string(v ? "on" : "off"); };
@@ -134,7 +127,8 @@ bool handshake_dial(int fd, const Hello& hello, const std::string& peer_addr, De
               "[transport] handshake refused by " + who + ": " + reason, peer, peer_addr);
 }
 
-std::optional<Hello> handshake_accept_impl(int fd, const Hello& mine, Deadline deadline,
+std::optional<Hello> handshake_accept_impl(int fd, const Hello& mine, const SignatureRules& rules,
+                                           Deadline deadline,
                                            bool (*is_dup)(void*, uint32_t, uint32_t),
                                            void* ctx) {
   uint8_t buf[kHelloBytes];
@@ -149,11 +143,10 @@ std::optional<Hello> handshake_accept_impl(int fd, const Hello& mine, Deadline d
   theirs.world = get32(buf + 24);
   theirs.sock_index = get32(buf + 28);
   theirs.socks_per_peer = get32(buf + 32);
-  theirs.segment_bytes = get64(buf + 36);
-  theirs.small_allreduce_bytes = get64(buf + 44);
+  std::memcpy(theirs.terms.data(), buf + 36, kTermsBytes);
   theirs.frame_mac = get32(buf + 52);
 
-  Verdict v = judge(theirs, version, mine);
+  Verdict v = judge(theirs, version, mine, rules);
   if (v.reason.empty() && is_dup(ctx, theirs.from_rank, theirs.sock_index)) {
     v = {ErrorKind::kConfig, "two processes claim rank " + std::to_string(theirs.from_rank) +
                                  "; a stale process from an earlier job or a misnumbered rank"};

@@ -18,7 +18,7 @@
 #include <cstdint>
 
 #include "integrity/mac.h"
-#include "reduce.h"
+#include "reduce/reduce.h"
 
 namespace mccl {
 

@@ -8,7 +8,7 @@
 #include <exception>
 #include <thread>
 
-#include "errors.h"
+#include "core/errors.h"
 #include "transport/handshake.h"
 
 namespace mccl {
@@ -21,24 +21,21 @@ Hello hello_of(const MeshSpec& spec) {
   h.from_rank = static_cast<uint32_t>(spec.rank);
   h.world = static_cast<uint32_t>(spec.size);
   h.socks_per_peer = static_cast<uint32_t>(spec.sockets_per_peer);
-  h.segment_bytes = spec.segment_bytes;
-  h.small_allreduce_bytes = spec.small_allreduce_bytes;
+  h.terms = spec.terms;
   h.frame_mac = spec.frame_mac ? 1 : 0;
   return h;
+}
+
+const SignatureRules& rules_of(const MeshSpec& spec) {
+  static const OpaqueSignatureRules opaque;
+  return spec.rules ? *spec.rules : opaque;
 }
 
 void accept_lower_ranks(const MeshSpec& spec, int listen_fd, Deadline deadline,
                         const std::atomic<bool>& stop, std::vector<std::vector<Fd>>* links) {
   const int k = spec.sockets_per_peer;
   int expected = spec.rank * k;
-  Hello mine;
-  mine.comm_id = spec.comm_id;
-  mine.from_rank = static_cast<uint32_t>(spec.rank);  // judged as "the rank that was reached"
-  mine.world = static_cast<uint32_t>(spec.size);
-  mine.socks_per_peer = static_cast<uint32_t>(k);
-  mine.segment_bytes = spec.segment_bytes;
-  mine.small_allreduce_bytes = spec.small_allreduce_bytes;
-  mine.frame_mac = spec.frame_mac ? 1 : 0;
+  Hello mine = hello_of(spec);  // from_rank is judged as "the rank that was reached"
   auto seen = [&](uint32_t r, uint32_t s) { return (*links)[r][s].valid(); };
   while (expected > 0) {
     if (stop.load()) return;
@@ -65,7 +62,7 @@ void accept_lower_ranks(const MeshSpec& spec, int listen_fd, Deadline deadline,
     if (!fd.valid()) continue;
     // A peer that connected but stays silent must not stall the whole set-up.
     Deadline hs = std::min(deadline, Clock::now() + std::chrono::seconds(10));
-    auto hello = handshake_accept(fd.get(), mine, hs, seen);
+    auto hello = handshake_accept(fd.get(), mine, rules_of(spec), hs, seen);
     if (!hello) continue;
     configure_link_socket(fd.get(), spec.socket_buffer_bytes);
     set_nonblocking(fd.get(), true);
@@ -102,16 +99,9 @@ std::vector<std::vector<Fd>> build_mesh(const MeshSpec& spec, int listen_fd, Dea
       for (int s = 0; s < k && !stop.load(); ++s) {
         Fd fd = connect_tcp(hp, deadline, peer, &stop);
         if (!fd.valid()) break;
-        Hello h;
-        h.comm_id = spec.comm_id;
-        h.from_rank = static_cast<uint32_t>(spec.rank);
+        Hello h = hello_of(spec);
         h.to_rank = static_cast<uint32_t>(peer);
-        h.world = static_cast<uint32_t>(spec.size);
         h.sock_index = static_cast<uint32_t>(s);
-        h.socks_per_peer = static_cast<uint32_t>(k);
-        h.segment_bytes = spec.segment_bytes;
-        h.small_allreduce_bytes = spec.small_allreduce_bytes;
-        h.frame_mac = spec.frame_mac ? 1 : 0;
         if (!handshake_dial(fd.get(), h, hp.str(), deadline, &stop)) break;
         configure_link_socket(fd.get(), spec.socket_buffer_bytes);
         set_nonblocking(fd.get(), true);
@@ -180,7 +170,7 @@ std::vector<std::vector<Fd>> adopt_mesh(const MeshSpec& spec,
       auto seen = [&](uint32_t r, uint32_t i) {
         return r == static_cast<uint32_t>(peer) && i < got.size() && got[i].valid();
       };
-      auto hello = handshake_accept(fd.get(), mine, deadline, seen);
+      auto hello = handshake_accept(fd.get(), mine, rules_of(spec), deadline, seen);
       if (!hello) {
         throw_error(ErrorKind::kPeerLost,
                     "[transport] handed-in socket " + std::to_string(s) + " to peer=" + addr +

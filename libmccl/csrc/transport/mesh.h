@@ -9,9 +9,11 @@
 #pragma once
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "transport/signature.h"
 #include "transport/socket.h"
 
 namespace mccl {
@@ -22,8 +24,8 @@ struct MeshSpec {
   uint64_t comm_id = 0;
   int sockets_per_peer = 2;
   int socket_buffer_bytes = 4 << 20;
-  uint64_t segment_bytes = 0;          // checked equal on every link (handshake)
-  uint64_t small_allreduce_bytes = 0;
+  Terms terms{};                        // checked equal on every link (handshake) ...
+  std::shared_ptr<const SignatureRules> rules;  // ... and explained by these (null: bytes)
   bool frame_mac = false;               // checked equal on every link (handshake)
   std::vector<std::string> peer_addrs;  // one per rank, "host:port"
 };

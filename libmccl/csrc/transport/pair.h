@@ -57,6 +57,8 @@ class PairHost {
                                   size_t bytes) = 0;
   // Transport-wide arrival stamp: any-source receives take the earliest message.
   virtual uint64_t next_arrival() = 0;
+  // The name of the op a collective signature belongs to, for messages.
+  virtual std::string op_name(const Signature& sig) const = 0;
 };
 
 // An ABORT frame from a peer, as an error: the kind and blamed peer of the original

@@ -18,7 +18,7 @@ constexpr size_t kDirectReadBytes = 16 << 10;
 // One readable socket may not starve the others for longer than this many bytes.
 constexpr size_t kReadBudget = 32 << 20;
 
-Channel channel_of(OpKind k) { return k == OpKind::kP2P ? Channel::kP2P : Channel::kCollective; }
+Channel channel_of(FrameKind k) { return k == FrameKind::kP2P ? Channel::kP2P : Channel::kCollective; }
 
 }  // namespace
 
@@ -68,8 +68,8 @@ void Pair::finish_recv(const RequestPtr& req) {
 
 void Pair::check_recv_size(const RequestPtr& req, const FrameHeader& h) {
   if (h.total == req->size) return;
-  const bool p2p = h.kind == OpKind::kP2P;
-  std::string op = p2p ? "send/recv" : op_kind_name(req->sig.kind);
+  const bool p2p = h.kind == FrameKind::kP2P;
+  std::string op = p2p ? "send/recv" : host_.op_name(req->sig);
   std::string what = p2p ? "tag " + std::to_string(h.tag) : "op #" + std::to_string(h.seq);
   throw_error(ErrorKind::kMismatch,
               "[" + op + "] size mismatch with " + who() + ": it sent " +
@@ -180,12 +180,12 @@ void Pair::on_header(Conn& c) {
   c.target.reset();
   c.unexpected = nullptr;
   if (c.keys) {
-    start_mac_in(c, (h.kind == OpKind::kAbort || h.kind == OpKind::kBye) ? MacStream::kControl
+    start_mac_in(c, (h.kind == FrameKind::kAbort || h.kind == FrameKind::kBye) ? MacStream::kControl
                                                                         : MacStream::kData);
   }
-  if (h.kind == OpKind::kBye) {
+  if (h.kind == FrameKind::kBye) {
     c.land.start(nullptr, 0);  // no payload; acted on once whole (on_frame_done)
-  } else if (h.kind == OpKind::kAbort) {
+  } else if (h.kind == FrameKind::kAbort) {
     if (h.offset != 0 || h.length != h.total) {
       throw_error(ErrorKind::kProtocol, "[transport] split abort frame from " + who(), peer_rank_,
                   peer_addr_);
@@ -256,7 +256,7 @@ void Pair::on_tag_done(Conn& c) {
   c.mac_in.reset();
   if (!tags_equal(want, c.tag_buf)) {
     throw_error(ErrorKind::kProtocol,
-                "[transport] a " + std::string(op_kind_name(c.cur.kind)) + " frame from " + who() +
+                "[transport] a " + std::string(frame_kind_name(c.cur.kind)) + " frame from " + who() +
                     " failed its MAC check (MCCL_FRAME_MAC): it was altered or injected on the way, "
                     "or the two daemons derived different keys; the link is dropped; check the "
                     "network path between the hosts and that both run the same MCCL",
@@ -267,14 +267,14 @@ void Pair::on_tag_done(Conn& c) {
 
 void Pair::on_frame_done(Conn& c) {
   const FrameHeader& h = c.cur;
-  if (h.kind == OpKind::kBye) {
+  if (h.kind == FrameKind::kBye) {
     if (!c.bye) {
       c.bye = true;
       ++byes_;
     }
     return;
   }
-  if (h.kind == OpKind::kAbort) {
+  if (h.kind == FrameKind::kAbort) {
     AbortInfo info;
     if (!decode_abort(reinterpret_cast<const uint8_t*>(c.control.data()), c.control.size(),
                       &info)) {

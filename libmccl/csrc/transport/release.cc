@@ -35,7 +35,7 @@ bool Transport::release(Deadline deadline) {
 
 bool Pair::release(Deadline deadline) {
   FrameHeader h;
-  h.kind = OpKind::kBye;
+  h.kind = FrameKind::kBye;
   h.comm_id = comm_id_;
   uint8_t bye[kFrameHeaderBytes + kMacTagBytes];
   encode_header(h, bye);
@@ -80,7 +80,7 @@ bool Pair::read_to_bye(Conn& c, Deadline deadline) {
     c.header_have = 0;
     FrameHeader h = decode_header(c.header_buf);
     if (h.magic != kFrameMagic || h.version != kProtocolVersion || h.comm_id != comm_id_ ||
-        h.kind != OpKind::kBye || h.total != 0) {
+        h.kind != FrameKind::kBye || h.total != 0) {
       return false;
     }
     if (!c.keys) {
@@ -95,7 +95,7 @@ bool Pair::read_to_bye(Conn& c, Deadline deadline) {
   }
   // Frame MACs: exactly the BYE's tag is left to read (its header may have been parsed
   // while idle).
-  if (c.cur.kind != OpKind::kBye || c.tag_have + leftover > kMacTagBytes) return false;
+  if (c.cur.kind != FrameKind::kBye || c.tag_have + leftover > kMacTagBytes) return false;
   std::memcpy(c.tag_buf + c.tag_have, c.rbuf.data() + c.rb_begin, leftover);
   c.tag_have += leftover;
   c.rb_begin = c.rb_end;

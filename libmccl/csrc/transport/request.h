@@ -5,8 +5,8 @@
 #include <functional>
 #include <memory>
 
-#include "errors.h"
-#include "reduce.h"
+#include "core/errors.h"
+#include "reduce/reduce.h"
 #include "transport/frame.h"
 
 namespace mccl {
@@ -30,16 +30,6 @@ struct MsgKeyHash {
   }
 };
 
-// What a collective frame says about the op it belongs to (see frame.h).
-struct Signature {
-  OpKind kind = OpKind::kP2P;
-  uint64_t op_bytes = 0;
-  uint8_t dtype = 0;
-  uint8_t redop = 0;
-  int32_t root = -1;
-  uint32_t pieces = 0;  // a ticketed op's pieces (algorithms/pieces.h); 0: not pipelined
-};
-
 struct Request {
   enum class State : uint8_t { kPending, kDone, kFailed };
   State state = State::kPending;
@@ -50,7 +40,7 @@ struct Request {
   size_t done = 0;           // bytes moved so far (over all stripes)
   int parts_left = 0;        // send: stripes not yet fully written
   MsgKey key;
-  Signature sig;
+  Signature sig{};           // collective: the op's signature (signature.h)
   ReduceFn reduce = nullptr; // receive: fold the payload into buf instead of storing it
   size_t elem = 1;           // bytes per element of `reduce`
   uint64_t cookie = 0;       // the algorithm's own label for this request

@@ -7,14 +7,17 @@
 #include <cstdio>
 #include <cstring>
 
-#include "dtype.h"
-
 namespace mccl {
 
 Transport::Transport(int rank, int size, uint64_t comm_id, std::vector<std::vector<Fd>> links,
                      std::vector<std::string> addrs, bool send_thread, int recv_threads,
-                     const std::vector<std::vector<FrameKeys>>& keys)
-    : rank_(rank), size_(size), comm_id_(comm_id), addrs_(std::move(addrs)) {
+                     const std::vector<std::vector<FrameKeys>>& keys,
+                     std::shared_ptr<const SignatureRules> rules)
+    : rank_(rank),
+      size_(size),
+      comm_id_(comm_id),
+      addrs_(std::move(addrs)),
+      rules_(rules ? std::move(rules) : std::make_shared<OpaqueSignatureRules>()) {
   pairs_.resize(size);
   for (int r = 0; r < size; ++r) {
     if (r == rank) continue;
@@ -156,8 +159,8 @@ void Transport::check_collective_frame(Pair& pair, const FrameHeader& h) {
     compare_signature(pair, h, last_sig_, true);
   } else if (h.seq < next_coll_seq_ || (active_ && h.seq < active_seq_)) {
     throw_error(ErrorKind::kMismatch,
-                std::string("[") + op_kind_name(h.kind) + "] " + pair.who() + " sent data for " +
-                    op_kind_name(h.kind) + " op #" + std::to_string(h.seq) +
+                "[" + rules_->name(h.sig) + "] " + pair.who() + " sent data for " +
+                    rules_->name(h.sig) + " op #" + std::to_string(h.seq) +
                     ", which this rank has already finished; likely cause: ranks issue "
                     "collectives in different orders or counts; make every rank call the same "
                     "sequence",
@@ -167,50 +170,15 @@ void Transport::check_collective_frame(Pair& pair, const FrameHeader& h) {
 
 void Transport::compare_signature(Pair& pair, const FrameHeader& h, const Signature& s,
                                   bool finished) const {
-  const std::string op = op_kind_name(s.kind);
   const std::string opno = "op #" + std::to_string(h.seq);
-  auto mismatch = [&](const std::string& what) {
-    throw_error(ErrorKind::kMismatch, "[" + op + "] " + what, pair.peer_rank(), pair.peer_addr());
-  };
-  if (finished) {
-    mismatch(pair.who() + " sent more data for " + opno +
-             ", which this rank has already finished; likely cause: ranks disagree on the "
-             "collective's arguments; every rank must call it with the same ones");
-  }
-  if (h.kind != s.kind) {
-    mismatch("collective mismatch with " + pair.who() + ": it runs " + op_kind_name(h.kind) +
-             " as " + opno + ", this rank runs " + op +
-             "; every rank must call the same collectives in the same order");
-  }
-  if (h.op_bytes != s.op_bytes) {
-    mismatch("size mismatch with " + pair.who() + ": it sent " + std::to_string(h.op_bytes) +
-             " bytes for " + opno + ", this rank expects " + std::to_string(s.op_bytes) +
-             "; every rank must pass tensors of the same size");
-  }
-  if (h.dtype != s.dtype) {
-    mismatch("dtype mismatch with " + pair.who() + " for " + opno + ": it uses " +
-             dtype_name(static_cast<DType>(h.dtype)) + ", this rank " +
-             dtype_name(static_cast<DType>(s.dtype)) + "; every rank must pass the same dtype");
-  }
-  if (h.redop != s.redop) {
-    mismatch("reduce-op mismatch with " + pair.who() + " for " + opno + ": it uses " +
-             reduce_op_name(static_cast<ReduceOp>(h.redop)) + ", this rank " +
-             reduce_op_name(static_cast<ReduceOp>(s.redop)) +
-             "; every rank must pass the same op");
-  }
-  if (h.flags != s.pieces) {
-    auto how = [](uint32_t p) {
-      return p ? "pipelined by tickets in " + std::to_string(p) + " pieces" : std::string("not pipelined");
-    };
-    mismatch("pipelining mismatch with " + pair.who() + " for " + opno + ": it runs it " +
-             how(h.flags) + ", this rank " + how(s.pieces) +
-             "; every rank must pass tickets alike and use the same MCCL_PIPELINE_BYTES");
-  }
-  if (h.root != s.root) {
-    mismatch("root mismatch with " + pair.who() + " for " + opno + ": it uses root " +
-             std::to_string(h.root) + ", this rank " + std::to_string(s.root) +
-             "; every rank must pass the same root");
-  }
+  std::string why = finished ? pair.who() + " sent more data for " + opno +
+                                   ", which this rank has already finished; likely cause: ranks "
+                                   "disagree on the collective's arguments; every rank must call "
+                                   "it with the same ones"
+                             : rules_->mismatch(s, h.sig, pair.who(), opno);
+  if (why.empty()) return;
+  throw_error(ErrorKind::kMismatch, "[" + rules_->name(s) + "] " + why, pair.peer_rank(),
+              pair.peer_addr());
 }
 
 RequestPtr Transport::wait_next(Deadline deadline, double timeout_s) {
@@ -228,9 +196,9 @@ RequestPtr Transport::wait_next(Deadline deadline, double timeout_s) {
         continue;
       }
       Error e(ErrorKind::kTimeout,
-              std::string("[") + op_kind_name(active_sig_.kind) + "] Timed out after " +
-                  format_seconds(timeout_s) + " s in op #" + std::to_string(active_seq_) + " (" +
-                  std::to_string(active_sig_.op_bytes) + " bytes) waiting for " + waiting +
+              "[" + rules_->name(active_sig_) + "] Timed out after " + format_seconds(timeout_s) +
+                  " s in op #" + std::to_string(active_seq_) + " (" +
+                  rules_->summary(active_sig_) + ") waiting for " + waiting +
                   "; likely cause: that rank is stalled (stopped, deadlocked, overloaded) or did "
                   "not call this collective; check it, or raise the process group timeout",
               peer, peer >= 0 ? addrs_[peer] : "");
@@ -298,7 +266,9 @@ std::unique_ptr<uint8_t[]> Transport::reserve_unexpected(Pair& pair, const Frame
   if (unexpected_bytes_ + h.total > kMaxUnexpectedBytes) {
     throw_error(ErrorKind::kMismatch,
                 "[transport] " + pair.who() + " sent a " + std::to_string(h.total) + "-byte " +
-                    op_kind_name(h.kind) + " message nobody asked for yet, beyond the " +
+                    (h.kind == FrameKind::kCollective ? rules_->name(h.sig)
+                                                      : std::string(frame_kind_name(h.kind))) +
+                    " message nobody asked for yet, beyond the " +
                     std::to_string(kMaxUnexpectedBytes >> 20) +
                     " MiB this rank buffers; likely cause: sends without matching receives, or "
                     "ranks running different collectives; post the matching recv first",
@@ -477,7 +447,7 @@ void Transport::fail(const Error& cause) {
     info.message = remote->original_message();
   }
   FrameHeader h;
-  h.kind = OpKind::kAbort;
+  h.kind = FrameKind::kAbort;
   h.comm_id = comm_id_;
   std::string payload = encode_abort(info);
   h.length = h.total = payload.size();
@@ -512,7 +482,7 @@ void Transport::close_gracefully(Deadline deadline) {
   halt_readers();
   if (!failed_) {
     FrameHeader h;
-    h.kind = OpKind::kBye;
+    h.kind = FrameKind::kBye;
     h.comm_id = comm_id_;
     for (auto& p : pairs_) {
       if (p) p->send_control(h, std::string(), deadline);

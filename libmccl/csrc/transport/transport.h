@@ -45,9 +45,11 @@ class Transport : public PairHost {
   // send_thread: bulk frames are written by a SendThread (else by this thread, in progress).
   // recv_threads: that many RecvThreads read bulk payloads (0: this thread reads all).
   // keys: empty (no frame MACs), or keys[peer] with one FrameKeys per socket of links[peer].
+  // rules: what collective signatures mean (signature.h); null: compared as bytes.
   Transport(int rank, int size, uint64_t comm_id, std::vector<std::vector<Fd>> links,
             std::vector<std::string> addrs, bool send_thread, int recv_threads,
-            const std::vector<std::vector<FrameKeys>>& keys = {});
+            const std::vector<std::vector<FrameKeys>>& keys = {},
+            std::shared_ptr<const SignatureRules> rules = nullptr);
   ~Transport() override;
   Transport(const Transport&) = delete;
   Transport& operator=(const Transport&) = delete;
@@ -64,7 +66,8 @@ class Transport : public PairHost {
   // `elem` bytes) as it arrives, on whichever thread reads it.
   RequestPtr irecv_reduce(int peer, void* buf, size_t n, uint32_t tag, ReduceFn fn, size_t elem,
                           uint64_t cookie = 0);
-  // Frames of collective `seq` are checked against `sig` as they arrive.
+  // Frames of collective `seq` are checked against `sig` (opaque to the transport, judged
+  // by the rules) as they arrive.
   void begin_collective(uint64_t seq, const Signature& sig);
   // How the running collective's algorithm names a tag ("all-gather step 2, segment 5"),
   // for timeout messages.
@@ -119,6 +122,7 @@ class Transport : public PairHost {
                                                 size_t* capacity) override;
   void release_unexpected(std::unique_ptr<uint8_t[]> buf, size_t capacity, size_t bytes) override;
   uint64_t next_arrival() override { return ++arrivals_; }
+  std::string op_name(const Signature& sig) const override { return rules_->name(sig); }
 
  private:
   RequestPtr make_request(bool is_send, int peer, const void* buf, size_t n, const MsgKey& key);
@@ -159,6 +163,7 @@ class Transport : public PairHost {
   const int size_;
   const uint64_t comm_id_;
   std::vector<std::string> addrs_;
+  std::shared_ptr<const SignatureRules> rules_;
   std::vector<std::unique_ptr<Pair>> pairs_;  // null at index rank_
 
   std::deque<RequestPtr> done_q_;
@@ -175,8 +180,8 @@ class Transport : public PairHost {
   bool active_ = false;
   uint64_t active_seq_ = 0;
   uint64_t next_coll_seq_ = 0;  // every collective seq below this one has finished here
-  Signature active_sig_;
-  Signature last_sig_;  // of the collective next_coll_seq_ - 1
+  Signature active_sig_{};
+  Signature last_sig_{};  // of the collective next_coll_seq_ - 1
   Clock::time_point active_start_;
   Deadline grace_until_;  // set once the op deadline passed with only weak evidence
   std::function<std::string(uint32_t)> tag_namer_;

@@ -19,8 +19,6 @@ RequestPtr Transport::send_p2p(int peer, const void* buf, size_t n, uint32_t tag
     check_peer(peer, "send");
     uint64_t seq = p2p_send_seq_[p2p_slot(peer, tag)]++;
     auto req = make_request(true, peer, buf, n, {Channel::kP2P, seq, tag});
-    req->sig.kind = OpKind::kP2P;
-    req->sig.op_bytes = n;
     req->on_done = std::move(on_done);
     pairs_[peer]->post_send(req);
     return req;
@@ -34,13 +32,11 @@ RequestPtr Transport::recv_p2p(int peer, void* buf, size_t n, uint32_t tag, Done
       check_peer(peer, "receive");
       uint64_t seq = p2p_recv_seq_[p2p_slot(peer, tag)]++;
       req = make_request(false, peer, buf, n, {Channel::kP2P, seq, tag});
-      req->sig.kind = OpKind::kP2P;
       req->on_done = std::move(on_done);
       pairs_[peer]->post_recv(req);
       any_source_dirty_ = true;  // the next message of (peer, tag) may now be claimable
     } else {
       req = make_request(false, -1, buf, n, {Channel::kP2P, 0, tag});
-      req->sig.kind = OpKind::kP2P;
       req->on_done = std::move(on_done);
       any_source_[tag].push_back(req);
       any_source_dirty_ = true;

@@ -1,11 +1,11 @@
-#include "ticket.h"
+#include "core/ticket.h"
 
 #include <algorithm>
 #include <cerrno>
 #include <climits>
 #include <thread>
 
-#include "errors.h"
+#include "core/errors.h"
 
 #if defined(__linux__)
 #include <linux/futex.h>

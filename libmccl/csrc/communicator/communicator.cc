@@ -1,10 +1,10 @@
-#include "communicator.h"
+#include "communicator/communicator.h"
 
 #include <algorithm>
 #include <cstdio>
 
 #include "algorithms/algorithms.h"
-#include "reduce.h"
+#include "reduce/reduce.h"
 
 namespace mccl {
 
@@ -78,15 +78,16 @@ MeshSpec Communicator::mesh_spec() const {
   spec.sockets_per_peer = opts_.sockets_per_peer;
   spec.socket_buffer_bytes = opts_.socket_buffer_bytes;
   spec.frame_mac = !frame_keys_.empty();
-  spec.segment_bytes = opts_.segment_bytes;
-  spec.small_allreduce_bytes = opts_.small_allreduce_bytes;
+  spec.terms = terms_of(opts_);
+  spec.rules = rules();
   spec.peer_addrs = addrs_;
   return spec;
 }
 
 void Communicator::start(std::vector<std::vector<Fd>> links) {
   transport_ = std::make_unique<Transport>(rank_, size_, comm_id_, std::move(links), addrs_,
-                                           opts_.send_thread, opts_.recv_threads, frame_keys_);
+                                           opts_.send_thread, opts_.recv_threads, frame_keys_,
+                                           rules());
   worker_ = std::thread([this] { worker_main(); });
   completer_ = std::thread([this] { completion_main(); });
 }
@@ -233,7 +234,7 @@ std::shared_ptr<const Error> Communicator::failure() const {
 }
 
 void Communicator::run_collective(Op& op) {
-  Signature sig;
+  OpSignature sig;
   sig.kind = op.kind;
   const size_t es = dtype_size(op.dtype);
   switch (op.kind) {
@@ -257,7 +258,7 @@ void Communicator::run_collective(Op& op) {
       op.kind == OpKind::kGather || op.kind == OpKind::kScatter) {
     sig.root = op.root;
   }
-  transport_->begin_collective(coll_seq_++, sig);
+  transport_->begin_collective(coll_seq_++, encode_signature(sig));
   Collective c{*transport_, deadline_after(op.timeout_s), op.timeout_s, opts_, scratch_};
   switch (op.kind) {
     case OpKind::kAllreduce:

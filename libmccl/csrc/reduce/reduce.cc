@@ -15,14 +15,14 @@
 // - Float MIN/MAX propagate NaN (like torch.minimum/maximum) and order -0.0 below
 //   +0.0, so the result does not depend on which rank's value arrives first.
 // - Loop bodies stay branch-free (selects are bit blends) so every kernel vectorises.
-#include "reduce.h"
+#include "reduce/reduce.h"
 
 #include <cstring>
 #include <string>
 #include <type_traits>
 
-#include "errors.h"
-#include "reduce_convert.h"
+#include "core/errors.h"
+#include "reduce/reduce_convert.h"
 
 // One binary runs the AVX2 variant where the CPU has it. target_clones needs ifunc
 // support (ELF); elsewhere (Apple arm64) the plain -O3 loop is auto-vectorised for NEON.

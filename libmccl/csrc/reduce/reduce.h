@@ -6,7 +6,7 @@
 #pragma once
 #include <cstddef>
 
-#include "dtype.h"
+#include "core/dtype.h"
 
 namespace mccl {
 

@@ -18,7 +18,7 @@
 #include <memory>
 #include <string>
 
-#include "transport/socket.h"
+#include "core/clock.h"
 
 namespace mccl {
 

@@ -32,11 +32,11 @@
 #include <vector>
 
 #include "algorithms/collective.h"
-#include "dtype.h"
-#include "errors.h"
-#include "options.h"
-#include "ticket.h"
-#include "transport/frame.h"
+#include "core/dtype.h"
+#include "core/errors.h"
+#include "core/options.h"
+#include "core/ticket.h"
+#include "communicator/op_signature.h"
 #include "transport/mesh.h"
 #include "transport/transport.h"
 
@@ -160,6 +160,11 @@ class Communicator {
  private:
   void validate_world() const;
   MeshSpec mesh_spec() const;
+  // What our collectives' signatures and terms mean, for the transport (one for all).
+  static std::shared_ptr<const CollectiveRules> rules() {
+    static const auto r = std::make_shared<const CollectiveRules>();
+    return r;
+  }
   void start(std::vector<std::vector<Fd>> links);
   uint64_t enqueue(Op op);
   void check_root(int root, const char* op) const;

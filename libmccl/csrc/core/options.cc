@@ -1,9 +1,9 @@
-#include "options.h"
+#include "core/options.h"
 
 #include <string>
 
-#include "errors.h"
-#include "transport/socket.h"
+#include "core/clock.h"
+#include "core/errors.h"
 
 namespace mccl {
 

@@ -1,9 +1,9 @@
-#include "reduce_convert.h"
+#include "reduce/reduce_convert.h"
 
 #include <cstdint>
 #include <cstring>
 
-#include "half.h"
+#include "core/half.h"
 
 #if defined(__x86_64__) && defined(__ELF__) && defined(__GNUC__)
 #define MCCL_HAVE_F16C_PATH 1

@@ -1,8 +1,8 @@
 // The public operations of a Communicator: check the arguments in the caller's thread
 // (a bad argument raises ConfigError at once and enqueues nothing, so the other ranks
 // are not left waiting), then describe the op and queue it for the worker.
-#include "communicator.h"
-#include "reduce.h"
+#include "communicator/communicator.h"
+#include "reduce/reduce.h"
 
 namespace mccl {
 

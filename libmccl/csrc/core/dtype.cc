@@ -1,4 +1,4 @@
-#include "dtype.h"
+#include "core/dtype.h"
 
 namespace mccl {
 
