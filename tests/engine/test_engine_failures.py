@@ -400,3 +400,22 @@ def test_ring_timeout_names_the_stalled_rank_and_step():
         assert e.peer_rank == 2, e
         assert "reduce-scatter step 1 of 2, segment" in str(e), e
 
+
+def test_a_late_starting_neighbour_is_not_blamed_for_the_stalled_rank():
+    """Rank 1 waits on rank 0, which begins the op 0.6 s later than rank 1 (a loaded
+    machine) and then waits on rank 2, which never calls. Rank 1's deadline passes first,
+    with only weak evidence against rank 0; it must wait for rank 0's own deadline and
+    verdict, not blame it after a fixed grace shorter than the lag."""
+    with ranks(3, opts=make_options(timeout_s=1.0)) as comms:
+        def body(r, c):
+            if r == 2:
+                time.sleep(2.5)  # never calls the all-reduce
+                return None
+            if r == 0:
+                time.sleep(0.6)
+            a = np.ones(1 << 20, np.float32)  # ring path
+            return expect(c, c.allreduce(ptr(a), a.size, DT[a.dtype], SUM), CollectiveTimeout)
+
+        errs = run_ranks(comms, body)[:2]
+    for e in errs:
+        assert e.peer_rank == 2, e

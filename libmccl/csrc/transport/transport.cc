@@ -132,6 +132,7 @@ void Transport::begin_collective(uint64_t seq, const Signature& sig) {
     active_sig_ = sig;
     active_start_ = Clock::now();
     grace_until_ = Deadline();
+    first_heard_.assign(size_, Clock::time_point::max());
     tag_namer_ = nullptr;
     done_q_.clear();
     // Frames of this op that arrived before it started were only buffered: check them now.
@@ -153,6 +154,8 @@ void Transport::end_collective() {
 void Transport::check_collective_frame(Pair& pair, const FrameHeader& h) {
   if (active_ && h.seq == active_seq_) {
     compare_signature(pair, h, active_sig_);
+    Clock::time_point& first = first_heard_[pair.peer_rank()];
+    if (first == Clock::time_point::max()) first = Clock::now();
   } else if (next_coll_seq_ > 0 && h.seq == next_coll_seq_ - 1) {
     // A send-only op (a broadcast root) may finish before the disagreement shows.
     compare_signature(pair, h, last_sig_);
@@ -191,8 +194,19 @@ RequestPtr Transport::wait_next(Deadline deadline, double timeout_s) {
       std::string waiting = describe_stall(Channel::kCollective, &peer, &sure);
       if (!sure && grace_until_ == Deadline()) {
         // The awaited peer did send us data in this op, so it may itself be waiting on
-        // the culprit. Give a rank with firmer evidence a moment to say who (ABORT).
-        grace_until_ = deadline_after(std::min(std::max(0.25 * timeout_s, 0.2), 5.0));
+        // the culprit. Give a rank with firmer evidence a moment to say who (ABORT):
+        // until that peer's own deadline has passed (it may have begun the op later
+        // than we did: under load by more than the margin), then the margin for its word
+        // to arrive; never more than one more timeout.
+        const auto margin = std::chrono::duration_cast<Clock::duration>(
+            std::chrono::duration<double>(std::min(std::max(0.25 * timeout_s, 0.2), 5.0)));
+        Deadline theirs = now;
+        if (peer >= 0 && first_heard_.size() == static_cast<size_t>(size_) &&
+            first_heard_[peer] != Clock::time_point::max()) {
+          theirs = std::max(now, first_heard_[peer] + std::chrono::duration_cast<Clock::duration>(
+                                                          std::chrono::duration<double>(timeout_s)));
+        }
+        grace_until_ = std::min(theirs + margin, deadline_after(timeout_s));
         continue;
       }
       Error e(ErrorKind::kTimeout,

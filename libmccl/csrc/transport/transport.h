@@ -184,6 +184,9 @@ class Transport : public PairHost {
   Signature last_sig_{};  // of the collective next_coll_seq_ - 1
   Clock::time_point active_start_;
   Deadline grace_until_;  // set once the op deadline passed with only weak evidence
+  // When each peer's first frame of the running collective arrived (max: none yet): that
+  // peer began the op no later, so its own deadline is no later than this + the timeout.
+  std::vector<Clock::time_point> first_heard_;
   std::function<std::string(uint32_t)> tag_namer_;
 
   std::unordered_map<uint64_t, uint64_t> p2p_send_seq_;  // (peer, tag) -> next seq
