@@ -518,8 +518,9 @@ class Daemon:
 
     def _on_harvest(self, snapshot: dict[str, Any], changed: bool) -> None:
         self._stat("set_harvest", snapshot)
-        if changed and self.advertiser is not None:
-            self.advertiser.set_harvest(snapshot["state"])
+        advertiser = self.advertiser   # read once: stop() may clear it (set_harvest re-announces on change only)
+        if advertiser is not None:
+            advertiser.set_harvest(snapshot["state"])
 
     def poll_traffic(self, job: Job) -> None:
         engine = job.engine
