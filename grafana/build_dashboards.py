@@ -147,12 +147,52 @@ def fleet() -> dict:
             (f"sum by (instance) (mccl_peer_up{{{INST}}}) {HOSTNAME}", "{{hostname}} up"),
             (f"count by (instance) (mccl_peer_up{{{INST}}}) {HOSTNAME}", "{{hostname}} known")],
             unit="short", description="Links each daemon has up, out of the peers it knows"),
+        *harvest_panels(L),
     ]
     variables = [datasource_var(),
                  query_var("scrape_job", "Scrape job", "label_values(mccl_build_info, job)", False),
                  query_var("instance", "Host", "label_values(mccl_build_info, instance)")]
     return dashboard("mccl-fleet", "MCCL fleet", panels, variables,
                      "Every MCCL daemon of the fleet: health, bandwidth, latency, overlap, errors")
+
+
+def harvest_panels(L: Layout) -> list[dict]:
+    """What the fleet can borrow from hosts whose users left them (docs/harvesting.md)."""
+    # 1 on a host whose user left it to the fleet (idle or leased), 0 elsewhere: multiplying by it
+    # keeps every host in the sum, so an all-busy fleet reads 0, not "no data".
+    harvested = f'sum by (instance) (mccl_harvest_state{{state=~"idle|leased", {INST}}})'
+    state_code = (f'(max by (instance) (mccl_harvest_state{{state="idle", {INST}}}) '
+                  f'+ 2 * max by (instance) (mccl_harvest_state{{state="leased", {INST}}}) '
+                  f'+ 3 * max by (instance) (mccl_harvest_state{{state="draining", {INST}}}))')
+    return [
+        panel(L, "stat", "Hosts by harvest state", [
+            (f"sum by (state) (mccl_harvest_state{{{INST}}})", "{{state}}")], w=6, h=5, instant=True,
+            description="busy: the user is there; idle: harvestable, free; leased: harvestable, running a "
+                        "job; draining: the user came back, the job finishes"),
+        panel(L, "stat", "Harvestable now", [
+            (f"sum({harvested})", "hosts"),
+            (f"sum(mccl_host_cpu_cores{{{INST}}} * on (instance) {harvested})", "cores")],
+            w=6, h=5, instant=True, description="Hosts idle or leased, and their CPU cores (`mcclctl capacity`)"),
+        panel(L, "stat", "Harvestable memory", [
+            (f"sum(mccl_host_memory_bytes{{{INST}}} * on (instance) {harvested})", "memory")],
+            unit="bytes", w=6, h=5, instant=True),
+        panel(L, "bargauge", "Harvestable hours per night", [
+            (f"max by (instance) (mccl_harvestable_seconds_per_night{{{INST}}}) / 3600 {HOSTNAME}",
+             "{{hostname}}")], unit="h", w=6, h=5, instant=True,
+            description="Mean hours per night (noon to noon) each host was idle or leased, over the last "
+                        "complete nights of its history (at most 7)"),
+        panel(L, "state-timeline", "Harvest state", [
+            (f"{state_code} {HOSTNAME}", "{{hostname}}")], w=24, h=5,
+            extra={"fieldConfig": {"defaults": {"unit": "short", "mappings": [
+                {"type": "value", "options": {"0": {"text": "busy", "color": "blue"},
+                                              "1": {"text": "idle", "color": "green"},
+                                              "2": {"text": "leased", "color": "purple"},
+                                              "3": {"text": "draining", "color": "orange"}}}]},
+                "overrides": []}}),
+        panel(L, "timeseries", "Time since user input", [
+            (f"max by (instance) (mccl_host_idle_seconds{{{INST}}}) {HOSTNAME}", "{{hostname}}")],
+            unit="s", w=24, description="A host becomes idle after MCCL_IDLE_AFTER seconds without input"),
+    ]
 
 
 def job() -> dict:

@@ -87,6 +87,39 @@ class DaemonConfig:
     client_check_s: float = setting(
         "MCCL_CLIENT_CHECK_INTERVAL", 0.25, "seconds",
         "how often the daemon checks that its attached processes are still alive")
+    idle_after_s: float = setting(
+        "MCCL_IDLE_AFTER", 900.0, "seconds",
+        "harvesting: this long without user input makes the host idle, so jobs may lease it; any input ends it "
+        "(docs/harvesting.md)")
+    harvest_hours: str = setting(
+        "MCCL_HARVEST_HOURS", "", "hours",
+        "harvesting: local hours in which an idle host may be harvested, START-END on the 24 h clock "
+        "(22-7 wraps midnight); empty: any hour")
+    harvest_require_ac: bool = setting(
+        "MCCL_HARVEST_REQUIRE_AC", True, "bool",
+        "harvesting: a laptop on battery is never idle (where the power source is detectable)")
+    activity_file: str = setting(
+        "MCCL_ACTIVITY_FILE", "", "path",
+        "harvesting: a file whose modification time counts as user input, besides the OS's own idle time "
+        "(touch it from a login hook or a script); empty: none")
+    harvest_poll_s: float = setting(
+        "MCCL_HARVEST_POLL", 5.0, "seconds",
+        "harvesting: how often the daemon samples user activity and re-evaluates the harvest state")
+
+    def harvest_window(self) -> tuple[int, int] | None:
+        """MCCL_HARVEST_HOURS as (start hour, end hour), end exclusive; None: any hour."""
+        text = self.harvest_hours.strip()
+        if not text:
+            return None
+        start, sep, end = text.partition("-")
+        try:
+            window = (int(start), int(end))
+        except ValueError:
+            window = None
+        if not sep or window is None or not all(0 <= h <= 23 for h in window) or window[0] == window[1]:
+            raise ConfigError(f"[config] MCCL_HARVEST_HOURS={self.harvest_hours!r} is not START-END with two "
+                              "different hours 0-23 (e.g. 22-7 for 22:00 to 07:00); fix or unset it")
+        return window
 
     def validate(self) -> None:
         for env, port in (("MCCL_PORT", self.port), ("MCCL_STATUS_PORT", self.status_port),
@@ -102,6 +135,9 @@ class DaemonConfig:
                  self.max_attached_per_process, "must be at least 1")
         _require(self.client_check_s > 0, "MCCL_CLIENT_CHECK_INTERVAL", self.client_check_s,
                  "must be positive")
+        _require(self.idle_after_s > 0, "MCCL_IDLE_AFTER", self.idle_after_s, "must be positive")
+        _require(self.harvest_poll_s > 0, "MCCL_HARVEST_POLL", self.harvest_poll_s, "must be positive")
+        self.harvest_window()
         _require(bool(self.fleet) and all(c.isalnum() or c in "-_." for c in self.fleet),
                  "MCCL_FLEET", self.fleet, "use letters, digits, '-', '_' or '.'")
 

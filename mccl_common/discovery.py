@@ -2,18 +2,18 @@
 mDNS (python-zeroconf) and keeps a live table of the daemons of its fleet.
 
 TXT record: fleet, proto, host (id), addrs, cores, mem (bytes), device, state
-(idle/training), ver, sport / mport (status and metrics ports; 0: disabled). Records carry MCCL_MDNS_TTL; a host that vanishes without a
-goodbye packet drops out of every table when its records expire.
+(idle/training: whether a job runs on the daemon), harvest (busy/idle/leased/draining:
+whether the host's user left it to the fleet, docs/harvesting.md; empty: a daemon that
+predates harvesting), ver, sport / mport (status and metrics ports; 0: disabled).
+Records carry MCCL_MDNS_TTL; a host that vanishes without a goodbye packet drops out of
+every table when its records expire.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import platform
 import queue
 import socket
-import sys
 import threading
 import time
 from typing import Any, Callable
@@ -21,6 +21,7 @@ from typing import Any, Callable
 from zeroconf import IPVersion, ServiceBrowser, ServiceInfo, ServiceStateChange, Zeroconf
 
 from .errors import MCCLError
+from .hostinfo import cpu_cores, device_kind, memory_bytes
 
 from . import PROTO_VERSION, __version__
 
@@ -28,19 +29,6 @@ log = logging.getLogger(__name__)
 
 SERVICE_TYPE = "_mccl._tcp.local."
 _RESOLVE_TIMEOUT_MS = 3000
-
-
-def _memory_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
-def device_kind() -> str:
-    if sys.platform == "darwin" and platform.machine() == "arm64":
-        return "apple-silicon"
-    return f"cpu-{platform.machine() or 'unknown'}"
 
 
 def _entry(info: ServiceInfo) -> dict[str, Any] | None:
@@ -58,7 +46,8 @@ def _entry(info: ServiceInfo) -> dict[str, Any] | None:
         "host_id": props["host"], "fleet": props["fleet"], "proto": num("proto"),
         "addresses": [a for a in props.get("addrs", "").split(",") if a] or info.parsed_addresses(),
         "port": info.port, "cores": num("cores"), "memory": num("mem"), "device": props.get("device", ""),
-        "state": props.get("state", ""), "version": props.get("ver", ""), "name": info.name,
+        "state": props.get("state", ""), "harvest": props.get("harvest", ""),
+        "version": props.get("ver", ""), "name": info.name,
         "status_port": num("sport"), "metrics_port": num("mport"),
         "seen_at": time.time(),
     }
@@ -172,13 +161,14 @@ class Advertiser:
         self._sport, self._mport = status_port, metrics_port
         self._fleet, self._host_id, self._addr, self._port, self._ttl = fleet, host_id, addr, port, ttl_s
         self._state = "idle"
+        self._harvest = "busy"
         self._info: ServiceInfo | None = None
         self._lock = threading.Lock()
 
     def _make_info(self) -> ServiceInfo:
         props = {"fleet": self._fleet, "proto": str(PROTO_VERSION), "host": self._host_id, "addrs": self._addr,
-                 "cores": str(os.cpu_count() or 0), "mem": str(_memory_bytes()), "device": device_kind(),
-                 "state": self._state, "ver": __version__, "sport": str(self._sport),
+                 "cores": str(cpu_cores()), "mem": str(memory_bytes()), "device": device_kind(),
+                 "state": self._state, "harvest": self._harvest, "ver": __version__, "sport": str(self._sport),
                  "mport": str(self._mport)}
         return ServiceInfo(SERVICE_TYPE, f"{self._host_id}.{SERVICE_TYPE}",
                            addresses=[socket.inet_aton(self._addr)], port=self._port, properties=props,
@@ -195,10 +185,16 @@ class Advertiser:
         log.info("advertising %s on mDNS (%s:%d, fleet %s)", self._host_id, self._addr, self._port, self._fleet)
 
     def set_state(self, state: str) -> None:
+        self._update("_state", state)
+
+    def set_harvest(self, harvest: str) -> None:
+        self._update("_harvest", harvest)
+
+    def _update(self, attr: str, value: str) -> None:
         with self._lock:
-            if self._info is None or state == self._state:
+            if self._info is None or getattr(self, attr) == value:
                 return
-            self._state = state
+            setattr(self, attr, value)
             self._info = self._make_info()
             try:
                 self._zc.update_service(self._info)

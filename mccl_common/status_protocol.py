@@ -31,9 +31,14 @@ DEFAULT_PORT = 29651
 MAX_LINE = 4 << 20           # a status answer of a large fleet fits easily
 IO_TIMEOUT_S = 10.0          # per read/write on a server connection
 
-READ_METHODS = ("status", "links", "jobs", "linktest_result")
+READ_METHODS = ("status", "links", "jobs", "linktest_result", "capacity")
 WRITE_METHODS = ("linktest",)
 SINK = "linktest_sink"       # internal: the far end of another daemon's linktest
+
+# Harvest states of a host (docs/harvesting.md), in the order a harvested night passes them.
+HARVEST_STATES = ("busy", "idle", "leased", "draining")
+# The states in which the host's user has left it to the fleet: what "harvestable" counts.
+HARVESTED_STATES = ("idle", "leased")
 
 
 def mac(key: bytes, tag: str, *parts: str) -> str:

@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
     common(sub.add_parser("links", help="per-peer links: sockets, bytes, goodput, retransmits"))
     common(sub.add_parser("jobs", help="jobs and ranks attached to each daemon"))
+    common(sub.add_parser("capacity", help="harvestable hosts now (cores, memory, devices) and hours "
+                                           "harvestable per night from each daemon's history"))
     lt = common(sub.add_parser("linktest", help="measure TCP goodput A -> B; A records it as the "
                                                 "link's ceiling"), hosts=False)
     lt.add_argument("a", help="measuring daemon: mDNS host id or host[:status port]")
@@ -51,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     from . import commands, doctor, prometheus_sd
     handlers = {"status": commands.cmd_status, "links": commands.cmd_links, "jobs": commands.cmd_jobs,
+                "capacity": commands.cmd_capacity,
                 "linktest": commands.cmd_linktest, "doctor": doctor.cmd_doctor,
                 "prometheus-sd": prometheus_sd.cmd_prometheus_sd}
     if args.command == "prometheus-sd" and args.fleet is None:

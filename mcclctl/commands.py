@@ -1,4 +1,4 @@
-"""status, links, jobs, linktest: find the daemons, fetch, hand the data to a formatter."""
+"""status, links, jobs, linktest, capacity: find the daemons, fetch, hand the data to a formatter."""
 
 from __future__ import annotations
 
@@ -103,6 +103,20 @@ def cmd_links(args) -> int:
 
 def cmd_jobs(args) -> int:
     return _per_host(args, "jobs", "jobs", fmt.jobs_table)
+
+
+def cmd_capacity(args) -> int:
+    replies = fetch(find_targets(args), load_key(args.key_file), "capacity", timeout_s=args.timeout)
+    if args.json:
+        caps = [r.result for r in replies if r.result is not None]
+        print(fmt.to_json({"mcclctl_version": MCCL_VERSION, "harvestable": fmt.harvestable_totals(caps),
+                           "daemons": [{"target": r.target.status_addr, "host": r.target.host,
+                                        "capacity": r.result, "error": r.error} for r in replies],
+                           "warnings": version_mismatches(replies)}))
+    else:
+        print(fmt.capacity_table([(r.target.host, r.result, r.error) for r in replies], time.time(),
+                                 version_mismatches(replies)))
+    return _rc(replies)
 
 
 def cmd_linktest(args) -> int:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, Iterable, Sequence
 
+from mccl_common.status_protocol import HARVESTED_STATES
+
 NA = "-"
 
 
@@ -65,14 +67,14 @@ def to_json(data: Any) -> str:
 
 # ---- status --------------------------------------------------------------------------
 
-STATUS_HEADERS = ("HOST", "ADDRESS", "VERSION", "STATE", "JOBS/RANKS", "LINKS", "TX", "RX",
+STATUS_HEADERS = ("HOST", "ADDRESS", "VERSION", "STATE", "HARVEST", "JOBS/RANKS", "LINKS", "TX", "RX",
                   "LAST ERROR", "UPTIME")
 
 
 def status_row(host: str, status: dict | None, error: str | None, our_version: str) -> list[str]:
     """One row of ``mcclctl status``; an unreachable daemon still gets its row."""
     if status is None:
-        return [host, NA, NA, "unreachable", NA, NA, NA, NA, truncate(error, 60), NA]
+        return [host, NA, NA, "unreachable", NA, NA, NA, NA, NA, truncate(error, 60), NA]
     jobs = status.get("jobs") or []
     ranks = sum(len(j.get("ranks") or []) for j in jobs)
     version = status.get("version") or NA
@@ -83,6 +85,7 @@ def status_row(host: str, status: dict | None, error: str | None, our_version: s
         status.get("address") or NA,
         version,
         status.get("state") or NA,
+        (status.get("harvest") or {}).get("state") or NA,
         f"{len(jobs)}/{ranks}",
         f"{status.get('links_up', 0)}/{status.get('links_total', 0)}",
         human_bits_rate(_bits(status.get("tx_bytes_per_s"))),
@@ -171,6 +174,59 @@ def job_rows(host: str, jobs: list[dict]) -> list[list[str]]:
 
 def jobs_table(per_host: list[tuple[str, list[dict] | None, str | None]]) -> str:
     return _per_host_table(JOB_HEADERS, per_host, job_rows, "no jobs")
+
+
+# ---- capacity --------------------------------------------------------------------------
+
+CAPACITY_HEADERS = ("HOST", "HARVEST", "FOR", "USER IDLE", "CORES", "MEMORY", "DEVICE", "HOURS/NIGHT",
+                    "NIGHTS", "WHY")
+
+
+def capacity_row(host: str, cap: dict | None, error: str | None, now: float) -> list[str]:
+    """One row of ``mcclctl capacity``; ``now`` (epoch s) dates the state's start."""
+    if cap is None:
+        return [host, "unreachable", NA, NA, NA, NA, NA, NA, NA, truncate(error, 60)]
+    h = cap.get("harvest") or {}
+    per_night = h.get("harvestable_s_per_night")
+    since = h.get("since")
+    return [
+        cap.get("host") or host,
+        h.get("state") or NA,
+        NA if since is None else human_duration(max(0.0, now - since)),
+        human_duration(h.get("idle_s")),
+        NA if cap.get("cores") is None else str(cap["cores"]),
+        human_bytes(cap.get("memory_bytes")),
+        cap.get("device") or NA,
+        NA if per_night is None else f"{per_night / 3600:.1f}",
+        str(h.get("nights", 0)),
+        truncate(h.get("reason"), 50),
+    ]
+
+
+def harvestable_totals(caps: Iterable[dict]) -> dict:
+    """What the fleet can lend now: hosts whose user left them (idle or leased), their sum."""
+    hosts, cores, memory, devices = [], 0, 0, {}
+    for cap in caps:
+        if (cap.get("harvest") or {}).get("state") not in HARVESTED_STATES:
+            continue
+        hosts.append(cap.get("host"))
+        cores += int(cap.get("cores") or 0)
+        memory += int(cap.get("memory_bytes") or 0)
+        kind = cap.get("device") or "unknown"
+        devices[kind] = devices.get(kind, 0) + 1
+    return {"hosts": sorted(h for h in hosts if h), "cores": cores, "memory_bytes": memory, "devices": devices}
+
+
+def capacity_table(rows: list[tuple[str, dict | None, str | None]], now: float,
+                   warnings: Sequence[str] = ()) -> str:
+    text = table(CAPACITY_HEADERS, [capacity_row(h, c, e, now) for h, c, e in rows])
+    t = harvestable_totals(c for _, c, _ in rows if c is not None)
+    devices = ", ".join(f"{n} x {kind}" for kind, n in sorted(t["devices"].items())) or "none"
+    text += (f"\nharvestable now: {len(t['hosts'])} of {len(rows)} hosts, {t['cores']} cores, "
+             f"{human_bytes(t['memory_bytes'])} memory; devices: {devices}")
+    if warnings:
+        text += "\n" + "\n".join(f"warning: {w}" for w in warnings)
+    return text
 
 
 # ---- linktest, doctor ------------------------------------------------------------------

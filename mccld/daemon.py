@@ -21,12 +21,14 @@ from mccl_common import PROTO_VERSION, __version__, shm
 from mccl_common import attach_protocol as protocol
 from mccl_common.daemon_settings import DaemonConfig, runtime_dir
 from mccl_common.errors import AbortedError, ConfigError, MCCLError, ProtocolError
+from mccl_common.hostinfo import host_facts
 from mccl_common.netif import choose_address
 from mccl_common.settings import EngineConfig, load
 
 from .attach import AttachServer
 from .datalinks import DataLinks
 from .gate import Gate
+from .harvest import Harvester
 from .jobs import Job
 from .links import LinkManager
 from .reduce import ReducePool
@@ -76,6 +78,8 @@ class Daemon:
         self.stats = None
         self.fleet = None
         self.advertiser = None
+        self.harvester: Harvester | None = None
+        self._running_jobs = 0              # last count the harvester was told about
         self._servers: list[Any] = []
         self.jobs: dict[str, Job] = {}
         self.clients: dict[bytes, dict[str, Any]] = {}   # ident -> {pid, memberships: {(job, rank)}}
@@ -105,6 +109,7 @@ class Daemon:
             stats_mod = _optional("mccld.stats")
             self.stats = stats_mod.DaemonStats() if stats_mod else None
             self._stat("set_state", "idle")
+            self.harvester = Harvester(cfg, self.runtime_dir, self._count_running_jobs, self._on_harvest).start()
             self.pool = ReducePool()
             self.links = LinkManager(key, cfg.fleet, self.host_id, self.addr, cfg.port, cfg.link_timeout_s,
                                      self._on_link_message, self._on_peer, gate=Gate.from_config("link", cfg))
@@ -137,6 +142,9 @@ class Daemon:
             job.free_segments()
         for job in jobs:
             job.close(stopping=True)    # its threads end now, not with the process (an in-process mccld)
+        if self.harvester is not None:
+            self.harvester.stop()
+            self.harvester = None
         for srv in reversed(self._servers):
             try:
                 srv.stop()
@@ -226,6 +234,8 @@ class Daemon:
                                           self.cfg.mdns_ttl_s, status_port=ports.get("StatusServer", 0),
                                           metrics_port=ports.get("MetricsServer", 0))
         self.advertiser.start()
+        if self.harvester is not None:
+            self.advertiser.set_harvest(self.harvester.snapshot()["state"])
 
     def _start_servers(self, key: bytes) -> None:
         if self.stats is None:
@@ -242,7 +252,8 @@ class Daemon:
             status = _optional("mccld.status_server")
             if status is not None:
                 srv = status.StatusServer(self.status_provider, key, self.addr, self.cfg.status_port,
-                                          stats=self.stats, gate=Gate.from_config("status", self.cfg))
+                                          stats=self.stats, gate=Gate.from_config("status", self.cfg),
+                                          capacity=self.capacity_provider)
                 srv.start()
                 self._servers.append(srv)
 
@@ -495,6 +506,21 @@ class Daemon:
         self._stat("set_state", "training" if busy else "idle")
         if self.advertiser is not None:
             self.advertiser.set_state("training" if busy else "idle")
+        running = self._count_running_jobs()
+        if running != self._running_jobs and self.harvester is not None:
+            # A lease starts or ends with its jobs: re-evaluate now, not at the next poll.
+            self._running_jobs = running
+            self.harvester.poke()
+
+    def _count_running_jobs(self) -> int:
+        with self._lock:
+            return sum(1 for j in self.jobs.values() if j.state in ("joining", "ready"))
+
+    def _on_harvest(self, snapshot: dict[str, Any], changed: bool) -> None:
+        self._stat("set_harvest", snapshot)
+        advertiser = self.advertiser   # read once: stop() may clear it (set_harvest re-announces on change only)
+        if advertiser is not None:
+            advertiser.set_harvest(snapshot["state"])
 
     def poll_traffic(self, job: Job) -> None:
         engine = job.engine
@@ -521,6 +547,14 @@ class Daemon:
     def _data_link_status(self) -> list[dict[str, Any]]:
         pool = self.datalinks  # read once: stop() may clear it between a check and a call
         return pool.status() if pool is not None else []
+
+    def capacity_provider(self) -> dict[str, Any]:
+        """What this host offers the fleet and when (``mcclctl capacity``): host facts, the harvest
+        state and its transition history."""
+        harvester = self.harvester   # read once: stop() may clear it
+        if harvester is None:
+            raise MCCLError("[daemon] mccld is stopping; no harvest state to report")
+        return {**host_facts(), "harvest": harvester.snapshot(), "history": harvester.history_records()}
 
     def status_provider(self) -> dict[str, Any]:
         """What only the daemon knows (docs/dev/interfaces.md §4); the status server adds stats."""

@@ -27,6 +27,8 @@ from prometheus_client.registry import Collector
 
 from mccl_common import errors as _errors
 from mccl_common.errors import ConfigError
+from mccl_common.hostinfo import host_facts
+from mccl_common.status_protocol import HARVEST_STATES
 
 from .gate import Gate
 from .stats import STATES, DaemonStats
@@ -58,6 +60,7 @@ class StatsCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         snap = self._stats.snapshot()
         yield from self._host_metrics(snap)
+        yield from self._harvest_metrics(snap.get("harvest"))
         yield from self._collective_metrics(snap)
         yield from self._peer_metrics(snap)
         yield from self._job_metrics(snap)
@@ -122,6 +125,29 @@ class StatsCollector(Collector):
         for kind, n in sorted(counts.items()):
             errors.add_metric([kind], n)
         yield errors
+
+    @staticmethod
+    def _harvest_metrics(harvest: dict | None) -> Iterable[Metric]:
+        facts = host_facts()
+        yield GaugeMetricFamily("mccl_host_cpu_cores", "CPU cores of this host", value=facts["cores"])
+        yield GaugeMetricFamily("mccl_host_memory_bytes", "Physical memory of this host",
+                                value=facts["memory_bytes"])
+        if harvest is None:   # stats without a harvest monitor (a bare DaemonStats)
+            return
+        state = GaugeMetricFamily("mccl_harvest_state", "1 for the host's harvest state (busy, idle, leased, "
+                                  "draining), 0 for the others", labels=["state"])
+        for name in HARVEST_STATES:
+            state.add_metric([name], 1.0 if harvest["state"] == name else 0.0)
+        yield state
+        if harvest.get("idle_s") is not None:
+            yield GaugeMetricFamily("mccl_host_idle_seconds", "Seconds since the last user input on this host",
+                                    value=harvest["idle_s"])
+        yield GaugeMetricFamily("mccl_harvest_nights", "Complete nights (noon to noon) of harvest history that "
+                                "mccl_harvestable_seconds_per_night averages", value=harvest.get("nights") or 0)
+        if harvest.get("harvestable_s_per_night") is not None:
+            yield GaugeMetricFamily("mccl_harvestable_seconds_per_night", "Mean seconds per night (noon to "
+                                    "noon) the host was idle or leased, over the recent nights",
+                                    value=harvest["harvestable_s_per_night"])
 
     def _collective_metrics(self, snap: dict) -> Iterable[Metric]:
         bounds = [_fmt_bound(b) for b in snap["duration_buckets_s"]] + ["+Inf"]

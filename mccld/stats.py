@@ -15,6 +15,8 @@ import time
 from collections import deque
 from typing import Any
 
+from mccl_common.status_protocol import HARVEST_STATES
+
 from . import __version__
 
 # Upper bounds (seconds) of the collective duration histogram. Fixed, so that
@@ -146,6 +148,7 @@ class DaemonStats:
         self._jobs: dict[str, _Job] = {}
         self._attached = 0
         self._state = "idle"
+        self._harvest: dict[str, Any] | None = None   # None: no harvest monitor feeds these stats
         self._version = mccl_version()
 
     # ---- writers (hot path) -------------------------------------------------------
@@ -266,6 +269,14 @@ class DaemonStats:
         with self._lock:
             self._state = state
 
+    def set_harvest(self, harvest: dict[str, Any]) -> None:
+        """The harvest monitor's latest snapshot (harvest.py): its state must be a known one."""
+        if harvest.get("state") not in HARVEST_STATES:
+            raise ValueError(f"[stats] unknown harvest state {harvest.get('state')!r}; "
+                             f"expected one of {HARVEST_STATES}")
+        with self._lock:
+            self._harvest = dict(harvest)
+
     def forget_peer(self, peer: str) -> None:
         """Drop a peer that left the fleet for good (its series disappear)."""
         with self._lock:
@@ -313,6 +324,7 @@ class DaemonStats:
                 "start_time": self._start_wall,
                 "uptime_s": now - self._start_mono,
                 "state": self._state,
+                "harvest": dict(self._harvest) if self._harvest is not None else None,
                 "attached": self._attached,
                 "duration_buckets_s": list(DURATION_BUCKETS_S),
                 "collectives": collectives,

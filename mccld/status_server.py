@@ -89,8 +89,9 @@ def merge_status(daemon: dict, snap: dict | None, tcp_text: str | None = None,
     out.setdefault("links_total", sum(1 for link in links if link.get("up") is not None))
     out.setdefault("tx_bytes_per_s", sum(link.get("tx_bytes_per_s") or 0.0 for link in links))
     out.setdefault("rx_bytes_per_s", sum(link.get("rx_bytes_per_s") or 0.0 for link in links))
-    for key, skey in (("version", "version"), ("state", "state"), ("uptime_s", "uptime_s"),
-                      ("start_time", "start_time"), ("attached", "attached"), ("errors", "errors")):
+    for key, skey in (("version", "version"), ("state", "state"), ("harvest", "harvest"),
+                      ("uptime_s", "uptime_s"), ("start_time", "start_time"), ("attached", "attached"),
+                      ("errors", "errors")):
         if skey in snap:
             out.setdefault(key, snap[skey])
     out.setdefault("version", mccl_version())
@@ -120,7 +121,8 @@ class StatusServer:
 
     def __init__(self, provider: Callable[[], dict], key: bytes, addr: str = "0.0.0.0",
                  port: int = 29651, stats: DaemonStats | None = None,
-                 record_ceiling: Callable[[str, float], None] | None = None, gate: Gate | None = None) -> None:
+                 record_ceiling: Callable[[str, float], None] | None = None, gate: Gate | None = None,
+                 capacity: Callable[[], dict] | None = None) -> None:
         if not key:
             raise ConfigError("[status] no fleet key for the status endpoint; set MCCL_KEY_FILE")
         self._provider = provider
@@ -129,6 +131,7 @@ class StatusServer:
         self._port = port
         self._stats = stats
         self._record_ceiling = record_ceiling or (stats.set_link_ceiling if stats else None)
+        self._capacity = capacity    # the daemon's host facts, harvest state and its history
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -274,6 +277,12 @@ class StatusServer:
                     "version": status.get("version"), method: status.get(method, [])}
         if method == "linktest_result":
             return self.linktest_results()
+        if method == "capacity":
+            if self._capacity is None:
+                raise ConfigError("[status] this daemon keeps no harvest state; capacity is unavailable here")
+            status = self._provider()
+            return {"host": status.get("host"), "address": status.get("address"),
+                    "version": status.get("version") or mccl_version(), **self._capacity()}
         if method == "linktest":
             return self._run_linktest(args)
         raise ProtocolError(f"[status] unknown method {method!r}; this endpoint answers "

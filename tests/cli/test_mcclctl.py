@@ -35,12 +35,14 @@ def test_status_row_fields_and_version_flag():
     status = {"host": "mac1", "address": "10.0.0.1:29650", "version": "0.0.9", "state": "training",
               "jobs": [{"job": "j", "ranks": [0, 1]}, {"job": "k", "ranks": [2]}],
               "links_up": 2, "links_total": 3, "tx_bytes_per_s": 1.25e9, "rx_bytes_per_s": 0.0,
-              "last_error": None, "uptime_s": 3700}
+              "last_error": None, "uptime_s": 3700, "harvest": {"state": "leased", "idle_s": 4000}}
     row = fmt.status_row("mac1", status, None, our_version="0.1.0")
-    assert row == ["mac1", "10.0.0.1:29650", "0.0.9 (!)", "training", "2/3", "2/3",
+    assert row == ["mac1", "10.0.0.1:29650", "0.0.9 (!)", "training", "leased", "2/3", "2/3",
                    "10.00 Gbit/s", "0 bit/s", "-", "1h 1m"]
+    assert fmt.status_row("mac1", {**status, "harvest": None}, None, "0.1.0")[4] == "-"   # an older mccld
     down = fmt.status_row("mac9", None, "DaemonUnavailableError: refused", "0.1.0")
-    assert down[0] == "mac9" and down[3] == "unreachable" and "refused" in down[8]
+    assert down[0] == "mac9" and down[3] == "unreachable" and "refused" in down[9]
+    assert len(down) == len(fmt.STATUS_HEADERS)
     text = fmt.status_table([("mac1", status, None)], "0.1.0", ["mac1 runs mccld 0.0.9"])
     lines = text.splitlines()
     assert lines[0].split()[:3] == ["HOST", "ADDRESS", "VERSION"]
@@ -63,6 +65,30 @@ def test_links_and_jobs_tables():
              "overlap": {"0": 0.5, "1": 0.7}}]
     assert fmt.job_rows("mac1", jobs) == [["mac1", "train", "0,1", "4", "10", "1.0 MiB", "0.60"]]
     assert fmt.jobs_table([]) == "no jobs"
+
+
+def capacity(host, state, cores=8, per_night=None, nights=0, device="apple-silicon"):
+    return {"host": host, "cores": cores, "memory_bytes": 16 << 30, "device": device,
+            "harvest": {"state": state, "since": 1000.0, "idle_s": 1800.0, "reason": "no user input for 1800 s",
+                        "harvestable_s_per_night": per_night, "nights": nights}, "history": []}
+
+
+@pytest.mark.timeout(10)
+def test_capacity_rows_and_harvestable_totals():
+    row = fmt.capacity_row("mac1", capacity("mac1", "idle", per_night=6.5 * 3600, nights=3), None, now=1090.0)
+    assert row == ["mac1", "idle", "1m 30s", "30m 0s", "8", "16.0 GiB", "apple-silicon", "6.5", "3",
+                   "no user input for 1800 s"]
+    fresh = fmt.capacity_row("mac2", capacity("mac2", "busy"), None, now=1000.0)
+    assert fresh[7] == "-" and fresh[8] == "0"           # no complete night recorded yet
+    assert fmt.capacity_row("mac3", None, "AuthError: bad key", 0.0)[1] == "unreachable"
+    caps = [capacity("mac1", "idle"), capacity("mac2", "leased", cores=10), capacity("mac3", "busy"),
+            capacity("pc1", "draining", device="cpu-x86_64")]
+    assert fmt.harvestable_totals(caps) == {"hosts": ["mac1", "mac2"], "cores": 18, "memory_bytes": 32 << 30,
+                                            "devices": {"apple-silicon": 2}}
+    text = fmt.capacity_table([(c["host"], c, None) for c in caps] + [("mac9", None, "refused")], now=1000.0)
+    assert text.splitlines()[0].split()[:3] == ["HOST", "HARVEST", "FOR"]
+    assert text.splitlines()[-1] == ("harvestable now: 2 of 5 hosts, 18 cores, 32.0 GiB memory; "
+                                     "devices: 2 x apple-silicon")
 
 
 @pytest.mark.timeout(10)
@@ -172,7 +198,7 @@ def test_status_command_json_and_table(fleet_of_two, capsys):
     assert data["mcclctl_version"] == mccl_version() and data["warnings"] == []
     assert main(["status", *hosts]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[1].split()[:4] == ["mac1", "127.0.0.1:29650", mccl_version(), "training"]
+    assert out[1].split()[:5] == ["mac1", "127.0.0.1:29650", mccl_version(), "training", "-"]
     assert out[2].split()[3] == "idle"
 
 
@@ -278,3 +304,26 @@ def test_version_mismatch_is_reported_per_daemon():
     assert version_mismatches([Reply(t, result={}, version=mccl_version())]) == []
     (w,) = version_mismatches([Reply(t, result={}, version="0.0.1"), Reply(t, error="down")])
     assert w.startswith("mac1 runs mccld 0.0.1") and mccl_version() in w
+
+
+@pytest.mark.timeout(30)
+def test_capacity_command_json_and_table(fleet_of_two, tmp_path, capsys):
+    old, _ = fleet_of_two[0]    # a daemon without a harvest state answers with an error, in its row
+    srv = StatusServer(lambda: {"host": "mac5", "address": "127.0.0.5:29650"}, KEY, "127.0.0.1", 0,
+                       capacity=lambda: {k: v for k, v in capacity("mac5", "leased").items() if k != "host"})
+    srv.start()
+    try:
+        hosts = ["--host", f"127.0.0.1:{srv.port}", "--host", f"127.0.0.1:{old.port}"]
+        assert main(["capacity", "--json", *hosts]) == 1
+        data = json.loads(capsys.readouterr().out)
+        assert data["harvestable"] == {"hosts": ["mac5"], "cores": 8, "memory_bytes": 16 << 30,
+                                       "devices": {"apple-silicon": 1}}
+        ok, bad = data["daemons"]
+        assert ok["capacity"]["host"] == "mac5" and ok["capacity"]["harvest"]["state"] == "leased"
+        assert ok["error"] is None and "no harvest state" in bad["error"]
+        assert main(["capacity", *hosts]) == 1
+        out = capsys.readouterr().out.splitlines()
+        assert out[1].split()[:2] == ["mac5", "leased"] and out[2].split()[1] == "unreachable"
+        assert out[-1].startswith("harvestable now: 1 of 2 hosts, 8 cores")
+    finally:
+        srv.stop()

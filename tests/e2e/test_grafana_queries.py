@@ -11,13 +11,18 @@ must equal what the workload counted.
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from support import prometheus as prometheus_util
+from mccl_common.daemon_settings import load_config
+from mccld.harvest import HISTORY_NAME, Harvester, recent_nights
 from mccld.metrics import MetricsServer
 from mccld.stats import DaemonStats
 from mccld.status_server import StatusServer
@@ -108,6 +113,24 @@ class Rank:
         self.last = {"sent": sent, "received": received}
 
 
+def start_harvester(r: Rank, tmp: Path) -> Harvester:
+    """The rank's host harvest state, as a daemon keeps it: rank 0's user left an hour ago (so,
+    with its job, it is leased), rank 1's is there; both have two nights of history."""
+    act = tmp / f"activity{r.rank}"
+    act.touch()
+    if r.rank == 0:
+        os.utime(act, (time.time() - 3600, time.time() - 3600))
+    rdir = tmp / f"rt{r.rank}"
+    rdir.mkdir()
+    (older, _), (newer, _) = reversed(recent_nights(time.time(), 2))
+    history = [(older, "busy"), (older + 10 * 3600, "idle"), (older + 18 * 3600, "busy"),
+               (newer + 11 * 3600, "leased"), (newer + 20 * 3600, "busy")]
+    (rdir / HISTORY_NAME).write_text("".join(json.dumps({"t": t, "state": s}) + "\n" for t, s in history))
+    cfg = load_config(env={"MCCL_FLEET_KEY": KEY.decode(), "MCCL_IDLE_AFTER": "600",
+                           "MCCL_ACTIVITY_FILE": str(act), "MCCL_HARVEST_POLL": "0.5"})
+    return Harvester(cfg, rdir, lambda: 1, lambda snap, _changed: r.stats.set_harvest(snap)).start()
+
+
 def run_ranks(ranks: list[Rank], stop: threading.Event) -> list[threading.Thread]:
     def loop(r: Rank) -> None:
         try:
@@ -130,7 +153,7 @@ def run_ranks(ranks: list[Rank], stop: threading.Event) -> list[threading.Thread
 
 
 @pytest.mark.timeout(240)
-def test_every_dashboard_query_returns_data_and_counters_match_the_workload():
+def test_every_dashboard_query_returns_data_and_counters_match_the_workload(tmp_path):
     assert DASHBOARDS, "no dashboards found in grafana/dashboards"
     listeners = [core.Listener("127.0.0.1", 0) for _ in range(2)]
     peers = [lst.address for lst in listeners]
@@ -148,7 +171,9 @@ def test_every_dashboard_query_returns_data_and_counters_match_the_workload():
     metrics = [MetricsServer(r.stats, "127.0.0.1", 0, host=f"rank{r.rank}") for r in ranks]
     stop = threading.Event()
     workers: list[threading.Thread] = []
+    harvesters: list[Harvester] = []
     try:
+        harvesters = [start_harvester(r, tmp_path) for r in ranks]
         for s in status + metrics:
             s.start()
         from mccld.status_server import query
@@ -175,7 +200,13 @@ def test_every_dashboard_query_returns_data_and_counters_match_the_workload():
                 assert r.error is None, f"rank {r.rank} failed: {r.error!r}"
                 r.flush_traffic()
             check_counters_match(prom, ranks, metrics)
+            harvested = prom.value_when('sum(mccl_harvest_state{state="leased"})', 1.0)
+            assert harvested == 1.0, f"rank 0 should be leased: {harvested}"
+            # Both hosts: night 1 idle 8 h, night 2 leased 9 h.
+            assert prom.value_when("max(mccl_harvestable_seconds_per_night)", 8.5 * 3600) == 8.5 * 3600
     finally:
+        for h in harvesters:
+            h.stop()
         stop.set()
         for t in workers:
             t.join(timeout=OP_TIMEOUT_S + 5)

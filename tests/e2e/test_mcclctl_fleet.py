@@ -129,7 +129,7 @@ def test_status_lists_three_hosts_with_their_states():
             assert table.returncode == 0, table.stderr
             rows = {line.split()[0]: line.split() for line in table.stdout.splitlines()[1:] if line.strip()}
             assert set(rows) == {"host0", "host1", "host2"}, table.stdout
-            assert rows["host1"][3] == "training" and rows["host1"][4] == "1/2", table.stdout
+            assert rows["host1"][3] == "training" and rows["host1"][5] == "1/2", table.stdout
             assert rows["host0"][3] == "idle" and rows["host2"][3] == "idle"
             assert rows["host1"][1] == f"{fleet.hosts[1].addr}:29650"
 
