@@ -160,8 +160,14 @@ class DaemonCommunicator:
         self._wake_addr = f"inproc://mccl-client-{id(self)}"
         att = Attachment(self._rdir, rank, size, self.timeout_s)
         self.endpoint = att.endpoint
+        self._group: int | None = None         # the attach group, when mccld runs as a service user
         try:
             att.connect()
+            self._group = shm.daemon_group(self._rdir)
+            if self._group is not None:
+                # mccld cannot remove our segments from the sticky /dev/shm, so those a killed
+                # process of ours left are ours to free.
+                shm.sweep()
             if fast_bytes:
                 self._fastq = self._open_fast_queue(fast_bytes)
             att.join(store, self._job, {"fast_queue": self._fastq.name, "fast_bytes": fast_bytes}
@@ -185,7 +191,15 @@ class DaemonCommunicator:
         # Generation 0 is the queue's; the data segments count from 1.
         name = shm.segment_name(self._job, self.rank, os.getpid(), 0)
         self._fast_kind = {"allreduce": _core.FAST_ALLREDUCE, "barrier": _core.FAST_BARRIER}
-        return _core.FastQueue(name, slot_bytes, self.rank, self._on_fast_done)
+        q = _core.FastQueue(name, slot_bytes, self.rank, self._on_fast_done)
+        if self._group is not None:
+            try:
+                shm.share(name, self._group)
+            except BaseException:
+                q.unlink()
+                q.close()
+                raise
+        return q
 
     def _close_fast_queue(self) -> None:
         # Let go of the queue too: it is a C++ object holding our callback, a cycle the GC cannot
@@ -405,7 +419,7 @@ class DaemonCommunicator:
         self._gen += 1
         name = shm.segment_name(self._job, self.rank, os.getpid(), self._gen)
         from . import _core  # the engine's ticket views over the segment's header
-        new = shm.Segment(name, size, create=True, ticket_at=_core.Ticket.at)
+        new = shm.Segment(name, size, create=True, ticket_at=_core.Ticket.at, group=self._group)
         self._req += 1
         self._register_reqs.add(self._req)
         self._sock.send(protocol.encode({"type": "register", "req": self._req, "job": self._job,

@@ -7,16 +7,24 @@ file edit).
 
 from __future__ import annotations
 
+import grp
 import os
 import secrets
 import stat
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from .attach_protocol import SOCKET_NAME
 from .errors import ConfigError
 from .settings import _require, load, register, setting
 
 DEFAULT_KEY_FILES = ("/etc/mccl/fleet.key", "~/.config/mccl/fleet.key")
+# Where the packaged service (packaging/) runs its daemon. A client with no MCCL_RUNTIME_DIR
+# falls back to it, so a user in the attach group needs no setting to reach that daemon.
+# macOS clears /var/run at boot and only root may create in it, so the LaunchDaemon's
+# unprivileged user keeps its directory under /usr/local/var instead.
+SERVICE_RUNTIME_DIR = "/usr/local/var/run/mccl" if sys.platform == "darwin" else "/run/mccl"
 
 
 @register
@@ -58,7 +66,14 @@ class DaemonConfig:
         "address the Prometheus /metrics endpoint binds")
     runtime_dir: str = setting(
         "MCCL_RUNTIME_DIR", "", "path",
-        "directory (mode 0700) of the attach socket; empty: /run/mccl, $XDG_RUNTIME_DIR/mccl or /tmp/mccl-<uid>")
+        "directory (mode 0700, 0750 with MCCL_ATTACH_GROUP) of the attach socket; empty: /run/mccl, "
+        "$XDG_RUNTIME_DIR/mccl or /tmp/mccl-<uid>; a client whose own directory holds no daemon also "
+        "tries the service's (/run/mccl, macOS /usr/local/var/run/mccl)")
+    attach_group: str = setting(
+        "MCCL_ATTACH_GROUP", "", "group",
+        "group whose members' processes may attach to this daemon (runtime dir 0750, token 0640 and "
+        "socket 0660 in that group; clients share their segments with it); empty: only this user "
+        "(docs/service.md)")
     allow_wifi: bool = setting(
         "MCCL_ALLOW_WIFI", False, "bool",
         "allow a Wi-Fi interface for links (slow and jittery; off by default)")
@@ -183,8 +198,20 @@ def load_config(path: str | None = None, env: dict | None = None) -> DaemonConfi
     return load(DaemonConfig, env=env, overrides=overrides)
 
 
+def attach_gid(cfg: DaemonConfig) -> int | None:
+    """The gid of MCCL_ATTACH_GROUP; None when the daemon serves its own user only."""
+    if not cfg.attach_group:
+        return None
+    try:
+        return grp.getgrnam(cfg.attach_group).gr_gid
+    except KeyError:
+        raise ConfigError(f"[config] MCCL_ATTACH_GROUP={cfg.attach_group!r} names no group on this host; "
+                          "create it (the packaging/ install scripts do) or unset it") from None
+
+
 def runtime_dir(cfg: DaemonConfig, create: bool) -> Path:
-    """Directory of the attach socket, private to this user (mode 0700)."""
+    """Directory of the attach socket: private to this user (0700), or with MCCL_ATTACH_GROUP
+    searchable by that group (0750) so its members can reach the socket and read the token."""
     if cfg.runtime_dir:
         path = Path(cfg.runtime_dir)
     elif os.geteuid() == 0 and Path("/run").is_dir():
@@ -193,14 +220,26 @@ def runtime_dir(cfg: DaemonConfig, create: bool) -> Path:
         path = Path(os.environ["XDG_RUNTIME_DIR"]) / "mccl"
     else:
         path = Path(f"/tmp/mccl-{os.getuid()}")
-    if create:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = path.stat()
-        if st.st_uid != os.geteuid():
-            raise ConfigError(f"[config] runtime dir {path} belongs to uid {st.st_uid}, not to us "
-                              f"({os.geteuid()}); set MCCL_RUNTIME_DIR to a directory of ours")
-        if stat.S_IMODE(st.st_mode) != 0o700:
-            os.chmod(path, 0o700)
+    if not create:
+        service = Path(SERVICE_RUNTIME_DIR)
+        if not cfg.runtime_dir and not (path / SOCKET_NAME).exists() and (service / SOCKET_NAME).exists():
+            return service
+        return path
+    gid = attach_gid(cfg)
+    mode = 0o700 if gid is None else 0o750
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if st.st_uid != os.geteuid():
+        raise ConfigError(f"[config] runtime dir {path} belongs to uid {st.st_uid}, not to us "
+                          f"({os.geteuid()}); set MCCL_RUNTIME_DIR to a directory of ours")
+    if gid is not None and st.st_gid != gid:
+        try:
+            os.chown(path, -1, gid)
+        except PermissionError:
+            raise ConfigError(f"[config] cannot give runtime dir {path} to group {cfg.attach_group!r}: this "
+                              "user is not a member of it; add it, or unset MCCL_ATTACH_GROUP") from None
+    if stat.S_IMODE(st.st_mode) != mode:
+        os.chmod(path, mode)
     return path
 
 

@@ -84,7 +84,8 @@ class Segment:
     the header's words; this package knows the layout, not the engine, so a caller that
     moves data through the tickets passes it, one that only maps the segment need not."""
 
-    def __init__(self, name: str, nbytes: int, create: bool, ticket_at: Callable[[int], Any] | None = None):
+    def __init__(self, name: str, nbytes: int, create: bool, ticket_at: Callable[[int], Any] | None = None,
+                 group: int | None = None):
         if not SEGMENT_RE.match(name):
             raise ProtocolError(f"[daemon] refused shared-memory segment name {name!r}; "
                                 "expected mccl-<job>-<rank>-<pid>-<gen>")
@@ -99,6 +100,8 @@ class Segment:
                                 "never created it or unlinked it before registering it") from None
         try:
             if create:
+                if group is not None:
+                    _share(fd, name, group)
                 os.ftruncate(fd, HEADER_BYTES + nbytes)
             else:
                 self._fd = fd
@@ -107,6 +110,8 @@ class Segment:
         except BaseException:
             self._fd = -1
             os.close(fd)
+            if create:
+                unlink(name)
             raise
         if create:
             os.close(fd)
@@ -167,11 +172,44 @@ class Segment:
         unlink(self.name)
 
 
+def daemon_group(rdir: Path) -> int | None:
+    """The group a client must share its segments with to reach the daemon serving ``rdir``:
+    None when that daemon runs as this user, else the runtime dir's group (MCCL_ATTACH_GROUP)."""
+    st = rdir.stat()
+    return None if st.st_uid == os.geteuid() else st.st_gid
+
+
+def _share(fd: int, name: str, group: int) -> None:
+    # The creator's mode and primary group would lock out a daemon running as a service user;
+    # the attach group is the one both sides are members of.
+    try:
+        os.fchown(fd, -1, group)
+        os.fchmod(fd, 0o660)
+    except PermissionError:
+        raise ConfigError(f"[daemon] cannot share segment {name} with group {group}, the group of the "
+                          "daemon's runtime dir: this user must be a member of it (the service's "
+                          "MCCL_ATTACH_GROUP)") from None
+
+
+def share(name: str, group: int) -> None:
+    """Give an existing segment of ours (one the engine created) to the attach group."""
+    fd = _posixshmem.shm_open("/" + name, os.O_RDWR, 0o600)
+    try:
+        _share(fd, name, group)
+    finally:
+        os.close(fd)
+
+
 def unlink(name: str) -> bool:
     try:
         _posixshmem.shm_unlink("/" + name)
         return True
     except FileNotFoundError:
+        return False
+    except PermissionError:
+        # A daemon running as a service user cannot remove a client's segment from the sticky
+        # /dev/shm; the client removes its own, and its next attach sweeps those a crash left.
+        log.debug("segment %s belongs to another user; its owner removes it", name)
         return False
 
 

@@ -1,8 +1,9 @@
 """The attach endpoint: a ZeroMQ ROUTER on an ``ipc://`` socket in the runtime dir.
 
-Only processes of this user can reach the socket (the directory is 0700), and a
-client must prove it can read the daemon's token file (0600) in its ``hello`` before
-any other request is served. Malformed or unauthenticated messages get an error reply
+Only processes of this user can reach the socket (the directory is 0700), or with
+MCCL_ATTACH_GROUP those of the group's members too (directory 0750, socket 0660, token
+0640, all in that group), and a client must prove it can read the daemon's token file
+in its ``hello`` before any other request is served. Malformed or unauthenticated messages get an error reply
 and a log line; the server keeps serving.
 
 The ROUTER socket is owned by the server thread. Other threads (job threads finishing
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 import secrets
 import threading
 from pathlib import Path
@@ -35,8 +37,10 @@ Handler = Callable[[bytes, protocol.Request], "dict[str, Any] | None"]
 
 
 class AttachServer:
-    def __init__(self, runtime_dir: Path, handler: Handler, on_disconnect: Callable[[], None] | None = None):
+    def __init__(self, runtime_dir: Path, handler: Handler, on_disconnect: Callable[[], None] | None = None,
+                 group: int | None = None):
         self.runtime_dir = runtime_dir
+        self._group = group
         self.endpoint = protocol.endpoint(runtime_dir)
         self._handler = handler
         self._on_disconnect = on_disconnect or (lambda: None)
@@ -60,14 +64,24 @@ class AttachServer:
             sock_path.unlink()  # a stale socket of a dead daemon (the caller checked none answers)
         token_path = self.runtime_dir / protocol.TOKEN_NAME
         tmp = token_path.with_suffix(".tmp")
-        tmp.write_text(self._token)
-        tmp.chmod(0o600)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            os.fchmod(fd, 0o600)    # a stale .tmp keeps its mode: set it, never trust it
+            if self._group is not None:
+                os.fchown(fd, -1, self._group)
+                os.fchmod(fd, 0o640)
+            fh.write(self._token)
         tmp.replace(token_path)
         self._owns_files = True
         self._thread = threading.Thread(target=self._serve, name="mccld-attach", daemon=True)
         self._thread.start()
         if not self._ready.wait(10.0) or self._start_error is not None:
             raise MCCLError(f"[daemon] attach endpoint {self.endpoint} failed to start: {self._start_error}")
+        if self._group is not None:
+            # Connecting to a unix socket takes write permission on it, which the umask withholds
+            # from the group; the 0750 directory already keeps everyone else out.
+            os.chown(sock_path, -1, self._group)
+            os.chmod(sock_path, 0o660)
         self._push = self._ctx.socket(zmq.PUSH)
         self._push.setsockopt(zmq.LINGER, 0)
         self._push.connect(self._inproc)

@@ -19,7 +19,7 @@ from typing import Any
 
 from mccl_common import PROTO_VERSION, __version__, shm
 from mccl_common import attach_protocol as protocol
-from mccl_common.daemon_settings import DaemonConfig, runtime_dir
+from mccl_common.daemon_settings import DaemonConfig, attach_gid, runtime_dir
 from mccl_common.errors import AbortedError, ConfigError, MCCLError, ProtocolError
 from mccl_common.hostinfo import host_facts
 from mccl_common.netif import choose_address
@@ -121,7 +121,8 @@ class Daemon:
             self._start_discovery()
             # Last: the token file it writes is what clients, mcclctl and tests take for
             # "mccld is up", so every service and thread of the daemon runs by then.
-            self.attach = AttachServer(self.runtime_dir, self._handle, on_disconnect=self._poke.set)
+            self.attach = AttachServer(self.runtime_dir, self._handle, on_disconnect=self._poke.set,
+                                       group=attach_gid(cfg))
             self.attach.start()
         except BaseException:
             self.stop()
