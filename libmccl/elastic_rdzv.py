@@ -50,6 +50,7 @@ BACKEND_NAME = "mccl"
 DEFAULT_PORT = 29400  # torch's c10d rendezvous port: one firewall rule serves either backend
 _CONNECT_ATTEMPT_S = 2.0  # one connect attempt: a LAN answers in milliseconds, a dropped SYN never does
 _CONNECT_RETRY_S = 0.25
+_MIN_KEEP_ALIVE_WINDOW_S = 2.0
 _EMPTY = "mccl-rdzv-empty"  # stored until the first host writes a state; not valid base64 of a pickle
 # torchrun always passes "timeout" (the legacy etcd rendezvous's); the timeouts here have their own keys.
 _IGNORED_KEYS = frozenset({"timeout"})
@@ -108,6 +109,14 @@ class RunOptions:
             except ValueError:
                 raise ConfigError(f"[rendezvous] --rdzv-conf is_host={params.get('is_host')!r} is not a "
                                   "boolean; give 1 on the anchor host, 0 elsewhere, or leave it out") from None
+        window = values["heartbeat_s"] * values["heartbeat_misses"]
+        if window < _MIN_KEEP_ALIVE_WINDOW_S:
+            # A host still joining writes its keep-alive only on torch's join poll, once a second;
+            # a shorter window makes hosts drop each other before any round can form.
+            raise ConfigError(f"[rendezvous] keep-alive window {values['heartbeat_s']:g}s x "
+                              f"{values['heartbeat_misses']} = {window:g}s is under {_MIN_KEEP_ALIVE_WINDOW_S:g}s: "
+                              "joining hosts would drop each other; raise MCCL_RDZV_HEARTBEAT (keep_alive_interval) "
+                              "or MCCL_RDZV_HEARTBEAT_MISSES (keep_alive_max_attempt)")
         unknown = sorted(set(params.config) - set(cls.KEYS) - {"is_host"} - _IGNORED_KEYS)
         if unknown:
             _log.warning("[rendezvous] ignoring --rdzv-conf %s: the mccl backend reads only %s",
@@ -147,8 +156,9 @@ def open_anchor_store(host: str, port: int, serve: bool | None, timeout_s: float
         serve_now = serve
     if serve_now:
         try:
-            return TCPStore(host, port, is_master=True, multi_tenant=True, wait_for_workers=False,
-                            timeout=timeout), True
+            # Not multi-tenant: a second handler in this process must find the port taken and
+            # dial, as one in another process does.
+            return TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout), True
         except (RuntimeError, ValueError, OSError) as exc:
             if serve:
                 raise RendezvousUnreachable(
@@ -258,8 +268,9 @@ class MCCLRendezvousHandler(DynamicRendezvousHandler):
         except RendezvousTimeoutError as exc:
             s = self.settings
             raise RendezvousJoinTimeout(
-                f"[rendezvous] run {s.run_id!r}: {self._joined()} of at least {s.min_nodes} hosts joined within "
-                f"{s.timeout.join.total_seconds():.0f}s, peer={self.anchor} (the anchor); likely cause: torchrun "
+                f"[rendezvous] run {s.run_id!r}: fewer than {s.min_nodes} hosts joined within "
+                f"{s.timeout.join.total_seconds():g}s ({self._others()}), peer={self.anchor} (the anchor); "
+                "likely cause: torchrun "
                 "was not started on the other hosts, or they were given another --rdzv-endpoint or --rdzv-id, "
                 "or lower --nnodes; start them with the same arguments, or raise MCCL_RDZV_JOIN_TIMEOUT "
                 "(join_timeout)", peer_addr=self.anchor) from exc
@@ -273,11 +284,15 @@ class MCCLRendezvousHandler(DynamicRendezvousHandler):
                   time.monotonic() - started, self.anchor, ", served here" if self.serves_anchor else "")
         return info
 
-    def _joined(self) -> str:
-        """How many hosts had joined, from torch's state object when it has the expected shape."""
+    def _others(self) -> str:
+        """Which other hosts had joined, from torch's state object when it has the expected shape."""
         state = getattr(getattr(self, "_state_holder", None), "state", None)
         participants = getattr(state, "participants", None)
-        return str(len(participants)) if isinstance(participants, dict) else "fewer"
+        if not isinstance(participants, dict):
+            return "this one among them"
+        others = sorted(str(getattr(n, "addr", n)) for n in participants if n != self._this_node)
+        return f"this one and {len(others)} other{'s' if len(others) != 1 else ''}" + (
+            f": {', '.join(others[:8])}" if others else "")
 
 
 def create_handler(params: RendezvousParameters) -> MCCLRendezvousHandler:

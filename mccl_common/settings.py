@@ -199,8 +199,9 @@ class RendezvousConfig:
         "interval of each host's keep-alive write to the anchor's store [keep_alive_interval]")
     heartbeat_misses: int = setting(
         "MCCL_RDZV_HEARTBEAT_MISSES", 5, "count",
-        "keep-alives a host may miss before the others drop it from the rendezvous; the hosts' clocks must "
-        "agree to well within MCCL_RDZV_HEARTBEAT x this [keep_alive_max_attempt]")
+        "keep-alives a host may miss before the others drop it from the rendezvous; MCCL_RDZV_HEARTBEAT x this "
+        "must be at least 2 s (joining hosts write theirs once a second), and the hosts' clocks must agree to "
+        "well within it [keep_alive_max_attempt]")
 
     def validate(self) -> None:
         for name, env in (("store_timeout_s", "MCCL_RDZV_STORE_TIMEOUT"), ("join_timeout_s", "MCCL_RDZV_JOIN_TIMEOUT"),
