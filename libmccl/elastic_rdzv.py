@@ -51,6 +51,7 @@ DEFAULT_PORT = 29400  # torch's c10d rendezvous port: one firewall rule serves e
 _CONNECT_ATTEMPT_S = 2.0  # one connect attempt: a LAN answers in milliseconds, a dropped SYN never does
 _CONNECT_RETRY_S = 0.25
 _MIN_KEEP_ALIVE_WINDOW_S = 2.0
+_LINGER_POLL_S = 0.05
 _EMPTY = "mccl-rdzv-empty"  # stored until the first host writes a state; not valid base64 of a pickle
 # torchrun always passes "timeout" (the legacy etcd rendezvous's); the timeouts here have their own keys.
 _IGNORED_KEYS = frozenset({"timeout"})
@@ -258,6 +259,8 @@ class MCCLRendezvousHandler(DynamicRendezvousHandler):
 
     anchor: str = ""
     serves_anchor: bool = False
+    anchor_store: Any = None
+    _last_world = 0  # hosts in the last round this one joined
 
     def next_rendezvous(self) -> Any:
         started = time.monotonic()
@@ -279,10 +282,37 @@ class MCCLRendezvousHandler(DynamicRendezvousHandler):
                 f"[rendezvous] run {self.settings.run_id!r} is closed, peer={self.anchor} (the anchor): a torchrun "
                 "of this run finished or gave up, which ends the run for every host; start a new run with a "
                 "new --rdzv-id", peer_addr=self.anchor) from exc
+        self._last_world = info.world_size
         _log.info("[rendezvous] run %r: rank %d of %d hosts, advertising %s, in %.2fs (anchor %s%s)",
                   self.settings.run_id, info.rank, info.world_size, self._this_node.addr,
                   time.monotonic() - started, self.anchor, ", served here" if self.serves_anchor else "")
         return info
+
+    def shutdown(self) -> bool:
+        closed = super().shutdown()
+        self._linger_for_peers()
+        return closed
+
+    def _linger_for_peers(self) -> None:
+        """Every host counts itself out once it has closed the run; the host serving the store
+        waits (at most the close timeout) for the others of the last round, since its store
+        ends with its process and a host still closing would get a broken pipe and a stack
+        dump at the end of a run that went fine. A dead host costs that wait."""
+        key = f"mccl/rdzv/{self.settings.run_id}/shut_down"
+        try:
+            done = int(self.anchor_store.add(key, 1))
+            if not self.serves_anchor:
+                return
+            deadline = time.monotonic() + self.settings.timeout.close.total_seconds()
+            while done < self._last_world and time.monotonic() < deadline:
+                time.sleep(_LINGER_POLL_S)
+                done = int(self.anchor_store.add(key, 0))
+            if done < self._last_world:
+                _log.warning("[rendezvous] run %r: %d of the last round's %d hosts had not shut down after %gs; "
+                             "stopping the anchor's store anyway", self.settings.run_id, self._last_world - done,
+                             self._last_world, self.settings.timeout.close.total_seconds())
+        except (RuntimeError, ValueError, OSError) as exc:  # the anchor already gone: nothing to wait for
+            _log.debug("[rendezvous] could not count this host out at the anchor %s: %s", self.anchor, exc)
 
     def _others(self) -> str:
         """Which other hosts had joined, from torch's state object when it has the expected shape."""
@@ -318,6 +348,7 @@ def create_handler(params: RendezvousParameters) -> MCCLRendezvousHandler:
                                                  local_addr, timeout, **keep_alive)
     handler.anchor = anchor
     handler.serves_anchor = serving
+    handler.anchor_store = store
     return handler
 
 

@@ -192,8 +192,9 @@ class RendezvousConfig:
         "once the minimum has joined, how long a round stays open for more hosts, up to the maximum "
         "[last_call_timeout]")
     close_timeout_s: float = setting(
-        "MCCL_RDZV_CLOSE_TIMEOUT", 5.0, "seconds",
-        "time to mark the rendezvous closed when a torchrun shuts down [close_timeout]")
+        "MCCL_RDZV_CLOSE_TIMEOUT", 3.0, "seconds",
+        "time to mark the rendezvous closed when a torchrun shuts down, and the most the torchrun serving the "
+        "anchor's store then waits for the other hosts to do so before the store goes away [close_timeout]")
     heartbeat_s: float = setting(
         "MCCL_RDZV_HEARTBEAT", 1.0, "seconds",
         "interval of each host's keep-alive write to the anchor's store [keep_alive_interval]")

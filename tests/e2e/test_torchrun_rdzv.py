@@ -146,9 +146,11 @@ def test_an_unreachable_anchor_fails_within_the_store_timeout(hosts):
 
 
 def test_a_killed_host_ends_the_job_on_the_other(hosts):
-    """--nnodes 2, no restarts: the survivor's collective fails, its torchrun exits non-zero."""
+    """--nnodes 2, no restarts: the survivor's collective fails, its torchrun exits non-zero.
+    The survivor serves the anchor's store, so before exiting it waits out the close timeout
+    for the dead host to count itself out: 1 s here, to keep the test short."""
     port = _free_port()
-    a = hosts("hA", port, "2", "--loop", conf="is_host=1")
+    a = hosts("hA", port, "2", "--loop", conf="is_host=1", env={"MCCL_RDZV_CLOSE_TIMEOUT": "1"})
     b = hosts("hB", port, "2", "--loop", conf="is_host=0")
     a.wait_result()
     b.wait_result()

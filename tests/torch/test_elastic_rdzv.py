@@ -47,7 +47,7 @@ def test_options_come_from_the_settings_with_rdzv_conf_keys_on_top(caplog) -> No
     # torchrun always passes timeout=900 (the legacy etcd key): ignored, silently.
     opts = er.RunOptions.parse(_params(timeout=900, last_call_timeout="3", keep_alive_max_attempt="4"), cfg)
     assert (opts.join_timeout_s, opts.heartbeat_s, opts.last_call_s, opts.heartbeat_misses) == (7, 0.5, 3, 4)
-    assert (opts.store_timeout_s, opts.close_timeout_s, opts.is_host) == (10, 5, None)
+    assert (opts.store_timeout_s, opts.close_timeout_s, opts.is_host) == (10, 3, None)
     assert "ignoring" not in caplog.text
     with caplog.at_level(logging.WARNING, logger="libmccl.elastic_rdzv"):
         assert er.RunOptions.parse(_params(store_type="file", is_host="1"), cfg).is_host is True
@@ -158,7 +158,7 @@ def make_handlers(monkeypatch):
         return made[-1]
 
     yield make
-    for h in made:
+    for h in reversed(made):  # the anchor's server, made first, waits for the others to shut down
         h.shutdown()
     made.clear()
     gc.collect()
@@ -239,3 +239,21 @@ def test_the_join_waits_no_longer_than_a_lan_needs() -> None:
     assert cfg.join_timeout_s <= 120 and cfg.store_timeout_s <= 30
     assert cfg.heartbeat_s * cfg.heartbeat_misses <= 10
     assert datetime.timedelta(seconds=cfg.last_call_s) < datetime.timedelta(seconds=10)
+
+
+def test_the_anchor_outlives_the_others_shutting_down(make_handlers) -> None:
+    """The host serving the store waits for the others of its last round to count themselves
+    out before its store may go away, no longer."""
+    port = _free_port()
+    a = make_handlers(port, 2, 2, is_host="1", close_timeout="3")
+    b = make_handlers(port, 2, 2, is_host="0")
+    _in_threads(a.next_rendezvous, b.next_rendezvous)
+    started = time.monotonic()
+    took: list[float] = []
+    t = threading.Thread(target=lambda: (a.shutdown(), took.append(time.monotonic() - started)))
+    t.start()
+    time.sleep(0.3)
+    assert t.is_alive()  # still waiting for B
+    b.shutdown()
+    t.join(10)
+    assert took and 0.3 <= took[0] < 2, took
