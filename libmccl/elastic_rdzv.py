@@ -26,6 +26,7 @@ import dataclasses
 import inspect
 import logging
 import socket
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -352,6 +353,54 @@ def create_handler(params: RendezvousParameters) -> MCCLRendezvousHandler:
     return handler
 
 
+def serve_anchor(port: int, stop: threading.Event, timeout_s: float) -> None:
+    """Serve the rendezvous store on ``port`` until ``stop`` is set: an anchor that runs no
+    training of its own, so no torchrun's end takes the store with it (every torchrun then
+    passes ``--rdzv-conf is_host=0``). A run closed in it stays closed: give each run a new
+    --rdzv-id."""
+    from torch.distributed import TCPStore
+
+    try:
+        store = TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s))
+    except (RuntimeError, ValueError, OSError) as exc:
+        raise ConfigError(f"[rendezvous] cannot serve the rendezvous store on port {port}: {_first_line(exc)}; "
+                          "likely cause: another process holds the port; free it or pick another") from exc
+    try:
+        _log.info("[rendezvous] serving the rendezvous store on port %d; point every torchrun at this host "
+                     "with --rdzv-endpoint HOST:%d --rdzv-conf is_host=0", store.port, store.port)
+        stop.wait()
+    finally:
+        del store
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m libmccl.elastic_rdzv [--port N]``: serve an anchor's store until SIGTERM or ^C."""
+    import argparse
+    import signal
+
+    cfg = load(RendezvousConfig)
+    default_port = anchor_endpoint("", cfg)[1] if cfg.anchor else DEFAULT_PORT
+    ap = argparse.ArgumentParser(prog="python -m libmccl.elastic_rdzv", description=main.__doc__)
+    ap.add_argument("--port", type=int, default=default_port,
+                    help=f"TCP port (default: MCCL_RDZV_ANCHOR's, else {DEFAULT_PORT})")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve_anchor(args.port, stop, cfg.store_timeout_s)
+    except ConfigError as exc:
+        _log.error("%s", exc)
+        return 2
+    return 0
+
+
 __all__ = ["AnchorStoreBackend", "MCCLRendezvousHandler", "RendezvousClosed", "RendezvousJoinTimeout",
            "RendezvousUnreachable", "RunOptions", "anchor_endpoint", "create_handler",
-           "open_anchor_store"]
+           "open_anchor_store", "serve_anchor"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

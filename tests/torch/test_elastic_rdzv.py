@@ -257,3 +257,22 @@ def test_the_anchor_outlives_the_others_shutting_down(make_handlers) -> None:
     b.shutdown()
     t.join(10)
     assert took and 0.3 <= took[0] < 2, took
+
+
+def test_a_standalone_anchor_serves_hosts_that_all_dial_it(make_handlers) -> None:
+    """`python -m libmccl.elastic_rdzv --port N`: the store on a host that trains nothing."""
+    port = _free_port()
+    stop = threading.Event()
+    server = threading.Thread(target=er.serve_anchor, args=(port, stop, 5.0), name="anchor")
+    server.start()
+    try:
+        a = make_handlers(port, 2, 2, is_host="0")
+        b = make_handlers(port, 2, 2, is_host="0")
+        infos = _in_threads(a.next_rendezvous, b.next_rendezvous)
+        assert sorted(i.rank for i in infos) == [0, 1], infos
+        assert not a.serves_anchor and not b.serves_anchor
+        a.shutdown()
+        b.shutdown()
+    finally:
+        stop.set()
+        server.join(10)
