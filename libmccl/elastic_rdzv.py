@@ -164,7 +164,7 @@ def open_anchor_store(host: str, port: int, serve: bool | None, timeout_s: float
         except (RuntimeError, ValueError, OSError) as exc:
             if serve:
                 raise RendezvousUnreachable(
-                    f"[rendezvous] cannot serve the rendezvous store on port {port}, peer={anchor}: {exc}; "
+                    f"[rendezvous] cannot serve the rendezvous store on port {port}, peer={anchor}: {_first_line(exc)}; "
                     "likely cause: another process holds the port; free it, pick another port in "
                     "--rdzv-endpoint, or drop is_host=1 to join the store already there", peer_addr=anchor) from exc
             _log.debug("[rendezvous] port %d is taken on this host (%s); joining the store there", port, exc)
@@ -274,10 +274,9 @@ class MCCLRendezvousHandler(DynamicRendezvousHandler):
             raise RendezvousJoinTimeout(
                 f"[rendezvous] run {s.run_id!r}: fewer than {s.min_nodes} hosts joined within "
                 f"{s.timeout.join.total_seconds():g}s ({self._others()}), peer={self.anchor} (the anchor); "
-                "likely cause: torchrun "
-                "was not started on the other hosts, or they were given another --rdzv-endpoint or --rdzv-id, "
-                "or lower --nnodes; start them with the same arguments, or raise MCCL_RDZV_JOIN_TIMEOUT "
-                "(join_timeout)", peer_addr=self.anchor) from exc
+                "likely cause: torchrun was not started on the other hosts, or they were given another "
+                "--rdzv-endpoint or --rdzv-id, or lower --nnodes; start them with the same arguments, or raise "
+                "MCCL_RDZV_JOIN_TIMEOUT (join_timeout)", peer_addr=self.anchor) from exc
         except RendezvousClosedError as exc:
             raise RendezvousClosed(
                 f"[rendezvous] run {self.settings.run_id!r} is closed, peer={self.anchor} (the anchor): a torchrun "

@@ -26,7 +26,8 @@ from mccl_common.settings import RendezvousConfig, load
 pytestmark = pytest.mark.timeout(60)
 
 
-def _params(endpoint: str = "", min_nodes: int = 1, max_nodes: int = 1, run_id: str = "r", **conf) -> RendezvousParameters:
+def _params(endpoint: str = "", min_nodes: int = 1, max_nodes: int = 1, run_id: str = "r",
+            **conf) -> RendezvousParameters:
     return RendezvousParameters("mccl", endpoint, run_id, min_nodes, max_nodes, **conf)
 
 
@@ -259,20 +260,22 @@ def test_the_anchor_outlives_the_others_shutting_down(make_handlers) -> None:
     assert took and 0.3 <= took[0] < 2, took
 
 
-def test_a_standalone_anchor_serves_hosts_that_all_dial_it(make_handlers) -> None:
-    """`python -m libmccl.elastic_rdzv --port N`: the store on a host that trains nothing."""
+@pytest.fixture
+def standalone_anchor():
+    """`python -m libmccl.elastic_rdzv --port N` in a thread: the store on a host that trains
+    nothing. Asked for before make_handlers, it stops after their shutdown."""
     port = _free_port()
     stop = threading.Event()
     server = threading.Thread(target=er.serve_anchor, args=(port, stop, 5.0), name="anchor")
     server.start()
-    try:
-        a = make_handlers(port, 2, 2, is_host="0")
-        b = make_handlers(port, 2, 2, is_host="0")
-        infos = _in_threads(a.next_rendezvous, b.next_rendezvous)
-        assert sorted(i.rank for i in infos) == [0, 1], infos
-        assert not a.serves_anchor and not b.serves_anchor
-        a.shutdown()
-        b.shutdown()
-    finally:
-        stop.set()
-        server.join(10)
+    yield port
+    stop.set()
+    server.join(10)
+
+
+def test_a_standalone_anchor_serves_hosts_that_all_dial_it(standalone_anchor, make_handlers) -> None:
+    a = make_handlers(standalone_anchor, 2, 2, is_host="0")
+    b = make_handlers(standalone_anchor, 2, 2, is_host="0")
+    infos = _in_threads(a.next_rendezvous, b.next_rendezvous)
+    assert sorted(i.rank for i in infos) == [0, 1], infos
+    assert not a.serves_anchor and not b.serves_anchor
