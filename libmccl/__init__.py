@@ -55,5 +55,17 @@ def _autoload() -> None:
                      "init_process_group('mccl') will fail until this is fixed", exc)
 
 
+def _rdzv_handler_creator():  # noqa: ANN202 - returns torch's RendezvousHandlerCreator
+    """torchrun's entry point (group ``torchrun.handlers``), called with no arguments while torch
+    imports its rendezvous registry. It returns a creator that imports the handler only when
+    torchrun asks for ``--rdzv-backend mccl``: importing it here would re-enter that registry."""
+    def create(params):  # noqa: ANN001,ANN202
+        from .elastic_rdzv import create_handler
+
+        return create_handler(params)
+
+    return create
+
+
 if "torch" in sys.modules or os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "1") != "1":
     _autoload()

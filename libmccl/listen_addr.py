@@ -130,6 +130,15 @@ def _is_local(ip: str) -> bool:
     return True
 
 
+def is_this_host(host: str) -> bool:
+    """Whether ``host`` (a name or an address) names this host: loopback, or an address
+    this host can bind. A name that does not resolve within the lookup deadline is not ours."""
+    ip = _resolve(host, _RESOLVE_TIMEOUT_S)
+    if ip is None or _is_unspecified(ip):
+        return False
+    return is_loopback(ip) or _is_local(ip)
+
+
 def hostname_address() -> str | None:
     """The host name's address when it is a real address of this host: /etc/hosts often
     maps the name to 127.0.1.1, and a copied /etc/hosts to another machine's address."""

@@ -171,8 +171,50 @@ class EngineConfig:
                  "must not be negative")
 
 
+@dataclass(frozen=True)
+class RendezvousConfig:
+    """Settings of torchrun's ``--rdzv-backend mccl`` (libmccl/elastic_rdzv.py). Each timeout can
+    also be given per run as the ``--rdzv-conf`` key in brackets, which wins over the variable."""
+
+    anchor: str = setting(
+        "MCCL_RDZV_ANCHOR", "", "host[:port]",
+        "host whose rendezvous store every torchrun of the job joins, when --rdzv-endpoint is not given; "
+        "a host that stays for the whole job (the store dies with the process serving it); port 29400 if omitted")
+    store_timeout_s: float = setting(
+        "MCCL_RDZV_STORE_TIMEOUT", 10.0, "seconds",
+        "time to reach the anchor's store, and for any one request to it, before torchrun stops with an "
+        "error naming the anchor [read_timeout]")
+    join_timeout_s: float = setting(
+        "MCCL_RDZV_JOIN_TIMEOUT", 60.0, "seconds",
+        "time for the minimum number of hosts (--nnodes MIN:MAX) to join a round [join_timeout]")
+    last_call_s: float = setting(
+        "MCCL_RDZV_LAST_CALL", 2.0, "seconds",
+        "once the minimum has joined, how long a round stays open for more hosts, up to the maximum "
+        "[last_call_timeout]")
+    close_timeout_s: float = setting(
+        "MCCL_RDZV_CLOSE_TIMEOUT", 3.0, "seconds",
+        "time to mark the rendezvous closed when a torchrun shuts down, and the most the torchrun serving the "
+        "anchor's store then waits for the other hosts to do so before the store goes away [close_timeout]")
+    heartbeat_s: float = setting(
+        "MCCL_RDZV_HEARTBEAT", 1.0, "seconds",
+        "interval of each host's keep-alive write to the anchor's store [keep_alive_interval]")
+    heartbeat_misses: int = setting(
+        "MCCL_RDZV_HEARTBEAT_MISSES", 5, "count",
+        "keep-alives a host may miss before the others drop it from the rendezvous; MCCL_RDZV_HEARTBEAT x this "
+        "must be at least 2 s (joining hosts write theirs once a second), and the hosts' clocks must agree to "
+        "well within it [keep_alive_max_attempt]")
+
+    def validate(self) -> None:
+        for name, env in (("store_timeout_s", "MCCL_RDZV_STORE_TIMEOUT"), ("join_timeout_s", "MCCL_RDZV_JOIN_TIMEOUT"),
+                          ("last_call_s", "MCCL_RDZV_LAST_CALL"), ("close_timeout_s", "MCCL_RDZV_CLOSE_TIMEOUT"),
+                          ("heartbeat_s", "MCCL_RDZV_HEARTBEAT")):
+            _require(getattr(self, name) > 0, env, getattr(self, name), "must be a positive number of seconds")
+        _require(self.heartbeat_misses >= 1, "MCCL_RDZV_HEARTBEAT_MISSES", self.heartbeat_misses,
+                 "must be at least 1")
+
+
 # Settings classes whose fields the README tabulates, in order.
-ALL_SETTINGS: list[type] = [EngineConfig]
+ALL_SETTINGS: list[type] = [EngineConfig, RendezvousConfig]
 
 
 def register(cls: type[T]) -> type[T]:

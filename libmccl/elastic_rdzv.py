@@ -1,0 +1,405 @@
+"""torchrun's ``--rdzv-backend mccl``: hosts meet through a store on an anchor host.
+
+    torchrun --rdzv-backend mccl --rdzv-endpoint ANCHOR[:PORT] --nnodes MIN:MAX ... script.py
+
+torch's DynamicRendezvousHandler does the rounds (join, last call, a wait list that lets a
+late host trigger the next round, keep-alives that drop a silent host); this file gives it
+what fits a LAN job:
+
+- its state lives in a TCPStore on the anchor: the torchrun started on the anchor host serves
+  it (later, whatever keeps the anchor up for the whole job), every other torchrun dials it;
+- timeouts in seconds (RendezvousConfig in mccl_common/settings.py, or the ``--rdzv-conf`` keys
+  torch's own backends use), so a missing host or a dead anchor ends the run in seconds
+  instead of torch's ten minutes;
+- the address each host advertises, which becomes the workers' MASTER_ADDR when the host gets
+  rank 0, is chosen like the engine's listen address (MCCL_BIND_ADDR, MCCL_SOCKET_IFNAME,
+  else the route to the anchor), so the job's stores and links use the training network;
+- its errors name the anchor and say what to do, and are torch's rendezvous error types too,
+  which the elastic agent acts on.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import inspect
+import logging
+import socket
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+# Submodules, not the package: torch imports this file from inside
+# torch.distributed.elastic.rendezvous's __init__, before the package has finished loading.
+from torch.distributed.elastic.rendezvous.api import (RendezvousClosedError, RendezvousConnectionError,
+                                                      RendezvousParameters,
+                                                      RendezvousStateError, RendezvousTimeoutError)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (DynamicRendezvousHandler, RendezvousBackend,
+                                                                     RendezvousTimeout)
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+from mccl_common.errors import AbortedError, CollectiveTimeout, ConfigError, PeerLostError
+from mccl_common.settings import EngineConfig, RendezvousConfig, load
+
+from . import listen_addr
+
+_log = logging.getLogger(__name__)
+
+BACKEND_NAME = "mccl"
+DEFAULT_PORT = 29400  # torch's c10d rendezvous port: one firewall rule serves either backend
+_CONNECT_ATTEMPT_S = 2.0  # one connect attempt: a LAN answers in milliseconds, a dropped SYN never does
+_CONNECT_RETRY_S = 0.25
+_MIN_KEEP_ALIVE_WINDOW_S = 2.0
+_LINGER_POLL_S = 0.05
+_EMPTY = "mccl-rdzv-empty"  # stored until the first host writes a state; not valid base64 of a pickle
+# torchrun always passes "timeout" (the legacy etcd rendezvous's); the timeouts here have their own keys.
+_IGNORED_KEYS = frozenset({"timeout"})
+
+
+class RendezvousUnreachable(RendezvousConnectionError, PeerLostError):
+    """The anchor's store cannot be reached, or stopped answering."""
+
+
+class RendezvousJoinTimeout(RendezvousTimeoutError, CollectiveTimeout):
+    """Fewer hosts than the minimum joined a round in time."""
+
+
+class RendezvousClosed(RendezvousClosedError, AbortedError):
+    """Another torchrun of the run finished or failed and closed the rendezvous."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """One run's rendezvous options: RendezvousConfig, with the ``--rdzv-conf`` keys over it."""
+
+    store_timeout_s: float
+    join_timeout_s: float
+    last_call_s: float
+    close_timeout_s: float
+    heartbeat_s: float
+    heartbeat_misses: int
+    is_host: bool | None  # None: serve the store when the anchor names this host
+
+    # --rdzv-conf key -> field; the keys are those torch's c10d backend reads, so a command line
+    # written for it keeps its meaning.
+    KEYS = {"read_timeout": "store_timeout_s", "join_timeout": "join_timeout_s",
+            "last_call_timeout": "last_call_s", "close_timeout": "close_timeout_s",
+            "keep_alive_interval": "heartbeat_s", "keep_alive_max_attempt": "heartbeat_misses"}
+
+    @classmethod
+    def parse(cls, params: RendezvousParameters, cfg: RendezvousConfig) -> "RunOptions":
+        values: dict[str, Any] = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+                                  if f.name in cls.KEYS.values()}
+        for key, name in cls.KEYS.items():
+            raw = params.get(key)
+            if raw is None:
+                continue
+            try:
+                value = int(raw) if name == "heartbeat_misses" else float(raw)
+            except (TypeError, ValueError):
+                raise ConfigError(f"[rendezvous] --rdzv-conf {key}={raw!r} is not a number; "
+                                  f"give {'a count' if name == 'heartbeat_misses' else 'seconds'}") from None
+            if value <= 0:
+                raise ConfigError(f"[rendezvous] --rdzv-conf {key}={raw!r} must be positive")
+            values[name] = value
+        is_host = None
+        if params.get("is_host") is not None:
+            try:
+                is_host = params.get_as_bool("is_host")
+            except ValueError:
+                raise ConfigError(f"[rendezvous] --rdzv-conf is_host={params.get('is_host')!r} is not a "
+                                  "boolean; give 1 on the anchor host, 0 elsewhere, or leave it out") from None
+        window = values["heartbeat_s"] * values["heartbeat_misses"]
+        if window < _MIN_KEEP_ALIVE_WINDOW_S:
+            # A host still joining writes its keep-alive only on torch's join poll, once a second;
+            # a shorter window makes hosts drop each other before any round can form.
+            raise ConfigError(f"[rendezvous] keep-alive window {values['heartbeat_s']:g}s x "
+                              f"{values['heartbeat_misses']} = {window:g}s is under {_MIN_KEEP_ALIVE_WINDOW_S:g}s: "
+                              "joining hosts would drop each other; raise MCCL_RDZV_HEARTBEAT (keep_alive_interval) "
+                              "or MCCL_RDZV_HEARTBEAT_MISSES (keep_alive_max_attempt)")
+        unknown = sorted(set(params.config) - set(cls.KEYS) - {"is_host"} - _IGNORED_KEYS)
+        if unknown:
+            _log.warning("[rendezvous] ignoring --rdzv-conf %s: the mccl backend reads only %s",
+                         ", ".join(unknown), ", ".join([*cls.KEYS, "is_host"]))
+        return cls(is_host=is_host, **values)
+
+
+def anchor_endpoint(endpoint: str, cfg: RendezvousConfig) -> tuple[str, int]:
+    """(host, port) of the anchor: ``--rdzv-endpoint``, else MCCL_RDZV_ANCHOR."""
+    raw = (endpoint or cfg.anchor).strip()
+    if not raw:
+        raise ConfigError("[rendezvous] no anchor: torchrun got no --rdzv-endpoint and MCCL_RDZV_ANCHOR is "
+                          "empty; pass --rdzv-endpoint HOST[:PORT] naming a host that stays up for the whole "
+                          "job, the same on every host")
+    try:
+        host, port = parse_rendezvous_endpoint(raw, default_port=DEFAULT_PORT)
+    except ValueError as exc:
+        raise ConfigError(f"[rendezvous] anchor {raw!r} is not HOST[:PORT] ({exc}); fix --rdzv-endpoint "
+                          "or MCCL_RDZV_ANCHOR") from None
+    if port == 0:
+        raise ConfigError(f"[rendezvous] anchor {raw!r} has port 0, which other hosts cannot dial; "
+                          f"give a fixed port (e.g. {DEFAULT_PORT})")
+    return host, port
+
+
+def open_anchor_store(host: str, port: int, serve: bool | None, timeout_s: float) -> tuple[Any, bool]:
+    """(TCPStore, whether this process serves it). ``serve`` None: serve when ``host`` is this
+    host and the port is free, else dial; so on the anchor host the first torchrun serves and
+    any other one there joins it."""
+    from torch.distributed import TCPStore
+
+    anchor = f"{host}:{port}"
+    timeout = timedelta(seconds=timeout_s)
+    if serve is None:
+        serve_now = listen_addr.is_this_host(host)
+    else:
+        serve_now = serve
+    if serve_now:
+        try:
+            # Not multi-tenant: a second handler in this process must find the port taken and
+            # dial, as one in another process does.
+            return TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout), True
+        except (RuntimeError, ValueError, OSError) as exc:
+            if serve:
+                raise RendezvousUnreachable(
+                    f"[rendezvous] cannot serve the rendezvous store on port {port}, peer={anchor}: {_first_line(exc)}; "
+                    "likely cause: another process holds the port; free it, pick another port in "
+                    "--rdzv-endpoint, or drop is_host=1 to join the store already there", peer_addr=anchor) from exc
+            _log.debug("[rendezvous] port %d is taken on this host (%s); joining the store there", port, exc)
+    started = time.monotonic()
+    try:
+        # TCPStore's own connect retries run to about twice its timeout and print a C++ stack
+        # per attempt; a plain connect loop first gives one deadline and one clear message.
+        _wait_until_listening(host, port, started + timeout_s)
+        return TCPStore(host, port, is_master=False, timeout=timeout), False
+    except (RuntimeError, ValueError, OSError) as exc:
+        raise RendezvousUnreachable(
+            f"[rendezvous] cannot reach the anchor's rendezvous store, peer={anchor}, within {timeout_s:g}s "
+            f"({type(exc).__name__}: {_first_line(exc)}); likely cause: "
+            "the torchrun on the anchor host is not running yet (start it first), --rdzv-endpoint names the "
+            "wrong host or port, or a firewall drops the port; check the address on every host, or raise "
+            "MCCL_RDZV_STORE_TIMEOUT (read_timeout) to wait longer", peer_addr=anchor) from exc
+
+
+def _wait_until_listening(host: str, port: int, deadline: float) -> None:
+    """Return once ``host:port`` accepts a TCP connection; raise the last error at ``deadline``.
+    The anchor's torchrun may start a moment after this one, so a refusal is retried."""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"nothing accepted a connection to {host}:{port}")
+        try:
+            with socket.create_connection((host, port), timeout=min(left, _CONNECT_ATTEMPT_S)):
+                return
+        except OSError as exc:
+            if time.monotonic() + _CONNECT_RETRY_S >= deadline:
+                raise
+            _log.debug("[rendezvous] %s:%d: %s; retrying", host, port, exc)
+            time.sleep(_CONNECT_RETRY_S)
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0]
+
+
+class AnchorStoreBackend(RendezvousBackend):
+    """The rendezvous state as one compare-and-set key in the anchor's store; a store failure
+    becomes RendezvousUnreachable naming the anchor."""
+
+    def __init__(self, store: Any, run_id: str, anchor: str) -> None:
+        if not run_id:
+            raise ConfigError("[rendezvous] the run id is empty; pass --rdzv-id (the same on every host)")
+        self._store = store
+        self._anchor = anchor
+        self._key = f"mccl/rdzv/{run_id}/state"
+        self._call("compare_set", self._key, "", _EMPTY)  # creates the key unless a host already did
+
+    @property
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    def get_state(self) -> tuple[bytes, Any] | None:
+        return self._decode(self._call("get", self._key))
+
+    def set_state(self, state: bytes, token: Any | None = None) -> tuple[bytes, Any, bool] | None:
+        # The store holds text, and the token is the encoded value itself: a write succeeds only
+        # over the exact value this host last read.
+        expected = token.decode() if isinstance(token, bytes) else _EMPTY
+        desired = base64.b64encode(state).decode()
+        current = self._call("compare_set", self._key, expected, desired)
+        decoded = self._decode(current)
+        if decoded is None:
+            return None
+        return decoded[0], decoded[1], current == desired.encode()
+
+    def _decode(self, raw: bytes) -> tuple[bytes, Any] | None:
+        if raw == _EMPTY.encode():
+            return None
+        try:
+            return base64.b64decode(raw, validate=True), raw
+        except binascii.Error as exc:
+            raise RendezvousStateError(
+                f"[rendezvous] the state under {self._key!r} in the anchor's store is not ours, peer={self._anchor}; "
+                "likely cause: another program writes that store; give this run its own --rdzv-id or port") from exc
+
+    def _call(self, op: str, *args: Any) -> Any:
+        try:
+            return getattr(self._store, op)(*args)
+        except (RuntimeError, ValueError, TimeoutError, OSError) as exc:
+            raise RendezvousUnreachable(
+                f"[rendezvous] lost the anchor's rendezvous store, peer={self._anchor} ({type(exc).__name__}: "
+                f"{_first_line(exc)}); likely cause: the torchrun (or host) serving it exited or the network "
+                "to it failed; the run cannot continue without it: restart it with the anchor on a host "
+                "that stays up", peer_addr=self._anchor) from exc
+
+
+class MCCLRendezvousHandler(DynamicRendezvousHandler):
+    """torch's dynamic rendezvous with errors that name the anchor."""
+
+    anchor: str = ""
+    serves_anchor: bool = False
+    anchor_store: Any = None
+    _last_world = 0  # hosts in the last round this one joined
+
+    def next_rendezvous(self) -> Any:
+        started = time.monotonic()
+        try:
+            info = super().next_rendezvous()
+        except (RendezvousJoinTimeout, RendezvousClosed, RendezvousUnreachable):
+            raise
+        except RendezvousTimeoutError as exc:
+            s = self.settings
+            raise RendezvousJoinTimeout(
+                f"[rendezvous] run {s.run_id!r}: fewer than {s.min_nodes} hosts joined within "
+                f"{s.timeout.join.total_seconds():g}s ({self._others()}), peer={self.anchor} (the anchor); "
+                "likely cause: torchrun was not started on the other hosts, or they were given another "
+                "--rdzv-endpoint or --rdzv-id, or lower --nnodes; start them with the same arguments, or raise "
+                "MCCL_RDZV_JOIN_TIMEOUT (join_timeout)", peer_addr=self.anchor) from exc
+        except RendezvousClosedError as exc:
+            raise RendezvousClosed(
+                f"[rendezvous] run {self.settings.run_id!r} is closed, peer={self.anchor} (the anchor): a torchrun "
+                "of this run finished or gave up, which ends the run for every host; start a new run with a "
+                "new --rdzv-id", peer_addr=self.anchor) from exc
+        self._last_world = info.world_size
+        _log.info("[rendezvous] run %r: rank %d of %d hosts, advertising %s, in %.2fs (anchor %s%s)",
+                  self.settings.run_id, info.rank, info.world_size, self._this_node.addr,
+                  time.monotonic() - started, self.anchor, ", served here" if self.serves_anchor else "")
+        return info
+
+    def shutdown(self) -> bool:
+        closed = super().shutdown()
+        self._linger_for_peers()
+        return closed
+
+    def _linger_for_peers(self) -> None:
+        """Every host counts itself out once it has closed the run; the host serving the store
+        waits (at most the close timeout) for the others of the last round, since its store
+        ends with its process and a host still closing would get a broken pipe and a stack
+        dump at the end of a run that went fine. A dead host costs that wait."""
+        key = f"mccl/rdzv/{self.settings.run_id}/shut_down"
+        try:
+            done = int(self.anchor_store.add(key, 1))
+            if not self.serves_anchor:
+                return
+            deadline = time.monotonic() + self.settings.timeout.close.total_seconds()
+            while done < self._last_world and time.monotonic() < deadline:
+                time.sleep(_LINGER_POLL_S)
+                done = int(self.anchor_store.add(key, 0))
+            if done < self._last_world:
+                _log.warning("[rendezvous] run %r: %d of the last round's %d hosts had not shut down after %gs; "
+                             "stopping the anchor's store anyway", self.settings.run_id, self._last_world - done,
+                             self._last_world, self.settings.timeout.close.total_seconds())
+        except (RuntimeError, ValueError, OSError) as exc:  # the anchor already gone: nothing to wait for
+            _log.debug("[rendezvous] could not count this host out at the anchor %s: %s", self.anchor, exc)
+
+    def _others(self) -> str:
+        """Which other hosts had joined, from torch's state object when it has the expected shape."""
+        state = getattr(getattr(self, "_state_holder", None), "state", None)
+        participants = getattr(state, "participants", None)
+        if not isinstance(participants, dict):
+            return "this one among them"
+        others = sorted(str(getattr(n, "addr", n)) for n in participants if n != self._this_node)
+        return f"this one and {len(others)} other{'s' if len(others) != 1 else ''}" + (
+            f": {', '.join(others[:8])}" if others else "")
+
+
+def create_handler(params: RendezvousParameters) -> MCCLRendezvousHandler:
+    """Build this host's handler: reach (or serve) the anchor's store, pick the advertised address."""
+    cfg = load(RendezvousConfig)
+    opts = RunOptions.parse(params, cfg)
+    host, port = anchor_endpoint(params.endpoint, cfg)
+    store, serving = open_anchor_store(host, port, opts.is_host, opts.store_timeout_s)
+    anchor = f"{host}:{port}"
+    backend = AnchorStoreBackend(store, params.run_id, anchor)
+    local_addr = params.local_addr or listen_addr.choose_bind_address(load(EngineConfig), host)
+    timeout = RendezvousTimeout(join=timedelta(seconds=opts.join_timeout_s),
+                                last_call=timedelta(seconds=opts.last_call_s),
+                                close=timedelta(seconds=opts.close_timeout_s),
+                                heartbeat=timedelta(seconds=opts.store_timeout_s))
+    keep_alive = {"keep_alive_interval": opts.heartbeat_s, "keep_alive_max_attempt": opts.heartbeat_misses}
+    accepted = inspect.signature(DynamicRendezvousHandler.from_backend).parameters
+    if not all(k in accepted for k in keep_alive):
+        _log.warning("[rendezvous] this torch does not take a keep-alive interval; a dead host is dropped "
+                     "after torch's default (15 s) instead of MCCL_RDZV_HEARTBEAT x MCCL_RDZV_HEARTBEAT_MISSES")
+        keep_alive = {}
+    handler = MCCLRendezvousHandler.from_backend(params.run_id, store, backend, params.min_nodes, params.max_nodes,
+                                                 local_addr, timeout, **keep_alive)
+    handler.anchor = anchor
+    handler.serves_anchor = serving
+    handler.anchor_store = store
+    return handler
+
+
+def serve_anchor(port: int, stop: threading.Event, timeout_s: float) -> None:
+    """Serve the rendezvous store on ``port`` until ``stop`` is set: an anchor that runs no
+    training of its own, so no torchrun's end takes the store with it (every torchrun then
+    passes ``--rdzv-conf is_host=0``). A run closed in it stays closed: give each run a new
+    --rdzv-id."""
+    from torch.distributed import TCPStore
+
+    try:
+        store = TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s))
+    except (RuntimeError, ValueError, OSError) as exc:
+        raise ConfigError(f"[rendezvous] cannot serve the rendezvous store on port {port}: {_first_line(exc)}; "
+                          "likely cause: another process holds the port; free it or pick another") from exc
+    try:
+        _log.info("[rendezvous] serving the rendezvous store on port %d; point every torchrun at this host "
+                     "with --rdzv-endpoint HOST:%d --rdzv-conf is_host=0", store.port, store.port)
+        stop.wait()
+    finally:
+        del store
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m libmccl.elastic_rdzv [--port N]``: serve an anchor's store until SIGTERM or ^C."""
+    import argparse
+    import signal
+
+    cfg = load(RendezvousConfig)
+    default_port = anchor_endpoint("", cfg)[1] if cfg.anchor else DEFAULT_PORT
+    ap = argparse.ArgumentParser(prog="python -m libmccl.elastic_rdzv", description=main.__doc__)
+    ap.add_argument("--port", type=int, default=default_port,
+                    help=f"TCP port (default: MCCL_RDZV_ANCHOR's, else {DEFAULT_PORT})")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve_anchor(args.port, stop, cfg.store_timeout_s)
+    except ConfigError as exc:
+        _log.error("%s", exc)
+        return 2
+    return 0
+
+
+__all__ = ["AnchorStoreBackend", "MCCLRendezvousHandler", "RendezvousClosed", "RendezvousJoinTimeout",
+           "RendezvousUnreachable", "RunOptions", "anchor_endpoint", "create_handler",
+           "open_anchor_store", "serve_anchor"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,281 @@
+"""torchrun's `--rdzv-backend mccl` handler (libmccl/elastic_rdzv.py) in one process: options,
+the anchor, the state backend, and rounds between handlers that stand for hosts (threads
+here; separate torchruns in tests/e2e/test_torchrun_rdzv.py)."""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import logging
+import socket
+import threading
+import time
+from importlib.metadata import entry_points
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import (RendezvousClosedError, RendezvousConnectionError,
+                                                  RendezvousParameters, RendezvousStateError,
+                                                  RendezvousTimeoutError)
+from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as registry
+
+from libmccl import elastic_rdzv as er
+from mccl_common.errors import AbortedError, CollectiveTimeout, ConfigError, PeerLostError
+from mccl_common.settings import RendezvousConfig, load
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _params(endpoint: str = "", min_nodes: int = 1, max_nodes: int = 1, run_id: str = "r",
+            **conf) -> RendezvousParameters:
+    return RendezvousParameters("mccl", endpoint, run_id, min_nodes, max_nodes, **conf)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_finds_the_backend_through_its_entry_point_group() -> None:
+    names = [ep.name for ep in entry_points(group="torchrun.handlers")]
+    assert "mccl" in names, names
+    assert "mccl" in registry._registry  # torch registered it when it imported the rendezvous package
+
+
+def test_options_come_from_the_settings_with_rdzv_conf_keys_on_top(caplog) -> None:
+    cfg = load(RendezvousConfig, env={"MCCL_RDZV_JOIN_TIMEOUT": "7", "MCCL_RDZV_HEARTBEAT": "0.5"})
+    # torchrun always passes timeout=900 (the legacy etcd key): ignored, silently.
+    opts = er.RunOptions.parse(_params(timeout=900, last_call_timeout="3", keep_alive_max_attempt="4"), cfg)
+    assert (opts.join_timeout_s, opts.heartbeat_s, opts.last_call_s, opts.heartbeat_misses) == (7, 0.5, 3, 4)
+    assert (opts.store_timeout_s, opts.close_timeout_s, opts.is_host) == (10, 3, None)
+    assert "ignoring" not in caplog.text
+    with caplog.at_level(logging.WARNING, logger="libmccl.elastic_rdzv"):
+        assert er.RunOptions.parse(_params(store_type="file", is_host="1"), cfg).is_host is True
+    assert "ignoring --rdzv-conf store_type" in caplog.text
+    with pytest.raises(ConfigError, match="join_timeout='soon' is not a number"):
+        er.RunOptions.parse(_params(join_timeout="soon"), cfg)
+    with pytest.raises(ConfigError, match="read_timeout='0' must be positive"):
+        er.RunOptions.parse(_params(read_timeout="0"), cfg)
+    with pytest.raises(ConfigError, match=r"keep-alive window 0.5s x 2 = 1s is under 2s"):
+        er.RunOptions.parse(_params(keep_alive_interval="0.5", keep_alive_max_attempt="2"), cfg)
+    with pytest.raises(ConfigError, match="is_host='maybe'"):
+        er.RunOptions.parse(_params(is_host="maybe"), cfg)
+    with pytest.raises(ConfigError, match="MCCL_RDZV_HEARTBEAT_MISSES"):
+        load(RendezvousConfig, env={"MCCL_RDZV_HEARTBEAT_MISSES": "0"})
+
+
+def test_the_anchor_is_the_endpoint_else_the_setting() -> None:
+    cfg = RendezvousConfig(anchor="anchor.lan")
+    assert er.anchor_endpoint("10.0.0.5:1234", cfg) == ("10.0.0.5", 1234)
+    assert er.anchor_endpoint("", cfg) == ("anchor.lan", er.DEFAULT_PORT)
+    with pytest.raises(ConfigError, match="no anchor: .*--rdzv-endpoint HOST"):
+        er.anchor_endpoint("", RendezvousConfig())
+    with pytest.raises(ConfigError, match="port 0"):
+        er.anchor_endpoint("10.0.0.5:0", cfg)
+
+
+def test_errors_are_torchs_rendezvous_errors_and_ours() -> None:
+    assert issubclass(er.RendezvousUnreachable, RendezvousConnectionError)
+    assert issubclass(er.RendezvousUnreachable, PeerLostError)
+    assert issubclass(er.RendezvousJoinTimeout, RendezvousTimeoutError)
+    assert issubclass(er.RendezvousJoinTimeout, CollectiveTimeout)
+    assert issubclass(er.RendezvousClosed, RendezvousClosedError)
+    assert issubclass(er.RendezvousClosed, AbortedError)
+    assert er.RendezvousUnreachable("m", peer_addr="h:1").peer_addr == "h:1"
+
+
+def test_the_backend_keeps_one_compare_and_set_state() -> None:
+    store = dist.HashStore()
+    b = er.AnchorStoreBackend(store, "run", "anchor:1")
+    assert b.name == "mccl" and b.get_state() is None
+    state, token, ok = b.set_state(b"first")
+    assert (state, ok) == (b"first", True)
+    assert b.get_state() == (b"first", token)
+    # A second host writing over a state it did not read loses, and learns the current one.
+    other = er.AnchorStoreBackend(store, "run", "anchor:1")  # joining does not reset the state
+    assert other.set_state(b"stale") == (b"first", token, False)
+    state2, token2, ok2 = other.set_state(b"second", token)
+    assert (state2, ok2) == (b"second", True) and token2 != token
+    assert er.AnchorStoreBackend(store, "another-run", "anchor:1").get_state() is None
+    store.set("mccl/rdzv/run/state", "%%% not base64")
+    with pytest.raises(RendezvousStateError, match=r"peer=anchor:1.*own --rdzv-id"):
+        b.get_state()
+
+
+def test_a_store_failure_names_the_anchor() -> None:
+    class Broken:
+        def compare_set(self, *a):
+            return b"mccl-rdzv-empty"
+
+        def get(self, key):
+            raise RuntimeError("Broken pipe")
+
+    with pytest.raises(er.RendezvousUnreachable, match=r"lost the anchor's rendezvous store, peer=h:29400 "
+                                                         r"\(RuntimeError: Broken pipe\)") as info:
+        er.AnchorStoreBackend(Broken(), "r", "h:29400").get_state()
+    assert info.value.peer_addr == "h:29400"
+
+
+def test_an_anchor_nobody_serves_fails_within_the_store_timeout() -> None:
+    port = _free_port()
+    started = time.monotonic()
+    with pytest.raises(er.RendezvousUnreachable, match=rf"cannot reach the anchor's rendezvous store, "
+                                                       rf"peer=127.0.0.1:{port}, within 1s .*start it first"):
+        er.open_anchor_store("127.0.0.1", port, serve=False, timeout_s=1.0)
+    assert time.monotonic() - started < 3
+
+
+def test_a_busy_anchor_port_is_joined_unless_told_to_serve() -> None:
+    port = _free_port()
+    server, serving = er.open_anchor_store("127.0.0.1", port, serve=None, timeout_s=5)
+    assert serving
+    client, serving2 = er.open_anchor_store("127.0.0.1", port, serve=None, timeout_s=5)
+    assert not serving2
+    client.set("k", "v")
+    assert server.get("k") == b"v"
+    with socket.socket() as other:  # another program holds a port
+        other.bind(("0.0.0.0", 0))
+        other.listen()
+        held = other.getsockname()[1]
+        with pytest.raises(er.RendezvousUnreachable, match=rf"cannot serve the rendezvous store on port {held}"):
+            er.open_anchor_store("127.0.0.1", held, serve=True, timeout_s=5)
+    del client, server
+    gc.collect()
+
+
+@pytest.fixture
+def make_handlers(monkeypatch):
+    """Handlers standing for hosts; each is shut down (its keep-alive thread stopped) afterwards."""
+    # Rank 0's handler would also start the workers' store (a second server); the tests here
+    # only look at the rendezvous itself.
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    made = []
+
+    def make(port: int, min_nodes: int, max_nodes: int, **conf):
+        conf.setdefault("join_timeout", "10")
+        conf.setdefault("last_call_timeout", "0.5")
+        made.append(er.create_handler(_params(f"127.0.0.1:{port}", min_nodes, max_nodes, **conf)))
+        return made[-1]
+
+    yield make
+    for h in reversed(made):  # the anchor's server, made first, waits for the others to shut down
+        h.shutdown()
+    made.clear()
+    gc.collect()
+
+
+def _in_threads(*calls):
+    out: list = [None] * len(calls)
+
+    def run(i, fn):
+        try:
+            out[i] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out[i] = exc
+
+    ts = [threading.Thread(target=run, args=(i, fn)) for i, fn in enumerate(calls)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    return out
+
+
+def test_two_hosts_form_a_round_with_the_anchor_address(make_handlers) -> None:
+    port = _free_port()
+    a = make_handlers(port, 2, 2, is_host="1")
+    b = make_handlers(port, 2, 2, is_host="0")
+    assert a.serves_anchor and not b.serves_anchor and a.get_backend() == "mccl"
+    started = time.monotonic()
+    infos = _in_threads(a.next_rendezvous, b.next_rendezvous)
+    took = time.monotonic() - started
+    assert sorted(i.rank for i in infos) == [0, 1] and {i.world_size for i in infos} == {2}, infos
+    # The address rank 0 advertises is on the route to the anchor (here loopback); it is the
+    # workers' MASTER_ADDR.
+    assert {i.bootstrap_store_info.master_addr for i in infos} == {"127.0.0.1"}
+    assert took < 5, f"{took:.1f}s"
+
+
+def test_too_few_hosts_time_out_naming_the_anchor(make_handlers) -> None:
+    port = _free_port()
+    a = make_handlers(port, 2, 2, join_timeout="1")
+    started = time.monotonic()
+    with pytest.raises(er.RendezvousJoinTimeout, match=rf"run 'r': fewer than 2 hosts joined within 1s \(this one "
+                                                       rf"and 0 others\), peer=127.0.0.1:{port} \(the anchor\)"):
+        a.next_rendezvous()
+    assert time.monotonic() - started < 5
+
+
+def test_a_closed_run_says_so(make_handlers) -> None:
+    port = _free_port()
+    a = make_handlers(port, 1, 2)
+    b = make_handlers(port, 1, 2)
+    a.set_closed()  # what a torchrun does when it finishes or gives up
+    with pytest.raises(er.RendezvousClosed, match=rf"run 'r' is closed, peer=127.0.0.1:{port}.*new --rdzv-id"):
+        b.next_rendezvous()
+
+
+def test_a_silent_host_is_dropped_and_the_next_round_forms_without_it(make_handlers) -> None:
+    """The elastic case: min 1, max 2; a host that stops its keep-alives (dead, as far as the
+    store can tell) no longer counts, and the survivor completes a round alone."""
+    port = _free_port()
+    # A last call long enough for both threads to make the first round (a host that misses it
+    # waits for the next, which only an agent would start).
+    fast = {"keep_alive_interval": "0.5", "keep_alive_max_attempt": "4", "last_call_timeout": "2"}
+    a = make_handlers(port, 1, 2, is_host="1", **fast)
+    b = make_handlers(port, 1, 2, **fast)
+    first = _in_threads(a.next_rendezvous, b.next_rendezvous)
+    assert {i.world_size for i in first} == {2}, first
+    b._stop_heartbeats()  # torch's own switch; B now looks dead to the others
+    started = time.monotonic()
+    again = a.next_rendezvous()
+    took = time.monotonic() - started
+    assert (again.rank, again.world_size) == (0, 1)
+    assert took < 8, f"{took:.1f}s"
+
+
+def test_the_join_waits_no_longer_than_a_lan_needs() -> None:
+    cfg = RendezvousConfig()
+    assert cfg.join_timeout_s <= 120 and cfg.store_timeout_s <= 30
+    assert cfg.heartbeat_s * cfg.heartbeat_misses <= 10
+    assert datetime.timedelta(seconds=cfg.last_call_s) < datetime.timedelta(seconds=10)
+
+
+def test_the_anchor_outlives_the_others_shutting_down(make_handlers) -> None:
+    """The host serving the store waits for the others of its last round to count themselves
+    out before its store may go away, no longer."""
+    port = _free_port()
+    a = make_handlers(port, 2, 2, is_host="1", close_timeout="3")
+    b = make_handlers(port, 2, 2, is_host="0")
+    _in_threads(a.next_rendezvous, b.next_rendezvous)
+    started = time.monotonic()
+    took: list[float] = []
+    t = threading.Thread(target=lambda: (a.shutdown(), took.append(time.monotonic() - started)))
+    t.start()
+    time.sleep(0.3)
+    assert t.is_alive()  # still waiting for B
+    b.shutdown()
+    t.join(10)
+    assert took and 0.3 <= took[0] < 2, took
+
+
+@pytest.fixture
+def standalone_anchor():
+    """`python -m libmccl.elastic_rdzv --port N` in a thread: the store on a host that trains
+    nothing. Asked for before make_handlers, it stops after their shutdown."""
+    port = _free_port()
+    stop = threading.Event()
+    server = threading.Thread(target=er.serve_anchor, args=(port, stop, 5.0), name="anchor")
+    server.start()
+    yield port
+    stop.set()
+    server.join(10)
+
+
+def test_a_standalone_anchor_serves_hosts_that_all_dial_it(standalone_anchor, make_handlers) -> None:
+    a = make_handlers(standalone_anchor, 2, 2, is_host="0")
+    b = make_handlers(standalone_anchor, 2, 2, is_host="0")
+    infos = _in_threads(a.next_rendezvous, b.next_rendezvous)
+    assert sorted(i.rank for i in infos) == [0, 1], infos
+    assert not a.serves_anchor and not b.serves_anchor
