@@ -20,6 +20,7 @@ from .errors import ConfigError
 from .settings import _require, load, register, setting
 
 DEFAULT_KEY_FILES = ("/etc/mccl/fleet.key", "~/.config/mccl/fleet.key")
+DEFAULT_SUBMIT_KEY_FILES = ("/etc/mccl/submit.key", "~/.config/mccl/submit.key")
 # Where the packaged service (packaging/) runs its daemon. A client with no MCCL_RUNTIME_DIR
 # falls back to it, so a user in the attach group needs no setting to reach that daemon.
 # macOS clears /var/run at boot and only root may create in it, so the LaunchDaemon's
@@ -58,6 +59,18 @@ class DaemonConfig:
     status_port: int = setting(
         "MCCL_STATUS_PORT", 29651, "port",
         "authenticated read-only status endpoint; 0 disables it")
+    launch_port: int = setting(
+        "MCCL_LAUNCH_PORT", 29653, "port",
+        "endpoint where `mcclctl run` leases this host and starts its torchrun (needs MCCL_SUBMIT_KEY_FILE); "
+        "0 disables it")
+    submit_key_file: str = setting(
+        "MCCL_SUBMIT_KEY_FILE", "", "path",
+        "file holding the submit key (mode 0600, not the fleet key) that `mcclctl run` must prove to start "
+        "jobs here; empty: /etc/mccl/submit.key or ~/.config/mccl/submit.key; none: launching is off")
+    launch_user: str = setting(
+        "MCCL_LAUNCH_USER", "", "user",
+        "user the jobs `mcclctl run` starts run as; empty: mccld's own user, refused when that is root "
+        "(say root here to allow it, e.g. in a container)")
     metrics_port: int = setting(
         "MCCL_METRICS_PORT", 29652, "port",
         "Prometheus /metrics port; 0 disables it")
@@ -138,7 +151,7 @@ class DaemonConfig:
 
     def validate(self) -> None:
         for env, port in (("MCCL_PORT", self.port), ("MCCL_STATUS_PORT", self.status_port),
-                          ("MCCL_METRICS_PORT", self.metrics_port)):
+                          ("MCCL_METRICS_PORT", self.metrics_port), ("MCCL_LAUNCH_PORT", self.launch_port)):
             _require(0 <= port <= 65535, env, port, "must be a TCP port (0-65535)")
         _require(self.mdns_ttl_s >= 1, "MCCL_MDNS_TTL", self.mdns_ttl_s, "must be at least 1")
         _require(self.link_timeout_s > 0, "MCCL_LINK_TIMEOUT", self.link_timeout_s, "must be positive")
@@ -160,25 +173,44 @@ class DaemonConfig:
         """The fleet key; a key file readable by others is refused (the key is the fleet's only secret)."""
         if self.fleet_key:
             return self.fleet_key.encode()
-        candidates = [self.key_file] if self.key_file else list(DEFAULT_KEY_FILES)
-        for raw in candidates:
-            path = Path(raw).expanduser()
-            if not path.exists():
-                if self.key_file:
-                    raise ConfigError(f"[config] MCCL_KEY_FILE={raw!r} does not exist; "
-                                      f"create it with `mccld keygen {raw}` and copy it to every host")
-                continue
-            mode = stat.S_IMODE(path.stat().st_mode)
-            if mode & 0o077:
-                raise ConfigError(f"[config] key file {path} has mode {mode:04o}; it must not be readable "
-                                  f"by group or others: run `chmod 600 {path}`")
-            key = path.read_bytes().strip()
-            if len(key) < 16:
-                raise ConfigError(f"[config] key file {path} holds {len(key)} bytes; use at least 16 "
-                                  f"(`mccld keygen {path}` writes a good one)")
-            return key
-        raise ConfigError("[config] no fleet key: set MCCL_KEY_FILE (mode 0600) or MCCL_FLEET_KEY; "
-                          "create one with `mccld keygen /etc/mccl/fleet.key` and copy it to every host")
+        key = read_key_file(self.key_file, DEFAULT_KEY_FILES, "MCCL_KEY_FILE")
+        if key is None:
+            raise ConfigError("[config] no fleet key: set MCCL_KEY_FILE (mode 0600) or MCCL_FLEET_KEY; "
+                              "create one with `mccld keygen /etc/mccl/fleet.key` and copy it to every host")
+        return key
+
+    def read_submit_key(self) -> bytes | None:
+        """The key that lets `mcclctl run` start jobs here; None: launching is off. It must not be
+        the fleet key: every host holds that one, and a host must not start jobs on its peers."""
+        key = read_key_file(self.submit_key_file, DEFAULT_SUBMIT_KEY_FILES, "MCCL_SUBMIT_KEY_FILE")
+        if key is not None and key == self.read_key():
+            raise ConfigError("[config] the submit key equals the fleet key; every host holds the fleet key, so "
+                              "any of them could start jobs on the others: make a separate one with "
+                              "`mccld keygen /etc/mccl/submit.key` for the hosts that submit")
+        return key
+
+
+def read_key_file(explicit: str, defaults: tuple[str, ...], env: str) -> bytes | None:
+    """A key from ``explicit`` (must exist) or the first of ``defaults`` that exists; None if none
+    does. A file readable by group or others, or a short key, is refused."""
+    candidates = [explicit] if explicit else list(defaults)
+    for raw in candidates:
+        path = Path(raw).expanduser()
+        if not path.exists():
+            if explicit:
+                raise ConfigError(f"[config] {env}={raw!r} does not exist; "
+                                  f"create it with `mccld keygen {raw}` and copy it where it is needed")
+            continue
+        mode = stat.S_IMODE(path.stat().st_mode)
+        if mode & 0o077:
+            raise ConfigError(f"[config] key file {path} has mode {mode:04o}; it must not be readable "
+                              f"by group or others: run `chmod 600 {path}`")
+        key = path.read_bytes().strip()
+        if len(key) < 16:
+            raise ConfigError(f"[config] key file {path} holds {len(key)} bytes; use at least 16 "
+                              f"(`mccld keygen {path}` writes a good one)")
+        return key
+    return None
 
 
 def load_config(path: str | None = None, env: dict | None = None) -> DaemonConfig:

@@ -84,6 +84,10 @@ class Conn:
         line, self._buf = self._buf.split(b"\n", 1)
         return self._parse(line, what)
 
+    def pending(self) -> bool:
+        """A whole message was already read off the socket (select() would not see it)."""
+        return b"\n" in self._buf
+
     def take_buffered(self) -> bytes:
         data, self._buf = self._buf, b""
         return data

@@ -30,6 +30,7 @@ from .datalinks import DataLinks
 from .gate import Gate
 from .harvest import Harvester
 from .jobs import Job
+from .launcher import LaunchServer
 from .links import LinkManager
 from .reduce import ReducePool
 
@@ -81,6 +82,7 @@ class Daemon:
         self.harvester: Harvester | None = None
         self._running_jobs = 0              # last count the harvester was told about
         self._servers: list[Any] = []
+        self.launcher: LaunchServer | None = None
         self.jobs: dict[str, Job] = {}
         self.clients: dict[bytes, dict[str, Any]] = {}   # ident -> {pid, memberships: {(job, rank)}}
         self._lock = threading.RLock()
@@ -118,6 +120,7 @@ class Daemon:
             self._checker = threading.Thread(target=self._check_loop, name="mccld-checker", daemon=True)
             self._checker.start()
             self._start_servers(key)
+            self._start_launcher()
             self._start_discovery()
             # Last: the token file it writes is what clients, mcclctl and tests take for
             # "mccld is up", so every service and thread of the daemon runs by then.
@@ -152,6 +155,7 @@ class Daemon:
             except Exception:  # noqa: BLE001 - keep tearing down
                 log.debug("stopping %r failed", srv, exc_info=True)
         self._servers.clear()
+        self.launcher = None
         if self.advertiser is not None:
             self.advertiser.stop()
             self.advertiser = None
@@ -257,6 +261,24 @@ class Daemon:
                                           capacity=self.capacity_provider)
                 srv.start()
                 self._servers.append(srv)
+
+    def _start_launcher(self) -> None:
+        """`mcclctl run`'s endpoint, when this host holds a submit key (launching is off otherwise)."""
+        if not self.cfg.launch_port:
+            return
+        submit_key = self.cfg.read_submit_key()
+        if submit_key is None:
+            log.info("no submit key (MCCL_SUBMIT_KEY_FILE): `mcclctl run` cannot start jobs on this host")
+            return
+        if self.cfg.launch_user == "root":
+            log.warning("MCCL_LAUNCH_USER=root: jobs that `mcclctl run` starts here run as root")
+        harvester = self.harvester
+        srv = LaunchServer(submit_key, self.host_id, self.runtime_dir, self.addr, self.cfg.launch_port,
+                           launch_user=self.cfg.launch_user,
+                           harvest_state=(lambda: harvester.snapshot()["state"]) if harvester else None,
+                           on_change=self._poke.set, gate=Gate.from_config("launch", self.cfg))
+        self.launcher = srv.start()
+        self._servers.append(srv)
 
     # -- helpers -----------------------------------------------------------------------------
     def _stat(self, method: str, *args) -> None:
@@ -514,8 +536,10 @@ class Daemon:
             self.harvester.poke()
 
     def _count_running_jobs(self) -> int:
+        launcher = self.launcher   # read once: stop() may clear it
         with self._lock:
-            return sum(1 for j in self.jobs.values() if j.state in ("joining", "ready"))
+            attached = sum(1 for j in self.jobs.values() if j.state in ("joining", "ready"))
+        return attached + (launcher.running() if launcher is not None else 0)
 
     def _on_harvest(self, snapshot: dict[str, Any], changed: bool) -> None:
         self._stat("set_harvest", snapshot)
@@ -571,4 +595,6 @@ class Daemon:
             "data_links": self._data_link_status(),
             "fleet_table": self.fleet.entries() if self.fleet is not None else [],
             "last_error": self.last_error or None,
+            "launch_port": self.launcher.port if self.launcher is not None else 0,
+            "launched": self.launcher.jobs() if self.launcher is not None else [],
         }

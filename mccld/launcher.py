@@ -1,0 +1,384 @@
+"""The launch endpoint: ``mcclctl run`` leases this host and starts one torchrun here.
+
+One TCP connection is one lease (``mccl_common.launch_protocol``). The request must carry a
+valid MAC under the submit key (not the fleet key); it is validated once
+(``LaunchRequest.parse``) and refused, with nothing started, if the host is not harvestable
+(unless the request asks for any state), too many jobs run, or mccld runs as root and
+MCCL_LAUNCH_USER does not say which user jobs run as. The job runs as MCCL_LAUNCH_USER (or
+mccld's own user) in a session of its own; its output goes back line by line, sealed, and
+the lease ends with its exit code. A client that cancels, disconnects or stays silent for
+LEASE_TIMEOUT_S ends the lease: the job's process group gets SIGTERM (torchrun passes it to
+its workers), then SIGKILL after STOP_GRACE_S.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pwd
+import queue
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from mccl_common.errors import ConfigError, MCCLError, ProtocolError
+from mccl_common.launch_protocol import (BEAT_S, LEASE_TIMEOUT_S, MAX_LINE_CHARS, PROTO, LaunchRequest,
+                                         request_ok, sealed)
+from mccl_common.status_protocol import IO_TIMEOUT_S, Conn, HARVESTED_STATES
+
+from .gate import Gate, Ticket
+from .logutil import OnceLogger
+
+log = logging.getLogger(__name__)
+
+MAX_LAUNCHES = 4          # jobs one host runs at once through this endpoint
+STOP_GRACE_S = 10.0       # SIGTERM to SIGKILL: torchrun needs a moment to stop its workers
+_POLL_S = 0.2
+
+
+def torchrun_command(req: LaunchRequest, python: str = sys.executable) -> list[str]:
+    """The command that runs ``req`` here: torchrun with the mccl rendezvous, its anchor served
+    elsewhere (is_host=0), then the user's program. ``python script.py`` and ``python -m mod``
+    run in mccld's interpreter (the one MCCL is installed in); anything else as given."""
+    cmd = [python, "-m", "torch.distributed.run", "--rdzv-backend", "mccl",
+           "--rdzv-endpoint", req.rdzv_endpoint, "--rdzv-id", req.job, "--rdzv-conf", "is_host=0",
+           "--nnodes", req.nnodes, "--nproc-per-node", str(req.nproc_per_node),
+           "--max-restarts", str(req.max_restarts)]
+    argv = list(req.argv)
+    if Path(argv[0]).name in ("python", "python3") and len(argv) > 1:
+        argv = argv[1:]
+        if argv[0] == "-m" and len(argv) > 1:
+            return cmd + ["--module", *argv[1:]]
+        if not argv[0].startswith("-"):
+            return cmd + argv
+        argv = [req.argv[0]] + argv     # interpreter options: run the command as given
+    return cmd + ["--no-python", *argv]
+
+
+class LaunchServer:
+    """``start``/``stop``; ``running()`` counts the leases whose job runs (the harvester's "leased").
+    ``command`` turns a request into the argv to start (torchrun's; tests start something
+    smaller), ``lease_timeout_s`` is how long a silent client keeps its lease."""
+
+    def __init__(self, key: bytes, host_id: str, runtime_dir: Path, addr: str = "0.0.0.0", port: int = 29653,
+                 launch_user: str = "", harvest_state: Callable[[], str] | None = None,
+                 on_change: Callable[[], None] | None = None, gate: Gate | None = None,
+                 command: Callable[[LaunchRequest], list[str]] = torchrun_command,
+                 lease_timeout_s: float = LEASE_TIMEOUT_S):
+        if not key:
+            raise ConfigError("[launch] no submit key; set MCCL_SUBMIT_KEY_FILE (a key that is not the fleet key)")
+        self._key = key
+        self._host_id = host_id
+        self._runtime_dir = runtime_dir
+        self._addr = addr
+        self._port = port
+        self._user = launch_user
+        self._harvest_state = harvest_state
+        self._on_change = on_change or (lambda: None)
+        self._gate = gate or Gate.from_config("launch")
+        self._command = command
+        self._lease_timeout_s = lease_timeout_s
+        self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._jobs: dict[str, subprocess.Popen] = {}    # lease id -> its torchrun
+        self._conns: set[threading.Thread] = set()
+        self._once = OnceLogger(log)
+
+    @property
+    def port(self) -> int:
+        return self._sock.getsockname()[1] if self._sock else self._port
+
+    @property
+    def gate(self) -> Gate:
+        return self._gate
+
+    def running(self) -> int:
+        with self._lock:
+            return len(self._jobs)
+
+    def jobs(self) -> list[str]:
+        with self._lock:
+            return sorted(self._jobs)
+
+    def start(self) -> "LaunchServer":
+        if self._sock is not None:
+            return self
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self._addr, self._port))
+        except OSError as e:
+            sock.close()
+            raise ConfigError(f"[launch] cannot listen on {self._addr}:{self._port}: {e.strerror}; another mccld "
+                              "holds the port or the address is not local; stop it or set MCCL_LAUNCH_PORT") from e
+        sock.listen(16)
+        sock.settimeout(0.5)    # the accept loop wakes to notice stop()
+        self._sock = sock
+        self._stop.clear()
+        self._gate.start()
+        self._thread = threading.Thread(target=self._accept_loop, name="mccld-launch", daemon=True)
+        self._thread.start()
+        log.info("launch endpoint listening on %s:%d (jobs run as %s)", self._addr, self.port,
+                 self._user or pwd.getpwuid(os.geteuid()).pw_name)
+        return self
+
+    def stop(self, timeout_s: float = STOP_GRACE_S + 5.0) -> None:
+        """Ends every lease (their jobs are stopped) and the endpoint."""
+        if self._sock is None:
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=timeout_s)
+        with self._lock:
+            conns = list(self._conns)
+        deadline = time.monotonic() + timeout_s
+        for t in conns:
+            t.join(timeout=max(0.1, deadline - time.monotonic()))
+        self._sock.close()
+        self._gate.close()
+        self._sock = self._thread = None
+
+    # ---- serving ---------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, (host, port) = self._sock.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                if not self._stop.is_set():
+                    log.exception("launch endpoint accept failed")
+                return
+            ticket = self._gate.admit(conn, host)
+            if ticket is None:
+                continue
+            t = threading.Thread(target=self._serve, args=(conn, f"{host}:{port}", ticket),
+                                 name="mccld-launch-conn", daemon=True)
+            with self._lock:
+                self._conns.add(t)
+            t.start()
+
+    def _serve(self, sock: socket.socket, peer: str, ticket: Ticket) -> None:
+        try:
+            sock.settimeout(IO_TIMEOUT_S)
+            conn = Conn(sock, peer)
+            nonce = os.urandom(16).hex()
+            conn.send({"mccl_launch": PROTO, "nonce": nonce, "host": self._host_id})
+            got = request_ok(self._key, conn.recv("launch request"), nonce)
+            if got is None:
+                self._once.warn(peer, "[launch] refused a launch request from peer=%s: its MAC does not match "
+                                "the submit key; nothing was started", peer)
+                conn.send({"ok": False, "error": {"kind": "AuthError", "message": (
+                    "[launch] request MAC does not match; use this fleet's submit key (MCCL_SUBMIT_KEY_FILE)")}})
+                return
+            ticket.passed()
+            body, cnonce = got
+            self._lease(conn, peer, body, cnonce, nonce)
+        except ConnectionError as e:
+            log.debug("launch connection from peer=%s closed early: %s", peer, e)
+        except (OSError, ProtocolError) as e:
+            self._once.warn(peer, "[launch] connection from peer=%s failed: %s", peer, e)
+        except Exception:
+            log.exception("launch endpoint: unexpected failure serving peer=%s", peer)
+        finally:
+            ticket.release()
+            sock.close()
+            with self._lock:
+                self._conns.discard(threading.current_thread())
+
+    def _refusal(self, req_body: str) -> tuple[LaunchRequest | None, MCCLError | None]:
+        try:
+            req = LaunchRequest.parse(json.loads(req_body))
+        except (ValueError, RecursionError) as e:
+            return None, ProtocolError(f"[launch] bad request: not JSON ({e})")
+        except ProtocolError as e:
+            return None, e
+        if os.geteuid() == 0 and not self._user:
+            return req, ConfigError(
+                f"[launch] {self._host_id} refuses to start jobs: mccld runs as root and jobs never do unless "
+                "told; run mccld as its service user (docs/service.md) or set MCCL_LAUNCH_USER")
+        if not Path(req.cwd).is_dir():
+            return req, ConfigError(f"[launch] working directory {req.cwd} does not exist on {self._host_id}; "
+                                    "give every host the same checkout path, or pass --cwd")
+        state = self._harvest_state() if self._harvest_state else None
+        if state is not None and state not in HARVESTED_STATES and not req.any_state:
+            return req, MCCLError(f"[launch] {self._host_id} is {state}, not harvestable: its user is at it "
+                                  "(or outside its harvest hours); pick another host, or --where state=any")
+        with self._lock:
+            if len(self._jobs) >= MAX_LAUNCHES:
+                return req, MCCLError(f"[launch] {self._host_id} already runs {MAX_LAUNCHES} jobs; "
+                                      "wait for one to end")
+        return req, None
+
+    def _lease(self, conn: Conn, peer: str, body: str, cnonce: str, nonce: str) -> None:
+        seq = 0
+
+        def send(event: str, data) -> None:
+            nonlocal seq
+            conn.send(sealed(self._key, cnonce, nonce, seq, event, data))
+            seq += 1
+
+        req, err = self._refusal(body)
+        if err is not None:
+            log.warning("[launch] refused %s from peer=%s: %s", req.job if req else "a request", peer, err)
+            send("refused", {"kind": type(err).__name__, "message": str(err)})
+            return
+        lease_id = f"{req.job}@{peer}"
+        try:
+            job = _Job(self._spawn(req))
+        except (OSError, subprocess.SubprocessError, KeyError) as e:
+            msg = f"[launch] {self._host_id} could not start the job: {e}"
+            log.warning("%s", msg)
+            send("refused", {"kind": "MCCLError", "message": msg})
+            return
+        with self._lock:
+            self._jobs[lease_id] = job.proc
+        self._on_change()
+        log.info("[launch] job %s for peer=%s started (pid %d): %s", req.job, peer, job.proc.pid,
+                 " ".join(req.argv))
+        try:
+            send("started", {"host": self._host_id, "pid": job.proc.pid})
+            code = self._pump(conn, job, send, req.job, peer)
+        finally:
+            job.stop()
+            with self._lock:
+                self._jobs.pop(lease_id, None)
+            self._on_change()
+        if code is not None:
+            log.info("[launch] job %s for peer=%s exited with %d", req.job, peer, code)
+            send("exit", {"code": code})
+
+    def _spawn(self, req: LaunchRequest) -> subprocess.Popen:
+        env = dict(os.environ)
+        env.update(dict(req.env))
+        env.update({"MCCL_HOST_ID": self._host_id, "MCCL_RUNTIME_DIR": str(self._runtime_dir),
+                    "PYTHONUNBUFFERED": "1"})
+        kwargs = {}
+        if self._user and self._user != pwd.getpwuid(os.geteuid()).pw_name:
+            pw = pwd.getpwnam(self._user)
+            kwargs = {"user": pw.pw_uid, "group": pw.pw_gid, "extra_groups": os.getgrouplist(pw.pw_name, pw.pw_gid)}
+            env.update({"HOME": pw.pw_dir, "USER": pw.pw_name, "LOGNAME": pw.pw_name})
+        return subprocess.Popen(self._command(req), cwd=req.cwd, env=env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, **kwargs)
+
+    def _pump(self, conn: Conn, job: "_Job", send, name: str, peer: str) -> int | None:
+        """Streams output until the job exits (its code) or the lease ends (None)."""
+        proc, lines, readers = job.proc, job.lines, job.readers
+        last_heard = last_sent = time.monotonic()
+        exited = 0.0
+        sock = conn.sock
+        try:
+            while True:
+                while True:
+                    try:
+                        name, line = lines.get_nowait()
+                    except queue.Empty:
+                        break
+                    send(name, line)
+                    last_sent = time.monotonic()
+                if proc.poll() is not None and lines.empty():
+                    exited = exited or time.monotonic()
+                    # Something outside the session may hold the pipes open: the exit counts anyway.
+                    if not any(t.is_alive() for t in readers) or time.monotonic() - exited > 2.0:
+                        return proc.returncode
+                if self._stop.is_set():
+                    log.warning("[launch] mccld is stopping: ending job %s of peer=%s", name, peer)
+                    return None
+                readable, _, _ = select.select([sock], [], [], _POLL_S)
+                now = time.monotonic()
+                if readable or conn.pending():
+                    msg = conn.recv("lease message")     # raises ConnectionError on EOF
+                    last_heard = now
+                    if msg.get("cancel"):
+                        log.info("[launch] peer=%s cancelled job %s", peer, name)
+                        return None
+                elif now - last_heard > self._lease_timeout_s:
+                    log.warning("[launch] peer=%s silent for %.0f s: lease of job %s lost, stopping it",
+                                peer, now - last_heard, name)
+                    return None
+                if now - last_sent >= BEAT_S:
+                    send("beat", None)
+                    last_sent = now
+        except (ConnectionError, OSError) as e:
+            log.warning("[launch] lease of job %s lost (peer=%s: %s); stopping it", name, peer, e)
+            return None
+
+
+class _Job:
+    """A started torchrun, the threads reading its output, and its one-time stop."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc = proc
+        self.lines: queue.Queue = queue.Queue(maxsize=1024)  # full: the job's pipe stalls, not our memory
+        self.closed = threading.Event()
+        self.readers = [threading.Thread(target=_read_lines, args=(stream, name, self.lines, self.closed),
+                                         daemon=True,
+                                         name=f"mccld-launch-{name}")
+                        for stream, name in ((proc.stdout, "out"), (proc.stderr, "err"))]
+        for t in self.readers:
+            t.start()
+        self._stopped = False
+
+    def stop(self) -> None:
+        """SIGTERM to the job's whole session, SIGKILL after the grace; reaps it. Idempotent:
+        once reaped, its group id may belong to someone else."""
+        if self._stopped:
+            return
+        self._stopped = True
+        proc = self.proc
+        if proc.poll() is None:
+            _signal_group(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
+        # Workers torchrun left behind (it was killed, or they ignore SIGTERM) share its session.
+        _signal_group(proc.pid, signal.SIGKILL)
+        try:
+            proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            log.error("[launch] job pid %d survives SIGKILL (uninterruptible I/O?)", proc.pid)
+        self.closed.set()    # readers blocked on a full queue give up their line
+        for t in self.readers:
+            t.join(timeout=5.0)
+        # A reader still blocked means something outside the session holds the pipe: closing
+        # under it would block on the reader's lock, so leave that stream to the GC.
+        for t, stream in zip(self.readers, (proc.stdout, proc.stderr)):
+            if not t.is_alive() and stream is not None:
+                stream.close()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _read_lines(stream, name: str, out: queue.Queue, closed: threading.Event) -> None:
+    try:
+        for raw in iter(lambda: stream.readline(MAX_LINE_CHARS + 1), b""):
+            text = raw.decode("utf-8", "replace").rstrip("\n")
+            while not closed.is_set():
+                try:
+                    out.put((name, text), timeout=_POLL_S)
+                    break
+                except queue.Full:
+                    continue
+            if closed.is_set():
+                return
+    except (OSError, ValueError):
+        pass    # the stream was closed under us: the lease ended
+
+
+__all__ = ["LaunchServer", "torchrun_command"]
