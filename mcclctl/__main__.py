@@ -44,6 +44,24 @@ def build_parser() -> argparse.ArgumentParser:
     sd.add_argument("-o", "--output", help="file to write atomically (default: stdout)")
     sd.add_argument("--fleet", help="value of the fleet label (default: MCCL_FLEET)")
     sd.add_argument("--metrics-port", type=int, help="metrics port of --host targets (default 29652)")
+    rn = common(sub.add_parser("run", help="lease harvestable hosts and run one torchrun on each "
+                                           "(mcclctl run -n N -- python train.py ARGS)"))
+    rn.add_argument("-n", type=int, help="exactly N hosts")
+    rn.add_argument("--min", type=int, help="at least this many hosts (default 1)")
+    rn.add_argument("--max", type=int, help="at most this many hosts (default: --min)")
+    rn.add_argument("--where", action="append", metavar="TERM",
+                    help="host filter, repeatable: state=idle|leased|busy|any (default idle), host=GLOB, "
+                         "device=GLOB, cores>=N, memory_gib>=N")
+    rn.add_argument("--nproc-per-node", type=int, default=1, help="training processes per host")
+    rn.add_argument("--max-restarts", type=int, default=0, help="torchrun's --max-restarts")
+    rn.add_argument("--env", action="append", metavar="NAME=VALUE", help="set in the job's environment")
+    rn.add_argument("--cwd", help="working directory on every host (default: this one)")
+    rn.add_argument("--job", help="the run's id (default: mccl-<time>-<pid>)")
+    rn.add_argument("--anchor", metavar="ADDRESS",
+                    help="this host's address the fleet reaches (default: the route to the first host)")
+    rn.add_argument("--rdzv-port", type=int, default=0, help="the anchor's port (default: a free one)")
+    rn.add_argument("--submit-key-file", help="submit key (default: MCCL_SUBMIT_KEY_FILE or the standard paths)")
+    rn.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command each host runs")
     return p
 
 
@@ -51,9 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    from . import commands, doctor, prometheus_sd
+    from . import commands, doctor, prometheus_sd, run
     handlers = {"status": commands.cmd_status, "links": commands.cmd_links, "jobs": commands.cmd_jobs,
-                "capacity": commands.cmd_capacity,
+                "capacity": commands.cmd_capacity, "run": run.cmd_run,
                 "linktest": commands.cmd_linktest, "doctor": doctor.cmd_doctor,
                 "prometheus-sd": prometheus_sd.cmd_prometheus_sd}
     if args.command == "prometheus-sd" and args.fleet is None:

@@ -250,3 +250,30 @@ def doctor_report(checks: list[dict]) -> str:
     warned = sum(1 for c in checks if c["status"] == "warn")
     lines.append(f"{len(checks)} checks: {failed} failed, {warned} warnings")
     return "\n".join(lines)
+
+
+# ---- run ---------------------------------------------------------------------------------
+
+def to_json_line(data: Any) -> str:
+    """One event of a stream (``mcclctl run --json``): one compact line each."""
+    return json.dumps(data, sort_keys=True, default=str)
+
+
+def host_line(host: str, width: int, line: str) -> str:
+    return f"[{host:<{width}}] {line}"
+
+
+def run_event(kind: str, data: dict) -> str:
+    """What ``mcclctl run`` says about the job itself (not its output), one or a few lines."""
+    if kind == "plan":
+        lines = [f"mcclctl run: job {data['job']} on {len(data['hosts'])} host(s): {', '.join(data['hosts'])} "
+                 f"(nnodes {data['nnodes']}, anchor {data['anchor']})"]
+        lines += [f"  left out {h}: {why}" for h, why in sorted(data.get("left_out", {}).items())]
+        return "\n".join(lines)
+    if kind == "exit":
+        codes = data["codes"]
+        parts = [f"{h}={c}" for h, c in sorted(codes.items())]
+        ok = all(c == 0 for c in codes.values())
+        return f"mcclctl run: {'finished' if ok else 'failed'}: " + ", ".join(parts)
+    return f"mcclctl run: {kind}: {data.get('message', data)}"
+
