@@ -111,11 +111,18 @@ def test_dashboards_have_data_from_daemons_running_a_job():
     logs, ranks = [], []
     fleet = Fleet(3, rate="2gbit")
 
+    activity = work / "activity"        # the hosts' users left an hour ago (namespaces share one kernel,
+    activity.touch()                    # so no OS idle source tells them apart)
+    os.utime(activity, (time.time() - 3600, time.time() - 3600))
+
     def env(i: int) -> dict[str, str]:
         return {"MCCL_FLEET_KEY": key, "MCCL_FLEET": fleet_name, "MCCL_IFACE": "eth0",
                 "MCCL_HOST_ID": f"host{i}", "MCCL_RUNTIME_DIR": str(work / f"rt{i}"),
-                "MCCL_CLIENT_CHECK_INTERVAL": "0.1", "PYTHONPATH": str(REPO)}
+                "MCCL_CLIENT_CHECK_INTERVAL": "0.1", "PYTHONPATH": str(REPO),
+                "MCCL_ACTIVITY_FILE": str(activity), "MCCL_HARVEST_POLL": "0.5"}
     try:
+        for i in range(3):
+            seed_harvest_history(work / f"rt{i}")
         fleet.start()
         for i in range(3):
             log = open(work / f"mccld{i}.log", "w")
@@ -192,6 +199,24 @@ FIGURES = (
     '{op="allreduce"}[10s])))',
     'mccl_overlap_ratio',
 )
+
+
+def seed_harvest_history(rdir: Path) -> None:
+    """Past nights harvested 22:00-07:00, in the history file a daemon keeps in its runtime
+    dir (mccld/harvest.py): what a daemon running for a few days would have, for the panels of
+    harvestable hours per night."""
+    import datetime
+    from mccld.harvest import HISTORY_NAME
+    rdir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    today = datetime.datetime.now().replace(hour=0, minute=0, second=0, microsecond=0)
+    # From a noon on: a night counts once the history covers it from its start (noon to noon).
+    lines = [json.dumps({"t": (today - datetime.timedelta(days=4, hours=-12)).timestamp(), "state": "busy"})]
+    for back in (4, 3, 2, 1):
+        start = today - datetime.timedelta(days=back) + datetime.timedelta(hours=22)
+        end = start + datetime.timedelta(hours=9)
+        lines += [json.dumps({"t": start.timestamp(), "state": "idle"}),
+                  json.dumps({"t": end.timestamp(), "state": "busy"})]
+    (rdir / HISTORY_NAME).write_text("\n".join(lines) + "\n")
 
 
 def check_daemon_counters(prom, fleet, placement: list[int], results: dict) -> None:
