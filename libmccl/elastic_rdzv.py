@@ -20,14 +20,17 @@ what fits a LAN job:
 
 from __future__ import annotations
 
+import atexit
 import base64
 import binascii
 import dataclasses
 import inspect
 import logging
+import os
 import socket
 import threading
 import time
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -41,6 +44,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (DynamicRend
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from mccl_common.errors import AbortedError, CollectiveTimeout, ConfigError, PeerLostError
+from mccl_common.launch_protocol import DRAIN_ENV
 from mccl_common.settings import EngineConfig, RendezvousConfig, load
 
 from . import listen_addr
@@ -262,6 +266,7 @@ class MCCLRendezvousHandler(DynamicRendezvousHandler):
     serves_anchor: bool = False
     anchor_store: Any = None
     _last_world = 0  # hosts in the last round this one joined
+    _left = False    # left the run after a drain (leave_if_drained)
 
     def next_rendezvous(self) -> Any:
         started = time.monotonic()
@@ -289,9 +294,33 @@ class MCCLRendezvousHandler(DynamicRendezvousHandler):
         return info
 
     def shutdown(self) -> bool:
+        if self.leave_if_drained():
+            return True     # this host left the run; closing it would end it for the others
         closed = super().shutdown()
         self._linger_for_peers()
         return closed
+
+    def leave_if_drained(self) -> bool:
+        """When mccld drained this host (its user is back: the job's MCCL_DRAIN_FILE exists) and
+        the ranks here saved and left, take this host out of the run's participants now, so the
+        others' next round does not wait the keep-alive window for it. mccld stops this torchrun
+        with SIGTERM, after which torch shuts nothing down itself: this runs at exit."""
+        drain = os.environ.get(DRAIN_ENV, "")
+        if not drain or not os.path.exists(drain) or self._left:
+            return False
+        self._left = True
+        try:
+            # torch's own "leave the previous round" step of next_rendezvous (private API).
+            from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
+            self._stop_heartbeats()
+            self._op_executor.run(_RendezvousExitOp(), time.monotonic() + self.settings.timeout.close.total_seconds())
+            _log.warning("[rendezvous] run %r: this host left (drained); the others re-form without it",
+                         self.settings.run_id)
+            return True
+        except Exception as exc:  # noqa: BLE001 - at exit: the keep-alive expiry drops us anyway
+            _log.warning("[rendezvous] run %r: could not leave the run cleanly (%s); the others drop this host "
+                         "when its keep-alives stop", self.settings.run_id, _first_line(exc))
+            return False
 
     def _linger_for_peers(self) -> None:
         """Every host counts itself out once it has closed the run; the host serving the store
@@ -349,6 +378,8 @@ def create_handler(params: RendezvousParameters) -> MCCLRendezvousHandler:
     handler.anchor = anchor
     handler.serves_anchor = serving
     handler.anchor_store = store
+    ref = weakref.ref(handler)
+    atexit.register(lambda: (h := ref()) is not None and h.leave_if_drained())
     return handler
 
 

@@ -6,7 +6,7 @@ One lease per TCP connection, newline-framed JSON (``status_protocol.Conn``)::
     client -> {"body": "<json LaunchRequest>", "cnonce": <hex>, "mac": <hex>}
     server -> {"seq": 0, "event": "started", "data": {...}, "mac": <hex>}
               | {"seq": 0, "event": "refused", "data": {"kind", "message"}, "mac": <hex>}
-    server -> {"seq": n, "event": "out" | "err" | "beat" | "exit", "data": ..., "mac": <hex>} ...
+    server -> {"seq": n, "event": "out" | "err" | "beat" | "left" | "exit", "data": ..., "mac": <hex>} ...
     client -> {"beat": 1} every BEAT_S, or {"cancel": 1}
 
 The request is MAC'd with the *submit key* (MCCL_SUBMIT_KEY_FILE), which is not the fleet
@@ -38,8 +38,12 @@ MAX_ARG_CHARS = 4096
 MAX_ENV = 64
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 _JOB = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+# A launched job's drain file (its path in the job's environment): it appears when the host's
+# user is back; the job's ranks there save, write the file + LEFT_SUFFIX and exit (libmccl.elastic).
+DRAIN_ENV = "MCCL_DRAIN_FILE"
+LEFT_SUFFIX = ".left"
 # Set by the daemon for the job, not by the request: they say which host and daemon it runs on.
-RESERVED_ENV = ("MCCL_HOST_ID", "MCCL_RUNTIME_DIR")
+RESERVED_ENV = ("MCCL_HOST_ID", "MCCL_RUNTIME_DIR", DRAIN_ENV)
 
 
 @dataclasses.dataclass(frozen=True)

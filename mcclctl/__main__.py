@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="host filter, repeatable: state=idle|leased|busy|any (default idle), host=GLOB, "
                          "device=GLOB, cores>=N, memory_gib>=N")
     rn.add_argument("--nproc-per-node", type=int, default=1, help="training processes per host")
-    rn.add_argument("--max-restarts", type=int, default=0, help="torchrun's --max-restarts")
+    rn.add_argument("--max-restarts", type=int,
+                    help="torchrun's --max-restarts (default 0; 100 when --min < --max: one per re-form)")
     rn.add_argument("--env", action="append", metavar="NAME=VALUE", help="set in the job's environment")
     rn.add_argument("--cwd", help="working directory on every host (default: this one)")
     rn.add_argument("--job", help="the run's id (default: mccl-<time>-<pid>)")

@@ -33,6 +33,7 @@ from .commands import find_targets
 from .targets import fetch, load_key
 
 ANCHOR_START_S = 15.0       # the anchor's python imports torch before it listens
+ELASTIC_RESTARTS = 100     # --max-restarts of an elastic run (--min < --max): one per re-form
 CANCEL_WAIT_S = 15.0        # after a cancel, how long the daemons get to confirm (they stop the job)
 
 
@@ -183,9 +184,11 @@ class _Stop(Exception):
 
 
 def run_job(hosts: list[Host], submit_key: bytes, request: dict, out: Callable[[str, str, str], None],
-            on_event: Callable[[str, str, Any], None] | None = None) -> dict[str, int | str]:
-    """Leases every host, streams until each exits; returns host -> exit code, or the reason its
-    lease ended. ``request`` holds the LaunchRequest fields but the job's rendezvous ones."""
+            on_event: Callable[[str, str, Any], None] | None = None,
+            elastic: bool = False) -> dict[str, int | str]:
+    """Leases every host, streams until each exits; returns host -> exit code, or why it is out
+    ("left after step N": drained; "lease lost: ..."). A lost lease ends the job everywhere,
+    unless ``elastic``: then the others' torchruns re-form without that host."""
     leases: dict[str, Lease] = {}
     results: dict[str, int | str] = {}
     errors: dict[str, BaseException] = {}
@@ -228,11 +231,21 @@ def run_job(hosts: list[Host], submit_key: bytes, request: dict, out: Callable[[
                     event, data = lease.read()
                 except MCCLError as e:
                     results[name] = f"lease lost: {e}"
-                    raise
+                    if not elastic:
+                        raise
+                    out(name, "err", f"[mcclctl] lost this host ({e}); the job goes on without it")
+                    lease.close()
+                    del live[name]
+                    continue
                 if event in ("out", "err"):
                     out(name, event, str(data))
+                elif event == "left":
+                    results[name] = f"left after step {(data or {}).get('step')}"
+                    out(name, "err", f"[mcclctl] left after step {(data or {}).get('step')} (its user is back); "
+                                     "the job goes on without it")
                 elif event == "exit":
-                    results[name] = int((data or {}).get("code", -1))
+                    if name not in results:
+                        results[name] = int((data or {}).get("code", -1))
                     lease.close()
                     del live[name]
                 if on_event:
@@ -243,7 +256,10 @@ def run_job(hosts: list[Host], submit_key: bytes, request: dict, out: Callable[[
                         lease.beat()
                     except OSError as e:
                         results[name] = f"lease lost: {e}"
-                        raise DaemonUnavailableError(f"[mcclctl] lost the lease on {name}: {e}") from None
+                        if not elastic:
+                            raise DaemonUnavailableError(f"[mcclctl] lost the lease on {name}: {e}") from None
+                        lease.close()
+                        del live[name]
                 last_beat = time.monotonic()
     except BaseException:
         _cancel(live)
@@ -302,12 +318,16 @@ def cmd_run(args) -> int:
     try:
         request = {"job": job, "rdzv_endpoint": f"{anchor_ip}:{anchor.port}", "nnodes": nnodes,
                    "nproc_per_node": args.nproc_per_node, "argv": argv, "cwd": args.cwd or os.getcwd(),
-                   "env": env, "max_restarts": args.max_restarts,
+                   "env": env,
+                   # Elastic: each re-form (a host left or died) is a restart of torchrun's workers.
+                   "max_restarts": args.max_restarts if args.max_restarts is not None else
+                   (ELASTIC_RESTARTS if n_min < n_max else 0),
                    # A state term chose the hosts on purpose: the daemons must not refuse a busy one.
                    "any_state": any(w.strip().startswith("state=") for w in args.where or [])}
         try:
             results = run_job(chosen, submit_key, request,
-                              lambda host, stream, line: _print_line(args.json, width, host, stream, line))
+                              lambda host, stream, line: _print_line(args.json, width, host, stream, line),
+                              elastic=n_min < n_max)
         except KeyboardInterrupt:
             say("cancelled", {"message": "interrupted: every host's job was stopped"})
             return 130
@@ -323,7 +343,10 @@ def cmd_run(args) -> int:
     say("exit", {"codes": results})
     codes = [c for c in results.values() if isinstance(c, int)]
     bad = [c for c in codes if c != 0]
-    return bad[0] if bad else (0 if len(codes) == len(results) else 1)
+    if bad:
+        return bad[0]
+    # Hosts that left by a drain did their part; the job succeeded if the rest finished.
+    return 0 if codes and all(isinstance(c, int) or c.startswith("left after") for c in results.values()) else 1
 
 
 def _counts(args) -> tuple[int, int]:

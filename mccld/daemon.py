@@ -543,6 +543,9 @@ class Daemon:
 
     def _on_harvest(self, snapshot: dict[str, Any], changed: bool) -> None:
         self._stat("set_harvest", snapshot)
+        launcher = self.launcher   # read once: stop() may clear it
+        if changed and snapshot["state"] == "draining" and launcher is not None:
+            launcher.drain()
         advertiser = self.advertiser   # read once: stop() may clear it (set_harvest re-announces on change only)
         if advertiser is not None:
             advertiser.set_harvest(snapshot["state"])

@@ -9,6 +9,11 @@ mccld's own user) in a session of its own; its output goes back line by line, se
 the lease ends with its exit code. A client that cancels, disconnects or stays silent for
 LEASE_TIMEOUT_S ends the lease: the job's process group gets SIGTERM (torchrun passes it to
 its workers), then SIGKILL after STOP_GRACE_S.
+
+Draining (the host's user is back): ``drain`` creates each job's MCCL_DRAIN_FILE; a job that
+uses libmccl.elastic saves at its next step boundary and its ranks here exit; once they wrote
+the ".left" file the lease reports "left" and torchrun is stopped, leaving the run to the
+other hosts (docs/elastic.md).
 """
 
 from __future__ import annotations
@@ -29,8 +34,8 @@ from pathlib import Path
 from typing import Callable
 
 from mccl_common.errors import ConfigError, MCCLError, ProtocolError
-from mccl_common.launch_protocol import (BEAT_S, LEASE_TIMEOUT_S, MAX_LINE_CHARS, PROTO, LaunchRequest,
-                                         request_ok, sealed)
+from mccl_common.launch_protocol import (BEAT_S, DRAIN_ENV, LEASE_TIMEOUT_S, LEFT_SUFFIX, MAX_LINE_CHARS, PROTO,
+                                         LaunchRequest, request_ok, sealed)
 from mccl_common.status_protocol import IO_TIMEOUT_S, Conn, HARVESTED_STATES
 
 from .gate import Gate, Ticket
@@ -90,6 +95,7 @@ class LaunchServer:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._jobs: dict[str, subprocess.Popen] = {}    # lease id -> its torchrun
+        self._drain_files: dict[str, Path] = {}         # lease id -> the file that tells its job to leave
         self._conns: set[threading.Thread] = set()
         self._once = OnceLogger(log)
 
@@ -108,6 +114,21 @@ class LaunchServer:
     def jobs(self) -> list[str]:
         with self._lock:
             return sorted(self._jobs)
+
+    def drain(self) -> int:
+        """The host's user is back: tell every running job to leave at its next step boundary
+        (libmccl.elastic sees the file, saves, and this host's ranks exit); returns how many.
+        A job that never checks runs on until it ends."""
+        with self._lock:
+            files = list(self._drain_files.values())
+        for f in files:
+            try:
+                f.touch()
+            except OSError as e:
+                log.warning("[launch] cannot create drain file %s: %s", f, e)
+        if files:
+            log.warning("[launch] draining: %d job(s) told to leave this host at their next step", len(files))
+        return len(files)
 
     def start(self) -> "LaunchServer":
         if self._sock is not None:
@@ -234,8 +255,10 @@ class LaunchServer:
             send("refused", {"kind": type(err).__name__, "message": str(err)})
             return
         lease_id = f"{req.job}@{peer}"
+        drain_file = self._runtime_dir / f"drain-{req.job}-{os.getpid()}-{threading.get_ident()}"
+        _remove(drain_file)
         try:
-            job = _Job(self._spawn(req))
+            job = _Job(self._spawn(req, drain_file))
         except (OSError, subprocess.SubprocessError, KeyError) as e:
             msg = f"[launch] {self._host_id} could not start the job: {e}"
             log.warning("%s", msg)
@@ -243,26 +266,30 @@ class LaunchServer:
             return
         with self._lock:
             self._jobs[lease_id] = job.proc
+            self._drain_files[lease_id] = drain_file
         self._on_change()
         log.info("[launch] job %s for peer=%s started (pid %d): %s", req.job, peer, job.proc.pid,
                  " ".join(req.argv))
         try:
             send("started", {"host": self._host_id, "pid": job.proc.pid})
-            code = self._pump(conn, job, send, req.job, peer)
+            code = self._pump(conn, job, send, req.job, peer, drain_file)
         finally:
             job.stop()
             with self._lock:
                 self._jobs.pop(lease_id, None)
+                self._drain_files.pop(lease_id, None)
+            _remove(drain_file)
+            _remove(Path(str(drain_file) + LEFT_SUFFIX))
             self._on_change()
         if code is not None:
             log.info("[launch] job %s for peer=%s exited with %d", req.job, peer, code)
             send("exit", {"code": code})
 
-    def _spawn(self, req: LaunchRequest) -> subprocess.Popen:
+    def _spawn(self, req: LaunchRequest, drain_file: Path) -> subprocess.Popen:
         env = dict(os.environ)
         env.update(dict(req.env))
         env.update({"MCCL_HOST_ID": self._host_id, "MCCL_RUNTIME_DIR": str(self._runtime_dir),
-                    "PYTHONUNBUFFERED": "1"})
+                    DRAIN_ENV: str(drain_file), "PYTHONUNBUFFERED": "1"})
         kwargs = {}
         if self._user and self._user != pwd.getpwuid(os.geteuid()).pw_name:
             pw = pwd.getpwnam(self._user)
@@ -271,9 +298,13 @@ class LaunchServer:
         return subprocess.Popen(self._command(req), cwd=req.cwd, env=env, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, **kwargs)
 
-    def _pump(self, conn: Conn, job: "_Job", send, name: str, peer: str) -> int | None:
-        """Streams output until the job exits (its code) or the lease ends (None)."""
+    def _pump(self, conn: Conn, job: "_Job", send, name: str, peer: str, drain_file: Path) -> int | None:
+        """Streams output until the job exits (its code) or the lease ends (None). Once this
+        host's ranks have saved and left (the drain's ".left" file), torchrun is stopped: its
+        rendezvous handler takes the host out of the run, so the others re-form at once."""
         proc, lines, readers = job.proc, job.lines, job.readers
+        left = Path(str(drain_file) + LEFT_SUFFIX)
+        told_left = False
         last_heard = last_sent = time.monotonic()
         exited = 0.0
         sock = conn.sock
@@ -281,11 +312,30 @@ class LaunchServer:
             while True:
                 while True:
                     try:
-                        name, line = lines.get_nowait()
+                        stream, line = lines.get_nowait()
                     except queue.Empty:
                         break
-                    send(name, line)
+                    if told_left:
+                        # torchrun's own shutdown noise (a SIGTERM traceback) once the host left
+                        # on purpose: the user saw "left"; mccld's log keeps it.
+                        log.debug("[launch] job %s after leaving: %s", name, line)
+                        continue
+                    send(stream, line)
                     last_sent = time.monotonic()
+                if not told_left and left.exists():
+                    told_left = True
+                    try:
+                        step = int(left.read_text() or -1)
+                    except (OSError, ValueError):
+                        step = -1
+                    log.warning("[launch] job %s left this host after step %d; stopping its torchrun", name, step)
+                    send("left", {"step": step})
+                    # torchrun alone: it stops its workers itself (one may still be closing its
+                    # process group), and its rendezvous handler leaves the run at exit.
+                    try:
+                        proc.send_signal(signal.SIGTERM)
+                    except ProcessLookupError:
+                        pass
                 if proc.poll() is not None and lines.empty():
                     exited = exited or time.monotonic()
                     # Something outside the session may hold the pipes open: the exit counts anyway.
@@ -356,6 +406,15 @@ class _Job:
         for t, stream in zip(self.readers, (proc.stdout, proc.stderr)):
             if not t.is_alive() and stream is not None:
                 stream.close()
+
+
+def _remove(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        log.debug("cannot remove %s: %s", path, e)
 
 
 def _signal_group(pgid: int, sig: int) -> None:

@@ -1,0 +1,204 @@
+"""Elastic training on harvested hosts: checkpoint at a step boundary, leave, re-form, resume.
+
+A training script under ``mcclctl run`` (or ``torchrun --rdzv-backend mccl``) wraps its loop::
+
+    from libmccl.elastic import ElasticState
+    state = ElasticState("/shared/ckpt/run1", model=model, optimizer=opt, scheduler=sched, every=100)
+    for step in range(state.resume(), total_steps):     # 0 on a fresh run
+        ...one step, with the global batch split over dist.get_world_size() ranks...
+        state.step_done(step)
+
+``step_done`` agrees with every rank, at the same step, whether a host must leave: its mccld
+drains it when its user comes back (it creates the job's MCCL_DRAIN_FILE). Then every rank
+saves the state after this step (torch.distributed.checkpoint, into ``directory``, which every
+host must reach: a shared folder), the leaving host's ranks exit 0 and the others exit with
+REFORM_EXIT so that torchrun restarts them into a world without the leaving host; ``resume``
+then loads that step and returns the next, so no step is lost or repeated. Every ``every``
+steps it also saves, so a host that dies (kill -9, cable pulled) costs at most that many
+steps: the others fail with PeerLostError, torchrun re-forms, and they resume from there.
+
+Saved: the model and optimizer (DCP), the scheduler, the step, ``extra`` (the data position,
+or anything small the script keeps there) and every rank's RNG states (Python, NumPy if
+present, torch CPU, and the accelerator's). A script that never calls this still runs; on a
+change of hosts torchrun restarts it from step 0, which ``mcclctl run`` says.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import random
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mccl_common.errors import ConfigError
+from mccl_common.launch_protocol import DRAIN_ENV, LEFT_SUFFIX
+
+log = logging.getLogger(__name__)
+
+REFORM_EXIT = 75                # EX_TEMPFAIL: torchrun restarts the workers, the world re-forms
+KEEP = 2                        # checkpoints kept; older ones are removed once a newer one is complete
+_DONE = "COMPLETE"
+
+
+class ElasticState:
+    """What a training script hands over to survive hosts leaving: see the module docstring."""
+
+    def __init__(self, directory: str | os.PathLike, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
+                 every: int = 100, extra: dict | None = None):
+        if every < 1:
+            raise ConfigError(f"[elastic] every={every}: checkpoint at least every step (every >= 1)")
+        if not dist.is_initialized():
+            raise ConfigError("[elastic] call dist.init_process_group first: the state is saved by every rank")
+        self.directory = Path(directory)
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.every = every
+        self.extra: dict = dict(extra or {})
+        self._drain_file = os.environ.get(DRAIN_ENV, "")
+        self.resumed_from: int | None = None     # the step the last resume() loaded, None: fresh start
+
+    # ---- resume ----------------------------------------------------------------------
+
+    def resume(self) -> int:
+        """Loads the newest complete checkpoint, if any; returns the first step to run."""
+        latest = self._latest()
+        if latest is None:
+            self.resumed_from = None
+            return 0
+        step, path = latest
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+        sd = self._tensors()
+        dcp.load(sd, checkpoint_id=str(path / "dcp"))
+        set_state_dict(self.model, [self.optimizer] if self.optimizer else [],
+                       model_state_dict=sd["model"], optim_state_dict=sd.get("optim", {}))
+        with open(path / "meta.pkl", "rb") as fh:
+            meta = pickle.load(fh)
+        if self.scheduler is not None and meta.get("scheduler") is not None:
+            self.scheduler.load_state_dict(meta["scheduler"])
+        self.extra = meta.get("extra", {})
+        rngs = meta.get("rng", [])
+        if rngs:
+            # A smaller world takes the states of its ranks; a larger one reuses them round robin,
+            # so each rank's stream continues rather than restarting from the seed.
+            _set_rng(rngs[dist.get_rank() % len(rngs)])
+        self.resumed_from = step
+        if dist.get_rank() == 0:
+            log.warning("[elastic] resumed after step %d from %s with %d ranks (saved by %d)", step, path,
+                        dist.get_world_size(), meta.get("world", 0))
+        return step + 1
+
+    # ---- each step -------------------------------------------------------------------
+
+    def step_done(self, step: int) -> None:
+        """Call after every step. Saves when due; when a host must leave, saves and exits this
+        process (0 on the leaving host, REFORM_EXIT elsewhere) so that torchrun re-forms."""
+        mine = 1 if self._drain_file and os.path.exists(self._drain_file) else 0
+        flag = torch.tensor([mine], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        leaving = bool(flag.item())
+        if leaving or (step + 1) % self.every == 0:
+            self.save(step)
+        if not leaving:
+            return
+        rank = dist.get_rank()
+        if mine:
+            if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+                Path(self._drain_file + LEFT_SUFFIX).write_text(str(step))
+            print(f"[elastic] rank {rank}: this host leaves after step {step} (its user is back); "
+                  "the others re-form and resume from here", flush=True)
+            code = 0
+        else:
+            print(f"[elastic] rank {rank}: a host leaves after step {step}; re-forming without it", flush=True)
+            code = REFORM_EXIT
+        dist.destroy_process_group()
+        sys.exit(code)
+
+    def save(self, step: int) -> Path:
+        """Every rank writes its part of the state after ``step``; rank 0 marks it complete last."""
+        import torch.distributed.checkpoint as dcp
+        path = self.directory / f"step-{step:09d}"
+        rank = dist.get_rank()
+        dcp.save(self._tensors(), checkpoint_id=str(path / "dcp"))
+        rngs: list = [None] * dist.get_world_size()
+        dist.all_gather_object(rngs, _get_rng())
+        if rank == 0:
+            meta = {"step": step, "world": dist.get_world_size(), "extra": self.extra, "rng": rngs,
+                    "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
+            tmp = path / "meta.pkl.tmp"
+            with open(tmp, "wb") as fh:
+                pickle.dump(meta, fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            tmp.replace(path / "meta.pkl")
+        dist.barrier()      # every rank's files are written before the marker says so
+        if rank == 0:
+            (path / _DONE).write_text(str(step))
+            self._prune(keep=path)
+        return path
+
+    # ---- helpers ---------------------------------------------------------------------
+
+    def _tensors(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        model_sd, optim_sd = get_state_dict(self.model, [self.optimizer] if self.optimizer else [])
+        sd = {"model": model_sd}
+        if self.optimizer is not None:
+            sd["optim"] = optim_sd
+        return sd
+
+    def _latest(self) -> tuple[int, Path] | None:
+        found = []
+        if self.directory.is_dir():
+            for p in self.directory.glob("step-*"):
+                try:
+                    found.append((int(p.name[5:]), p))
+                except ValueError:
+                    continue
+        found = [(s, p) for s, p in found if (p / _DONE).exists()]
+        return max(found) if found else None
+
+    def _prune(self, keep: Path) -> None:
+        done = sorted((p for p in self.directory.glob("step-*") if (p / _DONE).exists()), key=lambda p: p.name)
+        for old in done[:-KEEP]:
+            if old != keep:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def _get_rng() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    mps = getattr(torch, "mps", None)
+    if mps is not None and torch.backends.mps.is_available():
+        state["mps"] = mps.get_rng_state()
+    return state
+
+
+def _set_rng(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if "mps" in state and torch.backends.mps.is_available():
+        torch.mps.set_rng_state(state["mps"])
+
+
+__all__ = ["DRAIN_ENV", "REFORM_EXIT", "ElasticState"]
