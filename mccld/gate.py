@@ -24,6 +24,7 @@ import logging
 import socket
 import threading
 import time
+from typing import Callable
 
 from mccl_common.daemon_settings import DaemonConfig
 
@@ -116,6 +117,29 @@ class Gate:
     def unauthenticated(self) -> int:
         with self._cv:
             return self._total
+
+    def accept_loop(self, listener: socket.socket, stop: threading.Event,
+                    handle: Callable[[socket.socket, str, "Ticket"], None], thread_name: str,
+                    started: Callable[[threading.Thread], None] | None = None) -> None:
+        """A port's accept loop: until ``stop`` is set or the listener closes, admit each
+        connection through this gate and handle it on a thread of its own (``started`` sees
+        the thread before it runs). The listener needs a timeout so that ``stop`` is noticed."""
+        while not stop.is_set():
+            try:
+                sock, (ip, port) = listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                if not stop.is_set():
+                    log.exception("[%s] accept failed", self.name)
+                return
+            ticket = self.admit(sock, ip)
+            if ticket is None:
+                continue
+            t = threading.Thread(target=handle, args=(sock, f"{ip}:{port}", ticket), name=thread_name, daemon=True)
+            if started is not None:
+                started(t)
+            t.start()
 
     def close(self) -> None:
         """Stop the watchdog (the port is closed); ``start`` starts it again."""

@@ -171,23 +171,10 @@ class LaunchServer:
     # ---- serving ---------------------------------------------------------------------
 
     def _accept_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, (host, port) = self._sock.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                if not self._stop.is_set():
-                    log.exception("launch endpoint accept failed")
-                return
-            ticket = self._gate.admit(conn, host)
-            if ticket is None:
-                continue
-            t = threading.Thread(target=self._serve, args=(conn, f"{host}:{port}", ticket),
-                                 name="mccld-launch-conn", daemon=True)
+        def track(t: threading.Thread) -> None:
             with self._lock:
                 self._conns.add(t)
-            t.start()
+        self._gate.accept_loop(self._sock, self._stop, self._serve, "mccld-launch-conn", started=track)
 
     def _serve(self, sock: socket.socket, peer: str, ticket: Ticket) -> None:
         try:

@@ -195,17 +195,7 @@ class LinkManager:
         return self._adopt(sock, session, peer_host, peer_listen)
 
     def _accept_loop(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                sock, (ip, port) = self._server.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                return
-            ticket = self.gate.admit(sock, ip)
-            if ticket is not None:
-                threading.Thread(target=self._handshake, args=(sock, f"{ip}:{port}", ticket),
-                                 name="mccld-link-handshake", daemon=True).start()
+        self.gate.accept_loop(self._server, self._stopping, self._handshake, "mccld-link-handshake")
 
     def _handshake(self, sock: socket.socket, peer: str, ticket: Ticket) -> None:
         sock.settimeout(self._timeout)

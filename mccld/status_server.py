@@ -192,19 +192,7 @@ class StatusServer:
             return {k: dict(v) for k, v in self._linktests.items()}
 
     def _accept_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, (host, port) = self._sock.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                if not self._stop.is_set():
-                    log.exception("status endpoint accept failed")
-                return
-            ticket = self._gate.admit(conn, host)
-            if ticket is not None:
-                threading.Thread(target=self._serve, args=(conn, f"{host}:{port}", ticket),
-                                 name="mccld-status-conn", daemon=True).start()
+        self._gate.accept_loop(self._sock, self._stop, self._serve, "mccld-status-conn")
 
     def _serve(self, sock: socket.socket, peer: str, ticket: Ticket) -> None:
         slot = False

@@ -1,21 +1,10 @@
 #include "communicator/op_signature.h"
 
+#include "core/le.h"
+
 namespace mccl {
 
 namespace {
-
-// Little-endian, field by field, like the frame header around it.
-template <typename T>
-void put(uint8_t*& p, T v) {
-  for (size_t i = 0; i < sizeof(T); ++i) *p++ = static_cast<uint8_t>(uint64_t(v) >> (8 * i));
-}
-
-template <typename T>
-T get(const uint8_t*& p) {
-  uint64_t v = 0;
-  for (size_t i = 0; i < sizeof(T); ++i) v |= uint64_t(*p++) << (8 * i);
-  return static_cast<T>(v);
-}
 
 static_assert(2 + 8 + 1 + 1 + 4 + 4 == kSignatureBytes, "OpSignature fills the signature");
 static_assert(8 + 8 == kTermsBytes, "terms_of fills the terms");
@@ -60,32 +49,32 @@ const char* op_kind_name(OpKind k) {
 Signature encode_signature(const OpSignature& s) {
   Signature out{};
   uint8_t* p = out.data();
-  put<uint16_t>(p, static_cast<uint16_t>(s.kind));
-  put<uint64_t>(p, s.op_bytes);
-  put<uint8_t>(p, s.dtype);
-  put<uint8_t>(p, s.redop);
-  put<uint32_t>(p, static_cast<uint32_t>(s.root));
-  put<uint32_t>(p, s.pieces);
+  put_le<uint16_t>(p, static_cast<uint16_t>(s.kind));
+  put_le<uint64_t>(p, s.op_bytes);
+  put_le<uint8_t>(p, s.dtype);
+  put_le<uint8_t>(p, s.redop);
+  put_le<uint32_t>(p, static_cast<uint32_t>(s.root));
+  put_le<uint32_t>(p, s.pieces);
   return out;
 }
 
 OpSignature decode_signature(const Signature& in) {
   const uint8_t* p = in.data();
   OpSignature s;
-  s.kind = static_cast<OpKind>(get<uint16_t>(p));
-  s.op_bytes = get<uint64_t>(p);
-  s.dtype = get<uint8_t>(p);
-  s.redop = get<uint8_t>(p);
-  s.root = static_cast<int32_t>(get<uint32_t>(p));
-  s.pieces = get<uint32_t>(p);
+  s.kind = static_cast<OpKind>(get_le<uint16_t>(p));
+  s.op_bytes = get_le<uint64_t>(p);
+  s.dtype = get_le<uint8_t>(p);
+  s.redop = get_le<uint8_t>(p);
+  s.root = static_cast<int32_t>(get_le<uint32_t>(p));
+  s.pieces = get_le<uint32_t>(p);
   return s;
 }
 
 Terms terms_of(const Options& opts) {
   Terms out{};
   uint8_t* p = out.data();
-  put<uint64_t>(p, opts.segment_bytes);
-  put<uint64_t>(p, opts.small_allreduce_bytes);
+  put_le<uint64_t>(p, opts.segment_bytes);
+  put_le<uint64_t>(p, opts.small_allreduce_bytes);
   return out;
 }
 
@@ -141,8 +130,8 @@ std::string CollectiveRules::mismatch(const Signature& mine_sig, const Signature
 std::string CollectiveRules::terms_mismatch(const Terms& dialer, const Terms& acceptor) const {
   const uint8_t* d = dialer.data();
   const uint8_t* a = acceptor.data();
-  const uint64_t d_seg = get<uint64_t>(d), d_small = get<uint64_t>(d);
-  const uint64_t a_seg = get<uint64_t>(a), a_small = get<uint64_t>(a);
+  const uint64_t d_seg = get_le<uint64_t>(d), d_small = get_le<uint64_t>(d);
+  const uint64_t a_seg = get_le<uint64_t>(a), a_small = get_le<uint64_t>(a);
   auto n = [](uint64_t v) { return std::to_string(v); };
   if (d_seg != a_seg) {
     return "pipeline segment mismatch (dialer " + n(d_seg) + ", acceptor " + n(a_seg) +

@@ -1,22 +1,11 @@
 #include "transport/frame.h"
 
 #include "core/errors.h"
+#include "core/le.h"
 
 namespace mccl {
 
 namespace {
-
-template <typename T>
-void put(uint8_t*& p, T v) {
-  for (size_t i = 0; i < sizeof(T); ++i) *p++ = static_cast<uint8_t>(uint64_t(v) >> (8 * i));
-}
-
-template <typename T>
-T get(const uint8_t*& p) {
-  uint64_t v = 0;
-  for (size_t i = 0; i < sizeof(T); ++i) v |= uint64_t(*p++) << (8 * i);
-  return static_cast<T>(v);
-}
 
 [[noreturn]] void bad_frame(const std::string& why, int peer_rank, const std::string& addr) {
   throw_error(ErrorKind::kProtocol,
@@ -44,30 +33,30 @@ static_assert(4 + 2 + 2 + 8 + 8 + 4 + 8 + 8 + 8 + kSignatureBytes == kFrameHeade
 
 void encode_header(const FrameHeader& h, uint8_t out[kFrameHeaderBytes]) {
   uint8_t* p = out;
-  put<uint32_t>(p, h.magic);
-  put<uint16_t>(p, h.version);
-  put<uint16_t>(p, static_cast<uint16_t>(h.kind));
-  put<uint64_t>(p, h.comm_id);
-  put<uint64_t>(p, h.seq);
-  put<uint32_t>(p, h.tag);
-  put<uint64_t>(p, h.offset);
-  put<uint64_t>(p, h.length);
-  put<uint64_t>(p, h.total);
+  put_le<uint32_t>(p, h.magic);
+  put_le<uint16_t>(p, h.version);
+  put_le<uint16_t>(p, static_cast<uint16_t>(h.kind));
+  put_le<uint64_t>(p, h.comm_id);
+  put_le<uint64_t>(p, h.seq);
+  put_le<uint32_t>(p, h.tag);
+  put_le<uint64_t>(p, h.offset);
+  put_le<uint64_t>(p, h.length);
+  put_le<uint64_t>(p, h.total);
   for (uint8_t b : h.sig) *p++ = b;
 }
 
 FrameHeader decode_header(const uint8_t in[kFrameHeaderBytes]) {
   const uint8_t* p = in;
   FrameHeader h;
-  h.magic = get<uint32_t>(p);
-  h.version = get<uint16_t>(p);
-  h.kind = static_cast<FrameKind>(get<uint16_t>(p));
-  h.comm_id = get<uint64_t>(p);
-  h.seq = get<uint64_t>(p);
-  h.tag = get<uint32_t>(p);
-  h.offset = get<uint64_t>(p);
-  h.length = get<uint64_t>(p);
-  h.total = get<uint64_t>(p);
+  h.magic = get_le<uint32_t>(p);
+  h.version = get_le<uint16_t>(p);
+  h.kind = static_cast<FrameKind>(get_le<uint16_t>(p));
+  h.comm_id = get_le<uint64_t>(p);
+  h.seq = get_le<uint64_t>(p);
+  h.tag = get_le<uint32_t>(p);
+  h.offset = get_le<uint64_t>(p);
+  h.length = get_le<uint64_t>(p);
+  h.total = get_le<uint64_t>(p);
   for (uint8_t& b : h.sig) b = *p++;
   return h;
 }
@@ -111,11 +100,11 @@ std::string encode_abort(const AbortInfo& a) {
   std::string msg = a.message.substr(0, kMaxAbortPayload - 512);
   std::string out(4 * 5 + addr.size() + msg.size(), '\0');
   auto* p = reinterpret_cast<uint8_t*>(&out[0]);
-  put<uint32_t>(p, static_cast<uint32_t>(a.origin_rank));
-  put<uint32_t>(p, static_cast<uint32_t>(a.lost_rank));
-  put<uint32_t>(p, static_cast<uint32_t>(a.kind));
-  put<uint32_t>(p, static_cast<uint32_t>(addr.size()));
-  put<uint32_t>(p, static_cast<uint32_t>(msg.size()));
+  put_le<uint32_t>(p, static_cast<uint32_t>(a.origin_rank));
+  put_le<uint32_t>(p, static_cast<uint32_t>(a.lost_rank));
+  put_le<uint32_t>(p, static_cast<uint32_t>(a.kind));
+  put_le<uint32_t>(p, static_cast<uint32_t>(addr.size()));
+  put_le<uint32_t>(p, static_cast<uint32_t>(msg.size()));
   std::copy(addr.begin(), addr.end(), p);
   std::copy(msg.begin(), msg.end(), p + addr.size());
   return out;
@@ -123,11 +112,11 @@ std::string encode_abort(const AbortInfo& a) {
 
 bool decode_abort(const uint8_t* p, size_t n, AbortInfo* out) {
   if (n < 20) return false;
-  out->origin_rank = static_cast<int32_t>(get<uint32_t>(p));
-  out->lost_rank = static_cast<int32_t>(get<uint32_t>(p));
-  out->kind = static_cast<int32_t>(get<uint32_t>(p));
-  uint32_t alen = get<uint32_t>(p);
-  uint32_t mlen = get<uint32_t>(p);
+  out->origin_rank = static_cast<int32_t>(get_le<uint32_t>(p));
+  out->lost_rank = static_cast<int32_t>(get_le<uint32_t>(p));
+  out->kind = static_cast<int32_t>(get_le<uint32_t>(p));
+  uint32_t alen = get_le<uint32_t>(p);
+  uint32_t mlen = get_le<uint32_t>(p);
   if (size_t(alen) + mlen != n - 20) return false;
   out->lost_addr.assign(reinterpret_cast<const char*>(p), alen);
   out->message.assign(reinterpret_cast<const char*>(p) + alen, mlen);
