@@ -16,6 +16,9 @@ REFORM_EXIT so that torchrun restarts them into a world without the leaving host
 then loads that step and returns the next, so no step is lost or repeated. Every ``every``
 steps it also saves, so a host that dies (kill -9, cable pulled) costs at most that many
 steps: the others fail with PeerLostError, torchrun re-forms, and they resume from there.
+A host that asks to join (it turned idle, up to ``--nnodes`` MAX) is taken in the same way: the
+rendezvous handler in torchrun creates MCCL_REFORM_FILE, every rank saves after the step in
+which any rank saw it and exits with REFORM_EXIT, and the larger world resumes from that step.
 
 Saved: the model and optimizer (DCP), the scheduler, the step, ``extra`` (the data position,
 or anything small the script keeps there) and every rank's RNG states (Python, NumPy if
@@ -38,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from mccl_common.errors import ConfigError
-from mccl_common.launch_protocol import DRAIN_ENV, LEFT_SUFFIX
+from mccl_common.launch_protocol import AWARE_SUFFIX, DRAIN_ENV, LEFT_SUFFIX, REFORM_ENV
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +67,14 @@ class ElasticState:
         self.every = every
         self.extra: dict = dict(extra or {})
         self._drain_file = os.environ.get(DRAIN_ENV, "")
+        self._reform_file = os.environ.get(REFORM_ENV, "")
         self.resumed_from: int | None = None     # the step the last resume() loaded, None: fresh start
+        if self._reform_file and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            try:
+                Path(self._reform_file + AWARE_SUFFIX).touch()
+            except OSError as exc:      # the handler then restarts the workers for a joining host
+                log.warning("[elastic] cannot create %s (%s): a joining host costs the steps since the last save",
+                            self._reform_file + AWARE_SUFFIX, exc)
 
     # ---- resume ----------------------------------------------------------------------
 
@@ -100,15 +110,17 @@ class ElasticState:
     # ---- each step -------------------------------------------------------------------
 
     def step_done(self, step: int) -> None:
-        """Call after every step. Saves when due; when a host must leave, saves and exits this
-        process (0 on the leaving host, REFORM_EXIT elsewhere) so that torchrun re-forms."""
+        """Call after every step. Saves when due; when a host must leave or one joins, saves and
+        exits this process (0 on the leaving host, REFORM_EXIT elsewhere) so that torchrun re-forms."""
         mine = 1 if self._drain_file and os.path.exists(self._drain_file) else 0
-        flag = torch.tensor([mine], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        leaving = bool(flag.item())
-        if leaving or (step + 1) % self.every == 0:
+        joining = 1 if self._reform_file and os.path.exists(self._reform_file) else 0
+        # One all-reduce, every rank the same answer: the hosts re-form after the same step.
+        flags = torch.tensor([mine, joining], dtype=torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        leaving, reforming = bool(flags[0].item()), bool(flags[1].item())
+        if leaving or reforming or (step + 1) % self.every == 0:
             self.save(step)
-        if not leaving:
+        if not (leaving or reforming):
             return
         rank = dist.get_rank()
         if mine:
@@ -118,7 +130,8 @@ class ElasticState:
                   "the others re-form and resume from here", flush=True)
             code = 0
         else:
-            print(f"[elastic] rank {rank}: a host leaves after step {step}; re-forming without it", flush=True)
+            why = "a host leaves" if leaving else "a host joins"
+            print(f"[elastic] rank {rank}: {why} after step {step}; re-forming", flush=True)
             code = REFORM_EXIT
         dist.destroy_process_group()
         sys.exit(code)
@@ -201,4 +214,4 @@ def _set_rng(state: dict) -> None:
         torch.mps.set_rng_state(state["mps"])
 
 
-__all__ = ["DRAIN_ENV", "REFORM_EXIT", "ElasticState"]
+__all__ = ["AWARE_SUFFIX", "DRAIN_ENV", "REFORM_ENV", "REFORM_EXIT", "ElasticState"]

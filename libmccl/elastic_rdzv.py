@@ -28,6 +28,7 @@ import inspect
 import logging
 import os
 import socket
+import tempfile
 import threading
 import time
 import weakref
@@ -44,7 +45,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (DynamicRend
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from mccl_common.errors import AbortedError, CollectiveTimeout, ConfigError, PeerLostError
-from mccl_common.launch_protocol import DRAIN_ENV
+from mccl_common.launch_protocol import AWARE_SUFFIX, DRAIN_ENV, REFORM_ENV
 from mccl_common.settings import EngineConfig, RendezvousConfig, load
 
 from . import listen_addr
@@ -84,13 +85,15 @@ class RunOptions:
     close_timeout_s: float
     heartbeat_s: float
     heartbeat_misses: int
+    join_at_step_s: float
     is_host: bool | None  # None: serve the store when the anchor names this host
 
     # --rdzv-conf key -> field; the keys are those torch's c10d backend reads, so a command line
     # written for it keeps its meaning.
     KEYS = {"read_timeout": "store_timeout_s", "join_timeout": "join_timeout_s",
             "last_call_timeout": "last_call_s", "close_timeout": "close_timeout_s",
-            "keep_alive_interval": "heartbeat_s", "keep_alive_max_attempt": "heartbeat_misses"}
+            "keep_alive_interval": "heartbeat_s", "keep_alive_max_attempt": "heartbeat_misses",
+            "join_at_step_timeout": "join_at_step_s"}
 
     @classmethod
     def parse(cls, params: RendezvousParameters, cfg: RendezvousConfig) -> "RunOptions":
@@ -204,6 +207,30 @@ def _wait_until_listening(host: str, port: int, deadline: float) -> None:
             time.sleep(_CONNECT_RETRY_S)
 
 
+def _republish_workers_store(info: Any) -> None:
+    """Rank 0 of a round tells the round where the workers' store is. torch writes it only in
+    the first round rank 0's agent serves, so a host that joins a later round (a joining Mac,
+    a drained one back) would wait for it until its store timeout; writing it every round is
+    harmless (the same values) and lets it in."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
+
+    boot = info.bootstrap_store_info
+    if boot is None:
+        return
+    info.store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, boot.master_addr.encode())
+    info.store.set(RendezvousStoreInfo.MASTER_PORT_KEY, str(boot.master_port).encode())
+
+
+def _remove(path: str) -> None:
+    if path:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            _log.debug("[rendezvous] cannot remove %s: %s", path, exc)
+
+
 def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [""])[0]
 
@@ -267,9 +294,46 @@ class MCCLRendezvousHandler(DynamicRendezvousHandler):
     anchor_store: Any = None
     _last_world = 0  # hosts in the last round this one joined
     _left = False    # left the run after a drain (leave_if_drained)
+    reform_file = ""         # MCCL_REFORM_FILE of this torchrun's workers
+    join_at_step_s = 30.0
+    _join_asked: float | None = None     # when the workers were asked to re-form for a waiting host
+
+    def num_nodes_waiting(self) -> int:
+        """torchrun's agent restarts its workers at once, mid-step, when this is above 0. Workers
+        that use libmccl.elastic stop at their next step boundary by themselves, saved, when the
+        reform file appears: for them report 0 until they have (at most join_at_step_s)."""
+        waiting = super().num_nodes_waiting()
+        if waiting == 0 or not self.reform_file:
+            self._join_asked = None
+            return waiting
+        if not os.path.exists(self.reform_file + AWARE_SUFFIX):
+            _log.warning("[rendezvous] run %r: %d host(s) waiting to join; this job's script does not use "
+                         "libmccl.elastic.ElasticState, so torchrun restarts it (from step 0 unless it "
+                         "checkpoints itself)", self.settings.run_id, waiting)
+            return waiting
+        now = time.monotonic()
+        if self._join_asked is None:
+            self._join_asked = now
+            try:
+                open(self.reform_file, "a").close()
+            except OSError as exc:
+                _log.warning("[rendezvous] cannot create %s (%s): restarting the workers for the joining host",
+                             self.reform_file, exc)
+                return waiting
+            _log.warning("[rendezvous] run %r: %d host(s) waiting to join; the workers save after this step "
+                         "and re-form with them", self.settings.run_id, waiting)
+        if now - self._join_asked > self.join_at_step_s:
+            _log.warning("[rendezvous] run %r: the workers did not reach a step boundary within %gs "
+                         "(MCCL_RDZV_JOIN_AT_STEP); restarting them for the joining host, they redo the steps "
+                         "since their last save", self.settings.run_id, self.join_at_step_s)
+            return waiting
+        return 0
 
     def next_rendezvous(self) -> Any:
         started = time.monotonic()
+        # The workers of the last round stopped: a new round answers the request.
+        self._join_asked = None
+        _remove(self.reform_file)
         try:
             info = super().next_rendezvous()
         except (RendezvousJoinTimeout, RendezvousClosed, RendezvousUnreachable):
@@ -288,12 +352,16 @@ class MCCLRendezvousHandler(DynamicRendezvousHandler):
                 "of this run finished or gave up, which ends the run for every host; start a new run with a "
                 "new --rdzv-id", peer_addr=self.anchor) from exc
         self._last_world = info.world_size
+        if info.rank == 0 and os.getenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0") != "1":
+            _republish_workers_store(info)
         _log.info("[rendezvous] run %r: rank %d of %d hosts, advertising %s, in %.2fs (anchor %s%s)",
                   self.settings.run_id, info.rank, info.world_size, self._this_node.addr,
                   time.monotonic() - started, self.anchor, ", served here" if self.serves_anchor else "")
         return info
 
     def shutdown(self) -> bool:
+        _remove(self.reform_file)
+        _remove(self.reform_file + AWARE_SUFFIX if self.reform_file else "")
         if self.leave_if_drained():
             return True     # this host left the run; closing it would end it for the others
         closed = super().shutdown()
@@ -378,6 +446,10 @@ def create_handler(params: RendezvousParameters) -> MCCLRendezvousHandler:
     handler.anchor = anchor
     handler.serves_anchor = serving
     handler.anchor_store = store
+    handler.join_at_step_s = opts.join_at_step_s
+    # The workers torchrun starts inherit this environment: the file they watch for a joining host.
+    handler.reform_file = os.environ.setdefault(
+        REFORM_ENV, os.path.join(tempfile.gettempdir(), f"mccl-reform-{os.getuid()}-{os.getpid()}"))
     ref = weakref.ref(handler)
     atexit.register(lambda: (h := ref()) is not None and h.leave_if_drained())
     return handler

@@ -42,8 +42,14 @@ _JOB = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 # user is back; the job's ranks there save, write the file + LEFT_SUFFIX and exit (libmccl.elastic).
 DRAIN_ENV = "MCCL_DRAIN_FILE"
 LEFT_SUFFIX = ".left"
+# Set by the mccl rendezvous handler in torchrun for its workers: the file it creates when a host
+# waits to join the running job; the ranks save at their next step boundary and re-form with it.
+# Workers that do so (libmccl.elastic) create the file + AWARE_SUFFIX, telling the handler not to
+# let torchrun restart them mid-step instead.
+REFORM_ENV = "MCCL_REFORM_FILE"
+AWARE_SUFFIX = ".aware"
 # Set by the daemon for the job, not by the request: they say which host and daemon it runs on.
-RESERVED_ENV = ("MCCL_HOST_ID", "MCCL_RUNTIME_DIR", DRAIN_ENV)
+RESERVED_ENV = ("MCCL_HOST_ID", "MCCL_RUNTIME_DIR", DRAIN_ENV, REFORM_ENV)
 
 
 @dataclasses.dataclass(frozen=True)

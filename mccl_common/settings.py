@@ -203,9 +203,16 @@ class RendezvousConfig:
         "keep-alives a host may miss before the others drop it from the rendezvous; MCCL_RDZV_HEARTBEAT x this "
         "must be at least 2 s (joining hosts write theirs once a second), and the hosts' clocks must agree to "
         "well within it [keep_alive_max_attempt]")
+    join_at_step_s: float = setting(
+        "MCCL_RDZV_JOIN_AT_STEP", 30.0, "seconds",
+        "when a host asks to join a running job whose script uses libmccl.elastic.ElasticState, how long the "
+        "running hosts get to finish their step, save and re-form with it; after that (at once for a script "
+        "without ElasticState) torchrun restarts the workers, which then redo the steps since their last save; "
+        "keep it under MCCL_RDZV_JOIN_TIMEOUT, which the joining host waits [join_at_step_timeout]")
 
     def validate(self) -> None:
         for name, env in (("store_timeout_s", "MCCL_RDZV_STORE_TIMEOUT"), ("join_timeout_s", "MCCL_RDZV_JOIN_TIMEOUT"),
+                          ("join_at_step_s", "MCCL_RDZV_JOIN_AT_STEP"),
                           ("last_call_s", "MCCL_RDZV_LAST_CALL"), ("close_timeout_s", "MCCL_RDZV_CLOSE_TIMEOUT"),
                           ("heartbeat_s", "MCCL_RDZV_HEARTBEAT")):
             _require(getattr(self, name) > 0, env, getattr(self, name), "must be a positive number of seconds")

@@ -8,6 +8,8 @@ import sys
 
 from mccl_common.errors import MCCLError
 
+from .recruit import RECRUIT_EVERY_S
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mcclctl", description="Inspect and diagnose an MCCL fleet.")
@@ -61,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     rn.add_argument("--anchor", metavar="ADDRESS",
                     help="this host's address the fleet reaches (default: the route to the first host)")
     rn.add_argument("--rdzv-port", type=int, default=0, help="the anchor's port (default: a free one)")
+    rn.add_argument("--recruit-every", type=float, default=RECRUIT_EVERY_S, metavar="SECONDS",
+                    help=f"with --min < --max, how often to look for idle hosts to grow the run into "
+                         f"(default {RECRUIT_EVERY_S:g})")
     rn.add_argument("--submit-key-file", help="submit key (default: MCCL_SUBMIT_KEY_FILE or the standard paths)")
     rn.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command each host runs")
     return p

@@ -30,6 +30,7 @@ from mccl_common.status_protocol import split_addr
 
 from . import formatting as fmt
 from .commands import find_targets
+from .recruit import Recruiter
 from .targets import fetch, load_key
 
 ANCHOR_START_S = 15.0       # the anchor's python imports torch before it listens
@@ -183,25 +184,31 @@ class _Stop(Exception):
     """SIGTERM, as KeyboardInterrupt is Ctrl-C."""
 
 
+def open_lease(h: Host, submit_key: bytes, request: dict) -> Lease:
+    """Leases ``h`` and starts the job there; raises MCCLError naming why not."""
+    lease = Lease(f"{h.ip}:{h.launch_port}", submit_key)
+    try:
+        lease.open(LaunchRequest.parse(request))
+    except BaseException:
+        lease.close()
+        raise
+    return lease
+
+
 def run_job(hosts: list[Host], submit_key: bytes, request: dict, out: Callable[[str, str, str], None],
             on_event: Callable[[str, str, Any], None] | None = None,
-            elastic: bool = False) -> dict[str, int | str]:
+            elastic: bool = False, recruiter: Recruiter | None = None) -> dict[str, int | str]:
     """Leases every host, streams until each exits; returns host -> exit code, or why it is out
     ("left after step N": drained; "lease lost: ..."). A lost lease ends the job everywhere,
-    unless ``elastic``: then the others' torchruns re-form without that host."""
+    unless ``elastic``: then the others' torchruns re-form without that host. A ``recruiter``
+    (elastic runs below their maximum) adds the idle hosts it leases while the job runs."""
     leases: dict[str, Lease] = {}
     results: dict[str, int | str] = {}
     errors: dict[str, BaseException] = {}
 
     def open_one(h: Host) -> None:
         try:
-            lease = Lease(f"{h.ip}:{h.launch_port}", submit_key)
-            try:
-                lease.open(LaunchRequest.parse(request))
-            except BaseException:
-                lease.close()
-                raise
-            leases[h.name] = lease
+            leases[h.name] = open_lease(h, submit_key, request)
         except MCCLError as e:
             errors[h.name] = e
 
@@ -219,8 +226,19 @@ def run_job(hosts: list[Host], submit_key: bytes, request: dict, out: Callable[[
             on_event(name, "started", None)
     live = dict(leases)
     last_beat = time.monotonic()
+    if recruiter is not None:
+        recruiter.start()
     try:
         while live:
+            if recruiter is not None:
+                recruiter.active(set(live))
+                for h, lease in recruiter.take():
+                    live[h.name] = lease
+                    results.pop(h.name, None)
+                    out(h.name, "err", "[mcclctl] joined: this host is idle; the job takes it in after its "
+                                       "current step")
+                    if on_event:
+                        on_event(h.name, "started", None)
             ready = [lease for lease in live.values() if lease.buffered()]
             if not ready:
                 r, _, _ = select.select(list(live.values()), [], [], 0.5)
@@ -246,6 +264,11 @@ def run_job(hosts: list[Host], submit_key: bytes, request: dict, out: Callable[[
                 elif event == "exit":
                     if name not in results:
                         results[name] = int((data or {}).get("code", -1))
+                        # The job is ending (or failed) here: a host joining now would find
+                        # the rendezvous closed.
+                        if recruiter is not None:
+                            _cancel(dict(recruiter.stop()))
+                            recruiter = None
                     lease.close()
                     del live[name]
                 if on_event:
@@ -262,10 +285,14 @@ def run_job(hosts: list[Host], submit_key: bytes, request: dict, out: Callable[[
                         del live[name]
                 last_beat = time.monotonic()
     except BaseException:
+        if recruiter is not None:
+            live.update((h.name, lease) for h, lease in recruiter.stop())
         _cancel(live)
         for name in live:
             results.setdefault(name, "cancelled")
         raise
+    if recruiter is not None:
+        _cancel({h.name: lease for h, lease in recruiter.stop()})
     return results
 
 
@@ -324,10 +351,16 @@ def cmd_run(args) -> int:
                    (ELASTIC_RESTARTS if n_min < n_max else 0),
                    # A state term chose the hosts on purpose: the daemons must not refuse a busy one.
                    "any_state": any(w.strip().startswith("state=") for w in args.where or [])}
+        recruiter = None
+        if n_min < n_max:
+            # Idle hosts found later (also those that left earlier) join the run, up to --max.
+            recruiter = Recruiter(lambda: select_hosts(fleet_hosts(args, key)[0], 0, n_max, args.where or [])[0],
+                                  lambda h: open_lease(h, submit_key, request), n_max,
+                                  every_s=max(0.5, args.recruit_every))
         try:
             results = run_job(chosen, submit_key, request,
                               lambda host, stream, line: _print_line(args.json, width, host, stream, line),
-                              elastic=n_min < n_max)
+                              elastic=n_min < n_max, recruiter=recruiter)
         except KeyboardInterrupt:
             say("cancelled", {"message": "interrupted: every host's job was stopped"})
             return 130

@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import gc
 import logging
+import os
 import socket
 import threading
 import time
@@ -21,6 +22,7 @@ from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as 
 
 from libmccl import elastic_rdzv as er
 from mccl_common.errors import AbortedError, CollectiveTimeout, ConfigError, PeerLostError
+from mccl_common.launch_protocol import AWARE_SUFFIX, REFORM_ENV
 from mccl_common.settings import RendezvousConfig, load
 
 pytestmark = pytest.mark.timeout(60)
@@ -150,6 +152,8 @@ def make_handlers(monkeypatch):
     # Rank 0's handler would also start the workers' store (a second server); the tests here
     # only look at the rendezvous itself.
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # create_handler sets it for its workers; restored here so no later test inherits it.
+    monkeypatch.delenv(REFORM_ENV, raising=False)
     made = []
 
     def make(port: int, min_nodes: int, max_nodes: int, **conf):
@@ -233,6 +237,37 @@ def test_a_silent_host_is_dropped_and_the_next_round_forms_without_it(make_handl
     took = time.monotonic() - started
     assert (again.rank, again.world_size) == (0, 1)
     assert took < 8, f"{took:.1f}s"
+
+
+def test_a_waiting_host_is_taken_in_at_the_workers_next_step_boundary(make_handlers, tmp_path) -> None:
+    """torchrun's agent restarts its workers mid-step as soon as num_nodes_waiting() > 0. With
+    workers that stop by themselves at a step boundary (libmccl.elastic created the aware
+    marker) the handler asks them to (the reform file) and reports 0 until they have, or until
+    join_at_step_timeout; for any other script it reports the waiting host at once."""
+    port = _free_port()
+    a = make_handlers(port, 1, 2, is_host="1", join_at_step_timeout="1")
+    a.reform_file = str(tmp_path / "reform-a")
+    assert a.next_rendezvous().world_size == 1
+    b = make_handlers(port, 1, 2)
+    joined: list = []
+    t = threading.Thread(target=lambda: joined.append(b.next_rendezvous()))
+    t.start()
+    deadline = time.monotonic() + 10
+    while not os.path.exists(a.reform_file) and time.monotonic() < deadline:
+        waiting = a.num_nodes_waiting()
+        if waiting:
+            break
+        time.sleep(0.05)
+    assert waiting == 1 and not os.path.exists(a.reform_file)    # no aware workers: torchrun restarts them
+
+    open(a.reform_file + AWARE_SUFFIX, "w").close()
+    assert a.num_nodes_waiting() == 0 and os.path.exists(a.reform_file)   # asked, not restarted
+    time.sleep(1.2)
+    assert a.num_nodes_waiting() == 1       # they did not stop in time: torchrun's restart after all
+    again = a.next_rendezvous()             # the workers stopped; the new round takes B in
+    t.join(15)
+    assert again.world_size == 2 and joined and joined[0].world_size == 2
+    assert not os.path.exists(a.reform_file)    # answered: the next workers must not see it
 
 
 def test_the_join_waits_no_longer_than_a_lan_needs() -> None:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import libmccl  # noqa: F401 - registers the backend
-from libmccl.elastic import DRAIN_ENV, REFORM_EXIT, ElasticState
+from libmccl.elastic import AWARE_SUFFIX, DRAIN_ENV, REFORM_ENV, REFORM_EXIT, ElasticState
 from mccl_common.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(120)
@@ -92,6 +92,25 @@ def test_a_drain_saves_this_step_and_leaves(world_of_one, tmp_path, monkeypatch)
     assert (tmp_path / "ck" / "step-000000001" / "COMPLETE").exists()
     assert REFORM_EXIT == 75
     dist.init_process_group("mccl", store=dist.HashStore(), rank=0, world_size=1)  # the fixture's teardown
+
+
+def test_a_joining_host_makes_every_rank_save_and_re_form(world_of_one, tmp_path, monkeypatch):
+    reform = tmp_path / "reform"
+    monkeypatch.setenv(REFORM_ENV, str(reform))
+    net, opt, sched = parts()
+    state = ElasticState(tmp_path / "ck", model=net, optimizer=opt, scheduler=sched, every=100)
+    # The marker tells torchrun's rendezvous handler these workers stop at a step boundary.
+    assert (tmp_path / ("reform" + AWARE_SUFFIX)).exists()
+    state.step_done(0)
+    assert not (tmp_path / "ck").exists()
+    reform.touch()                      # the handler saw a host waiting to join
+    with pytest.raises(SystemExit) as info:
+        state.step_done(1)
+    assert info.value.code == REFORM_EXIT   # nobody leaves: every rank restarts into the larger world
+    assert (tmp_path / "ck" / "step-000000001" / "COMPLETE").exists()
+    dist.init_process_group("mccl", store=dist.HashStore(), rank=0, world_size=1)  # the fixture's teardown
+    net2, opt2, sched2 = parts()
+    assert ElasticState(tmp_path / "ck", model=net2, optimizer=opt2, scheduler=sched2).resume() == 2
 
 
 def test_misuse_is_a_config_error(tmp_path):
