@@ -10,6 +10,7 @@ changes, step for step. ``libmccl.elastic.ElasticState`` does the rest: see its 
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import time
 
@@ -42,8 +43,11 @@ def main() -> None:
     ap.add_argument("--ckpt", required=True, help="checkpoint folder every host reaches (shared)")
     ap.add_argument("--every", type=int, default=20, help="checkpoint period, for hosts that die")
     ap.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (a slower model)")
+    ap.add_argument("--timeout", type=float, default=60.0,
+                    help="seconds a collective may wait for a stalled host before the job re-forms without it")
     args = ap.parse_args()
-    dist.init_process_group("mccl")
+    # torch's default is 30 minutes: a hung Mac would hold the others that long.
+    dist.init_process_group("mccl", timeout=datetime.timedelta(seconds=args.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.global_batch % world:
         raise SystemExit(f"global batch {args.global_batch} does not split over {world} ranks")

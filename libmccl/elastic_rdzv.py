@@ -58,6 +58,7 @@ _CONNECT_ATTEMPT_S = 2.0  # one connect attempt: a LAN answers in milliseconds, 
 _CONNECT_RETRY_S = 0.25
 _MIN_KEEP_ALIVE_WINDOW_S = 2.0
 _LINGER_POLL_S = 0.05
+_PARENT_POLL_S = 0.5
 _EMPTY = "mccl-rdzv-empty"  # stored until the first host writes a state; not valid base64 of a pickle
 # torchrun always passes "timeout" (the legacy etcd rendezvous's); the timeouts here have their own keys.
 _IGNORED_KEYS = frozenset({"timeout"})
@@ -221,6 +222,34 @@ def _republish_workers_store(info: Any) -> None:
     info.store.set(RendezvousStoreInfo.MASTER_PORT_KEY, str(boot.master_port).encode())
 
 
+def _continue_children() -> None:
+    """SIGCONT to this process's children (torchrun's workers: the handler runs in torchrun)."""
+    import signal
+    import subprocess
+
+    me = os.getpid()
+    pids: list[int] = []
+    task = f"/proc/{me}/task"
+    if os.path.isdir(task):
+        for tid in os.listdir(task):
+            try:
+                with open(f"{task}/{tid}/children") as fh:
+                    pids += [int(p) for p in fh.read().split()]
+            except OSError:
+                continue
+    else:   # macOS: no /proc
+        try:
+            out = subprocess.run(["pgrep", "-P", str(me)], capture_output=True, text=True, timeout=5).stdout
+            pids = [int(p) for p in out.split()]
+        except (OSError, subprocess.TimeoutExpired, ValueError):
+            return
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except OSError:
+            pass
+
+
 def _remove(path: str) -> None:
     if path:
         try:
@@ -297,6 +326,7 @@ class MCCLRendezvousHandler(DynamicRendezvousHandler):
     reform_file = ""         # MCCL_REFORM_FILE of this torchrun's workers
     join_at_step_s = 30.0
     _join_asked: float | None = None     # when the workers were asked to re-form for a waiting host
+    _last_round: set = set()             # the hosts (torch's node descriptors) of the round joined last
 
     def num_nodes_waiting(self) -> int:
         """torchrun's agent restarts its workers at once, mid-step, when this is above 0. Workers
@@ -305,6 +335,13 @@ class MCCLRendezvousHandler(DynamicRendezvousHandler):
         waiting = super().num_nodes_waiting()
         if waiting == 0 or not self.reform_file:
             self._join_asked = None
+            return waiting
+        if self._wait_list() & self._last_round:
+            # A host of this very round is waiting: its workers failed (a peer died, a collective
+            # timed out), so ours cannot finish their step either; restart them now. A stopped
+            # worker (SIGSTOP, a debugger) would ignore torchrun's SIGTERM for its 30 s grace
+            # before the SIGKILL: let it run to take the signal.
+            _continue_children()
             return waiting
         if not os.path.exists(self.reform_file + AWARE_SUFFIX):
             _log.warning("[rendezvous] run %r: %d host(s) waiting to join; this job's script does not use "
@@ -352,6 +389,7 @@ class MCCLRendezvousHandler(DynamicRendezvousHandler):
                 "of this run finished or gave up, which ends the run for every host; start a new run with a "
                 "new --rdzv-id", peer_addr=self.anchor) from exc
         self._last_world = info.world_size
+        self._last_round = set(self._state_field("participants"))
         if info.rank == 0 and os.getenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0") != "1":
             _republish_workers_store(info)
         _log.info("[rendezvous] run %r: rank %d of %d hosts, advertising %s, in %.2fs (anchor %s%s)",
@@ -410,6 +448,15 @@ class MCCLRendezvousHandler(DynamicRendezvousHandler):
                              self._last_world, self.settings.timeout.close.total_seconds())
         except (RuntimeError, ValueError, OSError) as exc:  # the anchor already gone: nothing to wait for
             _log.debug("[rendezvous] could not count this host out at the anchor %s: %s", self.anchor, exc)
+
+    def _state_field(self, name: str) -> Any:
+        """A field of torch's rendezvous state (private: empty if its shape changed)."""
+        state = getattr(getattr(self, "_state_holder", None), "state", None)
+        value = getattr(state, name, None)
+        return value if isinstance(value, (dict, set)) else {}
+
+    def _wait_list(self) -> set:
+        return set(self._state_field("wait_list"))
 
     def _others(self) -> str:
         """Which other hosts had joined, from torch's state object when it has the expected shape."""
@@ -486,11 +533,22 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m libmccl.elastic_rdzv", description=main.__doc__)
     ap.add_argument("--port", type=int, default=default_port,
                     help=f"TCP port (default: MCCL_RDZV_ANCHOR's, else {DEFAULT_PORT})")
+    ap.add_argument("--parent", type=int, default=0,
+                    help="stop when the process with this pid is no longer this one's parent (mcclctl run)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    if args.parent:
+        # An orphaned anchor would keep its port and serve a run nobody submits any more.
+        def watch_parent() -> None:
+            while not stop.wait(_PARENT_POLL_S):
+                if os.getppid() != args.parent:
+                    _log.warning("[rendezvous] the process that started this anchor (pid %d) is gone; stopping",
+                                 args.parent)
+                    stop.set()
+        threading.Thread(target=watch_parent, name="mccl-anchor-parent", daemon=True).start()
     try:
         serve_anchor(args.port, stop, cfg.store_timeout_s)
     except ConfigError as exc:

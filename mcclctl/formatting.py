@@ -273,7 +273,6 @@ def run_event(kind: str, data: dict) -> str:
     if kind == "exit":
         codes = data["codes"]
         parts = [f"{h}={c}" for h, c in sorted(codes.items())]
-        ok = all(c == 0 or str(c).startswith("left after") for c in codes.values())
-        return f"mcclctl run: {'finished' if ok else 'failed'}: " + ", ".join(parts)
+        return f"mcclctl run: {'finished' if data.get('rc') == 0 else 'failed'}: " + ", ".join(parts)
     return f"mcclctl run: {kind}: {data.get('message', data)}"
 

@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 RECRUIT_EVERY_S = 5.0       # how often a short run looks for idle hosts
 REFUSED_COOLDOWN_S = 60.0   # a host that refused a lease is not asked again for this long
+FAILED_COOLDOWN_S = 300.0   # nor one whose torchrun failed in this run (it may fail again at once)
 
 
 class Recruiter:
@@ -50,6 +51,11 @@ class Recruiter:
         """The hosts the run holds now (it calls this on every turn of its loop)."""
         with self._lock:
             self._active = set(names)
+
+    def avoid(self, name: str) -> None:
+        """``name``'s torchrun failed in this run: do not lease it again for a while."""
+        with self._lock:
+            self._refused[name] = time.monotonic() + FAILED_COOLDOWN_S
 
     def take(self) -> list[tuple[object, Lease]]:
         """Leases opened since the last call, each with its host."""
@@ -86,12 +92,15 @@ class Recruiter:
             for h in hosts:
                 if want <= 0 or self._stop.is_set():
                     break
-                if h.name in active or self._refused.get(h.name, 0.0) > now:
+                with self._lock:
+                    cooling = self._refused.get(h.name, 0.0) > now
+                if h.name in active or cooling:
                     continue
                 try:
                     lease = self._open(h)
                 except MCCLError as e:
-                    self._refused[h.name] = now + REFUSED_COOLDOWN_S
+                    with self._lock:
+                        self._refused[h.name] = now + REFUSED_COOLDOWN_S
                     log.warning("could not lease idle host %s for the run: %s", h.name, e)
                     continue
                 with self._lock:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from mccl_common.daemon_settings import DEFAULT_SUBMIT_KEY_FILES, read_key_file
-from mccl_common.errors import ConfigError, DaemonUnavailableError, MCCLError
+from mccl_common.errors import ConfigError, DaemonUnavailableError, MCCLError, PeerLostError
 from mccl_common.launch_protocol import BEAT_S, LaunchRequest, Lease
 from mccl_common.status_protocol import split_addr
 
@@ -131,7 +131,9 @@ class Anchor:
 
     def __init__(self, port: int, python: str = sys.executable):
         self.port = port or _free_port()
-        self._proc = subprocess.Popen([python, "-m", "libmccl.elastic_rdzv", "--port", str(self.port)],
+        # --parent: the anchor ends with this process, even after a kill -9 of it.
+        self._proc = subprocess.Popen([python, "-m", "libmccl.elastic_rdzv", "--port", str(self.port),
+                                       "--parent", str(os.getpid())],
                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE, start_new_session=True)
         deadline = time.monotonic() + ANCHOR_START_S
@@ -149,6 +151,16 @@ class Anchor:
                     raise ConfigError(f"[mcclctl] the rendezvous anchor did not listen on port {self.port} "
                                       f"within {ANCHOR_START_S:g} s") from None
                 time.sleep(0.1)
+
+    def check(self) -> None:
+        """Raises PeerLostError if the anchor's process has ended while the job runs: without its
+        store the hosts can neither re-form nor close the run."""
+        code = self._proc.poll()
+        if code is not None:
+            raise PeerLostError(f"[mcclctl] the rendezvous anchor (port {self.port}) exited with code {code}; "
+                                "likely cause: it was killed or ran out of memory; the hosts could no longer "
+                                "re-form or finish the run, so the job is stopped: start it again",
+                                peer_addr=f"127.0.0.1:{self.port}")
 
     def stop(self) -> None:
         if self._proc.poll() is None:
@@ -197,11 +209,13 @@ def open_lease(h: Host, submit_key: bytes, request: dict) -> Lease:
 
 def run_job(hosts: list[Host], submit_key: bytes, request: dict, out: Callable[[str, str, str], None],
             on_event: Callable[[str, str, Any], None] | None = None,
-            elastic: bool = False, recruiter: Recruiter | None = None) -> dict[str, int | str]:
+            elastic: bool = False, recruiter: Recruiter | None = None,
+            check: Callable[[], None] | None = None) -> dict[str, int | str]:
     """Leases every host, streams until each exits; returns host -> exit code, or why it is out
     ("left after step N": drained; "lease lost: ..."). A lost lease ends the job everywhere,
     unless ``elastic``: then the others' torchruns re-form without that host. A ``recruiter``
-    (elastic runs below their maximum) adds the idle hosts it leases while the job runs."""
+    (elastic runs below their maximum) adds the idle hosts it leases while the job runs;
+    ``check`` is called on every turn and ends the job by raising (the anchor died)."""
     leases: dict[str, Lease] = {}
     results: dict[str, int | str] = {}
     errors: dict[str, BaseException] = {}
@@ -230,6 +244,8 @@ def run_job(hosts: list[Host], submit_key: bytes, request: dict, out: Callable[[
         recruiter.start()
     try:
         while live:
+            if check is not None:
+                check()
             if recruiter is not None:
                 recruiter.active(set(live))
                 for h, lease in recruiter.take():
@@ -262,10 +278,19 @@ def run_job(hosts: list[Host], submit_key: bytes, request: dict, out: Callable[[
                     out(name, "err", f"[mcclctl] left after step {(data or {}).get('step')} (its user is back); "
                                      "the job goes on without it")
                 elif event == "exit":
-                    if name not in results:
-                        results[name] = int((data or {}).get("code", -1))
-                        # The job is ending (or failed) here: a host joining now would find
-                        # the rendezvous closed.
+                    code = int((data or {}).get("code", -1))
+                    if name in results:
+                        pass        # it left after a drain; this is its torchrun stopping
+                    elif code != 0 and elastic and len(live) > 1:
+                        # A dead or failing host: the others' torchruns re-form without it.
+                        results[name] = f"failed (exit {code})"
+                        out(name, "err", f"[mcclctl] this host's torchrun failed (exit {code}); the job goes on "
+                                         "without it")
+                        if recruiter is not None:
+                            recruiter.avoid(name)
+                    else:
+                        results[name] = code
+                        # The job is ending here: a host joining now would find the rendezvous closed.
                         if recruiter is not None:
                             _cancel(dict(recruiter.stop()))
                             recruiter = None
@@ -360,7 +385,7 @@ def cmd_run(args) -> int:
         try:
             results = run_job(chosen, submit_key, request,
                               lambda host, stream, line: _print_line(args.json, width, host, stream, line),
-                              elastic=n_min < n_max, recruiter=recruiter)
+                              elastic=n_min < n_max, recruiter=recruiter, check=anchor.check)
         except KeyboardInterrupt:
             say("cancelled", {"message": "interrupted: every host's job was stopped"})
             return 130
@@ -373,13 +398,20 @@ def cmd_run(args) -> int:
     finally:
         signal.signal(signal.SIGTERM, stop_on_term)
         anchor.stop()
-    say("exit", {"codes": results})
+    rc = job_outcome(results)
+    say("exit", {"codes": results, "rc": rc})
+    return rc
+
+
+def job_outcome(results: dict[str, int | str]) -> int:
+    """The job's exit code: the first host's failure, else 0 if some host finished. Hosts that
+    are out (left after a drain, failed or lost while the others went on: strings) did their
+    part; the job's result is that of the hosts that stayed to the end."""
     codes = [c for c in results.values() if isinstance(c, int)]
     bad = [c for c in codes if c != 0]
     if bad:
         return bad[0]
-    # Hosts that left by a drain did their part; the job succeeded if the rest finished.
-    return 0 if codes and all(isinstance(c, int) or c.startswith("left after") for c in results.values()) else 1
+    return 0 if codes else 1
 
 
 def _counts(args) -> tuple[int, int]:

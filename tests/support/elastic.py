@@ -1,0 +1,124 @@
+"""Elastic runs end to end on loopback: real mcclds standing for hosts (each its own host id,
+runtime dir, ports and activity file), ``mcclctl run`` of examples/elastic_train.py, and the
+losses of the same script run without interruption to compare with."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from support.daemon import stop_process
+
+PY = sys.executable
+REPO = Path(__file__).resolve().parents[2]
+FLEET_KEY = "test-key-" + "x" * 16
+STEP_LINE = re.compile(r"step (\d+) loss ([0-9.]+) world (\d+)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Hosts:
+    """mcclds on loopback; ``activity[name]`` is the file whose touch means "the user is back"."""
+    root: Path
+    key: Path
+    procs: list = field(default_factory=list)
+    args: list = field(default_factory=list)       # --host ADDR for each, for mcclctl
+    activity: dict = field(default_factory=dict)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            stop_process(p)
+
+
+def start_hosts(root: Path, names: list[str], idle_after_s: float = 60.0) -> Hosts:
+    key = root / "submit.key"
+    key.write_text("submit-" + os.urandom(16).hex())
+    key.chmod(0o600)
+    hosts = Hosts(root, key)
+    old = time.time() - 7200            # nobody touched these hosts for two hours: idle
+    try:
+        for name in names:
+            act = hosts.activity[name] = root / f"activity-{name}"
+            act.touch()
+            os.utime(act, (old, old))
+            status = free_port()
+            env = {**os.environ, "MCCL_RUNTIME_DIR": str(root / name), "MCCL_FLEET_KEY": FLEET_KEY,
+                   "MCCL_LISTEN_ADDR": "127.0.0.1", "MCCL_PORT": "0", "MCCL_STATUS_PORT": str(status),
+                   "MCCL_METRICS_PORT": "0", "MCCL_LAUNCH_PORT": str(free_port()), "MCCL_HOST_ID": name,
+                   "MCCL_SUBMIT_KEY_FILE": str(key), "MCCL_ACTIVITY_FILE": str(act),
+                   "MCCL_IDLE_AFTER": str(idle_after_s), "MCCL_HARVEST_POLL": "0.25",
+                   # python here is not executable by other users; a real mccld runs jobs as its service user
+                   "MCCL_LAUNCH_USER": "root" if os.geteuid() == 0 else ""}
+            hosts.procs.append(subprocess.Popen([PY, "-m", "mccld"], env=env, stderr=subprocess.DEVNULL))
+            hosts.args += ["--host", f"127.0.0.1:{status}"]
+        deadline = time.monotonic() + 30
+        for name in names:
+            while not (root / name / "token").exists():
+                assert time.monotonic() < deadline, "mccld did not start"
+                time.sleep(0.1)
+    except BaseException:
+        hosts.stop()
+        raise
+    return hosts
+
+
+def run_elastic(hosts: Hosts, ckpt: Path, steps: int, n_min: int, n_max: int, *extra: str,
+                every: int = 50, step_time: float = 0.1, timeout_s: float = 60.0,
+                ctl_args: tuple[str, ...] = ()) -> subprocess.Popen:
+    """``mcclctl run`` of examples/elastic_train.py, its output (both streams) on stdout."""
+    return subprocess.Popen(
+        [PY, "-m", "mcclctl", "run", "--min", str(n_min), "--max", str(n_max), *hosts.args,
+         "--submit-key-file", str(hosts.key), *ctl_args,
+         "--env", "OMP_NUM_THREADS=1", "--env", "MCCL_RDZV_LAST_CALL=1", "--",
+         "python", str(REPO / "examples" / "elastic_train.py"), "--steps", str(steps), "--ckpt", str(ckpt),
+         "--every", str(every), "--step-time", str(step_time), "--timeout", str(timeout_s), *extra],
+        cwd=hosts.root, env={**os.environ, "MCCL_FLEET_KEY": FLEET_KEY},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def reference_losses(steps: int) -> dict[int, float]:
+    """The same script's loss per step in one process with the whole global batch."""
+    code = f"""
+import sys; sys.path.insert(0, {str(REPO / 'examples')!r})
+import torch, elastic_train as t
+net = t.model(); opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+sched = torch.optim.lr_scheduler.StepLR(opt, step_size=50, gamma=0.5)
+for s in range({steps}):
+    x, y = t.batch(s, 64, 0, 1); opt.zero_grad()
+    loss = torch.nn.functional.cross_entropy(net(x), y); loss.backward(); opt.step(); sched.step()
+    print(s, f"{{loss.item():.6f}}")
+"""
+    out = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    return {int(a): float(b) for a, b in (line.split() for line in out.splitlines())}
+
+
+def steps_of(text: str) -> list[tuple[int, float, int]]:
+    """(step, loss, world) of every step line, in order."""
+    return [(int(a), float(b), int(w)) for a, b, w in STEP_LINE.findall(text)]
+
+
+def job_pids(host: str, needle: str) -> list[int]:
+    """Processes whose command line has ``needle`` and whose environment says MCCL_HOST_ID=host."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            env = (d / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if needle in cmd and f"MCCL_HOST_ID={host}".encode() in env:
+            found.append(int(d.name))
+    return found
