@@ -9,8 +9,9 @@ setup:
 build:
 	@.venv/bin/pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
 
+# As root: three emulated hosts (tools/demo_fleet.py); otherwise it says why and runs the one-host demo.
 demo: setup
-	@$(PY) -m tools.demo --with-daemon
+	@$(PY) -m tools.demo_fleet
 
 test: setup
 	@bash scripts/test.sh
