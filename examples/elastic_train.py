@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from libmccl.elastic import ElasticState
 
 FEATURES, CLASSES = 32, 4
+GLOBAL_BATCH = 240      # splits evenly over 1-6, 8, 10, 12, 15, 16, 20 or 24 hosts
 
 
 def batch(step: int, global_batch: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,7 +40,8 @@ def model() -> torch.nn.Module:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--global-batch", type=int, default=64)
+    ap.add_argument("--global-batch", type=int, default=GLOBAL_BATCH,
+                    help="samples per step over all ranks; must split evenly over every world size the job takes")
     ap.add_argument("--ckpt", required=True, help="checkpoint folder every host reaches (shared)")
     ap.add_argument("--every", type=int, default=20, help="checkpoint period, for hosts that die")
     ap.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (a slower model)")

@@ -95,7 +95,7 @@ import torch, elastic_train as t
 net = t.model(); opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=50, gamma=0.5)
 for s in range({steps}):
-    x, y = t.batch(s, 64, 0, 1); opt.zero_grad()
+    x, y = t.batch(s, t.GLOBAL_BATCH, 0, 1); opt.zero_grad()
     loss = torch.nn.functional.cross_entropy(net(x), y); loss.backward(); opt.step(); sched.step()
     print(s, f"{{loss.item():.6f}}")
 """
