@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -14,17 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from support.daemon import stop_process
+from support.ranks import free_port
 
 PY = sys.executable
 REPO = Path(__file__).resolve().parents[2]
 FLEET_KEY = "test-key-" + "x" * 16
 STEP_LINE = re.compile(r"step (\d+) loss ([0-9.]+) world (\d+)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
