@@ -194,7 +194,9 @@ def _get_rng() -> dict:
         state["numpy"] = np.random.get_state()
     except ImportError:
         pass
-    if torch.cuda.is_available():
+    # Only a job that uses CUDA: asking an untouched CUDA for its state would open a context
+    # (hundreds of MB and seconds) in every rank of a CPU job on a machine with a GPU.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     mps = getattr(torch, "mps", None)
     if mps is not None and torch.backends.mps.is_available():

@@ -47,46 +47,9 @@ pack() {  # what $OUT gets back, refreshed after every step
   tar czf "$OUT/results.tgz.tmp" -C "$RESULTS" . && mv "$OUT/results.tgz.tmp" "$OUT/results.tgz"
 }
 
-if [ -d .fleet-tools ]; then
-  export LD_LIBRARY_PATH=$PWD/.fleet-tools/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-  export PATH=$PWD/.fleet-tools/root/sbin:$PWD/.fleet-tools/root/bin:$PWD/.fleet-tools/root/usr/bin:$PATH
-fi
-{ uname -a; nproc; free -g; $PY --version; $PY -c 'import torch; print("torch", torch.__version__)';
-  command -v ip tc iperf3; } > "$RESULTS/machine.txt" 2>&1
-
-# --- wheels for mccld: only for modules that are missing (torch keeps its own numpy) --------
-SITE=${SITE:-/tmp/mccl-site}
-export PYTHONPATH=$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}
-if [ -d .whl ]; then
-  for pkg_mod in pyzmq:zmq numpy:numpy ifaddr:ifaddr zeroconf:zeroconf; do
-    pkg=${pkg_mod%%:*} mod=${pkg_mod#*:}
-    if $PY -c "import $mod" 2>/dev/null; then continue; fi
-    # pip picks the wheel that fits this Python, if .whl/ has one.
-    if $PY -m pip install -q --no-index --no-deps --no-compile --find-links .whl --target "$SITE" "$pkg" \
-         >> "$RESULTS/wheels.log" 2>&1 && $PY -c "import $mod" 2>> "$RESULTS/wheels.log"; then
-      status "wheel $pkg installed into $SITE"
-    else
-      status "wheel $pkg not installed (see wheels.log)"
-    fi
-  done
-fi
-
-# --- build the engine in place (no pip: _core.so lands next to libmccl/*.py) -------------
-if [ "${SKIP_BUILD:-0}" = 1 ]; then
-  status "build skipped (SKIP_BUILD=1)"
-else
-  status "build start"
-  PYBIND11_DIR=$($PY -c 'import pybind11; print(pybind11.get_cmake_dir())')
-  if timeout 90 cmake -S . -B build/device -G Ninja -DCMAKE_BUILD_TYPE=Release \
-        -DPython_EXECUTABLE="$(command -v $PY)" -Dpybind11_DIR="$PYBIND11_DIR" > "$RESULTS/build.log" 2>&1 &&
-     timeout 180 cmake --build build/device -j "$(nproc)" --target _core >> "$RESULTS/build.log" 2>&1; then
-    cp build/device/_core*.so libmccl/
-    status "build ok"
-  else
-    status "build FAILED (see build.log); mccl will be reported as failed, gloo still runs"
-  fi
-fi
-# torch's entry-point autoload is not installed here (no pip): the ranks register the backend (worker.py).
+source tools/bench/device_prepare.sh
+[ "$BUILD_OK" = 1 ] || status "mccl will be reported as failed, gloo still runs"
+# The ranks also register the backend themselves (worker.py), whatever the dist-info above does.
 
 # The daemon rows need mccld importable (pyzmq, numpy); without it the steps still measure the rest.
 MODES=in-process,daemon
