@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from mccl_common.daemon_settings import DEFAULT_SUBMIT_KEY_FILES, read_key_file
 from mccl_common.errors import ConfigError, DaemonUnavailableError, MCCLError, PeerLostError
-from mccl_common.launch_protocol import BEAT_S, LaunchRequest, Lease
+from mccl_common.launch_protocol import BEAT_S, LEASE_TIMEOUT_S, LaunchRequest, Lease
 from mccl_common.status_protocol import split_addr
 
 from . import formatting as fmt
@@ -240,6 +240,15 @@ def run_job(hosts: list[Host], submit_key: bytes, request: dict, out: Callable[[
             on_event(name, "started", None)
     live = dict(leases)
     last_beat = time.monotonic()
+    heard = dict.fromkeys(live, last_beat)      # a host's mccld sends at least every BEAT_S
+
+    def lose(name: str, why: str) -> None:
+        results[name] = f"lease lost: {why}"
+        if not elastic:
+            raise DaemonUnavailableError(f"[mcclctl] lost the lease on {name}: {why}")
+        out(name, "err", f"[mcclctl] lost this host ({why}); the job goes on without it")
+        live.pop(name).close()
+
     if recruiter is not None:
         recruiter.start()
     try:
@@ -250,6 +259,7 @@ def run_job(hosts: list[Host], submit_key: bytes, request: dict, out: Callable[[
                 recruiter.active(set(live))
                 for h, lease in recruiter.take():
                     live[h.name] = lease
+                    heard[h.name] = time.monotonic()
                     results.pop(h.name, None)
                     out(h.name, "err", "[mcclctl] joined: this host is idle; the job takes it in after its "
                                        "current step")
@@ -264,13 +274,9 @@ def run_job(hosts: list[Host], submit_key: bytes, request: dict, out: Callable[[
                 try:
                     event, data = lease.read()
                 except MCCLError as e:
-                    results[name] = f"lease lost: {e}"
-                    if not elastic:
-                        raise
-                    out(name, "err", f"[mcclctl] lost this host ({e}); the job goes on without it")
-                    lease.close()
-                    del live[name]
+                    lose(name, str(e))
                     continue
+                heard[name] = time.monotonic()
                 if event in ("out", "err"):
                     out(name, event, str(data))
                 elif event == "left":
@@ -298,17 +304,18 @@ def run_job(hosts: list[Host], submit_key: bytes, request: dict, out: Callable[[
                     del live[name]
                 if on_event:
                     on_event(name, event, data)
-            if time.monotonic() - last_beat >= BEAT_S:
+            now = time.monotonic()
+            # A cut cable sends nothing, not even a reset: silence is how it shows.
+            for name in [n for n in live if now - heard[n] > LEASE_TIMEOUT_S]:
+                lose(name, f"no word from its mccld for {now - heard[name]:.0f} s (it sends one every "
+                           f"{BEAT_S:g} s); the host or the network to it is down")
+            if now - last_beat >= BEAT_S:
                 for name, lease in list(live.items()):
                     try:
                         lease.beat()
                     except OSError as e:
-                        results[name] = f"lease lost: {e}"
-                        if not elastic:
-                            raise DaemonUnavailableError(f"[mcclctl] lost the lease on {name}: {e}") from None
-                        lease.close()
-                        del live[name]
-                last_beat = time.monotonic()
+                        lose(name, str(e))
+                last_beat = now
     except BaseException:
         if recruiter is not None:
             live.update((h.name, lease) for h, lease in recruiter.stop())
