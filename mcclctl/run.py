@@ -402,6 +402,12 @@ def cmd_run(args) -> int:
         except MCCLError as e:
             say("error", {"message": f"{e} (the job was stopped on every host)"})
             return 1
+        except BrokenPipeError:
+            # Whoever read the output is gone (``mcclctl run ... | head``): the job was stopped
+            # like on Ctrl-C. Python would complain again flushing the dead stdout at exit.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            print("mcclctl run: the output was closed: every host's job was stopped", file=sys.stderr)
+            return 141
     finally:
         signal.signal(signal.SIGTERM, stop_on_term)
         anchor.stop()

@@ -103,7 +103,7 @@ def test_rank_exiting_on_daemon_death_finishes_teardown(tmp_path):
 def test_fault_campaign_daemon_kill_short():
     """A short run of the campaign; the full one is `scripts/faults/daemon_kill.py --trials 1000`."""
     r = subprocess.run([sys.executable, str(ROOT / "scripts/faults/daemon_kill.py"), "--trials", "12",
-                        "--max-seconds", "60"], capture_output=True, text=True, timeout=140, cwd=ROOT)
+                        "--max-seconds", "30"], capture_output=True, text=True, timeout=140, cwd=ROOT)
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     failed = [line for line in r.stdout.splitlines() if '"ok": false' in line]
     assert r.returncode == 0 and summary["failed"] == 0, "\n".join(failed) or r.stderr[-2000:]
