@@ -105,7 +105,10 @@ def test_a_job_runs_on_two_leased_hosts_and_their_output_comes_back_prefixed(fle
 
 def test_ctrl_c_stops_every_hosts_job_and_leaves_nothing_behind(fleet):
     root, key, hosts = fleet
-    proc = _run(root, key, hosts, "long.py", start_new_session=True)
+    # As from a terminal: a suite started in the background (nohup ... &) hands its children
+    # SIGINT ignored, and Python then never raises KeyboardInterrupt.
+    proc = _run(root, key, hosts, "long.py", start_new_session=True,
+                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen: set[str] = set()
     deadline = time.monotonic() + 90
     while seen != {"h1", "h2"} and time.monotonic() < deadline:
