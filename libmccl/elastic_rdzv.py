@@ -389,7 +389,7 @@ class MCCLRendezvousHandler(DynamicRendezvousHandler):
                 "of this run finished or gave up, which ends the run for every host; start a new run with a "
                 "new --rdzv-id", peer_addr=self.anchor) from exc
         self._last_world = info.world_size
-        self._last_round = set(self._state_field("participants"))
+        self._last_round = set(self._state_field("participants") or ())
         if info.rank == 0 and os.getenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0") != "1":
             _republish_workers_store(info)
         _log.info("[rendezvous] run %r: rank %d of %d hosts, advertising %s, in %.2fs (anchor %s%s)",
@@ -450,18 +450,17 @@ class MCCLRendezvousHandler(DynamicRendezvousHandler):
             _log.debug("[rendezvous] could not count this host out at the anchor %s: %s", self.anchor, exc)
 
     def _state_field(self, name: str) -> Any:
-        """A field of torch's rendezvous state (private: empty if its shape changed)."""
+        """A field of torch's rendezvous state (private: None if its shape changed)."""
         state = getattr(getattr(self, "_state_holder", None), "state", None)
         value = getattr(state, name, None)
-        return value if isinstance(value, (dict, set)) else {}
+        return value if isinstance(value, (dict, set)) else None
 
     def _wait_list(self) -> set:
-        return set(self._state_field("wait_list"))
+        return set(self._state_field("wait_list") or ())
 
     def _others(self) -> str:
         """Which other hosts had joined, from torch's state object when it has the expected shape."""
-        state = getattr(getattr(self, "_state_holder", None), "state", None)
-        participants = getattr(state, "participants", None)
+        participants = self._state_field("participants")
         if not isinstance(participants, dict):
             return "this one among them"
         others = sorted(str(getattr(n, "addr", n)) for n in participants if n != self._this_node)
