@@ -226,7 +226,7 @@ def run(surfaces: list[str] | dict[str, int], inputs: int, seed_value: int = 1, 
         before = fz.start()
         runs = {}
         for i, (name, n) in enumerate(counts.items()):
-            ahead = fz.daemon.resources()
+            ahead = fz.daemon.measure()
             r = fz.fuzz(name, n, seed_value + i, budget_s)
             r.resources = summary_resources(ahead, fz.daemon.settle(ahead))
             runs[name] = r.as_dict()

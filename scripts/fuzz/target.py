@@ -24,12 +24,15 @@ from typing import Any
 
 import numpy as np
 
+from .mccld_trimmed import TRIMMED_SUFFIX
+
 ROOT = Path(__file__).resolve().parents[2]
 FLEET_KEY = "fuzz-key-" + "k" * 24
 FLEET = f"fuzz{os.getpid()}"       # its own: fuzzed daemons of other runs are not its peers (mDNS)
 _START_S = 30.0
 _SETTLE_S = 20.0            # for fds and threads to return to their baseline at the end
 _COLLECTIVE_TIMEOUT_S = 20.0
+_TRIMMED_MCCLD = Path(__file__).with_name("mccld_trimmed.py")
 
 
 def free_port() -> int:
@@ -43,16 +46,24 @@ class Resources:
     rss_kb: int
     fds: int
     threads: int
+    # Where the RSS is (heap, mapped files, shared memory) and how many mappings: a grown
+    # shmem figure or mapping count is a segment left mapped, which fds do not show.
+    anon_kb: int = 0
+    shmem_kb: int = 0
+    maps: int = 0
 
     @classmethod
     def of(cls, pid: int) -> "Resources":
         status = Path(f"/proc/{pid}/status").read_text().splitlines()
         fields = dict(line.split(":", 1) for line in status if ":" in line)
-        return cls(int(fields["VmRSS"].split()[0]), len(os.listdir(f"/proc/{pid}/fd")),
-                   int(fields["Threads"]))
+        kb = lambda name: int(fields.get(name, "0 kB").split()[0])  # noqa: E731
+        maps = Path(f"/proc/{pid}/maps").read_text().count("\n")
+        return cls(kb("VmRSS"), len(os.listdir(f"/proc/{pid}/fd")), int(fields["Threads"]),
+                   kb("RssAnon"), kb("RssShmem"), maps)
 
     def as_dict(self) -> dict[str, int]:
-        return {"rss_kb": self.rss_kb, "fds": self.fds, "threads": self.threads}
+        return {"rss_kb": self.rss_kb, "fds": self.fds, "threads": self.threads, "anon_kb": self.anon_kb,
+                "shmem_kb": self.shmem_kb, "maps": self.maps}
 
 
 class MemoryStore:
@@ -125,7 +136,7 @@ class Daemon:
         if token.exists():
             token.unlink()
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "mccld"], env={**os.environ, **self.env},
+            self.proc = subprocess.Popen([sys.executable, str(_TRIMMED_MCCLD)], env={**os.environ, **self.env},
                                          stdout=log, stderr=log, cwd=ROOT)
         deadline = time.monotonic() + _START_S
         while not token.exists():
@@ -151,9 +162,25 @@ class Daemon:
     def cleanup(self) -> None:
         self.stop()
         shutil.rmtree(self.rdir, ignore_errors=True)
+        self._trim_marker.unlink(missing_ok=True)
+
+    @property
+    def _trim_marker(self) -> Path:
+        return Path(str(self.rdir) + TRIMMED_SUFFIX)
 
     def resources(self) -> Resources:
         return Resources.of(self.pid)
+
+    def measure(self, timeout_s: float = 5.0) -> Resources:
+        """The daemon's figures with glibc's cached free pages handed back first (see
+        mccld_trimmed.py); untrimmed if the daemon did not answer within ``timeout_s``."""
+        marker = self._trim_marker
+        seen = marker.stat().st_size if marker.exists() else 0
+        self.proc.send_signal(signal.SIGUSR2)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and (marker.stat().st_size if marker.exists() else 0) <= seen:
+            time.sleep(0.05)
+        return self.resources()
 
     def steady(self, hold_s: float = 2.0, timeout_s: float = 20.0) -> Resources:
         """The daemon's figures once its fds and threads held still for ``hold_s`` (its start-up
@@ -167,7 +194,7 @@ class Daemon:
                 last, since = now, time.monotonic()
             elif time.monotonic() - since >= hold_s:
                 break
-        return self.resources()
+        return self.measure()
 
     def settle(self, baseline: Resources, timeout_s: float = _SETTLE_S) -> Resources:
         """The daemon's figures once its fds and threads are back at ``baseline`` (or the timeout ran out)."""
@@ -175,7 +202,7 @@ class Daemon:
         while True:
             now = self.resources()
             if (now.fds <= baseline.fds and now.threads <= baseline.threads) or time.monotonic() > deadline:
-                return now
+                return self.measure()
             time.sleep(0.2)
 
     def next_comm_id(self) -> int:
@@ -254,4 +281,5 @@ def rss_growth_mb(before: Resources, after: Resources) -> float:
 
 def summary_resources(before: Resources, after: Resources) -> dict[str, Any]:
     return {"before": before.as_dict(), "after": after.as_dict(),
-            "rss_growth_mb": round(rss_growth_mb(before, after), 1)}
+            "rss_growth_mb": round(rss_growth_mb(before, after), 1),
+            "shmem_growth_mb": round((after.shmem_kb - before.shmem_kb) / 1024.0, 1)}
