@@ -197,13 +197,24 @@ class Daemon:
         return self.measure()
 
     def settle(self, baseline: Resources, timeout_s: float = _SETTLE_S) -> Resources:
-        """The daemon's figures once its fds and threads are back at ``baseline`` (or the timeout ran out)."""
+        """The daemon's figures once it lists no job and its fds and threads are back at
+        ``baseline`` (or the timeout ran out): a job still closing (its engine, buffers and
+        threads) is work in flight, not a leak."""
         deadline = time.monotonic() + timeout_s
         while True:
             now = self.resources()
-            if (now.fds <= baseline.fds and now.threads <= baseline.threads) or time.monotonic() > deadline:
+            if ((now.fds <= baseline.fds and now.threads <= baseline.threads and not self.jobs())
+                    or time.monotonic() > deadline):
                 return self.measure()
             time.sleep(0.2)
+
+    def jobs(self) -> list:
+        """The jobs the daemon lists (an unanswered status counts as one, to keep waiting)."""
+        from mccld.attach import local_request
+        try:
+            return local_request(self.rdir, {"type": "status"}, timeout_s=5.0)["status"]["jobs"]
+        except Exception as e:  # noqa: BLE001 - a busy or dead daemon: settle keeps waiting, then reports
+            return [f"status failed: {e}"]
 
     def next_comm_id(self) -> int:
         self._comm_id += 1

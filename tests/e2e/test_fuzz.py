@@ -6,6 +6,7 @@ here each surface gets a time budget so the whole run fits in about two minutes.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -42,8 +43,10 @@ def test_bounded_fuzz_run_of_every_surface(tmp_path):
         assert res["after"]["threads"] <= res["before"]["threads"], (name, res)
     assert summary["final_collective"] == "ok"
     # Measured after malloc_trim (scripts/fuzz/mccld_trimmed.py): live memory, not glibc's cache.
-    per_surface = {name: run["resources"] for name, run in summary["surfaces"].items()}
-    assert summary["resources"]["rss_growth_mb"] <= runner.MAX_RSS_GROWTH_MB, (summary["resources"], per_surface)
+    per_surface = {name: (run["inputs"], run["resources"]["rss_growth_mb"], run["resources"]["after"])
+                   for name, run in summary["surfaces"].items()}
+    assert summary["resources"]["rss_growth_mb"] <= runner.MAX_RSS_GROWTH_MB, \
+        f"{json.dumps(summary['resources'])}; per surface (inputs, MB, after): {json.dumps(per_surface)}"
 
 
 @pytest.mark.timeout(200)
