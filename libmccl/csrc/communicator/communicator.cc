@@ -4,6 +4,7 @@
 #include <cstdio>
 
 #include "algorithms/algorithms.h"
+#include "core/thread_name.h"
 #include "reduce/reduce.h"
 
 namespace mccl {
@@ -88,8 +89,14 @@ void Communicator::start(std::vector<std::vector<Fd>> links) {
   transport_ = std::make_unique<Transport>(rank_, size_, comm_id_, std::move(links), addrs_,
                                            opts_.send_thread, opts_.recv_threads, frame_keys_,
                                            rules());
-  worker_ = std::thread([this] { worker_main(); });
-  completer_ = std::thread([this] { completion_main(); });
+  worker_ = std::thread([this] {
+    name_this_thread("mccl-worker");
+    worker_main();
+  });
+  completer_ = std::thread([this] {
+    name_this_thread("mccl-complete");
+    completion_main();
+  });
 }
 
 Communicator::~Communicator() {

@@ -3,7 +3,7 @@
 #include <chrono>
 #include <cstring>
 
-#include "opqueue/thread_name.h"
+#include "core/thread_name.h"
 
 namespace mccl::opqueue {
 

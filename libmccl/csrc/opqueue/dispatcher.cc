@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "opqueue/thread_name.h"
+#include "core/thread_name.h"
 
 #include "reduce/reduce.h"
 #include "transport/socket.h"

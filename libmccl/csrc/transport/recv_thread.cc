@@ -5,6 +5,7 @@
 
 #include <algorithm>
 
+#include "core/thread_name.h"
 #include "transport/pair.h"
 
 namespace mccl {
@@ -21,7 +22,10 @@ constexpr size_t kReadBudget = 8 << 20;
 
 RecvThread::RecvThread(std::function<void()> wake_owner)
     : wake_owner_(std::move(wake_owner)), stage_(new uint64_t[kStageBytes / sizeof(uint64_t)]) {
-  thread_ = std::thread([this] { main(); });
+  thread_ = std::thread([this] {
+    name_this_thread("mccl-recv");
+    main();
+  });
 }
 
 RecvThread::~RecvThread() {

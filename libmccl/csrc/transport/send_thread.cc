@@ -6,6 +6,7 @@
 #include <sys/uio.h>
 
 
+#include "core/thread_name.h"
 #include "transport/pair.h"
 
 namespace mccl {
@@ -24,7 +25,10 @@ SendThread::~SendThread() {
 
 void SendThread::start(std::vector<Pair*> pairs) {
   pairs_ = std::move(pairs);
-  thread_ = std::thread([this] { main(); });
+  thread_ = std::thread([this] {
+    name_this_thread("mccl-send");
+    main();
+  });
 }
 
 void SendThread::notify_locked() {

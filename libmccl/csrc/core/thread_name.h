@@ -1,9 +1,9 @@
-// Names the calling thread (at most 15 characters), so `top -H`, /proc and tests can tell
-// the fast path's threads from the engine's.
+// Names the calling thread (at most 15 characters), so `top -H`, /proc, tests and
+// tools/bench/threadcpu.py can tell the engine's threads apart and from the fast path's.
 #pragma once
 #include <pthread.h>
 
-namespace mccl::opqueue {
+namespace mccl {
 
 inline void name_this_thread(const char* name) {
 #if defined(__linux__)
@@ -15,4 +15,4 @@ inline void name_this_thread(const char* name) {
 #endif
 }
 
-}  // namespace mccl::opqueue
+}  // namespace mccl
