@@ -16,6 +16,9 @@
 #                    step without communication (overlap), staged copies, Gloo; in-process and through mccld
 #   9-campaign       issue 11's fault campaign, 1,000 trials per mode (scripts/faults/campaign.py)
 #   10-n8-mac        issue 11's per-frame MAC: daemon busbw with MCCL_FRAME_MAC=0 and 1, 8 hosts x 10 Gbit/s
+#   11-n8-cpu        where the CPU goes at 8 hosts x 1 rank, 10 Gbit/s, 256 MB: one run per mode under
+#                    tools/bench/threadcpu.py (per process role and thread, and the whole machine)
+#   12-n4-10gbit     step 1 at 4 hosts (half the processes on the same cores): in-process and daemon
 # STEPS picks which run (default "1 2 3 4 5"; e.g. STEPS="1 2 3 6" then STEPS="4 5 7" as
 # two calls of under ten minutes each).
 # (numbered: a small run's host counts and rates may repeat). Every step has its own time
@@ -82,6 +85,23 @@ if timeout 45 $PY -m tools.fleet selftest --rate 1gbit > "$RESULTS/fleet-selftes
   status "fleet selftest ok"
   COMMON=(--ops all_reduce --target-seconds 0.5)
   want 1 && bench "1-n$H8-$FAST" 150 --hosts "$H8" --rate "$FAST" --mode "$MODES" --sizes "$SIZES" "${COMMON[@]}"
+  # Is the daemon's gap at 8 hosts the emulation's CPU? The same ratio with half the hosts, and
+  # the cores each mode keeps busy (threadcpu wraps one mode's run; its report is the .txt).
+  want 12 && bench "12-n${H4:-4}-$FAST" 100 --hosts "${H4:-4}" --rate "$FAST" --mode "$MODES" --backends mccl \
+    --sizes "${SIZES_CPU:-64M,256M}" --latency-iters 0 --ceiling-seconds 2 "${COMMON[@]}"
+  if want 11; then
+    for mode in ${MODES//,/ }; do
+      name="11-n$H8-cpu-$mode"
+      status "$name start"
+      timeout --kill-after=20 "$(( $(left) > 120 ? 100 : $(left) - 20 ))" $PY -m tools.bench.threadcpu \
+        --delay 15 --json "$RESULTS/$name-threads.json" -- $PY -m tools.bench --json "$RESULTS/$name.json" \
+        --hosts "$H8" --rate "$FAST" --mode "$mode" --backends mccl --sizes 256M --latency-iters 0 \
+        --ceiling-seconds 2 --ops all_reduce --target-seconds 3 > "$RESULTS/$name.txt" 2> "$RESULTS/$name.err"
+      status "$name rc=$?"
+      cat "$RESULTS/$name.txt"
+      pack
+    done
+  fi
   want 2 && bench "2-n${H_X2}x2-$FAST" 120 --hosts "$H_X2" --ranks-per-host 2 --rate "$FAST" --mode "$MODES" \
     --sizes "$SIZES_X2" "${COMMON[@]}"
   want 3 && bench "3-ddp-n$H8-$FAST" 90 --hosts "$H8" --rate "$FAST" --mode "$MODES" --workload ddp \

@@ -1,6 +1,6 @@
 """Where the CPU goes, per thread: samples /proc while a benchmark runs.
 
-    python -m tools.bench.threadcpu --match 'mccld|tools.bench.worker' --seconds 20 [--json out.json]
+    python -m tools.bench.threadcpu --seconds 20 [--json out.json]
     python -m tools.bench.threadcpu --match ... -- python -m tools.bench --hosts 8 ...
 
 Every process whose command line matches ``--match`` is read at the start and the end of
@@ -26,7 +26,7 @@ _HZ = os.sysconf("SC_CLK_TCK")
 
 
 def _role(cmd: str) -> str:
-    if "mccld" in cmd:
+    if "mccld" in cmd or "tools.bench.daemons" in cmd:     # the benchmark starts mccld through the latter
         return "mccld"
     if "tools.bench.worker" in cmd or "worker.py" in cmd:
         return "rank"
@@ -56,6 +56,17 @@ def sample(pattern: re.Pattern) -> dict[tuple[int, int], tuple[str, str, float]]
     return out
 
 
+def machine_busy_s() -> tuple[float, int]:
+    """(CPU seconds the whole machine spent not idle, cores): the kernel's network work
+    (softirq for veth and tbf) lands here, not in any process's figure."""
+    with open("/proc/stat") as f:
+        lines = f.read().splitlines()
+    total = [int(x) for x in lines[0].split()[1:]]
+    idle = total[3] + (total[4] if len(total) > 4 else 0)       # idle + iowait
+    cores = sum(1 for line in lines if line.startswith("cpu") and line[3:4].isdigit())
+    return (sum(total[:8]) - idle) / _HZ, cores
+
+
 def diff(a: dict, b: dict, seconds: float) -> dict:
     by_thread: dict[tuple[str, str], float] = defaultdict(float)
     by_role: dict[str, float] = defaultdict(float)
@@ -74,7 +85,9 @@ def diff(a: dict, b: dict, seconds: float) -> dict:
 
 
 def format_report(rep: dict) -> str:
-    lines = [f"CPU over {rep['seconds']} s (cores = CPU seconds / wall seconds)",
+    m = rep["machine"]
+    lines = [f"CPU over {rep['seconds']} s (cores = CPU seconds / wall seconds); "
+             f"the whole machine: {m['busy_cores']} of {m['cores']} cores busy",
              f"{'role':10s} {'procs':>5s} {'cpu_s':>8s} {'cores':>6s}"]
     for role, r in rep["roles"].items():
         lines.append(f"{role:10s} {r['processes']:5d} {r['cpu_s']:8.2f} {r['cores']:6.2f}")
@@ -91,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         i = argv.index("--")
         argv, cmd = argv[:i], argv[i + 1:]
     ap = argparse.ArgumentParser(prog="python -m tools.bench.threadcpu", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--match", default=r"mccld|tools\.bench\.worker", help="regex on the command line")
+    ap.add_argument("--match", default=r"mccld|tools\.bench\.(worker|daemons)", help="regex on the command line")
     ap.add_argument("--seconds", type=float, default=10.0, help="interval, when no command is given")
     ap.add_argument("--delay", type=float, default=0.0, help="with a command: start sampling this long after it")
     ap.add_argument("--json", help="write the report here too")
@@ -101,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     if cmd:
         proc = subprocess.Popen(cmd)
         time.sleep(args.delay)
-        t0, a = time.monotonic(), sample(pattern)
+        t0, a, m0 = time.monotonic(), sample(pattern), machine_busy_s()
         # Sample just before the command ends too, while its processes still exist.
         last = a
         while proc.poll() is None:
@@ -110,12 +123,13 @@ def main(argv: list[str] | None = None) -> int:
             if now:
                 last = {**last, **now}
         rc = proc.returncode
-        b, seconds = last, time.monotonic() - t0
+        b, seconds, m1 = last, time.monotonic() - t0, machine_busy_s()
     else:
-        t0, a = time.monotonic(), sample(pattern)
+        t0, a, m0 = time.monotonic(), sample(pattern), machine_busy_s()
         time.sleep(args.seconds)
-        b, seconds = sample(pattern), time.monotonic() - t0
+        b, seconds, m1 = sample(pattern), time.monotonic() - t0, machine_busy_s()
     rep = diff(a, b, seconds)
+    rep["machine"] = {"cores": m1[1], "busy_cores": round((m1[0] - m0[0]) / seconds, 2)}
     print(format_report(rep))
     if args.json:
         with open(args.json, "w") as f:
