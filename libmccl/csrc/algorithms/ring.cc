@@ -17,6 +17,12 @@ constexpr size_t kMinRecvSlots = 8;
 // While pieces wait for their input, the links are polled in slices this long between two
 // looks at the ready ticket (a producer in another process cannot wake poll()).
 constexpr auto kProducerPoll = std::chrono::milliseconds(2);
+// At most this many pieces of a ticketed op in flight. Started all at once (a producer
+// ahead of the links makes every piece ready at the start), they all finished at the very
+// end, so `done` stood still for 95 % of the op and its consumer (mccld's client copying
+// results out) worked after the ring instead of behind it. A few pieces keep the links as
+// busy; the later ones start as the first finish, so `done` rises throughout.
+constexpr size_t kPiecesInFlight = 4;
 
 }  // namespace
 
@@ -146,8 +152,14 @@ void ring_pipeline(Collective& c, uint8_t* buf, const RingLayout& L, const RingP
   };
   auto send_chunk = [&](int g, int chunk, size_t j) { send(g, at(chunk, j), bytes(chunk, j), j, false); };
   // Gated: piece j is done here once all its chunks are final and no send reads it.
+  size_t retired = 0;
+  std::vector<bool> is_retired(gate ? S : 0);
   auto retire_if_done = [&](size_t j) {
-    if (gate && final_chunks[j] == size_t(n) && sends_out[j] == 0) gate->finished(j);
+    if (gate && !is_retired[j] && final_chunks[j] == size_t(n) && sends_out[j] == 0) {
+      is_retired[j] = true;
+      ++retired;
+      gate->finished(j);
+    }
   };
   auto start = [&](size_t j) {
     if (gate) {
@@ -176,9 +188,10 @@ void ring_pipeline(Collective& c, uint8_t* buf, const RingLayout& L, const RingP
 
   while (outstanding > 0) {
     RequestPtr req;
-    if (started < S) {
-      while (started < S && gate->ready(started)) start(started++);
-      if (started < S && outstanding == (S - started) * size_t(ag_steps)) {
+    auto window_open = [&] { return started < S && started < retired + kPiecesInFlight; };
+    while (window_open() && gate->ready(started)) start(started++);
+    if (window_open()) {
+      if (outstanding == (S - started) * size_t(ag_steps)) {
         // Only the all-gather receives of pieces not started are in flight, and none can
         // complete before this rank sends its part of the piece: sleep on the ready
         // ticket, whose producer wakes us, not in poll slices that notice it up to
@@ -187,13 +200,13 @@ void ring_pipeline(Collective& c, uint8_t* buf, const RingLayout& L, const RingP
         continue;
       }
       // Waiting for the producer as well as the links: wake up now and then to look.
-      req = started < S ? c.next_until(Clock::now() + kProducerPoll) : c.next();
+      req = c.next_until(Clock::now() + kProducerPoll);
       if (!req) {
         gate->check_deadline(started);
         continue;
       }
     } else {
-      req = c.next();
+      req = c.next();  // every piece started, or as many as may be in flight: only the links
     }
     --outstanding;
     if (req->is_send) {
