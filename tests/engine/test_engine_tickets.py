@@ -167,6 +167,34 @@ def test_done_advances_piece_by_piece():
     assert all(count * 2 <= v[0] < count * 4 for v in seen)
 
 
+def test_done_rises_while_the_ring_runs_when_every_piece_is_ready_at_once():
+    """A producer ahead of the links (mccld's client copies in far faster than the wire)
+    makes every piece ready at the start; the ring keeps only a few in flight, so the first
+    pieces finish, and ``done`` rises, long before the last: a consumer copies out behind
+    the ring. (Started all at once, every piece finished at the end.)"""
+    count = 4 << 20   # 16 MB in 256 KB pieces: 64 of them
+    with ranks(4, opts=make_options(pipeline_bytes=256 << 10)) as comms:
+        seen: list[list[int]] = [[] for _ in comms]
+
+        def body(r, c):
+            ready, done = _core.Ticket(), _core.Ticket()
+            buf = np.full(count, r + 1, dtype=np.float32)
+            ready.signal(buf.nbytes)
+            op = c.allreduce(ptr(buf), count, DT[buf.dtype], SUM, ready=ready, done=done)
+            while done.value < buf.nbytes:
+                seen[r].append(done.value)
+                time.sleep(0.0002)
+            c.wait(op, 60.0)
+            np.testing.assert_array_equal(buf, 10.0)
+
+        run_ranks(comms, body)
+    total = count * 4
+    for r, values in enumerate(seen):
+        partial = sorted({v for v in values if 0 < v < total})
+        # Several distinct prefixes, the first of them in the op's first half.
+        assert len(partial) >= 3 and partial[0] <= total // 2, (r, partial[:10], len(values))
+
+
 def test_waiting_for_a_slow_producer_uses_little_cpu():
     """While its input is not ready the ring sleeps in its 2 ms slices: it polled with a
     timeout rounded down to whole milliseconds, so the last one of every slice was a
