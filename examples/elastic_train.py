@@ -47,6 +47,8 @@ def main() -> None:
     ap.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (a slower model)")
     ap.add_argument("--timeout", type=float, default=60.0,
                     help="seconds a collective may wait for a stalled host before the job re-forms without it")
+    ap.add_argument("--restart-workers", action="store_true",
+                    help="re-form by restarting every worker, also when a host leaves (slower)")
     args = ap.parse_args()
     # torch's default is 30 minutes: a hung Mac would hold the others that long.
     dist.init_process_group("mccl", timeout=datetime.timedelta(seconds=args.timeout))
@@ -56,7 +58,10 @@ def main() -> None:
     net = DDP(model())
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=50, gamma=0.5)
-    state = ElasticState(args.ckpt, model=net, optimizer=opt, scheduler=sched, every=args.every)
+    # keep_workers: when a host leaves, the ranks that stay re-form without restarting (this
+    # loop reads the rank and world again whenever step_done says the world changed).
+    state = ElasticState(args.ckpt, model=net, optimizer=opt, scheduler=sched, every=args.every,
+                         keep_workers=not args.restart_workers)
     start = state.resume()
     if rank == 0:
         how = f"resumed after step {state.resumed_from}" if state.resumed_from is not None else "fresh start"
@@ -74,7 +79,13 @@ def main() -> None:
         if rank == 0:
             print(f"step {step} loss {report.item() / world:.6f} world {world}", flush=True)
         time.sleep(args.step_time)
-        state.step_done(step)
+        if state.step_done(step):
+            rank, world = dist.get_rank(), dist.get_world_size()
+            if args.global_batch % world:
+                raise SystemExit(f"global batch {args.global_batch} does not split over {world} ranks")
+            if rank == 0:
+                print(f"world {world} on {os.environ.get('MCCL_HOST_ID', '?')}: resumed after step {step}, "
+                      f"from step {step + 1} (in place)", flush=True)
     dist.destroy_process_group()
 
 

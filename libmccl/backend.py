@@ -112,6 +112,11 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
     def group_desc(self) -> str:
         return self._group_desc
 
+    @property
+    def timeout_s(self) -> float:
+        """Seconds a collective may wait: init_process_group's timeout, or set_timeout's."""
+        return self._timeout_s
+
     def set_timeout(self, timeout: datetime.timedelta) -> None:
         """Timeout of the ops issued from now on: the engine's per-op deadline and
         Work.wait(). Through the daemon (MCCL_DAEMON=1) the daemon side keeps the timeout

@@ -3,10 +3,12 @@
 A training script under ``mcclctl run`` (or ``torchrun --rdzv-backend mccl``) wraps its loop::
 
     from libmccl.elastic import ElasticState
-    state = ElasticState("/shared/ckpt/run1", model=model, optimizer=opt, scheduler=sched, every=100)
+    state = ElasticState("/shared/ckpt/run1", model=model, optimizer=opt, scheduler=sched, every=100,
+                         keep_workers=True)
     for step in range(state.resume(), total_steps):     # 0 on a fresh run
         ...one step, with the global batch split over dist.get_world_size() ranks...
-        state.step_done(step)
+        if state.step_done(step):                       # re-formed in place: a host left
+            ...read dist.get_rank() and dist.get_world_size() again...
 
 ``step_done`` agrees with every rank, at the same step, whether a host must leave: its mccld
 drains it when its user comes back (it creates the job's MCCL_DRAIN_FILE). Then every rank
@@ -16,7 +18,13 @@ REFORM_EXIT so that torchrun restarts them into a world without the leaving host
 then loads that step and returns the next, so no step is lost or repeated. Every ``every``
 steps it also saves, so a host that dies (kill -9, cable pulled) costs at most that many
 steps: the others fail with PeerLostError, torchrun re-forms, and they resume from there.
-A host that asks to join (it turned idle, up to ``--nnodes`` MAX) is taken in the same way: the
+With ``keep_workers=True`` a leave costs no restart: the ranks that stay re-form in place
+(libmccl/elastic_reform.py: a new default group and the DDP wrapper rebuilt, the rest kept in
+memory) and ``step_done`` returns True. It is opt-in because the script must read its rank and
+world size again then; a job whose other process groups or sharded model hold the old world
+(new_group, DeviceMesh, FSDP, a DDP comm hook) restarts its workers as without it.
+A host that asks to join (it turned idle, up to ``--nnodes`` MAX) is always taken in by a restart
+(its workers start in torchrun's next round): the
 rendezvous handler in torchrun creates MCCL_REFORM_FILE, every rank saves after the step in
 which any rank saw it and exits with REFORM_EXIT, and the larger world resumes from that step.
 
@@ -34,6 +42,7 @@ import pickle
 import random
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +52,12 @@ import torch.distributed as dist
 from mccl_common.errors import ConfigError
 from mccl_common.launch_protocol import AWARE_SUFFIX, DRAIN_ENV, LEFT_SUFFIX, REFORM_ENV
 
+from . import elastic_reform as reform
+
 log = logging.getLogger(__name__)
 
 REFORM_EXIT = 75                # EX_TEMPFAIL: torchrun restarts the workers, the world re-forms
+_DEFAULT_TIMEOUT_S = 1800.0     # torch's default for a group whose backend does not say its own
 KEEP = 2                        # checkpoints kept; older ones are removed once a newer one is complete
 _DONE = "COMPLETE"
 
@@ -55,7 +67,7 @@ class ElasticState:
 
     def __init__(self, directory: str | os.PathLike, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
-                 every: int = 100, extra: dict | None = None):
+                 every: int = 100, extra: dict | None = None, keep_workers: bool = False):
         if every < 1:
             raise ConfigError(f"[elastic] every={every}: checkpoint at least every step (every >= 1)")
         if not dist.is_initialized():
@@ -66,6 +78,8 @@ class ElasticState:
         self.scheduler = scheduler
         self.every = every
         self.extra: dict = dict(extra or {})
+        self.keep_workers = keep_workers
+        self._rngs: list = []           # every rank's RNG states at the last save
         self._drain_file = os.environ.get(DRAIN_ENV, "")
         self._reform_file = os.environ.get(REFORM_ENV, "")
         self.resumed_from: int | None = None     # the step the last resume() loaded, None: fresh start
@@ -109,9 +123,11 @@ class ElasticState:
 
     # ---- each step -------------------------------------------------------------------
 
-    def step_done(self, step: int) -> None:
+    def step_done(self, step: int) -> bool:
         """Call after every step. Saves when due; when a host must leave or one joins, saves and
-        exits this process (0 on the leaving host, REFORM_EXIT elsewhere) so that torchrun re-forms."""
+        exits this process (0 on the leaving host, REFORM_EXIT elsewhere) so that torchrun re-forms.
+        With ``keep_workers`` the ranks that stay when a host leaves re-form in place instead and
+        this returns True: the world changed, so read dist.get_rank() and get_world_size() again."""
         mine = 1 if self._drain_file and os.path.exists(self._drain_file) else 0
         joining = 1 if self._reform_file and os.path.exists(self._reform_file) else 0
         # One all-reduce, every rank the same answer: the hosts re-form after the same step.
@@ -121,20 +137,58 @@ class ElasticState:
         if leaving or reforming or (step + 1) % self.every == 0:
             self.save(step)
         if not (leaving or reforming):
-            return
+            return False
         rank = dist.get_rank()
+        # Every rank must take the same way (agree() is collective): in place only if all can.
+        blocked = torch.tensor([0 if self._in_place_blocker(joining=reforming) is None else 1], dtype=torch.int32)
+        dist.all_reduce(blocked, op=dist.ReduceOp.MAX)
+        in_place, plan = not bool(blocked.item()), None
+        if in_place:
+            plan = reform.agree(bool(mine), reform.group_timeout_s(_DEFAULT_TIMEOUT_S))
+            in_place = plan.new_world > 0
         if mine:
             if int(os.environ.get("LOCAL_RANK", "0")) == 0:
                 Path(self._drain_file + LEFT_SUFFIX).write_text(str(step))
             print(f"[elastic] rank {rank}: this host leaves after step {step} (its user is back); "
                   "the others re-form and resume from here", flush=True)
-            code = 0
-        else:
-            why = "a host leaves" if leaving else "a host joins"
+            dist.destroy_process_group()
+            sys.exit(0)
+        why = "a host leaves" if leaving else "a host joins"
+        if not in_place:
             print(f"[elastic] rank {rank}: {why} after step {step}; re-forming", flush=True)
-            code = REFORM_EXIT
+            dist.destroy_process_group()
+            sys.exit(REFORM_EXIT)
+        print(f"[elastic] rank {rank}: {why} after step {step}; re-forming in place", flush=True)
+        self._reform_in_place(plan, step)
+        return True
+
+    def _in_place_blocker(self, joining: bool) -> str | None:
+        """Why this re-form restarts the workers; None when the ranks that stay keep their processes."""
+        if not self.keep_workers:
+            return "keep_workers is off"
+        if joining:
+            return "a joining host's workers start in torchrun's next round"   # restart for everyone
+        why = reform.blocker(self.model, self.optimizer)
+        if why is not None and dist.get_rank() == 0:
+            log.warning("[elastic] re-forming by restarting the workers: %s", why)
+        return why
+
+    def _reform_in_place(self, plan: "reform.Plan", step: int) -> None:
+        old_rank, backend = dist.get_rank(), dist.get_backend()
+        timeout = reform.group_timeout_s(_DEFAULT_TIMEOUT_S)
+        started = time.monotonic()
         dist.destroy_process_group()
-        sys.exit(code)
+        reform.reform(plan, old_rank, backend, timeout)
+        if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+            reform.rewrap(self.model)
+        # As resume() after a restart: rank r continues old rank r's random streams, so a job
+        # follows the same numbers whichever way it re-formed.
+        if self._rngs:
+            _set_rng(self._rngs[dist.get_rank() % len(self._rngs)])
+        self.resumed_from = step
+        if dist.get_rank() == 0:
+            log.warning("[elastic] re-formed in place after step %d with %d ranks (was %d) in %.2fs",
+                        step, dist.get_world_size(), len(plan.leaving), time.monotonic() - started)
 
     def save(self, step: int) -> Path:
         """Every rank writes its part of the state after ``step``; rank 0 marks it complete last."""
@@ -144,6 +198,7 @@ class ElasticState:
         dcp.save(self._tensors(), checkpoint_id=str(path / "dcp"))
         rngs: list = [None] * dist.get_world_size()
         dist.all_gather_object(rngs, _get_rng())
+        self._rngs = rngs
         if rank == 0:
             meta = {"step": step, "world": dist.get_world_size(), "extra": self.extra, "rng": rngs,
                     "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}

@@ -327,6 +327,7 @@ class MCCLRendezvousHandler(DynamicRendezvousHandler):
     join_at_step_s = 30.0
     _join_asked: float | None = None     # when the workers were asked to re-form for a waiting host
     _last_round: set = set()             # the hosts (torch's node descriptors) of the round joined last
+    _round_store: Any = None             # that round's store (torchrun's agents meet there)
 
     def num_nodes_waiting(self) -> int:
         """torchrun's agent restarts its workers at once, mid-step, when this is above 0. Workers
@@ -389,6 +390,7 @@ class MCCLRendezvousHandler(DynamicRendezvousHandler):
                 "of this run finished or gave up, which ends the run for every host; start a new run with a "
                 "new --rdzv-id", peer_addr=self.anchor) from exc
         self._last_world = info.world_size
+        self._round_store = info.store
         self._last_round = set(self._state_field("participants") or ())
         if info.rank == 0 and os.getenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0") != "1":
             _republish_workers_store(info)
@@ -420,6 +422,7 @@ class MCCLRendezvousHandler(DynamicRendezvousHandler):
             from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
             self._stop_heartbeats()
             self._op_executor.run(_RendezvousExitOp(), time.monotonic() + self.settings.timeout.close.total_seconds())
+            self._check_in_at_exit_barrier()
             _log.warning("[rendezvous] run %r: this host left (drained); the others re-form without it",
                          self.settings.run_id)
             return True
@@ -427,6 +430,27 @@ class MCCLRendezvousHandler(DynamicRendezvousHandler):
             _log.warning("[rendezvous] run %r: could not leave the run cleanly (%s); the others drop this host "
                          "when its keep-alives stop", self.settings.run_id, _first_line(exc))
             return False
+
+    def _check_in_at_exit_barrier(self) -> None:
+        """Counts this host in at the round's exit barrier, where torchrun's agents wait for one
+        another when their workers end. The others' workers may finish the run in this round
+        without a restart (ElasticState(keep_workers=True) re-forms in place), and their agents
+        then wait for as many hosts as the round began with: this one, stopped by mccld before
+        it got there, would hold them the barrier's 300 s (measured: the job's end waited until
+        mcclctl recruited the host again). If this host's agent did count itself in before its
+        SIGTERM, the count runs one ahead and the barrier opens as the last host but one arrives:
+        that host's agent then ends a moment before the last one, which only waits for its
+        workers (the anchor's store waits for everyone, _linger_for_peers)."""
+        if self._round_store is None:
+            return
+        try:    # torch's own names (private): the agent's key and the non-waiting half of its barrier
+            from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
+            from torch.distributed.elastic.utils.store import _barrier_nonblocking
+            _barrier_nonblocking(self._round_store, self._last_world, _TERMINAL_STATE_SYNC_ID)
+        except Exception as exc:  # noqa: BLE001 - at exit: the others then wait out their barrier
+            _log.warning("[rendezvous] run %r: could not count this host out at the exit barrier (%s); "
+                         "the other hosts' torchruns may wait up to 300 s when the job ends",
+                         self.settings.run_id, _first_line(exc))
 
     def _linger_for_peers(self) -> None:
         """Every host counts itself out once it has closed the run; the host serving the store

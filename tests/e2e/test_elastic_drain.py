@@ -64,3 +64,41 @@ def test_a_host_whose_user_returns_leaves_and_rejoins_when_idle_again(tmp_path):
             stop_process(run)
             run.stdout.close()
         hosts.stop()
+
+
+def test_the_hosts_that_stay_re_form_in_place_and_the_job_ends_at_once(tmp_path):
+    """Three hosts, one leaves and does not come back: the other two re-form in place
+    (ElasticState(keep_workers=True), no restart: no "exitcode: 75") and finish the run; the
+    job ends right after its last step. Their torchruns still count the round's three hosts at
+    their exit barrier; the leaving host's rendezvous handler counts itself in, or they would
+    wait out torch's 300 s there."""
+    hosts = start_hosts(tmp_path, ["h1", "h2", "h3"])
+    run = None
+    try:
+        reference = reference_losses(40)
+        run = run_elastic(hosts, tmp_path / "ckpt", 40, 2, 3)
+        lines, touched, last_step = [], False, None
+        for line in run.stdout:
+            lines.append(line.rstrip())
+            m = re.search(r"step (\d+) loss [0-9.]+ world (\d+)", line)
+            if m:
+                last_step = time.monotonic()
+                if m.group(2) == "3" and int(m.group(1)) >= 5 and not touched:
+                    hosts.activity["h3"].touch()
+                    touched = True
+        rc = run.wait(timeout=60)
+        ended = time.monotonic()
+        text = "\n".join(lines)
+        assert rc == 0, text
+        steps = steps_of(text)
+        assert [s for s, _, _ in steps] == list(range(40)), text
+        assert [w for i, (_, _, w) in enumerate(steps) if i == 0 or steps[i - 1][2] != w] == [3, 2], text
+        for s, loss, _ in steps:
+            assert abs(loss - reference[s]) < 1e-4, (s, loss, reference[s])
+        assert "re-forming in place" in text and "exitcode: 75" not in text, text
+        assert ended - last_step < 30, f"the job ended {ended - last_step:.1f} s after its last step\n{text}"
+    finally:
+        if run is not None:
+            stop_process(run)
+            run.stdout.close()
+        hosts.stop()

@@ -39,9 +39,12 @@ measurement of every N. The re-form times are fitted with ``reform = a + b * N``
 over every trial) and extrapolated to ``--extrapolate`` hosts (100).
 
 Times are those of lines as mcclctl forwards them: mccld polls a job's output every 0.2 s,
-so each is late by up to about 0.2 s. The re-form includes the rendezvous' last call
+so each is late by up to about 0.2 s ("left" and the first step after an in-place re-form often
+come in the same batch: ``gap`` is then the figure to read). The example re-forms in place
+(ElasticState(keep_workers=True)); ``--restart-workers`` makes it restart its workers instead,
+as a script without keep_workers does. A re-form by restart includes the rendezvous' last call
 (MCCL_RDZV_LAST_CALL, 2 s by default: with --max N a round of N-1 waits that long for an Nth),
-which ``--last-call`` changes for the job.
+which ``--last-call`` changes for the job; so does the re-form after the SIGKILL.
 """
 
 from __future__ import annotations
@@ -350,7 +353,7 @@ def run_trial(n: int, rep: int, args, log_dir: Path) -> dict:
                "--submit-key-file", str(submit_key), "--cwd", str(REPO), *job_env, "--",
                "python", str(REPO / "examples" / "elastic_train.py"), "--steps", "1000000",
                "--ckpt", str(work / "ckpt"), "--every", str(args.every), "--step-time", f"{args.step_time:g}",
-               "--global-batch", str(global_batch(n))]
+               "--global-batch", str(global_batch(n)), *(["--restart-workers"] if args.restart_workers else [])]
         rec["command"] = " ".join(cmd[1:])
         t_run = time.monotonic()
         with open(tlog / "mcclctl.err", "wb") as err:
@@ -620,7 +623,8 @@ def summarize(trials: list[dict], extrapolate: int) -> dict:
 
 def report(doc: dict) -> str:
     meta, summ = doc["meta"], doc["summary"]
-    out = [f"re-form after a drain, {meta['mode']}, step {meta['step_time']} s, last call "
+    how = "by restarting the workers" if meta.get("restart_workers") else "in place (keep_workers)"
+    out = [f"re-form after a drain {how}, {meta['mode']}, step {meta['step_time']} s, last call "
            f"{meta['last_call'] if meta['last_call'] is not None else 'default (2 s)'}, "
            f"{meta['repeats']} trial(s) per N; seconds, median (max)"]
     out.append(f"{'N':>3} {'ok':>5} {'leave':>13} {'reform':>13} {'resumed':>13} {'gap':>13} "
@@ -706,6 +710,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-breakdown", dest="breakdown", action="store_false",
                     help="no LOGLEVEL=INFO for torchrun (its milestones split the re-form into parts)")
     ap.add_argument("--no-kill", dest="kill", action="store_false", help="skip the SIGKILL re-form")
+    ap.add_argument("--restart-workers", action="store_true",
+                    help="the job re-forms by restarting its workers (elastic_train.py --restart-workers)")
     ap.add_argument("--budget-s", type=float, default=0, help="start no trial after this many seconds (0: none)")
     ap.add_argument("--extrapolate", type=int, default=100)
     ap.add_argument("--json", help="results file (rewritten after every trial)")
@@ -722,6 +728,7 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="mccl-reform-logs-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     meta = {"mode": args.mode, "hosts": ns, "repeats": args.repeats, "step_time": args.step_time,
+            "restart_workers": args.restart_workers,
             "every": args.every, "last_call": args.last_call, "kill": args.kill, "cores": os.cpu_count(),
             "machine": f"{os.cpu_count()} cores", "python": sys.version.split()[0],
             "started": time.strftime("%Y-%m-%d %H:%M:%S"), "harvest_poll_s": 0.25, "idle_after_s": 60,
