@@ -19,6 +19,12 @@
 #   11-n8-cpu        where the CPU goes at 8 hosts x 1 rank, 10 Gbit/s, 256 MB: one run per mode under
 #                    tools/bench/threadcpu.py (per process role and thread, and the whole machine)
 #   12-n4-10gbit     step 1 at 4 hosts (half the processes on the same cores): in-process and daemon
+#   13-membw         is memory bandwidth what binds 8 hosts? the machine's copy GB/s for 1..16 processes
+#                    (tools/bench/membw.py scale), then step 1's in-process all_reduce 64/256 MB beside
+#                    0, 4 and 8 niced memory-copying processes (13-n8-hog0/hog4/hog8; membw hog)
+#   14-n8-tickets    step 1's in-process all_reduce twice: the plain ring, then the gated (ticketed) ring that
+#                    mccld's path runs, input ready at the start (MCCL_BENCH_TICKETS=1): the gated ring alone
+#                    against the plain one, without the daemon's copies
 # STEPS picks which run (default "1 2 3 4 5"; e.g. STEPS="1 2 3 6" then STEPS="4 5 7" as
 # two calls of under ten minutes each).
 # (numbered: a small run's host counts and rates may repeat). Every step has its own time
@@ -72,7 +78,8 @@ bench() {  # bench NAME LIMIT_S ARGS...
   status "$name start (limit ${limit}s)"
   # -v: progress lines go to .err as they happen; the JSON is rewritten after every series,
   # so a run cut short by its limit still leaves what it measured.
-  timeout --kill-after=20 "$limit" $PY -m tools.bench -v --json "$RESULTS/$name.json" "$@" \
+  # WRAP (a command line that ends in "--", e.g. membw hog) runs the benchmark under it.
+  timeout --kill-after=20 "$limit" ${WRAP:-} $PY -m tools.bench -v --json "$RESULTS/$name.json" "$@" \
     > "$RESULTS/$name.txt" 2> "$RESULTS/$name.err"
   local rc=$?
   status "$name rc=$rc"
@@ -119,6 +126,31 @@ if timeout 45 $PY -m tools.fleet selftest --rate 1gbit > "$RESULTS/fleet-selftes
     --workload ddp --ddp-device cuda --ddp-variants ddp,nocomm,staged --ddp-width "${CUDA_WIDTH:-1024}" \
     --ddp-depth "${CUDA_DEPTH:-48}" --ddp-bucket-mb "${CUDA_BUCKET_MB:-4}" --ddp-batch "${CUDA_BATCH:-16384}" \
     --ddp-steps 8 --latency-iters 0 --ceiling-seconds 2
+  # Memory bandwidth: what the machine copies with 1..16 processes, then step 1's in-process
+  # all_reduce beside 0, 4 and 8 copying processes (niced: they take the cores the ranks leave idle).
+  if want 13; then
+    status "13-membw start"
+    timeout --kill-after=10 "$(( $(left) > 80 ? 60 : $(left) - 20 ))" $PY -m tools.bench.membw scale \
+      --procs "${MEMBW_PROCS:-1,2,4,8,16}" --mb "${MEMBW_MB:-256}" --seconds "${MEMBW_SECONDS:-3}" \
+      --json "$RESULTS/13-membw.json" > "$RESULTS/13-membw.txt" 2> "$RESULTS/13-membw.err"
+    status "13-membw rc=$?"
+    cat "$RESULTS/13-membw.txt"
+    pack
+    for k in ${HOGS:-0 4 8}; do
+      name="13-n$H8-hog$k"
+      wrap=
+      [ "$k" -gt 0 ] && wrap="$PY -m tools.bench.membw hog --procs $k --mb ${MEMBW_MB:-256} --json $RESULTS/$name-membw.json --"
+      WRAP=$wrap bench "$name" 90 --hosts "$H8" --rate "$FAST" --backends mccl --mode in-process \
+        --sizes "${MEMBW_SIZES:-64M,256M}" --latency-iters 0 --ceiling-seconds 2 "${COMMON[@]}"
+    done
+  fi
+  if want 14; then
+    for t in ${TICKET_ORDER:-0 1 0 1}; do
+      n=$(( ${n14:-0} + 1 )); n14=$n
+      MCCL_BENCH_TICKETS=$t bench "14-n$H8-tickets$t-r$n" 80 --hosts "$H8" --rate "$FAST" --backends mccl \
+        --mode in-process --sizes "${SIZES_T:-16M,64M,256M}" --latency-iters 0 --ceiling-seconds 2 "${COMMON[@]}"
+    done
+  fi
 else
   status "fleet selftest FAILED (see fleet-selftest.txt); falling back to 8 ranks on loopback"
   bench loopback-8 240 --ranks 8 --mode "$MODES" --ops all_reduce --sizes "$SIZES"

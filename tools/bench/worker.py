@@ -59,6 +59,8 @@ class _Op:
         if op == "all_reduce":
             self.buf = z(count)
             self.run: Callable[[], None] = lambda: dist.all_reduce(self.buf)
+            if os.environ.get("MCCL_BENCH_TICKETS") == "1":
+                self.run = _ticketed_all_reduce(torch, dist, self.buf)
         elif op == "broadcast":
             self.buf = z(count)
             self.run = lambda: dist.broadcast(self.buf, src=0)
@@ -105,6 +107,27 @@ class _Op:
         # Timed loops run on zeros: sums stay finite however many iterations run.
         for t in (getattr(self, a) for a in ("buf", "inp", "out") if hasattr(self, a)):
             t.zero_()
+
+
+def _ticketed_all_reduce(torch, dist, buf) -> Callable[[], None]:
+    """MCCL_BENCH_TICKETS=1, in-process mccl only: the engine's gated (ticketed) all-reduce,
+    its whole input ready at the start, as mccld's client makes it when it copies in faster
+    than the links. Set apart from the daemon's copies, it tells whether the gated ring alone
+    loses against the plain one (an experiment of issue 9, not a mode users have)."""
+    from libmccl import _core
+
+    comm = getattr(dist.distributed_c10d._get_default_group(), "_comm", None)
+    if not isinstance(comm, _core.Communicator):
+        raise ConfigError("[bench] MCCL_BENCH_TICKETS=1 needs the in-process mccl engine (--mode in-process)")
+    nbytes, count = buf.numel() * 4, buf.numel()
+    dtype = int(_core.DType.float32)
+
+    def run() -> None:
+        ready, done = _core.Ticket(), _core.Ticket()
+        ready.signal(nbytes)
+        comm.wait(comm.allreduce(buf.data_ptr(), count, dtype, int(_core.ReduceOp.SUM), ready=ready, done=done),
+                  600.0)
+    return run
 
 
 def _agree_iters(torch, dist, seconds_per_op: float, target_s: float, max_iters: int) -> int:
