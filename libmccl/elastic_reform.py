@@ -28,6 +28,7 @@ from mccl_common.settings import EngineConfig, load
 
 from . import listen_addr
 
+_STORE_CONNECT_S = 60.0
 # torchrun's per-worker variables that a re-form changes (LOCAL_* stay: a host keeps its ranks).
 _RANK_ENV = ("RANK", "ROLE_RANK")
 _WORLD_ENV = ("WORLD_SIZE", "ROLE_WORLD_SIZE")
@@ -132,8 +133,10 @@ def reform(plan: Plan, old_rank: int, backend: str, timeout_s: float) -> None:
         del _SERVED[:-1]
     else:
         del _SERVED[:]
+        # The new rank 0 serves it already (it answered the broadcast): a LAN connect takes
+        # milliseconds, so a rank 0 that died since fails this in a minute, not the group's timeout.
         store = dist.TCPStore(plan.store_addr, plan.store_port, is_master=False,
-                              timeout=datetime.timedelta(seconds=timeout_s))
+                              timeout=datetime.timedelta(seconds=min(timeout_s, _STORE_CONNECT_S)))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
     # What torchrun told this worker; scripts and libraries that read it see the new world.
