@@ -401,7 +401,7 @@ def test_ring_timeout_names_the_stalled_rank_and_step():
         errs = run_ranks(comms, body)[:2]
     for e in errs:
         assert e.peer_rank == 2, e
-        assert "reduce-scatter step 1 of 2, segment" in str(e), e
+        assert "reduce-scatter step 1 of 2, piece 1 of" in str(e), e
 
 
 def test_a_late_starting_neighbour_is_not_blamed_for_the_stalled_rank():

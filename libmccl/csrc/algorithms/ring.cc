@@ -17,7 +17,7 @@ constexpr size_t kMinRecvSlots = 8;
 // While pieces wait for their input, the links are polled in slices this long between two
 // looks at the ready ticket (a producer in another process cannot wake poll()).
 constexpr auto kProducerPoll = std::chrono::milliseconds(2);
-// At most this many pieces of a ticketed op in flight. Started all at once (a producer
+// At most this many pieces of a pieced op in flight. Started all at once (a producer
 // ahead of the links makes every piece ready at the start), they all finished at the very
 // end, so `done` stood still for 95 % of the op and its consumer (mccld's client copying
 // results out) worked after the ring instead of behind it. A few pieces keep the links as
@@ -161,9 +161,18 @@ void ring_pipeline(Collective& c, uint8_t* buf, const RingLayout& L, const RingP
       gate->finished(j);
     }
   };
+  auto post_ag_recv = [&](int s, size_t j) {
+    const int g = rs_steps + s, ch = ag_recv_chunk(s);
+    c.recv(left, at(ch, j), bytes(ch, j), tag(g, j), cookie(g, j));
+    ++outstanding;
+  };
+  // A gated piece posts its receives as it starts, reduce-scatter steps first (so a stall
+  // is reported at the first step it blocks). Its all-gather data cannot come earlier:
+  // it carries the result of this rank's first send of the piece.
   auto start = [&](size_t j) {
     if (gate) {
       for (int s = 0; s < rs_steps; ++s) post_rs_recv(s, j);
+      for (int s = 0; s < ag_steps; ++s) post_ag_recv(s, j);
     }
     send_chunk(0, rs_steps > 0 ? rs_send_chunk(0) : ag_send_chunk(0), j);
   };
@@ -174,28 +183,23 @@ void ring_pipeline(Collective& c, uint8_t* buf, const RingLayout& L, const RingP
   for (int s = std::max(slot_steps, 0); s < rs_steps && !gate; ++s) {
     for (size_t j = 0; j < S; ++j) post_rs_recv(s, j);
   }
-  for (int s = 0; s < ag_steps; ++s) {
-    int g = rs_steps + s, ch = ag_recv_chunk(s);
-    for (size_t j = 0; j < S; ++j) {
-      c.recv(left, at(ch, j), bytes(ch, j), tag(g, j), cookie(g, j));
-      ++outstanding;
-    }
+  for (int s = 0; s < ag_steps && !gate; ++s) {
+    for (size_t j = 0; j < S; ++j) post_ag_recv(s, j);
   }
   size_t started = 0;
   if (!gate) {
     for (; started < S; ++started) start(started);
   }
 
-  while (outstanding > 0) {
+  auto window_open = [&] { return started < S && started < retired + kPiecesInFlight; };
+  while (outstanding > 0 || started < S) {
     RequestPtr req;
-    auto window_open = [&] { return started < S && started < retired + kPiecesInFlight; };
     while (window_open() && gate->ready(started)) start(started++);
     if (window_open()) {
-      if (outstanding == (S - started) * size_t(ag_steps)) {
-        // Only the all-gather receives of pieces not started are in flight, and none can
-        // complete before this rank sends its part of the piece: sleep on the ready
-        // ticket, whose producer wakes us, not in poll slices that notice it up to
-        // kProducerPoll late (every op's first piece, and a producer slower than the links).
+      if (outstanding == 0) {
+        // Nothing in flight: sleep on the ready ticket, whose producer wakes us, not in
+        // poll slices that notice it up to kProducerPoll late (every op's first piece,
+        // and a producer slower than the links).
         gate->wait_ready(started);
         continue;
       }
