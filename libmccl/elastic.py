@@ -49,6 +49,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torch.distributed.constants import default_pg_timeout
+
 from mccl_common.errors import ConfigError
 from mccl_common.launch_protocol import AWARE_SUFFIX, DRAIN_ENV, LEFT_SUFFIX, REFORM_ENV
 
@@ -57,7 +59,6 @@ from . import elastic_reform as reform
 log = logging.getLogger(__name__)
 
 REFORM_EXIT = 75                # EX_TEMPFAIL: torchrun restarts the workers, the world re-forms
-_DEFAULT_TIMEOUT_S = 1800.0     # torch's default for a group whose backend does not say its own
 KEEP = 2                        # checkpoints kept; older ones are removed once a newer one is complete
 _DONE = "COMPLETE"
 
@@ -144,7 +145,10 @@ class ElasticState:
         dist.all_reduce(blocked, op=dist.ReduceOp.MAX)
         in_place, plan = not bool(blocked.item()), None
         if in_place:
-            plan = reform.agree(bool(mine), reform.group_timeout_s(_DEFAULT_TIMEOUT_S))
+            # The group's timeout (torch's default where its backend does not keep one) bounds
+            # the new store and the new group alike.
+            timeout_s = reform.group_timeout_s(default_pg_timeout.total_seconds())
+            plan = reform.agree(bool(mine), timeout_s)
             in_place = plan.new_world > 0
         if mine:
             if int(os.environ.get("LOCAL_RANK", "0")) == 0:
@@ -159,7 +163,7 @@ class ElasticState:
             dist.destroy_process_group()
             sys.exit(REFORM_EXIT)
         print(f"[elastic] rank {rank}: {why} after step {step}; re-forming in place", flush=True)
-        self._reform_in_place(plan, step)
+        self._reform_in_place(plan, step, timeout_s)
         return True
 
     def _in_place_blocker(self, joining: bool) -> str | None:
@@ -173,12 +177,11 @@ class ElasticState:
             log.warning("[elastic] re-forming by restarting the workers: %s", why)
         return why
 
-    def _reform_in_place(self, plan: "reform.Plan", step: int) -> None:
+    def _reform_in_place(self, plan: "reform.Plan", step: int, timeout_s: float) -> None:
         old_rank, backend = dist.get_rank(), dist.get_backend()
-        timeout = reform.group_timeout_s(_DEFAULT_TIMEOUT_S)
         started = time.monotonic()
         dist.destroy_process_group()
-        reform.reform(plan, old_rank, backend, timeout)
+        reform.reform(plan, old_rank, backend, timeout_s)
         if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
             reform.rewrap(self.model)
         # As resume() after a restart: rank r continues old rank r's random streams, so a job
