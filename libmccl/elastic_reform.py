@@ -50,9 +50,12 @@ class Plan:
     def new_world(self) -> int:
         return self.leaving.count(False)
 
+    @property
+    def hosts_staying(self) -> list[int]:
+        return sorted({h for h, gone in zip(self.hosts, self.leaving) if not gone})
+
     def new_host_index(self, old: int) -> int:
-        staying = sorted({h for h, gone in zip(self.hosts, self.leaving) if not gone})
-        return staying.index(self.hosts[old])
+        return self.hosts_staying.index(self.hosts[old])
 
 
 def blocker(model: torch.nn.Module, optimizer: Any) -> str | None:
@@ -149,7 +152,7 @@ def reform(plan: Plan, old_rank: int, backend: str, timeout_s: float) -> None:
     if "GROUP_RANK" in os.environ:
         os.environ["GROUP_RANK"] = str(plan.new_host_index(old_rank))
     if "GROUP_WORLD_SIZE" in os.environ:
-        os.environ["GROUP_WORLD_SIZE"] = str(len({h for h, gone in zip(plan.hosts, plan.leaving) if not gone}))
+        os.environ["GROUP_WORLD_SIZE"] = str(len(plan.hosts_staying))
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = plan.store_addr, str(plan.store_port)
 
 

@@ -119,7 +119,7 @@ def _ticketed_all_reduce(torch, dist, buf) -> Callable[[], None]:
     comm = getattr(dist.distributed_c10d._get_default_group(), "_comm", None)
     if not isinstance(comm, _core.Communicator):
         raise ConfigError("[bench] MCCL_BENCH_TICKETS=1 needs the in-process mccl engine (--mode in-process)")
-    nbytes, count = buf.numel() * 4, buf.numel()
+    nbytes, count = buf.numel() * buf.element_size(), buf.numel()
     dtype = int(_core.DType.float32)
 
     def run() -> None:

@@ -41,8 +41,9 @@ void allreduce(Collective& c, void* buf, size_t count, const Reduction& red) {
     return;
   }
   // In pieces, a few in flight (ring.cc), as the ticketed path runs: on the 16-core machine
-  // at 8 hosts x 10 Gbit/s that ring took 100.0 % of the ceiling at 64 and 256 MB where the
-  // ring over the whole buffer at once took 95.6 and 78.8 % (same lease, in-process).
+  // at 8 hosts x 10 Gbit/s it took 99.5-100.4 % of the ceiling at 64 MB in five runs, the
+  // ring over the whole buffer at once 87.7-97.1 % in seven; at 256 MB both swing between
+  // about 70 and 100 % from run to run there (docs/benchmarks.md, 3 Dec).
   const Pieces p = allreduce_pieces(c.opts, c.size(), count, red.dtype);
   if (p.n > 1) {
     allreduce_pieced(c, static_cast<uint8_t*>(buf), p, red, OpTickets{});
