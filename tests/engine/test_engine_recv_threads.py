@@ -27,10 +27,16 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def allreduce_all(comms, count: int, dtype, late_rank: int = -1) -> list[np.ndarray]:
+    early = comms[late_rank].stats()["unexpected_messages"] if late_rank >= 0 else 0
+
     def body(r, c):
         a = (np.arange(count) % 7 + r).astype(dtype)
         if r == late_rank:
-            time.sleep(0.3)  # its left neighbour's frames arrive before the receives exist
+            # Post only once its left neighbour's frames arrived, before the receives exist
+            # (a fixed sleep was too short on a loaded box: the neighbour had not sent yet).
+            deadline = time.monotonic() + 15
+            while c.stats()["unexpected_messages"] == early and time.monotonic() < deadline:
+                time.sleep(0.01)
         c.wait(c.allreduce(ptr(a), count, DT[a.dtype], SUM), 30)
         return a
     return run_ranks(comms, body)

@@ -35,7 +35,22 @@ def daemon_env(rdir: Path) -> dict[str, str]:
 
 
 def our_segments() -> list[str]:
-    return sorted(p.name for p in Path("/dev/shm").glob("mccl-*"))
+    """The /dev/shm/mccl-* segments this test run may have left: not those of a live process
+    outside it (CI runs the e2e suite beside this one, with the same job ids)."""
+    return sorted(p.name for p in Path("/dev/shm").glob("mccl-*") if not _someone_elses(p.name))
+
+
+def _someone_elses(name: str) -> bool:
+    parts = name.split("-")
+    pid = int(parts[3]) if len(parts) >= 4 and parts[3].isdigit() else None
+    if pid is None or pid == os.getpid():
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False  # gone: what it left is what a test must check
+    state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+    return state != "Z" and int(ppid) != os.getpid()
 
 
 @contextlib.contextmanager

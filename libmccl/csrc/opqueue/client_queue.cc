@@ -1,6 +1,7 @@
 #include "opqueue/client_queue.h"
 
 #include <chrono>
+#include <cstddef>
 #include <cstring>
 
 #include "core/thread_name.h"
@@ -93,6 +94,12 @@ std::shared_ptr<const Error> ClientQueue::State::daemon_error() const {
                                  std::string(rec.peer_addr, rec.addr_len));
 }
 
+uint64_t ClientQueue::State::completed_before_failure() const {
+  uint64_t v;
+  std::memcpy(&v, map->base() + kErrorOff + offsetof(ErrorRecord, completed), sizeof v);
+  return v == Ticket::kPoison ? 0 : v;
+}
+
 void ClientQueue::completer_main(std::shared_ptr<State> sp) {
   name_this_thread("mccl-fastq");
   State& s = *sp;
@@ -113,6 +120,9 @@ void ClientQueue::completer_main(std::shared_ptr<State> sp) {
     do {
       w = s.completed->wait_until(target, Clock::now() + kIdleSlice, kIdleSlice);
     } while (w == Ticket::Wait::kTimeout);
+    if (w == Ticket::Wait::kPoisoned && s.completed_before_failure() >= target) {
+      w = Ticket::Wait::kReached;  // the job failed after this op finished: its result stands
+    }
     std::shared_ptr<const Error> err;
     {
       std::lock_guard<std::mutex> lk(s.mu);

@@ -65,6 +65,7 @@ class ClientQueue {
     void* buf = nullptr;
     size_t nbytes = 0;
     std::shared_ptr<const Error> daemon_error() const;
+    uint64_t completed_before_failure() const;  // from the error record; 0 if none
   };
   static void completer_main(std::shared_ptr<State> s);
 

@@ -31,8 +31,9 @@ std::string describe(const Entry& e) {
          ", dtype=" + std::to_string(e.dtype) + ", op=" + std::to_string(e.op) + ")";
 }
 
-void write_error(uint8_t* base, const Error& e) {
+void write_error(uint8_t* base, const Error& e, uint64_t completed) {
   ErrorRecord rec{};
+  rec.completed = completed;
   rec.kind = static_cast<int32_t>(e.kind());
   rec.peer_rank = e.peer_rank();
   std::string msg = e.what();
@@ -76,7 +77,9 @@ void Dispatcher::fail(const Error& e) {
   }
   stop_.store(true, std::memory_order_release);
   for (auto& q : queues_) {
-    write_error(q.map->base(), e);
+    // Read before the poison: the dispatcher thread only raises it, so at worst an op that
+    // finished this instant is reported failed, never the other way round.
+    write_error(q.map->base(), e, q.completed->value());
     q.completed->poison();  // release: the record is visible to a client that sees the poison
     q.submitted->poison();
   }

@@ -37,6 +37,10 @@ struct Entry {
 };
 
 struct ErrorRecord {
+  // `completed` as it stood before the poison hid it: a client whose op is at or below it
+  // takes the result, which is final, instead of the job's error (a peer may die right
+  // after the op it shared with this client finished, before this client looked).
+  uint64_t completed;
   int32_t kind;       // mccl::ErrorKind
   int32_t peer_rank;
   uint32_t msg_len;   // bytes of msg used
