@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from support.daemon import job_segments
 from support.fleet import KEY, skip_unless_fleet
 from support.fleet import DaemonFleet as _DaemonFleet
 
@@ -84,7 +85,7 @@ def test_two_hosts_two_ranks_each_every_collective():
             links_up.append(df.log(0).count("link up"))
         assert [p["host"] for p in df.status(0)["links"]] == ["h1"]
         assert links_up[1] == links_up[0], "the second job dialled new links instead of reusing them"
-    assert not list(Path("/dev/shm").glob("mccl-00005eed-*"))
+    assert not job_segments(0x5eed)
 
 
 @pytest.mark.fleet
@@ -115,7 +116,7 @@ def test_rank_killed_on_one_host_fails_the_other_host_with_peer_lost():
         assert out[3][0] == -signal.SIGKILL
         _verdicts(out, (0, 1, 2), "PeerLostError")
         assert "rank 3" in out[0][1] or "peer host" in out[0][1], out[0][1]
-    assert not list(Path("/dev/shm").glob("mccl-00dead03-*"))
+    assert not job_segments(0xdead03)
 
 
 @pytest.mark.fleet
@@ -169,7 +170,7 @@ def test_sigstopped_rank_times_out_the_others_and_the_daemons_serve_a_new_job():
         os.killpg(stopped.pid, signal.SIGKILL)
         stopped.wait(10)
         deadline = time.monotonic() + 10
-        while list(Path("/dev/shm").glob("mccl-00dead04-*")):
+        while job_segments(0xdead04):
             assert time.monotonic() < deadline, "the killed rank's segments were never freed"
             time.sleep(0.1)
         # The segments go when the dead rank is forgotten; the job closes after that, on its

@@ -36,21 +36,27 @@ def daemon_env(rdir: Path) -> dict[str, str]:
 
 def our_segments() -> list[str]:
     """The /dev/shm/mccl-* segments this test run may have left: not those of a live process
-    outside it (CI runs the e2e suite beside this one, with the same job ids)."""
+    outside it (CI runs the unit and e2e suites side by side, and they share job ids)."""
     return sorted(p.name for p in Path("/dev/shm").glob("mccl-*") if not _someone_elses(p.name))
 
 
 def _someone_elses(name: str) -> bool:
+    """Whether the segment's owner (the pid in its name) is a live process that this one did
+    not start. A dead owner's segment is what a test must check was freed."""
     parts = name.split("-")
     pid = int(parts[3]) if len(parts) >= 4 and parts[3].isdigit() else None
-    if pid is None or pid == os.getpid():
-        return False
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False  # gone: what it left is what a test must check
-    state, ppid = stat.rsplit(")", 1)[1].split()[:2]
-    return state != "Z" and int(ppid) != os.getpid()
+    me = os.getpid()
+    for _ in range(64):  # up the parent chain: ranks may be grandchildren (ip netns exec, torchrun)
+        if pid is None or pid == me:
+            return False
+        try:
+            state, ppid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:2]
+        except OSError:
+            return False  # gone
+        if state == "Z" or int(ppid) <= 1:
+            return state != "Z"
+        pid = int(ppid)
+    return True
 
 
 @contextlib.contextmanager
