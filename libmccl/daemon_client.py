@@ -66,6 +66,9 @@ _EXIT_DRAIN_S = 2.0                              # pending ops' last chance at i
 # A pipelined op's results are awaited in slices this long, looking at the daemon's
 # socket between them (an error reply, a lost daemon).
 _PUMP_SLICE_S = 0.05
+# Pipelined all-reduces, summed over the ops in stats(): seconds from sending the op until
+# its input was all copied in, its first and its last result announced, and it finished here.
+_PHASES = ("pipelined_input_in_s", "pipelined_first_result_s", "pipelined_all_results_s", "pipelined_op_s")
 
 _live: "weakref.WeakSet[DaemonCommunicator]" = weakref.WeakSet()
 
@@ -97,6 +100,11 @@ class _Pipe:
     copied_in: int = 0
     copied_out: int = 0
     broken: bool = False                       # done was poisoned: the daemon's reply says why
+    # Seconds from sending the op: input all copied in; first and all results announced.
+    started: float = 0.0
+    t_in: float | None = None
+    t_first: float | None = None
+    t_all: float | None = None
 
     @property
     def pumping(self) -> bool:
@@ -144,6 +152,7 @@ class DaemonCommunicator:
         self._fastq: Any = None                # _core.FastQueue, the small-op queue to mccld
         self._outbox: collections.deque[dict[str, Any]] = collections.deque()  # reports, no reply awaited
         self._register_reqs: set[int] = set()
+        self._replies_owed: set[int] = set()   # reqs of pipelined ops that completed before mccld's reply
         self._inflight: _Op | None = None
         self._failed: MCCLError | None = None
         self._results: collections.OrderedDict[int, MCCLError | None] = collections.OrderedDict()
@@ -151,7 +160,8 @@ class DaemonCommunicator:
         self._segment = None
         self._ticket_base = 0                  # bytes the segment's tickets count so far
         self._gen = 0
-        self._stats = {"ops_completed": 0, "bytes_sent": 0, "bytes_received": 0}
+        self._stats = {"ops_completed": 0, "bytes_sent": 0, "bytes_received": 0, "pipelined_ops": 0,
+                       **dict.fromkeys(_PHASES, 0.0)}
         self._closed = False
         self._closer: int | None = None            # the thread that tears the communicator down
         self._torn_down = threading.Event()
@@ -393,7 +403,7 @@ class DaemonCommunicator:
             self._on_complete([(op.op_id, _err_tuple(exc), -1) for op in ops])
 
     def _busy_locked(self) -> bool:
-        return bool(self._inflight is not None or self._queue or self._recvs)
+        return bool(self._inflight is not None or self._queue or self._recvs or self._replies_owed)
 
     def _head_locked(self) -> _Op | None:
         """The next op to start, past the gates that opened; None if there is none or a
@@ -509,7 +519,7 @@ class DaemonCommunicator:
         args = dict(spec.args)
         if spec.pipelined:
             (_, ptr, n), = spec.copy_in
-            op.pipe = _Pipe(ptr, n, self._ticket_base)
+            op.pipe = _Pipe(ptr, n, self._ticket_base, started=time.monotonic())
             args["base"] = self._ticket_base
             self._ticket_base += n
         else:
@@ -522,38 +532,54 @@ class DaemonCommunicator:
         op.req = self._req
         op.deadline = time.monotonic() + self.timeout_s + _VERDICT_MARGIN_S
         self._send_op(op.req, spec.name, args)
-        if op.pipe is not None:
-            self._pump(op)
 
-    def _pump(self, op: _Op) -> None:
-        """Copies a pipelined op's input in (raising ``ready``), then its results out as far
-        as ``done`` covers them; returns early, to be called again, once the daemon's socket
-        or its monitor has something to say or the op is overdue."""
+    def _pump(self, op: _Op) -> bool:
+        """Copies a pipelined op's input in (raising ``ready``) and its results out as far as
+        ``done`` covers them; returns early, to be called again, once the daemon's socket or
+        its monitor has something to say or the op is overdue. True once the op completed."""
         p, seg = op.pipe, self._segment
         while p.copied_in < p.nbytes:
             k = min(self._piece, p.nbytes - p.copied_in)
             ctypes.memmove(seg.addr + p.copied_in, p.ptr + p.copied_in, k)  # releases the GIL
             p.copied_in += k
             seg.ready.signal(p.base + p.copied_in)
+            if p.copied_in == p.nbytes:
+                p.t_in = time.monotonic() - p.started
         while p.pumping:
             try:
                 reached = seg.done.wait_for(p.base + min(p.nbytes, p.copied_out + self._piece), _PUMP_SLICE_S)
             except AbortedError:
                 p.broken = True  # the daemon failed the op; its reply follows
-                return
+                return False
             if reached:
-                upto = min(p.nbytes, seg.done.value - p.base)
-                ctypes.memmove(p.ptr + p.copied_out, seg.addr + p.copied_out, upto - p.copied_out)
-                p.copied_out = upto
+                covered = min(p.nbytes, seg.done.value - p.base)
+                if p.t_first is None:
+                    p.t_first = time.monotonic() - p.started
+                if covered == p.nbytes:
+                    p.t_all = time.monotonic() - p.started
+                ctypes.memmove(p.ptr + p.copied_out, seg.addr + p.copied_out, covered - p.copied_out)
+                p.copied_out = covered
             elif (self._closed or self._sock.poll(0) or self._monitor.poll(0)
                   or time.monotonic() > op.deadline):
-                return
+                return False
+        if p.broken:
+            return False
+        # Every result is in place: mccld raises `done` over the last piece only once nothing
+        # of the op touches this segment any more, so the op is complete without the reply,
+        # which the daemon's job thread sends a little later. The next op starts now; the
+        # reply is awaited beside it (_settle_owed_reply).
+        with self._lock:
+            self._replies_owed.add(op.req)
+        self._completed(op, None)
+        return True
 
-    def _pump_inflight(self) -> None:
+    def _pump_inflight(self) -> bool:
+        """Pumps the pipelined op in flight; True if it completed (the next op may start)."""
         with self._lock:
             op = self._inflight
         if op is not None and op.pipe is not None and op.pipe.pumping and not self._closed:
-            self._pump(op)
+            return self._pump(op)
+        return False
 
     def _post_recvs(self) -> None:
         while True:
@@ -581,6 +607,9 @@ class DaemonCommunicator:
             self._fail(err, leave_abort=None)
 
     def _complete_inflight(self, reply: dict[str, Any]) -> None:
+        if reply["req"] in self._replies_owed:
+            self._settle_owed_reply(reply)
+            return
         op = self._inflight
         if op is None or reply["req"] != op.req:
             was_register = reply["req"] in self._register_reqs
@@ -602,17 +631,39 @@ class DaemonCommunicator:
                 ctypes.memmove(ptr, base + off, n)
         else:
             err = protocol.error_from_payload(reply.get("error") or {})
+        self._completed(op, err)
+
+    def _completed(self, op: _Op, err: MCCLError | None) -> None:
+        """The op in flight finished (its results are in place unless ``err``)."""
+        spec, phases = op.spec, None
+        if err is None and op.pipe is not None:
+            p, end = op.pipe, time.monotonic() - op.pipe.started
+            phases = (p.t_in if p.t_in is not None else end, p.t_first if p.t_first is not None else end,
+                      p.t_all if p.t_all is not None else end, end)
         with self._lock:
             self._inflight = None
             self._stats["ops_completed"] += 1
             self._stats["bytes_sent"] += sum(c[2] for c in spec.copy_in)
             self._stats["bytes_received"] += sum(c[2] for c in spec.copy_out)
+            if phases is not None:
+                self._stats["pipelined_ops"] += 1
+                for key, seconds in zip(_PHASES, phases):
+                    self._stats[key] += seconds
             self._finish_locked(op, err)
             if err is not None and self._failed is None and not isinstance(err, ConfigError):
                 self._failed = err
         self._on_complete([(op.op_id, None if err is None else _err_tuple(err), op.info)])
         if err is not None and not isinstance(err, ConfigError):
             self._fail(err, leave_abort=None)
+
+    def _settle_owed_reply(self, reply: dict[str, Any]) -> None:
+        """mccld's reply to a pipelined op that completed when its last result was in place."""
+        with self._lock:
+            self._replies_owed.discard(reply["req"])
+        if not reply.get("ok"):
+            # The op's results were final before this (a peer lost as the op ended): the
+            # communicator fails from here, as it would have for the next op.
+            self._fail(protocol.error_from_payload(reply.get("error") or {}), leave_abort=None)
 
     def _next_deadline(self) -> float | None:
         with self._lock:
@@ -689,9 +740,10 @@ class DaemonCommunicator:
                 if expired is not None:
                     self._fail(expired, leave_abort=None)
                     return
-                if self._failed is None:
+                while self._failed is None:
                     self._start_next()
-                    self._pump_inflight()
+                    if not self._pump_inflight():
+                        break
         except Exception as e:  # noqa: BLE001 - surface it to every pending op
             log.exception("[daemon-client] I/O thread failed")
             self._fail(MCCLError(f"[daemon-client] I/O thread failed on rank {self.rank}: {e}"), leave_abort=None)

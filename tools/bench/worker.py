@@ -217,6 +217,7 @@ def _measure(torch, dist, plan: dict, op: str, count: int, rank: int, world: int
     times, cpu = [], 0.0
     # Through mccld, one rank per host also counts its daemon's CPU (the others' is in its).
     daemon_pid = (plan.get("daemon_pids") or {}).get(str(rank))
+    phases0 = _client_phases(dist)
     for _ in range(plan["repeats"]):
         dist.barrier()
         c0, t0 = _cpu_seconds(daemon_pid), time.perf_counter()
@@ -225,10 +226,30 @@ def _measure(torch, dist, plan: dict, op: str, count: int, rank: int, world: int
         t1, c1 = time.perf_counter(), _cpu_seconds(daemon_pid)
         times.append((t1 - t0) / iters)
         cpu += c1 - c0
+    phases = _phase_means_ms(phases0, _client_phases(dist))
     if rank == 0:
         print(f"[bench] {plan['series']} {op} {count * 4} B: {statistics.median(times) * 1e6:.1f} us/op "
-              f"x{iters}", file=sys.stderr, flush=True)
-    return {"op": op, "bytes": count * 4, "count": count, "iters": iters, "times_s": times, "cpu_s": cpu}
+              f"x{iters}" + (f"; through mccld, ms per op: {phases}" if phases else ""), file=sys.stderr, flush=True)
+    out = {"op": op, "bytes": count * 4, "count": count, "iters": iters, "times_s": times, "cpu_s": cpu}
+    if phases:
+        out["daemon_phases_ms"] = phases
+    return out
+
+
+def _client_phases(dist) -> dict | None:
+    """The mccld client's pipelined-op phase sums (libmccl/daemon_client.py's stats()), or None
+    in-process: where the time of an op through mccld goes, per rank."""
+    comm = getattr(dist.distributed_c10d._get_default_group(), "_comm", None)
+    stats = comm.stats() if comm is not None and hasattr(comm, "stats") else {}
+    return {k: v for k, v in stats.items() if k.startswith("pipelined_")} or None
+
+
+def _phase_means_ms(before: dict | None, after: dict | None) -> dict | None:
+    if not before or not after or after["pipelined_ops"] == before["pipelined_ops"]:
+        return None
+    n = after["pipelined_ops"] - before["pipelined_ops"]
+    return {k.removeprefix("pipelined_").removesuffix("_s"): round((after[k] - before[k]) / n * 1e3, 2)
+            for k in after if k.endswith("_s")}
 
 
 def _teardown(dist) -> None:
