@@ -4,6 +4,7 @@ abort, and that shutdown/abort leave no threads or file descriptors behind."""
 from __future__ import annotations
 
 import gc
+import threading
 import time
 
 import numpy as np
@@ -239,22 +240,34 @@ def test_no_leaked_threads_or_fds(how):
 
 def test_callback_batches_and_errors_delivered():
     batches = [[] for _ in range(2)]
-    cbs = [lambda b, i=i: batches[i].append(list(b)) for i in range(2)]
+    finished = [threading.Event() for _ in range(2)]
+
+    def deliver(b, i):
+        if not batches[i]:
+            # Hold the completion thread until every op of the rank finished (wait() does not
+            # need it): what finished meanwhile must come in one call, not one call per op.
+            # Without the hold, a loaded box's completion thread kept up op by op.
+            finished[i].wait(10)
+        batches[i].append(list(b))
+    cbs = [lambda b, i=i: deliver(b, i) for i in range(2)]
     with ranks(2, on_complete=cbs) as comms:
         def body(r, c):
             bufs = [np.full(16, r, np.float32) for _ in range(50)]
             ids = [c.allreduce(ptr(b), 16, DT[b.dtype], SUM) for b in bufs]
             for i in ids:
                 c.wait(i, 10)
+            finished[r].set()
             return ids
 
         ids = run_ranks(comms, body)
-        time.sleep(0.2)
+        deadline = time.monotonic() + 10
+        while sum(len(b) for r in range(2) for b in batches[r]) < 100 and time.monotonic() < deadline:
+            time.sleep(0.01)
     for r in range(2):
         got = [op for b in batches[r] for op in b]
         assert [g[0] for g in got] == ids[r]
         assert all(g[1] is None and g[2] == -1 for g in got)
-        assert len(batches[r]) < 50  # delivered in batches, not one call per op
+        assert len(batches[r]) <= 2, [len(b) for b in batches[r]]  # the held one, then the rest at once
 
 
 def test_fast_rank_shutting_down_does_not_fail_slower_ones():
