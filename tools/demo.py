@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from mccl_common import shm
+
 VOCAB, SEQ, D_MODEL, LAYERS = 128, 32, 128, 2
 
 
@@ -261,11 +263,22 @@ def _run_ranks(args: DemoArgs, during=None) -> int:
     return 0
 
 
+def orphaned_segments() -> set[str]:
+    """The mccl segments in /dev/shm whose owner (the pid in the name) is gone: what a demo
+    that cleaned up leaves none of, once its processes ended. A live process's segments belong
+    to whatever else runs here (CI runs tests beside the demos)."""
+    if not Path("/dev/shm").is_dir():
+        return set()
+    names = (p.name for p in Path("/dev/shm").glob("mccl-*"))
+    return {n for n in names if (pid := shm.owner_pid(n)) is None or not shm.pid_alive(pid)}
+
+
 def _run_with_daemon(args: DemoArgs) -> int:
     """Start a private mccld, train through it, show it with mcclctl and its exporter."""
     from .demo_daemon import DemoDaemon, host_states, show_metrics, show_status
 
     daemon = DemoDaemon()
+    segments_before = orphaned_segments()
     print("[demo] starting mccld (loopback only, private runtime dir and fleet key)", flush=True)
     daemon.start()
     try:
@@ -293,7 +306,7 @@ def _run_with_daemon(args: DemoArgs) -> int:
         return rc
     finally:
         daemon.stop()
-        leaked = sorted(p.name for p in Path("/dev/shm").glob("mccl-*")) if Path("/dev/shm").is_dir() else []
+        leaked = sorted(orphaned_segments() - segments_before)
         daemon.cleanup()
         print(f"[demo] mccld stopped; shared-memory segments left: {len(leaked)}", flush=True)
         if leaked:

@@ -357,15 +357,12 @@ def _kib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
 
 
-def _segments() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("mccl-*")} if Path("/dev/shm").is_dir() else set()
-
-
 def run_fleet_demo(steps: int, step_time: float, rate: str, fleet_only: bool = False) -> int:
+    from tools.demo import orphaned_segments
     from tools.fleet import Fleet, list_links, list_namespaces
 
     started = time.monotonic()
-    segments_before = _segments()
+    segments_before = orphaned_segments()
     # SIGTERM (a test's timeout, a CI runner) unwinds like Ctrl-C, so the namespaces come down.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     fleet = Fleet(HOSTS, rate=rate)
@@ -397,7 +394,7 @@ def run_fleet_demo(steps: int, step_time: float, rate: str, fleet_only: bool = F
         shutil.rmtree(work, ignore_errors=True)
     left_ns = [ns for ns in list_namespaces() if ns.startswith(f"mccl{fleet.id}h")]
     left_links = [link for link in list_links() if link.startswith(f"mccl{fleet.id}")]
-    leaked = sorted(_segments() - segments_before)
+    leaked = sorted(orphaned_segments() - segments_before)
     say(f"[demo] daemons stopped, fleet torn down; namespaces left: {len(left_ns)}, "
         f"links left: {len(left_links)}, shared-memory segments left: {len(leaked)}")
     if not failure and (left_ns or left_links or leaked):
