@@ -246,7 +246,8 @@ def test_callback_batches_and_errors_delivered():
         if not batches[i]:
             # Hold the completion thread until every op of the rank finished (wait() does not
             # need it): what finished meanwhile must come in one call, not one call per op.
-            # Without the hold, a loaded box's completion thread kept up op by op.
+            # Without the hold, a loaded box's completion thread kept up op by op. The engine
+            # queues an op's completion before wait() can return for it, so none is late.
             finished[i].wait(10)
         batches[i].append(list(b))
     cbs = [lambda b, i=i: deliver(b, i) for i in range(2)]

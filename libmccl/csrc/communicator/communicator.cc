@@ -346,14 +346,15 @@ void Communicator::complete(uint64_t id, std::shared_ptr<const Error> err, int i
     if (!pending_.erase(id)) return;
     if (err) failed_ops_[id] = err;
     ++ops_completed_;
+    // Queued for the callback before a waiter can see the op done (lock order mu_ -> cmu_,
+    // never the reverse): whoever returns from wait() knows its completion is on its way.
+    if (deliver_) {
+      std::lock_guard<std::mutex> clk(cmu_);
+      completions_.push_back({id, err, info});
+    }
   }
   done_cv_.notify_all();
-  if (!deliver_) return;  // nobody to tell: spare the completion thread a wake-up
-  {
-    std::lock_guard<std::mutex> lk(cmu_);
-    completions_.push_back({id, std::move(err), info});
-  }
-  ccv_.notify_one();
+  if (deliver_) ccv_.notify_one();  // without a callback, spare the completion thread a wake-up
 }
 
 // ---------------------------------------------------------------- completions
