@@ -90,14 +90,17 @@ class OpBuilder:
     # -- collectives -----------------------------------------------------------------------
     def allreduce(self, ptr: int, count: int, dtype: int, op: int) -> OpSpec:
         n = self._check_reduce(count, dtype, op)
-        # Over one piece there is something to overlap; every rank decides from the size alone.
-        pipelined = n > self.pipeline_bytes
+        # Every rank decides from the size alone. What fits the small-op queue goes there even
+        # past one piece: on a busy host its native thread with whole-buffer copies beat the
+        # pipelined path's Python (docs/daemon-fastpath.md); beyond it, there is copying to overlap.
+        fast = 0 < n <= self.fast_bytes
+        pipelined = not fast and n > self.pipeline_bytes
         args = {"count": count, "dtype": dtype, "op": op, "offset": 0}
         if pipelined:
             args["pipelined"] = True
         spec = self._spec("allreduce", args, n, [(0, ptr, n)], [(0, ptr, n)], n)
         spec.pipelined = pipelined
-        spec.fast = 0 < n <= self.fast_bytes and not pipelined
+        spec.fast = fast
         return spec
 
     def broadcast(self, ptr: int, nbytes: int, root: int) -> OpSpec:

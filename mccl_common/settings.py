@@ -124,10 +124,11 @@ class EngineConfig:
         "MCCL_DAEMON", False, "bool",
         "hand collectives to the local mccld instead of running the engine in-process")
     daemon_fast_bytes: int = setting(
-        "MCCL_DAEMON_FAST_BYTES", 64 << 10, "bytes",
+        "MCCL_DAEMON_FAST_BYTES", 2 << 20, "bytes",
         "MCCL_DAEMON=1: all-reduces up to this size, and barriers, go to mccld through a shared-memory "
-        "queue that a native thread serves (docs/daemon-fastpath.md); 0 sends every op over ZeroMQ "
-        "to mccld's Python job thread. Every rank of a host must use the same value")
+        "queue that a native thread serves, copied in and out whole (docs/daemon-fastpath.md); larger ones "
+        "over MCCL_PIPELINE_BYTES are pipelined through mccld's Python job thread; 0 sends every op over "
+        "ZeroMQ. At most 16M; every rank of a host must use the same value")
     unified_collective: str = setting(
         "MCCL_UNIFIED_COLLECTIVE", "auto", "auto|1|0",
         "macOS/MPS all-reduce: reduce in the tensor's unified memory (shared storage; private storage is "

@@ -113,7 +113,7 @@ def test_mismatched_small_ops_fail_naming_both_ranks(daemon):  # noqa: F811
 def test_small_op_against_a_large_one_fails_the_job(daemon):  # noqa: F811
     # Rank 1's 128 KB all-reduce goes over ZeroMQ while rank 0's 4 floats wait in the queue.
     d, env = daemon
-    for line in run_ranks(rank_mismatch, 2, True, env=env):
+    for line in run_ranks(rank_mismatch, 2, True, env={**env, "MCCL_DAEMON_FAST_BYTES": "64K"}):
         assert line.startswith(("CollectiveMismatch", "CollectiveTimeout")), line
         assert "Timed out" in line or "rank 1" in line, line
 

@@ -46,7 +46,10 @@ def test_daemons_discover_each_other_and_refuse_a_wrong_key():
         assert entry["fleet"] == "dtest" and entry["addresses"] == [df.fleet.hosts[1].addr]
         assert entry["cores"] > 0 and entry["state"] == "idle" and entry["proto"] == 1
         # browse_fleet (what mcclctl calls) from a fresh process on host 0
-        code = ("import json; from mccl_common.discovery import browse_fleet; "
+        # Once (of many runs) this process was killed at the 30 s limit without a word: if it
+        # hangs again, its threads' stacks say where.
+        code = ("import faulthandler; faulthandler.dump_traceback_later(25); "
+                "import json; from mccl_common.discovery import browse_fleet; "
                 "print(json.dumps(browse_fleet(3.0, fleet='dtest', interfaces=['%s'])))" % df.fleet.hosts[0].addr)
         res = df.fleet.run(0, [sys.executable, "-c", code], timeout=30)
         assert res.returncode == 0, res.stderr
@@ -126,7 +129,7 @@ def test_pipelined_allreduce_across_hosts_with_random_delays():
     engine), two per host (local reduction, then the ring), and uneven hosts (AVG divided by
     the daemons)."""
     skip_unless_fleet()
-    with DaemonFleet(2, extra_env={"MCCL_PIPELINE_BYTES": "16384"}) as df:
+    with DaemonFleet(2, extra_env={"MCCL_PIPELINE_BYTES": "16384", "MCCL_DAEMON_FAST_BYTES": "4096"}) as df:
         for placement in ([0, 1], [0, 0, 1, 1], [0, 1, 1]):
             out = df.ranks("pipelined", placement, timeout_s=200)
             for r, (code, text) in out.items():

@@ -15,7 +15,9 @@ from .daemon import AVG, F16, F32, I32, MAX, SUM, connect
 PIPE = 16 << 10
 
 
-PIPE_ENV = {"MCCL_PIPELINE_BYTES": str(PIPE)}
+# The small-op queue would take most of OPS (all-reduces up to MCCL_DAEMON_FAST_BYTES go there
+# first): keep it to the one that must not be pipelined.
+PIPE_ENV = {"MCCL_PIPELINE_BYTES": str(PIPE), "MCCL_DAEMON_FAST_BYTES": "4K"}
 
 
 NP = {F32: np.float32, F16: np.float16, I32: np.int32}

@@ -21,6 +21,9 @@ using opqueue::ClientQueue;
 using opqueue::Dispatcher;
 using opqueue::Kind;
 
+// A submit that copies at least this much into the queue lets go of the GIL meanwhile.
+constexpr size_t kReleaseGilBytes = size_t{64} << 10;
+
 py::object error_or_none(const std::shared_ptr<const Error>& e) {
   if (!e) return py::none();
   return py::make_tuple(static_cast<int>(e->kind()), std::string(e->what()), e->peer_rank(),
@@ -114,8 +117,18 @@ void register_opqueue_bindings(py::module_& m) {
           throw_error(ErrorKind::kConfig, "[opqueue] unknown dtype/op code " + std::to_string(dt) +
                                               "/" + std::to_string(op));
         }
-        f.q().submit(op_id, seq, to_kind(kind), static_cast<DType>(dt), static_cast<ReduceOp>(op),
-                     count, reinterpret_cast<void*>(buf));
+        auto submit = [&] {
+          f.q().submit(op_id, seq, to_kind(kind), static_cast<DType>(dt), static_cast<ReduceOp>(op),
+                       count, reinterpret_cast<void*>(buf));
+        };
+        // Copying a bucket of up to MCCL_DAEMON_FAST_BYTES in takes a while: let the other
+        // threads (the completion of the previous op, the training loop) run meanwhile.
+        if (count * dtype_size(static_cast<DType>(dt)) >= kReleaseGilBytes) {
+          py::gil_scoped_release nogil;
+          submit();
+        } else {
+          submit();
+        }
       }, py::arg("op_id"), py::arg("seq"), py::arg("kind"), py::arg("dtype"), py::arg("op"),
          py::arg("count"), py::arg("ptr"))
       .def("close", [](PyFastQueue& f) {
