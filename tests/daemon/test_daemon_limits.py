@@ -18,17 +18,12 @@ from support.daemon import running_daemon
 from mccld import auth
 from mccld.daemon import Daemon
 from mccl_common.status_protocol import query
+from support.ports import free_port
 
 DEADLINE_S = 3.0
 PER_PEER = 8
 DRIBBLERS = 16
 HOSTILE = "127.0.0.2"      # Linux routes all of 127/8 to lo: a second peer address for free
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from support.daemon import stop_process
+from support.ports import free_port as _free_port
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -38,12 +38,6 @@ for i in range(600):
     print(f"step {i} rank {dist.get_rank()}", flush=True)
     time.sleep(0.2)
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.ports import free_port as _free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -23,12 +23,6 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "support" / "rdzv_worker.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 HARD_S = 60.0  # per torchrun: far past every bound asserted below
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Host:

@@ -13,7 +13,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -21,6 +20,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
+from .ports import free_port
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 SCRAPE_INTERVAL_S = 1
@@ -30,12 +30,6 @@ DASHBOARDS = sorted((Path(__file__).resolve().parents[2] / "grafana" / "dashboar
 
 def available() -> bool:
     return os.access(PROMETHEUS, os.X_OK)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class PrometheusServer:

@@ -9,18 +9,13 @@ import os
 import queue
 import signal
 import subprocess
-import socket
 import time
 import traceback
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .ports import free_port  # noqa: F401 - the tests take it from here too
 
 
 def init_pg(rank: int, world: int, timeout_s: float = 60.0, backend: str = "mccl", port: int | None = None) -> None:

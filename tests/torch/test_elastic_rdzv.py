@@ -24,6 +24,7 @@ from libmccl import elastic_rdzv as er
 from mccl_common.errors import AbortedError, CollectiveTimeout, ConfigError, PeerLostError
 from mccl_common.launch_protocol import AWARE_SUFFIX, REFORM_ENV
 from mccl_common.settings import RendezvousConfig, load
+from support.ports import free_port as _free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -31,12 +32,6 @@ pytestmark = pytest.mark.timeout(60)
 def _params(endpoint: str = "", min_nodes: int = 1, max_nodes: int = 1, run_id: str = "r",
             **conf) -> RendezvousParameters:
     return RendezvousParameters("mccl", endpoint, run_id, min_nodes, max_nodes, **conf)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_torchrun_finds_the_backend_through_its_entry_point_group() -> None:
