@@ -55,9 +55,10 @@ from .daemon_p2p import PostedRecv, PostedRecvs
 log = logging.getLogger(__name__)
 
 _RESULTS_KEPT = 4096                             # completions remembered for wait()
-# Our own deadlines run this much past the job timeout: the daemon's verdict for the
-# same wait names the stuck rank, ours can only say that nothing came.
-_VERDICT_MARGIN_S = 5.0
+# Our own deadlines run this much past the longest mccld's engine may take to end an op with
+# its own error (_verdict_after): mccld may wait 2 s more for a peer's verdict, which names
+# the stuck rank; ours can only say that nothing came.
+_VERDICT_MARGIN_S = 4.0
 _P2P_OPS = ("send", "take")                      # outside the job's collective order
 _KIND_OF = {cls: kind for kind, cls in errors._KINDS.items()}
 _IO_JOIN_S = 5.0                                 # bound on the I/O thread's stop
@@ -356,6 +357,12 @@ class DaemonCommunicator:
             return {**self._stats, "per_peer": {}}
 
     # -- internals -----------------------------------------------------------------------------
+    @property
+    def _verdict_after(self) -> float:
+        """Seconds from an op's start until we stop waiting for mccld's verdict on it."""
+        from . import _core
+        return _core.Communicator.own_error_bound_s(self.timeout_s) + _VERDICT_MARGIN_S
+
     def _enqueue(self, spec: OpSpec, done: Any = None, done_target: int = 0) -> int:
         with self._lock:
             op = _Op(self._next_op, spec, done=done, done_target=done_target)
@@ -463,7 +470,7 @@ class DaemonCommunicator:
             op = self._queue.popleft()
             self._inflight = op
             self._seq += 1
-            op.deadline = time.monotonic() + self.timeout_s + _VERDICT_MARGIN_S  # watched by the I/O thread
+            op.deadline = time.monotonic() + self._verdict_after  # watched by the I/O thread
             spec, args = op.spec, op.spec.args
             try:
                 if spec.name == "barrier":
@@ -530,7 +537,7 @@ class DaemonCommunicator:
             args["segment"] = self._segment.name
         self._req += 1
         op.req = self._req
-        op.deadline = time.monotonic() + self.timeout_s + _VERDICT_MARGIN_S
+        op.deadline = time.monotonic() + self._verdict_after
         self._send_op(op.req, spec.name, args)
 
     def _pump(self, op: _Op) -> bool:
@@ -584,7 +591,7 @@ class DaemonCommunicator:
     def _post_recvs(self) -> None:
         while True:
             with self._lock:
-                recv = self._recvs.next_unsent(self._req + 1, time.monotonic() + self.timeout_s + _VERDICT_MARGIN_S)
+                recv = self._recvs.next_unsent(self._req + 1, time.monotonic() + self._verdict_after)
                 if recv is not None:
                     self._req += 1
             if recv is None:

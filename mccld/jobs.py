@@ -387,8 +387,7 @@ class Job:
             raise self.failed or AbortedError(f"[daemon] job {self.id} is closed; no engine op can start")
         try:
             if deadline:
-                engine.wait(getattr(engine, method)(*args, **tickets),
-                            self.timeout_s + engine.OWN_DEADLINE_GRACE_S)
+                engine.wait(getattr(engine, method)(*args, **tickets), engine.own_error_bound_s(self.timeout_s))
             else:
                 op_id = getattr(engine, method)(*args, timeout_s=0)
                 while not engine.wait_for(op_id, _ENGINE_POLL_S):

@@ -200,7 +200,9 @@ def test_a_cut_link_times_out_the_far_hosts_ranks_naming_the_cut_host():
         subprocess.run(["ip", "-n", df.fleet.hosts[1].ns, "link", "set", "eth0", "down"], check=True, timeout=10)
         out = df.finish(procs, timeout_s=60)
     for last in _verdicts(out, (0, 1), "CollectiveTimeout peer=2 after"):
-        assert float(last.split()[3]) < STALL_TIMEOUT_S + 3.0, f"too late: {last}"
+        # The engine waits a quarter timeout more when the cut came mid-op (the cut host had
+        # sent in it: weak evidence), then mccld up to 2 s for a peer's verdict.
+        assert float(last.split()[3]) < STALL_TIMEOUT_S * 1.25 + 3.0, f"too late: {last}"
         assert "host h1, ranks [2, 3]" in last and df.fleet.hosts[1].addr in last, last
 
 

@@ -296,7 +296,7 @@ void register_engine_bindings(py::module_& m) {
 
   using PC = PyCommunicator;
   py::class_<PC>(m, "Communicator")
-      .def_readonly_static("OWN_DEADLINE_GRACE_S", &Communicator::kOwnDeadlineGraceS)
+      .def_static("own_error_bound_s", &Communicator::own_error_bound_s, py::arg("timeout_s"))
       .def(py::init<int, int, uint64_t, Listener&, std::vector<std::string>, const Options&,
                     py::object>(),
            py::arg("rank"), py::arg("size"), py::arg("comm_id"), py::arg("listener"),

@@ -133,6 +133,12 @@ class Communicator {
   // which names the peer it waited for (mccld's job thread and dispatcher). 0.5 s was
   // too little once on the 2-core VM under load (a campaign trial got the bare wait).
   static constexpr double kOwnDeadlineGraceS = 1.0;
+  // How long an op with `timeout_s` may take to end with its own error: the timeout, the
+  // transport's wait for firmer evidence (Transport::weak_evidence_margin_s; CI once saw
+  // the bare wait win when a cut link left only weak evidence), and the grace above.
+  static double own_error_bound_s(double timeout_s) {
+    return timeout_s + Transport::weak_evidence_margin_s(timeout_s) + kOwnDeadlineGraceS;
+  }
   // Blocks until op `id` finished; throws its error, or CollectiveTimeout after timeout_s.
   void wait(uint64_t id, double timeout_s);
   // Like wait, but returns false (instead of throwing) if the op is still pending.

@@ -272,7 +272,7 @@ void Dispatcher::wait_turn(uint64_t seq) {
 
 void Dispatcher::run(const Entry& e) {
   // The engine op's own deadline decides; this bound only catches a wedged engine.
-  const double wait_s = spec_.timeout_s + Communicator::kOwnDeadlineGraceS;
+  const double wait_s = Communicator::own_error_bound_s(spec_.timeout_s);
   if (e.kind == static_cast<uint32_t>(Kind::kBarrier)) {
     if (engine_) engine_->wait(engine_->barrier(), wait_s);
     return;

@@ -199,7 +199,7 @@ RequestPtr Transport::wait_next(Deadline deadline, double timeout_s) {
         // than we did: under load by more than the margin), then the margin for its word
         // to arrive; never more than one more timeout.
         const auto margin = std::chrono::duration_cast<Clock::duration>(
-            std::chrono::duration<double>(std::min(std::max(0.25 * timeout_s, 0.2), 5.0)));
+            std::chrono::duration<double>(weak_evidence_margin_s(timeout_s)));
         Deadline theirs = now;
         if (peer >= 0 && first_heard_.size() == static_cast<size_t>(size_) &&
             first_heard_[peer] != Clock::time_point::max()) {

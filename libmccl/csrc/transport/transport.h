@@ -17,6 +17,7 @@
 #pragma once
 #include <poll.h>
 
+#include <algorithm>
 #include <atomic>
 #include <deque>
 #include <functional>
@@ -76,6 +77,11 @@ class Transport : public PairHost {
   // Drives I/O until one of the running collective's requests completes. At the
   // deadline it fails the transport with CollectiveTimeout naming the awaited peer.
   RequestPtr wait_next(Deadline deadline, double timeout_s);
+  // Past an op's deadline with only weak evidence (the awaited peer did send in this op),
+  // wait_next waits this much longer for a rank with firmer evidence to name the culprit.
+  static double weak_evidence_margin_s(double timeout_s) {
+    return std::min(std::max(0.25 * timeout_s, 0.2), 5.0);
+  }
   bool has_completion() const { return !done_q_.empty(); }  // wait_next would return at once
 
   // Point-to-point. `on_done` runs on this thread when the request completes or fails.
