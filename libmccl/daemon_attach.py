@@ -43,6 +43,7 @@ class Attachment:
         self.req = 0                       # last request id used; the I/O thread continues from it
         self.host_id = self.daemon_addr = ""
         self.link_addrs: list[str] = []    # every rank's daemon link address
+        self.engine_cut: dict[str, int] = {}  # the daemon engine's pipeline_bytes, small_allreduce_bytes
 
     def close(self) -> None:
         for s in (self.monitor, self.sock):
@@ -73,6 +74,9 @@ class Attachment:
         reply = self.call({"type": "hello", "token": token, "pid": os.getpid()}, _HELLO_TIMEOUT_S,
                           unavailable="it did not answer hello")
         self.host_id, self.daemon_addr = reply["host_id"], reply["link_addr"]
+        cut = reply.get("engine_cut")
+        if isinstance(cut, dict):
+            self.engine_cut = cut
 
     def call(self, msg: dict[str, Any], timeout_s: float, unavailable: str | None = None) -> dict[str, Any]:
         self.req += 1

@@ -67,6 +67,14 @@ _EXIT_DRAIN_S = 2.0                              # pending ops' last chance at i
 # A pipelined op's results are awaited in slices this long, looking at the daemon's
 # socket between them (an error reply, a lost daemon).
 _PUMP_SLICE_S = 0.05
+# The copy-in runs at most this many of the engine's pieces (or MCCL_DAEMON_COPY_AHEAD_BYTES)
+# ahead of the results: the ring keeps four pieces in flight (algorithms/ring.cc) and needs
+# the next one ready as the first of them finishes.
+_LEAD_PIECES = 5
+# If `done` has not moved for this long while input is held back, the rest is copied in at
+# once: the lead follows how mccld said its engine cuts (hello), and should that ever be
+# wrong the daemon would wait for input that never comes, until the op's timeout.
+_LEAD_VALVE_S = 5.0
 # Pipelined all-reduces, summed over the ops in stats(): seconds from sending the op until
 # its input was all copied in, its first and its last result announced, and it finished here.
 _PHASES = ("pipelined_input_in_s", "pipelined_first_result_s", "pipelined_all_results_s", "pipelined_op_s")
@@ -98,8 +106,10 @@ class _Pipe:
     ptr: int
     nbytes: int
     base: int                                  # the op's start in the segment's ticket counts
+    lead: int = 0                              # copy in at most this far ahead of copied_out
     copied_in: int = 0
     copied_out: int = 0
+    progress_at: float = 0.0                   # when `done` last moved (or the op started)
     broken: bool = False                       # done was poisoned: the daemon's reply says why
     # Seconds from sending the op: input all copied in; first and all results announced.
     started: float = 0.0
@@ -148,7 +158,11 @@ class DaemonCommunicator:
         self._gates = GateWatcher(f"mccl-daemon-gate-{rank}", self._wake)
         self._recvs = PostedRecvs()
         self._piece = int(getattr(opts, "pipeline_bytes", 0) or load(EngineConfig).pipeline_bytes)
-        fast_bytes = load(EngineConfig).daemon_fast_bytes
+        cfg = load(EngineConfig)
+        fast_bytes = cfg.daemon_fast_bytes
+        self._copy_ahead = cfg.daemon_copy_ahead_bytes
+        self._piece_opts: Any = None           # _core.Options: how mccld's engine cuts (_copy_lead)
+        self._lead_warned = False
         self._ops = OpBuilder(rank, size, self._piece, fast_bytes)
         self._fastq: Any = None                # _core.FastQueue, the small-op queue to mccld
         self._outbox: collections.deque[dict[str, Any]] = collections.deque()  # reports, no reply awaited
@@ -189,6 +203,8 @@ class DaemonCommunicator:
             raise
         self._sock, self._monitor, self._req = att.sock, att.monitor, att.req
         self.host_id, self.daemon_addr, self._link_addrs = att.host_id, att.daemon_addr, att.link_addrs
+        self._engine_cut = {"pipeline_bytes": cfg.pipeline_bytes, "small_allreduce_bytes": cfg.small_allreduce_bytes,
+                            **att.engine_cut}
         try:
             self._start_io()
         except BaseException:
@@ -526,7 +542,9 @@ class DaemonCommunicator:
         args = dict(spec.args)
         if spec.pipelined:
             (_, ptr, n), = spec.copy_in
-            op.pipe = _Pipe(ptr, n, self._ticket_base, started=time.monotonic())
+            now = time.monotonic()
+            op.pipe = _Pipe(ptr, n, self._ticket_base, lead=self._copy_lead(spec.args, n), started=now,
+                            progress_at=now)
             args["base"] = self._ticket_base
             self._ticket_base += n
         else:
@@ -540,19 +558,39 @@ class DaemonCommunicator:
         op.deadline = time.monotonic() + self._verdict_after
         self._send_op(op.req, spec.name, args)
 
+    def _copy_lead(self, args: dict[str, Any], nbytes: int) -> int:
+        """How far ahead of the results a pipelined all-reduce's input is copied in."""
+        if not self._copy_ahead:
+            return nbytes
+        from . import _core
+        if self._piece_opts is None:
+            o = _core.Options()
+            o.pipeline_bytes = int(self._engine_cut["pipeline_bytes"])
+            o.small_allreduce_bytes = int(self._engine_cut["small_allreduce_bytes"])
+            self._piece_opts = o
+        # With mccld's settings: the world size bounds its engine's ranks (one per host), and
+        # pieces grow with the ranks, so this is the largest piece it can cut. Its local
+        # reduction (several ranks on this host) goes in pieces of pipeline_bytes.
+        o = self._piece_opts
+        piece = _core.Communicator.allreduce_piece_bytes(o, self.size, args["count"], args["dtype"])
+        return max(self._copy_ahead, _LEAD_PIECES * max(piece, o.pipeline_bytes, self._piece))
+
     def _pump(self, op: _Op) -> bool:
         """Copies a pipelined op's input in (raising ``ready``) and its results out as far as
         ``done`` covers them; returns early, to be called again, once the daemon's socket or
         its monitor has something to say or the op is overdue. True once the op completed."""
         p, seg = op.pipe, self._segment
-        while p.copied_in < p.nbytes:
-            k = min(self._piece, p.nbytes - p.copied_in)
-            ctypes.memmove(seg.addr + p.copied_in, p.ptr + p.copied_in, k)  # releases the GIL
-            p.copied_in += k
-            seg.ready.signal(p.base + p.copied_in)
-            if p.copied_in == p.nbytes:
-                p.t_in = time.monotonic() - p.started
-        while p.pumping:
+        while True:
+            # Input up to `lead` ahead of the results, so the copy spreads over the op.
+            while p.copied_in < min(p.nbytes, p.copied_out + p.lead):
+                k = min(self._piece, p.nbytes - p.copied_in)
+                ctypes.memmove(seg.addr + p.copied_in, p.ptr + p.copied_in, k)  # releases the GIL
+                p.copied_in += k
+                seg.ready.signal(p.base + p.copied_in)
+                if p.copied_in == p.nbytes:
+                    p.t_in = time.monotonic() - p.started
+            if not p.pumping:
+                break
             try:
                 reached = seg.done.wait_for(p.base + min(p.nbytes, p.copied_out + self._piece), _PUMP_SLICE_S)
             except AbortedError:
@@ -566,9 +604,19 @@ class DaemonCommunicator:
                     p.t_all = time.monotonic() - p.started
                 ctypes.memmove(p.ptr + p.copied_out, seg.addr + p.copied_out, covered - p.copied_out)
                 p.copied_out = covered
+                p.progress_at = time.monotonic()
             elif (self._closed or self._sock.poll(0) or self._monitor.poll(0)
                   or time.monotonic() > op.deadline):
                 return False
+            elif p.copied_in < p.nbytes and time.monotonic() - p.progress_at > _LEAD_VALVE_S:
+                held = p.copied_in
+                p.lead = p.nbytes
+                if not self._lead_warned:
+                    self._lead_warned = True
+                    log.warning("[daemon-client] rank %d: mccld announced no result for %.0f s while this rank "
+                                "held back input beyond byte %d of %d; copying the rest in at once (a very slow "
+                                "link, or mccld cuts larger pieces than it said)", self.rank, _LEAD_VALVE_S,
+                                held, p.nbytes)
         if p.broken:
             return False
         # Every result is in place: mccld raises `done` over the last piece only once nothing

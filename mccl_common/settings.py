@@ -129,6 +129,12 @@ class EngineConfig:
         "queue that a native thread serves, copied in and out whole (docs/daemon-fastpath.md); larger ones "
         "over MCCL_PIPELINE_BYTES are pipelined through mccld's Python job thread; 0 sends every op over "
         "ZeroMQ. At most 16M; every rank of a host must use the same value")
+    daemon_copy_ahead_bytes: int = setting(
+        "MCCL_DAEMON_COPY_AHEAD_BYTES", 32 << 20, "bytes",
+        "MCCL_DAEMON=1, pipelined all-reduces: how far the copy of a tensor into shared memory may run "
+        "ahead of the results coming back, at least five of the engine's pieces; copied all at once, every "
+        "rank of a host takes a core and memory bandwidth in one burst at each op's start, when the links "
+        "need them. 0 copies the whole input at once")
     unified_collective: str = setting(
         "MCCL_UNIFIED_COLLECTIVE", "auto", "auto|1|0",
         "macOS/MPS all-reduce: reduce in the tensor's unified memory (shared storage; private storage is "
@@ -168,6 +174,8 @@ class EngineConfig:
                  "must be at least 4K")
         _require(0 <= self.daemon_fast_bytes <= 16 << 20, "MCCL_DAEMON_FAST_BYTES", self.daemon_fast_bytes,
                  "must be between 0 (off) and 16M")
+        _require(self.daemon_copy_ahead_bytes >= 0, "MCCL_DAEMON_COPY_AHEAD_BYTES", self.daemon_copy_ahead_bytes,
+                 "must not be negative")
         _require(self.connect_timeout_s >= 0, "MCCL_CONNECT_TIMEOUT", self.connect_timeout_s,
                  "must not be negative")
 

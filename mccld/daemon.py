@@ -320,8 +320,12 @@ class Daemon:
         kind = msg.type
         if kind == "hello":
             self._attach_client(ident, msg.pid)
+            # How this daemon's engine cuts pipelined all-reduces: a client copies its input
+            # only so far ahead of the results, and must stay ahead of every piece.
+            cut = {"pipeline_bytes": self.engine_cfg.pipeline_bytes,
+                   "small_allreduce_bytes": self.engine_cfg.small_allreduce_bytes}
             return {"ok": True, "host_id": self.host_id, "link_addr": self.links.address,
-                    "daemon_version": __version__, "proto": PROTO_VERSION}
+                    "daemon_version": __version__, "proto": PROTO_VERSION, "engine_cut": cut}
         if kind == "status":
             return {"ok": True, "status": self.status_provider()}
         if kind == "probe":

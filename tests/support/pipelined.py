@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import random
+import threading
 import time
 
 import numpy as np
@@ -16,8 +17,10 @@ PIPE = 16 << 10
 
 
 # The small-op queue would take most of OPS (all-reduces up to MCCL_DAEMON_FAST_BYTES go there
-# first): keep it to the one that must not be pipelined.
-PIPE_ENV = {"MCCL_PIPELINE_BYTES": str(PIPE), "MCCL_DAEMON_FAST_BYTES": "4K"}
+# first): keep it to the one that must not be pipelined. The copy-in's lead is cut to five
+# pieces (320K of a 1 MB op), so the clients pace their copies.
+PIPE_ENV = {"MCCL_PIPELINE_BYTES": str(PIPE), "MCCL_DAEMON_FAST_BYTES": "4K",
+            "MCCL_DAEMON_COPY_AHEAD_BYTES": "64K"}
 
 
 NP = {F32: np.float32, F16: np.float16, I32: np.int32}
@@ -60,16 +63,49 @@ def _want(count: int, dtype: int, op: int, i: int, world: int) -> np.ndarray:
     return total.astype(NP[dtype])
 
 
+class LeadWatch:
+    """Samples how far the client's input (``ready``) runs ahead of the results (``done``)."""
+
+    def __init__(self, comm):
+        self._comm, self.max_gap, self.samples_in_flight = comm, 0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            seg = self._comm._segment
+            if seg is not None:
+                done = seg.done.value
+                gap = seg.ready.value - done  # ready read second: never under the true gap
+                if gap > 0:
+                    self.samples_in_flight += 1
+                    self.max_gap = max(self.max_gap, gap)
+            time.sleep(0.0002)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
 def rank_pipelined(rank: int, world: int) -> str:
     import libmccl.daemon_client as dc
     dc.ctypes = Jittery(ctypes, ("memmove",), 100 + rank)
     comm, _store = connect(rank, world)
+    watch = LeadWatch(comm)
     for rep in range(2):  # the second round runs on tickets already far from zero
         for i, (count, dtype, op) in enumerate(OPS):
             a = _input(rank, count, dtype, i)
             comm.wait(comm.allreduce(a.ctypes.data, count, dtype, op), 30)
             want = _want(count, dtype, op, i, world)
             assert np.array_equal(a, want), (rep, i, np.flatnonzero(a != want)[:5])
+    watch.stop()
+    # The copy-in stayed within its lead of the results (plus the piece being copied), and
+    # the 1 MB ops were paced: their input did not all go in at once.
+    lead = comm._copy_lead({"count": 1 << 18, "dtype": F32}, 1 << 20)
+    assert lead < 1 << 20, lead
+    assert watch.samples_in_flight > 0, "the watcher never saw an op in flight"
+    assert watch.max_gap <= lead + PIPE, (watch.max_gap, lead)
     sizes = [c * np.dtype(NP[d]).itemsize for c, d, _ in OPS]
     seg = comm._segment  # the first op sized it for all: one segment, its tickets never reset
     assert seg.ready.value == seg.done.value == 2 * sum(n for n in sizes if n > PIPE), \

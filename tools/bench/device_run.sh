@@ -25,6 +25,8 @@
 #   14-n8-tickets    step 1's in-process all_reduce twice: the plain ring, then the gated (ticketed) ring that
 #                    mccld's path runs, input ready at the start (MCCL_BENCH_TICKETS=1): the gated ring alone
 #                    against the plain one, without the daemon's copies
+#   15-n8-ahead      step 1 (mccl only, in-process and through mccld) alternating the client's copy-in all
+#                    at once (MCCL_DAEMON_COPY_AHEAD_BYTES=0) and paced (the default), AHEAD_ORDER times
 # STEPS picks which run (default "1 2 3 4 5"; e.g. STEPS="1 2 3 6" then STEPS="4 5 7" as
 # two calls of under ten minutes each).
 # (numbered: a small run's host counts and rates may repeat). Every step has its own time
@@ -149,6 +151,14 @@ if timeout 45 $PY -m tools.fleet selftest --rate 1gbit > "$RESULTS/fleet-selftes
       n=$(( ${n14:-0} + 1 )); n14=$n
       MCCL_BENCH_TICKETS=$t bench "14-n$H8-tickets$t-r$n" 80 --hosts "$H8" --rate "$FAST" --backends mccl \
         --mode in-process --sizes "${SIZES_T:-16M,64M,256M}" --latency-iters 0 --ceiling-seconds 2 "${COMMON[@]}"
+    done
+  fi
+  if want 15 && [[ $MODES == *daemon* ]]; then
+    for ahead in ${AHEAD_ORDER:-0 default 0 default default}; do
+      n=$(( ${n15:-0} + 1 )); n15=$n
+      ( [ "$ahead" = default ] || export MCCL_DAEMON_COPY_AHEAD_BYTES=$ahead
+        bench "15-n$H8-ahead-$ahead-r$n" 100 --hosts "$H8" --rate "$FAST" --backends mccl --mode in-process,daemon \
+          --sizes "${SIZES_A:-16M,64M,256M}" --latency-iters 0 --ceiling-seconds 2 "${COMMON[@]}" )
     done
   fi
 else

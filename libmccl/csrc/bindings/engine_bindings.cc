@@ -297,6 +297,9 @@ void register_engine_bindings(py::module_& m) {
   using PC = PyCommunicator;
   py::class_<PC>(m, "Communicator")
       .def_static("own_error_bound_s", &Communicator::own_error_bound_s, py::arg("timeout_s"))
+      .def_static("allreduce_piece_bytes", [](const Options& o, int size, size_t count, int dt) {
+        return Communicator::allreduce_piece_bytes(o, size, count, to_dtype(dt));
+      }, py::arg("opts"), py::arg("size"), py::arg("count"), py::arg("dtype"))
       .def(py::init<int, int, uint64_t, Listener&, std::vector<std::string>, const Options&,
                     py::object>(),
            py::arg("rank"), py::arg("size"), py::arg("comm_id"), py::arg("listener"),

@@ -58,6 +58,11 @@ Communicator::Communicator(int rank, int size, uint64_t comm_id,
   start(adopt_mesh(mesh_spec(), fds, deadline_after(opts_.connect_timeout_s)));
 }
 
+size_t Communicator::allreduce_piece_bytes(const Options& opts, int size, size_t count, DType dt) {
+  const Pieces p = allreduce_pieces(opts, size, count, dt);
+  return p.n == 0 ? 0 : p.piece_elems * p.elem;
+}
+
 void Communicator::validate_world() const {
   opts_.validate();
   if (size_ < 1 || rank_ < 0 || rank_ >= size_) {

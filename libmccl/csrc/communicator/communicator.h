@@ -139,6 +139,10 @@ class Communicator {
   static double own_error_bound_s(double timeout_s) {
     return timeout_s + Transport::weak_evidence_margin_s(timeout_s) + kOwnDeadlineGraceS;
   }
+  // Bytes of the largest piece a ticketed all-reduce of `count` elements among `size` ranks
+  // is cut into (pieces.h), 0 when it is not pieced: a producer that feeds `ready` only so
+  // far ahead of `done` must stay at least one piece ahead, or the ring waits for it forever.
+  static size_t allreduce_piece_bytes(const Options& opts, int size, size_t count, DType dt);
   // Blocks until op `id` finished; throws its error, or CollectiveTimeout after timeout_s.
   void wait(uint64_t id, double timeout_s);
   // Like wait, but returns false (instead of throwing) if the op is still pending.
