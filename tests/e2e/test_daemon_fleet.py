@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from support.daemon import job_segments
+from support.pipelined import PIPE_ENV
 from support.fleet import KEY, skip_unless_fleet
 from support.fleet import DaemonFleet as _DaemonFleet
 
@@ -129,7 +130,7 @@ def test_pipelined_allreduce_across_hosts_with_random_delays():
     engine), two per host (local reduction, then the ring), and uneven hosts (AVG divided by
     the daemons)."""
     skip_unless_fleet()
-    with DaemonFleet(2, extra_env={"MCCL_PIPELINE_BYTES": "16384", "MCCL_DAEMON_FAST_BYTES": "4096"}) as df:
+    with DaemonFleet(2, extra_env=PIPE_ENV) as df:
         for placement in ([0, 1], [0, 0, 1, 1], [0, 1, 1]):
             out = df.ranks("pipelined", placement, timeout_s=200)
             for r, (code, text) in out.items():
