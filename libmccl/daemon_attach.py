@@ -19,11 +19,12 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from mccl_common import attach_protocol as protocol
-from mccl_common.errors import CollectiveTimeout, ConfigError, DaemonUnavailableError
+from mccl_common.errors import CollectiveTimeout, ConfigError, DaemonUnavailableError, ProtocolError
 
 from . import listen_addr, rendezvous
 
 _HELLO_TIMEOUT_S = 5.0
+_MAX_CUT_BYTES = 1 << 40   # a piece size beyond any buffer: a reply past it is garbage
 # pyzmq names a monitor's inproc endpoint after the socket's fd unless told otherwise; a
 # closed socket's endpoint is released later by ZeroMQ's reaper, so a new socket that got
 # the same fd number failed with "Address already in use" (seen in the fuzz replay).
@@ -31,6 +32,20 @@ _MONITOR_IDS = itertools.count()
 _LOOPBACK_ADVICE = ("Likely cause: MCCL_LISTEN_ADDR or MCCL_IFACE set to loopback for that host's mccld; set "
                     "MCCL_IFACE to the training network's interface, or MCCL_LISTEN_ADDR to the host's address "
                     "on it, and restart that mccld")
+
+
+def _engine_cut(cut: Any, endpoint: str) -> dict[str, int]:
+    """The hello reply's ``engine_cut``, checked: byte counts, or {} from an mccld too old to say."""
+    if cut is None:
+        return {}
+    keys = ("pipeline_bytes", "small_allreduce_bytes")
+    if (not isinstance(cut, dict) or set(cut) != set(keys)
+            or any(not isinstance(cut[k], int) or isinstance(cut[k], bool) or not 0 <= cut[k] <= _MAX_CUT_BYTES
+                   for k in keys)):
+        raise ProtocolError(f"[daemon-client] mccld at {endpoint} answered hello with engine_cut={cut!r}, not "
+                            f"{' and '.join(keys)} in bytes; likely cause: an mccld of another version; restart "
+                            "mccld from this installation")
+    return {k: cut[k] for k in keys}
 
 
 class Attachment:
@@ -74,9 +89,7 @@ class Attachment:
         reply = self.call({"type": "hello", "token": token, "pid": os.getpid()}, _HELLO_TIMEOUT_S,
                           unavailable="it did not answer hello")
         self.host_id, self.daemon_addr = reply["host_id"], reply["link_addr"]
-        cut = reply.get("engine_cut")
-        if isinstance(cut, dict):
-            self.engine_cut = cut
+        self.engine_cut = _engine_cut(reply.get("engine_cut"), self.endpoint)
 
     def call(self, msg: dict[str, Any], timeout_s: float, unavailable: str | None = None) -> dict[str, Any]:
         self.req += 1

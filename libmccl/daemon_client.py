@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 
 _RESULTS_KEPT = 4096                             # completions remembered for wait()
 # Our own deadlines run this much past the longest mccld's engine may take to end an op with
-# its own error (_verdict_after): mccld may wait 2 s more for a peer's verdict, which names
+# its own error (_set_verdict_bound): mccld may wait 2 s more for a peer's verdict, which names
 # the stuck rank; ours can only say that nothing came.
 _VERDICT_MARGIN_S = 4.0
 _P2P_OPS = ("send", "take")                      # outside the job's collective order
@@ -98,6 +98,16 @@ def _close_all_at_exit() -> None:
 def _err_tuple(exc: MCCLError) -> tuple[int, str, int, str]:
     kind = _KIND_OF.get(type(exc), 0)
     return (kind, str(exc), exc.peer_rank if exc.peer_rank is not None else -1, exc.peer_addr or "")
+
+
+def _daemon_cut(cfg: Any, told: dict[str, int]) -> Any:
+    """The engine Options that say how mccld cuts an all-reduce into pieces: what its hello
+    reply said (checked by daemon_attach), else (an older mccld) our own settings."""
+    from . import _core
+    o = _core.Options()
+    o.pipeline_bytes = told.get("pipeline_bytes", cfg.pipeline_bytes)
+    o.small_allreduce_bytes = told.get("small_allreduce_bytes", cfg.small_allreduce_bytes)
+    return o
 
 
 @dataclass
@@ -161,7 +171,8 @@ class DaemonCommunicator:
         cfg = load(EngineConfig)
         fast_bytes = cfg.daemon_fast_bytes
         self._copy_ahead = cfg.daemon_copy_ahead_bytes
-        self._piece_opts: Any = None           # _core.Options: how mccld's engine cuts (_copy_lead)
+        self._daemon_cut: Any = None           # _core.Options: how mccld's engine cuts ops (_copy_lead)
+        self._verdict_s = 0.0                  # see _set_verdict_bound
         self._lead_warned = False
         self._ops = OpBuilder(rank, size, self._piece, fast_bytes)
         self._fastq: Any = None                # _core.FastQueue, the small-op queue to mccld
@@ -203,8 +214,8 @@ class DaemonCommunicator:
             raise
         self._sock, self._monitor, self._req = att.sock, att.monitor, att.req
         self.host_id, self.daemon_addr, self._link_addrs = att.host_id, att.daemon_addr, att.link_addrs
-        self._engine_cut = {"pipeline_bytes": cfg.pipeline_bytes, "small_allreduce_bytes": cfg.small_allreduce_bytes,
-                            **att.engine_cut}
+        self._daemon_cut = _daemon_cut(cfg, att.engine_cut)
+        self._set_verdict_bound()
         try:
             self._start_io()
         except BaseException:
@@ -354,6 +365,7 @@ class DaemonCommunicator:
         if not timeout_s > 0:
             raise ConfigError(f"[daemon-client] set_timeout({timeout_s} s): the timeout must be positive")
         self.timeout_s = float(timeout_s)
+        self._set_verdict_bound()
 
     def report_overlap(self, ratio: float) -> None:
         """Share of communication hidden behind compute (0..1) for the daemon's exporter; never blocks."""
@@ -373,11 +385,11 @@ class DaemonCommunicator:
             return {**self._stats, "per_peer": {}}
 
     # -- internals -----------------------------------------------------------------------------
-    @property
-    def _verdict_after(self) -> float:
-        """Seconds from an op's start until we stop waiting for mccld's verdict on it."""
+    def _set_verdict_bound(self) -> None:
+        """Seconds from an op's start until we stop waiting for mccld's verdict on it (per timeout,
+        not per op: the engine's bound is a native call)."""
         from . import _core
-        return _core.Communicator.own_error_bound_s(self.timeout_s) + _VERDICT_MARGIN_S
+        self._verdict_s = _core.Communicator.own_error_bound_s(self.timeout_s) + _VERDICT_MARGIN_S
 
     def _enqueue(self, spec: OpSpec, done: Any = None, done_target: int = 0) -> int:
         with self._lock:
@@ -486,7 +498,7 @@ class DaemonCommunicator:
             op = self._queue.popleft()
             self._inflight = op
             self._seq += 1
-            op.deadline = time.monotonic() + self._verdict_after  # watched by the I/O thread
+            op.deadline = time.monotonic() + self._verdict_s  # watched by the I/O thread
             spec, args = op.spec, op.spec.args
             try:
                 if spec.name == "barrier":
@@ -555,7 +567,7 @@ class DaemonCommunicator:
             args["segment"] = self._segment.name
         self._req += 1
         op.req = self._req
-        op.deadline = time.monotonic() + self._verdict_after
+        op.deadline = time.monotonic() + self._verdict_s
         self._send_op(op.req, spec.name, args)
 
     def _copy_lead(self, args: dict[str, Any], nbytes: int) -> int:
@@ -563,15 +575,10 @@ class DaemonCommunicator:
         if not self._copy_ahead:
             return nbytes
         from . import _core
-        if self._piece_opts is None:
-            o = _core.Options()
-            o.pipeline_bytes = int(self._engine_cut["pipeline_bytes"])
-            o.small_allreduce_bytes = int(self._engine_cut["small_allreduce_bytes"])
-            self._piece_opts = o
         # With mccld's settings: the world size bounds its engine's ranks (one per host), and
         # pieces grow with the ranks, so this is the largest piece it can cut. Its local
         # reduction (several ranks on this host) goes in pieces of pipeline_bytes.
-        o = self._piece_opts
+        o = self._daemon_cut
         piece = _core.Communicator.allreduce_piece_bytes(o, self.size, args["count"], args["dtype"])
         return max(self._copy_ahead, _LEAD_PIECES * max(piece, o.pipeline_bytes, self._piece))
 
@@ -639,7 +646,7 @@ class DaemonCommunicator:
     def _post_recvs(self) -> None:
         while True:
             with self._lock:
-                recv = self._recvs.next_unsent(self._req + 1, time.monotonic() + self._verdict_after)
+                recv = self._recvs.next_unsent(self._req + 1, time.monotonic() + self._verdict_s)
                 if recv is not None:
                     self._req += 1
             if recv is None:

@@ -116,3 +116,29 @@ def test_foreign_segment_name_is_refused(daemon):
     rdir = Path(env["MCCL_RUNTIME_DIR"])
     with pytest.raises(ProtocolError):
         local_request(rdir, {"type": "register", "job": "ab", "rank": 0, "segment": "../etc/passwd", "nbytes": 8})
+
+
+@pytest.mark.parametrize("cut", [
+    {"pipeline_bytes": "2M", "small_allreduce_bytes": 65536},       # not a byte count
+    {"pipeline_bytes": 2 << 20, "small_allreduce_bytes": -1},
+    {"pipeline_bytes": True, "small_allreduce_bytes": 65536},       # JSON true is no size
+    {"pipeline_bytes": 2 << 20},                                    # a key missing
+    {"pipeline_bytes": 1 << 50, "small_allreduce_bytes": 65536},    # beyond any buffer
+    [2 << 20, 65536],
+])
+def test_a_malformed_engine_cut_in_hello_is_refused_naming_the_daemon(cut):
+    from libmccl.daemon_attach import _engine_cut
+    with pytest.raises(ProtocolError, match=r"mccld at ipc:///x answered hello with engine_cut=.*restart mccld"):
+        _engine_cut(cut, "ipc:///x")
+
+
+def test_engine_cut_from_hello_sets_the_client_pieces():
+    from libmccl.daemon_attach import _engine_cut
+    from libmccl.daemon_client import _daemon_cut
+    from mccl_common.settings import EngineConfig, load
+    cfg = load(EngineConfig)
+    told = _engine_cut({"pipeline_bytes": 4 << 20, "small_allreduce_bytes": 4096}, "ipc:///x")
+    o = _daemon_cut(cfg, told)
+    assert (o.pipeline_bytes, o.small_allreduce_bytes) == (4 << 20, 4096)
+    older = _daemon_cut(cfg, _engine_cut(None, "ipc:///x"))  # an mccld that does not say: our own settings
+    assert (older.pipeline_bytes, older.small_allreduce_bytes) == (cfg.pipeline_bytes, cfg.small_allreduce_bytes)
