@@ -27,6 +27,10 @@
 #                    against the plain one, without the daemon's copies
 #   15-n8-ahead      step 1 (mccl only, in-process and through mccld) alternating the client's copy-in all
 #                    at once (MCCL_DAEMON_COPY_AHEAD_BYTES=0) and paced (the default), AHEAD_ORDER times
+#   16-n8-threads    step 1's in-process all_reduce (and Gloo) alternating fewer engine threads per rank
+#                    (THREAD_ORDER: "-" for the defaults, else VAR=value[,VAR=value]), 64/256 MB
+# Step 3 takes DDP_WIDTH, DDP_DEPTH, DDP_VARIANTS (ddp,nocomm: the step with communication removed, for overlap) and
+# DDP_BUCKET_MB (DDP's bucket_cap_mb).
 # STEPS picks which run (default "1 2 3 4 5"; e.g. STEPS="1 2 3 6" then STEPS="4 5 7" as
 # two calls of under ten minutes each).
 # (numbered: a small run's host counts and rates may repeat). Every step has its own time
@@ -114,7 +118,8 @@ if timeout 45 $PY -m tools.fleet selftest --rate 1gbit > "$RESULTS/fleet-selftes
   want 2 && bench "2-n${H_X2}x2-$FAST" 120 --hosts "$H_X2" --ranks-per-host 2 --rate "$FAST" --mode "$MODES" \
     --sizes "$SIZES_X2" "${COMMON[@]}"
   want 3 && bench "3-ddp-n$H8-$FAST" 90 --hosts "$H8" --rate "$FAST" --mode "$MODES" --workload ddp \
-    --ddp-width "${DDP_WIDTH:-2048}" --latency-iters 0
+    --ddp-width "${DDP_WIDTH:-2048}" --ddp-depth "${DDP_DEPTH:-3}" --ddp-variants "${DDP_VARIANTS:-ddp}" ${DDP_BUCKET_MB:+--ddp-bucket-mb "$DDP_BUCKET_MB"} \
+    --latency-iters 0
   want 4 && bench "4-n$H_MID-$MID" 100 --hosts "$H_MID" --rate "$MID" --sizes "$SIZES" --latency-iters 0 "${COMMON[@]}"
   want 5 && bench "5-n$H_SLOW-$SLOW" 130 --hosts "$H_SLOW" --rate "$SLOW" --sizes "$SIZES" --latency-iters 0 "${COMMON[@]}"
   # Receive threads off: what they are worth where a rank has cores to spare (step 1 has them on).
@@ -159,6 +164,18 @@ if timeout 45 $PY -m tools.fleet selftest --rate 1gbit > "$RESULTS/fleet-selftes
       ( [ "$ahead" = default ] || export MCCL_DAEMON_COPY_AHEAD_BYTES=$ahead
         bench "15-n$H8-ahead-$ahead-r$n" 100 --hosts "$H8" --rate "$FAST" --backends mccl --mode in-process,daemon \
           --sizes "${SIZES_A:-16M,64M,256M}" --latency-iters 0 --ceiling-seconds 2 "${COMMON[@]}" )
+    done
+  fi
+  # Are the in-process 256 MB swings at 8 hosts x 10 Gbit/s the emulation's oversubscribed
+  # cores? Fewer engine threads per rank (each variant a list of VAR=value, "-" for none),
+  # alternating, each run with Gloo as its baseline.
+  if want 16; then
+    for v in ${THREAD_ORDER:-- MCCL_RECV_THREADS=1 MCCL_SOCKETS_PER_PEER=1,MCCL_RECV_THREADS=1}; do
+      n=$(( ${n16:-0} + 1 )); n16=$n
+      name=${v//[=,]/_}; [ "$v" = - ] && name=default
+      ( [ "$v" = - ] || for kv in ${v//,/ }; do export "$kv"; done
+        bench "16-n$H8-threads-$name-r$n" 80 --hosts "$H8" --rate "$FAST" --mode in-process \
+          --sizes "${SIZES_THR:-64M,256M}" --latency-iters 0 --ceiling-seconds 2 "${COMMON[@]}" )
     done
   fi
 else
