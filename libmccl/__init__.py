@@ -46,6 +46,16 @@ def _create_group(dist_opts, backend_options=None):  # noqa: ANN001 - torch's cr
     return create(dist_opts, backend_options)
 
 
+def shared_empty(*size, dtype=None, group=None):  # noqa: ANN001,ANN201 - torch types, imported lazily
+    """A CPU tensor whose all-reduces through mccld (``MCCL_DAEMON=1``) are not copied; an
+    ordinary tensor in-process. See ``libmccl.shared_tensors``."""
+    import torch
+
+    from .shared_tensors import shared_empty as make
+
+    return make(*size, dtype=dtype if dtype is not None else torch.float32, group=group)
+
+
 def _autoload() -> None:
     """torch's entry point hook: must be cheap and must never raise (it runs inside ``import torch``)."""
     try:

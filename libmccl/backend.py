@@ -57,6 +57,7 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
         self._close_lock = threading.Lock()
         self._coalescing: list[MCCLWork] | None = None
         self._lost_result: BaseException | None = None
+        self._daemon: Any = None    # the DaemonCommunicator, when self._comm is one (shared buffers)
         self._comm = self._connect(store, group_id)
         # An interpreter exiting without destroy_process_group() still stops the
         # engine's threads and closes its links; holds the comm, not self.
@@ -80,8 +81,10 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
                 raise DaemonUnavailableError(f"[mccl] MCCL_DAEMON=1 but the daemon client cannot be imported ({exc}); "
                                              "install MCCL with its daemon, or unset MCCL_DAEMON") from exc
             rv = rendezvous.exchange(store, rank, size, None, self._cfg, opts.connect_timeout_s, group_id)
-            return DaemonCommunicator(rank=rank, size=size, comm_id=rv.comm_id, store=rv.store, opts=opts,
-                                      on_complete=self._router.on_complete, timeout_s=opts.connect_timeout_s)
+            self._daemon = DaemonCommunicator(rank=rank, size=size, comm_id=rv.comm_id, store=rv.store, opts=opts,
+                                              on_complete=self._router.on_complete,
+                                              timeout_s=opts.connect_timeout_s)
+            return self._daemon
         if size == 1:
             # Nothing to exchange with anyone: each op is done on the caller's thread.
             return SoloCommunicator(self._router.on_complete)
@@ -139,6 +142,13 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
     def communicator(self) -> Any:
         """The engine communicator (stats(), peer_address()); for tools and tests."""
         return self._comm
+
+    def shared_buffer(self, nbytes: int) -> Any:
+        """Memory the local mccld maps too (daemon_buffers.SharedBuffer), for shared_tensors;
+        None in-process, where the engine reads tensors in place anyway."""
+        if self._closed:
+            raise AbortedError(f"[mccl] shared_empty on rank {self.rank()}: the process group was shut down")
+        return self._daemon.alloc_buffer(nbytes) if self._daemon is not None else None
 
     # -- lifecycle -------------------------------------------------------------
     def shutdown(self) -> None:

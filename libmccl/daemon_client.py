@@ -48,6 +48,7 @@ from mccl_common.settings import EngineConfig, load
 from mccl_common.wire import DTYPE_SIZE
 
 from .daemon_attach import Attachment
+from .daemon_buffers import BufferTable, SharedBuffer
 from .daemon_gates import Gate, GateWatcher, gate_timeout
 from .daemon_ops import OpBuilder, OpSpec
 from .daemon_p2p import PostedRecv, PostedRecvs
@@ -116,6 +117,8 @@ class _Pipe:
     ptr: int
     nbytes: int
     base: int                                  # the op's start in the segment's ticket counts
+    seg: Any = None                            # the segment whose tickets order it
+    in_place: bool = False                     # in a shared buffer: nothing to copy, only to wait
     lead: int = 0                              # copy in at most this far ahead of copied_out
     copied_in: int = 0
     copied_out: int = 0
@@ -142,6 +145,7 @@ class _Op:
     pipe: _Pipe | None = None
     done: Any = None                           # a device op's done ticket (unified all-reduce), and
     done_target: int = 0                       # the value it gets once the result is in place
+    buffer: SharedBuffer | None = None         # the shared buffer its data already is in (no copies)
 
 
 class DaemonCommunicator:
@@ -177,7 +181,8 @@ class DaemonCommunicator:
         self._ops = OpBuilder(rank, size, self._piece, fast_bytes)
         self._fastq: Any = None                # _core.FastQueue, the small-op queue to mccld
         self._outbox: collections.deque[dict[str, Any]] = collections.deque()  # reports, no reply awaited
-        self._register_reqs: set[int] = set()
+        self._register_reqs: dict[int, str] = {}  # req -> the segment or buffer it registers
+        self._release_reqs: set[int] = set()
         self._replies_owed: set[int] = set()   # reqs of pipelined ops that completed before mccld's reply
         self._inflight: _Op | None = None
         self._failed: MCCLError | None = None
@@ -186,8 +191,9 @@ class DaemonCommunicator:
         self._segment = None
         self._ticket_base = 0                  # bytes the segment's tickets count so far
         self._gen = 0
+        self._buffers = BufferTable(rank)
         self._stats = {"ops_completed": 0, "bytes_sent": 0, "bytes_received": 0, "pipelined_ops": 0,
-                       **dict.fromkeys(_PHASES, 0.0)}
+                       "zero_copy_ops": 0, **dict.fromkeys(_PHASES, 0.0)}
         self._closed = False
         self._closer: int | None = None            # the thread that tears the communicator down
         self._torn_down = threading.Event()
@@ -269,7 +275,25 @@ class DaemonCommunicator:
         nbytes = count * DTYPE_SIZE[dtype]
         if ready is not None and nbytes:
             self.gate(ready, base, nbytes)
-        return self._enqueue(spec, done, base + nbytes)
+        # What the small-op queue serves is copied into its slot whatever the tensor's memory.
+        buffer = self._buffers.find(ptr, nbytes) if nbytes and not spec.fast else None
+        return self._enqueue(spec, done, base + nbytes, buffer)
+
+    def alloc_buffer(self, nbytes: int) -> SharedBuffer:
+        """``nbytes`` of memory that mccld maps too: an all-reduce of a range inside it is
+        neither copied in nor out (daemon_buffers.py). Registered before any later op."""
+        from . import _core
+        with self._lock:
+            if self._failed is not None:
+                raise self._failed
+            self._gen += 1
+            name = shm.segment_name(self._job, self.rank, os.getpid(), self._gen)
+        buf = self._buffers.create(name, int(nbytes), _core.Ticket.at, self._group)
+        with self._lock:
+            self._outbox.append({"type": "register", "job": self._job, "rank": self.rank, "segment": name,
+                                 "nbytes": buf.nbytes, "buffer": True})
+        self._wake()
+        return buf
 
     def broadcast(self, ptr: int, nbytes: int, root: int) -> int:
         return self._enqueue(self._ops.broadcast(ptr, nbytes, root))
@@ -391,9 +415,10 @@ class DaemonCommunicator:
         from . import _core
         self._verdict_s = _core.Communicator.own_error_bound_s(self.timeout_s) + _VERDICT_MARGIN_S
 
-    def _enqueue(self, spec: OpSpec, done: Any = None, done_target: int = 0) -> int:
+    def _enqueue(self, spec: OpSpec, done: Any = None, done_target: int = 0,
+                 buffer: SharedBuffer | None = None) -> int:
         with self._lock:
-            op = _Op(self._next_op, spec, done=done, done_target=done_target)
+            op = _Op(self._next_op, spec, done=done, done_target=done_target, buffer=buffer)
             self._next_op += 1
             failed = self._failed
             if failed is None:
@@ -461,12 +486,14 @@ class DaemonCommunicator:
         if seg is not None and seg.nbytes >= span and not seg.done.poisoned:
             return
         size = max(span, 1 << 20, 2 * seg.nbytes if seg else 0)
-        self._gen += 1
-        name = shm.segment_name(self._job, self.rank, os.getpid(), self._gen)
+        with self._lock:
+            self._gen += 1
+            gen = self._gen
+        name = shm.segment_name(self._job, self.rank, os.getpid(), gen)
         from . import _core  # the engine's ticket views over the segment's header
         new = shm.Segment(name, size, create=True, ticket_at=_core.Ticket.at, group=self._group)
         self._req += 1
-        self._register_reqs.add(self._req)
+        self._register_reqs[self._req] = name
         self._sock.send(protocol.encode({"type": "register", "req": self._req, "job": self._job,
                                          "rank": self.rank, "segment": name, "nbytes": size}))
         self._segment = new
@@ -476,6 +503,7 @@ class DaemonCommunicator:
             seg.unlink()
 
     def _send_op(self, req: int, name: str, args: dict[str, Any]) -> None:
+        self._flush_outbox()  # a buffer's register goes before the ops issued after it
         # Only collectives take a place in the job's order; p2p carries seq 0.
         if name in _P2P_OPS or name == "recv":
             seq = 0
@@ -548,27 +576,43 @@ class DaemonCommunicator:
                 return
             op = self._queue.popleft()
             self._inflight = op
-        spec = op.spec
-        if spec.span:
-            self._ensure_segment(spec.span)
+        spec, buf = op.spec, op.buffer
         args = dict(spec.args)
-        if spec.pipelined:
-            (_, ptr, n), = spec.copy_in
-            now = time.monotonic()
-            op.pipe = _Pipe(ptr, n, self._ticket_base, lead=self._copy_lead(spec.args, n), started=now,
-                            progress_at=now)
-            args["base"] = self._ticket_base
-            self._ticket_base += n
+        if buf is not None:
+            self._start_in_place(op, buf, args)
         else:
-            base = self._segment.addr if spec.span else 0
-            for off, ptr, n in spec.copy_in:
-                ctypes.memmove(base + off, ptr, n)
-        if spec.span:
-            args["segment"] = self._segment.name
+            if spec.span:
+                self._ensure_segment(spec.span)
+            if spec.pipelined:
+                (_, ptr, n), = spec.copy_in
+                now = time.monotonic()
+                op.pipe = _Pipe(ptr, n, self._ticket_base, seg=self._segment, lead=self._copy_lead(spec.args, n),
+                                started=now, progress_at=now)
+                args["base"] = self._ticket_base
+                self._ticket_base += n
+            else:
+                base = self._segment.addr if spec.span else 0
+                for off, ptr, n in spec.copy_in:
+                    ctypes.memmove(base + off, ptr, n)
+            if spec.span:
+                args["segment"] = self._segment.name
         self._req += 1
         op.req = self._req
         op.deadline = time.monotonic() + self._verdict_s
         self._send_op(op.req, spec.name, args)
+
+    def _start_in_place(self, op: _Op, buf: SharedBuffer, args: dict[str, Any]) -> None:
+        """An all-reduce of a range in a shared buffer: mccld works on it where it is."""
+        (_, ptr, n), = op.spec.copy_in
+        args["segment"], args["offset"] = buf.name, ptr - buf.addr
+        if op.spec.pipelined:
+            # All of the input is in place already; the op only waits for `done` to cover it.
+            now = time.monotonic()
+            op.pipe = _Pipe(ptr, n, buf.ticket_base, seg=buf.segment, in_place=True, lead=n, copied_in=n,
+                            started=now, progress_at=now, t_in=0.0)
+            args["base"] = buf.ticket_base
+            buf.ticket_base += n
+            buf.segment.ready.signal(op.pipe.base + n)
 
     def _copy_lead(self, args: dict[str, Any], nbytes: int) -> int:
         """How far ahead of the results a pipelined all-reduce's input is copied in."""
@@ -586,7 +630,7 @@ class DaemonCommunicator:
         """Copies a pipelined op's input in (raising ``ready``) and its results out as far as
         ``done`` covers them; returns early, to be called again, once the daemon's socket or
         its monitor has something to say or the op is overdue. True once the op completed."""
-        p, seg = op.pipe, self._segment
+        p, seg = op.pipe, op.pipe.seg
         while True:
             # Input up to `lead` ahead of the results, so the copy spreads over the op.
             while p.copied_in < min(p.nbytes, p.copied_out + p.lead):
@@ -609,7 +653,8 @@ class DaemonCommunicator:
                     p.t_first = time.monotonic() - p.started
                 if covered == p.nbytes:
                     p.t_all = time.monotonic() - p.started
-                ctypes.memmove(p.ptr + p.copied_out, seg.addr + p.copied_out, covered - p.copied_out)
+                if not p.in_place:
+                    ctypes.memmove(p.ptr + p.copied_out, seg.addr + p.copied_out, covered - p.copied_out)
                 p.copied_out = covered
                 p.progress_at = time.monotonic()
             elif (self._closed or self._sock.poll(0) or self._monitor.poll(0)
@@ -674,19 +719,28 @@ class DaemonCommunicator:
             return
         op = self._inflight
         if op is None or reply["req"] != op.req:
-            was_register = reply["req"] in self._register_reqs
-            self._register_reqs.discard(reply["req"])
+            registered = self._register_reqs.pop(reply["req"], None)
+            was_release = reply["req"] in self._release_reqs
+            self._release_reqs.discard(reply["req"])
             if not reply.get("ok"):
                 err = protocol.error_from_payload(reply.get("error") or {})
-                if was_register:  # the daemon cannot see our data: nothing further can run
-                    self._fail(err, leave_abort=None)
+                if registered is not None and not self._buffers.dead(registered):
+                    self._fail(err, leave_abort=None)  # the daemon cannot see our data: nothing further can run
+                elif registered is not None or was_release:
+                    # A buffer dropped right after it was allocated: its name went before mccld
+                    # mapped it, so neither side holds it. Nothing used it.
+                    log.debug("[daemon-client] rank %d: a released buffer's register/release refused: %s",
+                              self.rank, err)
                 else:
                     log.warning("[daemon-client] mccld refused a report from rank %d: %s", self.rank, err)
             return
         spec, err = op.spec, None
         if reply.get("ok") and op.pipe is not None:
             p = op.pipe  # done covers the whole op by now: the rest is final
-            ctypes.memmove(p.ptr + p.copied_out, self._segment.addr + p.copied_out, p.nbytes - p.copied_out)
+            if not p.in_place:
+                ctypes.memmove(p.ptr + p.copied_out, p.seg.addr + p.copied_out, p.nbytes - p.copied_out)
+        elif reply.get("ok") and op.buffer is not None:
+            pass  # the result is where the tensor is
         elif reply.get("ok"):
             base = self._segment.addr if spec.span else 0
             for off, ptr, n in spec.copy_out:
@@ -707,6 +761,7 @@ class DaemonCommunicator:
             self._stats["ops_completed"] += 1
             self._stats["bytes_sent"] += sum(c[2] for c in spec.copy_in)
             self._stats["bytes_received"] += sum(c[2] for c in spec.copy_out)
+            self._stats["zero_copy_ops"] += op.buffer is not None
             if phases is not None:
                 self._stats["pipelined_ops"] += 1
                 for key, seconds in zip(_PHASES, phases):
@@ -753,6 +808,33 @@ class DaemonCommunicator:
                 f"on rank {self.rank}; a peer rank is stuck, slow or skipped this collective")
         return late
 
+    def _flush_outbox(self) -> None:
+        """Sends the reports and buffer registrations queued by other threads (the I/O thread
+        owns the socket), and the releases of buffers whose last tensor went."""
+        released = self._buffers.released
+        while True:
+            # Releases first: a buffer released is dead, and its slot under mccld's cap may be
+            # the one a registration queued behind it needs.
+            with self._lock:
+                report = self._next_report_locked(released)
+            if report is None:
+                return
+            self._req += 1
+            if report["type"] == "register":
+                self._register_reqs[self._req] = report["segment"]  # refused: mccld cannot see that data
+            elif report["type"] == "release":
+                self._release_reqs.add(self._req)
+            self._sock.send(protocol.encode({**report, "req": self._req}))
+
+    def _next_report_locked(self, released: collections.deque) -> dict[str, Any] | None:
+        while released:
+            name = released.popleft()
+            unsent = [r for r in self._outbox if r["type"] == "register" and r["segment"] == name]
+            if not unsent:
+                return {"type": "release", "job": self._job, "rank": self.rank, "segment": name}
+            self._outbox.remove(unsent[0])  # never registered: mccld need not hear of it at all
+        return self._outbox.popleft() if self._outbox else None
+
     def _io_loop(self, pull: zmq.Socket) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
@@ -769,14 +851,10 @@ class DaemonCommunicator:
                             pull.recv(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                    while True:
-                        with self._lock:
-                            report = self._outbox.popleft() if self._outbox else None
-                        if report is None:
-                            break
-                        self._req += 1
-                        self._sock.send(protocol.encode({**report, "req": self._req}))
+                    self._flush_outbox()
                     self._post_recvs()
+                elif self._buffers.released:
+                    self._flush_outbox()  # a finalizer cannot wake us: within the poll's second
                 if self._monitor in events:
                     ev = parse_monitor_message(self._monitor.recv_multipart())
                     if ev["event"] in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED) and not self._closed:
@@ -850,6 +928,7 @@ class DaemonCommunicator:
             # Unlinked before anyone hears of the failure: a rank that exits on the error leaves
             # nothing behind. Only the name goes; the mapping stays valid for an I/O thread still copying.
             seg.unlink()
+        self._buffers.unlink_all()  # their tensors keep the memory
         self._close_fast_queue()
         self._gates.stop()
         self._fail_ops(ops, exc)

@@ -9,7 +9,11 @@ Request types and their fields:
   hello    token, pid                    -> host_id, link_addr, daemon_version
   join     job, rank, size, hosts, timeout_s, opts
                                          -> (when the job's host communicator is built)
-  register job, rank, segment, nbytes    -> ok; the daemon maps the segment
+  register job, rank, segment, nbytes [, buffer]
+                                         -> ok; the daemon maps the segment (``buffer``: one the
+                                            rank's tensors live in, kept beside its data segment
+                                            until released; all-reduces on it are not copied)
+  release  job, rank, segment            -> ok; the daemon unmaps that buffer
   op       job, rank, seq, op, args      -> (when the collective finished)
            op "send": args dst, tag, nbytes, segment   -> when the daemon holds or sent the data
            op "recv": args src (-1: any), tag, nbytes, post -> src, when a send matched
@@ -51,6 +55,8 @@ MAX_RANKS = 1 << 20
 MAX_HOSTS = 4096
 _MAX_BYTES = 1 << 48                  # any byte count or offset: far past any real segment
 _MAX_ID = (1 << 63) - 1               # sequence numbers, request and post ids
+# Buffers a rank may hold registered at once: each costs the daemon a mapping and an fd.
+MAX_BUFFERS_PER_RANK = 64
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,12 @@ def _rank() -> Any:
 def _job_id(where: str, job: str) -> None:
     if not JOB_RE.match(job):
         raise ProtocolError(f"[daemon] {where}: field 'job'={_short(job)} must be 1-12 lowercase hex digits")
+
+
+def _segment_name(where: str, name: str) -> None:
+    if not SEGMENT_RE.match(name):
+        raise ProtocolError(f"[daemon] {where}: field 'segment'={_short(name)} is not a segment "
+                            "name (mccl-<job>-<rank>-<pid>-<gen>)")
 
 
 @dataclass(frozen=True)
@@ -141,12 +153,24 @@ class Register(Request):
     rank: int = _rank()
     segment: str = wire(str, max_len=64)
     nbytes: int = wire(int, 1, _MAX_BYTES)
+    buffer: bool = wire(bool, default=False)
 
     def __post_init__(self) -> None:
         _job_id("register", self.job)
-        if not SEGMENT_RE.match(self.segment):
-            raise ProtocolError(f"[daemon] register: field 'segment'={_short(self.segment)} is not a segment "
-                                "name (mccl-<job>-<rank>-<pid>-<gen>)")
+        _segment_name("register", self.segment)
+
+
+@dataclass(frozen=True)
+class Release(Request):
+    """A registered buffer the rank no longer uses (its tensors are gone)."""
+    type: ClassVar[str] = "release"
+    job: str = _job()
+    rank: int = _rank()
+    segment: str = wire(str, max_len=64)
+
+    def __post_init__(self) -> None:
+        _job_id("release", self.job)
+        _segment_name("release", self.segment)
 
 
 @dataclass(frozen=True)
@@ -229,8 +253,8 @@ class Probe(Request):
         check_addr(self.addr)
 
 
-REQUESTS: dict[str, type[Request]] = {cls.type: cls for cls in (Hello, Join, Register, Op, Status, Overlap,
-                                                                  Leave, Probe)}
+REQUESTS: dict[str, type[Request]] = {cls.type: cls for cls in (Hello, Join, Register, Release, Op, Status,
+                                                                  Overlap, Leave, Probe)}
 
 # An op's arguments, exactly: the job's thread calls its algorithm with them, so a key
 # unknown to this daemon (or a missing one) is refused here rather than failing there.

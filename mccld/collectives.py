@@ -40,7 +40,9 @@ def per_rank_args(op: str) -> frozenset[str]:
     if op == "alltoallv":
         return frozenset({"segment", "send_off", "recv_off", "send_sizes", "recv_sizes"})
     if op == "allreduce":
-        return frozenset({"segment", "base"})  # base: where the op starts in the rank's tickets
+        # base: where the op starts in the rank's tickets; offset: in its segment (a tensor in a
+        # shared buffer sits wherever its allocation put it)
+        return frozenset({"segment", "base", "offset"})
     return frozenset({"segment"})
 
 
@@ -94,10 +96,13 @@ class Hierarchy:
         if op == "alltoallv":
             fn(bases, args)
             return
-        if op == "allreduce" and args[self.topo.local[0]].get("pipelined"):
-            self._allreduce_pipelined(bases, args, tickets or {})
-            return
-        fn(bases, **{k: v for k, v in args[self.topo.local[0]].items() if k != "segment"})
+        if op == "allreduce":
+            # Each rank's region starts at its own offset: from here on, at its base.
+            bases = {r: bases[r] + args[r].get("offset", 0) for r in bases}
+            if args[self.topo.local[0]].get("pipelined"):
+                self._allreduce_pipelined(bases, args, tickets or {})
+                return
+        fn(bases, **{k: v for k, v in args[self.topo.local[0]].items() if k not in ("segment", "offset")})
 
     # -- helpers -------------------------------------------------------------------------
     def _leader_reduce(self, bases: dict[int, int], off: int, count: int, dtype: int, op: int) -> int:
@@ -133,25 +138,25 @@ class Hierarchy:
         return out
 
     # -- algorithms ------------------------------------------------------------------------
-    def _allreduce(self, bases, count: int, dtype: int, op: int, offset: int = 0) -> None:
-        buf = self._leader_reduce(bases, offset, count, dtype, op)
+    def _allreduce(self, bases, count: int, dtype: int, op: int) -> None:
+        buf = self._leader_reduce(bases, 0, count, dtype, op)
         if self.engine is not None:
             self.engine("allreduce", buf, count, dtype, SUM if op == AVG else op)
         if op == AVG:
             self.pool.finalize_avg(buf, count, dtype, self.topo.size)
         for r in self.topo.local[1:]:
-            _copy(bases[r] + offset, buf, count * DTYPE_SIZE[dtype])
+            _copy(bases[r], buf, count * DTYPE_SIZE[dtype])
 
     def _allreduce_pipelined(self, bases, args: dict[int, dict[str, Any]],
                              tickets: dict[int, tuple[Any, Any]]) -> None:
         a = args[self.topo.local[0]]
-        count, dtype, op, offset = a["count"], a["dtype"], a["op"], a.get("offset", 0)
+        count, dtype, op = a["count"], a["dtype"], a["op"]
         check(dtype, op)
         for r in self.topo.local:
             if "base" not in args[r] or r not in tickets:
                 raise ProtocolError(f"[daemon] pipelined allreduce: rank {r} sent no base or no segment; "
                                     "the client and daemon releases differ?")
-        regions = [Region(bases[r] + offset, *tickets[r], args[r]["base"]) for r in self.topo.local]
+        regions = [Region(bases[r], *tickets[r], args[r]["base"]) for r in self.topo.local]
         topo = self.topo
         self.pipeline.allreduce(regions, count, dtype, op, topo.size, self.engine,
                                 engine_divides=topo.size == len(topo.hosts))

@@ -311,7 +311,7 @@ class Daemon:
             for key in [k for k in self._traffic if k[0] == job.id]:
                 del self._traffic[key]
             # The record only has to name segments that may outlive us: those of live jobs.
-            live = [name for j in self.jobs.values() for m in list(j.members.values()) for name in m.segments]
+            live = [name for j in self.jobs.values() for m in list(j.members.values()) for name in m.names()]
             if self.runtime_dir is not None:
                 (self.runtime_dir / SEGMENT_RECORD).write_text("".join(n + "\n" for n in live))
 
@@ -338,9 +338,12 @@ class Daemon:
         if job is None:
             raise ProtocolError(f"[daemon] unknown job {job_id!r}; join it first")
         if kind == "register":
-            job.register(msg.rank, ident, msg.segment, msg.nbytes)
+            job.register(msg.rank, ident, msg.segment, msg.nbytes, msg.buffer)
             with self._lock, open(self.runtime_dir / SEGMENT_RECORD, "a") as fh:
                 fh.write(msg.segment + "\n")
+            return {"ok": True}
+        if kind == "release":
+            job.release_buffer(msg.rank, ident, msg.segment)
             return {"ok": True}
         if kind == "op":
             msg.check_world(job.size)

@@ -67,16 +67,24 @@ class Member:
     pid: int
     join_req: int
     queue: tuple[str, int] | None = None      # its small-op queue: (segment, slot bytes)
-    segments: dict[str, shm.Segment] = field(default_factory=dict)
+    segments: dict[str, shm.Segment] = field(default_factory=dict)   # its data segment (the latest)
+    buffers: dict[str, shm.Segment] = field(default_factory=dict)    # where its tensors live (no copies)
+
+    def segment(self, name: str) -> shm.Segment | None:
+        return self.segments.get(name) or self.buffers.get(name)
+
+    def names(self) -> list[str]:
+        return [*self.segments, *self.buffers]
 
     def release(self) -> list[shm.Segment]:
         """Unlink the rank's segments now; the caller unmaps them once no op can touch them."""
-        segs = list(self.segments.values())
+        segs = [*self.segments.values(), *self.buffers.values()]
         for seg in segs:
             seg.unlink()
         if self.queue is not None:
             shm.unlink(self.queue[0])  # a killed client's; the dispatcher keeps its own mapping
         self.segments.clear()
+        self.buffers.clear()
         return segs
 
 
@@ -149,22 +157,42 @@ class Job:
             if len(self.members) == len(self.local_ranks):
                 self._tasks.put(("setup", None))
 
-    def register(self, rank: int, ident: bytes, name: str, nbytes: int) -> None:
+    def register(self, rank: int, ident: bytes, name: str, nbytes: int, buffer: bool = False) -> None:
         member = self._member(rank, ident)
         if shm.owner_pid(name) != member.pid:
             raise ProtocolError(f"[daemon] job {self.id} rank {rank}: segment {name} is not named after the "
                                 f"client's pid {member.pid}")
-        if name in member.segments:
+        if member.segment(name) is not None:
             # An op may be running on (or was checked against) that mapping: segments are immutable.
             raise ProtocolError(f"[daemon] job {self.id} rank {rank}: field 'segment'={name} is already "
                                 "registered; a client registers each new segment under a new name")
+        if buffer and len(member.buffers) >= protocol.MAX_BUFFERS_PER_RANK:
+            raise ConfigError(f"[daemon] job {self.id} rank {rank}: already {len(member.buffers)} shared "
+                              f"buffers registered (at most {protocol.MAX_BUFFERS_PER_RANK} per rank); the "
+                              "client leaks them: allocate fewer, larger ones")
         seg = shm.Segment(name, nbytes, create=False, ticket_at=_core.Ticket.at)
+        if buffer:
+            with self._lock:
+                member.buffers[name] = seg
+            return
         with self._lock:
             # A client registers a new (larger) segment only between ops: the old one is
             # unused, and unmapping it is what returns its memory (the client unlinked it).
             old = list(member.segments.values())
             member.segments = {name: seg}
         self._tasks.put(("unmap", old))
+
+    def release_buffer(self, rank: int, ident: bytes, name: str) -> None:
+        """The rank's tensors on buffer ``name`` are gone. Unmapped by the job's thread, after
+        any op already queued there (the client releases a buffer only once its ops completed)."""
+        member = self._member(rank, ident)
+        with self._lock:
+            seg = member.buffers.pop(name, None)
+        if seg is None:
+            raise ProtocolError(f"[daemon] job {self.id} rank {rank}: release of {name}, which is not one of "
+                                "its registered buffers")
+        seg.unlink()  # the client unlinked it too; whichever comes first frees the name
+        self._tasks.put(("unmap", [seg]))
 
     def submit(self, ident: bytes, req: int, msg: protocol.Op) -> None:
         rank = msg.rank
@@ -178,7 +206,7 @@ class Job:
                     raise ProtocolError(f"[daemon] job {self.id}: {msg.op} before the job is ready")
             self.p2p.submit(ident, req, rank, msg.op, msg.args)
             return
-        seg = member.segments.get(msg.args.get("segment", ""))
+        seg = member.segment(msg.args.get("segment", ""))
         need = msg.span(self.size)
         if need and (seg is None or seg.nbytes < need):
             raise ProtocolError(f"[daemon] job {self.id} rank {rank}: {msg.op} needs {need} bytes of a "
@@ -299,11 +327,17 @@ class Job:
         """A rank's mapped segment of at least ``nbytes``; the caller holds ``segment_lock``."""
         with self._lock:
             member = self.members.get(rank)
-            seg = member.segments.get(name) if member is not None else None
+            seg = member.segment(name) if member is not None else None
         if seg is None or seg.closed or seg.nbytes < nbytes:
             raise ProtocolError(f"[daemon] job {self.id} rank {rank}: no registered segment {name!r} of "
                                 f"{nbytes} bytes; the rank left, or its client skipped register")
         seg.check_size()
+        return seg
+
+    def _segment_for(self, rank: int, name: str) -> shm.Segment:
+        seg = self.members[rank].segment(name)
+        if seg is None:
+            raise KeyError(name)   # the rank released or re-registered it after submitting: see _run
         return seg
 
     def _member(self, rank: int, ident: bytes) -> Member:
@@ -469,7 +503,7 @@ class Job:
                         f"[daemon] job {self.id} collective #{first.seq}: rank {p.msg.rank} called "
                         f"{p.msg.op}{a}, rank {first.rank} called {first.op}{b}; every rank must "
                         "issue the same collectives in the same order", peer_rank=p.msg.rank)
-            segs = {r: self.members[r].segments[p.msg.args["segment"]]
+            segs = {r: self._segment_for(r, p.msg.args["segment"])
                     for r, p in waiting.items() if p.msg.args.get("segment")}
             for seg in segs.values():
                 seg.check_size()   # a client may have truncated it since register (mccl_common/shm.py)

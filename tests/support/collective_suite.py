@@ -327,6 +327,29 @@ def _case_barrier():
     return Case("barrier", run)
 
 
+def _case_shared(dtype, n, op):
+    """All-reduces of tensors from ``libmccl.shared_empty``: in place through mccld (its
+    zero-copy counter must move), an ordinary tensor in-process. The slice sits at a different
+    offset of each rank's buffer, as independent allocations would put it."""
+    def run(seed, rank, world):
+        import libmccl
+        comm = dist.group.WORLD.communicator
+        before = comm.stats().get("zero_copy_ops")
+        whole = libmccl.shared_empty(n + 64 * world, dtype=dtype)
+        whole.copy_(make_input(seed + 1, rank, (n + 64 * world,), dtype))
+        part = whole[64 * rank:64 * rank + n]
+        part.copy_(make_input(seed, rank, (n,), dtype))
+        dist.all_reduce(part, op=op)
+        pairs = [(part, reference_reduce(_all(seed, world, (n,), dtype), op)),
+                 (whole[:64 * rank], make_input(seed + 1, rank, (n + 64 * world,), dtype)[:64 * rank])]
+        if before is not None:  # through mccld: not copied, unless the small-op queue took it
+            from mccl_common.settings import EngineConfig, load
+            in_place = n * whole.element_size() > load(EngineConfig).daemon_fast_bytes
+            pairs.append((torch.tensor(comm.stats()["zero_copy_ops"] - before), torch.tensor(int(in_place))))
+        return pairs
+    return Case(f"shared_all_reduce[{op}|{dtype}|{n}]", run)
+
+
 def _case_big(world):
     n = BIG_BYTES // 4
 
@@ -354,6 +377,10 @@ def cases(world: int, big: bool = True) -> list[Case]:
             for op in (R.SUM, R.MAX) if dtype != torch.bool else (R.BOR,):
                 out += [_case_reduce(dtype, n, op), _case_reduce_scatter(dtype, n, op)]
         out.append(_case_non_contiguous(dtype, 5))
+    # In shared buffers: below the small-op queue's size (copied into its slot), through the
+    # daemon's job thread, and pipelined through the buffer's own tickets.
+    for n, op in ((7, R.SUM), (100_001, R.AVG), (3 << 20, R.SUM)):
+        out.append(_case_shared(torch.float32, n, op))
     if big:
         out.append(_case_big(world))
     return out

@@ -1,0 +1,235 @@
+"""Shared buffers (libmccl/daemon_buffers.py): all-reduces of ranges inside them run in place
+through mccld, with no copy by the client; the buffers are released with their last
+reference, capped per rank, and freed with a killed client.
+
+The daemon runs in this process with a tiny pipeline (PIPE_ENV: 16K pieces, the small-op
+queue cut to 4K) and random delays in its reductions and copies; ranks are spawned.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mccld.pipelined as pipelined
+from mccl_common import attach_protocol as protocol
+from mccl_common.daemon_settings import load_config
+from mccl_common.errors import ConfigError, PeerLostError, ProtocolError
+from mccl_common.settings import EngineConfig, load
+from mccld.daemon import Daemon
+from support.daemon import AVG, F32, I32, MAX, SUM, connect, daemon_env, job_segments
+from support.pipelined import PIPE_ENV, Jittery
+from support.ports import free_port
+from support.ranks import collect, reap, run_ranks, spawn_ranks
+
+
+@pytest.fixture
+def jittery_daemon(monkeypatch):
+    monkeypatch.setattr(pipelined, "ctypes", Jittery(ctypes, ("memmove",), 3))
+    monkeypatch.setattr(pipelined, "_core", Jittery(pipelined._core, ("reduce_inplace", "finalize_avg"), 4))
+    rdir = Path(tempfile.mkdtemp(prefix="mccl-btest-"))
+    env = daemon_env(rdir)
+    d = Daemon(load_config(env=env), load(EngineConfig, env=PIPE_ENV)).start()
+    try:
+        yield d, {**env, **PIPE_ENV}
+    finally:
+        d.stop()
+        for p in rdir.iterdir():
+            p.unlink()
+        rdir.rmdir()
+
+
+class _CopyCounter:
+    """Stands in for the client's ``ctypes``: counts the bytes it copies."""
+
+    def __init__(self):
+        self.bytes = 0
+
+    def memmove(self, dst, src, n):
+        self.bytes += n
+        return ctypes.memmove(dst, src, n)
+
+
+# (count, dtype, op, where the range starts in the buffer: rank-dependent, so each rank's
+# offset differs): pipelined over many pieces, one piece on the job thread, AVG, odd sizes.
+_OPS = [(1 << 18, F32, SUM), (100_003, F32, AVG), (3000, F32, SUM), (1 << 17, I32, MAX), (70_001, I32, AVG)]
+_NP = {F32: np.float32, I32: np.int32}
+
+
+def _input(rank: int, count: int, dtype: int, i: int) -> np.ndarray:
+    return np.random.default_rng(77 * i + rank).integers(-8, 9, count).astype(_NP[dtype])
+
+
+def _want(count: int, dtype: int, op: int, i: int, world: int) -> np.ndarray:
+    parts = [_input(r, count, dtype, i) for r in range(world)]
+    if op == MAX:
+        return np.maximum.reduce(parts)
+    total = np.sum(np.stack(parts).astype(np.float64), axis=0)
+    if op == AVG:
+        total = total / world if dtype != I32 else np.trunc(total / world)
+    return total.astype(_NP[dtype])
+
+
+def rank_in_place(rank: int, world: int) -> str:
+    import libmccl.daemon_client as dc
+    comm, _store = connect(rank, world)
+    copies = _CopyCounter()
+    dc.ctypes = copies
+    buf = comm.alloc_buffer(8 << 20)
+    mem = np.frombuffer(buf.view(), dtype=np.uint8)
+    for i, (count, dtype, op) in enumerate(_OPS):
+        es = np.dtype(_NP[dtype]).itemsize
+        at = 4096 * (i + 1) + 64 * rank
+        arr = mem[at:at + count * es].view(_NP[dtype])
+        arr[:] = _input(rank, count, dtype, i)
+        comm.wait(comm.allreduce(arr.ctypes.data, count, dtype, op), 30)
+        np.testing.assert_array_equal(arr, _want(count, dtype, op, i, world), err_msg=f"op {i} on rank {rank}")
+    assert copies.bytes == 0, f"rank {rank} copied {copies.bytes} bytes of ops in a shared buffer"
+    # An ordinary array between them still goes through the data segment, and a range that
+    # runs past the buffer's end is not taken for one.
+    plain = np.full(1 << 18, rank + 1, dtype=np.float32)
+    comm.wait(comm.allreduce(plain.ctypes.data, plain.size, F32, SUM), 30)
+    assert (plain == world * (world + 1) // 2).all()
+    tail = np.frombuffer(buf.view(), dtype=np.float32)[-2000:]  # past the small-op queue (4K)
+    tail[:] = 1
+    straddle = np.empty(2000, dtype=np.float32)  # not inside the buffer at all
+    straddle[:] = 2
+    comm.wait(comm.allreduce(tail.ctypes.data, tail.size, F32, SUM), 30)
+    comm.wait(comm.allreduce(straddle.ctypes.data, straddle.size, F32, SUM), 30)
+    assert (tail == world).all() and (straddle == 2 * world).all()
+    assert copies.bytes >= 2 * plain.nbytes, "the ordinary array was not copied: the test tests nothing"
+    stats = comm.stats()
+    assert stats["zero_copy_ops"] == len(_OPS) + 1, stats
+    comm.shutdown(5)
+    # The memory outlives the communicator; the name does not.
+    assert (tail == world).all()
+    assert not Path("/dev/shm", buf.name).exists()
+    return "ok"
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world", [1, 3])
+def test_allreduce_in_a_shared_buffer_is_exact_and_not_copied(jittery_daemon, world):
+    _d, env = jittery_daemon
+    assert run_ranks(rank_in_place, world, env=env) == ["ok"] * world
+
+
+def rank_dies_in_place(rank: int, world: int) -> str:
+    comm, _store = connect(rank, world, comm_id=0xdead07, timeout_s=30)
+    buf = comm.alloc_buffer(4 << 20)
+    a = np.frombuffer(buf.view(), dtype=np.float32)
+    a[:] = 1
+    comm.wait(comm.allreduce(a.ctypes.data, a.size, F32, SUM), 20)
+    started = time.monotonic()
+    try:
+        for _ in range(3):
+            op = comm.allreduce(a.ctypes.data, a.size, F32, SUM)
+            if rank == 1:
+                time.sleep(0.005)  # the daemon is reducing and sending from our buffer
+                os.kill(os.getpid(), signal.SIGKILL)
+            comm.wait(op, 25)
+    except PeerLostError as e:
+        assert "rank 1" in str(e) and "died" in str(e), e
+        return f"PeerLostError after {time.monotonic() - started:.2f}s"
+    raise AssertionError("the collectives succeeded although rank 1 died")
+
+
+@pytest.mark.timeout(120)
+def test_client_killed_mid_op_on_its_shared_buffer(jittery_daemon):
+    d, env = jittery_daemon
+    procs, results, _ = spawn_ranks(rank_dies_in_place, 3, env=env)
+    try:
+        out = collect(procs, results, 60, expect=2)
+    finally:
+        reap(procs)
+    for r in (0, 2):
+        status, value = out[r]
+        assert status == "ok", value
+        assert float(value.split()[-1][:-1]) < 5.0, value  # the pid check, not a timeout
+    deadline = time.monotonic() + 5
+    while job_segments(0xdead07) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert job_segments(0xdead07) == []   # the buffers too: they follow the segments' naming
+    assert run_ranks(rank_in_place, 2, env=env) == ["ok", "ok"]
+
+
+def _until(cond, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return cond()
+
+
+@pytest.mark.timeout(120)
+def test_buffers_are_released_with_their_last_reference_and_capped(jittery_daemon, monkeypatch):
+    """One rank in this process, so the daemon's side can be read between its steps."""
+    d, env = jittery_daemon
+    for k, v in {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(k, v)
+    comm, _store = connect(0, 1, comm_id=0xb0f)
+    try:
+        job = d.jobs[f"{0xb0f:08x}"]
+
+        def registered() -> set[str]:
+            member = job.members.get(0)
+            return set(dict(member.buffers)) if member is not None else set()
+
+        buf = comm.alloc_buffer(1 << 20)
+        name = buf.name
+        a = np.frombuffer(buf.view(), dtype=np.float32)
+        a[:] = 3
+        comm.wait(comm.allreduce(a.ctypes.data, a.size, F32, SUM), 20)
+        assert (a == 3).all() and comm.stats()["zero_copy_ops"] == 1
+        assert name in registered()
+        del a, buf
+        gc.collect()
+        assert not Path("/dev/shm", name).exists(), "the last reference went, the name stayed"
+        assert _until(lambda: name not in registered()), "mccld kept the released buffer mapped"
+
+        for i in range(200):
+            # Dropped as soon as made: the release races the registration (or stops it being
+            # sent), and neither may fail the communicator.
+            comm.alloc_buffer(4096)
+            if i % 50 == 0:
+                time.sleep(0.01)
+        assert _until(lambda: not registered()), registered()
+
+        # The cap: 64 live buffers per rank, refused before anything reaches the daemon.
+        held = [comm.alloc_buffer(4096) for _ in range(protocol.MAX_BUFFERS_PER_RANK)]
+        with pytest.raises(ConfigError, match="at most 64"):
+            comm.alloc_buffer(4096)
+        held[0].release()
+        extra = comm.alloc_buffer(4096)  # an explicit release makes room
+        x = np.frombuffer(extra.view(), dtype=np.float32)
+        x[:] = 1
+        comm.wait(comm.allreduce(x.ctypes.data, x.size, F32, SUM), 20)
+        assert (x == 1).all()
+        assert _until(lambda: len(registered()) == protocol.MAX_BUFFERS_PER_RANK), len(registered())
+        assert held[0].name not in registered()
+        with pytest.raises(ConfigError, match="at least one byte"):
+            comm.alloc_buffer(0)
+    finally:
+        comm.shutdown(5)
+    # Closed: every name is gone, and the memory of a buffer still referenced is still there.
+    assert not Path("/dev/shm", extra.name).exists() and (x == 1).all()
+
+
+def test_release_and_register_requests_are_checked_at_the_boundary():
+    rel = {"type": "release", "req": 1, "job": "ab", "rank": 0, "segment": "mccl-ab-0-123-4"}
+    assert protocol.build_request(rel).segment == rel["segment"]
+    for bad, field in [({"segment": "/etc/passwd"}, "segment"), ({"rank": -1}, "rank"), ({"job": "XYZ"}, "job")]:
+        with pytest.raises(ProtocolError, match=field):
+            protocol.build_request({**rel, **bad})
+    reg = {"type": "register", "req": 1, "job": "ab", "rank": 0, "segment": "mccl-ab-0-123-4", "nbytes": 10}
+    assert protocol.build_request({**reg, "buffer": True}).buffer is True
+    assert protocol.build_request(reg).buffer is False
+    with pytest.raises(ProtocolError, match="buffer"):
+        protocol.build_request({**reg, "buffer": "yes"})
