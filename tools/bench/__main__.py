@@ -45,7 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     what.add_argument("--backends", type=_csv, default=list(BACKENDS), help="comma list (default mccl,gloo)")
     what.add_argument("--mode", dest="modes", type=_csv, default=["in-process"],
                       help=f"how mccl runs, comma list of {', '.join(MODES)} (default in-process); daemon "
-                           "starts one mccld per host for the run and attaches the ranks with MCCL_DAEMON=1")
+                           "starts one mccld per host for the run and attaches the ranks with MCCL_DAEMON=1; "
+                           "daemon-shared does too, with the all_reduce buffers from libmccl.shared_empty")
     what.add_argument("--ops", type=_csv, default=list(OPS), help=f"comma list of {', '.join(OPS)}")
     what.add_argument("--min-bytes", type=parse_bytes, default=4 << 10, help="default 4K")
     what.add_argument("--max-bytes", type=parse_bytes, default=256 << 20, help="default 256M")

@@ -29,6 +29,9 @@
 #                    at once (MCCL_DAEMON_COPY_AHEAD_BYTES=0) and paced (the default), AHEAD_ORDER times
 #   16-n8-threads    step 1's in-process all_reduce (and Gloo) alternating fewer engine threads per rank
 #                    (THREAD_ORDER: "-" for the defaults, else VAR=value[,VAR=value]), 64/256 MB
+#   17-shared        in-process, through mccld, and through mccld with the all_reduce buffers from
+#                    libmccl.shared_empty (no client copies), Gloo beside: 8 hosts x 1 (16/64/256 MB)
+#                    and 4 hosts x 2 (64/256 MB), SHARED_RUNS times
 # Step 3 takes DDP_WIDTH, DDP_DEPTH, DDP_VARIANTS (ddp,nocomm: the step with communication removed, for overlap) and
 # DDP_BUCKET_MB (DDP's bucket_cap_mb).
 # STEPS picks which run (default "1 2 3 4 5"; e.g. STEPS="1 2 3 6" then STEPS="4 5 7" as
@@ -176,6 +179,15 @@ if timeout 45 $PY -m tools.fleet selftest --rate 1gbit > "$RESULTS/fleet-selftes
       ( [ "$v" = - ] || for kv in ${v//,/ }; do export "$kv"; done
         bench "16-n$H8-threads-$name-r$n" 80 --hosts "$H8" --rate "$FAST" --mode in-process \
           --sizes "${SIZES_THR:-64M,256M}" --latency-iters 0 --ceiling-seconds 2 "${COMMON[@]}" )
+    done
+  fi
+  if want 17 && [[ $MODES == *daemon* ]]; then
+    for n in ${SHARED_RUNS:-1 2 3}; do
+      bench "17-n$H8-shared-r$n" 110 --hosts "$H8" --rate "$FAST" --mode in-process,daemon,daemon-shared \
+        --sizes "$SIZES" --latency-iters 0 --ceiling-seconds 2 "${COMMON[@]}"
+      bench "17-n${H_X2}x2-shared-r$n" 90 --hosts "$H_X2" --ranks-per-host 2 --rate "$FAST" \
+        --mode in-process,daemon,daemon-shared --backends mccl --sizes "$SIZES_X2" --latency-iters 0 \
+        --ceiling-seconds 2 "${COMMON[@]}"
     done
   fi
 else

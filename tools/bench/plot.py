@@ -11,7 +11,7 @@ from .metrics import fmt_bytes
 from .report import where, series_of
 
 _STYLE = {"mccl": dict(color="#d62728", marker="o"), "mccl-daemon": dict(color="#ff7f0e", marker="^"),
-          "gloo": dict(color="#1f77b4", marker="s")}
+          "mccl-daemon-shared": dict(color="#2ca02c", marker="v"), "gloo": dict(color="#1f77b4", marker="s")}
 
 
 def plot(results_paths: list[str], out_png: str, title: str | None = None) -> None:

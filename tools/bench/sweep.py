@@ -40,7 +40,10 @@ from .worker import TEARDOWN_FAILED
 log = logging.getLogger(__name__)
 
 BACKENDS = ("mccl", "gloo")
-MODES = ("in-process", "daemon")     # how mccl runs; Gloo has one way only
+# How mccl runs; Gloo has one way only. daemon-shared: through mccld, the all-reduce buffers
+# allocated with libmccl.shared_empty (not copied between the ranks and their daemon).
+MODES = ("in-process", "daemon", "daemon-shared")
+_VIA_DAEMON = ("daemon", "daemon-shared")
 WORKLOADS = ("collectives", "ddp")   # an nccl-tests sweep, or DDP training steps (ddp.py)
 LATENCY_BYTES = 8                    # the small-op latency: an all_reduce of two float32
 _PKG_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -155,7 +158,7 @@ def _run_series(launcher, cfg: BenchConfig, series: Series, tmp: str) -> SeriesR
     run, daemons = SeriesRun([]), None
     with contextlib.ExitStack() as stack:
         runner = launcher
-        if series.mode == "daemon":
+        if series.mode in _VIA_DAEMON:
             daemons = HostDaemons(launcher, out_dir).start()
             stack.callback(lambda: run.leftovers.extend(daemons.stop()))
             runner = daemons    # the ranks attach to their host's daemon (MCCL_DAEMON=1)
@@ -171,7 +174,7 @@ def _run_series(launcher, cfg: BenchConfig, series: Series, tmp: str) -> SeriesR
     for r in range(n):
         with open(os.path.join(out_dir, f"{series.name}-rank{r}.json")) as f:
             run.docs.append(json.load(f))
-    wanted = series.mode == "daemon"
+    wanted = series.mode in _VIA_DAEMON
     if any(d.get("via_daemon") != wanted for d in run.docs):
         raise MCCLError(f"[bench] {series.name}: some ranks ran {'without' if wanted else 'through'} mccld, so "
                         "their numbers are not this series'; likely cause: the backend ignores MCCL_DAEMON")
@@ -221,7 +224,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 # (numerator series, denominator series, key prefix) of every comparison the report shows.
 _PAIRS = (("mccl", "gloo", "mccl_over_gloo"), ("mccl-daemon", "mccl", "daemon_over_in_process"),
-          ("mccl-daemon", "gloo", "daemon_over_gloo"))
+          ("mccl-daemon", "gloo", "daemon_over_gloo"), ("mccl-daemon-shared", "mccl", "shared_over_in_process"))
 
 
 def compare(rows: list[dict], ceiling: dict | None) -> list[dict]:
@@ -240,7 +243,7 @@ def compare(rows: list[dict], ceiling: dict | None) -> list[dict]:
             c[f"cpu_{key}"] = _ratio(a["cpu_s_per_wire_gb"], b["cpu_s_per_wire_gb"])
         if "busbw_mccl_over_gloo" in c:
             c["latency_gloo_over_mccl"] = 1 / c.pop("time_mccl_over_gloo")
-        for name in ("mccl", "mccl-daemon"):
+        for name in ("mccl", "mccl-daemon", "mccl-daemon-shared"):
             if (name, op, size) in by:
                 c[f"cpu_{name.replace('-', '_')}_over_ceiling_tool"] = _ratio(
                     by[(name, op, size)]["cpu_s_per_wire_gb"], iperf_cpu)

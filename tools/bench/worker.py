@@ -53,11 +53,15 @@ def _collective(dist, name: str):
 class _Op:
     """Buffers and a zero-argument callable for one (op, element count)."""
 
-    def __init__(self, torch, dist, op: str, count: int, rank: int, world: int):
+    def __init__(self, torch, dist, op: str, count: int, rank: int, world: int, shared: bool = False):
         self.torch, self.dist, self.op, self.count, self.rank, self.world = torch, dist, op, count, rank, world
         z = lambda n: torch.zeros(n, dtype=torch.float32)  # noqa: E731
         if op == "all_reduce":
-            self.buf = z(count)
+            if shared:  # --mode daemon-shared: in a buffer mccld maps too, so nothing is copied
+                import libmccl
+                self.buf = libmccl.shared_empty(count).zero_()
+            else:
+                self.buf = z(count)
             self.run: Callable[[], None] = lambda: dist.all_reduce(self.buf)
             if os.environ.get("MCCL_BENCH_TICKETS") == "1":
                 self.run = _ticketed_all_reduce(torch, dist, self.buf)
@@ -204,7 +208,7 @@ def _latency(torch, dist, nbytes: int, iters: int, rank: int, world: int) -> dic
 
 
 def _measure(torch, dist, plan: dict, op: str, count: int, rank: int, world: int) -> dict:
-    o = _Op(torch, dist, op, count, rank, world)
+    o = _Op(torch, dist, op, count, rank, world, shared=plan.get("mode") == "daemon-shared")
     o.check()
     for _ in range(plan["warmup"]):
         o.run()
