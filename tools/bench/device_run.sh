@@ -183,9 +183,9 @@ if timeout 45 $PY -m tools.fleet selftest --rate 1gbit > "$RESULTS/fleet-selftes
   fi
   if want 17 && [[ $MODES == *daemon* ]]; then
     for n in ${SHARED_RUNS:-1 2 3}; do
-      bench "17-n$H8-shared-r$n" 110 --hosts "$H8" --rate "$FAST" --mode in-process,daemon,daemon-shared \
+      bench "17-n$H8-shared-r$n" 150 --hosts "$H8" --rate "$FAST" --mode in-process,daemon,daemon-shared \
         --sizes "$SIZES" --latency-iters 0 --ceiling-seconds 2 "${COMMON[@]}"
-      bench "17-n${H_X2}x2-shared-r$n" 90 --hosts "$H_X2" --ranks-per-host 2 --rate "$FAST" \
+      bench "17-n${H_X2}x2-shared-r$n" 100 --hosts "$H_X2" --ranks-per-host 2 --rate "$FAST" \
         --mode in-process,daemon,daemon-shared --backends mccl --sizes "$SIZES_X2" --latency-iters 0 \
         --ceiling-seconds 2 "${COMMON[@]}"
     done
