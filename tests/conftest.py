@@ -19,6 +19,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # ``support`` for every folder
 
 from support.daemon import daemon, mccld_proc, raw  # noqa: E402,F401 - fixtures for every folder
+from support.pipelined import jittery_daemon  # noqa: E402,F401
 from support.ranks import run_ranks  # noqa: E402 - needs the path above
 
 

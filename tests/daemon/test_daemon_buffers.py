@@ -12,39 +12,18 @@ import ctypes
 import gc
 import os
 import signal
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-import mccld.pipelined as pipelined
 from mccl_common import attach_protocol as protocol
-from mccl_common.daemon_settings import load_config
 from mccl_common.errors import ConfigError, PeerLostError, ProtocolError
-from mccl_common.settings import EngineConfig, load
-from mccld.daemon import Daemon
-from support.daemon import AVG, F32, I32, MAX, SUM, connect, daemon_env, job_segments
-from support.pipelined import PIPE_ENV, Jittery
+from support.daemon import AVG, F32, I32, MAX, SUM, connect
+from support.pipelined import NP, check_killed_rank, expected, rank_input
 from support.ports import free_port
-from support.ranks import collect, reap, run_ranks, spawn_ranks
-
-
-@pytest.fixture
-def jittery_daemon(monkeypatch):
-    monkeypatch.setattr(pipelined, "ctypes", Jittery(ctypes, ("memmove",), 3))
-    monkeypatch.setattr(pipelined, "_core", Jittery(pipelined._core, ("reduce_inplace", "finalize_avg"), 4))
-    rdir = Path(tempfile.mkdtemp(prefix="mccl-btest-"))
-    env = daemon_env(rdir)
-    d = Daemon(load_config(env=env), load(EngineConfig, env=PIPE_ENV)).start()
-    try:
-        yield d, {**env, **PIPE_ENV}
-    finally:
-        d.stop()
-        for p in rdir.iterdir():
-            p.unlink()
-        rdir.rmdir()
+from support.ranks import run_ranks
 
 
 class _CopyCounter:
@@ -61,23 +40,6 @@ class _CopyCounter:
 # (count, dtype, op, where the range starts in the buffer: rank-dependent, so each rank's
 # offset differs): pipelined over many pieces, one piece on the job thread, AVG, odd sizes.
 _OPS = [(1 << 18, F32, SUM), (100_003, F32, AVG), (3000, F32, SUM), (1 << 17, I32, MAX), (70_001, I32, AVG)]
-_NP = {F32: np.float32, I32: np.int32}
-
-
-def _input(rank: int, count: int, dtype: int, i: int) -> np.ndarray:
-    return np.random.default_rng(77 * i + rank).integers(-8, 9, count).astype(_NP[dtype])
-
-
-def _want(count: int, dtype: int, op: int, i: int, world: int) -> np.ndarray:
-    parts = [_input(r, count, dtype, i) for r in range(world)]
-    if op == MAX:
-        return np.maximum.reduce(parts)
-    total = np.sum(np.stack(parts).astype(np.float64), axis=0)
-    if op == AVG:
-        total = total / world if dtype != I32 else np.trunc(total / world)
-    return total.astype(_NP[dtype])
-
-
 def rank_in_place(rank: int, world: int) -> str:
     import libmccl.daemon_client as dc
     comm, _store = connect(rank, world)
@@ -86,12 +48,12 @@ def rank_in_place(rank: int, world: int) -> str:
     buf = comm.alloc_buffer(8 << 20)
     mem = np.frombuffer(buf.view(), dtype=np.uint8)
     for i, (count, dtype, op) in enumerate(_OPS):
-        es = np.dtype(_NP[dtype]).itemsize
+        es = np.dtype(NP[dtype]).itemsize
         at = 4096 * (i + 1) + 64 * rank
-        arr = mem[at:at + count * es].view(_NP[dtype])
-        arr[:] = _input(rank, count, dtype, i)
+        arr = mem[at:at + count * es].view(NP[dtype])
+        arr[:] = rank_input(rank, count, dtype, i)
         comm.wait(comm.allreduce(arr.ctypes.data, count, dtype, op), 30)
-        np.testing.assert_array_equal(arr, _want(count, dtype, op, i, world), err_msg=f"op {i} on rank {rank}")
+        np.testing.assert_array_equal(arr, expected(count, dtype, op, i, world), err_msg=f"op {i} on rank {rank}")
     assert copies.bytes == 0, f"rank {rank} copied {copies.bytes} bytes of ops in a shared buffer"
     # An ordinary array between them still goes through the data segment, and a range that
     # runs past the buffer's end is not taken for one.
@@ -144,20 +106,8 @@ def rank_dies_in_place(rank: int, world: int) -> str:
 
 @pytest.mark.timeout(120)
 def test_client_killed_mid_op_on_its_shared_buffer(jittery_daemon):
-    d, env = jittery_daemon
-    procs, results, _ = spawn_ranks(rank_dies_in_place, 3, env=env)
-    try:
-        out = collect(procs, results, 60, expect=2)
-    finally:
-        reap(procs)
-    for r in (0, 2):
-        status, value = out[r]
-        assert status == "ok", value
-        assert float(value.split()[-1][:-1]) < 5.0, value  # the pid check, not a timeout
-    deadline = time.monotonic() + 5
-    while job_segments(0xdead07) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert job_segments(0xdead07) == []   # the buffers too: they follow the segments' naming
+    _d, env = jittery_daemon
+    check_killed_rank(rank_dies_in_place, 0xdead07, env)   # its buffers freed too: same naming
     assert run_ranks(rank_in_place, 2, env=env) == ["ok", "ok"]
 
 

@@ -1,17 +1,26 @@
 """The pipelined all-reduce's rank program (tests/daemon/test_daemon_pipelined.py on one host,
 tests/e2e/test_daemon_fleet.py across hosts): every finishing path, with random pauses in the
-client's copies (``Jittery``)."""
+client's copies (``Jittery``); the in-process mccld with a tiny pipeline and random pauses in
+its own stages (``jittery_daemon``), and the check that a rank killed mid-op is reported and
+its memory freed (``check_killed_rank``)."""
 
 from __future__ import annotations
 
 import ctypes
 import random
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
+import pytest
 
-from .daemon import AVG, F16, F32, I32, MAX, SUM, connect
+from mccl_common.daemon_settings import load_config
+from mccl_common.settings import EngineConfig, load
+
+from .daemon import AVG, F16, F32, I32, MAX, SUM, connect, daemon_env, job_segments
+from .ranks import collect, reap, spawn_ranks
 
 PIPE = 16 << 10
 
@@ -49,12 +58,12 @@ class Jittery:
         return slow
 
 
-def _input(rank: int, count: int, dtype: int, i: int) -> np.ndarray:
+def rank_input(rank: int, count: int, dtype: int, i: int) -> np.ndarray:
     return np.random.default_rng(1000 * i + rank).integers(-8, 9, count).astype(NP[dtype])
 
 
-def _want(count: int, dtype: int, op: int, i: int, world: int) -> np.ndarray:
-    parts = [_input(r, count, dtype, i) for r in range(world)]
+def expected(count: int, dtype: int, op: int, i: int, world: int) -> np.ndarray:
+    parts = [rank_input(r, count, dtype, i) for r in range(world)]
     if op == MAX:
         return np.maximum.reduce(parts)
     total = np.sum(np.stack(parts).astype(np.float64), axis=0)
@@ -95,9 +104,9 @@ def rank_pipelined(rank: int, world: int) -> str:
     watch = LeadWatch(comm)
     for rep in range(2):  # the second round runs on tickets already far from zero
         for i, (count, dtype, op) in enumerate(OPS):
-            a = _input(rank, count, dtype, i)
+            a = rank_input(rank, count, dtype, i)
             comm.wait(comm.allreduce(a.ctypes.data, count, dtype, op), 30)
-            want = _want(count, dtype, op, i, world)
+            want = expected(count, dtype, op, i, world)
             assert np.array_equal(a, want), (rep, i, np.flatnonzero(a != want)[:5])
     watch.stop()
     # The copy-in stayed within its lead of the results (plus the piece being copied), and
@@ -112,3 +121,42 @@ def rank_pipelined(rank: int, world: int) -> str:
         "the tickets did not count exactly the pipelined ops' bytes"
     comm.shutdown(5)
     return "ok"
+
+
+@pytest.fixture
+def jittery_daemon(monkeypatch):
+    """An mccld in this process with PIPE_ENV's tiny pipeline and random pauses in its
+    reductions and copies: (daemon, the ranks' env)."""
+    import mccld.pipelined as pipelined
+    from mccld.daemon import Daemon
+    monkeypatch.setattr(pipelined, "ctypes", Jittery(ctypes, ("memmove",), 1))
+    monkeypatch.setattr(pipelined, "_core", Jittery(pipelined._core, ("reduce_inplace", "finalize_avg"), 2))
+    rdir = Path(tempfile.mkdtemp(prefix="mccl-ptest-"))
+    env = daemon_env(rdir)
+    d = Daemon(load_config(env=env), load(EngineConfig, env=PIPE_ENV)).start()
+    try:
+        yield d, {**env, **PIPE_ENV}
+    finally:
+        d.stop()
+        for p in rdir.iterdir():
+            p.unlink()
+        rdir.rmdir()
+
+
+def check_killed_rank(fn, comm_id: int, env: dict) -> None:
+    """Three ranks run ``fn``, in which rank 1 kills itself mid-op: the other two must return
+    (their PeerLostError, "after <s>s") within the pid check's time, not a timeout, and every
+    segment of the job must be gone soon after."""
+    procs, results, _ = spawn_ranks(fn, 3, env=env)
+    try:
+        out = collect(procs, results, 60, expect=2)
+    finally:
+        reap(procs)
+    for r in (0, 2):
+        status, value = out[r]
+        assert status == "ok", value
+        assert float(value.split()[-1][:-1]) < 5.0, value  # the pid check, not a timeout
+    deadline = time.monotonic() + 5
+    while job_segments(comm_id) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert job_segments(comm_id) == []
