@@ -230,6 +230,13 @@ def _real_session(daemon) -> None:
                        comm.scatter(b.ctypes.data, a.ctypes.data, a.nbytes, 1),
                        comm.alltoall(b.ctypes.data, c.ctypes.data, a.nbytes)):
                 comm.wait(op, 20.0)
+            # A shared buffer: its register, an all-reduce naming it (past the small-op queue), its release.
+            buf = comm.alloc_buffer((2 << 20) + 4096)
+            big = np.frombuffer(buf.view(), np.float32)
+            big[:] = 1
+            comm.wait(comm.allreduce(big.ctypes.data, big.size, 0, 0), 20.0)
+            del big
+            buf.release()
             if r == 0:
                 comm.wait(comm.send(a.ctypes.data, a.nbytes, 1, 7), 20.0)
             else:
