@@ -28,7 +28,8 @@
 #   15-n8-ahead      step 1 (mccl only, in-process and through mccld) alternating the client's copy-in all
 #                    at once (MCCL_DAEMON_COPY_AHEAD_BYTES=0) and paced (the default), AHEAD_ORDER times
 #   16-n8-threads    step 1's in-process all_reduce (and Gloo) alternating fewer engine threads per rank
-#                    (THREAD_ORDER: "-" for the defaults, else VAR=value[,VAR=value]), 64/256 MB
+#                    (THREAD_ORDER: "-" for the defaults, else VAR=value[,VAR=value]), 64/256 MB;
+#                    with H8=24 FAST=1gbit THR_LIMIT_S=200, the same at 24 hosts
 #   17-shared        in-process, through mccld, and through mccld with the all_reduce buffers from
 #                    libmccl.shared_empty (no client copies), Gloo beside: 8 hosts x 1 (16/64/256 MB)
 #                    and 4 hosts x 2 (64/256 MB), SHARED_RUNS times
@@ -177,7 +178,7 @@ if timeout 45 $PY -m tools.fleet selftest --rate 1gbit > "$RESULTS/fleet-selftes
       n=$(( ${n16:-0} + 1 )); n16=$n
       name=${v//[=,]/_}; [ "$v" = - ] && name=default
       ( [ "$v" = - ] || for kv in ${v//,/ }; do export "$kv"; done
-        bench "16-n$H8-threads-$name-r$n" 80 --hosts "$H8" --rate "$FAST" --mode in-process \
+        bench "16-n$H8-threads-$name-r$n" "${THR_LIMIT_S:-80}" --hosts "$H8" --rate "$FAST" --mode in-process \
           --sizes "${SIZES_THR:-64M,256M}" --latency-iters 0 --ceiling-seconds 2 "${COMMON[@]}" )
     done
   fi
