@@ -9,14 +9,17 @@
 # its own tmp root. `scripts/test.sh tests/daemon` (any pytest arguments) runs one process.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-cleanup() { bash scripts/cleanup.sh >/dev/null 2>&1 || true; }
-trap cleanup EXIT
 PYTEST=(.venv/bin/python -m pytest -p no:cacheprovider --timeout=300)
 
 if [ $# -gt 0 ]; then
+  # A targeted run leaves the machine-wide sweep alone: it kills every mccld and deletes every
+  # mccl* namespace, those of a full run going on beside it too (the after-test leak check
+  # already fails a test that leaves its own behind).
   "${PYTEST[@]}" --durations=25 "$@"
   exit $?
 fi
+cleanup() { bash scripts/cleanup.sh >/dev/null 2>&1 || true; }
+trap cleanup EXIT
 
 # --durations: the log says where the time goes.
 others=$(ls -d tests/*/ | grep -v '^tests/e2e/$' | grep -v '^tests/support/$' | grep -v '^tests/fuzz_corpus/$')
