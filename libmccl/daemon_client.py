@@ -181,7 +181,8 @@ class DaemonCommunicator:
         self._ops = OpBuilder(rank, size, self._piece, fast_bytes)
         self._fastq: Any = None                # _core.FastQueue, the small-op queue to mccld
         self._outbox: collections.deque[dict[str, Any]] = collections.deque()  # reports, no reply awaited
-        self._register_reqs: dict[int, str] = {}  # req -> the segment or buffer it registers
+        self._register_reqs: set[int] = set()   # of data segments: refused, nothing further can run
+        self._buffer_reqs: dict[int, str] = {}  # req -> the shared buffer it registers
         self._release_reqs: set[int] = set()
         self._replies_owed: set[int] = set()   # reqs of pipelined ops that completed before mccld's reply
         self._inflight: _Op | None = None
@@ -493,7 +494,7 @@ class DaemonCommunicator:
         from . import _core  # the engine's ticket views over the segment's header
         new = shm.Segment(name, size, create=True, ticket_at=_core.Ticket.at, group=self._group)
         self._req += 1
-        self._register_reqs[self._req] = name
+        self._register_reqs.add(self._req)
         self._sock.send(protocol.encode({"type": "register", "req": self._req, "job": self._job,
                                          "rank": self.rank, "segment": name, "nbytes": size}))
         self._segment = new
@@ -719,14 +720,16 @@ class DaemonCommunicator:
             return
         op = self._inflight
         if op is None or reply["req"] != op.req:
-            registered = self._register_reqs.pop(reply["req"], None)
-            was_release = reply["req"] in self._release_reqs
-            self._release_reqs.discard(reply["req"])
+            req = reply["req"]
+            was_register, buffer = req in self._register_reqs, self._buffer_reqs.pop(req, None)
+            was_release = req in self._release_reqs
+            self._register_reqs.discard(req)
+            self._release_reqs.discard(req)
             if not reply.get("ok"):
                 err = protocol.error_from_payload(reply.get("error") or {})
-                if registered is not None and not self._buffers.dead(registered):
+                if was_register or buffer is not None and not self._buffers.dead(buffer):
                     self._fail(err, leave_abort=None)  # the daemon cannot see our data: nothing further can run
-                elif registered is not None or was_release:
+                elif buffer is not None or was_release:
                     # A buffer dropped right after it was allocated: its name went before mccld
                     # mapped it, so neither side holds it. Nothing used it.
                     log.debug("[daemon-client] rank %d: a released buffer's register/release refused: %s",
@@ -821,7 +824,7 @@ class DaemonCommunicator:
                 return
             self._req += 1
             if report["type"] == "register":
-                self._register_reqs[self._req] = report["segment"]  # refused: mccld cannot see that data
+                self._buffer_reqs[self._req] = report["segment"]
             elif report["type"] == "release":
                 self._release_reqs.add(self._req)
             self._sock.send(protocol.encode({**report, "req": self._req}))

@@ -183,3 +183,24 @@ def test_release_and_register_requests_are_checked_at_the_boundary():
     assert protocol.build_request(reg).buffer is False
     with pytest.raises(ProtocolError, match="buffer"):
         protocol.build_request({**reg, "buffer": "yes"})
+
+
+@pytest.mark.timeout(60)
+def test_a_live_buffer_mccld_refuses_fails_the_communicator(jittery_daemon, monkeypatch):
+    """mccld refusing a buffer whose tensors are alive (here: its own cap, lowered to 1) cannot
+    be ignored, as a dropped one's refusal is: ops on it would name a segment it never mapped."""
+    d, env = jittery_daemon
+    for k, v in {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(k, v)
+    import libmccl.daemon_buffers as client_side
+    monkeypatch.setattr(protocol, "MAX_BUFFERS_PER_RANK", 1)       # what mccld reads
+    monkeypatch.setattr(client_side, "MAX_BUFFERS_PER_RANK", 64)   # the client keeps its own
+    comm, _store = connect(0, 1, comm_id=0xb10)
+    try:
+        first, second = comm.alloc_buffer(1 << 20), comm.alloc_buffer(1 << 20)
+        a = np.frombuffer(second.view(), dtype=np.float32)
+        with pytest.raises(ConfigError, match="at most 1 per rank"):
+            comm.wait(comm.allreduce(a.ctypes.data, a.size, F32, SUM), 20)
+        del first
+    finally:
+        comm.shutdown(5)
