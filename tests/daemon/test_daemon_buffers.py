@@ -204,3 +204,28 @@ def test_a_live_buffer_mccld_refuses_fails_the_communicator(jittery_daemon, monk
         del first
     finally:
         comm.shutdown(5)
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_data_segment_fails_the_communicator_with_mccld_s_reason(jittery_daemon, monkeypatch):
+    """Beside the buffers' refusals (ignored once a buffer is dropped), a refused data segment
+    must still fail the communicator with mccld's own reason, not with a later op's complaint."""
+    import mccld.jobs as jobs
+    d, env = jittery_daemon
+    for k, v in {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(k, v)
+    real = jobs.Job.register
+
+    def refuse_segments(self, rank, ident, name, nbytes, buffer=False):
+        if not buffer:
+            raise ProtocolError(f"[daemon] test refuses data segment {name}")
+        return real(self, rank, ident, name, nbytes, buffer)
+
+    monkeypatch.setattr(jobs.Job, "register", refuse_segments)
+    comm, _store = connect(0, 1, comm_id=0xb11)
+    try:
+        a = np.ones(1 << 18, dtype=np.float32)  # past the small-op queue: needs the data segment
+        with pytest.raises(ProtocolError, match="test refuses data segment"):
+            comm.wait(comm.allreduce(a.ctypes.data, a.size, F32, SUM), 20)
+    finally:
+        comm.shutdown(5)
