@@ -42,6 +42,9 @@ _MAILBOX_CLOSE_S = 2.0     # for the peers' closing headers after the closing ba
 # A peer daemon that fails a job tells us over its link and aborts the engine; the abort
 # (or our own engine timeout) races the link message, which carries the real cause.
 _PEER_VERDICT_GRACE_S = 2.0
+# A peer host's verdict cuts the work running here only this long after it arrived: by then
+# the peer's own engine abort has ended it (see fail()).
+_PEER_VERDICT_CUT_S = 2.0
 
 
 class JobHost(Protocol):
@@ -120,6 +123,7 @@ class Job:
         self.engine = None
         self.hierarchy: Hierarchy | None = None
         self.aborting = False        # we aborted the engine ourselves (vs. a peer aborting it)
+        self._cut_at: float | None = None  # a peer's verdict: when to cut the work still running here
         self._lock = threading.RLock()
         # Held while p2p copies touch a segment, and while unmapping one (reentrant: the
         # attach thread takes it before running a small copy that takes it again).
@@ -263,6 +267,13 @@ class Job:
                         f"did not submit collective #{seq} while {sorted(waiting)} waited; a rank is stuck or "
                         "took another code path", peer_rank=missing[0]), local=True)
                     return
+        with self._lock:
+            cut = self._cut_at is not None and now >= self._cut_at
+            if cut:
+                self._cut_at = None
+        if cut and self.failed is not None:
+            self._stop_local_work(self.failed)
+            self._abort_engine(self.failed)
         for op, nbytes, seconds in self.fast.records():
             self.host.record_collective(self, op, nbytes, seconds)
         late = self.p2p.overdue(now)
@@ -286,16 +297,35 @@ class Job:
             self.fast.fail(verdict)
             return
         log.warning("%s", exc)
-        self.fast.fail(exc)  # before the engine's abort: its verdict must not be the one clients see
-        if self.hierarchy is not None:
-            self.hierarchy.pipeline.abort()  # its stages may wait on a rank that is gone
+        # A peer host's verdict with the engine up: the op running here may have all its data
+        # already. The peer finished its part before its rank died, and the ABORT frames its
+        # engine sends come behind that data, so they end the op here either way. Cutting it
+        # now reported a finished op failed (a CI run: a 2-host job whose rank died right
+        # after an all-reduce failed that all-reduce on the other host). Ops not started fail
+        # now; check_timeouts cuts what still runs _PEER_VERDICT_CUT_S later.
+        let_finish = not local and self.engine is not None
+        if let_finish:
+            with self._lock:
+                self._cut_at = time.monotonic() + _PEER_VERDICT_CUT_S
+        else:
+            self._stop_local_work(exc)
         self.p2p.fail(exc)
         for p in pending:
             self.host.reply_error(p.ident, p.req, exc)
         for ident, req in joining:
             self.host.reply_error(ident, req, exc)
         if local and len(self.topo.hosts) > 1:
-            self.host.notify_peers_failed(self, exc)
+            self.host.notify_peers_failed(self, exc)  # before the ABORT frames, which echo it
+        if not let_finish:
+            self._abort_engine(exc)
+
+    def _stop_local_work(self, exc: MCCLError) -> None:
+        """Ends the small ops' dispatcher and the pipeline, which may wait on a rank that is gone."""
+        self.fast.fail(exc)  # before the engine's abort: its verdict must not be the one clients see
+        if self.hierarchy is not None:
+            self.hierarchy.pipeline.abort()
+
+    def _abort_engine(self, exc: MCCLError) -> None:
         engine = self.engine
         if engine is not None:
             self.aborting = True

@@ -27,14 +27,21 @@ e2e_log=$(mktemp /tmp/mccl-test-e2e.XXXXXX.log)
 "${PYTEST[@]}" --durations=15 --basetemp=/tmp/mccl-pytest-e2e tests/e2e > "$e2e_log" 2>&1 &
 e2e_pid=$!
 # shellcheck disable=SC2086  # one word per folder
-"${PYTEST[@]}" --durations=15 --basetemp=/tmp/mccl-pytest-units $others
-rc_units=$?
+units_log=$(mktemp /tmp/mccl-test-units.XXXXXX.log)
+"${PYTEST[@]}" --durations=15 --basetemp=/tmp/mccl-pytest-units $others 2>&1 | tee "$units_log"
+rc_units=${PIPESTATUS[0]}
 wait $e2e_pid
 rc_e2e=$?
 echo
 echo "======================== tests/e2e (run beside the above) ========================"
 cat "$e2e_log"
-rm -f "$e2e_log"
+# CI keeps only the end of the log: repeat both halves' failures and totals last.
+echo
+echo "======================== summary of both halves ========================"
+grep -hE '^(FAILED|ERROR) ' "$units_log" "$e2e_log" || true
+echo "units: $(grep -E '^=+ .*(passed|failed|error).* in [0-9.]+s' "$units_log" | tail -1)"
+echo "e2e:   $(grep -E '^=+ .*(passed|failed|error).* in [0-9.]+s' "$e2e_log" | tail -1)"
+rm -f "$e2e_log" "$units_log"
 echo "[test] tests/e2e: exit $rc_e2e; the other folders: exit $rc_units"
 # pytest's 5 means "no tests collected": that is a failure of this script, not a pass.
 [ $rc_units -eq 0 ] && [ $rc_e2e -eq 0 ]

@@ -8,11 +8,15 @@ had set the job's verdict but not failed the native dispatcher yet, the dispatch
 callback found the job failed and returned, and the dispatcher then failed its clients
 with the raw engine error it held. A Job with a stand-in host and dispatcher replays that
 interleaving exactly.
+
+The peer's notice can also overtake the last bytes of an op the peer finished before its
+rank died; that op must still complete here (the peer's ABORT frames come behind its data).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -55,6 +59,23 @@ class _Dispatcher:
         return []
 
 
+class _Engine:
+    """The engine seam fail() touches: abort (recorded) and what closing the job calls."""
+
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    def abort(self, reason: str) -> None:
+        self.aborted.append(reason)
+
+    def barrier(self) -> int:
+        raise AbortedError("[engine] aborted")
+
+    def wait(self, op_id, timeout_s) -> None: ...
+    def shutdown(self, timeout_s) -> bool:
+        return True
+
+
 @pytest.fixture
 def job():
     hosts = (protocol.Host("h0", "10.0.0.1:1", (0, 1)), protocol.Host("h1", "10.0.0.2:1", (2, 3)))
@@ -93,3 +114,40 @@ def test_a_dispatcher_error_with_no_verdict_yet_becomes_the_verdict(job):
     assert job.fast.written is job.failed
     assert "host h1, ranks [2, 3]" in str(job.failed)
     assert job.host.notified == [job.failed]
+
+
+_VERDICT = PeerLostError("[daemon] job 00000000000000aa: rank 3 (pid 1) on host h1 died", peer_rank=3)
+
+
+def test_a_peers_verdict_lets_the_op_running_here_finish_and_cuts_it_later(job):
+    engine = job.engine = _Engine()
+    job.fail(_VERDICT, local=False)
+    # Later ops fail at once: the verdict is the job's, and no peer is told again.
+    assert job.failed is _VERDICT and job.state == "failed"
+    assert job.host.notified == []
+    # The op in flight keeps its engine and dispatcher: its data may all be here already.
+    assert engine.aborted == [] and job.fast.written is None
+    job.check_timeouts(time.monotonic())
+    assert engine.aborted == [] and job.fast.written is None
+    # Past the grace whatever still runs is cut, with the peer's verdict.
+    job.check_timeouts(time.monotonic() + 60)
+    assert job.fast.written is _VERDICT
+    assert engine.aborted == [str(_VERDICT)] and job.aborting
+    job.check_timeouts(time.monotonic() + 120)
+    assert engine.aborted == [str(_VERDICT)], "cut twice"
+
+
+def test_an_op_ended_by_the_peers_abort_reports_the_peers_verdict(job):
+    job.engine = _Engine()
+    job.fail(_VERDICT, local=False)
+    echo = AbortedError(f"[engine] communicator aborted by rank 1: {_VERDICT}", peer_rank=1)
+    job._fast_failed(echo, from_engine=True)
+    assert job.fast.written is _VERDICT
+
+
+def test_a_verdict_of_our_own_cuts_everything_at_once_and_tells_the_peers(job):
+    engine = job.engine = _Engine()
+    job.fail(_VERDICT, local=True)
+    assert job.fast.written is _VERDICT
+    assert engine.aborted == [str(_VERDICT)] and job.aborting
+    assert job.host.notified == [_VERDICT]
