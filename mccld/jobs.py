@@ -271,7 +271,7 @@ class Job:
             cut = self._cut_at is not None and now >= self._cut_at
             if cut:
                 self._cut_at = None
-        if cut and self.failed is not None:
+        if cut and self.failed is not None:  # a peer's verdict: what still runs here is cut now
             self._stop_local_work(self.failed)
             self._abort_engine(self.failed)
         for op, nbytes, seconds in self.fast.records():
@@ -316,8 +316,10 @@ class Job:
             self.host.reply_error(ident, req, exc)
         if local and len(self.topo.hosts) > 1:
             self.host.notify_peers_failed(self, exc)  # before the ABORT frames, which echo it
-        if not let_finish:
-            self._abort_engine(exc)
+        if not let_finish and not self._abort_engine(exc) and len(self.topo.hosts) > 1:
+            # Still setting up: dropping its data sockets ends a handshake waiting on them now
+            # rather than at the connect timeout.
+            self.host.release_data_sockets(self, False)
 
     def _stop_local_work(self, exc: MCCLError) -> None:
         """Ends the small ops' dispatcher and the pipeline, which may wait on a rank that is gone."""
@@ -325,18 +327,17 @@ class Job:
         if self.hierarchy is not None:
             self.hierarchy.pipeline.abort()
 
-    def _abort_engine(self, exc: MCCLError) -> None:
+    def _abort_engine(self, exc: MCCLError) -> bool:
+        """Aborts the job's engine, if it has one yet (or still)."""
         engine = self.engine
-        if engine is not None:
-            self.aborting = True
-            try:
-                engine.abort(str(exc))
-            except Exception:  # noqa: BLE001 - aborting is best effort, the job is failed anyway
-                log.debug("engine abort of job %s raised", self.id, exc_info=True)
-        elif len(self.topo.hosts) > 1:
-            # Still setting up: dropping its data sockets ends a handshake waiting on them now
-            # rather than at the connect timeout.
-            self.host.release_data_sockets(self, False)
+        if engine is None:
+            return False
+        self.aborting = True
+        try:
+            engine.abort(str(exc))
+        except Exception:  # noqa: BLE001 - aborting is best effort, the job is failed anyway
+            log.debug("engine abort of job %s raised", self.id, exc_info=True)
+        return True
 
     def close(self, *, stopping: bool = False) -> None:
         """Close once the last rank left; ``stopping`` (mccld is going away): close now, with
@@ -562,6 +563,12 @@ class Job:
                                     seconds)
 
     def _shutdown(self) -> None:
+        with self._lock:
+            cut, self._cut_at = self._cut_at is not None, None
+        if cut and self.failed is not None:
+            # Every rank left after a peer's verdict: no one waits for the op still running.
+            self._stop_local_work(self.failed)
+            self._abort_engine(self.failed)
         self.fast.close()   # every rank left: no small op is in flight
         for op, nbytes, seconds in self.fast.records():
             self.host.record_collective(self, op, nbytes, seconds)

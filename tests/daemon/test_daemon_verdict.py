@@ -151,3 +151,14 @@ def test_a_verdict_of_our_own_cuts_everything_at_once_and_tells_the_peers(job):
     assert job.fast.written is _VERDICT
     assert engine.aborted == [str(_VERDICT)] and job.aborting
     assert job.host.notified == [_VERDICT]
+
+
+def test_a_job_closed_before_the_cut_cuts_at_once_and_never_after(job):
+    engine = job.engine = _Engine()
+    job.fail(_VERDICT, local=False)
+    job.close()  # every rank left: the job's thread closes it
+    job._thread.join(10)
+    assert not job._thread.is_alive()
+    assert engine.aborted == [str(_VERDICT)] and job.fast.written is _VERDICT
+    job.check_timeouts(time.monotonic() + 60)
+    assert engine.aborted == [str(_VERDICT)] and job.engine is None
