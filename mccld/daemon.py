@@ -457,7 +457,7 @@ class Daemon:
                               "cannot run in daemon mode; rebuild MCCL (`make build`)") from None
         me = job.topo.host_rank
         peers = [(h, host.host_id, host.link_addr) for h, host in enumerate(job.hosts) if h != me]
-        leased = self.datalinks.lease(job.id, peers, time.monotonic() + job.timeout_s, lambda: job.failed)
+        leased = self.datalinks.lease(job.id, peers, time.monotonic() + job.setup_timeout_s, lambda: job.failed)
         opts = self.engine_cfg.engine_options(Options(), job.timeout_s, job.timeout_s)
         # The link addresses only name the peers in the engine's messages: nothing is dialled.
         addrs = [host.link_addr for host in job.hosts]

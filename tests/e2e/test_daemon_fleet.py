@@ -112,6 +112,18 @@ def test_ddp_daemon_mode_matches_in_process():
 
 
 @pytest.mark.fleet
+@pytest.mark.timeout(120)
+def test_a_host_whose_ranks_join_late_still_sets_up_a_job_with_a_short_timeout():
+    """Setting up waits at least 5 s for a peer host's data sockets, not the 2 s collective
+    timeout (a CI campaign run failed 2 of 100 trials' setup that way under load)."""
+    skip_unless_fleet()
+    with DaemonFleet(2) as df:
+        out = df.ranks("late_host", [0, 0, 1, 1], timeout_s=60)
+        for r, (code, text) in out.items():
+            assert code == 0 and text.splitlines()[-1] == "ok", f"rank {r}:\n{text}\n--- h0 ---\n{df.log(0)[-3000:]}"
+
+
+@pytest.mark.fleet
 @pytest.mark.timeout(180)
 def test_rank_killed_on_one_host_fails_the_other_host_with_peer_lost():
     skip_unless_fleet()
@@ -362,7 +374,32 @@ def _pipelined(rank: int, world: int) -> str:
     return t.rank_pipelined(rank, world)
 
 
-PROGRAMS = {"collectives": _collectives, "pipelined": _pipelined, "ddp": _ddp, "one_dies": _one_dies, "stalls": _stalls,
+LATE_JOIN_S = 3.5   # host h1's ranks join this long after h0's: past the job's 2 s timeout
+
+
+def _late_host(rank: int, world: int) -> str:
+    """A 2 s job whose second host's ranks reach their mccld 3.5 s after the first's (a loaded
+    machine, a slow import), past the store's rendezvous."""
+    import numpy as np
+    from support import daemon as t
+    from libmccl.daemon_attach import Attachment
+    if rank >= 2:
+        call = Attachment.call
+
+        def late_call(self, msg, timeout_s, unavailable=None):
+            if msg.get("type") == "join":
+                time.sleep(LATE_JOIN_S)
+            return call(self, msg, timeout_s, unavailable)
+        Attachment.call = late_call
+    comm, _store = t.connect(rank, world, comm_id=0xdead0a, timeout_s=2.0)
+    a = np.full(1 << 16, rank + 1, dtype=np.float32)
+    comm.wait(comm.allreduce(a.ctypes.data, a.size, 0, 0), 20)
+    assert (a == sum(range(1, world + 1))).all(), a[:4]
+    comm.shutdown(10)
+    return "ok"
+
+
+PROGRAMS = {"late_host": _late_host, "collectives": _collectives, "pipelined": _pipelined, "ddp": _ddp, "one_dies": _one_dies, "stalls": _stalls,
             "recv_stalls": _recv_stalls, "any_source_local": _any_source_local, "loops": _loops}
 
 if __name__ == "__main__":
