@@ -128,6 +128,7 @@ class Job:
         self.hierarchy: Hierarchy | None = None
         self.aborting = False        # we aborted the engine ourselves (vs. a peer aborting it)
         self._cut_at: float | None = None  # a peer's verdict: when to cut the work still running here
+        self._freed = False                # mccld stopping: the segments are unmapped, no new ones
         self._lock = threading.RLock()
         # Held while p2p copies touch a segment, and while unmapping one (reentrant: the
         # attach thread takes it before running a small copy that takes it again).
@@ -179,11 +180,16 @@ class Job:
                               f"buffers registered (at most {protocol.MAX_BUFFERS_PER_RANK} per rank); the "
                               "client leaks them: allocate fewer, larger ones")
         seg = shm.Segment(name, nbytes, create=False, ticket_at=_core.Ticket.at)
-        if buffer:
-            with self._lock:
-                member.buffers[name] = seg
-            return
         with self._lock:
+            if self._freed:
+                # mccld is stopping and has unmapped this job's segments: the attach thread can
+                # still be working through a client's backlog, and nothing would unmap this one
+                # (a CI run's leak check found its two fds on a stopped in-process mccld).
+                seg.close()
+                raise AbortedError(f"[daemon] job {self.id}: mccld is stopping; segment {name} not mapped")
+            if buffer:
+                member.buffers[name] = seg
+                return
             # A client registers a new (larger) segment only between ops: the old one is
             # unused, and unmapping it is what returns its memory (the client unlinked it).
             old = list(member.segments.values())
@@ -353,6 +359,7 @@ class Job:
     def free_segments(self) -> None:
         """Unmap and unlink every local rank's segments (the daemon is going away)."""
         with self._lock:
+            self._freed = True
             members = list(self.members.values())
         for m in members:
             self._tasks.put(("unmap", m.release()))

@@ -162,3 +162,26 @@ def test_a_job_closed_before_the_cut_cuts_at_once_and_never_after(job):
     assert engine.aborted == [str(_VERDICT)] and job.fast.written is _VERDICT
     job.check_timeouts(time.monotonic() + 60)
     assert engine.aborted == [str(_VERDICT)] and job.engine is None
+
+
+def test_a_register_that_arrives_while_mccld_stops_maps_nothing(job):
+    """The attach thread can still be working through a client's backlog while mccld stops:
+    a register after the job's segments were freed would stay mapped for good (a CI run's
+    leak check found its two fds on a stopped in-process mccld)."""
+    import os
+    from mccl_common import shm
+    from mccld.jobs import Member
+    job.members[0] = Member(rank=0, ident=b"c0", pid=os.getpid(), join_req=1)
+    name = f"mccl-{job.id[-8:]}-0-{os.getpid()}-1"
+    client = shm.Segment(name, 4096, create=True)
+    try:
+        job.free_segments()
+        with pytest.raises(AbortedError, match="mccld is stopping"):
+            job.register(0, b"c0", name, 4096, buffer=True)
+        assert not job.members[0].buffers
+        held = [f for f in os.listdir("/proc/self/fd")
+                if os.path.realpath(f"/proc/self/fd/{f}").startswith(f"/dev/shm/{name}")]
+        assert len(held) == 1, held   # the client's own mapping only
+    finally:
+        client.close()
+        shm.unlink(name)
