@@ -277,13 +277,7 @@ class Job:
                         f"did not submit collective #{seq} while {sorted(waiting)} waited; a rank is stuck or "
                         "took another code path", peer_rank=missing[0]), local=True)
                     return
-        with self._lock:
-            cut = self._cut_at is not None and now >= self._cut_at
-            if cut:
-                self._cut_at = None
-        if cut and self.failed is not None:  # a peer's verdict: what still runs here is cut now
-            self._stop_local_work(self.failed)
-            self._abort_engine(self.failed)
+        self._cut_if_due(now)
         for op, nbytes, seconds in self.fast.records():
             self.host.record_collective(self, op, nbytes, seconds)
         late = self.p2p.overdue(now)
@@ -330,6 +324,16 @@ class Job:
             # Still setting up: dropping its data sockets ends a handshake waiting on them now
             # rather than at the connect timeout.
             self.host.release_data_sockets(self, False)
+
+    def _cut_if_due(self, now: float | None) -> None:
+        """Cuts what a peer's verdict left running here, once due (``now`` None: at once)."""
+        with self._lock:
+            due = self._cut_at is not None and (now is None or now >= self._cut_at)
+            if due:
+                self._cut_at = None
+        if due and self.failed is not None:
+            self._stop_local_work(self.failed)
+            self._abort_engine(self.failed)
 
     def _stop_local_work(self, exc: MCCLError) -> None:
         """Ends the small ops' dispatcher and the pipeline, which may wait on a rank that is gone."""
@@ -574,12 +578,7 @@ class Job:
                                     seconds)
 
     def _shutdown(self) -> None:
-        with self._lock:
-            cut, self._cut_at = self._cut_at is not None, None
-        if cut and self.failed is not None:
-            # Every rank left after a peer's verdict: no one waits for the op still running.
-            self._stop_local_work(self.failed)
-            self._abort_engine(self.failed)
+        self._cut_if_due(None)  # every rank left: no one waits for the op still running
         self.fast.close()   # every rank left: no small op is in flight
         for op, nbytes, seconds in self.fast.records():
             self.host.record_collective(self, op, nbytes, seconds)
