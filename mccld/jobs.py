@@ -129,6 +129,7 @@ class Job:
         self.aborting = False        # we aborted the engine ourselves (vs. a peer aborting it)
         self._cut_at: float | None = None  # a peer's verdict: when to cut the work still running here
         self._freed = False                # mccld stopping: the segments are unmapped, no new ones
+        self._ended = False                # the job's thread is gone: unmap where the request is
         self._lock = threading.RLock()
         # Held while p2p copies touch a segment, and while unmapping one (reentrant: the
         # attach thread takes it before running a small copy that takes it again).
@@ -194,7 +195,7 @@ class Job:
             # unused, and unmapping it is what returns its memory (the client unlinked it).
             old = list(member.segments.values())
             member.segments = {name: seg}
-        self._tasks.put(("unmap", old))
+        self._unmap(old)
 
     def release_buffer(self, rank: int, ident: bytes, name: str) -> None:
         """The rank's tensors on buffer ``name`` are gone. Unmapped by the job's thread, after
@@ -206,7 +207,7 @@ class Job:
             raise ProtocolError(f"[daemon] job {self.id} rank {rank}: release of {name}, which is not one of "
                                 "its registered buffers")
         seg.unlink()  # the client unlinked it too; whichever comes first frees the name
-        self._tasks.put(("unmap", [seg]))
+        self._unmap([seg])
 
     def submit(self, ident: bytes, req: int, msg: protocol.Op) -> None:
         rank = msg.rank
@@ -248,9 +249,10 @@ class Job:
                                        f"{abort_reason or 'no reason given'}", peer_rank=rank), local=True)
             del self.members[rank]
             self.p2p.forget(rank)
-            self._tasks.put(("unmap", member.release()))
-            if not self.members:
-                self._tasks.put(("close", None))
+            segs, last = member.release(), not self.members
+        self._unmap(segs)   # not under the job's lock: the unmap may take segment_lock (see _unmap)
+        if last:
+            self._tasks.put(("close", None))
 
     def client_died(self, rank: int) -> None:
         with self._lock:
@@ -258,13 +260,14 @@ class Job:
             if member is None:
                 return
             self.p2p.forget(rank)
-            # Unmapped by the job thread: an op in flight may still be reading or writing it.
-            self._tasks.put(("unmap", member.release()))
+            segs, last = member.release(), not self.members
             self.fail(PeerLostError(f"[daemon] job {self.id}: rank {rank} (pid {member.pid}) on host "
                                     f"{self.host.host_id} died; its process crashed or was killed; "
                                     "restart the job", peer_rank=rank), local=True)
-            if not self.members:
-                self._tasks.put(("close", None))
+        # Unmapped by the job thread: an op in flight may still be reading or writing it.
+        self._unmap(segs)
+        if last:
+            self._tasks.put(("close", None))
 
     def check_timeouts(self, now: float) -> None:
         with self._lock:
@@ -366,7 +369,24 @@ class Job:
             self._freed = True
             members = list(self.members.values())
         for m in members:
-            self._tasks.put(("unmap", m.release()))
+            self._unmap(m.release())
+
+    def _unmap(self, segs: list[shm.Segment]) -> None:
+        """Unmaps ``segs`` on the job's thread, after the ops queued there before; once that thread
+        has ended, here and now. A request can still be on its way while mccld stops: a CI run's
+        leak check found a buffer whose release the attach thread took just before the job's
+        thread ended at ``stop``, queued behind it, and so mapped for good. The caller must not
+        hold the job's lock: ``segment_of`` takes it under ``segment_lock``."""
+        with self._lock:
+            if not self._ended:
+                self._tasks.put(("unmap", segs))
+                return
+        self._close_segments(segs)
+
+    def _close_segments(self, segs: list[shm.Segment]) -> None:
+        with self.segment_lock:
+            for seg in segs:
+                seg.close()
 
     # -- the job's thread ------------------------------------------------------------------
     def segment_of(self, rank: int, name: str, nbytes: int) -> shm.Segment:
@@ -410,15 +430,29 @@ class Job:
             elif kind == "op":
                 self._run(item)
             elif kind == "unmap":
-                with self.segment_lock:
-                    for seg in item:
-                        seg.close()
+                self._close_segments(item)
             elif kind in ("close", "stop"):
                 with self._lock:
                     if self.members and kind == "close":
                         continue
-                self._shutdown()
+                try:
+                    self._shutdown()
+                finally:
+                    self._end()
                 return
+
+    def _end(self) -> None:
+        """The thread's last act: the unmaps queued behind its stop are done now, later ones by
+        ``_unmap`` itself (nothing else is queued once the job closed or mccld stopped)."""
+        with self._lock:
+            self._ended = True
+        while True:
+            try:
+                kind, item = self._tasks.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "unmap":
+                self._close_segments(item)
 
     def _setup(self) -> None:
         try:

@@ -1,0 +1,25 @@
+"""A stand-in for the daemon behind mccld's ``Job`` (the ``JobHost`` seam of mccld/jobs.py):
+it records the peers' notices and does nothing else, so a unit test can drive a Job's
+requests and its thread in a chosen order without links, engines or an attach socket."""
+
+from __future__ import annotations
+
+from mccl_common.errors import MCCLError
+
+
+class StandInHost:
+    host_id = "h0"
+    pool = None
+    engine_cfg = None
+
+    def __init__(self) -> None:
+        self.notified: list[MCCLError] = []
+
+    def reply(self, ident, req, payload) -> None: ...
+    def reply_error(self, ident, req, exc) -> None: ...
+    def build_engine(self, job): raise AssertionError("no engine in this test")
+    def release_data_sockets(self, job, clean) -> None: ...
+    def notify_peers_failed(self, job, exc) -> None: self.notified.append(exc)
+    def record_collective(self, job, op, nbytes, seconds) -> None: ...
+    def poll_traffic(self, job) -> None: ...
+    def job_closed(self, job) -> None: ...
