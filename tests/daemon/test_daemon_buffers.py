@@ -12,6 +12,7 @@ import ctypes
 import gc
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 
 from mccl_common import attach_protocol as protocol
+from mccl_common import shm
 from mccl_common.errors import ConfigError, PeerLostError, ProtocolError
 from support.daemon import AVG, F32, I32, MAX, SUM, connect
 from support.pipelined import NP, check_killed_rank, expected, rank_input
@@ -172,6 +174,47 @@ def test_buffers_are_released_with_their_last_reference_and_capped(jittery_daemo
         comm.shutdown(5)
     # Closed: every name is gone, and the memory of a buffer still referenced is still there.
     assert not Path("/dev/shm", extra.name).exists() and (x == 1).all()
+
+
+def _fd_targets() -> list[str]:
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass   # the listing's own fd, closed since
+    return out
+
+
+def test_mccld_stopping_amid_a_closing_clients_releases_leaves_nothing_mapped(jittery_daemon, monkeypatch):
+    """A closing communicator sends one release per live buffer, then its leave, and waits
+    only briefly for the answer: mccld can stop while its attach thread is still on them. Two
+    CI runs' leak checks found one buffer mapped for good (a release taken just before the
+    job's thread ended). Slowing mccld's unlinks widens that window from microseconds to
+    50 ms: before the fix this failed 7 of 10 runs, after it 0 of 11 (test_daemon_stop_unmaps.py
+    replays the interleaving itself, every time)."""
+    d, env = jittery_daemon
+    for k, v in {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(k, v)
+    unlink = shm.Segment.unlink
+
+    def slow_on_the_attach_thread(seg) -> None:
+        if threading.current_thread().name == "mccld-attach":
+            time.sleep(0.05)
+        unlink(seg)
+
+    monkeypatch.setattr(shm.Segment, "unlink", slow_on_the_attach_thread)
+    comm, _store = connect(0, 1, comm_id=0xb11)
+    held = [comm.alloc_buffer(4096) for _ in range(16)]
+    members = d.jobs[f"{0xb11:08x}"].members
+    assert _until(lambda: len(members[0].buffers) == len(held)), "mccld never mapped the buffers"
+    comm.shutdown(5)
+    d.stop()   # the fixture's stop finds nothing left to do
+    paths = {f"/dev/shm/{b.name}" for b in held}
+    del held   # the client's own mappings go with their last reference
+    gc.collect()
+    mapped = [t for t in _fd_targets() if t.removesuffix(" (deleted)") in paths]
+    assert mapped == [], f"mccld kept buffers of a closed communicator mapped: {mapped}"
 
 
 def test_release_and_register_requests_are_checked_at_the_boundary():
