@@ -136,10 +136,12 @@ class Daemon:
         return self
 
     def stop(self, reason: str = "mccld is stopping") -> None:
-        self._stop.set()
-        self._poke.set()
         with self._lock:
+            # Under the lock that joins take: a job is either in this list, and stopped below,
+            # or its join sees the flag and is refused (its thread would outlive mccld).
+            self._stop.set()
             jobs = list(self.jobs.values())
+        self._poke.set()
         for job in jobs:
             job.fail(AbortedError(f"[daemon] job {job.id}: {reason}; restart the job once mccld is back"),
                      local=True)
@@ -398,6 +400,9 @@ class Daemon:
             client = self.clients.get(ident)
             if client is None:
                 raise ProtocolError("[daemon] join from a client that never said hello")
+            if self._stop.is_set():
+                raise AbortedError(f"[daemon] job {job_id}: mccld is stopping, join refused; restart the "
+                                   "job once mccld is back")
             job = self.jobs.get(job_id)
             fresh = job is None or job.state in ("failed", "closed") and not job.members
             if fresh:

@@ -191,7 +191,7 @@ def test_mccld_stopping_amid_a_closing_clients_releases_leaves_nothing_mapped(ji
     only briefly for the answer: mccld can stop while its attach thread is still on them. Two
     CI runs' leak checks found one buffer mapped for good (a release taken just before the
     job's thread ended). Slowing mccld's unlinks widens that window from microseconds to
-    50 ms: before the fix this failed 7 of 10 runs, after it 0 of 11 (test_daemon_stop_unmaps.py
+    50 ms: before the fix this failed 7 of 10 runs, after it 0 of 11 (test_daemon_stopping.py
     replays the interleaving itself, every time)."""
     d, env = jittery_daemon
     for k, v in {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():

@@ -1,11 +1,12 @@
-"""Requests still on their way while mccld stops map nothing for good.
+"""Requests still on their way while mccld stops map nothing and start nothing for good.
 
-The attach thread can be working through a client's backlog (registers, releases, a leave)
-while ``Daemon.stop`` frees the jobs' segments and ends their threads. Two CI runs' leak
+The attach thread can be working through a client's backlog (joins, registers, releases, a
+leave) while ``Daemon.stop`` frees the jobs' segments and ends their threads. Two CI runs' leak
 checks found a client's shared buffer still mapped (its two fds) by a stopped in-process
 mccld: a register processed after the segments were freed, then a release taken just
 before the job's thread ended and queued behind its end. A Job with a stand-in host
-replays each interleaving, with real segments.
+replays each interleaving, with real segments. A join taken after ``stop`` listed the jobs
+would start one whose thread outlives mccld; it is refused.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from mccl_common import attach_protocol as protocol
 from mccl_common import shm
 from mccl_common.errors import AbortedError
 from mccld.jobs import Job, Member
+from support.daemon import running_daemon
 from support.job_host import StandInHost
 
 
@@ -105,3 +107,17 @@ def test_an_unmap_queued_behind_the_jobs_stop_is_done_before_its_thread_ends(job
         go.set()
         stopper.join(10)
     assert not job._thread.is_alive() and ours.closed and _fds_on(name) == 1
+
+
+def test_a_join_that_arrives_while_mccld_stops_starts_no_job():
+    with running_daemon() as (d, _env):
+        hello = protocol.build_request({"type": "hello", "req": 1, "token": "", "pid": os.getpid()})
+        d._handle(b"c0", hello)
+        d.stop()
+        join = protocol.build_request({"type": "join", "req": 2, "job": "ac", "rank": 0, "size": 1,
+                                       "timeout_s": 5, "opts": {},
+                                       "hosts": [{"host_id": d.host_id, "link_addr": "h:1", "ranks": [0]}]})
+        with pytest.raises(AbortedError, match="mccld is stopping, join refused"):
+            d._handle(b"c0", join)
+        assert d.jobs == {}
+        assert not [t.name for t in threading.enumerate() if t.name.startswith("mccld-job-")]
