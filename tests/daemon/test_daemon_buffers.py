@@ -23,6 +23,7 @@ from mccl_common import attach_protocol as protocol
 from mccl_common import shm
 from mccl_common.errors import ConfigError, PeerLostError, ProtocolError
 from support.daemon import AVG, F32, I32, MAX, SUM, connect
+from support.leak_check import fd_targets
 from support.pipelined import NP, check_killed_rank, expected, rank_input
 from support.ports import free_port
 from support.ranks import run_ranks
@@ -176,16 +177,6 @@ def test_buffers_are_released_with_their_last_reference_and_capped(jittery_daemo
     assert not Path("/dev/shm", extra.name).exists() and (x == 1).all()
 
 
-def _fd_targets() -> list[str]:
-    out = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            out.append(os.readlink(f"/proc/self/fd/{fd}"))
-        except OSError:
-            pass   # the listing's own fd, closed since
-    return out
-
-
 def test_mccld_stopping_amid_a_closing_clients_releases_leaves_nothing_mapped(jittery_daemon, monkeypatch):
     """A closing communicator sends one release per live buffer, then its leave, and waits
     only briefly for the answer: mccld can stop while its attach thread is still on them. Two
@@ -213,7 +204,7 @@ def test_mccld_stopping_amid_a_closing_clients_releases_leaves_nothing_mapped(ji
     paths = {f"/dev/shm/{b.name}" for b in held}
     del held   # the client's own mappings go with their last reference
     gc.collect()
-    mapped = [t for t in _fd_targets() if t.removesuffix(" (deleted)") in paths]
+    mapped = [t for t in fd_targets() if t.removesuffix(" (deleted)") in paths]
     assert mapped == [], f"mccld kept buffers of a closed communicator mapped: {mapped}"
 
 

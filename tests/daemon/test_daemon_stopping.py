@@ -23,6 +23,7 @@ from mccl_common.errors import AbortedError
 from mccld.jobs import Job, Member
 from support.daemon import running_daemon
 from support.job_host import StandInHost
+from support.leak_check import fd_targets
 
 
 @pytest.fixture
@@ -43,8 +44,7 @@ def client_segment(job):
 
 
 def _fds_on(name: str) -> int:
-    return sum(os.path.realpath(f"/proc/self/fd/{f}").startswith(f"/dev/shm/{name}")
-               for f in os.listdir("/proc/self/fd"))
+    return sum(t.removesuffix(" (deleted)") == f"/dev/shm/{name}" for t in fd_targets())
 
 
 def _stop(job: Job) -> None:

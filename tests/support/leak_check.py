@@ -39,15 +39,20 @@ def _fds() -> frozenset[int]:
     return frozenset(int(f) for f in os.listdir("/proc/self/fd"))
 
 
-def pipe_fds() -> int:
-    """How many of this process's fds are pipes (an engine's wake pipes are)."""
-    n = 0
+def fd_targets() -> list[str]:
+    """What each of this process's fds is open on ("pipe:[…]", "/dev/shm/x (deleted)", …)."""
+    out = []
     for fd in os.listdir("/proc/self/fd"):
         try:
-            n += os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:")
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
         except OSError:
-            pass       # closed since the listing
-    return n
+            pass       # closed since the listing (the listing's own fd is)
+    return out
+
+
+def pipe_fds() -> int:
+    """How many of this process's fds are pipes (an engine's wake pipes are)."""
+    return sum(t.startswith("pipe:") for t in fd_targets())
 
 
 def _children() -> frozenset[int]:
@@ -78,13 +83,7 @@ def held_segments() -> set[str]:
     held = set()
     with open("/proc/self/maps") as f:
         held.update(Path(line.split()[-1]).name for line in f if "/dev/shm/mccl" in line)
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("/dev/shm/mccl"):
-            held.add(Path(target).name)
+    held.update(Path(t).name for t in fd_targets() if t.startswith("/dev/shm/mccl"))
     return held
 
 
