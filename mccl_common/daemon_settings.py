@@ -205,12 +205,26 @@ def read_key_file(explicit: str, defaults: tuple[str, ...], env: str) -> bytes |
         if mode & 0o077:
             raise ConfigError(f"[config] key file {path} has mode {mode:04o}; it must not be readable "
                               f"by group or others: run `chmod 600 {path}`")
-        key = path.read_bytes().strip()
-        if len(key) < 16:
-            raise ConfigError(f"[config] key file {path} holds {len(key)} bytes; use at least 16 "
-                              f"(`mccld keygen {path}` writes a good one)")
-        return key
+        return key_material(path.read_bytes(), f"key file {path}", f"mccld keygen {path}")
     return None
+
+
+MIN_KEY_BYTES = 32
+
+
+def key_material(raw: bytes, where: str, fix: str) -> bytes:
+    """The secret a key file or variable holds: hex text (what ``mccld keygen`` writes) is
+    decoded, anything else taken as bytes; fewer than 32 bytes of it is refused, since every
+    link and store MAC of the fleet is only as strong as this."""
+    text = raw.strip()
+    try:
+        key = bytes.fromhex(text.decode("ascii")) if len(text) % 2 == 0 else text
+    except (UnicodeDecodeError, ValueError):
+        key = text
+    if len(key) < MIN_KEY_BYTES:
+        raise ConfigError(f"[config] {where} holds a key of {len(key)} bytes; use at least {MIN_KEY_BYTES} "
+                          f"random bytes (`{fix}` writes a good one)")
+    return key
 
 
 def load_config(path: str | None = None, env: dict | None = None) -> DaemonConfig:

@@ -140,6 +140,17 @@ class EngineConfig:
         "macOS/MPS all-reduce: reduce in the tensor's unified memory (shared storage; private storage is "
         "blitted into host memory), ordered by Metal shared events through the Metal bridge; auto uses it where "
         "the bridge loads, 1 requires it (ConfigError names what is missing), 0 stages through blocking CPU copies")
+    wire_security: str = setting(
+        "MCCL_WIRE_SECURITY", "aead", "aead|mac|off",
+        "what protects the engine's frames between hosts, in-process and through mccld: aead encrypts and "
+        "authenticates every frame (AES-256-GCM, OpenSSL), mac authenticates without encrypting, off does "
+        "neither (logged as a warning: anyone on the network can read and alter gradients). Links are always "
+        "opened with a challenge-response on the job key unless off. Every rank must use the same value")
+    job_key_file: str = setting(
+        "MCCL_JOB_KEY_FILE", "", "path",
+        "file (mode 0600, at least 32 random bytes, e.g. `mccld keygen PATH`) holding the secret every rank "
+        "of the job shares: it keys the engine's links and the MACs on rendezvous-store values; empty: the "
+        "fleet key (MCCL_KEY_FILE, /etc/mccl/fleet.key or ~/.config/mccl/fleet.key). `mcclctl run` sets it")
     cuda_staging_bytes: int = setting(
         "MCCL_CUDA_STAGING_BYTES", 1 << 30, "bytes",
         "pinned host memory a process keeps for staging CUDA tensors (reused across ops; allocating pinned "
@@ -178,6 +189,8 @@ class EngineConfig:
                  "must not be negative")
         _require(self.connect_timeout_s >= 0, "MCCL_CONNECT_TIMEOUT", self.connect_timeout_s,
                  "must not be negative")
+        _require(self.wire_security in ("aead", "mac", "off"), "MCCL_WIRE_SECURITY", self.wire_security,
+                 "must be aead, mac or off")
 
 
 @dataclass(frozen=True)

@@ -8,13 +8,15 @@ cd "$(dirname "$0")/.."
 PY_PKGS=(torch==2.13.0 "pybind11>=2.12" "scikit-build-core>=0.10" ninja cmake "pyzmq>=25"
          "zeroconf>=0.130" "prometheus-client>=0.19" "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" numpy
          matplotlib)
-APT_PKGS=(prometheus iperf3 iproute2 procps)
+APT_PKGS=(prometheus iperf3 iproute2 procps libssl-dev)
 
 need_apt=()
 command -v prometheus >/dev/null || need_apt+=(prometheus)
 command -v iperf3 >/dev/null || need_apt+=(iperf3)
 command -v ip >/dev/null || need_apt+=(iproute2)
 command -v pgrep >/dev/null || need_apt+=(procps)
+# The engine's wire encryption is OpenSSL's libcrypto (headers to build against it).
+[ -f /usr/include/openssl/evp.h ] || need_apt+=(libssl-dev)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     echo "[setup] apt-get install ${need_apt[*]}"

@@ -18,6 +18,12 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # ``support`` for every folder
 
+from support.jobkey import install_session_job_key  # noqa: E402
+
+# Every rank a test starts (threads, forked and spawned processes, torchrun) holds this
+# job key, as a fleet's would: the engine's links and the store's values are keyed by it.
+install_session_job_key()
+
 from support.daemon import daemon, mccld_proc, raw  # noqa: E402,F401 - fixtures for every folder
 from support.pipelined import jittery_daemon  # noqa: E402,F401
 from support.ranks import run_ranks  # noqa: E402 - needs the path above
