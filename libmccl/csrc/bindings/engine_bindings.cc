@@ -241,6 +241,10 @@ void register_engine_bindings(py::module_& m) {
       .def_property_readonly("port", &Listener::port)
       .def("close", &Listener::close);
 
+  py::enum_<WireSecurity>(m, "WireSecurity")
+      .value("off", WireSecurity::kOff)
+      .value("mac", WireSecurity::kMac)
+      .value("aead", WireSecurity::kAead);
   py::class_<Options>(m, "Options")
       .def(py::init<>())
       .def_readwrite("sockets_per_peer", &Options::sockets_per_peer)
@@ -251,7 +255,8 @@ void register_engine_bindings(py::module_& m) {
       .def_readwrite("send_thread", &Options::send_thread)
       .def_readwrite("recv_threads", &Options::recv_threads)
       .def_readwrite("timeout_s", &Options::timeout_s)
-      .def_readwrite("connect_timeout_s", &Options::connect_timeout_s);
+      .def_readwrite("connect_timeout_s", &Options::connect_timeout_s)
+      .def_readwrite("wire_security", &Options::wire_security);
 
   // A ticket owns its word (Ticket()) or views one the caller keeps mapped (Ticket.at).
   py::class_<Ticket, std::shared_ptr<Ticket>>(m, "Ticket")

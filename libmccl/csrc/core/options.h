@@ -5,6 +5,10 @@
 
 namespace mccl {
 
+// What protects a link's frames (MCCL_WIRE_SECURITY). kMac and kAead need a job secret:
+// the links then open with a challenge-response on it and derive per-socket keys.
+enum class WireSecurity : int { kOff = 0, kMac = 1, kAead = 2 };
+
 struct Options {
   int sockets_per_peer = 2;             // sockets per peer link (1..16)
   int socket_buffer_bytes = 4 << 20;    // SO_SNDBUF/SO_RCVBUF, bytes
@@ -15,6 +19,7 @@ struct Options {
   int recv_threads = 2;                 // threads reading (and reducing) bulk payloads; 0: none
   double timeout_s = 1800.0;            // per operation, seconds
   double connect_timeout_s = 1800.0;    // building the mesh, seconds
+  WireSecurity wire_security = WireSecurity::kOff;  // frames: encrypted, authenticated or bare
 
   // Throws ConfigError naming the bad field.
   void validate() const;

@@ -11,9 +11,10 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "integrity/keys.h"
+
 namespace mccl {
 
-constexpr size_t kMacKeyBytes = 32;
 constexpr size_t kMacTagBytes = 16;
 
 // RFC 8439 2.3: one 64-byte ChaCha20 block of `key` (32 bytes), `counter` and `nonce` (12 bytes).
@@ -33,13 +34,6 @@ class Poly1305 {
   size_t have_ = 0;
 };
 
-// The two keys of one socket: what this side's frames are tagged with, and what the
-// peer's are checked with (mccld derives both from the socket's authenticated handshake
-// and the job, so no two jobs or directions share one).
-struct FrameKeys {
-  uint8_t send[kMacKeyBytes];
-  uint8_t recv[kMacKeyBytes];
-};
 
 // Frames of one direction of a socket are numbered per stream: data frames in the order
 // they are queued, control frames (ABORT, BYE), which jump the queue, apart.
