@@ -85,6 +85,27 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _ensure_job_key() -> None:
+    """Every rank of an mccl job must hold the same job key (mccl_common/jobkey.py): without one
+    in the environment, the benchmark writes a throwaway key (mode 0600) that its ranks inherit."""
+    from mccl_common.jobkey import find_job_key
+
+    if os.environ.get("MCCL_WIRE_SECURITY") == "off" or find_job_key() is not None:
+        return
+    import atexit
+    import secrets
+    import shutil
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix="mccl-bench-key-")
+    path = os.path.join(root, "job.key")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(secrets.token_hex(32) + "\n")
+    atexit.register(shutil.rmtree, root, True)
+    os.environ["MCCL_JOB_KEY_FILE"] = path
+
+
 def _write_json(path: str | None, result: dict) -> None:
     if path:
         with open(path + ".tmp", "w") as f:
@@ -111,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(markdown(json.load(f)) + "\n")
         return 0
     args = _parser().parse_args(argv)
+    _ensure_job_key()
     # Let SIGTERM (timeout(1), a CI cancel) unwind like an exception, so the ranks are killed
     # and an emulated fleet is torn down rather than left behind.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

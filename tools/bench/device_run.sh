@@ -15,7 +15,10 @@
 #   8-cuda-ddp-n4    DDP on cuda tensors, 4 hosts x 1 rank sharing the GPU, 10 Gbit/s: step vs the
 #                    step without communication (overlap), staged copies, Gloo; in-process and through mccld
 #   9-campaign       issue 11's fault campaign, 1,000 trials per mode (scripts/faults/campaign.py)
-#   10-n8-mac        issue 11's per-frame MAC: daemon busbw with MCCL_FRAME_MAC=0 and 1, 8 hosts x 10 Gbit/s
+#   10-n8-wire       issue 24's wire security: all_reduce busbw (16/64/256 MB) and 8-byte latency with
+#                    MCCL_WIRE_SECURITY=off and aead (WIRE_MODES), alternating, WIRE_REPEATS times, in-process
+#                    and through mccld, 8 hosts x 10 Gbit/s; then one threadcpu run per security mode
+#                    (CPU seconds per wire GB, in-process, 256 MB)
 #   11-n8-cpu        where the CPU goes at 8 hosts x 1 rank, 10 Gbit/s, 256 MB: one run per mode under
 #                    tools/bench/threadcpu.py (per process role and thread, and the whole machine)
 #   12-n4-10gbit     step 1 at 4 hosts (half the processes on the same cores): in-process and daemon
@@ -201,16 +204,29 @@ if want 7; then
   pack
 fi
 
-# Issue 11's per-frame MAC: what MCCL_FRAME_MAC=1 costs the daemon path at 8 hosts x 10 Gbit/s,
-# each invocation with its own in-process baseline, off and on alternating (noise spreads over both).
-if want 10 && [[ $MODES == *daemon* ]]; then
-  for rep in ${MAC_REPEATS:-1 2}; do
-    for mac in 0 1; do
-      MCCL_FRAME_MAC=$mac bench "10-n$H8-$FAST-mac$mac-r$rep" 110 --hosts "$H8" --rate "$FAST" --mode in-process,daemon \
-        --backends mccl --ops all_reduce --sizes "${MAC_SIZES:-64M,256M}" --latency-iters 0 --ceiling-seconds 2 \
-        --target-seconds 0.5
+# Issue 24's wire security: what encrypting every frame costs, each invocation with its own
+# ceiling, the security modes alternating so the machine's noise spreads over all of them.
+if want 10; then
+  for rep in ${WIRE_REPEATS:-1 2 3}; do
+    for sec in ${WIRE_MODES:-off aead}; do
+      MCCL_WIRE_SECURITY=$sec bench "10-n$H8-$FAST-$sec-r$rep" "${WIRE_LIMIT_S:-150}" --hosts "$H8" --rate "$FAST" \
+        --mode "$MODES" --backends mccl --ops all_reduce --sizes "${WIRE_SIZES:-16M,64M,256M}" \
+        --latency-iters "${WIRE_LAT_ITERS:-200}" --ceiling-seconds 2 --target-seconds 0.5
     done
   done
+  if [ "${WIRE_CPU:-1}" = 1 ]; then
+    for sec in ${WIRE_MODES:-off aead}; do
+      name="10-n$H8-cpu-$sec"
+      status "$name start"
+      MCCL_WIRE_SECURITY=$sec timeout --kill-after=20 "$(( $(left) > 120 ? 100 : $(left) - 20 ))" \
+        $PY -m tools.bench.threadcpu --delay 10 --json "$RESULTS/$name-threads.json" -- $PY -m tools.bench \
+        --json "$RESULTS/$name.json" --hosts "$H8" --rate "$FAST" --mode in-process --backends mccl --sizes 256M \
+        --latency-iters 0 --ceiling-seconds 2 --ops all_reduce --target-seconds 3 > "$RESULTS/$name.txt" 2> "$RESULTS/$name.err"
+      status "$name rc=$?"
+      cat "$RESULTS/$name.txt"
+      pack
+    done
+  fi
 fi
 
 # Issue 11's full fault campaign: 1,000 trials per mode, as campaigns side by side (a trial
