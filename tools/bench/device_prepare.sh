@@ -52,7 +52,18 @@ if [ "${SKIP_BUILD:-0}" = 1 ]; then
 else
   status "build start"
   PYBIND11_DIR=$($PY -c 'import pybind11; print(pybind11.get_cmake_dir())')
-  if timeout 90 cmake -S . -B build/device -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  # The engine links OpenSSL's libcrypto. A machine with the library but not its headers (the
+  # accelerator machine's image may lack libssl-dev) builds against headers carried in
+  # .openssl/include (Debian 12's libssl-dev, OpenSSL 3.0: ABI-stable across 3.x) and the
+  # machine's own libcrypto.so.3.
+  OSSL_ARGS=()
+  if [ ! -f /usr/include/openssl/evp.h ] && [ -d .openssl/include ]; then
+    CRYPTO=$(ls /usr/lib/x86_64-linux-gnu/libcrypto.so.3 /usr/lib64/libcrypto.so.3 /lib/x86_64-linux-gnu/libcrypto.so.3 \
+             2>/dev/null | head -1)
+    OSSL_ARGS=(-DOPENSSL_INCLUDE_DIR="$PWD/.openssl/include" -DOPENSSL_CRYPTO_LIBRARY="$CRYPTO")
+    status "no OpenSSL headers here: building against .openssl/include and ${CRYPTO:-no libcrypto.so.3 found}"
+  fi
+  if timeout 90 cmake -S . -B build/device -G Ninja -DCMAKE_BUILD_TYPE=Release "${OSSL_ARGS[@]}" \
         -DPython_EXECUTABLE="$(command -v $PY)" -Dpybind11_DIR="$PYBIND11_DIR" > "$RESULTS/build.log" 2>&1 &&
      timeout 180 cmake --build build/device -j "$(nproc)" --target _core >> "$RESULTS/build.log" 2>&1; then
     cp build/device/_core*.so libmccl/
