@@ -260,7 +260,9 @@ def markdown_table() -> str:
             default = f.default if f.default is not dataclasses.MISSING else ""
             if isinstance(default, bool):
                 default = int(default)
-            rows.append(f"| `{f.metadata['env']}` | `{default!s}` | {f.metadata['unit']} | {f.metadata['help']} |")
+            # A "|" inside a cell (units such as aead|mac|off) would end it: escape it.
+            unit, text = (f.metadata[k].replace("|", "\\|") for k in ("unit", "help"))
+            rows.append(f"| `{f.metadata['env']}` | `{default!s}` | {unit} | {text} |")
     return "\n".join(rows)
 
 
