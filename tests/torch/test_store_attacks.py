@@ -197,3 +197,44 @@ def test_a_mac_failure_never_shows_the_key_or_the_expected_mac() -> None:
     assert store_auth.open(None, "n", good, "h:1") == b"v"      # MCCL_WIRE_SECURITY=off reads it unchecked
     with pytest.raises(StoreAuthError, match="carries no MAC"):
         store_auth.open(key, "n", store_auth.seal(None, "n", b"v"), "h:1")
+
+
+def _reachable(addr: str, port: int) -> bool:
+    try:
+        socket.create_connection((addr, port), timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net"), reason="127.0.0.2 reaches loopback on Linux only")
+def test_stores_are_served_on_the_training_address_only() -> None:
+    """The anchor's store (served by a torchrun or by a standalone anchor) and the workers'
+    store answer on the address they were given, not on the host's other addresses (here
+    127.0.0.2 stands for them)."""
+    import threading
+
+    port = free_port()
+    store, serving = er.open_anchor_store("127.0.0.1", port, serve=True, timeout_s=5)
+    assert serving and _reachable("127.0.0.1", port) and not _reachable("127.0.0.2", port)
+    del store
+    gc.collect()
+
+    port = free_port()
+    stop = threading.Event()
+    anchor = threading.Thread(target=er.serve_anchor, args=(port, stop, 5.0, "127.0.0.1"), name="anchor")
+    anchor.start()
+    try:
+        deadline = 50
+        while not _reachable("127.0.0.1", port) and deadline:
+            deadline -= 1
+            stop.wait(0.1)
+        assert _reachable("127.0.0.1", port) and not _reachable("127.0.0.2", port)
+    finally:
+        stop.set()
+        anchor.join(10)
+
+    workers = er.MCCLRendezvousHandler._create_tcp_store_server(None, "127.0.0.1", 0)
+    assert _reachable("127.0.0.1", workers.port) and not _reachable("127.0.0.2", workers.port)
+    del workers
+    gc.collect()
