@@ -162,7 +162,7 @@ class Anchor:
             raise PeerLostError(f"[mcclctl] the rendezvous anchor (port {self.port}) exited with code {code}; "
                                 "likely cause: it was killed or ran out of memory; the hosts could no longer "
                                 "re-form or finish the run, so the job is stopped: start it again",
-                                peer_addr=f"127.0.0.1:{self.port}")
+                                peer_addr=f"{self._bind or '127.0.0.1'}:{self.port}")
 
     def stop(self) -> None:
         if self._proc.poll() is None:
