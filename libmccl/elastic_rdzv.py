@@ -206,17 +206,30 @@ def open_anchor_store(host: str, port: int, serve: bool | None, timeout_s: float
 def _serve_on(host: str, port: int, timeout: timedelta) -> Any:
     """A store server on the anchor's own address only (it names this host), so the store is
     not offered on the host's other networks."""
-    try:
-        return store_server.serve_store(host, port, timeout)
-    except OSError as exc:
-        if exc.errno != errno.EADDRNOTAVAIL:
-            raise
-    # is_host=1 with an anchor name that does not resolve to an address of this host.
-    _log.warning("[rendezvous] %s is not an address of this host: serving the rendezvous store on every "
-                 "interface, port %d; its values are authenticated, but give --rdzv-endpoint this host's "
-                 "training address to keep it off other networks", host, port)
+    ip = _local_address(host)
+    why = f"{host} is not an address of this host"
+    if ip is not None:
+        if listen_addr.is_loopback(ip) and not listen_addr.is_loopback(host):
+            # /etc/hosts maps this host's name to 127.0.1.1, which the other hosts cannot dial.
+            why = f"{host} resolves to {ip} here, which only this host reaches"
+        else:
+            try:
+                return store_server.serve_store(ip, port, timeout)
+            except OSError as exc:
+                if exc.errno != errno.EADDRNOTAVAIL:
+                    raise
+    _log.warning("[rendezvous] %s: serving the rendezvous store on every interface, port %d; its values are "
+                 "authenticated, but give --rdzv-endpoint this host's training address to keep it off other "
+                 "networks", why, port)
     from torch.distributed import TCPStore
     return TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
+
+
+def _local_address(host: str) -> str | None:
+    try:
+        return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+    except (OSError, IndexError):
+        return None
 
 
 def _wait_until_listening(host: str, port: int, deadline: float) -> None:
