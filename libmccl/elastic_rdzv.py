@@ -27,6 +27,7 @@ import inspect
 import logging
 import os
 import socket
+import struct
 import tempfile
 import threading
 import time
@@ -61,6 +62,7 @@ _MIN_KEEP_ALIVE_WINDOW_S = 2.0
 _LINGER_POLL_S = 0.05
 _PARENT_POLL_S = 0.5
 _WORKERS_STORE_TIMEOUT = timedelta(seconds=300)  # torch's TCPStore default, as its own server has
+_VERSION = struct.Struct("!Q")     # the state's version, sealed with it (AnchorStoreBackend)
 _EMPTY = "mccl-rdzv-empty"  # stored until the first host writes a state; never a sealed value
 # torchrun always passes "timeout" (the legacy etcd rendezvous's); the timeouts here have their own keys.
 _IGNORED_KEYS = frozenset({"timeout"})
@@ -318,6 +320,9 @@ class AnchorStoreBackend(RendezvousBackend):
         # torch unpickles the state it is handed: it is sealed under the run's key, and checked
         # before torch sees a byte of it.
         self._mac_key = run_store_key(run_id) if isinstance(key, str) else key
+        # Each write carries a version one above the newest this host read: a sealed state of
+        # this very run written back later (a rollback) is older than one already seen.
+        self._seen = 0
         self._call("compare_set", self._key, "", _EMPTY)  # creates the key unless a host already did
 
     @property
@@ -331,7 +336,7 @@ class AnchorStoreBackend(RendezvousBackend):
         # The store holds text, and the token is the encoded value itself: a write succeeds only
         # over the exact value this host last read.
         expected = token.decode() if isinstance(token, bytes) else _EMPTY
-        desired = store_auth.seal(self._mac_key, self._key, state).decode()
+        desired = store_auth.seal(self._mac_key, self._key, _VERSION.pack(self._seen + 1) + state).decode()
         current = self._call("compare_set", self._key, expected, desired)
         decoded = self._decode(current)
         if decoded is None:
@@ -341,7 +346,16 @@ class AnchorStoreBackend(RendezvousBackend):
     def _decode(self, raw: bytes) -> tuple[bytes, Any] | None:
         if raw == _EMPTY.encode():
             return None
-        return store_auth.open(self._mac_key, self._key, raw, self._anchor, error=RendezvousForged), raw
+        value = store_auth.open(self._mac_key, self._key, raw, self._anchor, error=RendezvousForged)
+        version = _VERSION.unpack_from(value)[0] if len(value) >= _VERSION.size else 0
+        if version <= 0 or version < self._seen:
+            raise RendezvousForged(
+                f"[rendezvous] the state under {self._key!r} in the anchor's store is version {version}, older than "
+                f"version {self._seen} this host already read, peer={self._anchor}: an earlier state of this run "
+                "written back by someone who can reach the store (a replay); the run cannot trust the store any "
+                "more: restart it, and keep the anchor's port on the training network", peer_addr=self._anchor)
+        self._seen = version
+        return value[_VERSION.size:], raw
 
     def _call(self, op: str, *args: Any) -> Any:
         try:

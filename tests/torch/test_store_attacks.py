@@ -238,3 +238,21 @@ def test_stores_are_served_on_the_training_address_only() -> None:
     assert _reachable("127.0.0.1", workers.port) and not _reachable("127.0.0.2", workers.port)
     del workers
     gc.collect()
+
+
+def test_an_earlier_state_of_the_same_run_written_back_is_refused() -> None:
+    """A sealed state is valid for its run forever; one replayed over a newer one would roll
+    the rendezvous back (drop hosts, reopen a round): refused by its version."""
+    store = dist.HashStore()
+    a = er.AnchorStoreBackend(store, "run", "anchor:1")
+    _, first_token, ok = a.set_state(b"round 1")
+    assert ok
+    recorded = store.get("mccl/rdzv/run/state")
+    _, token, ok = a.set_state(b"round 2", first_token)
+    assert ok and a.get_state() == (b"round 2", token)
+    store.set("mccl/rdzv/run/state", recorded)
+    with pytest.raises(StoreAuthError, match=r"'mccl/rdzv/run/state'.*version 1, older than version 2.*peer=anchor:1"):
+        a.get_state()
+    # A host that joins later reads whatever is newest when it comes: versions only rise for it.
+    b = er.AnchorStoreBackend(store, "run", "anchor:1")
+    assert b.get_state()[0] == b"round 1"
