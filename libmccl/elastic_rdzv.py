@@ -21,13 +21,13 @@ what fits a LAN job:
 from __future__ import annotations
 
 import atexit
-import base64
-import binascii
 import dataclasses
+import errno
 import inspect
 import logging
 import os
 import socket
+import struct
 import tempfile
 import threading
 import time
@@ -44,11 +44,13 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (DynamicRend
                                                                      RendezvousTimeout)
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from mccl_common.errors import AbortedError, CollectiveTimeout, ConfigError, PeerLostError
+from mccl_common import store_auth
+from mccl_common.errors import AbortedError, CollectiveTimeout, ConfigError, PeerLostError, StoreAuthError
 from mccl_common.launch_protocol import AWARE_SUFFIX, DRAIN_ENV, REFORM_ENV
 from mccl_common.settings import EngineConfig, RendezvousConfig, load
 
-from . import listen_addr
+from . import listen_addr, store_server
+from .sealed_store import SealedStore
 
 _log = logging.getLogger(__name__)
 
@@ -59,7 +61,9 @@ _CONNECT_RETRY_S = 0.25
 _MIN_KEEP_ALIVE_WINDOW_S = 2.0
 _LINGER_POLL_S = 0.05
 _PARENT_POLL_S = 0.5
-_EMPTY = "mccl-rdzv-empty"  # stored until the first host writes a state; not valid base64 of a pickle
+_WORKERS_STORE_TIMEOUT = timedelta(seconds=300)  # torch's TCPStore default, as its own server has
+_VERSION = struct.Struct("!Q")     # the state's version, sealed with it (AnchorStoreBackend)
+_EMPTY = "mccl-rdzv-empty"  # stored until the first host writes a state; never a sealed value
 # torchrun always passes "timeout" (the legacy etcd rendezvous's); the timeouts here have their own keys.
 _IGNORED_KEYS = frozenset({"timeout"})
 
@@ -74,6 +78,16 @@ class RendezvousJoinTimeout(RendezvousTimeoutError, CollectiveTimeout):
 
 class RendezvousClosed(RendezvousClosedError, AbortedError):
     """Another torchrun of the run finished or failed and closed the rendezvous."""
+
+
+class RendezvousForged(RendezvousStateError, StoreAuthError):
+    """A value in the anchor's store failed its MAC under the run's key: nothing of it was used."""
+
+
+def run_store_key(run_id: str) -> bytes | None:
+    """The key that seals this run's values in the anchor's store (mccl_common/store_auth.py),
+    from this torchrun's job key: MCCL_JOB_KEY_FILE (mcclctl run's per-run key) or the fleet key."""
+    return store_auth.job_store_key(load(EngineConfig).wire_security, "rdzv", run_id)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +182,7 @@ def open_anchor_store(host: str, port: int, serve: bool | None, timeout_s: float
         try:
             # Not multi-tenant: a second handler in this process must find the port taken and
             # dial, as one in another process does.
-            return TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout), True
+            return _serve_on(host, port, timeout), True
         except (RuntimeError, ValueError, OSError) as exc:
             if serve:
                 raise RendezvousUnreachable(
@@ -189,6 +203,35 @@ def open_anchor_store(host: str, port: int, serve: bool | None, timeout_s: float
             "the torchrun on the anchor host is not running yet (start it first), --rdzv-endpoint names the "
             "wrong host or port, or a firewall drops the port; check the address on every host, or raise "
             "MCCL_RDZV_STORE_TIMEOUT (read_timeout) to wait longer", peer_addr=anchor) from exc
+
+
+def _serve_on(host: str, port: int, timeout: timedelta) -> Any:
+    """A store server on the anchor's own address only (it names this host), so the store is
+    not offered on the host's other networks."""
+    ip = _local_address(host)
+    why = f"{host} is not an address of this host"
+    if ip is not None:
+        if listen_addr.is_loopback(ip) and not listen_addr.is_loopback(host):
+            # /etc/hosts maps this host's name to 127.0.1.1, which the other hosts cannot dial.
+            why = f"{host} resolves to {ip} here, which only this host reaches"
+        else:
+            try:
+                return store_server.serve_store(ip, port, timeout)
+            except OSError as exc:
+                if exc.errno != errno.EADDRNOTAVAIL:
+                    raise
+    _log.warning("[rendezvous] %s: serving the rendezvous store on every interface, port %d; its values are "
+                 "authenticated, but give --rdzv-endpoint this host's training address to keep it off other "
+                 "networks", why, port)
+    from torch.distributed import TCPStore
+    return TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
+
+
+def _local_address(host: str) -> str | None:
+    try:
+        return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+    except (OSError, IndexError):
+        return None
 
 
 def _wait_until_listening(host: str, port: int, deadline: float) -> None:
@@ -268,12 +311,18 @@ class AnchorStoreBackend(RendezvousBackend):
     """The rendezvous state as one compare-and-set key in the anchor's store; a store failure
     becomes RendezvousUnreachable naming the anchor."""
 
-    def __init__(self, store: Any, run_id: str, anchor: str) -> None:
+    def __init__(self, store: Any, run_id: str, anchor: str, key: bytes | None | str = "from-env") -> None:
         if not run_id:
             raise ConfigError("[rendezvous] the run id is empty; pass --rdzv-id (the same on every host)")
         self._store = store
         self._anchor = anchor
         self._key = f"mccl/rdzv/{run_id}/state"
+        # torch unpickles the state it is handed: it is sealed under the run's key, and checked
+        # before torch sees a byte of it.
+        self._mac_key = run_store_key(run_id) if isinstance(key, str) else key
+        # Each write carries a version one above the newest this host read: a sealed state of
+        # this very run written back later (a rollback) is older than one already seen.
+        self._seen = 0
         self._call("compare_set", self._key, "", _EMPTY)  # creates the key unless a host already did
 
     @property
@@ -287,7 +336,7 @@ class AnchorStoreBackend(RendezvousBackend):
         # The store holds text, and the token is the encoded value itself: a write succeeds only
         # over the exact value this host last read.
         expected = token.decode() if isinstance(token, bytes) else _EMPTY
-        desired = base64.b64encode(state).decode()
+        desired = store_auth.seal(self._mac_key, self._key, _VERSION.pack(self._seen + 1) + state).decode()
         current = self._call("compare_set", self._key, expected, desired)
         decoded = self._decode(current)
         if decoded is None:
@@ -297,12 +346,16 @@ class AnchorStoreBackend(RendezvousBackend):
     def _decode(self, raw: bytes) -> tuple[bytes, Any] | None:
         if raw == _EMPTY.encode():
             return None
-        try:
-            return base64.b64decode(raw, validate=True), raw
-        except binascii.Error as exc:
-            raise RendezvousStateError(
-                f"[rendezvous] the state under {self._key!r} in the anchor's store is not ours, peer={self._anchor}; "
-                "likely cause: another program writes that store; give this run its own --rdzv-id or port") from exc
+        value = store_auth.open(self._mac_key, self._key, raw, self._anchor, error=RendezvousForged)
+        version = _VERSION.unpack_from(value)[0] if len(value) >= _VERSION.size else 0
+        if version <= 0 or version < self._seen:
+            raise RendezvousForged(
+                f"[rendezvous] the state under {self._key!r} in the anchor's store is version {version}, older than "
+                f"version {self._seen} this host already read, peer={self._anchor}: an earlier state of this run "
+                "written back by someone who can reach the store (a replay); the run cannot trust the store any "
+                "more: restart it, and keep the anchor's port on the training network", peer_addr=self._anchor)
+        self._seen = version
+        return value[_VERSION.size:], raw
 
     def _call(self, op: str, *args: Any) -> Any:
         try:
@@ -328,6 +381,16 @@ class MCCLRendezvousHandler(DynamicRendezvousHandler):
     _join_asked: float | None = None     # when the workers were asked to re-form for a waiting host
     _last_round: set = set()             # the hosts (torch's node descriptors) of the round joined last
     _round_store: Any = None             # that round's store (torchrun's agents meet there)
+
+    def _create_tcp_store_server(self, master_addr: str, master_port: int) -> Any:
+        """The workers' store (rank 0's agent serves it; its address is the workers' MASTER_ADDR),
+        on the address this host advertises only: torch's own listens on every interface."""
+        try:
+            return store_server.serve_store(master_addr, master_port, _WORKERS_STORE_TIMEOUT, multi_tenant=True)
+        except OSError as exc:
+            _log.warning("[rendezvous] cannot serve the workers' store on %s only (%s); torch serves it on every "
+                         "interface, its values are authenticated", master_addr, exc)
+            return super()._create_tcp_store_server(master_addr, master_port)
 
     def num_nodes_waiting(self) -> int:
         """torchrun's agent restarts its workers at once, mid-step, when this is above 0. Workers
@@ -499,7 +562,10 @@ def create_handler(params: RendezvousParameters) -> MCCLRendezvousHandler:
     host, port = anchor_endpoint(params.endpoint, cfg)
     store, serving = open_anchor_store(host, port, opts.is_host, opts.store_timeout_s)
     anchor = f"{host}:{port}"
-    backend = AnchorStoreBackend(store, params.run_id, anchor)
+    mac_key = run_store_key(params.run_id)
+    backend = AnchorStoreBackend(store, params.run_id, anchor, mac_key)
+    # torch's rounds read MASTER_ADDR/PORT and the agents their ranks from this store: sealed too.
+    sealed = SealedStore(store, mac_key, anchor, error=RendezvousForged)
     local_addr = params.local_addr or listen_addr.choose_bind_address(load(EngineConfig), host)
     timeout = RendezvousTimeout(join=timedelta(seconds=opts.join_timeout_s),
                                 last_call=timedelta(seconds=opts.last_call_s),
@@ -511,7 +577,7 @@ def create_handler(params: RendezvousParameters) -> MCCLRendezvousHandler:
         _log.warning("[rendezvous] this torch does not take a keep-alive interval; a dead host is dropped "
                      "after torch's default (15 s) instead of MCCL_RDZV_HEARTBEAT x MCCL_RDZV_HEARTBEAT_MISSES")
         keep_alive = {}
-    handler = MCCLRendezvousHandler.from_backend(params.run_id, store, backend, params.min_nodes, params.max_nodes,
+    handler = MCCLRendezvousHandler.from_backend(params.run_id, sealed, backend, params.min_nodes, params.max_nodes,
                                                  local_addr, timeout, **keep_alive)
     handler.anchor = anchor
     handler.serves_anchor = serving
@@ -525,16 +591,20 @@ def create_handler(params: RendezvousParameters) -> MCCLRendezvousHandler:
     return handler
 
 
-def serve_anchor(port: int, stop: threading.Event, timeout_s: float) -> None:
+def serve_anchor(port: int, stop: threading.Event, timeout_s: float, bind: str = "") -> None:
     """Serve the rendezvous store on ``port`` until ``stop`` is set: an anchor that runs no
     training of its own, so no torchrun's end takes the store with it (every torchrun then
     passes ``--rdzv-conf is_host=0``). A run closed in it stays closed: give each run a new
-    --rdzv-id."""
+    --rdzv-id. ``bind``: the one address to serve on (the training network's), else every one.
+    The anchor needs no key: it keeps the values, the hosts seal and check them."""
     from torch.distributed import TCPStore
 
     try:
-        store = TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False,
-                         timeout=timedelta(seconds=timeout_s))
+        if bind:
+            store = store_server.serve_store(bind, port, timedelta(seconds=timeout_s))
+        else:
+            store = TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False,
+                             timeout=timedelta(seconds=timeout_s))
     except (RuntimeError, ValueError, OSError) as exc:
         raise ConfigError(f"[rendezvous] cannot serve the rendezvous store on port {port}: {_first_line(exc)}; "
                           "likely cause: another process holds the port; free it or pick another") from exc
@@ -556,6 +626,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m libmccl.elastic_rdzv", description=main.__doc__)
     ap.add_argument("--port", type=int, default=default_port,
                     help=f"TCP port (default: MCCL_RDZV_ANCHOR's, else {DEFAULT_PORT})")
+    ap.add_argument("--bind", default="", help="serve on this address only (default: every interface)")
     ap.add_argument("--parent", type=int, default=0,
                     help="stop when the process with this pid is no longer this one's parent (mcclctl run)")
     args = ap.parse_args(argv)
@@ -573,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
                     stop.set()
         threading.Thread(target=watch_parent, name="mccl-anchor-parent", daemon=True).start()
     try:
-        serve_anchor(args.port, stop, cfg.store_timeout_s)
+        serve_anchor(args.port, stop, cfg.store_timeout_s, args.bind)
     except ConfigError as exc:
         _log.error("%s", exc)
         return 2
@@ -581,7 +652,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 __all__ = ["AnchorStoreBackend", "MCCLRendezvousHandler", "RendezvousClosed", "RendezvousJoinTimeout",
-           "RendezvousUnreachable", "RunOptions", "anchor_endpoint", "create_handler",
+           "RendezvousForged", "RendezvousUnreachable", "RunOptions", "anchor_endpoint", "create_handler",
            "open_anchor_store", "serve_anchor"]
 
 

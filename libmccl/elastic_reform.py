@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mccl_common.settings import EngineConfig, load
 
-from . import listen_addr
+from . import listen_addr, store_server
 
 _STORE_CONNECT_S = 60.0
 # torchrun's per-worker variables that a re-form changes (LOCAL_* stay: a host keeps its ranks).
@@ -108,8 +108,8 @@ def agree(leaving_here: bool, store_timeout_s: float) -> Plan:
     spot: list[Any] = [None, 0]
     if dist.get_rank() == first:
         addr = store_address()
-        store = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=store_timeout_s))
+        # On the training address only; the values in it are sealed (rendezvous.exchange).
+        store = store_server.serve_store(addr, 0, datetime.timedelta(seconds=store_timeout_s))
         spot = [addr, store.port]
         _SERVED.append(store)
     dist.broadcast_object_list(spot, src=first)

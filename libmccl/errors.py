@@ -6,5 +6,5 @@ this module is their name under the package users install.
 
 from mccl_common.errors import (AbortedError, AuthError, CollectiveMismatch, CollectiveTimeout,  # noqa: F401
                                 ConfigError, DaemonUnavailableError, MCCLError, PeerLostError, ProtocolError,
-                                from_kind)
+                                StoreAuthError, from_kind)
 from mccl_common.errors import __all__  # noqa: F401

@@ -18,7 +18,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from mccl_common.errors import CollectiveTimeout, ConfigError
+from mccl_common import store_auth
+from mccl_common.errors import CollectiveTimeout, ConfigError, StoreAuthError
 from mccl_common.settings import EngineConfig
 
 from . import listen_addr
@@ -66,11 +67,31 @@ def exchange(store: Any, rank: int, size: int, listener_factory: Callable[[str],
     ``listener_factory(host)`` binds and listens at once, so a peer can dial us as
     soon as our address is in the store. Without it (daemon mode) only the comm id
     and the scoped store are produced.
+
+    Every value is sealed (mccl_common/store_auth.py): the comm id under the group's key, each
+    address under a key scoped to that comm id, so an address from another job or an earlier
+    incarnation cannot be replayed into this one. So rank 0 publishes the comm id first and the
+    others publish their addresses once they read it.
     """
     started = time.monotonic()
     generation = int(store.add(f"{_KEY_ROOT}/incarnation/{rank}", 1))
     prefix = f"{_KEY_ROOT}/{generation}"
     label = f"group {group_id!r}" if group_id else "the process group"
+    peer = _store_peer(store)
+    group_key = store_auth.job_store_key(cfg.wire_security, "c10d", group_id)
+    id_key = f"{prefix}/comm_id"
+
+    def missing_what(missing: list[str]) -> str:
+        return f"{label}: rank {rank} is missing " + ", ".join(
+            "the comm id from rank 0" if k.endswith("comm_id") else f"rank {k.rsplit('/', 1)[1]}'s address"
+            for k in missing)
+
+    drawn = secrets.randbits(64) if rank == 0 else None
+    if drawn is not None:
+        store.set(id_key, store_auth.seal(group_key, id_key, str(drawn).encode()))
+    _wait_keys(store, [id_key], timeout_s, missing_what)
+    comm_id = _read_comm_id(store, id_key, group_key, peer, drawn)
+    addr_key = store_auth.scoped_key(group_key, "comm", comm_id)
 
     addr_keys = [f"{prefix}/addr/{r}" for r in range(size)] if listener_factory is not None else []
     listener = None
@@ -79,23 +100,18 @@ def exchange(store: Any, rank: int, size: int, listener_factory: Callable[[str],
             listener = listener_factory(listen_addr.choose_bind_address(cfg, os.environ.get("MASTER_ADDR"), store))
         except Exception as exc:
             try:
-                store.set(addr_keys[rank], f"{_FAILED}{type(exc).__name__}: {exc}")
+                store.set(addr_keys[rank], store_auth.seal(addr_key, addr_keys[rank],
+                                                           f"{_FAILED}{type(exc).__name__}: {exc}".encode()))
             except Exception:  # noqa: BLE001 - the store failing too must not hide why we stop
                 _log.debug("[rendezvous] rank %d could not publish its failure", rank, exc_info=True)
             else:
                 linger(store, prefix, rank, size, timeout_s)
             raise
-        store.set(addr_keys[rank], listener.address)
-    if rank == 0:
-        store.set(f"{prefix}/comm_id", str(secrets.randbits(64)))
+        store.set(addr_keys[rank], store_auth.seal(addr_key, addr_keys[rank], listener.address.encode()))
 
     try:
-        _wait_keys(store, [f"{prefix}/comm_id"] + addr_keys, timeout_s,
-                   lambda missing: f"{label}: rank {rank} is missing "
-                   + ", ".join("the comm id from rank 0" if k.endswith("comm_id")
-                               else f"rank {k.rsplit('/', 1)[1]}'s address" for k in missing))
-        comm_id = int(store.get(f"{prefix}/comm_id").decode())
-        peers = [store.get(k).decode() for k in addr_keys]
+        _wait_keys(store, addr_keys, timeout_s, missing_what)
+        peers = [store_auth.open(addr_key, k, store.get(k), peer).decode(errors="replace") for k in addr_keys]
         _check_peers(peers, rank, label)
     except BaseException as exc:
         if listener is not None:
@@ -107,8 +123,44 @@ def exchange(store: Any, rank: int, size: int, listener_factory: Callable[[str],
                comm_id, listener.address if listener is not None else "-", time.monotonic() - started)
     from torch.distributed import PrefixStore
 
+    from .sealed_store import SealedStore
+
+    # What the daemon client reads from the group's store (its peers' mccld addresses) is
+    # sealed under this communicator's key too.
     return Rendezvous(comm_id=comm_id, peer_addrs=peers, listener=listener,
-                      store=PrefixStore(f"{prefix}/", store))
+                      store=SealedStore(PrefixStore(f"{prefix}/", store), addr_key, peer))
+
+
+def _read_comm_id(store: Any, id_key: str, group_key: bytes | None, peer: str, drawn: int | None) -> int:
+    """The group's comm id, checked; rank 0 also checks it reads back the id it drew, so a
+    sealed id replayed from an earlier job under the same key stops the group at once."""
+    raw = store_auth.open(group_key, id_key, store.get(id_key), peer)
+    try:
+        comm_id = int(raw.decode())
+    except (UnicodeDecodeError, ValueError):
+        raise StoreAuthError(f"[rendezvous] the comm id under {id_key!r} is not a number, peer={peer}: a writer "
+                             "holding the job's key wrote something else there; check which programs use this "
+                             "job key", peer_addr=peer) from None
+    if drawn is not None and comm_id != drawn:
+        raise StoreAuthError(f"[rendezvous] the comm id under {id_key!r} was replaced after rank 0 wrote it, "
+                             f"peer={peer}: a value replayed from an earlier job under the same key, written by "
+                             "someone who can reach the store; restart the job, and give each run its own key "
+                             "(mcclctl run does) or keep the store's port off untrusted networks", peer_addr=peer)
+    return comm_id
+
+
+def _store_peer(store: Any) -> str:
+    """host:port of the TCPStore under ``store`` (through PrefixStores), for error messages."""
+    inner = store
+    for _ in range(8):
+        host, port = getattr(inner, "host", None), getattr(inner, "port", None)
+        if host is not None and port is not None:
+            return f"{host}:{port}"
+        try:
+            inner = inner.underlying_store
+        except (AttributeError, RuntimeError):
+            break
+    return "the c10d store"
 
 
 def _check_peers(peers: list[str], rank: int, label: str) -> None:

@@ -50,6 +50,11 @@ class AuthError(MCCLError):
     """A peer or client failed fleet-key authentication."""
 
 
+class StoreAuthError(AuthError, ProtocolError):
+    """A value read from a rendezvous or c10d store failed its MAC under the job's key: someone
+    without the key wrote it, or copied it there from another key or run."""
+
+
 # Order matches mccl::ErrorKind in csrc/core/errors.h.
 _KINDS: dict[int, type[MCCLError]] = {
     0: MCCLError,
@@ -81,5 +86,6 @@ __all__ = [
     "AbortedError",
     "DaemonUnavailableError",
     "AuthError",
+    "StoreAuthError",
     "from_kind",
 ]

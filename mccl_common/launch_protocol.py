@@ -12,7 +12,12 @@ One lease per TCP connection, newline-framed JSON (``status_protocol.Conn``)::
 The request is MAC'd with the *submit key* (MCCL_SUBMIT_KEY_FILE), which is not the fleet
 key: a host of the fleet can reach its peers' status but cannot start jobs on them. Every
 server message after it carries MAC(key, "launch-event", cnonce, nonce, seq, event, data),
-so output lines and the exit code cannot be forged or reordered by the network. Both sides
+so output lines and the exit code cannot be forged or reordered by the network.
+
+The request's ``run_nonce`` (fresh per run, under the request's MAC) gives every leased host
+the same *run key*, ``run_key(submit key, job, run_nonce)``, without it crossing the network:
+mccld writes it to a file only the job's user reads and points the job's MCCL_JOB_KEY_FILE
+there, so the run's rendezvous values and links are keyed to this run alone. Both sides
 send at least every BEAT_S and give up on a silent peer after LEASE_TIMEOUT_S: a client
 that is gone (Ctrl-C, killed, cable pulled) ends the lease and mccld stops the job.
 """
@@ -26,6 +31,7 @@ import socket
 from typing import Any
 
 from .errors import AuthError, ConfigError, DaemonUnavailableError, MCCLError, ProtocolError
+from .jobkey import derive
 from .status_protocol import Conn, canon, mac, mac_ok, split_addr
 
 PROTO = 1
@@ -38,6 +44,9 @@ MAX_ARG_CHARS = 4096
 MAX_ENV = 64
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 _JOB = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_NONCE = re.compile(r"^[0-9a-f]{32}$")
+# The job's key file, written by the daemon from the run key (never taken from the request).
+RUN_KEY_ENV = "MCCL_JOB_KEY_FILE"
 # A launched job's drain file (its path in the job's environment): it appears when the host's
 # user is back; the job's ranks there save, write the file + LEFT_SUFFIX and exit (libmccl.elastic).
 DRAIN_ENV = "MCCL_DRAIN_FILE"
@@ -49,7 +58,17 @@ LEFT_SUFFIX = ".left"
 REFORM_ENV = "MCCL_REFORM_FILE"
 AWARE_SUFFIX = ".aware"
 # Set by the daemon for the job, not by the request: they say which host and daemon it runs on.
-RESERVED_ENV = ("MCCL_HOST_ID", "MCCL_RUNTIME_DIR", DRAIN_ENV, REFORM_ENV)
+RESERVED_ENV = ("MCCL_HOST_ID", "MCCL_RUNTIME_DIR", DRAIN_ENV, REFORM_ENV, RUN_KEY_ENV)
+
+
+def new_run_nonce() -> str:
+    return os.urandom(16).hex()
+
+
+def run_key(submit_key: bytes, job: str, run_nonce: str) -> bytes:
+    """The run's job key: every host holding the submit key derives the same one from the
+    request, and a key from one run is worth nothing in another."""
+    return derive(submit_key, "run", job, run_nonce)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +85,7 @@ class LaunchRequest:
     env: tuple[tuple[str, str], ...] = ()
     max_restarts: int = 0
     any_state: bool = False     # lease even a host whose user is at it (mcclctl run --where state=any)
+    run_nonce: str = ""         # 32 hex digits: the run key's input (see run_key); "" keeps the hosts' own key
 
     @classmethod
     def parse(cls, obj: Any) -> "LaunchRequest":
@@ -112,9 +132,12 @@ class LaunchRequest:
         any_state = obj.get("any_state", False)
         if not isinstance(any_state, bool):
             raise bad("any_state is not a boolean")
+        run_nonce = obj.get("run_nonce", "")
+        if not isinstance(run_nonce, str) or (run_nonce and not _NONCE.match(run_nonce)):
+            raise bad("run_nonce is not 32 lowercase hex digits")
         return cls(job=job, rdzv_endpoint=endpoint, nnodes=nnodes, nproc_per_node=nproc,
                    argv=tuple(argv), cwd=cwd, env=tuple(sorted(env.items())), max_restarts=restarts,
-                   any_state=any_state)
+                   any_state=any_state, run_nonce=run_nonce)
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from mccl_common.daemon_settings import DEFAULT_SUBMIT_KEY_FILES, read_key_file
 from mccl_common.errors import ConfigError, DaemonUnavailableError, MCCLError, PeerLostError
-from mccl_common.launch_protocol import BEAT_S, LEASE_TIMEOUT_S, LaunchRequest, Lease
+from mccl_common.launch_protocol import BEAT_S, LEASE_TIMEOUT_S, LaunchRequest, Lease, new_run_nonce
 from mccl_common.status_protocol import split_addr
 
 from . import formatting as fmt
@@ -129,11 +129,13 @@ class Anchor:
     """The rendezvous store, served from this host for the job's life (never harvested: it is
     the submitting host), in a child process that imports torch so this one need not."""
 
-    def __init__(self, port: int, python: str = sys.executable):
+    def __init__(self, port: int, python: str = sys.executable, bind: str = ""):
         self.port = port or _free_port()
-        # --parent: the anchor ends with this process, even after a kill -9 of it.
+        self._bind = bind
+        # --parent: the anchor ends with this process, even after a kill -9 of it. --bind: on the
+        # address the hosts dial only, not on every network of this host.
         self._proc = subprocess.Popen([python, "-m", "libmccl.elastic_rdzv", "--port", str(self.port),
-                                       "--parent", str(os.getpid())],
+                                       "--parent", str(os.getpid()), *(["--bind", bind] if bind else [])],
                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE, start_new_session=True)
         deadline = time.monotonic() + ANCHOR_START_S
@@ -143,7 +145,7 @@ class Anchor:
                 raise ConfigError(f"[mcclctl] the rendezvous anchor on port {self.port} exited at start: "
                                   f"{err[-1] if err else 'no message'}; is MCCL installed with torch here?")
             try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                socket.create_connection((self._bind or "127.0.0.1", self.port), timeout=0.5).close()
                 return
             except OSError:
                 if time.monotonic() > deadline:
@@ -160,7 +162,7 @@ class Anchor:
             raise PeerLostError(f"[mcclctl] the rendezvous anchor (port {self.port}) exited with code {code}; "
                                 "likely cause: it was killed or ran out of memory; the hosts could no longer "
                                 "re-form or finish the run, so the job is stopped: start it again",
-                                peer_addr=f"127.0.0.1:{self.port}")
+                                peer_addr=f"{self._bind or '127.0.0.1'}:{self.port}")
 
     def stop(self) -> None:
         if self._proc.poll() is None:
@@ -369,7 +371,7 @@ def cmd_run(args) -> int:
     say = _sayer(args.json)
     for e in errors:
         say("warning", {"message": f"left out, no answer: {e}"})
-    anchor = Anchor(args.rdzv_port)
+    anchor = Anchor(args.rdzv_port, bind=anchor_ip)
     say("plan", {"job": job, "hosts": [h.name for h in chosen], "nnodes": nnodes,
                  "left_out": left_out, "anchor": f"{anchor_ip}:{anchor.port}"})
     stop_on_term = signal.signal(signal.SIGTERM, _raise_stop)
@@ -382,7 +384,10 @@ def cmd_run(args) -> int:
                    "max_restarts": args.max_restarts if args.max_restarts is not None else
                    (ELASTIC_RESTARTS if n_min < n_max else 0),
                    # A state term chose the hosts on purpose: the daemons must not refuse a busy one.
-                   "any_state": any(w.strip().startswith("state=") for w in args.where or [])}
+                   "any_state": any(w.strip().startswith("state=") for w in args.where or []),
+                   # Each host derives this run's own key from it and the submit key (launch_protocol.run_key);
+                   # recruited hosts get the same request, so the same key.
+                   "run_nonce": new_run_nonce()}
         recruiter = None
         if n_min < n_max:
             # Idle hosts found later (also those that left earlier) join the run, up to --max.

@@ -24,6 +24,7 @@ import os
 import pwd
 import queue
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -35,7 +36,7 @@ from typing import Callable
 
 from mccl_common.errors import ConfigError, MCCLError, ProtocolError
 from mccl_common.launch_protocol import (BEAT_S, DRAIN_ENV, LEASE_TIMEOUT_S, LEFT_SUFFIX, MAX_LINE_CHARS, PROTO,
-                                         LaunchRequest, request_ok, sealed)
+                                         RUN_KEY_ENV, LaunchRequest, request_ok, run_key, sealed)
 from mccl_common.status_protocol import IO_TIMEOUT_S, Conn, HARVESTED_STATES
 
 from .gate import Gate, Ticket
@@ -247,6 +248,7 @@ class LaunchServer:
         try:
             job = _Job(self._spawn(req, drain_file))
         except (OSError, subprocess.SubprocessError, KeyError) as e:
+            shutil.rmtree(_job_dir(drain_file), ignore_errors=True)
             msg = f"[launch] {self._host_id} could not start the job: {e}"
             log.warning("%s", msg)
             send("refused", {"kind": "MCCLError", "message": msg})
@@ -267,6 +269,7 @@ class LaunchServer:
                 self._drain_files.pop(lease_id, None)
             _remove(drain_file)
             _remove(Path(str(drain_file) + LEFT_SUFFIX))
+            shutil.rmtree(_job_dir(drain_file), ignore_errors=True)
             self._on_change()
         if code is not None:
             log.info("[launch] job %s for peer=%s exited with %d", req.job, peer, code)
@@ -282,8 +285,26 @@ class LaunchServer:
             pw = pwd.getpwnam(self._user)
             kwargs = {"user": pw.pw_uid, "group": pw.pw_gid, "extra_groups": os.getgrouplist(pw.pw_name, pw.pw_gid)}
             env.update({"HOME": pw.pw_dir, "USER": pw.pw_name, "LOGNAME": pw.pw_name})
+        if req.run_nonce:
+            env[RUN_KEY_ENV] = str(self._write_run_key(req, _job_dir(drain_file), kwargs.get("user"),
+                                                       kwargs.get("group")))
         return subprocess.Popen(self._command(req), cwd=req.cwd, env=env, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, **kwargs)
+
+    def _write_run_key(self, req: LaunchRequest, job_dir: Path, uid: int | None, gid: int | None) -> Path:
+        """The run key (launch_protocol.run_key) in a file only the job's user can read, in a
+        directory of the job's own; the job finds it through MCCL_JOB_KEY_FILE. Every host of
+        the run derives the same key from the request, so it never crosses the network."""
+        shutil.rmtree(job_dir, ignore_errors=True)     # a stale one of a killed mccld
+        os.mkdir(job_dir, 0o700)
+        path = job_dir / "run.key"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(run_key(self._key, req.job, req.run_nonce).hex() + "\n")
+        if uid is not None:
+            os.chown(path, uid, gid if gid is not None else -1)
+            os.chown(job_dir, uid, gid if gid is not None else -1)
+        return path
 
     def _pump(self, conn: Conn, job: "_Job", send, name: str, peer: str, drain_file: Path) -> int | None:
         """Streams output until the job exits (its code) or the lease ends (None). Once this
@@ -393,6 +414,11 @@ class _Job:
         for t, stream in zip(self.readers, (proc.stdout, proc.stderr)):
             if not t.is_alive() and stream is not None:
                 stream.close()
+
+
+def _job_dir(drain_file: Path) -> Path:
+    """The lease's private directory (its run key), next to its drain file."""
+    return drain_file.with_name(drain_file.name + ".job")
 
 
 def _remove(path: Path) -> None:

@@ -96,7 +96,8 @@ def test_the_backend_keeps_one_compare_and_set_state() -> None:
     assert (state2, ok2) == (b"second", True) and token2 != token
     assert er.AnchorStoreBackend(store, "another-run", "anchor:1").get_state() is None
     store.set("mccl/rdzv/run/state", "%%% not base64")
-    with pytest.raises(RendezvousStateError, match=r"peer=anchor:1.*own --rdzv-id"):
+    with pytest.raises(RendezvousStateError,
+                       match=r"mccl/rdzv/run/state.*not a sealed MCCL value, peer=anchor:1.*--rdzv-id"):
         b.get_state()
 
 

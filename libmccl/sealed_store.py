@@ -1,0 +1,90 @@
+"""A c10d store whose values carry MACs (mccl_common/store_auth.py), for code that is not ours.
+
+torch's rendezvous handler and torchrun's agents read values from the round store and act on
+them (MASTER_ADDR/PORT, the ranks each agent is assigned); the daemon client reads its peers'
+link addresses. Handing them a ``SealedStore`` instead of the raw store seals every value they
+``set`` and checks every value they ``get`` under the scope's key, with the full key name (the
+PrefixStore prefixes included) bound into the MAC. Counters (``add``), presence (``check``,
+``wait``) and deletes pass through: they carry no value to forge.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from mccl_common import store_auth
+from mccl_common.errors import StoreAuthError
+
+
+class SealedStore(dist.Store):
+    """``inner`` with sealed values. ``peer`` names the store's server in errors."""
+
+    def __init__(self, inner: Any, key: bytes | None, peer: str, component: str = "rendezvous",
+                 error: Callable[..., Exception] = StoreAuthError) -> None:
+        super().__init__()
+        self.inner = inner
+        self._key = key
+        self._peer = peer
+        self._component = component
+        self._error = error
+
+    def _open(self, name: str, blob: bytes) -> bytes:
+        return store_auth.open(self._key, name, blob, self._peer, self._component, self._error)
+
+    @staticmethod
+    def _bytes(value: Any) -> bytes:
+        if isinstance(value, str):
+            return value.encode()
+        return bytes(value)
+
+    def set(self, key: str, value: Any) -> None:
+        self.inner.set(key, store_auth.seal(self._key, key, self._bytes(value)))
+
+    def get(self, key: str) -> bytes:
+        return self._open(key, self.inner.get(key))
+
+    def multi_set(self, keys: list[str], values: list[Any]) -> None:
+        self.inner.multi_set(keys, [store_auth.seal(self._key, k, self._bytes(v)) for k, v in zip(keys, values)])
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self._open(k, v) for k, v in zip(keys, self.inner.multi_get(keys))]
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        # A compare-and-set over a sealed value needs the sealed bytes it replaces: only the
+        # empty "create if missing" form can be expressed without them.
+        if self._bytes(expected):
+            raise NotImplementedError("SealedStore.compare_set: only the create-if-missing form (expected '')")
+        sealed = store_auth.seal(self._key, key, self._bytes(desired))
+        return self._open(key, self.inner.compare_set(key, "", sealed))
+
+    def add(self, key: str, amount: int) -> int:
+        return self.inner.add(key, amount)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.inner.check(keys)
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        if timeout is None:
+            self.inner.wait(keys)
+        else:
+            self.inner.wait(keys, timeout)
+
+    def delete_key(self, key: str) -> bool:
+        return self.inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self.inner.num_keys()
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self.inner.set_timeout(timeout)
+        super().set_timeout(timeout)
+
+    @property
+    def timeout(self) -> datetime.timedelta:
+        return self.inner.timeout
+
+
+__all__ = ["SealedStore"]

@@ -1,0 +1,258 @@
+"""ATTACKER tests for the stores a job meets through (issue 24): a client on loopback that
+holds no job key reaches the anchor's rendezvous store or the c10d store and writes into it.
+What it writes must never be acted on: not unpickled by torch's rendezvous, not dialled as a
+rank's address, not taken as MASTER_ADDR/PORT, not accepted under another key's name."""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import gc
+import os
+import pickle
+import re
+import socket
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
+
+from libmccl import elastic_rdzv as er
+from libmccl import rendezvous
+from mccl_common import store_auth
+from mccl_common.errors import StoreAuthError
+from mccl_common.jobkey import find_job_key
+from mccl_common.launch_protocol import REFORM_ENV
+from mccl_common.settings import EngineConfig
+from support.ports import free_port
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class _Payload:
+    """What the attacker pickles: unpickling it creates ``path``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def _attacker(port: int) -> dist.TCPStore:
+    """A plain TCPStore client: all an attacker needs is the port."""
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=5))
+
+
+@pytest.fixture
+def handlers(monkeypatch):
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    monkeypatch.delenv(REFORM_ENV, raising=False)
+    made: list = []
+
+    def make(port: int, run_id: str = "r", min_nodes: int = 1, max_nodes: int = 1, **conf):
+        conf.setdefault("join_timeout", "10")
+        conf.setdefault("last_call_timeout", "0.5")
+        params = RendezvousParameters("mccl", f"127.0.0.1:{port}", run_id, min_nodes, max_nodes, **conf)
+        made.append(er.create_handler(params))
+        return made[-1]
+
+    yield make
+    for h in reversed(made):
+        h._stop_heartbeats()
+        h.anchor_store = None
+    made.clear()
+    gc.collect()
+
+
+@pytest.mark.parametrize("form", ["pickle", "pickle-with-a-made-up-mac"])
+def test_a_pickle_written_into_the_rendezvous_state_is_never_unpickled(handlers, tmp_path, form) -> None:
+    port = free_port()
+    h = handlers(port, run_id="victim", is_host="1")
+    marker = tmp_path / "owned"
+    evil = pickle.dumps(_Payload(str(marker)))
+    blob = (base64.b64encode(evil) if form == "pickle"
+            else store_auth.PREFIX + base64.b64encode(os.urandom(store_auth.TAG_BYTES) + evil))
+    attacker = _attacker(port)
+    attacker.set("mccl/rdzv/victim/state", blob)
+    with pytest.raises(StoreAuthError) as info:
+        h.next_rendezvous()
+    msg = str(info.value)
+    assert "'mccl/rdzv/victim/state'" in msg and f"peer=127.0.0.1:{port}" in msg, msg
+    assert "without the job's key" in msg, msg
+    assert isinstance(info.value, er.RendezvousForged)     # torch's RendezvousStateError too
+    assert not marker.exists(), "the attacker's pickle ran in torchrun"
+    del attacker
+
+
+def test_a_forged_master_addr_is_refused(handlers) -> None:
+    """A host that reads MASTER_ADDR/PORT from the round store (rank > 0, or one joining a later
+    round after the republish) refuses one the attacker wrote over rank 0's."""
+    import threading
+
+    port = free_port()
+    a = handlers(port, run_id="m", min_nodes=2, max_nodes=2, is_host="1")
+    b = handlers(port, run_id="m", min_nodes=2, max_nodes=2, is_host="0")
+    infos: list = [None, None]
+    ts = [threading.Thread(target=lambda i=i, h=h: infos.__setitem__(i, h.next_rendezvous()))
+          for i, h in enumerate((a, b))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    assert all(infos), infos
+    later = next(i for i in infos if i.rank == 1)
+    attacker = _attacker(port)
+    round_prefix = f"torch.rendezvous.m.{a._state_holder.state.round}/"
+    attacker.set(round_prefix + RendezvousStoreInfo.MASTER_ADDR_KEY, b"203.0.113.66")
+    attacker.set(round_prefix + RendezvousStoreInfo.MASTER_PORT_KEY, b"6666")
+    with pytest.raises(StoreAuthError, match=rf"'{re.escape(round_prefix)}MASTER_ADDR'.*peer=127\.0\.0\.1:{port}"):
+        RendezvousStoreInfo.build(1, later.store, None)
+    # rank 0's republish is what a later joiner reads: sealed, it verifies; the forgery did not.
+    zero = next(i for i in infos if i.rank == 0)
+    er._republish_workers_store(type("I", (), {"store": zero.store, "bootstrap_store_info":
+                                               RendezvousStoreInfo("127.0.0.1", 1234)})())
+    assert RendezvousStoreInfo.build(1, later.store, None) == RendezvousStoreInfo("127.0.0.1", 1234)
+    del attacker, infos, later, zero
+
+
+def _c10d_store() -> tuple[dist.TCPStore, int]:
+    port = free_port()
+    return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=10)), port
+
+
+class _Listener:
+    def __init__(self, host: str) -> None:
+        self.address = f"{host}:1"
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_forged_comm_id_is_refused_naming_the_key_and_the_store() -> None:
+    server, port = _c10d_store()
+    attacker = _attacker(port)
+    attacker.set("mccl/1/comm_id", b"4242")
+    with pytest.raises(StoreAuthError, match=rf"'mccl/1/comm_id'.*peer=127.0.0.1:{port}.*without the job's key"):
+        rendezvous.exchange(server, 1, 2, _Listener, EngineConfig(bind_addr="127.0.0.1"), 3.0, "g")
+    del attacker, server
+
+
+def test_a_forged_peer_address_is_refused_and_never_dialled() -> None:
+    server, port = _c10d_store()
+    key = store_auth.scoped_key(find_job_key(), "c10d", "g")
+    trap = socket.socket()
+    trap.bind(("127.0.0.1", 0))
+    trap.listen(1)
+    trap.setblocking(False)
+    try:
+        # Rank 0 (here the test, holding the job key) published the comm id; the attacker's
+        # address for rank 0 is there before rank 1 reads the table.
+        server.set("mccl/1/comm_id", store_auth.seal(key, "mccl/1/comm_id", b"77"))
+        attacker = _attacker(port)
+        attacker.set("mccl/1/addr/0", f"127.0.0.1:{trap.getsockname()[1]}".encode())
+        with pytest.raises(StoreAuthError, match=rf"'mccl/1/addr/0'.*peer=127.0.0.1:{port}"):
+            rendezvous.exchange(server, 1, 2, _Listener, EngineConfig(bind_addr="127.0.0.1"), 3.0, "g")
+        with pytest.raises(BlockingIOError):
+            trap.accept()      # nobody dialled the forged address
+    finally:
+        trap.close()
+    del attacker, server
+
+
+def test_a_value_copied_to_another_key_or_run_is_refused() -> None:
+    server, port = _c10d_store()
+    key = store_auth.scoped_key(find_job_key(), "c10d", "g")
+    server.set("mccl/1/comm_id", store_auth.seal(key, "mccl/1/comm_id", b"77"))
+    # Rank 1's own sealed address, copied by the attacker into rank 0's slot.
+    attacker = _attacker(port)
+    addr_key = store_auth.scoped_key(key, "comm", 77)
+    attacker.set("mccl/1/addr/0", store_auth.seal(addr_key, "mccl/1/addr/1", b"127.0.0.1:9"))
+    with pytest.raises(StoreAuthError, match=r"'mccl/1/addr/0'.*failed its MAC"):
+        rendezvous.exchange(server, 1, 2, _Listener, EngineConfig(bind_addr="127.0.0.1"), 3.0, "g")
+    # A rendezvous state of one run copied into another run's key.
+    store = dist.HashStore()
+    first = er.AnchorStoreBackend(store, "run-a", "anchor:1")
+    first.set_state(b"state of run a")
+    second = er.AnchorStoreBackend(store, "run-b", "anchor:1")
+    store.set("mccl/rdzv/run-b/state", store.get("mccl/rdzv/run-a/state"))
+    with pytest.raises(StoreAuthError, match=r"'mccl/rdzv/run-b/state'.*failed its MAC.*peer=anchor:1"):
+        second.get_state()
+    del attacker, server
+
+
+def test_a_mac_failure_never_shows_the_key_or_the_expected_mac() -> None:
+    key = store_auth.scoped_key(b"k" * 32, "rdzv", "r")
+    good = store_auth.seal(key, "n", b"v")
+    forged = store_auth.PREFIX + base64.b64encode(b"\0" * store_auth.TAG_BYTES + b"v")
+    with pytest.raises(StoreAuthError) as info:
+        store_auth.open(key, "n", forged, "h:1")
+    text = str(info.value)
+    tag = base64.b64decode(good[len(store_auth.PREFIX):])[:store_auth.TAG_BYTES]
+    for secret in (key, tag):
+        assert secret.hex() not in text and base64.b64encode(secret).decode() not in text
+    assert store_auth.open(key, "n", good, "h:1") == b"v"
+    assert store_auth.open(None, "n", good, "h:1") == b"v"      # MCCL_WIRE_SECURITY=off reads it unchecked
+    with pytest.raises(StoreAuthError, match="carries no MAC"):
+        store_auth.open(key, "n", store_auth.seal(None, "n", b"v"), "h:1")
+
+
+def _reachable(addr: str, port: int) -> bool:
+    try:
+        socket.create_connection((addr, port), timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net"), reason="127.0.0.2 reaches loopback on Linux only")
+def test_stores_are_served_on_the_training_address_only() -> None:
+    """The anchor's store (served by a torchrun or by a standalone anchor) and the workers'
+    store answer on the address they were given, not on the host's other addresses (here
+    127.0.0.2 stands for them)."""
+    import threading
+
+    port = free_port()
+    store, serving = er.open_anchor_store("127.0.0.1", port, serve=True, timeout_s=5)
+    assert serving and _reachable("127.0.0.1", port) and not _reachable("127.0.0.2", port)
+    del store
+    gc.collect()
+
+    port = free_port()
+    stop = threading.Event()
+    anchor = threading.Thread(target=er.serve_anchor, args=(port, stop, 5.0, "127.0.0.1"), name="anchor")
+    anchor.start()
+    try:
+        deadline = 50
+        while not _reachable("127.0.0.1", port) and deadline:
+            deadline -= 1
+            stop.wait(0.1)
+        assert _reachable("127.0.0.1", port) and not _reachable("127.0.0.2", port)
+    finally:
+        stop.set()
+        anchor.join(10)
+
+    workers = er.MCCLRendezvousHandler._create_tcp_store_server(None, "127.0.0.1", 0)
+    assert _reachable("127.0.0.1", workers.port) and not _reachable("127.0.0.2", workers.port)
+    del workers
+    gc.collect()
+
+
+def test_an_earlier_state_of_the_same_run_written_back_is_refused() -> None:
+    """A sealed state is valid for its run forever; one replayed over a newer one would roll
+    the rendezvous back (drop hosts, reopen a round): refused by its version."""
+    store = dist.HashStore()
+    a = er.AnchorStoreBackend(store, "run", "anchor:1")
+    _, first_token, ok = a.set_state(b"round 1")
+    assert ok
+    recorded = store.get("mccl/rdzv/run/state")
+    _, token, ok = a.set_state(b"round 2", first_token)
+    assert ok and a.get_state() == (b"round 2", token)
+    store.set("mccl/rdzv/run/state", recorded)
+    with pytest.raises(StoreAuthError, match=r"'mccl/rdzv/run/state'.*version 1, older than version 2.*peer=anchor:1"):
+        a.get_state()
+    # A host that joins later reads whatever is newest when it comes: versions only rise for it.
+    b = er.AnchorStoreBackend(store, "run", "anchor:1")
+    assert b.get_state()[0] == b"round 1"
