@@ -35,7 +35,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 if ! .venv/bin/python -c "import torch, zmq, zeroconf, prometheus_client, pytest_timeout, hypothesis, pybind11, scikit_build_core" 2>/dev/null; then
   echo "[setup] pip install ${PY_PKGS[*]}"
-  .venv/bin/pip install -q --disable-pip-version-check "${PY_PKGS[@]}"
+  .venv/bin/python -m pip install -q --disable-pip-version-check "${PY_PKGS[@]}"
 fi
 echo "[setup] building MCCL (C++ engine + Python packages)"
-.venv/bin/pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
