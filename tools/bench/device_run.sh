@@ -15,7 +15,7 @@
 #   8-cuda-ddp-n4    DDP on cuda tensors, 4 hosts x 1 rank sharing the GPU, 10 Gbit/s: step vs the
 #                    step without communication (overlap), staged copies, Gloo; in-process and through mccld
 #   9-campaign       issue 11's fault campaign, 1,000 trials per mode (scripts/faults/campaign.py)
-#   10-n8-mac        issue 11's per-frame MAC: daemon busbw with MCCL_FRAME_MAC=0 and 1, 8 hosts x 10 Gbit/s
+#   10-n8-mac        issue 11's per-frame MAC: daemon busbw with MCCL_WIRE_SECURITY=off and mac, 8 hosts x 10 Gbit/s
 #   11-n8-cpu        where the CPU goes at 8 hosts x 1 rank, 10 Gbit/s, 256 MB: one run per mode under
 #                    tools/bench/threadcpu.py (per process role and thread, and the whole machine)
 #   12-n4-10gbit     step 1 at 4 hosts (half the processes on the same cores): in-process and daemon
@@ -201,12 +201,12 @@ if want 7; then
   pack
 fi
 
-# Issue 11's per-frame MAC: what MCCL_FRAME_MAC=1 costs the daemon path at 8 hosts x 10 Gbit/s,
+# Issue 11's per-frame MAC: what MCCL_WIRE_SECURITY=mac costs the daemon path at 8 hosts x 10 Gbit/s,
 # each invocation with its own in-process baseline, off and on alternating (noise spreads over both).
 if want 10 && [[ $MODES == *daemon* ]]; then
   for rep in ${MAC_REPEATS:-1 2}; do
     for mac in 0 1; do
-      MCCL_FRAME_MAC=$mac bench "10-n$H8-$FAST-mac$mac-r$rep" 110 --hosts "$H8" --rate "$FAST" --mode in-process,daemon \
+      MCCL_WIRE_SECURITY=$([[ $mac == 1 ]] && echo mac || echo off) bench "10-n$H8-$FAST-mac$mac-r$rep" 110 --hosts "$H8" --rate "$FAST" --mode in-process,daemon \
         --backends mccl --ops all_reduce --sizes "${MAC_SIZES:-64M,256M}" --latency-iters 0 --ceiling-seconds 2 \
         --target-seconds 0.5
     done

@@ -84,10 +84,11 @@ void accept_lower_ranks(const MeshSpec& spec, int listen_fd, Deadline deadline,
     if (!fd.valid()) continue;
     // A peer that connected but stays silent must not stall the whole set-up.
     Deadline hs = std::min(deadline, Clock::now() + std::chrono::seconds(10));
+    const std::string from = remote_address(fd.get());  // before the peer can hang up
     std::string why;
     auto got = handshake_accept(fd.get(), mine, spec.secret, rules_of(spec), hs, seen, &why);
     if (!got) {
-      rejects.note(remote_address(fd.get()), why);
+      rejects.note(from, why);
       continue;
     }
     configure_link_socket(fd.get(), spec.socket_buffer_bytes);
