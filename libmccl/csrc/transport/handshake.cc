@@ -203,6 +203,14 @@ bool handshake_dial(int fd, const Hello& hello, const LinkSecret& secret,
     if (len && !read_all(fd, &reason[0], len, deadline, cancel)) reason = "(reason lost)";
     return reason;
   };
+  // Before the acceptor proved the key its words are a stranger's: keep them printable so
+  // they cannot forge log lines.
+  auto printable = [](std::string text) {
+    for (char& c : text) {
+      if (c < 0x20 || c > 0x7e) c = '?';
+    }
+    return text;
+  };
   auto malformed = [&](const uint8_t* r) {
     return get32(r) != kFrameMagic || get32(r + 8) > kMaxReason ||
            get32(r + 4) > static_cast<uint32_t>(ErrorKind::kAuth);
@@ -225,9 +233,13 @@ bool handshake_dial(int fd, const Hello& hello, const LinkSecret& secret,
   }
   if (get32(reply + 4) != 0) {
     // Before any proof: only a different build or an off/on mode is refused in words.
-    std::string reason = read_reason(get32(reply + 8));
-    throw_error(static_cast<ErrorKind>(get32(reply + 4)),
-                "[transport] handshake refused by " + who + " before the key exchange: " + reason,
+    const uint32_t status = get32(reply + 4);
+    std::string reason = printable(read_reason(get32(reply + 8)));
+    const bool expected = status == static_cast<uint32_t>(ErrorKind::kProtocol) ||
+                          status == static_cast<uint32_t>(ErrorKind::kConfig);
+    throw_error(expected ? static_cast<ErrorKind>(status) : ErrorKind::kProtocol,
+                "[transport] handshake refused by " + who +
+                    " before the key exchange (unauthenticated): " + reason,
                 peer, peer_addr);
   }
   uint8_t na[kLinkNonceBytes];
