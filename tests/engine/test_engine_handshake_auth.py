@@ -245,3 +245,18 @@ def test_ranks_that_disagree_on_wire_security_fail_with_a_config_error(modes):
     out = run_threads(2, make, timeout=30)
     for e in out:
         assert isinstance(e, ConfigError) and "MCCL_WIRE_SECURITY" in str(e), e
+
+
+def test_strangers_that_connect_and_stay_silent_do_not_stall_set_up():
+    listeners = [_core.Listener("127.0.0.1", 0) for _ in range(2)]
+    host, port = listeners[1].address.rsplit(":", 1)
+    # Each would hold a one-at-a-time acceptor for its 10 s: three outlast the 8 s timeout.
+    silent = [socket.create_connection((host, int(port)), timeout=10) for _ in range(3)]
+    try:
+        t0 = time.monotonic()
+        comms = build_after(listeners, random.getrandbits(63), make_options(connect_timeout_s=8.0))
+        assert time.monotonic() - t0 < 8.0
+        collectives_ok(comms)
+    finally:
+        for s in silent:
+            s.close()

@@ -174,11 +174,11 @@ void encode_reply(uint8_t* out, uint32_t status, uint32_t reason_len, const uint
 }
 
 bool send_reply(int fd, uint32_t status, const uint8_t* tail32, const std::string& reason,
-                Deadline deadline) {
+                Deadline deadline, const std::atomic<bool>* cancel) {
   std::vector<uint8_t> msg(kReplyBytes + reason.size());
   encode_reply(msg.data(), status, static_cast<uint32_t>(reason.size()), tail32);
   std::memcpy(msg.data() + kReplyBytes, reason.data(), reason.size());
-  return write_all(fd, msg.data(), msg.size(), deadline);
+  return write_all(fd, msg.data(), msg.size(), deadline, cancel);
 }
 
 }  // namespace
@@ -292,13 +292,14 @@ bool handshake_dial(int fd, const Hello& hello, const LinkSecret& secret,
 std::optional<Accepted> handshake_accept_impl(int fd, const Hello& mine, const LinkSecret& secret,
                                               const SignatureRules& rules, Deadline deadline,
                                               bool (*is_dup)(void*, uint32_t, uint32_t),
-                                              void* ctx, std::string* dropped_why) {
+                                              void* ctx, std::string* dropped_why,
+                                              const std::atomic<bool>* cancel) {
   auto drop = [&](const std::string& why) -> std::optional<Accepted> {
     if (dropped_why) *dropped_why = why;
     return std::nullopt;
   };
   uint8_t hello_buf[kHelloBytes];
-  if (!read_all(fd, hello_buf, sizeof(hello_buf), deadline)) {
+  if (!read_all(fd, hello_buf, sizeof(hello_buf), deadline, cancel)) {
     return drop("sent no complete MCCL hello in time");
   }
   if (get32(hello_buf) != kFrameMagic) return drop("is not an MCCL link (no MCCL hello)");
@@ -308,7 +309,7 @@ std::optional<Accepted> handshake_accept_impl(int fd, const Hello& mine, const L
     send_reply(fd, static_cast<uint32_t>(ErrorKind::kProtocol), zeros,
                "link handshake version mismatch (this rank speaks v" +
                    std::to_string(kLinkVersion) + "); run the same MCCL build on every rank",
-               deadline);
+               deadline, cancel);
     return drop("speaks another link handshake version (another MCCL build)");
   }
   Hello theirs = decode_hello(hello_buf);
@@ -319,16 +320,16 @@ std::optional<Accepted> handshake_accept_impl(int fd, const Hello& mine, const L
                std::string("wire security mismatch: this rank runs MCCL_WIRE_SECURITY=") +
                    mode_name(mine.wire_security) +
                    "; set MCCL_WIRE_SECURITY the same on every rank and mccld",
-               deadline);
+               deadline, cancel);
     return drop(std::string("asked for MCCL_WIRE_SECURITY=") + mode_name(theirs.wire_security) +
                 " (this rank: " + mode_name(mine.wire_security) + ")");
   }
 
   uint8_t na[kLinkNonceBytes];
   random_bytes(na, sizeof(na));
-  if (!send_reply(fd, 0, na, "", deadline)) return drop("closed the link before the challenge");
+  if (!send_reply(fd, 0, na, "", deadline, cancel)) return drop("closed the link before the challenge");
   uint8_t proof[kProofMsgBytes];
-  if (!read_all(fd, proof, sizeof(proof), deadline) || get32(proof) != kFrameMagic) {
+  if (!read_all(fd, proof, sizeof(proof), deadline, cancel) || get32(proof) != kFrameMagic) {
     return drop("sent no proof of the job key");
   }
   if (with_key) {
@@ -352,7 +353,7 @@ std::optional<Accepted> handshake_accept_impl(int fd, const Hello& mine, const L
   put32(status_and_len + 4, static_cast<uint32_t>(v.reason.size()));
   uint8_t tag[kLinkProofBytes] = {};
   if (with_key) acceptor_proof(secret, hello_buf, na, status_and_len, v.reason, tag);
-  bool sent = send_reply(fd, status, tag, v.reason, deadline);
+  bool sent = send_reply(fd, status, tag, v.reason, deadline, cancel);
   if (!v.reason.empty()) {
     std::string addr = remote_address(fd);
     throw_error(v.kind,

@@ -63,25 +63,29 @@ struct Accepted {
 // the job key"); the caller logs it and keeps accepting. Once the peer has proved the key,
 // a disagreement is answered in words and thrown here too. `seen(from_rank, sock_index)`
 // says whether that socket is already held; it is asked only after the proof, so only a
-// peer that holds the key can take a link.
+// peer that holds the key can take a link. `cancel` becoming true ends it within ~0.2 s
+// (nullopt).
 template <typename Seen>
 std::optional<Accepted> handshake_accept(int fd, const Hello& mine, const LinkSecret& secret,
                                          const SignatureRules& rules, Deadline deadline,
-                                         Seen seen, std::string* dropped_why);
+                                         Seen seen, std::string* dropped_why,
+                                         const std::atomic<bool>* cancel = nullptr);
 
 std::optional<Accepted> handshake_accept_impl(int fd, const Hello& mine, const LinkSecret& secret,
                                               const SignatureRules& rules, Deadline deadline,
                                               bool (*is_dup)(void*, uint32_t, uint32_t),
-                                              void* ctx, std::string* dropped_why);
+                                              void* ctx, std::string* dropped_why,
+                                              const std::atomic<bool>* cancel);
 
 template <typename Seen>
 std::optional<Accepted> handshake_accept(int fd, const Hello& mine, const LinkSecret& secret,
                                          const SignatureRules& rules, Deadline deadline,
-                                         Seen seen, std::string* dropped_why) {
+                                         Seen seen, std::string* dropped_why,
+                                         const std::atomic<bool>* cancel) {
   return handshake_accept_impl(
       fd, mine, secret, rules, deadline,
       [](void* c, uint32_t r, uint32_t s) { return (*static_cast<Seen*>(c))(r, s); }, &seen,
-      dropped_why);
+      dropped_why, cancel);
 }
 
 }  // namespace mccl

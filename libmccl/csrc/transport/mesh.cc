@@ -10,7 +10,7 @@
 
 #include "core/errors.h"
 #include "transport/handshake.h"
-#include "transport/rejects.h"
+#include "transport/link_acceptor.h"
 
 namespace mccl {
 
@@ -30,74 +30,6 @@ Hello hello_of(const MeshSpec& spec) {
 const SignatureRules& rules_of(const MeshSpec& spec) {
   static const OpaqueSignatureRules opaque;
   return spec.rules ? *spec.rules : opaque;
-}
-
-std::string first_missing(const MeshSpec& spec, const std::vector<std::vector<Fd>>& links,
-                          int* rank) {
-  for (int r = 0; r < spec.rank; ++r) {
-    for (int s = 0; s < spec.sockets_per_peer; ++s) {
-      if (!links[r][s].valid()) {
-        *rank = r;
-        return "rank " + std::to_string(r) + " (" + spec.peer_addrs[r] + ")";
-      }
-    }
-  }
-  *rank = -1;
-  return "?";
-}
-
-void accept_lower_ranks(const MeshSpec& spec, int listen_fd, Deadline deadline,
-                        const std::atomic<bool>& stop, MeshLinks* out) {
-  const int k = spec.sockets_per_peer;
-  int expected = spec.rank * k;
-  const auto started = Clock::now();
-  Hello mine = hello_of(spec);  // from_rank is judged as "the rank that was reached"
-  auto& links = out->links;
-  auto seen = [&](uint32_t r, uint32_t s) { return links[r][s].valid(); };
-  Rejects rejects("[transport] rank " + std::to_string(spec.rank));
-  while (expected > 0) {
-    if (stop.load()) return;
-    if (Clock::now() >= deadline) {
-      int missing_rank = -1;
-      std::string missing = first_missing(spec, links, &missing_rank);
-      const auto waited = std::chrono::duration_cast<std::chrono::seconds>(Clock::now() - started);
-      if (rejects.total() > 0) {
-        // From here a peer with the wrong key and a stranger look alike: name both.
-        throw_error(ErrorKind::kTimeout,
-                    "[transport] " + missing + " never proved the job key to rank " +
-                        std::to_string(spec.rank) + " within " + std::to_string(waited.count()) +
-                        " s; " + rejects.summary() +
-                        ": the ranks hold different job keys (MCCL_JOB_KEY_FILE / fleet key), "
-                        "or a stranger dialled",
-                    missing_rank, missing_rank >= 0 ? spec.peer_addrs[missing_rank] : "");
-      }
-      throw_error(ErrorKind::kTimeout,
-                  "[transport] Timed out building links: waiting for " + missing +
-                      " to connect to this rank; likely cause: that rank did not start or "
-                      "cannot reach " + spec.peer_addrs[spec.rank] +
-                      "; check it runs and that the address is reachable (MCCL_BIND_ADDR)",
-                  missing_rank, missing_rank >= 0 ? spec.peer_addrs[missing_rank] : "");
-    }
-    // Poll in short slices so a failure on the dialing side stops us promptly.
-    Deadline slice = std::min(deadline, Clock::now() + std::chrono::milliseconds(200));
-    Fd fd = accept_tcp(listen_fd, slice);
-    if (!fd.valid()) continue;
-    // A peer that connected but stays silent must not stall the whole set-up.
-    Deadline hs = std::min(deadline, Clock::now() + std::chrono::seconds(10));
-    const std::string from = remote_address(fd.get());  // before the peer can hang up
-    std::string why;
-    auto got = handshake_accept(fd.get(), mine, spec.secret, rules_of(spec), hs, seen, &why);
-    if (!got) {
-      rejects.note(from, why);
-      continue;
-    }
-    configure_link_socket(fd.get(), spec.socket_buffer_bytes);
-    set_nonblocking(fd.get(), true);
-    links[got->hello.from_rank][got->hello.sock_index] = std::move(fd);
-    if (!out->keys.empty()) out->keys[got->hello.from_rank][got->hello.sock_index] = got->keys;
-    wipe(&got->keys, sizeof(got->keys));
-    --expected;
-  }
 }
 
 MeshLinks empty_mesh(const MeshSpec& spec) {
@@ -124,7 +56,7 @@ MeshLinks build_mesh(const MeshSpec& spec, int listen_fd, Deadline deadline,
   std::exception_ptr accept_error;
   std::thread acceptor([&] {
     try {
-      accept_lower_ranks(spec, listen_fd, deadline, stop, &mesh);
+      accept_lower_ranks(spec, hello_of(spec), rules_of(spec), listen_fd, deadline, stop, &mesh);
     } catch (...) {
       accept_error = std::current_exception();
       stop.store(true);
