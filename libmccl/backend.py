@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from mccl_common import jobkey
 from mccl_common.errors import AbortedError, ConfigError, DaemonUnavailableError, MCCLError
 from mccl_common.settings import EngineConfig, load
 
@@ -88,8 +89,11 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
         if size == 1:
             # Nothing to exchange with anyone: each op is done on the caller's thread.
             return SoloCommunicator(self._router.on_complete)
+        # Before the rendezvous: a rank without the job key fails here, not its peers at set-up.
+        secret = jobkey.engine_secret(self._cfg.wire_security)
         rv = rendezvous.exchange(store, rank, size, _core.Listener, self._cfg, opts.connect_timeout_s, group_id)
-        return _core.Communicator(rank, size, rv.comm_id, rv.listener, rv.peer_addrs, opts, self._router.on_complete)
+        return _core.Communicator(rank, size, rv.comm_id, rv.listener, rv.peer_addrs, opts, self._router.on_complete,
+                                  secret=secret)
 
     # -- identity (torch's PyProcessGroup trampoline forwards these) -------------
     def getBackendName(self) -> str:

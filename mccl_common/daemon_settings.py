@@ -48,11 +48,6 @@ class DaemonConfig:
     listen_addr: str = setting(
         "MCCL_LISTEN_ADDR", "", "address",
         "IPv4 address to listen and advertise on; overrides MCCL_IFACE")
-    frame_mac: bool = setting(
-        "MCCL_FRAME_MAC", False, "bool",
-        "tag every engine frame between daemons with a Poly1305 MAC under per-job keys from the link's "
-        "authenticated handshake, so a LAN host can neither alter nor inject data; costs CPU per byte "
-        "(docs/reliability.md); every mccld of a fleet must agree")
     port: int = setting(
         "MCCL_PORT", 29650, "port",
         "TCP port of the authenticated daemon-to-daemon links")

@@ -55,6 +55,14 @@ def find_job_key(env: Mapping[str, str] | None = None) -> bytes | None:
     return read_key_file(env.get("MCCL_KEY_FILE", ""), DEFAULT_KEY_FILES, "MCCL_KEY_FILE")
 
 
+def engine_secret(wire_security: str, env: Mapping[str, str] | None = None) -> bytes | None:
+    """What an in-process engine's links prove and derive their frame keys from
+    (``_core.Communicator(..., secret=)``): a key derived from the job key for the engine
+    alone, so no other use of the job key (store MACs) shares it; None under ``off``."""
+    key = require_job_key(wire_security, env)
+    return None if key is None else derive(key, "engine")
+
+
 def require_job_key(wire_security: str, env: Mapping[str, str] | None = None) -> bytes | None:
     """The job key a communicator needs under ``MCCL_WIRE_SECURITY=wire_security``: None only
     when it is ``off`` (warned once per process); else the key, or a ConfigError saying how

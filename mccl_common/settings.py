@@ -168,6 +168,8 @@ class EngineConfig:
         opts.recv_threads = self.recv_threads
         opts.timeout_s = timeout_s
         opts.connect_timeout_s = connect_timeout_s
+        # The enum is the engine's (_core.WireSecurity); its members are named like the values.
+        opts.wire_security = type(opts.wire_security).__members__[self.wire_security]
         return opts
 
     def validate(self) -> None:

@@ -12,8 +12,9 @@ session = H(key, "session", nA, nB), so frames cannot be injected, replayed or r
 
 The hello also names the socket's purpose, covered by both MACs: "control" (a link, as
 above) or "data:<id>" (a data socket of the daemon's pool, mccld/datalinks.py, named
-<id> on both sides). A data socket carries engine frames after the handshake; with MCCL_FRAME_MAC=1 the engine
-tags each of them under keys ``Session.frame_keys`` derives per job and direction.
+<id> on both sides). A data socket carries engine frames after the handshake; the engine opens every job on it
+with its own challenge-response on a per-job secret and derives fresh frame keys from both sides' nonces
+(libmccl/csrc/transport/handshake.h), so no key depends on this session or repeats across jobs.
 """
 
 from __future__ import annotations
@@ -82,12 +83,6 @@ class Session:
         self._send_seq = 0
         self._recv_seq = 0
         self.peer = peer
-
-    def frame_keys(self, job: str) -> tuple[bytes, bytes]:
-        """(send, receive) keys of the engine's per-frame MACs (libmccl/csrc/integrity/mac.h)
-        on this socket for ``job``: no two jobs or directions share one, so the engine's frame
-        numbers, which start at 0 for every job, never repeat a one-time key."""
-        return _mac(self._key, "frames", self._out_dir, job), _mac(self._key, "frames", self._in_dir, job)
 
     def seal(self, msg: dict[str, Any]) -> bytes:
         body = json.dumps(msg, separators=(",", ":")).encode()

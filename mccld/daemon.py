@@ -19,6 +19,7 @@ from typing import Any
 
 from mccl_common import PROTO_VERSION, __version__, shm
 from mccl_common import attach_protocol as protocol
+from mccl_common import jobkey
 from mccl_common.daemon_settings import DaemonConfig, attach_gid, runtime_dir
 from mccl_common.errors import AbortedError, ConfigError, MCCLError, ProtocolError
 from mccl_common.hostinfo import host_facts
@@ -95,6 +96,7 @@ class Daemon:
         self.started = False
         self.runtime_dir: Path | None = None
         self._lock_fd: int | None = None     # flock on the runtime dir's lock file, held while we serve it
+        self._fleet_key = b""                # read by start(); the root of every job's engine secret
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> "Daemon":
@@ -103,6 +105,7 @@ class Daemon:
         cfg = self.cfg
         self._stop.clear()
         key = cfg.read_key()
+        self._fleet_key = key
         self.iface, self.addr = choose_address(cfg.iface, cfg.listen_addr, cfg.allow_wifi)
         self.runtime_dir = runtime_dir(cfg, create=True)
         self._lock_runtime_dir()
@@ -466,14 +469,16 @@ class Daemon:
         opts = self.engine_cfg.engine_options(Options(), job.timeout_s, job.timeout_s)
         # The link addresses only name the peers in the engine's messages: nothing is dialled.
         addrs = [host.link_addr for host in job.hosts]
-        keys = ({h: [s.session.frame_keys(job.id) for s in socks] for h, socks in leased.items()}
-                if self.cfg.frame_mac else {})
+        # Bound to the fleet and the job: a host of another fleet, or a stale engine of an
+        # earlier job on a pooled socket, cannot prove it (libmccl/csrc/transport/handshake.h).
+        secret = (None if self.engine_cfg.wire_security == "off"
+                  else jobkey.derive(self._fleet_key, "engine-job", self.cfg.fleet, job.id))
         try:
             # No completion callback: the job thread waits on each op, and a callback would make
             # the engine take the GIL once per op for nothing.
             return Communicator(me, len(job.hosts), job.comm_id,
                                 {h: [s.sock.fileno() for s in socks] for h, socks in leased.items()},
-                                addrs, opts, None, frame_keys=keys)
+                                addrs, opts, None, secret=secret)
         except BaseException:
             self.datalinks.give_back(job.id, clean=False)
             raise

@@ -34,7 +34,6 @@ from typing import Any, Callable
 
 from mccl_common.errors import CollectiveTimeout, MCCLError, ProtocolError
 
-from .auth import Session
 from .links import LinkManager, bound_dead_link
 
 log = logging.getLogger(__name__)
@@ -49,7 +48,6 @@ class DataSocket:
     id: str
     peer_host: str
     sock: socket.socket
-    session: Session              # of its handshake: the engine's frame keys (MCCL_FRAME_MAC)
     dialled: bool                 # we dialled it (we are the proposer for this peer)
     job: str | None = None        # the job leasing it; None while idle in the pool
     uses: int = 0                 # jobs it served
@@ -266,13 +264,15 @@ class DataLinks:
         with self._cv:
             self._next += 1
             sock_id = f"{self.host_id}.{self._prefix}.{self._next}"
-        sock, got_host, session = self._links.dial_data(addr, sock_id)
+        # The link's session is not kept: the engine proves the job's key on the socket itself
+        # and derives fresh frame keys for every job (libmccl/csrc/transport/handshake.h).
+        sock, got_host, _session = self._links.dial_data(addr, sock_id)
         if got_host != peer_host:
             sock.close()
             raise ProtocolError(f"[datalinks] job {job}: peer={addr} is host {got_host}, the job expects "
                                 f"{peer_host} there; conflicting host lists or a moved address")
         bound_dead_link(sock)
-        s = DataSocket(sock_id, peer_host, sock, session, dialled=True, job=job, uses=1)
+        s = DataSocket(sock_id, peer_host, sock, dialled=True, job=job, uses=1)
         with self._cv:
             if not self._running:
                 sock.close()
@@ -282,7 +282,7 @@ class DataLinks:
         log.debug("dialled data socket %s to %s (%s)", sock_id, peer_host, addr)
         return s
 
-    def _adopt_accepted(self, sock: socket.socket, peer_host: str, sock_id: str, session: Session) -> None:
+    def _adopt_accepted(self, sock: socket.socket, peer_host: str, sock_id: str, _session: object) -> None:
         """A data socket a peer dialled to us (links.py authenticated it); idle until claimed."""
         bound_dead_link(sock)
         with self._cv:
@@ -291,7 +291,7 @@ class DataLinks:
                 log.warning("[datalinks] peer %s reused data socket id %r; closed the new socket (a peer daemon "
                             "restarted with the same id prefix?)", peer_host, sock_id)
                 return
-            self._socks[sock_id] = DataSocket(sock_id, peer_host, sock, session, dialled=False)
+            self._socks[sock_id] = DataSocket(sock_id, peer_host, sock, dialled=False)
             self._counts[peer_host]["accepted"] += 1
             self._cv.notify_all()
 

@@ -1,4 +1,4 @@
-"""What the per-frame MAC (MCCL_FRAME_MAC) costs a link at line rate: the CPU the tags take.
+"""What the per-frame MAC (MCCL_WIRE_SECURITY=mac) costs a link at line rate: the CPU the tags take.
 
     python scripts/frame_mac_cost.py [--rate-gbit 10] [--hosts 8] [--json out.json]
 

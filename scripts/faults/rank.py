@@ -106,11 +106,14 @@ def _inproc_comm(spec: RankSpec):
     store.set(f"addr/{spec.rank}", lst.address)
     keys = [f"addr/{r}" for r in range(spec.world)]
     store.wait(keys, datetime.timedelta(seconds=_CONNECT_TIMEOUT_S))
-    opts = _core.Options()
-    opts.timeout_s = spec.timeout_s
-    opts.connect_timeout_s = _CONNECT_TIMEOUT_S
+    from mccl_common import jobkey
+    from mccl_common.settings import EngineConfig, load
+    cfg = load(EngineConfig)
+    # As the backend builds it: MCCL_WIRE_SECURITY and the job key from the environment.
+    opts = cfg.engine_options(_core.Options(), spec.timeout_s, _CONNECT_TIMEOUT_S)
     addrs = [store.get(k).decode() for k in keys]
-    return _core.Communicator(spec.rank, spec.world, spec.comm_id, lst, addrs, opts, None)
+    return _core.Communicator(spec.rank, spec.world, spec.comm_id, lst, addrs, opts, None,
+                              secret=jobkey.engine_secret(cfg.wire_security))
 
 
 def _daemon_comm(spec: RankSpec):

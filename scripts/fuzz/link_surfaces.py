@@ -15,10 +15,11 @@ link surface, stages:
 data surface, stages:
   hello    as link/hello with a "data:<id>" purpose: the socket joins the daemon's pool
   engine   a two-host job with this fuzzer as the other host: the data socket is leased
-           to it over the control link as a peer would, then the engine's 56-byte
-           Hello (handshake.cc) is sent mutated, and after it, when accepted, a mutated
-           72-byte frame header (frame.h); the engine's verdict or a close must come,
-           and the job's join must be answered
+           to it over the control link as a peer would, then the engine's 88-byte
+           hello (transport/handshake.h) is sent mutated; when challenged, the fuzzer proves
+           the job's engine secret (it holds the fleet key, as a peer does), and after an
+           accepting verdict sends a mutated 72-byte frame header (frame.h); the engine's
+           verdict or a close must come, and the job's join must be answered
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ from .target import FLEET, FLEET_KEY, Helper, fake_host_id
 
 _KEY = FLEET_KEY.encode()
 _LEN = struct.Struct("!I")
-_HELLO = struct.Struct("<IIQIIIIIQQI")       # handshake.cc encode_hello: 56 bytes
+_HELLO = struct.Struct("<IIQIIIIIQQI32s")    # handshake.cc encode_hello: 88 bytes
+_REPLY = 44                                   # challenge or verdict: magic, status, reason length, 32 bytes
 _MAGIC = 0x4C43434D
+_LINK_VERSION = 3                             # handshake.cc kLinkVersion
 _ENGINE_VERSION = 2                           # frame.h kProtocolVersion
 _K = 1                                       # MCCL_SOCKETS_PER_PEER of the fuzzed daemon
 _JOBS = itertools.count(1)
@@ -225,8 +228,8 @@ class DataSurface(Surface):
                           f"data:{fake_host_id(2)}.capture.1")
             sock.close()
         cfg = _engine_defaults()
-        hello = {"magic": _MAGIC, "version": _ENGINE_VERSION, "comm_id": "$COMM", "from_rank": 0, "to_rank": 1, "world": 2,
-                 "sock_index": 0, "socks_per_peer": _K, "frame_mac": 0, **cfg}
+        hello = {"magic": _MAGIC, "version": _LINK_VERSION, "comm_id": "$COMM", "from_rank": 0, "to_rank": 1,
+                 "world": 2, "sock_index": 0, "socks_per_peer": _K, "wire_security": 2, **cfg}
         # A collective frame of a 2-float allreduce (op_signature.cc), an ABORT and a BYE.
         header = {"magic": _MAGIC, "version": _ENGINE_VERSION, "kind": 1, "comm_id": "$COMM", "seq": 1, "tag": 0,
                   "offset": 0, "length": 8, "total": 8,
@@ -311,10 +314,10 @@ class DataSurface(Surface):
                 return Verdict(False, detail=f"lease not acked: {ack}")
             # The daemon's engine now waits for our Hello on the leased socket.
             comm = int(job, 16)
-            sock.sendall(_pack_hello(_json(hello, comm)))
+            packed = _pack_hello(_json(hello, comm))
+            sock.sendall(packed)
             sock.settimeout(ANSWER_TIMEOUT_S)
-            verdict = _recv_exact(sock, 12)
-            if verdict is not None and int.from_bytes(verdict[4:8], "little") == 0:
+            if _prove(sock, packed, job):
                 sock.sendall(_pack_header(_json(frame, comm)) if frame_kind == b"json" else frame)
             sock.shutdown(socket.SHUT_WR)
             # The join's answer, then (joined: the fuzzer will not run the job) a leave that
@@ -390,6 +393,23 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
     return buf
 
 
+def _prove(sock: socket.socket, hello: bytes, job: str) -> bool:
+    """The dialer's half of the keyed handshake after ``hello``: answer a challenge with the
+    proof under the job's engine secret (as mccld derives it); True on an accepting verdict."""
+    import hashlib
+    import hmac
+
+    from mccl_common import jobkey
+    challenge = _recv_exact(sock, _REPLY)
+    if challenge is None or int.from_bytes(challenge[4:8], "little") != 0:
+        return False
+    secret = jobkey.derive(_KEY, "engine-job", FLEET, job)
+    proof = hmac.new(secret, b"mccl link v3 dialer proof\0" + hello + challenge[12:], hashlib.sha256).digest()
+    sock.sendall(struct.pack("<I", _MAGIC) + proof)
+    verdict = _recv_exact(sock, _REPLY)
+    return verdict is not None and int.from_bytes(verdict[4:8], "little") == 0
+
+
 def _engine_defaults() -> dict[str, int]:
     from mccl_common.settings import EngineConfig, load
     cfg = load(EngineConfig)
@@ -409,7 +429,7 @@ def _pack_hello(h: Any) -> bytes:
                        _u(h.get("from_rank"), 32), _u(h.get("to_rank"), 32), _u(h.get("world"), 32),
                        _u(h.get("sock_index"), 32), _u(h.get("socks_per_peer"), 32),
                        _u(h.get("segment_bytes"), 64), _u(h.get("small_allreduce_bytes"), 64),
-                       _u(h.get("frame_mac"), 32))
+                       _u(h.get("wire_security"), 32), os.urandom(32))
 
 
 def _pack_header(h: Any) -> bytes:

@@ -23,12 +23,14 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from support.engine import job_secret
 from support.ranks import collect, free_port, reap, run_ranks, spawn_ranks
 from libmccl import _core
 from mccl_common.errors import AuthError, PeerLostError
 
 from mccld import PROTO_VERSION, auth
 from mccl_common.daemon_settings import load_config
+from mccl_common.settings import EngineConfig, load
 from mccld.daemon import Daemon
 from mccld.datalinks import DataLinks
 from mccld.links import LinkManager
@@ -78,8 +80,9 @@ def run_job(hosts: list[Host], job: str, abort: bool = False) -> list[dict[int, 
         ids[rank] = {p: [s.id for s in socks] for p, socks in leased.items()}
         opts = _core.Options()
         opts.sockets_per_peer, opts.timeout_s, opts.connect_timeout_s = K, 20.0, 10.0
+        opts.wire_security = _core.WireSecurity.aead
         comm = _core.Communicator(rank, n, comm_id, {p: [s.sock.fileno() for s in socks] for p, socks in leased.items()},
-                                  [f"{h.links.host_id}:1" for h in hosts], opts)
+                                  [f"{h.links.host_id}:1" for h in hosts], opts, secret=job_secret())
         a = np.full(1 << 18, rank + 1, dtype=np.float32)
         comm.wait(comm.allreduce(a.ctypes.data, a.size, F32, SUM), 20)
         assert (a == n * (n + 1) // 2).all()
@@ -215,7 +218,7 @@ def two_daemons(request):
     try:
         for d, name in zip(dirs, names):
             env = _env(d, name, free_port()) | extra
-            daemons.append(Daemon(load_config(env=env), engine_cfg=None).start())
+            daemons.append(Daemon(load_config(env=env), engine_cfg=load(EngineConfig, env=os.environ | extra)).start())
         yield daemons, [str(d) for d in dirs]
     finally:
         for d in daemons:
@@ -273,12 +276,14 @@ def _jobs_closed(daemons: list[Daemon], within_s: float = 20.0) -> None:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("two_daemons", [{}, {"MCCL_FRAME_MAC": "1"}], ids=["plain", "frame-mac"], indirect=True)
+@pytest.mark.parametrize("two_daemons", [{"MCCL_WIRE_SECURITY": "off"}, {}], ids=["off", "keyed"], indirect=True)
 def test_two_jobs_between_two_daemons_reuse_the_same_data_sockets(two_daemons, request):
-    """With MCCL_FRAME_MAC=1 too: every frame tagged under per-job keys, and the sockets,
-    released at the tagged BYEs, still serve the second job."""
+    """Keyed (the default) too: each job's engine proves the job's secret on the pooled
+    sockets and derives fresh keys, and the sockets, released at the protected BYEs, still
+    serve the second job."""
     daemons, dirs = two_daemons
-    assert [d.cfg.frame_mac for d in daemons] == [request.node.callspec.id == "frame-mac"] * 2
+    want = "off" if request.node.callspec.id == "off" else "aead"
+    assert [d.engine_cfg.wire_security for d in daemons] == [want] * 2
     # One job after the other, not back to back in one process: a job leased while the last
     # one is still closing finds its sockets busy and dials new ones (correct, but not what
     # this test counts).

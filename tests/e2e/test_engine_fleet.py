@@ -23,6 +23,7 @@ import json, os, sys, time
 from pathlib import Path
 import numpy as np
 from libmccl import _core
+from mccl_common import jobkey
 from mccl_common.errors import MCCLError
 
 rank, world, comm_id, host = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
@@ -36,7 +37,9 @@ while not all((d / f"addr.{r}").exists() for r in range(world)):
     time.sleep(0.01)
 opts = _core.Options()
 opts.timeout_s, opts.connect_timeout_s = timeout_s, 30.0
-comm = _core.Communicator(rank, world, comm_id, lst, [(d / f"addr.{r}").read_text() for r in range(world)], opts, None)
+opts.wire_security = _core.WireSecurity.aead
+comm = _core.Communicator(rank, world, comm_id, lst, [(d / f"addr.{r}").read_text() for r in range(world)], opts, None,
+                          secret=jobkey.engine_secret("aead"))
 n = 4 << 20  # 16 MB of float32
 a = np.full(n, rank + 1, np.float32)
 res = {"times": []}

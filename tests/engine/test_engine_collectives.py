@@ -329,11 +329,12 @@ def test_ipv6_loopback_mesh():
     except OSError:
         pytest.skip("no IPv6 loopback")
     from libmccl import _core
-    from support.engine import run_threads
+    from support.engine import job_secret, run_threads
     listeners = [_core.Listener("::1", 0) for _ in range(2)]
     addrs = [x.address for x in listeners]
     assert addrs[0].startswith("[::1]:")
-    comms = run_threads(2, lambda r: _core.Communicator(r, 2, 3, listeners[r], addrs, make_options()))
+    comms = run_threads(2, lambda r: _core.Communicator(r, 2, 3, listeners[r], addrs, make_options(),
+                                                        secret=job_secret()))
     try:
         def body(r, c):
             a = np.full(10, r + 1, np.float64)

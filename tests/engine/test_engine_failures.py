@@ -13,8 +13,9 @@ import pytest
 from libmccl import _core
 from mccl_common.errors import (AbortedError, CollectiveMismatch, CollectiveTimeout, ConfigError,
                                 MCCLError, PeerLostError, ProtocolError)
-from support.engine import (DT, MAX, SUM, build, fd_count, make_options, ptr, ranks, run_ranks, run_threads,
-                            thread_count)
+from support import link_peer
+from support.engine import (DT, MAX, SUM, build, fd_count, job_secret, make_options, ptr, ranks, run_ranks,
+                            run_threads, thread_count)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -124,7 +125,8 @@ def test_world_size_mismatch():
 
     def make(r):
         try:
-            return _core.Communicator(r, 2, 5, listeners[r], addrs + (["127.0.0.1:1"] if r == 0 else []), opts)
+            return _core.Communicator(r, 2, 5, listeners[r], addrs + (["127.0.0.1:1"] if r == 0 else []), opts,
+                                      secret=job_secret())
         except MCCLError as e:
             return e
 
@@ -140,7 +142,7 @@ def test_connect_timeout_names_missing_rank():
     dead.close()  # nobody listens there
     t0 = time.monotonic()
     with pytest.raises(CollectiveTimeout) as info:
-        _core.Communicator(0, 2, 9, lst, [lst.address, addr], make_options(connect_timeout_s=1.0))
+        _core.Communicator(0, 2, 9, lst, [lst.address, addr], make_options(connect_timeout_s=1.0), secret=job_secret())
     assert time.monotonic() - t0 < 4.0
     assert "rank 1" in str(info.value) and info.value.peer_rank == 1
 
@@ -286,17 +288,12 @@ def test_fast_rank_shutting_down_does_not_fail_slower_ones():
         assert run_ranks(comms, body) == [4.0] * 4
 
 
-def _fake_peer(listener_sock, reply_status=0):
-    """Accepts rank 0's dial as a hand-written 'rank 1' and answers its hello."""
-    import struct
+def _fake_peer(listener_sock):
+    """Accepts rank 0's dial as a hand-written 'rank 1' that holds the job key (support/link_peer.py)."""
     conn, _ = listener_sock.accept()
-    conn.settimeout(10)
-    hello = b""
-    while len(hello) < 52:
-        hello += conn.recv(52 - len(hello))
-    magic, version, comm_id, frm, to, world, idx, k, seg, small = struct.unpack("<IIQIIIIIQQ", hello)
-    assert (magic, frm, to, world, k) == (0x4C43434D, 0, 1, 2, 1)
-    conn.sendall(struct.pack("<III", 0x4C43434D, reply_status, 0))
+    fields = link_peer.accept(conn, job_secret())
+    magic, version, comm_id, frm, to, world, idx, k = fields[:8]
+    assert (frm, to, world, k) == (0, 1, 2, 1)
     return conn
 
 
@@ -310,7 +307,7 @@ def test_malformed_frame_is_a_protocol_error_naming_the_peer():
     box = {}
     t = __import__("threading").Thread(target=lambda: box.setdefault("conn", _fake_peer(srv)))
     t.start()
-    comm = _core.Communicator(0, 2, 77, lst, addrs, make_options(sockets_per_peer=1), None)
+    comm = _core.Communicator(0, 2, 77, lst, addrs, make_options(sockets_per_peer=1), None, secret=job_secret())
     t.join(10)
     try:
         box["conn"].sendall(b"GARBAGE!" * 9)  # 72 bytes: one header's worth of nonsense
@@ -330,7 +327,7 @@ def test_ranks_with_different_segment_options_are_refused():
 
     def make(r):
         try:
-            return _core.Communicator(r, 2, 5, listeners[r], addrs, opts[r])
+            return _core.Communicator(r, 2, 5, listeners[r], addrs, opts[r], secret=job_secret())
         except MCCLError as e:
             return e
 
@@ -346,7 +343,7 @@ def test_ranks_with_different_small_allreduce_thresholds_are_refused():
 
     def make(r):
         try:
-            return _core.Communicator(r, 2, 6, listeners[r], addrs, opts[r])
+            return _core.Communicator(r, 2, 6, listeners[r], addrs, opts[r], secret=job_secret())
         except MCCLError as e:
             return e
 
@@ -395,7 +392,8 @@ def test_building_the_mesh_is_interruptible(ctrl_c):
     threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
     t0 = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
-        _core.Communicator(0, 2, 1, lst, [lst.address, silent.address], make_options(connect_timeout_s=30.0))
+        _core.Communicator(0, 2, 1, lst, [lst.address, silent.address], make_options(connect_timeout_s=30.0),
+                           secret=job_secret())
     assert time.monotonic() - t0 < 3.0
     assert thread_count() <= threads0  # the builder thread is gone (others may end too)
 

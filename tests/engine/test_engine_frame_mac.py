@@ -1,6 +1,7 @@
-"""Per-frame MACs on the engine's links (integrity/mac.h, mccld's MCCL_FRAME_MAC).
+"""Per-frame MACs on the engine's links (integrity/mac.h; MCCL_WIRE_SECURITY=mac).
 
-On sockets the caller connected, with keys per socket and direction: collectives and p2p
+On sockets the caller connected, with keys per socket and direction (derived by the link
+handshake from the job secret, transport/handshake.h): collectives and p2p
 run as without them (large messages striped, read by the receive threads, reduced as
 they arrive), a clean shutdown leaves the sockets reusable by the next job under new
 keys, a byte altered on the way fails the op naming the peer instead of corrupting the
@@ -9,7 +10,6 @@ result, and ranks that disagree on MACs are refused at the handshake. Ranks are 
 
 from __future__ import annotations
 
-import os
 import random
 import socket
 import threading
@@ -18,34 +18,31 @@ import numpy as np
 import pytest
 
 from libmccl import _core
-from mccl_common.errors import ConfigError, MCCLError, ProtocolError
+from mccl_common.errors import AuthError, ConfigError, MCCLError, ProtocolError
 
 from support.borrowed import K, Mesh, allreduce_check
-from support.engine import DT, SUM, make_options, ptr, run_ranks, run_threads
+from support.engine import DT, SUM, job_secret, make_options, ptr, run_ranks, run_threads
+
+MAC, OFF = _core.WireSecurity.mac, _core.WireSecurity.off
 
 
-def keys_for(n: int) -> list[dict[int, list[tuple[bytes, bytes]]]]:
-    """keys[r][p]: rank r's (send, receive) key per socket to p; p's are the mirror image."""
-    out: list[dict] = [{} for _ in range(n)]
-    for i in range(n):
-        for j in range(i + 1, n):
-            per_socket = [(os.urandom(32), os.urandom(32)) for _ in range(K)]
-            out[i][j] = [(a, b) for a, b in per_socket]
-            out[j][i] = [(b, a) for a, b in per_socket]
-    return out
-
-
-def build(n: int, fds, keys, comm_id: int | None = None, **kw) -> list:
+def build(n: int, fds, modes, comm_id: int | None = None, secrets=None, **kw) -> list:
+    """modes: one WireSecurity for all ranks or one per rank; secrets: one per rank (default:
+    the job secret wherever the mode needs one)."""
     cid = comm_id if comm_id is not None else random.getrandbits(63)
-    opts = make_options(sockets_per_peer=K, connect_timeout_s=kw.pop("connect_timeout_s", 10.0), **kw)
+    modes = modes if isinstance(modes, list) else [modes] * n
+    opts = [make_options(sockets_per_peer=K, connect_timeout_s=kw.get("connect_timeout_s", 10.0),
+                         wire_security=m, **{k: v for k, v in kw.items() if k != "connect_timeout_s"})
+            for m in modes]
+    keys = secrets or [job_secret(o) for o in opts]
     addrs = [f"127.0.0.1:{1000 + r}" for r in range(n)]
-    return run_threads(n, lambda r: _core.Communicator(r, n, cid, fds(r), addrs, opts, frame_keys=keys[r]))
+    return run_threads(n, lambda r: _core.Communicator(r, n, cid, fds(r), addrs, opts[r], secret=keys[r]))
 
 
 @pytest.mark.timeout(60)
 def test_collectives_and_p2p_with_frame_macs_then_a_second_job_on_the_same_sockets():
     with Mesh(3) as mesh:
-        comms = build(3, mesh.fds, keys_for(3))
+        comms = build(3, mesh.fds, MAC)
         allreduce_check(comms, 1 << 20)      # 4 MB: striped, received by the receive threads
         allreduce_check(comms, 3)
 
@@ -60,7 +57,7 @@ def test_collectives_and_p2p_with_frame_macs_then_a_second_job_on_the_same_socke
         run_ranks(comms, p2p)
         # Both ends read each other's BYE and its tag: the sockets serve the next job.
         assert run_threads(3, lambda r: comms[r].shutdown(5.0)) == [True] * 3
-        comms = build(3, mesh.fds, keys_for(3))
+        comms = build(3, mesh.fds, MAC)
         allreduce_check(comms, 1 << 18)
         assert run_threads(3, lambda r: comms[r].shutdown(5.0)) == [True] * 3
 
@@ -129,18 +126,18 @@ def allreduce_once(comms) -> list:
 
 @pytest.mark.timeout(60)
 def test_a_byte_altered_on_the_way_fails_the_op_naming_the_peer_instead_of_corrupting_it():
-    at = 56 + 72 + 4096          # after the hello and the first frame's header: payload bytes
+    at = 124 + 72 + 4096         # after the hello, the proof and the first frame's header: payload bytes
     # Without MACs the engine cannot tell: a rank ends with a wrong sum and no error.
     t = Tamperer(at)
     try:
-        comms = build(2, t.fds, [{}, {}])
+        comms = build(2, t.fds, OFF)
         assert False in allreduce_once(comms)
         run_threads(2, lambda r: comms[r].shutdown(1.0))
     finally:
         t.close()
     t = Tamperer(at)
     try:
-        comms = build(2, t.fds, keys_for(2))
+        comms = build(2, t.fds, MAC)
         outcome = allreduce_once(comms)
         run_threads(2, lambda r: comms[r].shutdown(1.0))
     finally:
@@ -152,29 +149,23 @@ def test_a_byte_altered_on_the_way_fails_the_op_naming_the_peer_instead_of_corru
 
 
 @pytest.mark.timeout(60)
-def test_different_keys_on_the_two_ends_fail_the_first_frame():
+def test_different_job_secrets_on_the_two_ends_are_refused_at_the_handshake():
     with Mesh(2) as mesh:
-        keys = keys_for(2)
-        keys[1][0] = [(s, os.urandom(32)) for s, _ in keys[1][0]]   # rank 1 checks with a wrong key
-        comms = build(2, mesh.fds, keys)
-        outcome = allreduce_once(comms)
-        run_threads(2, lambda r: comms[r].shutdown(1.0))
-    assert isinstance(outcome[1], ProtocolError) and "failed its MAC check" in str(outcome[1]), outcome
+        with pytest.raises(AuthError, match="job key"):
+            build(2, mesh.fds, MAC, secrets=[job_secret(), bytes(32)], connect_timeout_s=3.0)
 
 
 @pytest.mark.timeout(60)
 def test_ranks_that_disagree_on_frame_macs_are_refused_at_the_handshake():
     with Mesh(2) as mesh:
-        keys = keys_for(2)
-        with pytest.raises(ConfigError, match="frame MAC mismatch .*MCCL_FRAME_MAC"):
-            build(2, mesh.fds, [keys[0], {}], connect_timeout_s=3.0)
+        with pytest.raises(ConfigError, match="wire security mismatch.*MCCL_WIRE_SECURITY"):
+            build(2, mesh.fds, [MAC, OFF], connect_timeout_s=3.0)
 
 
-def test_malformed_frame_keys_are_refused():
+def test_a_missing_or_short_job_secret_is_refused():
     with Mesh(2) as mesh:
-        opts = make_options(sockets_per_peer=K, connect_timeout_s=1.0)
+        opts = make_options(sockets_per_peer=K, connect_timeout_s=1.0, wire_security=MAC)
         with pytest.raises(ConfigError, match="32 bytes"):
-            _core.Communicator(0, 2, 1, mesh.fds(0), ["a:1", "b:1"], opts, frame_keys={1: [(b"x", b"y")] * K})
-        with pytest.raises(ConfigError, match="frame keys"):
-            _core.Communicator(0, 2, 1, mesh.fds(0), ["a:1", "b:1"], opts,
-                               frame_keys={1: [(os.urandom(32), os.urandom(32))]})
+            _core.Communicator(0, 2, 1, mesh.fds(0), ["a:1", "b:1"], opts, secret=b"short")
+        with pytest.raises(ConfigError, match="no job secret"):
+            _core.Communicator(0, 2, 1, mesh.fds(0), ["a:1", "b:1"], opts)

@@ -27,7 +27,7 @@ import numpy as np
 from libmccl import _core
 from mccl_common.errors import MCCLError
 sys.path.insert(0, 'tests')
-from support.engine import file_rendezvous
+from support.engine import file_rendezvous, job_secret
 
 rank, world, comm_id, timeout_s = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 d = Path(sys.argv[5])
@@ -35,7 +35,8 @@ lst, addrs = file_rendezvous(rank, world, d)
 opts = _core.Options()
 opts.timeout_s = timeout_s
 opts.connect_timeout_s = 20.0
-comm = _core.Communicator(rank, world, comm_id, lst, addrs, opts, None)
+opts.wire_security = _core.WireSecurity.aead
+comm = _core.Communicator(rank, world, comm_id, lst, addrs, opts, None, secret=job_secret())
 a = np.ones(8 << 20, np.float32)
 result = {"ops": 0}
 try:

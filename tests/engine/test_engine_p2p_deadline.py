@@ -16,7 +16,7 @@ import pytest
 
 from libmccl import _core
 from mccl_common.errors import AbortedError, CollectiveTimeout, ConfigError, PeerLostError
-from support.engine import make_options, ptr, ranks, run_ranks
+from support.engine import job_secret, make_options, ptr, ranks, run_ranks
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -26,13 +26,16 @@ pytestmark = pytest.mark.timeout(60)
 PEER = r'''
 import os, sys
 from libmccl import _core
+from mccl_common import jobkey
 lst = _core.Listener("127.0.0.1", 0)
 print(lst.address, flush=True)
 addr0 = sys.stdin.readline().strip()
 opts = _core.Options()
 opts.timeout_s = 0.5
 opts.connect_timeout_s = 20.0
-comm = _core.Communicator(1, 2, int(sys.argv[1]), lst, [addr0, lst.address], opts, None)
+opts.wire_security = _core.WireSecurity.aead
+comm = _core.Communicator(1, 2, int(sys.argv[1]), lst, [addr0, lst.address], opts, None,
+                          secret=jobkey.engine_secret("aead"))
 print("ready", flush=True)
 sys.stdin.readline()
 os._exit(0)
@@ -107,7 +110,8 @@ def test_recv_without_deadline_fails_at_once_when_the_peer_dies():
         lst = _core.Listener("127.0.0.1", 0)
         peer.stdin.write(lst.address + "\n")
         peer.stdin.flush()
-        comm = _core.Communicator(0, 2, comm_id, lst, [lst.address, addr1], make_options(timeout_s=0.5), None)
+        comm = _core.Communicator(0, 2, comm_id, lst, [lst.address, addr1], make_options(timeout_s=0.5), None,
+                                  secret=job_secret())
         assert _line(peer) == "ready"
         a = np.zeros(8, np.uint8)
         op = comm.recv(ptr(a), 8, 1, 0, timeout_s=0)

@@ -21,7 +21,7 @@ import pytest
 from libmccl import _core
 from support.leak_check import pipe_fds
 from mccl_common.errors import AbortedError, PeerLostError
-from support.engine import DT, SUM, build, file_rendezvous, make_options, ptr, ranks, run_ranks, run_threads
+from support.engine import DT, SUM, build, file_rendezvous, job_secret, make_options, ptr, ranks, run_ranks, run_threads
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -115,14 +115,15 @@ import numpy as np
 from libmccl import _core
 from mccl_common.errors import MCCLError
 sys.path.insert(0, 'tests')
-from support.engine import file_rendezvous
+from support.engine import file_rendezvous, job_secret
 
 rank, world, comm_id, d = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
 lst, addrs = file_rendezvous(rank, world, d)
 opts = _core.Options()
 opts.timeout_s = 30.0
 opts.connect_timeout_s = 20.0
-comm = _core.Communicator(rank, world, comm_id, lst, addrs, opts, None)
+opts.wire_security = _core.WireSecurity.aead
+comm = _core.Communicator(rank, world, comm_id, lst, addrs, opts, None, secret=job_secret())
 bufs = [np.ones(8 << 20, np.float32) for _ in range(3)]
 batches, outcome = 0, []
 while not outcome:
@@ -186,7 +187,7 @@ def test_abort_while_a_receive_thread_waits_for_a_stopped_peer(tmp_path):
     try:
         before = _thread_ids()
         lst, addrs = file_rendezvous(0, 2, tmp_path)
-        comm = _core.Communicator(0, 2, comm_id, lst, addrs, make_options(), None)
+        comm = _core.Communicator(0, 2, comm_id, lst, addrs, make_options(), None, secret=job_secret())
         bufs = [np.ones(8 << 20, np.float32) for _ in range(3)]
         for _ in range(2):
             ids = [comm.allreduce(ptr(b), b.size, DT[b.dtype], int(_core.ReduceOp.MAX)) for b in bufs]

@@ -10,7 +10,7 @@ import numpy as np
 
 from libmccl import _core
 
-from .engine import DT, SUM, make_options, ptr, run_ranks, run_threads
+from .engine import DT, SUM, job_secret, make_options, ptr, run_ranks, run_threads
 
 K = 2
 
@@ -37,12 +37,16 @@ class Mesh:
     def fds(self, r: int) -> dict[int, list[int]]:
         return {p: [s.fileno() for s in socks] for p, socks in self.socks[r].items()}
 
-    def build(self, comm_ids: list[int] | None = None, **kw) -> list:
+    def build(self, comm_ids: list[int] | None = None, secrets: list[bytes | None] | None = None, **kw) -> list:
+        """One communicator per rank on these sockets; ``secrets`` (one per rank) default to
+        the test process's job secret."""
         cid = random.getrandbits(63)
         ids = comm_ids or [cid] * self.n
         opts = make_options(sockets_per_peer=K, connect_timeout_s=kw.pop("connect_timeout_s", 10.0), **kw)
+        keys = secrets or [job_secret(opts)] * self.n
         addrs = [f"127.0.0.1:{1000 + r}" for r in range(self.n)]   # names for messages only
-        return run_threads(self.n, lambda r: _core.Communicator(r, self.n, ids[r], self.fds(r), addrs, opts))
+        return run_threads(self.n, lambda r: _core.Communicator(r, self.n, ids[r], self.fds(r), addrs, opts,
+                                                                secret=keys[r]))
 
     def __enter__(self) -> "Mesh":
         return self

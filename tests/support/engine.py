@@ -16,6 +16,7 @@ import threading
 import numpy as np
 
 from libmccl import _core
+from mccl_common import jobkey
 
 DT = {
     np.dtype(np.float32): int(_core.DType.float32),
@@ -35,12 +36,22 @@ def ptr(a: np.ndarray) -> int:
 
 
 def make_options(timeout_s: float = 30.0, **kw) -> "_core.Options":
+    """Engine options as the backend builds them: MCCL_WIRE_SECURITY's default (aead) unless
+    ``wire_security`` says otherwise, so every test's links prove the job key."""
     o = _core.Options()
     o.timeout_s = timeout_s
     o.connect_timeout_s = kw.pop("connect_timeout_s", 20.0)
+    o.wire_security = _core.WireSecurity.aead
     for k, v in kw.items():
         setattr(o, k, v)
     return o
+
+
+def job_secret(opts: "_core.Options | None" = None) -> bytes | None:
+    """The engine secret the ranks of this test process share (tests/support/jobkey.py's key,
+    derived as libmccl/backend.py does); None for options with MCCL_WIRE_SECURITY=off."""
+    mode = "aead" if opts is None else opts.wire_security.name
+    return jobkey.engine_secret(mode)
 
 
 def run_threads(n: int, fn, timeout: float = 60.0) -> list:
@@ -73,7 +84,9 @@ def build(n: int, opts=None, comm_ids=None, on_complete=None):
     listeners = [_core.Listener("127.0.0.1", 0) for _ in range(n)]
     addrs = [lst.address for lst in listeners]
     cbs = on_complete or [None] * n
-    return run_threads(n, lambda r: _core.Communicator(r, n, ids[r], listeners[r], addrs, opts, cbs[r]))
+    secret = job_secret(opts)
+    return run_threads(n, lambda r: _core.Communicator(r, n, ids[r], listeners[r], addrs, opts, cbs[r],
+                                                       secret=secret))
 
 
 @contextlib.contextmanager

@@ -16,6 +16,8 @@
 #include "communicator/communicator.h"
 #include "core/dtype.h"
 #include "core/errors.h"
+#include "core/log.h"
+#include "integrity/link_crypto.h"
 #include "transport/listener.h"
 #include "core/options.h"
 #include "core/ticket.h"
@@ -44,6 +46,28 @@ ReduceOp to_op(int v) {
 
 void* ptr(uintptr_t p) { return reinterpret_cast<void*>(p); }
 
+// None: no secret (MCCL_WIRE_SECURITY=off); else the job secret as bytes.
+std::string secret_bytes(const py::object& secret) {
+  if (secret.is_none()) return {};
+  if (!py::isinstance<py::bytes>(secret)) {
+    throw_error(ErrorKind::kConfig, "[engine] the job secret must be bytes (or None with "
+                                    "MCCL_WIRE_SECURITY=off); see mccl_common.jobkey");
+  }
+  return std::string(secret.cast<py::bytes>());
+}
+
+// Engine log lines go to Python's logging, logger "libmccl.engine" (core/log.h).
+void log_to_python(LogLevel level, const std::string& line) {
+  if (!Py_IsInitialized() || python_finalizing()) return;
+  py::gil_scoped_acquire gil;
+  try {
+    py::module_::import("logging").attr("getLogger")("libmccl.engine")
+        .attr("log")(static_cast<int>(level), line);
+  } catch (py::error_already_set& e) {
+    e.discard_as_unraisable("libmccl engine log");
+  }
+}
+
 py::object error_tuple(const Error& e) {
   return py::make_tuple(static_cast<int>(e.kind()), std::string(e.what()), e.peer_rank(),
                         e.peer_addr());
@@ -54,27 +78,28 @@ py::object error_tuple(const Error& e) {
 class PyCommunicator {
  public:
   PyCommunicator(int rank, int size, uint64_t comm_id, Listener& listener,
-                 std::vector<std::string> peer_addrs, const Options& opts, py::object on_complete)
+                 std::vector<std::string> peer_addrs, const Options& opts, py::object on_complete,
+                 const py::object& secret)
       : on_complete_(std::move(on_complete)) {
     if (listener.closed()) {
       throw_error(ErrorKind::kConfig,
                   "[engine] this Listener already served a communicator; create a new one");
     }
+    std::string key = secret_bytes(secret);
     Communicator::Deliver deliver = make_deliver();
     build([&](std::atomic<bool>* cancel) {
       return std::make_unique<Communicator>(rank, size, comm_id, listener.fd(),
-                                            std::move(peer_addrs), opts, std::move(deliver),
+                                            std::move(peer_addrs), opts, key, std::move(deliver),
                                             cancel);
     });
+    wipe(&key[0], key.size());
     listener.close();
   }
 
   // On sockets the caller connected: {peer rank: [fd, ...]}; the caller keeps its fds.
-  // frame_keys: {} (no frame MACs) or {peer rank: [(send key, receive key), ...]}, 32-byte
-  // keys, one pair per socket.
   PyCommunicator(int rank, int size, uint64_t comm_id, std::map<int, std::vector<int>> sockets,
                  std::vector<std::string> peer_addrs, const Options& opts, py::object on_complete,
-                 const std::map<int, std::vector<std::pair<py::bytes, py::bytes>>>& frame_keys)
+                 const py::object& secret)
       : on_complete_(std::move(on_complete)) {
     std::vector<std::vector<int>> fds(size > 0 ? size : 0);
     for (auto& kv : sockets) {
@@ -85,32 +110,14 @@ class PyCommunicator {
       }
       fds[kv.first] = std::move(kv.second);
     }
-    std::vector<std::vector<FrameKeys>> keys;
-    if (!frame_keys.empty()) keys.resize(fds.size());
-    for (auto& kv : frame_keys) {
-      if (kv.first < 0 || kv.first >= size) {
-        throw_error(ErrorKind::kConfig, "[engine] frame keys given for rank " + std::to_string(kv.first) +
-                                            " in a world of size " + std::to_string(size));
-      }
-      for (auto& pair : kv.second) {
-        std::string_view send(pair.first), recv(pair.second);
-        if (send.size() != kMacKeyBytes || recv.size() != kMacKeyBytes) {
-          throw_error(ErrorKind::kConfig, "[engine] frame keys for rank " + std::to_string(kv.first) +
-                                              " must be " + std::to_string(kMacKeyBytes) + " bytes each");
-        }
-        FrameKeys k;
-        std::memcpy(k.send, send.data(), kMacKeyBytes);
-        std::memcpy(k.recv, recv.data(), kMacKeyBytes);
-        keys[kv.first].push_back(k);
-      }
-    }
+    std::string key = secret_bytes(secret);
     Communicator::Deliver deliver = make_deliver();
     // The handshakes are bounded by the connect timeout and cannot be cancelled midway.
     build([&](std::atomic<bool>*) {
       return std::make_unique<Communicator>(rank, size, comm_id, std::move(fds),
-                                            std::move(peer_addrs), opts, std::move(deliver),
-                                            std::move(keys));
+                                            std::move(peer_addrs), opts, key, std::move(deliver));
     });
+    wipe(&key[0], key.size());
   }
 
   ~PyCommunicator() {
@@ -204,6 +211,7 @@ Communicator* communicator_of(py::handle comm) {
 }
 
 void register_engine_bindings(py::module_& m) {
+  set_log_sink(&log_to_python);
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -306,15 +314,24 @@ void register_engine_bindings(py::module_& m) {
         return Communicator::allreduce_piece_bytes(o, size, count, to_dtype(dt));
       }, py::arg("opts"), py::arg("size"), py::arg("count"), py::arg("dtype"))
       .def(py::init<int, int, uint64_t, Listener&, std::vector<std::string>, const Options&,
-                    py::object>(),
+                    py::object, const py::object&>(),
            py::arg("rank"), py::arg("size"), py::arg("comm_id"), py::arg("listener"),
-           py::arg("peer_addrs"), py::arg("opts"), py::arg("on_complete") = py::none())
+           py::arg("peer_addrs"), py::arg("opts"), py::arg("on_complete") = py::none(),
+           py::kw_only(), py::arg("secret") = py::none())
       .def(py::init<int, int, uint64_t, std::map<int, std::vector<int>>, std::vector<std::string>,
-                    const Options&, py::object,
-                    const std::map<int, std::vector<std::pair<py::bytes, py::bytes>>>&>(),
+                    const Options&, py::object, const py::object&>(),
            py::arg("rank"), py::arg("size"), py::arg("comm_id"), py::arg("sockets"),
            py::arg("peer_addrs"), py::arg("opts"), py::arg("on_complete") = py::none(),
-           py::arg("frame_keys") = std::map<int, std::vector<std::pair<py::bytes, py::bytes>>>{})
+           py::kw_only(), py::arg("secret") = py::none())
+      .def("link_key_ids", [](PC& c) {
+        py::dict out;
+        const auto& ids = c.core().link_key_ids();
+        for (size_t r = 0; r < ids.size(); ++r) {
+          if (!ids[r].empty()) out[py::int_(r)] = py::cast(ids[r]);
+        }
+        return out;
+      }, "{peer: [(send key id, recv key id), ...]}: one-way ids of the frame keys each "
+         "socket's handshake derived (equal ids: equal keys); empty with MCCL_WIRE_SECURITY=off")
       .def("allreduce", [](PC& c, uintptr_t p, size_t count, int dt, int op,
                            std::shared_ptr<Ticket> ready, std::shared_ptr<Ticket> done, uint64_t base) {
         return c.core().allreduce(ptr(p), count, to_dtype(dt), to_op(op),

@@ -15,12 +15,32 @@ namespace {
 // bigger ones are freed after their op.
 constexpr size_t kKeepScratchBytes = 64 << 20;
 
+// Job secrets come from mccl_common.jobkey.derive (32 bytes); shorter ones are guessable.
+constexpr size_t kMinSecretBytes = 32;
+
+// A public name for a key: HMAC(key, label), 8 bytes in hex. One-way, so showing it
+// reveals nothing of the key, yet equal keys give equal ids.
+std::string key_id(const uint8_t key[kMacKeyBytes]) {
+  static const char kLabel[] = "mccl frame key id";
+  uint8_t mac[kLinkProofBytes];
+  hmac_sha256(LinkSecret(std::string(reinterpret_cast<const char*>(key), kMacKeyBytes)),
+              {{kLabel, sizeof(kLabel)}}, mac);
+  static const char hex[] = "0123456789abcdef";
+  std::string out;
+  for (int i = 0; i < 8; ++i) {
+    out += hex[mac[i] >> 4];
+    out += hex[mac[i] & 15];
+  }
+  return out;
+}
+
 
 }  // namespace
 
 Communicator::Communicator(int rank, int size, uint64_t comm_id, int listen_fd,
                            std::vector<std::string> peer_addrs, const Options& opts,
-                           Deliver deliver, std::atomic<bool>* cancel)
+                           const std::string& secret, Deliver deliver,
+                           std::atomic<bool>* cancel)
     : rank_(rank),
       size_(size),
       comm_id_(comm_id),
@@ -30,32 +50,23 @@ Communicator::Communicator(int rank, int size, uint64_t comm_id, int listen_fd,
       timeout_s_(opts.timeout_s),
       deliver_(std::move(deliver)) {
   validate_world();
-  start(build_mesh(mesh_spec(), listen_fd, deadline_after(opts_.connect_timeout_s), cancel));
+  start(build_mesh(mesh_spec(secret), listen_fd, deadline_after(opts_.connect_timeout_s),
+                   cancel));
 }
 
 Communicator::Communicator(int rank, int size, uint64_t comm_id,
                            std::vector<std::vector<int>> fds, std::vector<std::string> peer_addrs,
-                           const Options& opts, Deliver deliver,
-                           std::vector<std::vector<FrameKeys>> frame_keys)
+                           const Options& opts, const std::string& secret, Deliver deliver)
     : rank_(rank),
       size_(size),
       comm_id_(comm_id),
       opts_(opts),
       addrs_(std::move(peer_addrs)),
-      frame_keys_(std::move(frame_keys)),
       borrowed_(true),
       timeout_s_(opts.timeout_s),
       deliver_(std::move(deliver)) {
   validate_world();
-  if (!frame_keys_.empty()) {
-    for (size_t r = 0; r < fds.size(); ++r) {
-      if (frame_keys_.size() != fds.size() || frame_keys_[r].size() != fds[r].size()) {
-        throw_error(ErrorKind::kConfig, "[engine] frame keys do not match the sockets to rank " +
-                                            std::to_string(r) + "; give one key pair per socket");
-      }
-    }
-  }
-  start(adopt_mesh(mesh_spec(), fds, deadline_after(opts_.connect_timeout_s)));
+  start(adopt_mesh(mesh_spec(secret), fds, deadline_after(opts_.connect_timeout_s)));
 }
 
 size_t Communicator::allreduce_piece_bytes(const Options& opts, int size, size_t count, DType dt) {
@@ -76,24 +87,45 @@ void Communicator::validate_world() const {
   }
 }
 
-MeshSpec Communicator::mesh_spec() const {
+MeshSpec Communicator::mesh_spec(const std::string& secret) const {
+  const bool keyed = opts_.wire_security != WireSecurity::kOff;
+  if (keyed && secret.size() < kMinSecretBytes) {
+    throw_error(ErrorKind::kConfig,
+                std::string("[engine] ") +
+                    (secret.empty() ? "no job secret given" : "the job secret is too short") +
+                    ": MCCL_WIRE_SECURITY=" + (opts_.wire_security == WireSecurity::kMac ? "mac" : "aead") +
+                    " needs at least " + std::to_string(kMinSecretBytes) +
+                    " bytes shared by every rank to open the links; give the job key "
+                    "(MCCL_JOB_KEY_FILE / the fleet key), or MCCL_WIRE_SECURITY=off on a trusted network");
+  }
+  if (!keyed && !secret.empty()) {
+    throw_error(ErrorKind::kConfig,
+                "[engine] a job secret was given but MCCL_WIRE_SECURITY=off would not use it; "
+                "set MCCL_WIRE_SECURITY to aead or mac, or pass no secret");
+  }
   MeshSpec spec;
+  spec.wire_security = static_cast<uint32_t>(opts_.wire_security);
+  spec.secret = LinkSecret(secret);
   spec.rank = rank_;
   spec.size = size_;
   spec.comm_id = comm_id_;
   spec.sockets_per_peer = opts_.sockets_per_peer;
   spec.socket_buffer_bytes = opts_.socket_buffer_bytes;
-  spec.frame_mac = !frame_keys_.empty();
   spec.terms = terms_of(opts_);
   spec.rules = rules();
   spec.peer_addrs = addrs_;
   return spec;
 }
 
-void Communicator::start(std::vector<std::vector<Fd>> links) {
-  transport_ = std::make_unique<Transport>(rank_, size_, comm_id_, std::move(links), addrs_,
-                                           opts_.send_thread, opts_.recv_threads, frame_keys_,
+void Communicator::start(MeshLinks mesh) {
+  key_ids_.assign(mesh.keys.size(), {});
+  for (size_t r = 0; r < mesh.keys.size(); ++r) {
+    for (const FrameKeys& k : mesh.keys[r]) key_ids_[r].emplace_back(key_id(k.send), key_id(k.recv));
+  }
+  transport_ = std::make_unique<Transport>(rank_, size_, comm_id_, std::move(mesh.links), addrs_,
+                                           opts_.send_thread, opts_.recv_threads, mesh.keys,
                                            rules());
+  for (auto& per_peer : mesh.keys) wipe(per_peer.data(), per_peer.size() * sizeof(FrameKeys));
   worker_ = std::thread([this] {
     name_this_thread("mccl-worker");
     worker_main();

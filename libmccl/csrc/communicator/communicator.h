@@ -84,19 +84,20 @@ class Communicator {
   using Deliver = std::function<void(std::vector<Completion>& batch)>;
 
   // Builds the mesh (blocking, bounded by opts.connect_timeout_s; setting *cancel from
-  // another thread interrupts it) and starts the threads.
+  // another thread interrupts it) and starts the threads. `secret`: the job secret every
+  // link proves in its handshake and derives its frame keys from (transport/handshake.h);
+  // at least 32 bytes, required unless opts.wire_security is kOff (then it must be empty).
   Communicator(int rank, int size, uint64_t comm_id, int listen_fd,
-               std::vector<std::string> peer_addrs, const Options& opts, Deliver deliver,
-               std::atomic<bool>* cancel = nullptr);
+               std::vector<std::string> peer_addrs, const Options& opts,
+               const std::string& secret, Deliver deliver, std::atomic<bool>* cancel = nullptr);
   // Builds it on sockets the caller already connected: `fds[peer]` holds
   // opts.sockets_per_peer sockets to each peer (empty for this rank), which the engine
   // dup()s and handshakes on (transport/mesh.h adopt_mesh). These borrowed sockets are
   // left reusable by a clean shutdown (see released_clean).
-  // `frame_keys`: empty, or frame_keys[peer] with one FrameKeys per socket of fds[peer]:
-  // every frame then carries a MAC under them (integrity/mac.h; mccld's MCCL_FRAME_MAC).
+  // The same handshake runs on them, so every job derives fresh frame keys.
   Communicator(int rank, int size, uint64_t comm_id, std::vector<std::vector<int>> fds,
-               std::vector<std::string> peer_addrs, const Options& opts, Deliver deliver,
-               std::vector<std::vector<FrameKeys>> frame_keys = {});
+               std::vector<std::string> peer_addrs, const Options& opts,
+               const std::string& secret, Deliver deliver);
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
@@ -165,17 +166,21 @@ class Communicator {
   int size() const { return size_; }
   uint64_t comm_id() const { return comm_id_; }
   const std::string& peer_address(int r) const;
+  // [peer][socket] -> (send key id, recv key id), hex; empty under WireSecurity::kOff.
+  const std::vector<std::vector<std::pair<std::string, std::string>>>& link_key_ids() const {
+    return key_ids_;
+  }
   CommStats stats() const;
 
  private:
   void validate_world() const;
-  MeshSpec mesh_spec() const;
+  MeshSpec mesh_spec(const std::string& secret) const;
   // What our collectives' signatures and terms mean, for the transport (one for all).
   static std::shared_ptr<const CollectiveRules> rules() {
     static const auto r = std::make_shared<const CollectiveRules>();
     return r;
   }
-  void start(std::vector<std::vector<Fd>> links);
+  void start(MeshLinks mesh);
   uint64_t enqueue(Op op);
   void check_root(int root, const char* op) const;
   void check_ptr(const void* p, size_t n, const char* what, const char* op) const;
@@ -198,7 +203,9 @@ class Communicator {
   const uint64_t comm_id_;
   const Options opts_;
   std::vector<std::string> addrs_;
-  std::vector<std::vector<FrameKeys>> frame_keys_;  // empty: no frame MACs
+  // Per socket, short public ids of the (send, recv) frame keys the handshakes derived:
+  // lets tests and operators see that keys differ per socket and per job without them.
+  std::vector<std::vector<std::pair<std::string, std::string>>> key_ids_;
   const bool borrowed_;         // links built on the caller's sockets (adopt_mesh)
   double release_timeout_s_ = 2.0;  // set by shutdown() before the worker reads it
   std::atomic<bool> released_clean_{false};

@@ -6,7 +6,7 @@
 //
 // Self-contained, portable C++ (64-bit limbs with unsigned __int128); checked against
 // RFC 8439's test vectors (tests/test_frame_mac.py). The transport tags every frame with it
-// when its owner gives a link keys (transport/pair.h; mccld with MCCL_FRAME_MAC=1).
+// when its owner gives a link keys (transport/pair.h; derived by the link handshake, MCCL_WIRE_SECURITY).
 #pragma once
 #include <cstddef>
 #include <cstdint>

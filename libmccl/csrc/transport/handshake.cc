@@ -4,15 +4,26 @@
 #include <vector>
 
 #include "core/errors.h"
+#include "core/options.h"
 #include "transport/frame.h"
 
 namespace mccl {
 
 namespace {
 
-constexpr size_t kHelloBytes = 56;
-constexpr size_t kReplyFixed = 12;
+// The handshake's own version, apart from the frames' kProtocolVersion: v3 is the first
+// keyed one.
+constexpr uint32_t kLinkVersion = 3;
+constexpr size_t kHelloBytes = 88;
+constexpr size_t kReplyBytes = 44;  // magic, status, reason length, nonce or proof
+constexpr size_t kProofMsgBytes = 4 + kLinkProofBytes;
 constexpr uint32_t kMaxReason = 1024;
+
+// Labels keep the two proofs and the two key directions apart under one secret.
+constexpr char kDialLabel[] = "mccl link v3 dialer proof";
+constexpr char kAcceptLabel[] = "mccl link v3 acceptor proof";
+constexpr char kKeyD2A[] = "mccl link v3 frames dialer->acceptor";
+constexpr char kKeyA2D[] = "mccl link v3 frames acceptor->dialer";
 
 void put32(uint8_t* p, uint32_t v) {
   for (int i = 0; i < 4; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
@@ -26,9 +37,9 @@ void put64(uint8_t* p, uint64_t v) {
 }
 uint64_t get64(const uint8_t* p) { return uint64_t(get32(p)) | uint64_t(get32(p + 4)) << 32; }
 
-void encode_hello(const Hello& h, uint8_t* out) {
+void encode_hello(const Hello& h, const uint8_t nonce[kLinkNonceBytes], uint8_t* out) {
   put32(out, kFrameMagic);
-  put32(out + 4, kProtocolVersion);  // u16 version + u16 zero padding
+  put32(out + 4, kLinkVersion);
   put64(out + 8, h.comm_id);
   put32(out + 16, h.from_rank);
   put32(out + 20, h.to_rank);
@@ -36,28 +47,89 @@ void encode_hello(const Hello& h, uint8_t* out) {
   put32(out + 28, h.sock_index);
   put32(out + 32, h.socks_per_peer);
   std::memcpy(out + 36, h.terms.data(), kTermsBytes);
-  put32(out + 52, h.frame_mac);
+  put32(out + 52, h.wire_security);
+  std::memcpy(out + 56, nonce, kLinkNonceBytes);
 }
 
-// The refusal says what differs; `kind` decides the exception class on both sides.
+Hello decode_hello(const uint8_t* in) {
+  Hello h;
+  h.comm_id = get64(in + 8);
+  h.from_rank = get32(in + 16);
+  h.to_rank = get32(in + 20);
+  h.world = get32(in + 24);
+  h.sock_index = get32(in + 28);
+  h.socks_per_peer = get32(in + 32);
+  std::memcpy(h.terms.data(), in + 36, kTermsBytes);
+  h.wire_security = get32(in + 52);
+  return h;
+}
+
+const uint8_t* nonce_of_hello(const uint8_t* hello) { return hello + 56; }
+
+const char* mode_name(uint32_t m) {
+  switch (m) {
+    case static_cast<uint32_t>(WireSecurity::kOff): return "off";
+    case static_cast<uint32_t>(WireSecurity::kMac): return "mac";
+    case static_cast<uint32_t>(WireSecurity::kAead): return "aead";
+    default: return "unknown";
+  }
+}
+
+bool keyed(uint32_t mode) { return mode != static_cast<uint32_t>(WireSecurity::kOff); }
+
+// Both proofs cover the whole transcript; the acceptor's also covers its verdict, so a
+// stranger on the path can neither forge an "ok" nor turn one into a refusal.
+void dialer_proof(const LinkSecret& s, const uint8_t* hello, const uint8_t* na, uint8_t* out) {
+  hmac_sha256(s, {{kDialLabel, sizeof(kDialLabel)}, {hello, kHelloBytes}, {na, kLinkNonceBytes}},
+              out);
+}
+
+void acceptor_proof(const LinkSecret& s, const uint8_t* hello, const uint8_t* na,
+                    const uint8_t* status_and_len, const std::string& reason, uint8_t* out) {
+  hmac_sha256(s,
+              {{kAcceptLabel, sizeof(kAcceptLabel)},
+               {hello, kHelloBytes},
+               {na, kLinkNonceBytes},
+               {status_and_len, 8},
+               {reason.data(), reason.size()}},
+              out);
+}
+
+FrameKeys derive_keys(const LinkSecret& s, const uint8_t* hello, const uint8_t* na,
+                      bool dialer) {
+  uint8_t salt[2 * kLinkNonceBytes];
+  std::memcpy(salt, nonce_of_hello(hello), kLinkNonceBytes);
+  std::memcpy(salt + kLinkNonceBytes, na, kLinkNonceBytes);
+  auto info = [&](const char* label, size_t n) {
+    std::vector<uint8_t> v(label, label + n);
+    v.insert(v.end(), hello, hello + kHelloBytes);
+    v.insert(v.end(), na, na + kLinkNonceBytes);
+    return v;
+  };
+  std::vector<uint8_t> d2a = info(kKeyD2A, sizeof(kKeyD2A));
+  std::vector<uint8_t> a2d = info(kKeyA2D, sizeof(kKeyA2D));
+  FrameKeys k;
+  hkdf_sha256(s, {salt, sizeof(salt)}, {d2a.data(), d2a.size()}, dialer ? k.send : k.recv,
+              kMacKeyBytes);
+  hkdf_sha256(s, {salt, sizeof(salt)}, {a2d.data(), a2d.size()}, dialer ? k.recv : k.send,
+              kMacKeyBytes);
+  return k;
+}
+
+// The refusal says what differs; `kind` decides the exception class on both sides. Only
+// for a peer that proved the key: it may learn this rank's view, except the comm id,
+// which would let it pose as a member of this communicator elsewhere.
 struct Verdict {
   ErrorKind kind = ErrorKind::kGeneric;
   std::string reason;  // empty: accepted
 };
 
-Verdict judge(const Hello& theirs, uint32_t version, const Hello& mine,
-              const SignatureRules& rules) {
+Verdict judge(const Hello& theirs, const Hello& mine, const SignatureRules& rules) {
   auto n = [](uint64_t v) { return std::to_string(v); };
-  if (version != kProtocolVersion) {
-    return {ErrorKind::kProtocol, "protocol version mismatch (dialer speaks " + n(version) +
-                                      ", acceptor " + n(kProtocolVersion) +
-                                      "); run the same MCCL build on every rank"};
-  }
   if (theirs.comm_id != mine.comm_id) {
     return {ErrorKind::kProtocol,
-            "communicator id mismatch (dialer " + n(theirs.comm_id) + ", acceptor " +
-                n(mine.comm_id) +
-                "); likely a stale process from an earlier job; restart all ranks"};
+            "communicator id mismatch; likely a stale process from an earlier job of the same "
+            "job key; restart all ranks"};
   }
   if (theirs.world != mine.world) {
     return {ErrorKind::kConfig, "world size mismatch (dialer " + n(theirs.world) +
@@ -85,25 +157,66 @@ Verdict judge(const Hello& theirs, uint32_t version, const Hello& mine,
     std::string why = rules.terms_mismatch(theirs.terms, mine.terms);
     return {ErrorKind::kConfig, why.empty() ? "the ranks' options differ" : why};
   }
-  if (theirs.frame_mac != mine.frame_mac) {
-    auto on = [](uint32_t v) { return std::string(v ? "on" : "off"); };
-    return {ErrorKind::kConfig, "frame MAC mismatch (dialer " + on(theirs.frame_mac) + ", acceptor " +
-                                    on(mine.frame_mac) +
-                                    "); set MCCL_FRAME_MAC the same on every mccld of the fleet"};
+  if (theirs.wire_security != mine.wire_security) {
+    return {ErrorKind::kConfig, std::string("wire security mismatch (dialer ") +
+                                    mode_name(theirs.wire_security) + ", acceptor " +
+                                    mode_name(mine.wire_security) +
+                                    "); set MCCL_WIRE_SECURITY the same on every rank and mccld"};
   }
   return {};
 }
 
+void encode_reply(uint8_t* out, uint32_t status, uint32_t reason_len, const uint8_t* tail32) {
+  put32(out, kFrameMagic);
+  put32(out + 4, status);
+  put32(out + 8, reason_len);
+  std::memcpy(out + 12, tail32, 32);
+}
+
+bool send_reply(int fd, uint32_t status, const uint8_t* tail32, const std::string& reason,
+                Deadline deadline, const std::atomic<bool>* cancel) {
+  std::vector<uint8_t> msg(kReplyBytes + reason.size());
+  encode_reply(msg.data(), status, static_cast<uint32_t>(reason.size()), tail32);
+  std::memcpy(msg.data() + kReplyBytes, reason.data(), reason.size());
+  return write_all(fd, msg.data(), msg.size(), deadline, cancel);
+}
+
 }  // namespace
 
-bool handshake_dial(int fd, const Hello& hello, const std::string& peer_addr, Deadline deadline,
-                    const std::atomic<bool>* cancel) {
+bool handshake_dial(int fd, const Hello& hello, const LinkSecret& secret,
+                    const std::string& peer_addr, Deadline deadline,
+                    const std::atomic<bool>* cancel, FrameKeys* keys) {
   const int peer = static_cast<int>(hello.to_rank);
   const std::string who = "peer=" + peer_addr + " (rank " + std::to_string(peer) + ")";
-  uint8_t buf[kHelloBytes];
-  encode_hello(hello, buf);
-  uint8_t reply[kReplyFixed];
-  if (!write_all(fd, buf, sizeof(buf), deadline, cancel) ||
+  const bool with_key = keyed(hello.wire_security);
+  const std::string key_cause =
+      "likely cause: the ranks hold different job keys (MCCL_JOB_KEY_FILE / the fleet key), or "
+      "another program holds that address; give every rank of the job the same key";
+
+  uint8_t nd[kLinkNonceBytes];
+  random_bytes(nd, sizeof(nd));
+  uint8_t hello_buf[kHelloBytes];
+  encode_hello(hello, nd, hello_buf);
+  uint8_t reply[kReplyBytes];
+  auto read_reason = [&](uint32_t len) {
+    std::string reason(len, '\0');
+    if (len && !read_all(fd, &reason[0], len, deadline, cancel)) reason = "(reason lost)";
+    return reason;
+  };
+  // Before the acceptor proved the key its words are a stranger's: keep them printable so
+  // they cannot forge log lines.
+  auto printable = [](std::string text) {
+    for (char& c : text) {
+      if (c < 0x20 || c > 0x7e) c = '?';
+    }
+    return text;
+  };
+  auto malformed = [&](const uint8_t* r) {
+    return get32(r) != kFrameMagic || get32(r + 8) > kMaxReason ||
+           get32(r + 4) > static_cast<uint32_t>(ErrorKind::kAuth);
+  };
+
+  if (!write_all(fd, hello_buf, sizeof(hello_buf), deadline, cancel) ||
       !read_all(fd, reply, sizeof(reply), deadline, cancel)) {
     if (cancel && cancel->load()) return false;
     throw_error(ErrorKind::kPeerLost,
@@ -112,60 +225,147 @@ bool handshake_dial(int fd, const Hello& hello, const std::string& peer_addr, De
                     "another program; check every rank is running the same job",
                 peer, peer_addr);
   }
-  uint32_t status = get32(reply + 4);
-  uint32_t len = get32(reply + 8);
-  if (get32(reply) != kFrameMagic || len > kMaxReason || status > 6) {
+  if (malformed(reply)) {
     throw_error(ErrorKind::kProtocol,
                 "[transport] handshake with " + who +
                     ": the answer is not MCCL; the address belongs to another program",
                 peer, peer_addr);
   }
-  if (status == 0) return true;
-  std::string reason(len, '\0');
-  if (len && !read_all(fd, &reason[0], len, deadline)) reason = "(reason lost)";
-  throw_error(static_cast<ErrorKind>(status),
-              "[transport] handshake refused by " + who + ": " + reason, peer, peer_addr);
+  if (get32(reply + 4) != 0) {
+    // Before any proof: only a different build or an off/on mode is refused in words.
+    const uint32_t status = get32(reply + 4);
+    std::string reason = printable(read_reason(get32(reply + 8)));
+    const bool expected = status == static_cast<uint32_t>(ErrorKind::kProtocol) ||
+                          status == static_cast<uint32_t>(ErrorKind::kConfig);
+    throw_error(expected ? static_cast<ErrorKind>(status) : ErrorKind::kProtocol,
+                "[transport] handshake refused by " + who +
+                    " before the key exchange (unauthenticated): " + reason,
+                peer, peer_addr);
+  }
+  uint8_t na[kLinkNonceBytes];
+  std::memcpy(na, reply + 12, kLinkNonceBytes);
+
+  uint8_t proof[kProofMsgBytes] = {};
+  put32(proof, kFrameMagic);
+  if (with_key) dialer_proof(secret, hello_buf, na, proof + 4);
+  if (!write_all(fd, proof, sizeof(proof), deadline, cancel) ||
+      !read_all(fd, reply, sizeof(reply), deadline, cancel)) {
+    if (cancel && cancel->load()) return false;
+    if (with_key) {
+      throw_error(ErrorKind::kAuth,
+                  "[transport] " + who + " dropped the link after our proof of the job key; " +
+                      key_cause,
+                  peer, peer_addr);
+    }
+    throw_error(ErrorKind::kPeerLost,
+                "[transport] handshake with " + who + " got no verdict; likely cause: that rank "
+                "exited or refused us; check its log",
+                peer, peer_addr);
+  }
+  if (malformed(reply)) {
+    throw_error(ErrorKind::kProtocol,
+                "[transport] handshake with " + who +
+                    ": the verdict is not MCCL; the address belongs to another program",
+                peer, peer_addr);
+  }
+  const uint32_t status = get32(reply + 4);
+  std::string reason = read_reason(get32(reply + 8));
+  if (with_key) {
+    uint8_t want[kLinkProofBytes];
+    acceptor_proof(secret, hello_buf, na, reply + 4, reason, want);
+    const bool ok = equal_secret(want, reply + 12, kLinkProofBytes);
+    wipe(want, sizeof(want));
+    if (!ok) {
+      throw_error(ErrorKind::kAuth,
+                  "[transport] " + who + " answered without proving the job key; " + key_cause,
+                  peer, peer_addr);
+    }
+  }
+  if (status != 0) {
+    throw_error(static_cast<ErrorKind>(status),
+                "[transport] handshake refused by " + who + ": " + reason, peer, peer_addr);
+  }
+  if (with_key) *keys = derive_keys(secret, hello_buf, na, /*dialer=*/true);
+  return true;
 }
 
-std::optional<Hello> handshake_accept_impl(int fd, const Hello& mine, const SignatureRules& rules,
-                                           Deadline deadline,
-                                           bool (*is_dup)(void*, uint32_t, uint32_t),
-                                           void* ctx) {
-  uint8_t buf[kHelloBytes];
-  if (!read_all(fd, buf, sizeof(buf), deadline) || get32(buf) != kFrameMagic) {
-    return std::nullopt;  // not one of ours (port scanner, health check): drop it
+std::optional<Accepted> handshake_accept_impl(int fd, const Hello& mine, const LinkSecret& secret,
+                                              const SignatureRules& rules, Deadline deadline,
+                                              bool (*is_dup)(void*, uint32_t, uint32_t),
+                                              void* ctx, std::string* dropped_why,
+                                              const std::atomic<bool>* cancel) {
+  auto drop = [&](const std::string& why) -> std::optional<Accepted> {
+    if (dropped_why) *dropped_why = why;
+    return std::nullopt;
+  };
+  uint8_t hello_buf[kHelloBytes];
+  if (!read_all(fd, hello_buf, sizeof(hello_buf), deadline, cancel)) {
+    return drop("sent no complete MCCL hello in time");
   }
-  Hello theirs;
-  uint32_t version = get32(buf + 4) & 0xFFFF;
-  theirs.comm_id = get64(buf + 8);
-  theirs.from_rank = get32(buf + 16);
-  theirs.to_rank = get32(buf + 20);
-  theirs.world = get32(buf + 24);
-  theirs.sock_index = get32(buf + 28);
-  theirs.socks_per_peer = get32(buf + 32);
-  std::memcpy(theirs.terms.data(), buf + 36, kTermsBytes);
-  theirs.frame_mac = get32(buf + 52);
+  if (get32(hello_buf) != kFrameMagic) return drop("is not an MCCL link (no MCCL hello)");
+  const uint8_t zeros[32] = {};
+  if (get32(hello_buf + 4) != kLinkVersion) {
+    // Facts about this build only: nothing a stranger could use.
+    send_reply(fd, static_cast<uint32_t>(ErrorKind::kProtocol), zeros,
+               "link handshake version mismatch (this rank speaks v" +
+                   std::to_string(kLinkVersion) + "); run the same MCCL build on every rank",
+               deadline, cancel);
+    return drop("speaks another link handshake version (another MCCL build)");
+  }
+  Hello theirs = decode_hello(hello_buf);
+  const bool with_key = keyed(mine.wire_security);
+  if (keyed(theirs.wire_security) != with_key) {
+    // Without a key on both sides there is nothing to prove: say why instead of a silent drop.
+    send_reply(fd, static_cast<uint32_t>(ErrorKind::kConfig), zeros,
+               std::string("wire security mismatch: this rank runs MCCL_WIRE_SECURITY=") +
+                   mode_name(mine.wire_security) +
+                   "; set MCCL_WIRE_SECURITY the same on every rank and mccld",
+               deadline, cancel);
+    return drop(std::string("asked for MCCL_WIRE_SECURITY=") + mode_name(theirs.wire_security) +
+                " (this rank: " + mode_name(mine.wire_security) + ")");
+  }
 
-  Verdict v = judge(theirs, version, mine, rules);
+  uint8_t na[kLinkNonceBytes];
+  random_bytes(na, sizeof(na));
+  if (!send_reply(fd, 0, na, "", deadline, cancel)) return drop("closed the link before the challenge");
+  uint8_t proof[kProofMsgBytes];
+  if (!read_all(fd, proof, sizeof(proof), deadline, cancel) || get32(proof) != kFrameMagic) {
+    return drop("sent no proof of the job key");
+  }
+  if (with_key) {
+    uint8_t want[kLinkProofBytes];
+    dialer_proof(secret, hello_buf, na, want);
+    const bool ok = equal_secret(want, proof + 4, kLinkProofBytes);
+    wipe(want, sizeof(want));
+    if (!ok) return drop(kFailedProofWhy);
+  }
+
+  // From here the peer holds the key: a disagreement is a misconfigured job, told in words.
+  Verdict v = judge(theirs, mine, rules);
   if (v.reason.empty() && is_dup(ctx, theirs.from_rank, theirs.sock_index)) {
     v = {ErrorKind::kConfig, "two processes claim rank " + std::to_string(theirs.from_rank) +
                                  "; a stale process from an earlier job or a misnumbered rank"};
   }
-  std::vector<uint8_t> reply(kReplyFixed + v.reason.size());
-  put32(reply.data(), kFrameMagic);
-  put32(reply.data() + 4, v.reason.empty() ? 0 : static_cast<uint32_t>(v.kind));
-  put32(reply.data() + 8, static_cast<uint32_t>(v.reason.size()));
-  std::memcpy(reply.data() + kReplyFixed, v.reason.data(), v.reason.size());
-  bool sent = write_all(fd, reply.data(), reply.size(), deadline);
+  if (v.reason.size() > kMaxReason) v.reason.resize(kMaxReason);
+  const uint32_t status = v.reason.empty() ? 0 : static_cast<uint32_t>(v.kind);
+  uint8_t status_and_len[8];
+  put32(status_and_len, status);
+  put32(status_and_len + 4, static_cast<uint32_t>(v.reason.size()));
+  uint8_t tag[kLinkProofBytes] = {};
+  if (with_key) acceptor_proof(secret, hello_buf, na, status_and_len, v.reason, tag);
+  bool sent = send_reply(fd, status, tag, v.reason, deadline, cancel);
   if (!v.reason.empty()) {
     std::string addr = remote_address(fd);
     throw_error(v.kind,
-                "[transport] refused a handshake from peer=" + addr + " (claims rank " +
-                    std::to_string(theirs.from_rank) + "): " + v.reason,
+                "[transport] refused a handshake from peer=" + addr + " (rank " +
+                    std::to_string(theirs.from_rank) + ", proved the job key): " + v.reason,
                 static_cast<int>(theirs.from_rank), addr);
   }
-  if (!sent) return std::nullopt;
-  return theirs;
+  if (!sent) return drop("closed the link before the verdict");
+  Accepted out;
+  out.hello = theirs;
+  if (with_key) out.keys = derive_keys(secret, hello_buf, na, /*dialer=*/false);
+  return out;
 }
 
 }  // namespace mccl

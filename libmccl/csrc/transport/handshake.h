@@ -1,15 +1,31 @@
-// The first bytes on every new link socket. The dialer introduces itself; the acceptor
-// checks that both sides belong to the same job (protocol version, communicator id,
-// world size, ranks, sockets per peer, frame MACs, and the layer above's terms: opaque
-// bytes such as the options that cut messages, explained by its rules) and answers ok or
-// the reason it refuses. Either side turns a refusal into a typed error that says what
-// differs and what to do.
+// The first bytes on every new link socket: a challenge-response on the job secret in
+// which the dialer (the lower rank) proves the key first, then the acceptor proves it back
+// along with its verdict, and both derive the socket's frame keys.
+//
+//   D -> A  hello     magic, version, comm id, ranks, world, socket index, sockets per
+//                     peer, terms, wire security mode, fresh nonce nD      (88 bytes)
+//   A -> D  challenge magic, status 0, fresh nonce nA                      (44 bytes)
+//   D -> A  proof     magic, HMAC(secret, "dial" label, hello, nA)         (36 bytes)
+//   A -> D  verdict   magic, status, HMAC(secret, "accept" label, hello, nA, status,
+//                     reason), reason                                      (44 bytes + reason)
+//
+// The transcript (hello || nA) holds everything both sides rely on, so a proof binds them.
+// Frame keys: HKDF-SHA256(secret, salt nD || nA, info = direction label || transcript);
+// both nonces are fresh per handshake, so no key repeats across sockets, jobs or a pooled
+// socket's next job. Until the dialer's proof checks out the acceptor tells it nothing
+// about its own view (no comm id, no expected value): a connection that is not an MCCL
+// hello or fails the proof is dropped, and the caller keeps accepting. Only the build and
+// the off/on mode are refused in words before a proof, since without a shared key on both
+// sides no proof can be made. Under WireSecurity::kOff no key exists: the proofs are sent
+// as zeros and not checked, and no frame keys are derived.
 #pragma once
 #include <atomic>
 #include <cstdint>
 #include <optional>
 #include <string>
 
+#include "integrity/keys.h"
+#include "integrity/link_crypto.h"
 #include "transport/signature.h"
 #include "transport/socket.h"
 
@@ -22,37 +38,54 @@ struct Hello {
   uint32_t world = 0;
   uint32_t sock_index = 0;
   uint32_t socks_per_peer = 0;
-  Terms terms{};                       // the layer above's: every rank must agree on them
-  uint32_t frame_mac = 0;              // 1: frames carry MACs (both sides must agree)
+  Terms terms{};               // the layer above's: every rank must agree on them
+  uint32_t wire_security = 0;  // core/options.h WireSecurity: both sides must agree
 };
 
-// Dialer side: send `hello`, wait for the verdict. Throws ProtocolError/ConfigError
-// (refused, with the acceptor's reason) or PeerLost/Timeout (no answer).
-// Returns false (nothing thrown) if `cancel` became true while waiting.
-bool handshake_dial(int fd, const Hello& hello, const std::string& peer_addr, Deadline deadline,
-                    const std::atomic<bool>* cancel = nullptr);
+// Dialer side. On success fills *keys (left as is under kOff). Throws AuthError when the
+// acceptor drops the link after our proof or answers without proving the key,
+// ProtocolError/ConfigError on a refusal (with the acceptor's reason), PeerLost when
+// there is no answer at all. Returns false (nothing thrown) if `cancel` became true.
+bool handshake_dial(int fd, const Hello& hello, const LinkSecret& secret,
+                    const std::string& peer_addr, Deadline deadline,
+                    const std::atomic<bool>* cancel, FrameKeys* keys);
 
-// Acceptor side: read a hello and check it against this rank's view. On a mismatch it
-// answers the reason and throws the same error here. Returns nullopt for a connection
-// that is not an MCCL peer at all (bad magic, closed or silent): the caller drops it.
-// `seen(from_rank, sock_index)` tells whether that socket was already accepted; `rules`
-// explain differing terms.
+// What handshake_accept reports for a connection whose proof did not check out.
+constexpr char kFailedProofWhy[] = "failed the proof of the job key";
+
+struct Accepted {
+  Hello hello;
+  FrameKeys keys{};  // zeros under kOff
+};
+
+// Acceptor side: `mine` is this rank's view (from_rank = this rank). Returns nullopt for a
+// connection it dropped, with *dropped_why saying what it failed ("failed the proof of
+// the job key"); the caller logs it and keeps accepting. Once the peer has proved the key,
+// a disagreement is answered in words and thrown here too. `seen(from_rank, sock_index)`
+// says whether that socket is already held; it is asked only after the proof, so only a
+// peer that holds the key can take a link. `cancel` becoming true ends it within ~0.2 s
+// (nullopt).
 template <typename Seen>
-std::optional<Hello> handshake_accept(int fd, const Hello& mine, const SignatureRules& rules,
-                                      Deadline deadline, Seen seen);
+std::optional<Accepted> handshake_accept(int fd, const Hello& mine, const LinkSecret& secret,
+                                         const SignatureRules& rules, Deadline deadline,
+                                         Seen seen, std::string* dropped_why,
+                                         const std::atomic<bool>* cancel = nullptr);
 
-// Non-template core of handshake_accept; `duplicate` is evaluated after the basic checks.
-std::optional<Hello> handshake_accept_impl(int fd, const Hello& mine, const SignatureRules& rules,
-                                           Deadline deadline,
-                                           bool (*is_dup)(void*, uint32_t, uint32_t),
-                                           void* ctx);
+std::optional<Accepted> handshake_accept_impl(int fd, const Hello& mine, const LinkSecret& secret,
+                                              const SignatureRules& rules, Deadline deadline,
+                                              bool (*is_dup)(void*, uint32_t, uint32_t),
+                                              void* ctx, std::string* dropped_why,
+                                              const std::atomic<bool>* cancel);
 
 template <typename Seen>
-std::optional<Hello> handshake_accept(int fd, const Hello& mine, const SignatureRules& rules,
-                                      Deadline deadline, Seen seen) {
+std::optional<Accepted> handshake_accept(int fd, const Hello& mine, const LinkSecret& secret,
+                                         const SignatureRules& rules, Deadline deadline,
+                                         Seen seen, std::string* dropped_why,
+                                         const std::atomic<bool>* cancel) {
   return handshake_accept_impl(
-      fd, mine, rules, deadline,
-      [](void* c, uint32_t r, uint32_t s) { return (*static_cast<Seen*>(c))(r, s); }, &seen);
+      fd, mine, secret, rules, deadline,
+      [](void* c, uint32_t r, uint32_t s) { return (*static_cast<Seen*>(c))(r, s); }, &seen,
+      dropped_why, cancel);
 }
 
 }  // namespace mccl

@@ -10,6 +10,7 @@
 
 #include "core/errors.h"
 #include "transport/handshake.h"
+#include "transport/link_acceptor.h"
 
 namespace mccl {
 
@@ -22,7 +23,7 @@ Hello hello_of(const MeshSpec& spec) {
   h.world = static_cast<uint32_t>(spec.size);
   h.socks_per_peer = static_cast<uint32_t>(spec.sockets_per_peer);
   h.terms = spec.terms;
-  h.frame_mac = spec.frame_mac ? 1 : 0;
+  h.wire_security = spec.wire_security;
   return h;
 }
 
@@ -31,62 +32,31 @@ const SignatureRules& rules_of(const MeshSpec& spec) {
   return spec.rules ? *spec.rules : opaque;
 }
 
-void accept_lower_ranks(const MeshSpec& spec, int listen_fd, Deadline deadline,
-                        const std::atomic<bool>& stop, std::vector<std::vector<Fd>>* links) {
-  const int k = spec.sockets_per_peer;
-  int expected = spec.rank * k;
-  Hello mine = hello_of(spec);  // from_rank is judged as "the rank that was reached"
-  auto seen = [&](uint32_t r, uint32_t s) { return (*links)[r][s].valid(); };
-  while (expected > 0) {
-    if (stop.load()) return;
-    if (Clock::now() >= deadline) {
-      std::string missing;
-      for (int r = 0; r < spec.rank; ++r) {
-        for (int s = 0; s < k; ++s) {
-          if (!(*links)[r][s].valid()) {
-            missing = "rank " + std::to_string(r) + " (" + spec.peer_addrs[r] + ")";
-            break;
-          }
-        }
-        if (!missing.empty()) break;
-      }
-      throw_error(ErrorKind::kTimeout,
-                  "[transport] Timed out building links: waiting for " + missing +
-                      " to connect to this rank; likely cause: that rank did not start or "
-                      "cannot reach " + spec.peer_addrs[spec.rank] +
-                      "; check it runs and that the address is reachable (MCCL_BIND_ADDR)");
-    }
-    // Poll in short slices so a failure on the dialing side stops us promptly.
-    Deadline slice = std::min(deadline, Clock::now() + std::chrono::milliseconds(200));
-    Fd fd = accept_tcp(listen_fd, slice);
-    if (!fd.valid()) continue;
-    // A peer that connected but stays silent must not stall the whole set-up.
-    Deadline hs = std::min(deadline, Clock::now() + std::chrono::seconds(10));
-    auto hello = handshake_accept(fd.get(), mine, rules_of(spec), hs, seen);
-    if (!hello) continue;
-    configure_link_socket(fd.get(), spec.socket_buffer_bytes);
-    set_nonblocking(fd.get(), true);
-    (*links)[hello->from_rank][hello->sock_index] = std::move(fd);
-    --expected;
+MeshLinks empty_mesh(const MeshSpec& spec) {
+  MeshLinks m;
+  m.links.resize(spec.size);
+  if (spec.wire_security != 0) m.keys.resize(spec.size);
+  for (int r = 0; r < spec.size; ++r) {
+    if (r == spec.rank) continue;
+    m.links[r].resize(spec.sockets_per_peer);
+    if (!m.keys.empty()) m.keys[r].resize(spec.sockets_per_peer);
   }
+  return m;
 }
 
 }  // namespace
 
-std::vector<std::vector<Fd>> build_mesh(const MeshSpec& spec, int listen_fd, Deadline deadline,
-                                        std::atomic<bool>* cancel) {
+MeshLinks build_mesh(const MeshSpec& spec, int listen_fd, Deadline deadline,
+                     std::atomic<bool>* cancel) {
   const int k = spec.sockets_per_peer;
-  std::vector<std::vector<Fd>> links(spec.size);
-  for (int r = 0; r < spec.size; ++r) {
-    if (r != spec.rank) links[r].resize(k);
-  }
+  MeshLinks mesh = empty_mesh(spec);
   // One flag stops both directions: set by the caller (interrupt) or by a failing side.
   std::atomic<bool> own_stop{false};
   std::atomic<bool>& stop = cancel ? *cancel : own_stop;
   std::exception_ptr accept_error;
   std::thread acceptor([&] {
     try {
-      accept_lower_ranks(spec, listen_fd, deadline, stop, &links);
+      accept_lower_ranks(spec, hello_of(spec), rules_of(spec), listen_fd, deadline, stop, &mesh);
     } catch (...) {
       accept_error = std::current_exception();
       stop.store(true);
@@ -102,10 +72,13 @@ std::vector<std::vector<Fd>> build_mesh(const MeshSpec& spec, int listen_fd, Dea
         Hello h = hello_of(spec);
         h.to_rank = static_cast<uint32_t>(peer);
         h.sock_index = static_cast<uint32_t>(s);
-        if (!handshake_dial(fd.get(), h, hp.str(), deadline, &stop)) break;
+        FrameKeys keys{};
+        if (!handshake_dial(fd.get(), h, spec.secret, hp.str(), deadline, &stop, &keys)) break;
         configure_link_socket(fd.get(), spec.socket_buffer_bytes);
         set_nonblocking(fd.get(), true);
-        links[peer][s] = std::move(fd);
+        mesh.links[peer][s] = std::move(fd);
+        if (!mesh.keys.empty()) mesh.keys[peer][s] = keys;
+        wipe(&keys, sizeof(keys));
       }
     }
   } catch (...) {
@@ -119,19 +92,19 @@ std::vector<std::vector<Fd>> build_mesh(const MeshSpec& spec, int listen_fd, Dea
     throw_error(ErrorKind::kAborted, "[transport] building the links of rank " +
                                          std::to_string(spec.rank) + " was interrupted");
   }
-  return links;
+  return mesh;
 }
 
-std::vector<std::vector<Fd>> adopt_mesh(const MeshSpec& spec,
-                                        const std::vector<std::vector<int>>& fds,
-                                        Deadline deadline) {
+MeshLinks adopt_mesh(const MeshSpec& spec, const std::vector<std::vector<int>>& fds,
+                     Deadline deadline) {
   const int k = spec.sockets_per_peer;
   if (static_cast<int>(fds.size()) != spec.size) {
     throw_error(ErrorKind::kConfig, "[transport] got sockets for " + std::to_string(fds.size()) +
                                         " ranks in a world of " + std::to_string(spec.size) +
                                         "; pass one list per rank (empty for this rank)");
   }
-  std::vector<std::vector<Fd>> links(spec.size);
+  MeshLinks mesh = empty_mesh(spec);
+  auto& links = mesh.links;
   for (int peer = 0; peer < spec.size; ++peer) {
     const size_t want = peer == spec.rank ? 0 : static_cast<size_t>(k);
     if (fds[peer].size() != want) {
@@ -141,7 +114,6 @@ std::vector<std::vector<Fd>> adopt_mesh(const MeshSpec& spec,
                       " (MCCL_SOCKETS_PER_PEER); hand the same number of sockets to every peer");
     }
     if (peer == spec.rank) continue;
-    links[peer].resize(k);
     for (int s = 0; s < k; ++s) {
       int dup = ::fcntl(fds[peer][s], F_DUPFD_CLOEXEC, 0);
       if (dup < 0) {
@@ -157,45 +129,61 @@ std::vector<std::vector<Fd>> adopt_mesh(const MeshSpec& spec,
     if (peer == spec.rank) continue;
     const std::string& addr = spec.peer_addrs[peer];
     std::vector<Fd> got(k);
+    std::vector<FrameKeys> got_keys(k);
     for (int s = 0; s < k; ++s) {
       Fd& fd = links[peer][s];
       if (spec.rank < peer) {
         Hello h = mine;
         h.to_rank = static_cast<uint32_t>(peer);
         h.sock_index = static_cast<uint32_t>(s);
-        handshake_dial(fd.get(), h, addr, deadline);
+        handshake_dial(fd.get(), h, spec.secret, addr, deadline, nullptr, &got_keys[s]);
         got[s] = std::move(fd);
         continue;
       }
       auto seen = [&](uint32_t r, uint32_t i) {
         return r == static_cast<uint32_t>(peer) && i < got.size() && got[i].valid();
       };
-      auto hello = handshake_accept(fd.get(), mine, rules_of(spec), deadline, seen);
+      std::string why;
+      auto hello = handshake_accept(fd.get(), mine, spec.secret, rules_of(spec), deadline, seen,
+                                    &why);
+      if (!hello && why == kFailedProofWhy) {
+        // The caller authenticated this socket's peer already: a failed proof here is a
+        // different engine secret (another fleet key or job), not a stranger.
+        throw_error(ErrorKind::kAuth,
+                    "[transport] handed-in socket " + std::to_string(s) + " to peer=" + addr +
+                        " (rank " + std::to_string(peer) +
+                        ") failed the proof of the job key; likely cause: the two sides hold "
+                        "different job keys (fleet key / MCCL_JOB_KEY_FILE); give them the same",
+                    peer, addr);
+      }
       if (!hello) {
         throw_error(ErrorKind::kPeerLost,
                     "[transport] handed-in socket " + std::to_string(s) + " to peer=" + addr +
-                        " (rank " + std::to_string(peer) +
-                        ") carried no MCCL hello before the connect timeout; likely cause: the "
-                        "peer did not build its communicator on the same sockets; check both "
-                        "sides agreed on the socket list",
+                        " (rank " + std::to_string(peer) + ") " + why +
+                        "; likely cause: the peer did not build its communicator on the same "
+                        "sockets; check both sides agreed on the socket list",
                     peer, addr);
       }
-      if (hello->from_rank != static_cast<uint32_t>(peer)) {
+      if (hello->hello.from_rank != static_cast<uint32_t>(peer)) {
         throw_error(ErrorKind::kConfig,
                     "[transport] the socket handed in for rank " + std::to_string(peer) +
-                        " reaches rank " + std::to_string(hello->from_rank) +
+                        " reaches rank " + std::to_string(hello->hello.from_rank) +
                         "; the two sides disagree on which socket serves which peer",
                     peer, addr);
       }
-      got[hello->sock_index] = std::move(fd);
+      got[hello->hello.sock_index] = std::move(fd);
+      got_keys[hello->hello.sock_index] = hello->keys;
+      wipe(&hello->keys, sizeof(hello->keys));
     }
     for (auto& fd : got) {
       configure_link_socket(fd.get(), spec.socket_buffer_bytes);
       set_nonblocking(fd.get(), true);
     }
     links[peer] = std::move(got);
+    if (!mesh.keys.empty()) mesh.keys[peer] = got_keys;
+    wipe(got_keys.data(), got_keys.size() * sizeof(FrameKeys));
   }
-  return links;
+  return mesh;
 }
 
 }  // namespace mccl
