@@ -109,6 +109,11 @@ class DaemonConfig:
     max_unauth_per_peer: int = setting(
         "MCCL_MAX_UNAUTH_PER_PEER", 8, "count",
         "concurrent connections not yet authenticated from one peer address per port; more are closed at once")
+    unauth_reserved: int = setting(
+        "MCCL_UNAUTH_RESERVED", 16, "count",
+        "of MCCL_MAX_UNAUTH_CONNECTIONS, slots only addresses that authenticated on that port before may use "
+        "(fleet daemons, your mcclctl), so a few hostile addresses cannot take every slot; strangers always keep "
+        "at least one")
     max_attached_per_process: int = setting(
         "MCCL_MAX_ATTACHED_PER_PROCESS", 256, "count",
         "attach connections one process may hold (one per communicator); past it the longest idle one is dropped")
@@ -159,6 +164,7 @@ class DaemonConfig:
         for env, n in (("MCCL_MAX_UNAUTH_CONNECTIONS", self.max_unauth_connections),
                        ("MCCL_MAX_UNAUTH_PER_PEER", self.max_unauth_per_peer)):
             _require(n >= 1, env, n, "must be at least 1")
+        _require(self.unauth_reserved >= 0, "MCCL_UNAUTH_RESERVED", self.unauth_reserved, "must be at least 0")
         _require(self.max_attached_per_process >= 1, "MCCL_MAX_ATTACHED_PER_PROCESS",
                  self.max_attached_per_process, "must be at least 1")
         _require(self.client_check_s > 0, "MCCL_CLIENT_CHECK_INTERVAL", self.client_check_s,
@@ -172,7 +178,10 @@ class DaemonConfig:
     def read_key(self) -> bytes:
         """The fleet key; a key file readable by others is refused (the key is the fleet's only secret)."""
         if self.fleet_key:
-            return self.fleet_key.encode()
+            # Same decoding and floor as a key file (and as jobkey.find_job_key): a short key
+            # in the environment would make every link MAC of the fleet guessable.
+            return key_material(self.fleet_key.encode(), "MCCL_FLEET_KEY",
+                                "mccld keygen /etc/mccl/fleet.key, then MCCL_KEY_FILE")
         key = read_key_file(self.key_file, DEFAULT_KEY_FILES, "MCCL_KEY_FILE")
         if key is None:
             raise ConfigError("[config] no fleet key: set MCCL_KEY_FILE (mode 0600) or MCCL_FLEET_KEY; "

@@ -252,7 +252,7 @@ class Daemon:
             if metrics is not None:
                 srv = metrics.MetricsServer(self.stats, self.cfg.metrics_addr, self.cfg.metrics_port,
                                             host=self.host_id, data_links=self._data_link_status,
-                                            gate=Gate.from_config("metrics", self.cfg), gates=self._gates)
+                                            gate=Gate.from_config("metrics", self.cfg, authenticates=False), gates=self._gates)
                 srv.start()
                 self._servers.append(srv)
         if self.cfg.status_port:

@@ -35,10 +35,10 @@ from typing import Callable
 
 from mccl_common.errors import ConfigError, MCCLError, ProtocolError
 from mccl_common.launch_protocol import (BEAT_S, DRAIN_ENV, LEASE_TIMEOUT_S, LEFT_SUFFIX, MAX_LINE_CHARS, PROTO,
-                                         LaunchRequest, request_ok, sealed)
-from mccl_common.status_protocol import IO_TIMEOUT_S, Conn, HARVESTED_STATES
+                                         ControlCheck, LaunchRequest, request_ok, sealed)
+from mccl_common.status_protocol import IO_TIMEOUT_S, MAX_PREAUTH_LINE, Conn, HARVESTED_STATES
 
-from .gate import Gate, Ticket
+from .gate import REWARN_S, Gate, Ticket
 from .logutil import OnceLogger
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class LaunchServer:
         self._jobs: dict[str, subprocess.Popen] = {}    # lease id -> its torchrun
         self._drain_files: dict[str, Path] = {}         # lease id -> the file that tells its job to leave
         self._conns: set[threading.Thread] = set()
-        self._once = OnceLogger(log)
+        self._once = OnceLogger(log, rewarn_s=REWARN_S)   # keyed by peer address, not connection
 
     @property
     def port(self) -> int:
@@ -182,9 +182,9 @@ class LaunchServer:
             conn = Conn(sock, peer)
             nonce = os.urandom(16).hex()
             conn.send({"mccl_launch": PROTO, "nonce": nonce, "host": self._host_id})
-            got = request_ok(self._key, conn.recv("launch request"), nonce)
+            got = request_ok(self._key, conn.recv("launch request", limit=MAX_PREAUTH_LINE), nonce, self._host_id)
             if got is None:
-                self._once.warn(peer, "[launch] refused a launch request from peer=%s: its MAC does not match "
+                self._once.warn(peer.rpartition(":")[0], "[launch] refused a launch request from peer=%s: its MAC does not match "
                                 "the submit key; nothing was started", peer)
                 conn.send({"ok": False, "error": {"kind": "AuthError", "message": (
                     "[launch] request MAC does not match; use this fleet's submit key (MCCL_SUBMIT_KEY_FILE)")}})
@@ -195,7 +195,7 @@ class LaunchServer:
         except ConnectionError as e:
             log.debug("launch connection from peer=%s closed early: %s", peer, e)
         except (OSError, ProtocolError) as e:
-            self._once.warn(peer, "[launch] connection from peer=%s failed: %s", peer, e)
+            self._once.warn(peer.rpartition(":")[0], "[launch] connection from peer=%s failed: %s", peer, e)
         except Exception:
             log.exception("launch endpoint: unexpected failure serving peer=%s", peer)
         finally:
@@ -259,7 +259,7 @@ class LaunchServer:
                  " ".join(req.argv))
         try:
             send("started", {"host": self._host_id, "pid": job.proc.pid})
-            code = self._pump(conn, job, send, req.job, peer, drain_file)
+            code = self._pump(conn, job, send, req.job, peer, drain_file, ControlCheck(self._key, cnonce, nonce))
         finally:
             job.stop()
             with self._lock:
@@ -285,7 +285,8 @@ class LaunchServer:
         return subprocess.Popen(self._command(req), cwd=req.cwd, env=env, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, **kwargs)
 
-    def _pump(self, conn: Conn, job: "_Job", send, name: str, peer: str, drain_file: Path) -> int | None:
+    def _pump(self, conn: Conn, job: "_Job", send, name: str, peer: str, drain_file: Path,
+              check: ControlCheck) -> int | None:
         """Streams output until the job exits (its code) or the lease ends (None). Once this
         host's ranks have saved and left (the drain's ".left" file), torchrun is stopped: its
         rendezvous handler takes the host out of the run, so the others re-form at once."""
@@ -334,9 +335,10 @@ class LaunchServer:
                 readable, _, _ = select.select([sock], [], [], _POLL_S)
                 now = time.monotonic()
                 if readable or conn.pending():
-                    msg = conn.recv("lease message")     # raises ConnectionError on EOF
-                    last_heard = now
-                    if msg.get("cancel"):
+                    ctl = self._control(conn, check, peer, name)    # raises ConnectionError on EOF
+                    if ctl is not None:
+                        last_heard = now
+                    if ctl == "cancel":
                         log.info("[launch] peer=%s cancelled job %s", peer, name)
                         return None
                 elif now - last_heard > self._lease_timeout_s:
@@ -349,6 +351,19 @@ class LaunchServer:
         except (ConnectionError, OSError) as e:
             log.warning("[launch] lease of job %s lost (peer=%s: %s); stopping it", name, peer, e)
             return None
+
+
+    def _control(self, conn: Conn, check: ControlCheck, peer: str, name: str) -> str | None:
+        """The client's next beat or cancel; None (logged, once per peer a minute) for a message
+        that fails its MAC or sequence check: injected or replayed by someone on the path, it
+        neither ends the job nor keeps a lease alive whose client is gone."""
+        msg = conn.recv("lease message", limit=MAX_PREAUTH_LINE)
+        ctl = check(msg)
+        if ctl is None:
+            self._once.warn(f"ctl:{peer.rpartition(':')[0]}", "[launch] ignored a lease message for job %s from "
+                            "peer=%s: it fails its submit-key MAC or sequence check (injected or replayed on the "
+                            "path, or an mcclctl of another release)", name, peer)
+        return ctl
 
 
 class _Job:

@@ -17,7 +17,7 @@ from typing import Any, Callable
 from mccl_common.errors import AuthError, MCCLError, PeerLostError, ProtocolError
 
 from . import auth
-from .gate import Gate, Ticket
+from .gate import REWARN_S, Gate, Ticket
 from .logutil import OnceLogger
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class LinkManager:
         self._by_addr: dict[str, str] = {}       # "ip:port" dialled -> peer host id
         self._lock = threading.Lock()
         self._dial_locks: dict[str, threading.Lock] = {}
-        self._once = OnceLogger(log)
+        self._once = OnceLogger(log, rewarn_s=REWARN_S)
         self._server: socket.socket | None = None
         self._threads: list[threading.Thread] = []
         self._stopping = threading.Event()

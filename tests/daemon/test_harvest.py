@@ -89,7 +89,7 @@ def test_policy_hours_battery_unknown_and_locked_screen():
 
 @pytest.mark.timeout(10)
 def test_harvest_hours_setting_is_validated():
-    env = {"MCCL_FLEET_KEY": "k" * 16}
+    env = {"MCCL_FLEET_KEY": "k" * 32}
     assert load_config(env={**env, "MCCL_HARVEST_HOURS": "22-7"}).harvest_window() == (22, 7)
     assert load_config(env=env).harvest_window() is None
     for bad in ("22", "5-5", "1-24", "a-b"):
@@ -269,7 +269,7 @@ class FakeAwake(NoKeepAwake):
 
 @pytest.mark.timeout(20)
 def test_harvester_records_transitions_holds_awake_while_leased_and_stops(tmp_path):
-    cfg = load_config(env={"MCCL_FLEET_KEY": "k" * 16, "MCCL_IDLE_AFTER": "60", "MCCL_HARVEST_POLL": "30"})
+    cfg = load_config(env={"MCCL_FLEET_KEY": "k" * 32, "MCCL_IDLE_AFTER": "60", "MCCL_HARVEST_POLL": "30"})
     clock = [1000.0]
     jobs = [0]
     updates = []
