@@ -75,8 +75,14 @@ class DaemonConfig:
         "MCCL_METRICS_PORT", 29652, "port",
         "Prometheus /metrics port; 0 disables it")
     metrics_addr: str = setting(
-        "MCCL_METRICS_ADDR", "0.0.0.0", "address",
-        "address the Prometheus /metrics endpoint binds")
+        "MCCL_METRICS_ADDR", "", "address",
+        "address the Prometheus /metrics endpoint (unauthenticated HTTP) binds; empty: the fleet interface's "
+        "address, the one the links use (0.0.0.0: every interface)")
+    metrics_presence: bool = setting(
+        "MCCL_METRICS_PRESENCE", False, "bool",
+        "also export the figures that tell when this host's user is at it or away (mccl_host_idle_seconds, "
+        "mccl_harvestable_seconds_per_night); off: anyone who reaches /metrics would learn when the host is "
+        "unattended")
     runtime_dir: str = setting(
         "MCCL_RUNTIME_DIR", "", "path",
         "directory (mode 0700, 0750 with MCCL_ATTACH_GROUP) of the attach socket; empty: /run/mccl, "
