@@ -134,6 +134,7 @@ def test_the_handshake_refuses_to_run_under_a_short_key():
     """An embedder handing a weak key straight to the handshake gets a ConfigError, not a link."""
     a, b = socket.socketpair()
     with a, b:
+        a.settimeout(2.0)                 # without the check it would wait for an answer
         for side in (lambda: auth.initiate(a, b"k" * 31, FLEET, "x", "l", "p"),
                      lambda: auth.respond(a, b"k" * 31, FLEET, "x", "l", "p")):
             with pytest.raises(ConfigError, match="31 bytes"):
