@@ -203,3 +203,59 @@ def test_conn_reads_no_further_than_its_limit():
         assert len(conn.take_buffered()) <= MAX_PREAUTH_LINE + 1
         b.close()
         writer.join(10)
+
+
+_FD_STARVED_DAEMON = r"""
+import os, resource, sys, time
+from mccld.links import LinkManager
+key = sys.argv[1].encode()
+links = LinkManager(key, "dos", "starved", "127.0.0.1", 0, 5.0, lambda peer, msg: None)
+links.start()
+# Room for a few more fds only: a handful of connections and accept() fails with EMFILE.
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 3,
+                                            resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+print(links.address, flush=True)
+sys.stdin.read()          # until the test closes our stdin
+links.stop()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_daemon_out_of_fds_accepts_again_once_fds_come_back():
+    """The real thing: a link listener in a process whose RLIMIT_NOFILE runs out under a burst
+    of connections. On b865314 its accept loop ended at the first EMFILE and the port never
+    answered again, though the fds came back as soon as the burst was gone."""
+    import subprocess
+    import sys
+    child = subprocess.Popen([sys.executable, "-c", _FD_STARVED_DAEMON, KEY.decode()], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        address = child.stdout.readline().strip()
+        assert address, child.stderr.read()
+        port = int(address.rpartition(":")[2])
+        burst = [_dial_from("127.0.0.2", port) for _ in range(12)]
+        time.sleep(1.5)                                 # accept() meets EMFILE meanwhile
+        for s in burst:
+            s.close()
+        until = time.monotonic() + 30
+        while True:
+            try:
+                with _dial_from("127.0.0.1", port) as s:
+                    s.settimeout(5.0)
+                    host, _, _ = auth.initiate(s, KEY, FLEET, "friend", "127.0.0.1:9", address)
+                break
+            except (OSError, ConnectionError) as e:
+                assert time.monotonic() < until, f"the starved daemon never accepted again: {e}"
+                time.sleep(0.5)
+        assert host == "starved"
+    finally:
+        child.stdin.close()
+        try:
+            child.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+        log = child.stderr.read()
+        child.stdout.close()
+        child.stderr.close()
+    assert "Too many open files" in log and "Traceback" not in log, log
