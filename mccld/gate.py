@@ -51,13 +51,13 @@ _LISTENER_GONE = {errno.EBADF, errno.EINVAL, errno.ENOTSOCK}
 class Ticket:
     """One admitted connection's slot and deadline."""
 
-    def __init__(self, gate: "Gate", sock: socket.socket, peer_ip: str, deadline: float):
+    def __init__(self, gate: "Gate", sock: socket.socket, peer_ip: str, deadline: float, stranger: bool):
         self._gate = gate
         self.sock = sock
         self.peer_ip = peer_ip
         self.deadline = deadline
         self.counted = True       # holds a slot of the gate
-        self.stranger = True      # counted among the addresses not known to the gate
+        self.stranger = stranger  # counted among the addresses not known to the gate
 
     def passed(self) -> None:
         """The peer authenticated: no deadline and no slot among the unauthenticated any more;
@@ -104,17 +104,12 @@ class Gate:
                    reserved=cfg.unauth_reserved if authenticates else 0)
 
     def know(self, peer_ip: str) -> None:
-        """``peer_ip`` proved a key here (or is otherwise known to belong to the fleet): from now
-        on it may use the reserved slots too."""
+        """``peer_ip`` proved a key here: from now on it may use the reserved slots too."""
         with self._cv:
             self._known[peer_ip] = None
             self._known.move_to_end(peer_ip)
             if len(self._known) > MAX_KNOWN:
                 self._known.popitem(last=False)
-
-    def known(self, peer_ip: str) -> bool:
-        with self._cv:
-            return peer_ip in self._known
 
     def start(self) -> None:
         """Start the deadline watchdog (with the port's server); idempotent."""
@@ -138,8 +133,7 @@ class Gate:
                 self._per_peer[peer_ip] = n + 1
                 self._total += 1
                 self._strangers += stranger
-                ticket = Ticket(self, sock, peer_ip, time.monotonic() + self.deadline_s)
-                ticket.stranger = stranger
+                ticket = Ticket(self, sock, peer_ip, time.monotonic() + self.deadline_s, stranger)
                 heapq.heappush(self._heap, (ticket.deadline, next(self._seq), ticket))
                 self._cv.notify()
                 return ticket

@@ -184,8 +184,8 @@ class LaunchServer:
             conn.send({"mccl_launch": PROTO, "nonce": nonce, "host": self._host_id})
             got = request_ok(self._key, conn.recv("launch request", limit=MAX_PREAUTH_LINE), nonce, self._host_id)
             if got is None:
-                self._once.warn(peer.rpartition(":")[0], "[launch] refused a launch request from peer=%s: its MAC does not match "
-                                "the submit key; nothing was started", peer)
+                self._once.warn(peer.rpartition(":")[0], "[launch] refused a launch request from peer=%s: its MAC "
+                                "does not match the submit key; nothing was started", peer)
                 conn.send({"ok": False, "error": {"kind": "AuthError", "message": (
                     "[launch] request MAC does not match; use this fleet's submit key (MCCL_SUBMIT_KEY_FILE)")}})
                 return
@@ -341,7 +341,8 @@ class LaunchServer:
                     if ctl == "cancel":
                         log.info("[launch] peer=%s cancelled job %s", peer, name)
                         return None
-                elif now - last_heard > self._lease_timeout_s:
+                # Checked whether or not something came: injected junk must not stand in for beats.
+                if now - last_heard > self._lease_timeout_s:
                     log.warning("[launch] peer=%s silent for %.0f s: lease of job %s lost, stopping it",
                                 peer, now - last_heard, name)
                     return None
@@ -351,7 +352,6 @@ class LaunchServer:
         except (ConnectionError, OSError) as e:
             log.warning("[launch] lease of job %s lost (peer=%s: %s); stopping it", name, peer, e)
             return None
-
 
     def _control(self, conn: Conn, check: ControlCheck, peer: str, name: str) -> str | None:
         """The client's next beat or cancel; None (logged, once per peer a minute) for a message

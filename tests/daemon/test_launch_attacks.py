@@ -149,3 +149,31 @@ def test_a_hello_whose_host_id_was_changed_gets_nothing_started(launch_server, t
     finally:
         lz.close()
         proxy.close()
+
+
+def test_injected_beats_do_not_keep_alive_a_lease_whose_client_fell_silent(tmp_path):
+    """On b865314 anything the client side sent counted as a beat: a host on the path could keep
+    a job running for a client that was long gone by sending {"beat": 1} now and then."""
+    code = "import time; print('ready', flush=True); time.sleep(60)"
+    srv = LaunchServer(KEY, "hostA", tmp_path, addr="127.0.0.1", port=0, harvest_state=lambda: "idle",
+                       command=lambda req: [sys.executable, "-c", code], lease_timeout_s=1.5,
+                       launch_user="root" if __import__("os").geteuid() == 0 else "").start()
+    proxy = Proxy(srv.port)
+    lz = Lease(f"127.0.0.1:{proxy.port}", KEY, timeout_s=10.0)
+    try:
+        lz.open(_request(tmp_path))
+        assert lz.read() == ("out", "ready")
+        # The client says nothing more; the path keeps "beating" for it.
+        deadline = time.monotonic() + 15
+        while srv.running() and time.monotonic() < deadline:
+            try:
+                proxy.inject(b'{"beat": 1}')
+                proxy.inject(b'{"ctl": "beat", "cseq": 0, "mac": "' + b"1" * 64 + b'"}')
+            except OSError:
+                pass                                    # the server ended the lease meanwhile
+            time.sleep(0.2)
+        assert srv.running() == 0, "forged beats kept the lease of a silent client alive"
+    finally:
+        lz.close()
+        proxy.close()
+        srv.stop()
