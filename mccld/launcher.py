@@ -197,7 +197,8 @@ class LaunchServer:
         except (OSError, ProtocolError) as e:
             self._once.warn(peer.rpartition(":")[0], "[launch] connection from peer=%s failed: %s", peer, e)
         except Exception:
-            log.exception("launch endpoint: unexpected failure serving peer=%s", peer)
+            self._once.warn(f"bug:{peer.rpartition(':')[0]}", "[launch] unexpected failure serving peer=%s",
+                            peer, exc_info=True)
         finally:
             ticket.release()
             sock.close()

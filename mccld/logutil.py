@@ -26,7 +26,9 @@ class OnceLogger:
         self._rewarn_s = rewarn_s
         self._lock = threading.Lock()
 
-    def warn(self, key: str, msg: str, *args) -> None:
+    def warn(self, key: str, msg: str, *args, exc_info: bool = False) -> None:
+        """``exc_info``: with the current exception's traceback, on the WARNING only (a bug that a
+        peer can trigger at will must not write a traceback per connection)."""
         now = time.monotonic()
         with self._lock:
             last = self._seen.get(key)
@@ -35,7 +37,7 @@ class OnceLogger:
             self._seen.move_to_end(key)
             if len(self._seen) > self._max:
                 self._seen.popitem(last=False)
-        self._log.log(logging.WARNING if loud else logging.DEBUG, msg, *args)
+        self._log.log(logging.WARNING if loud else logging.DEBUG, msg, *args, exc_info=exc_info and loud)
 
     def forget(self, key: str) -> None:
         """The condition cleared (peer back up): warn again if it recurs."""

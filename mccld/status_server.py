@@ -242,7 +242,8 @@ class StatusServer:
         except (OSError, ProtocolError) as e:
             self._warn_once(peer, f"status connection from peer={peer} failed: {e}")
         except Exception:
-            log.exception("status endpoint: unexpected failure serving peer=%s", peer)
+            self._once.warn(f"bug:{peer.rsplit(':', 1)[0]}", "[status] unexpected failure serving peer=%s",
+                            peer, exc_info=True)
         finally:
             ticket.release()  # before the close: the gate's watchdog must not shut down a reused fd
             sock.close()

@@ -49,3 +49,16 @@ def test_with_rewarn_a_recurring_refusal_warns_again_once_per_interval(caplog):
         once.warn("peer:a", "refused %s", "a")
     levels = [r.levelname for r in caplog.records]
     assert levels == ["WARNING"] + ["DEBUG"] * 19 + ["WARNING"] + ["DEBUG"] * 4
+
+
+def test_a_traceback_goes_with_the_warning_only(caplog):
+    log = logging.getLogger("test.once.exc")
+    caplog.set_level(logging.DEBUG, logger="test.once.exc")
+    once = OnceLogger(log, rewarn_s=60.0)
+    for _ in range(3):
+        try:
+            raise TypeError("a bug a peer can trigger")
+        except TypeError:
+            once.warn("bug:10.0.0.9", "unexpected failure serving %s", "10.0.0.9", exc_info=True)
+    assert [(r.levelname, bool(r.exc_info)) for r in caplog.records] == [
+        ("WARNING", True), ("DEBUG", False), ("DEBUG", False)]
