@@ -188,6 +188,9 @@ class LinkManager:
             raise PeerLostError(f"[link] handshake with peer={addr} failed: {e}; the peer daemon "
                                 "closed the link (wrong fleet key on one side?)") from None
         self._once.forget(f"dial:{addr}")
+        # A daemon that proved the fleet key to us is a fleet peer: its own dials (data sockets,
+        # a relink after a restart) get the handshake slots kept for known addresses.
+        self.gate.know(host)
         return sock, peer_host, peer_listen, session
 
     def _dial(self, addr: str) -> Link:

@@ -78,6 +78,38 @@ def test_four_addresses_cannot_take_the_slots_kept_for_known_fleet_peers():
         _wait(lambda: gate.unauthenticated() == 0, 20, "handshake slots were not given back")
 
 
+@pytest.mark.timeout(120)
+def test_a_peer_we_dialled_is_known_and_gets_in_beside_a_flood():
+    """A daemon that proved the key to us when we dialled it is a fleet peer: its own dials to
+    us (a data socket here) use the reserved slots, even if it never dialled us before."""
+    cfg = load_config(env={"MCCL_UNAUTH_TIMEOUT": "60"})
+    gate = Gate.from_config("link", cfg)
+    victim = LinkManager(KEY, FLEET, "victim", "127.0.0.1", 0, 10.0, lambda peer, msg: None, gate=gate)
+    friend = LinkManager(KEY, FLEET, "friend", "127.0.0.1", 0, 10.0, lambda peer, msg: None)
+    victim.start()
+    friend.start()
+    port = int(victim.address.rpartition(":")[2])
+    held: list[socket.socket] = []
+    try:
+        victim.link_to(friend.address)                   # we dialled it: 127.0.0.1 is known now
+        for ip in ATTACKERS:
+            for _ in range(cfg.max_unauth_per_peer + 2):
+                try:
+                    held.append(_dial_from(ip, port))
+                except OSError:
+                    pass
+        _wait(lambda: gate.unauthenticated() + gate.refused >= len(held), 20, "the gate never saw the flood")
+        sock, host, _ = friend.dial_data(victim.address, "friend.1")
+        sock.close()
+        assert host == "victim"
+    finally:
+        for s in held:
+            s.close()
+        friend.stop()
+        victim.stop()
+        _wait(lambda: gate.unauthenticated() == 0, 20, "handshake slots were not given back")
+
+
 class _FlakyListener:
     """A listener whose accept() fails as an fd-starved or reset one does, then works."""
 
