@@ -20,6 +20,7 @@ import logging
 import platform
 import socket
 import threading
+import time
 from typing import Any, Callable, Iterable
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
@@ -33,7 +34,8 @@ from mccl_common.errors import ConfigError
 from mccl_common.hostinfo import host_facts
 from mccl_common.status_protocol import HARVEST_STATES
 
-from .gate import Gate
+from .gate import REWARN_S, Gate
+from .logutil import OnceLogger
 from .stats import STATES, DaemonStats
 
 log = logging.getLogger(__name__)
@@ -254,7 +256,19 @@ class _BoundedWSGIServer(WSGIServer):
     def __init__(self, addr: tuple[str, int], gate: Gate):
         self.address_family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
         self.gate = gate
+        self._once = OnceLogger(log, rewarn_s=REWARN_S)
         super().__init__(addr, _QuietHandler)
+
+    def get_request(self) -> tuple[socket.socket, tuple]:
+        # socketserver drops a failed accept() and polls again; out of fds (EMFILE) the
+        # connection stays queued, so the poll returns at once and the loop would spin: pause.
+        try:
+            return super().get_request()
+        except OSError as e:
+            self._once.warn(f"accept:{e.errno}", "[metrics] accept() failed: %s; retrying (out of file "
+                            "descriptors? raise the service's LimitNOFILE / ulimit -n)", e)
+            time.sleep(0.1)
+            raise
 
     def process_request(self, request: socket.socket, client_address: tuple) -> None:
         ticket = self.gate.admit(request, client_address[0])

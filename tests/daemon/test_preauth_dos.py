@@ -291,3 +291,43 @@ def test_a_daemon_out_of_fds_accepts_again_once_fds_come_back():
         child.stdout.close()
         child.stderr.close()
     assert "Too many open files" in log and "Traceback" not in log, log
+
+
+class _StarvedListener(_FlakyListener):
+    """accept() fails with EMFILE for ``for_s`` seconds, then works."""
+
+    def __init__(self, real: socket.socket, for_s: float):
+        super().__init__(real, [])
+        self._until = time.monotonic() + for_s
+
+    def accept(self):
+        self.calls += 1
+        if time.monotonic() < self._until:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return self._real.accept()
+
+    def close(self) -> None:
+        self._real.close()
+
+
+@pytest.mark.timeout(60)
+def test_the_metrics_port_out_of_fds_pauses_instead_of_spinning_and_serves_after(caplog):
+    """Out of fds the pending connection stays queued, so the server's poll says "readable" at
+    once, again and again: without a pause its accept loop spins a core until fds come back."""
+    import urllib.request
+    from mccld.metrics import MetricsServer
+    from mccld.stats import DaemonStats
+    caplog.set_level(logging.DEBUG, logger="mccld.metrics")
+    srv = MetricsServer(DaemonStats(), "127.0.0.1", 0)
+    srv.start()
+    try:
+        httpd = srv._httpd
+        starved = _StarvedListener(httpd.socket, 1.5)
+        httpd.socket = starved
+        with urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/metrics", timeout=20.0) as r:
+            assert b"mccl_uptime_seconds" in r.read()
+        assert starved.calls < 100, f"{starved.calls} accept() calls in 1.5 s: the loop spins"
+        warnings = [r for r in caplog.records if r.levelname == "WARNING" and "accept() failed" in r.getMessage()]
+        assert len(warnings) == 1
+    finally:
+        srv.stop()
