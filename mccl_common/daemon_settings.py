@@ -70,8 +70,14 @@ class DaemonConfig:
         "MCCL_METRICS_PORT", 29652, "port",
         "Prometheus /metrics port; 0 disables it")
     metrics_addr: str = setting(
-        "MCCL_METRICS_ADDR", "0.0.0.0", "address",
-        "address the Prometheus /metrics endpoint binds")
+        "MCCL_METRICS_ADDR", "", "address",
+        "address the Prometheus /metrics endpoint (unauthenticated HTTP) binds; empty: the fleet interface's "
+        "address, the one the links use (0.0.0.0: every interface)")
+    metrics_presence: bool = setting(
+        "MCCL_METRICS_PRESENCE", False, "bool",
+        "also export the figures that tell when this host's user is at it or away (mccl_host_idle_seconds, "
+        "mccl_harvestable_seconds_per_night); off: anyone who reaches /metrics would learn when the host is "
+        "unattended")
     runtime_dir: str = setting(
         "MCCL_RUNTIME_DIR", "", "path",
         "directory (mode 0700, 0750 with MCCL_ATTACH_GROUP) of the attach socket; empty: /run/mccl, "
@@ -104,6 +110,11 @@ class DaemonConfig:
     max_unauth_per_peer: int = setting(
         "MCCL_MAX_UNAUTH_PER_PEER", 8, "count",
         "concurrent connections not yet authenticated from one peer address per port; more are closed at once")
+    unauth_reserved: int = setting(
+        "MCCL_UNAUTH_RESERVED", 16, "count",
+        "of MCCL_MAX_UNAUTH_CONNECTIONS, slots only addresses that authenticated on that port before may use "
+        "(fleet daemons, your mcclctl), so a few hostile addresses cannot take every slot; strangers always keep "
+        "at least one")
     max_attached_per_process: int = setting(
         "MCCL_MAX_ATTACHED_PER_PROCESS", 256, "count",
         "attach connections one process may hold (one per communicator); past it the longest idle one is dropped")
@@ -154,6 +165,7 @@ class DaemonConfig:
         for env, n in (("MCCL_MAX_UNAUTH_CONNECTIONS", self.max_unauth_connections),
                        ("MCCL_MAX_UNAUTH_PER_PEER", self.max_unauth_per_peer)):
             _require(n >= 1, env, n, "must be at least 1")
+        _require(self.unauth_reserved >= 0, "MCCL_UNAUTH_RESERVED", self.unauth_reserved, "must be at least 0")
         _require(self.max_attached_per_process >= 1, "MCCL_MAX_ATTACHED_PER_PROCESS",
                  self.max_attached_per_process, "must be at least 1")
         _require(self.client_check_s > 0, "MCCL_CLIENT_CHECK_INTERVAL", self.client_check_s,
@@ -167,7 +179,10 @@ class DaemonConfig:
     def read_key(self) -> bytes:
         """The fleet key; a key file readable by others is refused (the key is the fleet's only secret)."""
         if self.fleet_key:
-            return self.fleet_key.encode()
+            # Same decoding and floor as a key file (and as jobkey.find_job_key): a short key
+            # in the environment would make every link MAC of the fleet guessable.
+            return key_material(self.fleet_key.encode(), "MCCL_FLEET_KEY",
+                                "mccld keygen /etc/mccl/fleet.key, then MCCL_KEY_FILE")
         key = read_key_file(self.key_file, DEFAULT_KEY_FILES, "MCCL_KEY_FILE")
         if key is None:
             raise ConfigError("[config] no fleet key: set MCCL_KEY_FILE (mode 0600) or MCCL_FLEET_KEY; "

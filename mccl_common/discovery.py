@@ -7,6 +7,11 @@ whether the host's user left it to the fleet, docs/harvesting.md; empty: a daemo
 predates harvesting), ver, sport / mport (status and metrics ports; 0: disabled).
 Records carry MCCL_MDNS_TTL; a host that vanishes without a goodbye packet drops out of
 every table when its records expire.
+
+mDNS is unauthenticated: anyone on the LAN can announce as many services as it likes. The
+names waiting to be resolved (MAX_PENDING, each once) and the table (MAX_HOSTS) are
+bounded, so a flood of announcements costs bounded memory and resolver time; past the
+table's bound new names are ignored (logged once a minute) until known ones leave.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ log = logging.getLogger(__name__)
 
 SERVICE_TYPE = "_mccl._tcp.local."
 _RESOLVE_TIMEOUT_MS = 3000
+MAX_HOSTS = 1024          # daemons one table holds (a fleet larger than this is not one LAN's)
+MAX_PENDING = 1024        # distinct names waiting to be resolved
+_REWARN_S = 60.0
 
 
 def _entry(info: ServiceInfo) -> dict[str, Any] | None:
@@ -64,7 +72,10 @@ class FleetTable:
         self._on_change = on_change or (lambda host, entry: None)
         self._entries: dict[str, dict[str, Any]] = {}   # service name -> entry
         self._lock = threading.Lock()
-        self._todo: queue.Queue = queue.Queue()
+        self._todo: queue.Queue = queue.Queue(maxsize=MAX_PENDING)
+        self._pending: set[str] = set()              # names in _todo: each waits once
+        self._dropped = 0                           # announcements ignored: queue or table full
+        self._warned_at = -_REWARN_S
         self._stop = threading.Event()
         self.zc: Zeroconf | None = None
         self._browser: ServiceBrowser | None = None
@@ -107,7 +118,31 @@ class FleetTable:
                 log.info("fleet: %s left (goodbye or TTL expiry)", entry["host_id"])
                 self._on_change(entry["host_id"], None)
         else:
-            self._todo.put(name)
+            self._enqueue(name)
+
+    def _enqueue(self, name: str) -> None:
+        """Queue ``name`` for resolving, unless it already waits or the queue is full (a flood:
+        dropped, and counted; a real daemon re-announces, and known ones are rechecked anyway)."""
+        with self._lock:
+            if name in self._pending:
+                return
+            try:
+                self._todo.put_nowait(name)
+            except queue.Full:
+                self._flooded("the resolve queue is full")
+                return
+            self._pending.add(name)
+
+    def _flooded(self, why: str) -> None:
+        # Under self._lock.
+        self._dropped += 1
+        now = time.monotonic()
+        level = logging.DEBUG
+        if now - self._warned_at >= _REWARN_S:
+            self._warned_at, level = now, logging.WARNING
+        log.log(level, "[discovery] ignoring an mDNS announcement: %s (%d ignored so far; %d hosts known, at most "
+                "%d); something on the LAN floods _mccl._tcp announcements", why, self._dropped, len(self._entries),
+                MAX_HOSTS)
 
     def _resolve_loop(self) -> None:
         next_check = time.monotonic() + self._recheck_s
@@ -118,12 +153,14 @@ class FleetTable:
                 with self._lock:
                     names = list(self._entries)
                 for name in names:
-                    self._todo.put(name)
+                    self._enqueue(name)
                 next_check = time.monotonic() + self._recheck_s
             try:
                 name = self._todo.get(timeout=0.5)
             except queue.Empty:
                 continue
+            with self._lock:
+                self._pending.discard(name)
             zc = self.zc
             if zc is None:
                 return
@@ -144,6 +181,9 @@ class FleetTable:
                 continue
             with self._lock:
                 old = self._entries.get(name)
+                if old is None and len(self._entries) >= MAX_HOSTS:
+                    self._flooded("the fleet table is full")
+                    continue
                 self._entries[name] = entry
             if old is None:
                 log.info("fleet: %s joined (%s, %s)", entry["host_id"], ",".join(entry["addresses"]),

@@ -3,16 +3,23 @@
 One lease per TCP connection, newline-framed JSON (``status_protocol.Conn``)::
 
     server -> {"mccl_launch": PROTO, "nonce": <hex>, "host": <host id>}
-    client -> {"body": "<json LaunchRequest>", "cnonce": <hex>, "mac": <hex>}
+    client -> {"body": "<json LaunchRequest>", "cnonce": <hex>,
+               "mac": MAC(key, "launch-req", nonce, host, cnonce, body)}
     server -> {"seq": 0, "event": "started", "data": {...}, "mac": <hex>}
               | {"seq": 0, "event": "refused", "data": {"kind", "message"}, "mac": <hex>}
     server -> {"seq": n, "event": "out" | "err" | "beat" | "left" | "exit", "data": ..., "mac": <hex>} ...
-    client -> {"beat": 1} every BEAT_S, or {"cancel": 1}
+    client -> {"ctl": "beat" | "cancel", "cseq": n, "mac": MAC(key, "launch-ctl", cnonce, nonce, n, ctl)}
+              (a beat every BEAT_S; cseq counts 0, 1, ... per lease)
 
 The request is MAC'd with the *submit key* (MCCL_SUBMIT_KEY_FILE), which is not the fleet
 key: a host of the fleet can reach its peers' status but cannot start jobs on them. Every
 server message after it carries MAC(key, "launch-event", cnonce, nonce, seq, event, data),
-so output lines and the exit code cannot be forged or reordered by the network.
+so output lines and the exit code cannot be forged or reordered by the network. The host id
+the server names in its hello is inside the request's MAC (the server checks it against its
+own), so a client cannot be fooled about which host it leased; and the client's beats and
+cancel are MAC'd and numbered, so nobody on the path can cancel a job, or keep a lease
+alive after its client is gone, by injecting or replaying one (the server ignores, and logs,
+a control message that fails its check).
 
 The request's ``run_nonce`` (fresh per run, under the request's MAC) gives every leased host
 the same *run key*, ``run_key(submit key, job, run_nonce)``, without it crossing the network:
@@ -32,9 +39,9 @@ from typing import Any
 
 from .errors import AuthError, ConfigError, DaemonUnavailableError, MCCLError, ProtocolError
 from .jobkey import derive
-from .status_protocol import Conn, canon, mac, mac_ok, split_addr
+from .status_protocol import MAX_PREAUTH_LINE, Conn, canon, mac, mac_ok, split_addr
 
-PROTO = 1
+PROTO = 2                    # 2: host id in the request MAC; beats and cancels MAC'd
 DEFAULT_PORT = 29653
 BEAT_S = 2.0                 # each side sends something at least this often
 LEASE_TIMEOUT_S = 10.0       # silence after which a side takes the other for gone
@@ -154,12 +161,42 @@ def sealed(key: bytes, cnonce: str, nonce: str, seq: int, event: str, data: Any)
     return {"seq": seq, "event": event, "data": data, "mac": event_mac(key, cnonce, nonce, seq, event, data)}
 
 
-def request_ok(key: bytes, msg: dict, nonce: str) -> tuple[str, str] | None:
-    """(body, cnonce) of an authentic request, else None."""
+def request_mac(key: bytes, nonce: str, host: str, cnonce: str, body: str) -> str:
+    return mac(key, "launch-req", nonce, host, cnonce, body)
+
+
+def request_ok(key: bytes, msg: dict, nonce: str, host: str) -> tuple[str, str] | None:
+    """(body, cnonce) of an authentic request to ``host`` (this server's own id), else None."""
     body, cnonce, got = msg.get("body"), msg.get("cnonce"), msg.get("mac")
     if not all(isinstance(x, str) for x in (body, cnonce, got)) or len(cnonce) > 64:
         return None
-    return (body, cnonce) if mac_ok(key, got, "launch-req", nonce, cnonce, body) else None
+    return (body, cnonce) if mac_ok(key, got, "launch-req", nonce, host, cnonce, body) else None
+
+
+CONTROLS = ("beat", "cancel")
+
+
+def control(key: bytes, cnonce: str, nonce: str, cseq: int, ctl: str) -> dict:
+    """A client's sealed beat or cancel, number ``cseq`` of its lease."""
+    return {"ctl": ctl, "cseq": cseq, "mac": mac(key, "launch-ctl", cnonce, nonce, str(cseq), ctl)}
+
+
+class ControlCheck:
+    """The server's check of a lease's beats and cancels: authentic, and each number used once
+    and in order, so neither an injected nor a replayed one counts."""
+
+    def __init__(self, key: bytes, cnonce: str, nonce: str):
+        self._key, self._cnonce, self._nonce = key, cnonce, nonce
+        self._next = 0
+
+    def __call__(self, msg: dict) -> str | None:
+        """"beat" or "cancel" for an authentic control message, None for anything else."""
+        ctl, cseq = msg.get("ctl"), msg.get("cseq")
+        if (ctl not in CONTROLS or not isinstance(cseq, int) or isinstance(cseq, bool) or cseq != self._next
+                or not mac_ok(self._key, msg.get("mac"), "launch-ctl", self._cnonce, self._nonce, str(cseq), ctl)):
+            return None
+        self._next += 1
+        return ctl
 
 
 class Lease:
@@ -180,6 +217,7 @@ class Lease:
                 "not running there, its MCCL_LAUNCH_PORT differs, or a firewall blocks it") from None
         self._conn = Conn(self._sock, f"{host}:{port}")
         self._seq = 0
+        self._cseq = 0
         self._cnonce = os.urandom(16).hex()
         self._nonce = ""
         self.host = ""
@@ -193,8 +231,13 @@ class Lease:
                                     "upgrade mcclctl and mccld to the same release")
             self._nonce, self.host = hello["nonce"], str(hello.get("host", self.addr))
             body = canon(request.to_json())
+            if len(body) + 256 > MAX_PREAUTH_LINE:
+                raise ConfigError(f"[launch] the request to peer={self.addr} is {len(body)} bytes; a host reads at "
+                                  f"most {MAX_PREAUTH_LINE} before the submit key is proven: shorten the "
+                                  "command line or the environment passed with it")
+            # The host id the server named is under the MAC: the server checks it is its own.
             self._conn.send({"body": body, "cnonce": self._cnonce,
-                             "mac": mac(self._key, "launch-req", self._nonce, self._cnonce, body)})
+                             "mac": request_mac(self._key, self._nonce, self.host, self._cnonce, body)})
             event, data = self._next()
         except (OSError, ConnectionError) as e:
             raise DaemonUnavailableError(f"[launch] lost the connection to peer={self.addr} "
@@ -216,10 +259,14 @@ class Lease:
                 "its mccld stopped, or the network between here and there failed") from None
 
     def beat(self) -> None:
-        self._conn.send({"beat": 1})
+        self._control("beat")
 
     def cancel(self) -> None:
-        self._conn.send({"cancel": 1})
+        self._control("cancel")
+
+    def _control(self, ctl: str) -> None:
+        self._conn.send(control(self._key, self._cnonce, self._nonce, self._cseq, ctl))
+        self._cseq += 1
 
     def close(self) -> None:
         try:

@@ -29,6 +29,9 @@ from .errors import AuthError, ConfigError, DaemonUnavailableError, MCCLError, P
 PROTO = 1
 DEFAULT_PORT = 29651
 MAX_LINE = 4 << 20           # a status answer of a large fleet fits easily
+# What a server reads before the client proved the key (a request, a launch request): a
+# stranger gets no more of our memory and parser than this.
+MAX_PREAUTH_LINE = 16 << 10
 IO_TIMEOUT_S = 10.0          # per read/write on a server connection
 
 READ_METHODS = ("status", "links", "jobs", "linktest_result", "capacity")
@@ -47,7 +50,10 @@ def mac(key: bytes, tag: str, *parts: str) -> str:
 
 
 def mac_ok(key: bytes, got: Any, tag: str, *parts: str) -> bool:
-    return isinstance(got, str) and hmac.compare_digest(got, mac(key, tag, *parts))
+    # compare_digest raises TypeError on a str with non-ASCII characters: a peer's field is
+    # checked to be plain ASCII of the right length first, so a bad MAC is just a bad MAC.
+    want = mac(key, tag, *parts)
+    return isinstance(got, str) and len(got) == len(want) and got.isascii() and hmac.compare_digest(got, want)
 
 
 def canon(obj: Any) -> str:
@@ -62,26 +68,39 @@ def signed_reply(key: bytes, cnonce: str, nonce: str, result: Any, error: dict |
 
 
 class Conn:
-    """Line-framed JSON over a socket with bounded reads."""
+    """Line-framed JSON over a socket with bounded reads. Buffering is linear in the line's
+    length: chunks are appended in place and only the new bytes are searched for the end of
+    the line (re-scanning and re-copying the whole buffer per chunk cost a stranger's
+    megabytes quadratic CPU time)."""
 
     def __init__(self, sock: socket.socket, peer: str):
         self.sock = sock
         self.peer = peer
-        self._buf = b""
+        self._buf = bytearray()
 
     def send(self, obj: dict) -> None:
         self.sock.sendall(canon(obj).encode() + b"\n")
 
-    def recv(self, what: str) -> dict:
-        while b"\n" not in self._buf:
-            if len(self._buf) > MAX_LINE:
-                raise ProtocolError(f"[status] {what} from peer={self.peer} exceeds {MAX_LINE} bytes; "
+    def recv(self, what: str, limit: int = MAX_LINE) -> dict:
+        """The next line as a JSON object; ProtocolError once more than ``limit`` bytes come
+        without a newline (read no further than that)."""
+        end = self._buf.find(b"\n")
+        scanned = len(self._buf)
+        while end < 0:
+            if len(self._buf) > limit:
+                raise ProtocolError(f"[status] {what} from peer={self.peer} exceeds {limit} bytes; "
                                     f"the other side is not speaking the MCCL status protocol")
-            chunk = self.sock.recv(65536)
+            chunk = self.sock.recv(min(65536, limit + 1 - len(self._buf)))
             if not chunk:
                 raise ConnectionError(f"connection closed while waiting for {what}")
             self._buf += chunk
-        line, self._buf = self._buf.split(b"\n", 1)
+            end = self._buf.find(b"\n", scanned)
+            scanned = len(self._buf)
+        if end > limit:
+            raise ProtocolError(f"[status] {what} from peer={self.peer} exceeds {limit} bytes; "
+                                f"the other side is not speaking the MCCL status protocol")
+        line = bytes(self._buf[:end])
+        del self._buf[:end + 1]
         return self._parse(line, what)
 
     def pending(self) -> bool:
@@ -89,7 +108,8 @@ class Conn:
         return b"\n" in self._buf
 
     def take_buffered(self) -> bytes:
-        data, self._buf = self._buf, b""
+        data = bytes(self._buf)
+        self._buf.clear()
         return data
 
     def _parse(self, line: bytes, what: str) -> dict:

@@ -1,12 +1,17 @@
 """Mutual fleet-key authentication of a daemon-to-daemon link, and per-frame MACs.
 
 Handshake (HMAC-SHA256, both sides prove the key, nonces from both sides so neither
-a recorded exchange nor a reflected one authenticates):
+a recorded exchange nor a reflected one authenticates). The initiator proves first: a
+stranger that connects gets a nonce and nothing computed under the key, so it cannot
+collect MACs to guess the key offline; the responder proves only to a peer that has
+just proven it holds the key:
   A -> B  hello      proto, fleet, host_id=A, listen=LA, nonce nA
-  B -> A  challenge  proto, fleet, host_id=B, listen=LB, nonce nB,
-                     mac_B = H(key, "resp", fleet, A, LA, B, LB, nA, nB)
+  B -> A  challenge  proto, fleet, host_id=B, listen=LB, nonce nB      (no MAC)
   A -> B  auth       mac_A = H(key, "init", fleet, A, LA, B, LB, nA, nB)
-  B -> A  ok
+  B -> A  ok         mac_B = H(key, "resp", fleet, A, LA, B, LB, nA, nB)
+Both MACs cover every field either side acts on (host ids, listen addresses, purpose),
+so none can be changed on the way. A daemon refuses a peer that claims its own host id
+(a reflected connection, or a misconfigured twin) and a key under 32 bytes.
 Afterwards every frame carries H(session, direction, seq, payload) with
 session = H(key, "session", nA, nB), so frames cannot be injected, replayed or reordered.
 
@@ -27,13 +32,16 @@ import socket
 import struct
 from typing import Any
 
-from mccl_common.errors import AuthError, ProtocolError
+from mccl_common.daemon_settings import MIN_KEY_BYTES
+from mccl_common.errors import AuthError, ConfigError, ProtocolError
 
 from . import PROTO_VERSION
 
 NONCE_BYTES = 32
 MAC_BYTES = 32
 MAX_FRAME = 1 << 20
+# A handshake frame is a few hundred bytes; before the peer proved the key it gets no more.
+MAX_HANDSHAKE_FRAME = 16 << 10
 _LEN = struct.Struct("!I")
 
 
@@ -62,7 +70,7 @@ def send_plain(sock: socket.socket, msg: dict[str, Any]) -> None:
 
 def recv_plain(sock: socket.socket, peer: str) -> dict[str, Any]:
     (n,) = _LEN.unpack(_recv_exact(sock, 4))
-    if n > MAX_FRAME:
+    if n > MAX_HANDSHAKE_FRAME:
         raise ProtocolError(f"[link] handshake frame of {n} bytes from peer={peer}; not an mccld")
     try:
         msg = json.loads(_recv_exact(sock, n))
@@ -113,69 +121,104 @@ class Session:
 CONTROL = "control"
 
 
+def _check_key(key: bytes) -> None:
+    # The key is read and checked by DaemonConfig.read_key; this catches an embedder (or a
+    # test) handing a weak one straight to the handshake, where it would be brute-forced.
+    if len(key) < MIN_KEY_BYTES:
+        raise ConfigError(f"[link] fleet key of {len(key)} bytes; use at least {MIN_KEY_BYTES} random bytes "
+                          "(`mccld keygen` writes one) in MCCL_KEY_FILE")
+
+
+def _hex(msg: dict[str, Any], field: str, n: int) -> bytes:
+    """``n`` bytes from a hex field; ValueError for anything else (non-ASCII text included)."""
+    raw = msg.get(field)
+    if not isinstance(raw, str) or len(raw) != 2 * n or not raw.isascii():
+        raise ValueError(field)
+    return bytes.fromhex(raw)
+
+
 def initiate(sock: socket.socket, key: bytes, fleet: str, host_id: str, listen: str,
              peer: str, purpose: str = CONTROL) -> tuple[str, str, Session]:
     """Client side of the handshake; returns the peer's host id, its link address and the session."""
+    _check_key(key)
     na = secrets.token_bytes(NONCE_BYTES)
     send_plain(sock, {"type": "hello", "proto": PROTO_VERSION, "fleet": fleet, "host_id": host_id,
                       "listen": listen, "nonce": na.hex(), "purpose": purpose})
     msg = recv_plain(sock, peer)
     if msg.get("type") == "refused":
-        raise AuthError(f"[link] peer={peer} refused our link: {msg.get('reason')}; check that both "
+        raise AuthError(f"[link] peer={peer} refused our link: {str(msg.get('reason'))[:200]}; check that both "
                         "hosts use the same MCCL_FLEET and fleet key")
     try:
-        nb = bytes.fromhex(msg["nonce"])
-        peer_host, their_mac = str(msg["host_id"]), bytes.fromhex(msg["mac"])
-        peer_listen = str(msg["listen"])
+        if msg.get("type") != "challenge":
+            raise ValueError("type")
+        nb = _hex(msg, "nonce", NONCE_BYTES)
+        peer_host, peer_listen = msg["host_id"], msg["listen"]
+        if not isinstance(peer_host, str) or not isinstance(peer_listen, str):
+            raise ValueError("host_id")
     except (KeyError, ValueError, TypeError):
         raise ProtocolError(f"[link] malformed challenge from peer={peer}; not an mccld") from None
     if msg.get("proto") != PROTO_VERSION or msg.get("fleet") != fleet:
         raise AuthError(f"[link] peer={peer} speaks proto {msg.get('proto')} of fleet "
                         f"{msg.get('fleet')!r}, we speak {PROTO_VERSION} of {fleet!r}")
-    if len(nb) != NONCE_BYTES or not hmac.compare_digest(
-            their_mac, _mac(key, "resp", fleet, purpose, host_id, listen, peer_host, peer_listen, na, nb)):
-        raise AuthError(f"[link] peer={peer} ({peer_host}) failed fleet-key authentication; "
-                        "it does not hold our fleet key: copy the key file to it")
+    if peer_host == host_id:
+        raise AuthError(f"[link] peer={peer} claims our own host id {host_id!r}; we dialled ourselves, or two "
+                        "hosts share an MCCL_HOST_ID: give each host its own")
     send_plain(sock, {"type": "auth",
                       "mac": _mac(key, "init", fleet, purpose, host_id, listen, peer_host, peer_listen, na,
                                   nb).hex()})
     done = recv_plain(sock, peer)
-    if done.get("type") != "ok":
-        raise AuthError(f"[link] peer={peer} rejected our key: {done.get('reason')}; "
-                        "the hosts hold different fleet keys")
+    if done.get("type") == "refused":
+        raise AuthError(f"[link] peer={peer} ({peer_host}) refused our link: we failed fleet-key "
+                        "authentication there; the hosts hold different fleet keys")
+    try:
+        if done.get("type") != "ok":
+            raise ValueError("type")
+        their_mac = _hex(done, "mac", MAC_BYTES)
+    except ValueError:
+        raise ProtocolError(f"[link] malformed handshake answer from peer={peer}; not an mccld") from None
+    if not hmac.compare_digest(their_mac, _mac(key, "resp", fleet, purpose, host_id, listen, peer_host,
+                                               peer_listen, na, nb)):
+        raise AuthError(f"[link] peer={peer} ({peer_host}) failed fleet-key authentication; "
+                        "it does not hold our fleet key: copy the key file to it")
     return peer_host, peer_listen, Session(key, na, nb, initiator=True, peer=peer)
 
 
 def respond(sock: socket.socket, key: bytes, fleet: str, host_id: str, listen: str,
             peer: str) -> tuple[str, str, Session, str]:
     """Server side of the handshake; refuses (and raises AuthError) on any mismatch.
-    Returns the peer's host id, its link address, the session and the purpose it named."""
+    Returns the peer's host id, its link address, the session and the purpose it named.
+    Nothing it sends before the peer proved the key depends on the key."""
+    _check_key(key)
     msg = recv_plain(sock, peer)
     try:
-        na, peer_host, peer_listen = bytes.fromhex(msg["nonce"]), str(msg["host_id"]), str(msg["listen"])
-        purpose = str(msg.get("purpose", CONTROL))
-        if msg.get("type") != "hello" or len(na) != NONCE_BYTES or len(purpose) > 200:
+        na = _hex(msg, "nonce", NONCE_BYTES)
+        peer_host, peer_listen, purpose = msg["host_id"], msg["listen"], msg.get("purpose", CONTROL)
+        if (msg.get("type") != "hello" or not all(isinstance(x, str) for x in (peer_host, peer_listen, purpose))
+                or len(purpose) > 200 or len(peer_host) > 256 or len(peer_listen) > 64):
             raise ValueError
     except (KeyError, ValueError, TypeError):
         raise ProtocolError(f"[link] malformed hello from peer={peer}; not an mccld") from None
     if msg.get("proto") != PROTO_VERSION or msg.get("fleet") != fleet:
         send_plain(sock, {"type": "refused", "reason": f"fleet/proto mismatch (we are {fleet!r}/{PROTO_VERSION})"})
-        raise AuthError(f"[link] refused peer={peer} ({peer_host}): fleet {msg.get('fleet')!r} proto "
-                        f"{msg.get('proto')}, we are fleet {fleet!r} proto {PROTO_VERSION}")
+        raise AuthError(f"[link] refused peer={peer} ({peer_host!r}): fleet {str(msg.get('fleet'))[:64]!r} proto "
+                        f"{str(msg.get('proto'))[:16]}, we are fleet {fleet!r} proto {PROTO_VERSION}")
+    if peer_host == host_id:
+        send_plain(sock, {"type": "refused", "reason": "you claim this daemon's own host id"})
+        raise AuthError(f"[link] refused peer={peer}: it claims our own host id {host_id!r}; a reflected "
+                        "connection, or two hosts share an MCCL_HOST_ID: give each host its own")
     nb = secrets.token_bytes(NONCE_BYTES)
     send_plain(sock, {"type": "challenge", "proto": PROTO_VERSION, "fleet": fleet, "host_id": host_id,
-                      "listen": listen, "nonce": nb.hex(),
-                      "mac": _mac(key, "resp", fleet, purpose, peer_host, peer_listen, host_id, listen, na,
-                                  nb).hex()})
+                      "listen": listen, "nonce": nb.hex()})
     reply = recv_plain(sock, peer)
     try:
-        their_mac = bytes.fromhex(reply["mac"])
-    except (KeyError, ValueError, TypeError):
+        their_mac = _hex(reply, "mac", MAC_BYTES) if reply.get("type") == "auth" else b""
+    except ValueError:
         their_mac = b""
     if not hmac.compare_digest(their_mac, _mac(key, "init", fleet, purpose, peer_host, peer_listen, host_id, listen,
                                                na, nb)):
         send_plain(sock, {"type": "refused", "reason": "bad fleet key"})
-        raise AuthError(f"[link] refused peer={peer} ({peer_host}): it failed fleet-key authentication; "
+        raise AuthError(f"[link] refused peer={peer} ({peer_host!r}): it failed fleet-key authentication; "
                         "it does not hold this fleet's key")
-    send_plain(sock, {"type": "ok"})
+    send_plain(sock, {"type": "ok", "mac": _mac(key, "resp", fleet, purpose, peer_host, peer_listen, host_id,
+                                                listen, na, nb).hex()})
     return peer_host, peer_listen, Session(key, na, nb, initiator=False, peer=peer), purpose

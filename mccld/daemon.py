@@ -253,9 +253,11 @@ class Daemon:
         if self.cfg.metrics_port:
             metrics = _optional("mccld.metrics")
             if metrics is not None:
-                srv = metrics.MetricsServer(self.stats, self.cfg.metrics_addr, self.cfg.metrics_port,
+                # Unauthenticated HTTP: on the fleet interface (where the links are) unless told.
+                srv = metrics.MetricsServer(self.stats, self.cfg.metrics_addr or self.addr, self.cfg.metrics_port,
                                             host=self.host_id, data_links=self._data_link_status,
-                                            gate=Gate.from_config("metrics", self.cfg), gates=self._gates)
+                                            gate=Gate.from_config("metrics", self.cfg, authenticates=False),
+                                            gates=self._gates, presence=self.cfg.metrics_presence)
                 srv.start()
                 self._servers.append(srv)
         if self.cfg.status_port:

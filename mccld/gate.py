@@ -5,7 +5,12 @@ connection has proven it holds the fleet key it may cost us only a bounded share
 threads and fds, for a bounded time:
 
 * ``admit`` refuses (closes at once, never blocks the accept loop) past a cap per port
-  and per peer address, so one noisy host cannot take every slot from the others;
+  and per peer address, so one noisy host cannot take every slot from the others; and
+  ``reserved`` of the port's slots are kept for addresses that authenticated here before
+  (the fleet's daemons, the operator's mcclctl), so a few hostile addresses together
+  cannot take every slot either: a known peer still gets in;
+* the accept loop outlives accept() errors (out of fds, a connection reset before it was
+  accepted): it backs off and logs once, where a dead loop would close the port for good;
 * each admitted connection has one deadline for its whole handshake / request. A
   per-``recv`` timeout does not bound that: a peer dribbling a byte a second resets
   it forever. When the deadline passes the watchdog shuts the socket down, which
@@ -18,6 +23,8 @@ in the serving thread's ``finally``) gives the slot back.
 
 from __future__ import annotations
 
+import collections
+import errno
 import heapq
 import itertools
 import logging
@@ -32,19 +39,30 @@ from .logutil import OnceLogger
 
 log = logging.getLogger(__name__)
 
+REWARN_S = 60.0            # a refusal of one peer is logged at WARNING at most once a minute
+MAX_KNOWN = 1024           # addresses remembered as having authenticated (oldest forgotten first)
+_ACCEPT_BACKOFF_S = (0.05, 1.0)   # first and longest pause after a failed accept()
+# accept() errors that say the listener itself is gone: the loop ends. Any other (EMFILE,
+# ENFILE, ENOBUFS, ENOMEM, ECONNABORTED, EPROTO, ...) is about one connection or a passing
+# shortage, and the port must keep serving once it passes.
+_LISTENER_GONE = {errno.EBADF, errno.EINVAL, errno.ENOTSOCK}
+
 
 class Ticket:
     """One admitted connection's slot and deadline."""
 
-    def __init__(self, gate: "Gate", sock: socket.socket, peer_ip: str, deadline: float):
+    def __init__(self, gate: "Gate", sock: socket.socket, peer_ip: str, deadline: float, stranger: bool):
         self._gate = gate
         self.sock = sock
         self.peer_ip = peer_ip
         self.deadline = deadline
         self.counted = True       # holds a slot of the gate
+        self.stranger = stranger  # counted among the addresses not known to the gate
 
     def passed(self) -> None:
-        """The peer authenticated: no deadline and no slot among the unauthenticated any more."""
+        """The peer authenticated: no deadline and no slot among the unauthenticated any more;
+        its address is known from now on (it may use the reserved slots)."""
+        self._gate.know(self.peer_ip)
         self._gate._drop(self)
 
     def release(self) -> None:
@@ -55,11 +73,14 @@ class Ticket:
 class Gate:
     """Caps and deadlines of the unauthenticated connections of one listening port."""
 
-    def __init__(self, name: str, max_total: int, max_per_peer: int, deadline_s: float):
+    def __init__(self, name: str, max_total: int, max_per_peer: int, deadline_s: float, reserved: int = 0):
         self.name = name
         self.max_total = max_total
         self.max_per_peer = max_per_peer
         self.deadline_s = deadline_s
+        self.reserved = min(reserved, max_total - 1)   # strangers always keep at least one slot
+        self._known: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._strangers = 0       # slots held by addresses not known
         self.refused = 0          # closed at accept: over a cap
         self.expired = 0          # shut down at their deadline
         self._per_peer: dict[str, int] = {}
@@ -68,17 +89,27 @@ class Gate:
         self._seq = itertools.count()
         self._cv = threading.Condition()
         self._closed = False
-        self._once = OnceLogger(log)
+        self._once = OnceLogger(log, rewarn_s=REWARN_S)
         # Started with the port's server, not lazily at the first connection: a daemon's
         # thread count is then the same before and after its ports are first used (the
         # fuzzer and the campaign compare footprints across a run).
         self._watchdog: threading.Thread | None = None
 
     @classmethod
-    def from_config(cls, name: str, cfg: DaemonConfig | None = None) -> "Gate":
-        """A gate with the daemon's MCCL_UNAUTH_* / MCCL_MAX_UNAUTH_* settings (their defaults without ``cfg``)."""
+    def from_config(cls, name: str, cfg: DaemonConfig | None = None, authenticates: bool = True) -> "Gate":
+        """A gate with the daemon's MCCL_UNAUTH_* / MCCL_MAX_UNAUTH_* settings (their defaults without ``cfg``).
+        A port whose clients never authenticate (metrics) reserves nothing: no one would ever be known."""
         cfg = cfg or DaemonConfig()
-        return cls(name, cfg.max_unauth_connections, cfg.max_unauth_per_peer, cfg.unauth_timeout_s)
+        return cls(name, cfg.max_unauth_connections, cfg.max_unauth_per_peer, cfg.unauth_timeout_s,
+                   reserved=cfg.unauth_reserved if authenticates else 0)
+
+    def know(self, peer_ip: str) -> None:
+        """``peer_ip`` proved a key here: from now on it may use the reserved slots too."""
+        with self._cv:
+            self._known[peer_ip] = None
+            self._known.move_to_end(peer_ip)
+            if len(self._known) > MAX_KNOWN:
+                self._known.popitem(last=False)
 
     def start(self) -> None:
         """Start the deadline watchdog (with the port's server); idempotent."""
@@ -95,19 +126,24 @@ class Gate:
             raise RuntimeError(f"[{self.name}] Gate.admit before Gate.start: no deadline would be enforced")
         with self._cv:
             n = self._per_peer.get(peer_ip, 0)
-            full = self._total >= self.max_total or n >= self.max_per_peer
+            stranger = peer_ip not in self._known
+            full = (self._total >= self.max_total or n >= self.max_per_peer
+                    or (stranger and self._strangers >= self.max_total - self.reserved))
             if not full:
                 self._per_peer[peer_ip] = n + 1
                 self._total += 1
-                ticket = Ticket(self, sock, peer_ip, time.monotonic() + self.deadline_s)
+                self._strangers += stranger
+                ticket = Ticket(self, sock, peer_ip, time.monotonic() + self.deadline_s, stranger)
                 heapq.heappush(self._heap, (ticket.deadline, next(self._seq), ticket))
                 self._cv.notify()
                 return ticket
             self.refused += 1
         self._once.warn(f"full:{peer_ip}", "[%s] refusing a connection from peer=%s: %d unauthenticated "
-                        "connections from it, %d on the port (caps %d and %d: MCCL_MAX_UNAUTH_PER_PEER, "
-                        "MCCL_MAX_UNAUTH_CONNECTIONS); a scanner or a misconfigured client floods this port",
-                        self.name, peer_ip, n, self._total, self.max_per_peer, self.max_total)
+                        "connections from it, %d on the port, %d from addresses that never authenticated here "
+                        "(caps %d, %d and %d: MCCL_MAX_UNAUTH_PER_PEER, MCCL_MAX_UNAUTH_CONNECTIONS less "
+                        "MCCL_UNAUTH_RESERVED); a scanner or a misconfigured client floods this port",
+                        self.name, peer_ip, n, self._total, self._strangers, self.max_per_peer, self.max_total,
+                        self.max_total - self.reserved)
         try:
             sock.close()
         except OSError:
@@ -124,15 +160,24 @@ class Gate:
         """A port's accept loop: until ``stop`` is set or the listener closes, admit each
         connection through this gate and handle it on a thread of its own (``started`` sees
         the thread before it runs). The listener needs a timeout so that ``stop`` is noticed."""
+        backoff = 0.0
         while not stop.is_set():
             try:
                 sock, (ip, port) = listener.accept()
             except socket.timeout:
                 continue
-            except OSError:
-                if not stop.is_set():
-                    log.exception("[%s] accept failed", self.name)
-                return
+            except OSError as e:
+                if stop.is_set() or e.errno in _LISTENER_GONE or listener.fileno() < 0:
+                    return
+                # Out of fds (EMFILE) the pending connection stays queued and accept() fails
+                # again at once: pause, so that the loop does not spin while fds come back.
+                backoff = min(max(backoff * 2, _ACCEPT_BACKOFF_S[0]), _ACCEPT_BACKOFF_S[1])
+                self._once.warn(f"accept:{e.errno}", "[%s] accept() failed: %s; retrying in %.2f s (out of "
+                                "file descriptors? raise the service's LimitNOFILE / ulimit -n)",
+                                self.name, e, backoff)
+                stop.wait(backoff)
+                continue
+            backoff = 0.0
             ticket = self.admit(sock, ip)
             if ticket is None:
                 continue
@@ -156,6 +201,7 @@ class Gate:
                 return
             ticket.counted = False
             self._total -= 1
+            self._strangers -= ticket.stranger
             left = self._per_peer[ticket.peer_ip] - 1
             if left:
                 self._per_peer[ticket.peer_ip] = left

@@ -36,10 +36,10 @@ from typing import Callable
 
 from mccl_common.errors import ConfigError, MCCLError, ProtocolError
 from mccl_common.launch_protocol import (BEAT_S, DRAIN_ENV, LEASE_TIMEOUT_S, LEFT_SUFFIX, MAX_LINE_CHARS, PROTO,
-                                         RUN_KEY_ENV, LaunchRequest, request_ok, run_key, sealed)
-from mccl_common.status_protocol import IO_TIMEOUT_S, Conn, HARVESTED_STATES
+                                         RUN_KEY_ENV, ControlCheck, LaunchRequest, request_ok, run_key, sealed)
+from mccl_common.status_protocol import IO_TIMEOUT_S, MAX_PREAUTH_LINE, Conn, HARVESTED_STATES
 
-from .gate import Gate, Ticket
+from .gate import REWARN_S, Gate, Ticket
 from .logutil import OnceLogger
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class LaunchServer:
         self._jobs: dict[str, subprocess.Popen] = {}    # lease id -> its torchrun
         self._drain_files: dict[str, Path] = {}         # lease id -> the file that tells its job to leave
         self._conns: set[threading.Thread] = set()
-        self._once = OnceLogger(log)
+        self._once = OnceLogger(log, rewarn_s=REWARN_S)   # keyed by peer address, not connection
 
     @property
     def port(self) -> int:
@@ -183,10 +183,10 @@ class LaunchServer:
             conn = Conn(sock, peer)
             nonce = os.urandom(16).hex()
             conn.send({"mccl_launch": PROTO, "nonce": nonce, "host": self._host_id})
-            got = request_ok(self._key, conn.recv("launch request"), nonce)
+            got = request_ok(self._key, conn.recv("launch request", limit=MAX_PREAUTH_LINE), nonce, self._host_id)
             if got is None:
-                self._once.warn(peer, "[launch] refused a launch request from peer=%s: its MAC does not match "
-                                "the submit key; nothing was started", peer)
+                self._once.warn(peer.rpartition(":")[0], "[launch] refused a launch request from peer=%s: its MAC "
+                                "does not match the submit key; nothing was started", peer)
                 conn.send({"ok": False, "error": {"kind": "AuthError", "message": (
                     "[launch] request MAC does not match; use this fleet's submit key (MCCL_SUBMIT_KEY_FILE)")}})
                 return
@@ -196,9 +196,10 @@ class LaunchServer:
         except ConnectionError as e:
             log.debug("launch connection from peer=%s closed early: %s", peer, e)
         except (OSError, ProtocolError) as e:
-            self._once.warn(peer, "[launch] connection from peer=%s failed: %s", peer, e)
+            self._once.warn(peer.rpartition(":")[0], "[launch] connection from peer=%s failed: %s", peer, e)
         except Exception:
-            log.exception("launch endpoint: unexpected failure serving peer=%s", peer)
+            self._once.warn(f"bug:{peer.rpartition(':')[0]}", "[launch] unexpected failure serving peer=%s",
+                            peer, exc_info=True)
         finally:
             ticket.release()
             sock.close()
@@ -261,7 +262,7 @@ class LaunchServer:
                  " ".join(req.argv))
         try:
             send("started", {"host": self._host_id, "pid": job.proc.pid})
-            code = self._pump(conn, job, send, req.job, peer, drain_file)
+            code = self._pump(conn, job, send, req.job, peer, drain_file, ControlCheck(self._key, cnonce, nonce))
         finally:
             job.stop()
             with self._lock:
@@ -306,7 +307,8 @@ class LaunchServer:
             os.chown(job_dir, uid, gid if gid is not None else -1)
         return path
 
-    def _pump(self, conn: Conn, job: "_Job", send, name: str, peer: str, drain_file: Path) -> int | None:
+    def _pump(self, conn: Conn, job: "_Job", send, name: str, peer: str, drain_file: Path,
+              check: ControlCheck) -> int | None:
         """Streams output until the job exits (its code) or the lease ends (None). Once this
         host's ranks have saved and left (the drain's ".left" file), torchrun is stopped: its
         rendezvous handler takes the host out of the run, so the others re-form at once."""
@@ -355,12 +357,14 @@ class LaunchServer:
                 readable, _, _ = select.select([sock], [], [], _POLL_S)
                 now = time.monotonic()
                 if readable or conn.pending():
-                    msg = conn.recv("lease message")     # raises ConnectionError on EOF
-                    last_heard = now
-                    if msg.get("cancel"):
+                    ctl = self._control(conn, check, peer, name)    # raises ConnectionError on EOF
+                    if ctl is not None:
+                        last_heard = now
+                    if ctl == "cancel":
                         log.info("[launch] peer=%s cancelled job %s", peer, name)
                         return None
-                elif now - last_heard > self._lease_timeout_s:
+                # Checked whether or not something came: injected junk must not stand in for beats.
+                if now - last_heard > self._lease_timeout_s:
                     log.warning("[launch] peer=%s silent for %.0f s: lease of job %s lost, stopping it",
                                 peer, now - last_heard, name)
                     return None
@@ -370,6 +374,18 @@ class LaunchServer:
         except (ConnectionError, OSError) as e:
             log.warning("[launch] lease of job %s lost (peer=%s: %s); stopping it", name, peer, e)
             return None
+
+    def _control(self, conn: Conn, check: ControlCheck, peer: str, name: str) -> str | None:
+        """The client's next beat or cancel; None (logged, once per peer a minute) for a message
+        that fails its MAC or sequence check: injected or replayed by someone on the path, it
+        neither ends the job nor keeps a lease alive whose client is gone."""
+        msg = conn.recv("lease message", limit=MAX_PREAUTH_LINE)
+        ctl = check(msg)
+        if ctl is None:
+            self._once.warn(f"ctl:{peer.rpartition(':')[0]}", "[launch] ignored a lease message for job %s from "
+                            "peer=%s: it fails its submit-key MAC or sequence check (injected or replayed on the "
+                            "path, or an mcclctl of another release)", name, peer)
+        return ctl
 
 
 class _Job:

@@ -17,7 +17,7 @@ from typing import Any, Callable
 from mccl_common.errors import AuthError, MCCLError, PeerLostError, ProtocolError
 
 from . import auth
-from .gate import Gate, Ticket
+from .gate import REWARN_S, Gate, Ticket
 from .logutil import OnceLogger
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class LinkManager:
         self._by_addr: dict[str, str] = {}       # "ip:port" dialled -> peer host id
         self._lock = threading.Lock()
         self._dial_locks: dict[str, threading.Lock] = {}
-        self._once = OnceLogger(log)
+        self._once = OnceLogger(log, rewarn_s=REWARN_S)
         self._server: socket.socket | None = None
         self._threads: list[threading.Thread] = []
         self._stopping = threading.Event()
@@ -188,6 +188,9 @@ class LinkManager:
             raise PeerLostError(f"[link] handshake with peer={addr} failed: {e}; the peer daemon "
                                 "closed the link (wrong fleet key on one side?)") from None
         self._once.forget(f"dial:{addr}")
+        # A daemon that proved the fleet key to us is a fleet peer: its own dials (data sockets,
+        # a relink after a restart) get the handshake slots kept for known addresses.
+        self.gate.know(host)
         return sock, peer_host, peer_listen, session
 
     def _dial(self, addr: str) -> Link:

@@ -5,10 +5,13 @@ daemon's live state when Prometheus asks, so there is one source of truth and no
 update cost on the daemon's hot path. Names use base units (seconds, bytes) and
 ``_total`` on counters, all prefixed ``mccl_``.
 
-``MetricsServer`` binds 0.0.0.0 by default (``MCCL_METRICS_ADDR``): Prometheus
-normally scrapes from another machine of the fleet, and the endpoint is read-only and
-carries no secrets (counters, peer addresses, job ids). Set ``MCCL_METRICS_ADDR`` to
-the fleet interface's address or 127.0.0.1 to restrict who can read it.
+HTTP has no authentication, so what it says is public to whoever reaches the port. The
+daemon binds it to the fleet interface's address (the one its links use) unless
+``MCCL_METRICS_ADDR`` says otherwise, so a Prometheus of the fleet reaches it and the
+rest of the world (a café's Wi-Fi) does not. Figures that tell when the host's user is
+at it or away (seconds since the last input, harvestable seconds per night) are only
+exported with ``MCCL_METRICS_PRESENCE=1``: a burglar or a nosy colleague must not learn
+from an open port when a home is empty.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import logging
 import platform
 import socket
 import threading
+import time
 from typing import Any, Callable, Iterable
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
@@ -30,7 +34,8 @@ from mccl_common.errors import ConfigError
 from mccl_common.hostinfo import host_facts
 from mccl_common.status_protocol import HARVEST_STATES
 
-from .gate import Gate
+from .gate import REWARN_S, Gate
+from .logutil import OnceLogger
 from .stats import STATES, DaemonStats
 
 log = logging.getLogger(__name__)
@@ -51,8 +56,9 @@ class StatsCollector(Collector):
 
     def __init__(self, stats: DaemonStats, host: str | None = None,
                  data_links: Callable[[], list[dict[str, Any]]] | None = None,
-                 gates: Callable[[], list[Gate]] | None = None) -> None:
+                 gates: Callable[[], list[Gate]] | None = None, presence: bool = False) -> None:
         self._stats = stats
+        self._presence = presence      # export the user-presence figures (MCCL_METRICS_PRESENCE)
         self._host = host or socket.gethostname()
         self._data_links = data_links  # the daemon's data-socket pool, per peer host
         self._gates = gates            # the daemon's ports' unauthenticated connections
@@ -60,7 +66,7 @@ class StatsCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         snap = self._stats.snapshot()
         yield from self._host_metrics(snap)
-        yield from self._harvest_metrics(snap.get("harvest"))
+        yield from self._harvest_metrics(snap.get("harvest"), self._presence)
         yield from self._collective_metrics(snap)
         yield from self._peer_metrics(snap)
         yield from self._job_metrics(snap)
@@ -127,7 +133,7 @@ class StatsCollector(Collector):
         yield errors
 
     @staticmethod
-    def _harvest_metrics(harvest: dict | None) -> Iterable[Metric]:
+    def _harvest_metrics(harvest: dict | None, presence: bool) -> Iterable[Metric]:
         facts = host_facts()
         yield GaugeMetricFamily("mccl_host_cpu_cores", "CPU cores of this host", value=facts["cores"])
         yield GaugeMetricFamily("mccl_host_memory_bytes", "Physical memory of this host",
@@ -139,6 +145,8 @@ class StatsCollector(Collector):
         for name in HARVEST_STATES:
             state.add_metric([name], 1.0 if harvest["state"] == name else 0.0)
         yield state
+        if not presence:
+            return
         if harvest.get("idle_s") is not None:
             yield GaugeMetricFamily("mccl_host_idle_seconds", "Seconds since the last user input on this host",
                                     value=harvest["idle_s"])
@@ -227,10 +235,11 @@ class StatsCollector(Collector):
 
 def make_registry(stats: DaemonStats, host: str | None = None,
                   data_links: Callable[[], list[dict[str, Any]]] | None = None,
-                  gates: Callable[[], list[Gate]] | None = None) -> CollectorRegistry:
-    """A registry holding only this daemon's collector (no process/GC default metrics)."""
+                  gates: Callable[[], list[Gate]] | None = None, presence: bool = False) -> CollectorRegistry:
+    """A registry holding only this daemon's collector (no process/GC default metrics);
+    ``presence``: with the user-presence figures."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StatsCollector(stats, host, data_links, gates))
+    registry.register(StatsCollector(stats, host, data_links, gates, presence))
     return registry
 
 
@@ -247,7 +256,19 @@ class _BoundedWSGIServer(WSGIServer):
     def __init__(self, addr: tuple[str, int], gate: Gate):
         self.address_family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
         self.gate = gate
+        self._once = OnceLogger(log, rewarn_s=REWARN_S)
         super().__init__(addr, _QuietHandler)
+
+    def get_request(self) -> tuple[socket.socket, tuple]:
+        # socketserver drops a failed accept() and polls again; out of fds (EMFILE) the
+        # connection stays queued, so the poll returns at once and the loop would spin: pause.
+        try:
+            return super().get_request()
+        except OSError as e:
+            self._once.warn(f"accept:{e.errno}", "[metrics] accept() failed: %s; retrying (out of file "
+                            "descriptors? raise the service's LimitNOFILE / ulimit -n)", e)
+            time.sleep(0.1)
+            raise
 
     def process_request(self, request: socket.socket, client_address: tuple) -> None:
         ticket = self.gate.admit(request, client_address[0])
@@ -271,10 +292,11 @@ class MetricsServer:
     """Serves ``/metrics`` over HTTP for one DaemonStats. ``port=0`` picks a free port.
     HTTP has no authentication, so a whole scrape counts as unauthenticated (``gate``)."""
 
-    def __init__(self, stats: DaemonStats, addr: str = "0.0.0.0", port: int = 29652,
+    def __init__(self, stats: DaemonStats, addr: str = "127.0.0.1", port: int = 29652,
                  host: str | None = None, data_links: Callable[[], list[dict[str, Any]]] | None = None,
-                 gate: Gate | None = None, gates: Callable[[], list[Gate]] | None = None) -> None:
-        self._registry = make_registry(stats, host, data_links, gates)
+                 gate: Gate | None = None, gates: Callable[[], list[Gate]] | None = None,
+                 presence: bool = False) -> None:
+        self._registry = make_registry(stats, host, data_links, gates, presence)
         self._addr = addr
         self._port = port
         self._gate = gate or Gate.from_config("metrics")

@@ -18,11 +18,11 @@ import time
 from typing import Any, Callable
 
 from mccl_common.errors import ConfigError, MCCLError, ProtocolError
-from mccl_common.status_protocol import (IO_TIMEOUT_S, PROTO, READ_METHODS, SINK, WRITE_METHODS, Conn, mac_ok,
-                                         query, signed_reply, split_addr)
+from mccl_common.status_protocol import (IO_TIMEOUT_S, MAX_PREAUTH_LINE, PROTO, READ_METHODS, SINK, WRITE_METHODS,
+                                         Conn, mac_ok, query, signed_reply, split_addr)
 
 from . import linktest, tcpinfo
-from .gate import Gate, Ticket
+from .gate import REWARN_S, Gate, Ticket
 from .logutil import OnceLogger
 from .stats import DaemonStats, mccl_version
 
@@ -142,7 +142,7 @@ class StatusServer:
         self._lock = threading.Lock()
         self._linktests: dict[str, dict] = {}      # peer link address -> last result
         self._linktest_running = threading.Lock()  # one measurement at a time per host
-        self._once = OnceLogger(log)
+        self._once = OnceLogger(log, rewarn_s=REWARN_S)
 
     @property
     def port(self) -> int:
@@ -203,7 +203,7 @@ class StatusServer:
             # The wall clock lets mcclctl doctor estimate clock skew between hosts.
             conn.send({"mccl_status": PROTO, "version": mccl_version(), "nonce": nonce,
                        "time": time.time()})
-            req = conn.recv("request")
+            req = conn.recv("request", limit=MAX_PREAUTH_LINE)
             body, cnonce, mac = req.get("body"), req.get("cnonce"), req.get("mac")
             if not all(isinstance(x, str) for x in (body, cnonce, mac)):
                 raise ProtocolError(f"[status] malformed request from peer={peer}")
@@ -242,7 +242,8 @@ class StatusServer:
         except (OSError, ProtocolError) as e:
             self._warn_once(peer, f"status connection from peer={peer} failed: {e}")
         except Exception:
-            log.exception("status endpoint: unexpected failure serving peer=%s", peer)
+            self._once.warn(f"bug:{peer.rsplit(':', 1)[0]}", "[status] unexpected failure serving peer=%s",
+                            peer, exc_info=True)
         finally:
             ticket.release()  # before the close: the gate's watchdog must not shut down a reused fd
             sock.close()

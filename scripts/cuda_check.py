@@ -289,7 +289,7 @@ def _with_daemon(run) -> int:
     from mccld.daemon import Daemon
 
     with tempfile.TemporaryDirectory(prefix="mccl-cudacheck-") as rdir, contextlib.ExitStack() as stack:
-        env = {"MCCL_RUNTIME_DIR": rdir, "MCCL_FLEET_KEY": "cuda-check-" + "k" * 16, "MCCL_LISTEN_ADDR": "127.0.0.1",
+        env = {"MCCL_RUNTIME_DIR": rdir, "MCCL_FLEET_KEY": "cuda-check-" + "k" * 32, "MCCL_LISTEN_ADDR": "127.0.0.1",
                "MCCL_PORT": "0", "MCCL_STATUS_PORT": "0", "MCCL_METRICS_PORT": "0",
                "MCCL_HOST_ID": f"cudacheck{os.getpid()}"}
         daemon = Daemon(load_config(env=env)).start()

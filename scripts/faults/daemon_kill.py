@@ -167,7 +167,7 @@ def run_trial(index: int, seed: int, world: int, cores: Path | None) -> Trial:
     rdir = work / "rt"
     env = {**os.environ,
            "MCCL_RUNTIME_DIR": str(rdir), "MCCL_HOST_ID": f"fk{os.getpid()}t{index}",
-           "MCCL_FLEET": f"faults-{os.getpid()}", "MCCL_FLEET_KEY": "fault-campaign-key-0123456789",
+           "MCCL_FLEET": f"faults-{os.getpid()}", "MCCL_FLEET_KEY": "fault-campaign-key-0123456789-abcdefghijkl",
            "MCCL_LISTEN_ADDR": "127.0.0.1", "MCCL_PORT": "0", "MCCL_STATUS_PORT": "0", "MCCL_METRICS_PORT": "0",
            "MCCL_CLIENT_CHECK_INTERVAL": "0.1", "MCCL_DAEMON": "1", "PYTHONPATH": str(ROOT),
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world),

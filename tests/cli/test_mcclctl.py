@@ -12,7 +12,7 @@ from mcclctl import doctor, formatting as fmt, prometheus_sd
 from mcclctl.__main__ import main
 from mcclctl.targets import Target, from_record
 
-KEY = b"0123456789abcdef0123456789abcdef"
+KEY = b"cli-test-fleet-key-" + b"c" * 16   # not hex: key files holding hex are decoded (and must give 32 bytes)
 
 
 # ---- formatters ------------------------------------------------------------------------

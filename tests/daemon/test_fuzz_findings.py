@@ -16,6 +16,8 @@ from mccl_common.errors import ProtocolError
 from mccld import auth
 
 DEEP = b"[" * 20_000 + b"]" * 20_000        # deeper than json can parse, small enough for a socketpair
+# A handshake frame is capped at 16 KiB (auth.MAX_HANDSHAKE_FRAME): nested as deep as fits in that.
+DEEP_HANDSHAKE = b"[" * 8_000 + b"]" * 8_000
 
 
 @pytest.mark.timeout(30)
@@ -25,7 +27,7 @@ def test_deeply_nested_link_handshake_frame_is_a_protocol_error():
     was never answered."""
     a, b = socket.socketpair()
     with a, b:
-        a.sendall(struct.pack("!I", len(DEEP)) + DEEP)
+        a.sendall(struct.pack("!I", len(DEEP_HANDSHAKE)) + DEEP_HANDSHAKE)
         with pytest.raises(ProtocolError, match="nests too deep"):
             auth.recv_plain(b, "fuzzer")
 

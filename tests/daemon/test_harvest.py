@@ -89,7 +89,7 @@ def test_policy_hours_battery_unknown_and_locked_screen():
 
 @pytest.mark.timeout(10)
 def test_harvest_hours_setting_is_validated():
-    env = {"MCCL_FLEET_KEY": "k" * 16}
+    env = {"MCCL_FLEET_KEY": "k" * 32}
     assert load_config(env={**env, "MCCL_HARVEST_HOURS": "22-7"}).harvest_window() == (22, 7)
     assert load_config(env=env).harvest_window() is None
     for bad in ("22", "5-5", "1-24", "a-b"):
@@ -269,7 +269,7 @@ class FakeAwake(NoKeepAwake):
 
 @pytest.mark.timeout(20)
 def test_harvester_records_transitions_holds_awake_while_leased_and_stops(tmp_path):
-    cfg = load_config(env={"MCCL_FLEET_KEY": "k" * 16, "MCCL_IDLE_AFTER": "60", "MCCL_HARVEST_POLL": "30"})
+    cfg = load_config(env={"MCCL_FLEET_KEY": "k" * 32, "MCCL_IDLE_AFTER": "60", "MCCL_HARVEST_POLL": "30"})
     clock = [1000.0]
     jobs = [0]
     updates = []
@@ -323,7 +323,8 @@ def test_daemon_activity_file_drives_status_exporter_and_capacity(tmp_path):
     os.utime(act, (time.time() - 3600, time.time() - 3600))
     status_port, metrics_port = free_port(), free_port()
     with running_daemon(MCCL_ACTIVITY_FILE=str(act), MCCL_IDLE_AFTER="600", MCCL_HARVEST_POLL="0.1",
-                        MCCL_STATUS_PORT=str(status_port), MCCL_METRICS_PORT=str(metrics_port)) as (d, env):
+                        MCCL_STATUS_PORT=str(status_port), MCCL_METRICS_PORT=str(metrics_port),
+                        MCCL_METRICS_PRESENCE="1") as (d, env):
         key = env["MCCL_FLEET_KEY"].encode()
 
         def harvest() -> dict:   # "capacity": what "status" says, without the link section's `ss` run
@@ -367,7 +368,7 @@ def test_exporter_renders_the_harvest_snapshot():
         stats.set_harvest({"state": "asleep"})
     stats.set_harvest({"state": "leased", "idle_s": None, "harvestable_s_per_night": 7200.0, "nights": 2})
     samples = {(s.name, tuple(s.labels.items())): s.value
-               for fam in text_string_to_metric_families(generate_latest(make_registry(stats)).decode())
+               for fam in text_string_to_metric_families(generate_latest(make_registry(stats, presence=True)).decode())
                for s in fam.samples}
     assert [samples[("mccl_harvest_state", (("state", s),))] for s in ("busy", "idle", "leased", "draining")] \
         == [0, 0, 1, 0]

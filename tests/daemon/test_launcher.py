@@ -136,20 +136,21 @@ def test_a_wrong_submit_key_is_refused_and_nothing_runs(server, tmp_path):
 def test_the_fleet_key_alone_cannot_start_jobs(tmp_path, monkeypatch):
     from mccl_common.daemon_settings import DaemonConfig
     kf = tmp_path / "submit.key"
-    kf.write_text("same-" + "k" * 20)
+    kf.write_text("same-" + "k" * 32)
     kf.chmod(0o600)
-    cfg = DaemonConfig(fleet_key="same-" + "k" * 20, submit_key_file=str(kf))
+    cfg = DaemonConfig(fleet_key="same-" + "k" * 32, submit_key_file=str(kf))
     with pytest.raises(ConfigError, match="equals the fleet key"):
         cfg.read_submit_key()
 
 
 def _raw_request(srv: LaunchServer, body: str) -> dict:
     """Sends ``body`` with a valid MAC, bypassing LaunchRequest's own checks, as a hostile client could."""
-    from mccl_common.status_protocol import Conn, mac
+    from mccl_common.launch_protocol import request_mac
+    from mccl_common.status_protocol import Conn
     with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
         conn = Conn(s, "test")
         hello = conn.recv("hello")
-        conn.send({"body": body, "cnonce": "c1", "mac": mac(KEY, "launch-req", hello["nonce"], "c1", body)})
+        conn.send({"body": body, "cnonce": "c1", "mac": request_mac(KEY, hello["nonce"], hello["host"], "c1", body)})
         return conn.recv("answer")
 
 

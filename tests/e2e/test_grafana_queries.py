@@ -168,7 +168,7 @@ def test_every_dashboard_query_returns_data_and_counters_match_the_workload(tmp_
     # A real link test on loopback gives rank 0 a ceiling for its link to rank 1.
     status = [StatusServer(lambda r=r: {"host": f"rank{r.rank}", "address": peers[r.rank]}, KEY,
                            "127.0.0.1", 0, stats=r.stats) for r in ranks]
-    metrics = [MetricsServer(r.stats, "127.0.0.1", 0, host=f"rank{r.rank}") for r in ranks]
+    metrics = [MetricsServer(r.stats, "127.0.0.1", 0, host=f"rank{r.rank}", presence=True) for r in ranks]
     stop = threading.Event()
     workers: list[threading.Thread] = []
     harvesters: list[Harvester] = []

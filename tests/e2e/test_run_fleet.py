@@ -20,7 +20,7 @@ from support.ports import free_port as _free_port
 pytestmark = pytest.mark.timeout(180)
 
 PY = sys.executable
-FLEET_KEY = "test-key-" + "x" * 16
+FLEET_KEY = "test-key-" + "x" * 32
 
 TRAIN = """
 import os, torch, torch.distributed as dist

@@ -29,7 +29,7 @@ from mccld.daemon import Daemon
 
 
 def daemon_env(rdir: Path) -> dict[str, str]:
-    return {"MCCL_RUNTIME_DIR": str(rdir), "MCCL_FLEET_KEY": "test-key-" + "x" * 16,
+    return {"MCCL_RUNTIME_DIR": str(rdir), "MCCL_FLEET_KEY": "test-key-" + "x" * 32,
             "MCCL_LISTEN_ADDR": "127.0.0.1", "MCCL_PORT": "0", "MCCL_STATUS_PORT": "0",
             "MCCL_METRICS_PORT": "0", "MCCL_HOST_ID": f"t{os.getpid()}", "MCCL_CLIENT_CHECK_INTERVAL": "0.1"}
 
