@@ -7,7 +7,7 @@ setup:
 	@bash scripts/setup.sh
 
 build:
-	@.venv/bin/pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
+	@$(PY) -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
 
 # As root: three emulated hosts (tools/demo_fleet.py); otherwise it says why and runs the one-host demo.
 demo: setup

@@ -90,10 +90,17 @@ MeshSpec Communicator::mesh_spec() const {
   return spec;
 }
 
+WireSecurity Communicator::frame_security() const {
+  // Keys are only given where the link's owner wants its frames protected: Options left
+  // at kOff then get the default protection rather than keys that do nothing.
+  if (frame_keys_.empty()) return WireSecurity::kOff;
+  return opts_.wire_security == WireSecurity::kOff ? WireSecurity::kAead : opts_.wire_security;
+}
+
 void Communicator::start(std::vector<std::vector<Fd>> links) {
   transport_ = std::make_unique<Transport>(rank_, size_, comm_id_, std::move(links), addrs_,
                                            opts_.send_thread, opts_.recv_threads, frame_keys_,
-                                           rules());
+                                           rules(), frame_security());
   worker_ = std::thread([this] {
     name_this_thread("mccl-worker");
     worker_main();

@@ -93,7 +93,8 @@ class Communicator {
   // dup()s and handshakes on (transport/mesh.h adopt_mesh). These borrowed sockets are
   // left reusable by a clean shutdown (see released_clean).
   // `frame_keys`: empty, or frame_keys[peer] with one FrameKeys per socket of fds[peer]:
-  // every frame then carries a MAC under them (integrity/mac.h; mccld's MCCL_FRAME_MAC).
+  // every frame is then sealed under them as opts.wire_security says (kOff: kAead;
+  // integrity/aead.h, transport/pair.h).
   Communicator(int rank, int size, uint64_t comm_id, std::vector<std::vector<int>> fds,
                std::vector<std::string> peer_addrs, const Options& opts, Deliver deliver,
                std::vector<std::vector<FrameKeys>> frame_keys = {});
@@ -198,7 +199,8 @@ class Communicator {
   const uint64_t comm_id_;
   const Options opts_;
   std::vector<std::string> addrs_;
-  std::vector<std::vector<FrameKeys>> frame_keys_;  // empty: no frame MACs
+  WireSecurity frame_security() const;  // what frame_keys_ do
+  std::vector<std::vector<FrameKeys>> frame_keys_;  // empty: bare frames
   const bool borrowed_;         // links built on the caller's sockets (adopt_mesh)
   double release_timeout_s_ = 2.0;  // set by shutdown() before the worker reads it
   std::atomic<bool> released_clean_{false};

@@ -14,6 +14,8 @@ enum class ErrorKind : int {
   kProtocol = 4,    // ProtocolError: malformed frame, version/communicator mismatch
   kMismatch = 5,    // CollectiveMismatch: ranks disagree on op, size or order
   kAborted = 6,     // AbortedError: the communicator was aborted or shut down
+  // 7 is Python's DaemonUnavailableError, never raised by the engine.
+  kAuth = 8,        // AuthError: a frame failed authentication (altered, injected, other key)
 };
 
 class Error : public std::runtime_error {
