@@ -50,9 +50,10 @@ class DaemonConfig:
         "IPv4 address to listen and advertise on; overrides MCCL_IFACE")
     frame_mac: bool = setting(
         "MCCL_FRAME_MAC", False, "bool",
-        "tag every engine frame between daemons with a Poly1305 MAC under per-job keys from the link's "
-        "authenticated handshake, so a LAN host can neither alter nor inject data; costs CPU per byte "
-        "(docs/reliability.md); every mccld of a fleet must agree")
+        "seal every engine frame between daemons under per-job keys from the link's authenticated "
+        "handshake (AES-256-GCM: encrypted and authenticated; GMAC alone under MCCL_WIRE_SECURITY=mac), so "
+        "a LAN host can neither read, alter nor inject data; costs CPU per byte (docs/reliability.md); every "
+        "mccld of a fleet must agree")
     port: int = setting(
         "MCCL_PORT", 29650, "port",
         "TCP port of the authenticated daemon-to-daemon links")

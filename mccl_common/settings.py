@@ -168,6 +168,8 @@ class EngineConfig:
         opts.recv_threads = self.recv_threads
         opts.timeout_s = timeout_s
         opts.connect_timeout_s = connect_timeout_s
+        # The engine's enum, reached through the Options given (this module imports no engine).
+        opts.wire_security = type(opts.wire_security).__members__[self.wire_security]
         return opts
 
     def validate(self) -> None:

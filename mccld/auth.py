@@ -84,9 +84,9 @@ class Session:
         self.peer = peer
 
     def frame_keys(self, job: str) -> tuple[bytes, bytes]:
-        """(send, receive) keys of the engine's per-frame MACs (libmccl/csrc/integrity/mac.h)
-        on this socket for ``job``: no two jobs or directions share one, so the engine's frame
-        numbers, which start at 0 for every job, never repeat a one-time key."""
+        """(send, receive) keys that seal the engine's frames (libmccl/csrc/integrity/aead.h)
+        on this socket for ``job``: no two jobs or directions share one, so the engine's record
+        numbers, which start at 0 for every job, never repeat a nonce under one key."""
         return _mac(self._key, "frames", self._out_dir, job), _mac(self._key, "frames", self._in_dir, job)
 
     def seal(self, msg: dict[str, Any]) -> bytes:
