@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "core/errors.h"
+
 namespace mccl {
 
 void Landing::start(uint8_t* dst, size_t n, ReduceFn fn, size_t elem) {
@@ -98,7 +100,16 @@ ssize_t Landing::recv_from(int fd, int flags, uint8_t* stage, size_t cap) {
     ssize_t r = ::recvmsg(fd, &msg, flags);
     if (r <= 0) return r;
     pos_ += static_cast<size_t>(r);
-    if (!open_ready()) {
+    bool authentic;
+    try {
+      authentic = open_ready();
+    } catch (const Error&) {
+      // Keys used up or libcrypto failing: never a peer's doing, and a receive thread
+      // must not throw; the owner fails the link with this errno.
+      errno = EPROTO;
+      return -1;
+    }
+    if (!authentic) {
       errno = EBADMSG;
       return -1;
     }

@@ -45,7 +45,7 @@ class Landing {
   // One recv(fd, flags) of at most next_read(cap) bytes: a copy reads straight into place,
   // a reduction reads into `stage` (cap bytes; sealed: its own stage) and folds it in.
   // Returns what recv() returned (bytes taken, 0 at EOF, -1 with errno set; errno
-  // EBADMSG: a record failed authentication).
+  // EBADMSG: a record failed authentication; EPROTO: it could not be opened here).
   ssize_t recv_from(int fd, int flags, uint8_t* stage, size_t cap);
   // The most bytes the next recv_from(..., cap) asks for: a shorter read drained the socket.
   size_t next_read(size_t cap) const;
