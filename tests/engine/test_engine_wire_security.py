@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 
 import numpy as np
 import pytest
@@ -156,12 +157,15 @@ def attacked_allreduce(mode, attack, sealed: bool = True, **kw):
 
 
 def on_first_big_frame(change):
-    """An attack that applies `change` to the first collective frame of at least 3 records."""
+    """An attack that applies `change` to the first collective frame of at least 3 records.
+    The frame is held back a while first, so rank 1 has posted its receive: the records then
+    land in a reduce-receive (reduced as they arrive), not in an unexpected-message buffer."""
     done = []
 
     def attack(i: int, f: Frame) -> bytes:
         if not done and f.kind == KIND_COLLECTIVE and f.length >= 3 * RECORD:
             done.append(i)
+            time.sleep(0.5)
             return change(f)
         return f.wire()
     return attack
