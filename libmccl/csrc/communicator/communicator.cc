@@ -124,7 +124,9 @@ void Communicator::start(MeshLinks mesh) {
   }
   transport_ = std::make_unique<Transport>(rank_, size_, comm_id_, std::move(mesh.links), addrs_,
                                            opts_.send_thread, opts_.recv_threads, mesh.keys,
-                                           rules());
+                                           rules(),
+                                           // The handshake gives keys exactly when the mode wants them.
+                                           mesh.keys.empty() ? WireSecurity::kOff : opts_.wire_security);
   for (auto& per_peer : mesh.keys) wipe(per_peer.data(), per_peer.size() * sizeof(FrameKeys));
   worker_ = std::thread([this] {
     name_this_thread("mccl-worker");

@@ -15,7 +15,7 @@ enum class ErrorKind : int {
   kMismatch = 5,    // CollectiveMismatch: ranks disagree on op, size or order
   kAborted = 6,     // AbortedError: the communicator was aborted or shut down
   // 7 is DaemonUnavailableError, raised only by Python.
-  kAuth = 8,        // AuthError: a peer did not prove the job key
+  kAuth = 8,        // AuthError: a peer did not prove the job key, or a frame failed authentication
 };
 
 class Error : public std::runtime_error {

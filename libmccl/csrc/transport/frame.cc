@@ -120,7 +120,8 @@ bool decode_abort(const uint8_t* p, size_t n, AbortInfo* out) {
   if (size_t(alen) + mlen != n - 20) return false;
   out->lost_addr.assign(reinterpret_cast<const char*>(p), alen);
   out->message.assign(reinterpret_cast<const char*>(p) + alen, mlen);
-  return out->kind >= 0 && out->kind <= 6;
+  return (out->kind >= 0 && out->kind <= static_cast<int32_t>(ErrorKind::kAborted)) ||
+         out->kind == static_cast<int32_t>(ErrorKind::kAuth);
 }
 
 }  // namespace mccl

@@ -1,9 +1,13 @@
 #include "transport/landing.h"
 
+#include <errno.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 
 #include <algorithm>
 #include <cstring>
+
+#include "core/errors.h"
 
 namespace mccl {
 
@@ -13,15 +17,43 @@ void Landing::start(uint8_t* dst, size_t n, ReduceFn fn, size_t elem) {
   fn_ = fn;
   elem_ = fn ? elem : 1;
   carry_n_ = 0;
+  cipher_ = nullptr;
 }
 
-void Landing::put(const uint8_t* src, size_t n) {
-  if (mac_) mac_->update(src, n);
+void Landing::unseal(RecordCipher* cipher, RecordStream stream, const uint8_t* aad, size_t aad_n) {
+  cipher_ = cipher;
+  stream_ = stream;
+  aad_ = aad;
+  aad_n_ = aad_n;
+  base_ = dst_;
+  n_ = left_;
+  wire_n_ = sealed_bytes(n_);
+  pos_ = 0;
+  opened_ = 0;
+  if (fn_ && !slots_) slots_.reset(new uint8_t[kSlots * kRecordBytes]);
+}
+
+// ---------------------------------------------------------------- plain payloads
+
+bool Landing::put(const uint8_t* src, size_t n) {
+  if (cipher_) {
+    while (n > 0) {
+      size_t len = 0;
+      uint8_t* to = target(&len);
+      len = std::min(len, n);
+      std::memcpy(to, src, len);
+      pos_ += len;
+      src += len;
+      n -= len;
+      if (!open_ready()) return false;
+    }
+    return true;
+  }
   left_ -= n;
   if (!fn_) {
     std::memcpy(dst_, src, n);
     dst_ += n;
-    return;
+    return true;
   }
   if (carry_n_) {
     const size_t take = std::min(elem_ - carry_n_, n);
@@ -29,7 +61,7 @@ void Landing::put(const uint8_t* src, size_t n) {
     carry_n_ += take;
     src += take;
     n -= take;
-    if (carry_n_ < elem_) return;
+    if (carry_n_ < elem_) return true;
     fn_(carry_, dst_, 1);
     dst_ += elem_;
     carry_n_ = 0;
@@ -39,13 +71,53 @@ void Landing::put(const uint8_t* src, size_t n) {
   dst_ += whole;
   carry_n_ = n - whole;
   std::memcpy(carry_, src + whole, carry_n_);
+  return true;
+}
+
+size_t Landing::next_read(size_t cap) const {
+  if (cipher_) return room();
+  return fn_ ? std::min(left_, cap - carry_n_) : left_;
 }
 
 ssize_t Landing::recv_from(int fd, int flags, uint8_t* stage, size_t cap) {
+  if (cipher_) {
+    // One read scatters up to kSlots records' ciphertext and tags into their places.
+    iovec iov[2 * kSlots + 2];
+    int cnt = 0;
+    const size_t save = pos_;
+    for (size_t want = room(); want > 0 && cnt < static_cast<int>(sizeof(iov) / sizeof(iov[0]));) {
+      size_t len = 0;
+      uint8_t* to = target(&len);
+      len = std::min(len, want);
+      iov[cnt++] = {to, len};
+      pos_ += len;
+      want -= len;
+    }
+    pos_ = save;
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = cnt;
+    ssize_t r = ::recvmsg(fd, &msg, flags);
+    if (r <= 0) return r;
+    pos_ += static_cast<size_t>(r);
+    bool authentic;
+    try {
+      authentic = open_ready();
+    } catch (const Error&) {
+      // Keys used up or libcrypto failing: never a peer's doing, and a receive thread
+      // must not throw; the owner fails the link with this errno.
+      errno = EPROTO;
+      return -1;
+    }
+    if (!authentic) {
+      errno = EBADMSG;
+      return -1;
+    }
+    return r;
+  }
   if (!fn_) {
     ssize_t r = ::recv(fd, dst_, left_, flags);
     if (r > 0) {
-      if (mac_) mac_->update(dst_, static_cast<size_t>(r));
       dst_ += r;
       left_ -= static_cast<size_t>(r);
     }
@@ -56,7 +128,6 @@ ssize_t Landing::recv_from(int fd, int flags, uint8_t* stage, size_t cap) {
   std::memcpy(stage, carry_, carry_n_);
   ssize_t r = ::recv(fd, stage + carry_n_, next_read(cap), flags);
   if (r <= 0) return r;
-  if (mac_) mac_->update(stage + carry_n_, static_cast<size_t>(r));
   left_ -= static_cast<size_t>(r);
   const size_t have = carry_n_ + static_cast<size_t>(r);
   const size_t whole = have - have % elem_;
@@ -65,6 +136,42 @@ ssize_t Landing::recv_from(int fd, int flags, uint8_t* stage, size_t cap) {
   carry_n_ = have - whole;
   std::memcpy(carry_, stage + whole, carry_n_);
   return r;
+}
+
+// ---------------------------------------------------------------- sealed payloads
+
+uint8_t* Landing::target(size_t* len) {
+  const size_t i = pos_ / kWireRecord;
+  const size_t off = pos_ - i * kWireRecord;
+  const size_t rl = record_len(n_, i);
+  if (off < rl) {
+    *len = rl - off;
+    return (fn_ ? slots_.get() + (i % kSlots) * kRecordBytes : base_ + i * kRecordBytes) + off;
+  }
+  *len = rl + kTagBytes - off;
+  return tags_[i % kSlots] + (off - rl);
+}
+
+size_t Landing::room() const {
+  if (pos_ == wire_n_) return 0;
+  // Records opened_ .. opened_ + kSlots - 1 have a slot (and a tag slot) each.
+  const size_t last = std::min(opened_ + kSlots, records_of(n_)) - 1;
+  const size_t end = last * kWireRecord + record_len(n_, last) + kTagBytes;
+  return end - pos_;
+}
+
+bool Landing::open_ready() {
+  const size_t records = records_of(n_);
+  while (opened_ < records) {
+    const size_t i = opened_;
+    const size_t rl = record_len(n_, i);
+    if (pos_ < i * kWireRecord + rl + kTagBytes) break;
+    uint8_t* data = fn_ ? slots_.get() + (i % kSlots) * kRecordBytes : base_ + i * kRecordBytes;
+    if (!cipher_->open(stream_, aad_, aad_n_, data, rl, tags_[i % kSlots])) return false;
+    if (fn_ && rl) fn_(data, base_ + i * kRecordBytes, rl / elem_);
+    ++opened_;
+  }
+  return true;
 }
 
 }  // namespace mccl

@@ -8,16 +8,21 @@
 // the reduction only ever sees whole elements, and the bytes of a split one wait in a
 // small carry until the rest arrives.
 //
-// With per-frame MACs on, every payload byte is fed to the frame's MAC as it is read,
-// before any reduction, so the tag is checked over what the peer sent.
+// Sealed frames (integrity/aead.h) arrive as records, each followed by its tag. A copy
+// reads a record's ciphertext straight into place and opens it there; a reduction reads
+// it into a slot of this landing's own stage, opens it there, and only then folds it into
+// the destination: no byte of a record is reduced (or counted) before its tag matched.
+// Records hold whole elements (kRecordBytes and every frame's range are multiples of
+// the element size), so sealed reductions need no carry.
 #pragma once
 #include <sys/types.h>
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 
-#include "integrity/mac.h"
+#include "integrity/aead.h"
 #include "reduce/reduce.h"
 
 namespace mccl {
@@ -27,28 +32,54 @@ class Landing {
   // n payload bytes go to dst; fn null copies, else dst = fn(payload, dst) per element
   // of `elem` bytes (n and dst's position must then be whole elements).
   void start(uint8_t* dst, size_t n, ReduceFn fn = nullptr, size_t elem = 1);
-  size_t left() const { return left_; }
+  // Right after start(): the payload comes sealed, opened with `cipher` as records of
+  // `stream` under `aad` (the frame's header; the caller keeps it until the payload is in).
+  void unseal(RecordCipher* cipher, RecordStream stream, const uint8_t* aad, size_t aad_n);
+  // Wire bytes not yet taken (payload, plus tags when sealed).
+  size_t left() const { return cipher_ ? wire_n_ - pos_ : left_; }
   bool reduces() const { return fn_ != nullptr; }
-  // Every byte taken from now on is fed to `mac` too (null: none); start() keeps it.
-  void authenticate(Poly1305* mac) { mac_ = mac; }
 
-  // Takes n <= left() payload bytes from src (any alignment).
-  void put(const uint8_t* src, size_t n);
-  // One recv(fd, flags) of at most left() bytes: a copy reads straight into place, a
-  // reduction reads into `stage` (cap bytes) and folds it in. Returns what recv()
-  // returned (payload bytes taken, 0 at EOF, -1 with errno set).
+  // Takes n <= left() wire bytes from src (any alignment). False: a record failed
+  // authentication (the frame must be dropped with the link).
+  bool put(const uint8_t* src, size_t n);
+  // One recv(fd, flags) of at most next_read(cap) bytes: a copy reads straight into place,
+  // a reduction reads into `stage` (cap bytes; sealed: its own stage) and folds it in.
+  // Returns what recv() returned (bytes taken, 0 at EOF, -1 with errno set; errno
+  // EBADMSG: a record failed authentication; EPROTO: it could not be opened here).
   ssize_t recv_from(int fd, int flags, uint8_t* stage, size_t cap);
   // The most bytes the next recv_from(..., cap) asks for: a shorter read drained the socket.
-  size_t next_read(size_t cap) const { return fn_ ? std::min(left_, cap - carry_n_) : left_; }
+  size_t next_read(size_t cap) const;
 
  private:
+  // Sealed records in flight at once: a read may take this many records' bytes.
+  static constexpr size_t kSlots = 4;
+  static constexpr size_t kWireRecord = kRecordBytes + kTagBytes;
+
+  // Sealed: where wire byte pos_ goes, and how many contiguous bytes go there.
+  uint8_t* target(size_t* len);
+  // Sealed: the most wire bytes that may be taken before the next record is opened.
+  size_t room() const;
+  // Sealed: opens (and reduces) every record whose bytes are all in. False: one failed.
+  bool open_ready();
+
   uint8_t* dst_ = nullptr;  // copy: the next byte; reduce: the next whole element
   size_t left_ = 0;         // payload bytes not yet taken
   ReduceFn fn_ = nullptr;
   size_t elem_ = 1;
   alignas(16) uint8_t carry_[16];  // the first bytes of a split element
   size_t carry_n_ = 0;
-  Poly1305* mac_ = nullptr;
+
+  RecordCipher* cipher_ = nullptr;  // null: plain payload
+  RecordStream stream_ = RecordStream::kData;
+  const uint8_t* aad_ = nullptr;
+  size_t aad_n_ = 0;
+  uint8_t* base_ = nullptr;  // the payload's first byte in the destination
+  size_t n_ = 0;             // payload bytes
+  size_t wire_n_ = 0;        // sealed_bytes(n_)
+  size_t pos_ = 0;           // wire bytes taken
+  size_t opened_ = 0;        // records opened
+  uint8_t tags_[kSlots][kTagBytes];
+  std::unique_ptr<uint8_t[]> slots_;  // reductions: kSlots records' ciphertext
 };
 
 }  // namespace mccl

@@ -27,13 +27,25 @@ size_t stripe_begin(size_t n, size_t stripes, size_t s) {
 }  // namespace
 
 Pair::Pair(PairHost& host, int peer_rank, std::string peer_addr, uint64_t comm_id,
-           std::vector<Fd> fds, const std::vector<FrameKeys>& keys)
-    : host_(host), peer_rank_(peer_rank), peer_addr_(std::move(peer_addr)), comm_id_(comm_id) {
+           std::vector<Fd> fds, const std::vector<FrameKeys>& keys, WireSecurity mode)
+    : host_(host),
+      peer_rank_(peer_rank),
+      peer_addr_(std::move(peer_addr)),
+      comm_id_(comm_id),
+      sealed_(!keys.empty() && mode != WireSecurity::kOff) {
   conns_.resize(fds.size());
   for (size_t i = 0; i < fds.size(); ++i) {
     conns_[i].fd = std::move(fds[i]);
     conns_[i].rbuf.resize(kStageBytes);
-    if (!keys.empty()) conns_[i].keys = std::make_unique<FrameKeys>(keys[i]);
+    if (!sealed_) continue;
+    // Nonces are (stream, record number) per key: one key for both directions would seal
+    // the two sides' first records under the same nonce.
+    if (std::memcmp(keys[i].send, keys[i].recv, kMacKeyBytes) == 0) {
+      throw_error(ErrorKind::kConfig, "[engine] the two directions of socket " + std::to_string(i) + " to " +
+                                          who() + " were given the same key; give each direction its own");
+    }
+    conns_[i].sealer = std::make_unique<RecordCipher>(mode, keys[i].send, true);
+    conns_[i].opener = std::make_unique<RecordCipher>(mode, keys[i].recv, false);
   }
 }
 
@@ -107,6 +119,8 @@ void Pair::post_send(const RequestPtr& req) {
     encode_header(h, item.header);
     item.payload = req->buf + off;
     item.length = len;
+    item.body = sealed_ ? sealed_bytes(len) : len;
+    if (sealed_) item.header_len = kFrameHeaderBytes + kTagBytes;
     enqueue(first_conn + s, std::move(item));
   }
 }
@@ -122,12 +136,6 @@ void Pair::enqueue(size_t conn, SendItem&& item) {
     const bool was_idle = c.sendq.empty();
     const bool inline_write = !writer_running() || item.length < kInlineBytes;
     if (queued_ == 0) touch_write();  // a stall counts from the first queued send
-    if (c.keys) {
-      // Numbered in queue order, which is the order the frames go out on this socket.
-      frame_tag(c.keys->send, static_cast<uint32_t>(MacStream::kData), c.frames_out[0]++,
-                item.header, kFrameHeaderBytes, item.payload, item.length, item.tag);
-      item.tag_len = kMacTagBytes;
-    }
     ++queued_;
     c.sendq.push_back(std::move(item));
     if (was_idle && inline_write) err = write_queued(conn, &sent);  // most small sends end here
@@ -141,16 +149,32 @@ int Pair::gather_iov(size_t conn, iovec* iov) const {
   const Conn& c = conns_[conn];
   int cnt = 0;
   for (auto it = c.sendq.begin(); it != c.sendq.end() && cnt + 3 <= kMaxIov; ++it) {
-    if (it->header_sent < kFrameHeaderBytes) {
-      iov[cnt++] = {const_cast<uint8_t*>(it->header) + it->header_sent,
-                    kFrameHeaderBytes - it->header_sent};
+    if (sealed_ && it->sealed == 0) break;  // its header's tag is not there yet
+    if (it->header_sent < it->header_len) {
+      iov[cnt++] = {const_cast<uint8_t*>(it->header) + it->header_sent, it->header_len - it->header_sent};
     }
-    if (it->sent < it->length) {
-      iov[cnt++] = {const_cast<uint8_t*>(it->payload) + it->sent, it->length - it->sent};
+    if (!sealed_) {
+      if (it->sent < it->length) {
+        iov[cnt++] = {const_cast<uint8_t*>(it->payload) + it->sent, it->length - it->sent};
+      }
+      continue;
     }
-    if (it->tag_sent < it->tag_len) {
-      iov[cnt++] = {const_cast<uint8_t*>(it->tag) + it->tag_sent, it->tag_len - it->tag_sent};
+    // Sealed records, each its ciphertext (kMac: the payload itself) and then its tag.
+    const size_t wire_record = kRecordBytes + kTagBytes;
+    size_t pos = it->sent;
+    for (size_t i = pos / wire_record; i + 1 < it->sealed && cnt + 2 <= kMaxIov; ++i) {
+      const size_t off = pos - i * wire_record;
+      const size_t rl = record_len(it->length, i);
+      if (off < rl) {
+        const uint8_t* src = c.sealer->encrypts() ? stage_slot(const_cast<SendItem&>(*it), i)
+                                                  : it->payload + i * kRecordBytes;
+        iov[cnt++] = {const_cast<uint8_t*>(src) + off, rl - off};
+      }
+      const size_t toff = off > rl ? off - rl : 0;
+      iov[cnt++] = {const_cast<uint8_t*>(it->tags[i % kSealAhead]) + toff, kTagBytes - toff};
+      pos = (i + 1) * wire_record;
     }
+    if (pos < it->body) break;  // the rest of this frame is not sealed yet
   }
   return cnt;
 }
@@ -161,17 +185,17 @@ void Pair::advance(size_t conn, size_t written, std::vector<SentFrame>* sent) {
   size_t left = written;
   while (!c.sendq.empty()) {
     SendItem& it = c.sendq.front();
-    size_t h = std::min(left, kFrameHeaderBytes - it.header_sent);
+    size_t h = std::min(left, it.header_len - it.header_sent);
     it.header_sent += h;
     left -= h;
-    size_t p = std::min(left, it.length - it.sent);
+    size_t p = std::min(left, it.body - it.sent);
     it.sent += p;
     left -= p;
-    size_t t = std::min(left, it.tag_len - it.tag_sent);
-    it.tag_sent += t;
-    left -= t;
-    if (it.header_sent < kFrameHeaderBytes || it.sent < it.length || it.tag_sent < it.tag_len) break;
+    if (it.header_sent < it.header_len || it.sent < it.body) break;
     sent->push_back({this, std::move(it.req), it.length});
+    if (it.stage && records_of(it.length) > 1 && c.spare_stages.size() < 2) {
+      c.spare_stages.push_back(std::move(it.stage));
+    }
     c.sendq.pop_front();
     --queued_;
   }
@@ -191,6 +215,10 @@ void Pair::on_sent(const SentFrame& f) {
 int Pair::write_queued(size_t conn, std::vector<SentFrame>* sent) {
   Conn& c = conns_[conn];
   while (!c.sendq.empty()) {
+    SealJob jobs[kMaxSealJobs];
+    const int n = claim_seal(conn, jobs);
+    seal(jobs, n);
+    commit_seal(jobs, n);
     iovec iov[kMaxIov];
     msghdr msg{};
     msg.msg_iov = iov;
@@ -217,16 +245,7 @@ void Pair::on_writable(size_t conn) {
   if (conns_[conn].fd.valid()) flush(conn);
 }
 
-void Pair::tag_control(Conn& c, const uint8_t* frame, size_t n, uint8_t tag[kMacTagBytes]) {
-  frame_tag(c.keys->send, static_cast<uint32_t>(MacStream::kControl), c.frames_out[1]++, frame,
-            kFrameHeaderBytes, frame + kFrameHeaderBytes, n - kFrameHeaderBytes, tag);
-}
-
 void Pair::send_control(const FrameHeader& h, const std::string& payload, Deadline deadline) {
-  const size_t n = kFrameHeaderBytes + payload.size();
-  std::string bytes(n + kMacTagBytes, '\0');  // the tag's room is used with frame MACs only
-  encode_header(h, reinterpret_cast<uint8_t*>(&bytes[0]));
-  std::copy(payload.begin(), payload.end(), bytes.begin() + kFrameHeaderBytes);
   for (size_t i = 0; i < conns_.size(); ++i) {
     Conn& c = conns_[i];
     if (!c.fd.valid()) continue;
@@ -239,9 +258,8 @@ void Pair::send_control(const FrameHeader& h, const std::string& payload, Deadli
         ::poll(&p, 1, ms_until(deadline, 100));
       }
       if (!c.sendq.empty() && c.sendq.front().started()) continue;
-      uint8_t* frame = reinterpret_cast<uint8_t*>(&bytes[0]);
-      if (c.keys) tag_control(c, frame, n, frame + n);
-      write_all(c.fd.get(), frame, c.keys ? n + kMacTagBytes : n, deadline);
+      const std::string bytes = control_frame(c, h, payload);
+      write_all(c.fd.get(), reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), deadline);
     } catch (const Error&) {
       // best effort: this socket is already broken
     }

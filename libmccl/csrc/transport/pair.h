@@ -11,10 +11,13 @@
 // it is read into a buffer of the message's size (bounded by the transport) and copied
 // (or reduced) out when the receive is posted.
 //
-// Given keys (one FrameKeys per socket), every frame carries a 16-byte Poly1305 tag after
-// its payload (integrity/mac.h): computed when the frame is queued (data) or written
-// (control), checked as the payload is read, and a frame counts (a receive completes, a
-// BYE or ABORT is acted on) only once its tag matched.
+// Given keys (one FrameKeys per socket) and a wire security mode, every frame is sealed
+// (integrity/aead.h): its header carries a tag, and its payload goes as records, each with
+// a tag, encrypted in kAead mode. The thread that writes a frame seals it, a few records
+// ahead of the socket, from the caller's buffer into a per-frame stage (kMac: the payload
+// still goes out zero-copy, only the tags are staged). The receiver checks the header's
+// tag before it acts on any field and opens each record before its bytes are copied out,
+// reduced or counted (landing.h); a failed tag fails the communicator with AuthError.
 #pragma once
 #include <atomic>
 #include <cstdint>
@@ -26,7 +29,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "integrity/mac.h"
+#include "core/options.h"
+#include "integrity/aead.h"
 #include "transport/frame.h"
 #include "transport/landing.h"
 #include "transport/recv_thread.h"
@@ -97,9 +101,14 @@ class Pair {
   static constexpr size_t kInlineBytes = 512 << 10;
   static constexpr int kMaxIov = 64;  // frames gathered into one sendmsg()
 
-  // `keys`: empty (no frame MACs) or one per socket (the Communicator checked the shape).
+  // Records sealed ahead of what the socket took, per frame.
+  static constexpr size_t kSealAhead = 4;
+
+  // `keys`: empty (frames go bare) or one per socket (the Communicator checked the
+  // shape); `mode`: kMac or kAead, what the keys do (ignored without keys).
   Pair(PairHost& host, int peer_rank, std::string peer_addr, uint64_t comm_id,
-       std::vector<Fd> fds, const std::vector<FrameKeys>& keys = {});
+       std::vector<Fd> fds, const std::vector<FrameKeys>& keys = {},
+       WireSecurity mode = WireSecurity::kAead);
 
   int peer_rank() const { return peer_rank_; }
   const std::string& peer_addr() const { return peer_addr_; }
@@ -123,6 +132,18 @@ class Pair {
   void touch_read() {
     last_read_.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
   }
+  // Records of queued frames to seal before they can be written: claimed with the send
+  // lock held, sealed without it (by the one thread writing the socket), then committed
+  // with it held again.
+  struct SealJob {
+    size_t conn;
+    void* item;  // a SendItem, which stays queued until its frame is written
+    size_t from, to;  // units: 0 the header's tag, i + 1 payload record i
+  };
+  static constexpr int kMaxSealJobs = 16;
+  int claim_seal(size_t conn, SealJob* jobs);
+  void seal(const SealJob* jobs, int n);
+  void commit_seal(const SealJob* jobs, int n);
   // For the send thread, with writer->mu() held.
   bool has_queued(size_t conn) const { return !conns_[conn].sendq.empty(); }
   int gather_iov(size_t conn, struct iovec* iov) const;
@@ -176,24 +197,27 @@ class Pair {
  private:
   struct SendItem {
     RequestPtr req;            // null for control frames
-    uint8_t header[kFrameHeaderBytes];
+    uint8_t header[kFrameHeaderBytes + kTagBytes];  // sealed: the header's tag follows it
+    size_t header_len = kFrameHeaderBytes;
     size_t header_sent = 0;
     const uint8_t* payload = nullptr;
-    size_t length = 0;
-    size_t sent = 0;
-    std::string owned;         // control payload storage
-    uint8_t tag[kMacTagBytes];
-    size_t tag_len = 0;        // kMacTagBytes with frame MACs on, else 0
-    size_t tag_sent = 0;
+    size_t length = 0;         // payload bytes
+    size_t body = 0;           // wire bytes after the header: length, or sealed_bytes(length)
+    size_t sent = 0;           // of body
+    // sealed frames: units sealed (0: none; 1: the header's tag; 1 + i: record i - 1 too)
+    size_t sealed = 0;
+    uint8_t tags[kSealAhead][kTagBytes];  // record i's tag in tags[i % kSealAhead]
+    std::unique_ptr<uint8_t[]> stage;     // kAead: record i's ciphertext in slot i % kSealAhead
     bool started() const { return header_sent > 0; }
   };
   struct Conn {
     Fd fd;
     bool bye = false;  // the peer closes this socket in an orderly way after BYE
     std::deque<SendItem> sendq;
+    std::vector<std::unique_ptr<uint8_t[]>> spare_stages;  // kSealAhead-record stages for reuse
     // receive state
     bool in_payload = false;
-    uint8_t header_buf[kFrameHeaderBytes];
+    uint8_t header_buf[kFrameHeaderBytes + kTagBytes];
     size_t header_have = 0;
     FrameHeader cur;
     Landing land;               // where the current payload goes
@@ -203,14 +227,8 @@ class Pair {
     std::string control;        // abort payload being read
     std::vector<uint8_t> rbuf;  // staging for headers and small payloads
     size_t rb_begin = 0, rb_end = 0;
-    // frame MACs (null keys: off); frames are numbered per direction and MacStream
-    std::unique_ptr<FrameKeys> keys;
-    uint64_t frames_out[2] = {0, 0};
-    uint64_t frames_in[2] = {0, 0};
-    std::optional<Poly1305> mac_in;  // of the frame being read
-    bool in_tag = false;             // its payload is read, its tag not yet
-    uint8_t tag_buf[kMacTagBytes];
-    size_t tag_have = 0;
+    // sealed frames (null: bare): what this side sends, what the peer sent
+    std::unique_ptr<RecordCipher> sealer, opener;
   };
 
   void enqueue(size_t conn, SendItem&& item);
@@ -228,13 +246,17 @@ class Pair {
   void on_header(Conn& c);
   // Starts landing h's payload in req's buffer (checks a reduce-receive's alignment).
   void land_in(Conn& c, const RequestPtr& req, const FrameHeader& h);
-  void on_payload_done(Conn& c);
-  // Starts the MAC of the frame whose header c.header_buf holds (the next of `stream`).
-  void start_mac_in(Conn& c, MacStream stream);
-  void on_tag_done(Conn& c);   // checks the tag, then on_frame_done
-  void on_frame_done(Conn& c);  // the frame is whole (and authentic): act on it
-  // The tag of a frame written now on c: header, then payload (control frames).
-  void tag_control(Conn& c, const uint8_t* frame, size_t n, uint8_t tag[kMacTagBytes]);
+  void on_payload_done(Conn& c);  // the frame is whole (and authentic): act on it
+  // Wire bytes of a frame's header: with its tag when sealed.
+  size_t header_bytes() const { return sealed_ ? kFrameHeaderBytes + kTagBytes : kFrameHeaderBytes; }
+  // Checks the tag of the header c.header_buf holds (sealed frames); throws AuthError.
+  void open_header(Conn& c);
+  [[noreturn]] void auth_failed();
+  // The wire bytes of a control frame written now on c (sealed with c's control stream).
+  std::string control_frame(Conn& c, const FrameHeader& h, const std::string& payload);
+  // Seals units [from, to) of a queued frame on c (see SealJob).
+  void seal_units(Conn& c, SendItem& it, size_t from, size_t to);
+  uint8_t* stage_slot(SendItem& it, size_t record) const;
   void on_eof(size_t conn);
   bool read_to_bye(Conn& c, Deadline deadline);
   [[noreturn]] void lost(const std::string& what, int err);
@@ -247,6 +269,7 @@ class Pair {
   const int peer_rank_;
   const std::string peer_addr_;
   const uint64_t comm_id_;
+  const bool sealed_;  // frames carry tags (keys given)
   std::vector<Conn> conns_;
   size_t next_conn_ = 0;  // round-robin socket for small messages
   size_t byes_ = 0;  // sockets on which the peer said BYE (orderly shutdown)

@@ -108,6 +108,7 @@ void Pair::on_readable(size_t conn) {
       if (r < 0) {
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+        if (direct && errno == EBADMSG) auth_failed();
         lost("receive failed", errno);
       }
       budget -= std::min(budget, static_cast<size_t>(r));
@@ -126,24 +127,19 @@ void Pair::on_readable(size_t conn) {
     while (c.rb_begin < c.rb_end) {
       size_t avail = c.rb_end - c.rb_begin;
       const uint8_t* src = c.rbuf.data() + c.rb_begin;
-      if (c.in_tag) {
-        size_t take = std::min(kMacTagBytes - c.tag_have, avail);
-        std::memcpy(c.tag_buf + c.tag_have, src, take);
-        c.tag_have += take;
-        c.rb_begin += take;
-        if (c.tag_have == kMacTagBytes) on_tag_done(c);
-      } else if (!c.in_payload) {
-        size_t take = std::min(kFrameHeaderBytes - c.header_have, avail);
+      if (!c.in_payload) {
+        const size_t need = header_bytes();
+        size_t take = std::min(need - c.header_have, avail);
         std::memcpy(c.header_buf + c.header_have, src, take);
         c.header_have += take;
         c.rb_begin += take;
-        if (c.header_have == kFrameHeaderBytes) {
+        if (c.header_have == need) {
           c.header_have = 0;
           on_header(c);
         }
       } else {
         size_t take = std::min(c.land.left(), avail);
-        c.land.put(src, take);
+        if (!c.land.put(src, take)) auth_failed();
         c.rb_begin += take;
         if (c.land.left() == 0) on_payload_done(c);
       }
@@ -155,6 +151,7 @@ void Pair::on_returned(const RecvDone& d) {
   Conn& c = conns_[d.conn];
   c.lent = false;
   if (d.err == RecvDone::kEof) lost("connection closed by the peer", 0);
+  if (d.err == EBADMSG) auth_failed();
   if (d.err) lost("receive failed", d.err);
   on_payload_done(c);
   on_readable(d.conn);  // the next header is likely there already
@@ -173,18 +170,36 @@ void Pair::land_in(Conn& c, const RequestPtr& req, const FrameHeader& h) {
   c.land.start(req->buf + h.offset, h.length, req->reduce, req->elem);
 }
 
+void Pair::open_header(Conn& c) {
+  // The stream follows from the kind, itself covered by the tag: a kind altered on the way
+  // picks the wrong stream's record number and fails like any other alteration.
+  const uint16_t kind = static_cast<uint16_t>(c.header_buf[6] | c.header_buf[7] << 8);
+  const bool control = kind == static_cast<uint16_t>(FrameKind::kAbort) || kind == static_cast<uint16_t>(FrameKind::kBye);
+  if (!c.opener->open(control ? RecordStream::kControl : RecordStream::kData, c.header_buf, kFrameHeaderBytes,
+                      nullptr, 0, c.header_buf + kFrameHeaderBytes)) {
+    auth_failed();
+  }
+}
+
+void Pair::auth_failed() {
+  throw_error(ErrorKind::kAuth,
+              "[engine] frame from " + who() +
+                  " failed authentication (altered or injected on the way, or a different job "
+                  "key); the communicator is failed; check the network path between the hosts "
+                  "and that every rank uses the same job key (MCCL_JOB_KEY_FILE)",
+              peer_rank_, peer_addr_);
+}
+
 void Pair::on_header(Conn& c) {
+  if (sealed_) open_header(c);  // before any field is believed
   FrameHeader h = decode_header(c.header_buf);
   validate_header(h, comm_id_, peer_rank_, peer_addr_);
   c.cur = h;
   c.target.reset();
   c.unexpected = nullptr;
-  if (c.keys) {
-    start_mac_in(c, (h.kind == FrameKind::kAbort || h.kind == FrameKind::kBye) ? MacStream::kControl
-                                                                        : MacStream::kData);
-  }
+  const bool control = h.kind == FrameKind::kAbort || h.kind == FrameKind::kBye;
   if (h.kind == FrameKind::kBye) {
-    c.land.start(nullptr, 0);  // no payload; acted on once whole (on_frame_done)
+    c.land.start(nullptr, 0);  // no payload; acted on once whole (on_payload_done)
   } else if (h.kind == FrameKind::kAbort) {
     if (h.offset != 0 || h.length != h.total) {
       throw_error(ErrorKind::kProtocol, "[transport] split abort frame from " + who(), peer_rank_,
@@ -227,45 +242,16 @@ void Pair::on_header(Conn& c) {
       c.land.start(u.data.get() + h.offset, h.length);
     }
   }
-  c.land.authenticate(c.keys ? &*c.mac_in : nullptr);
+  if (sealed_) {
+    c.land.unseal(c.opener.get(), control ? RecordStream::kControl : RecordStream::kData, c.header_buf,
+                  kFrameHeaderBytes);
+  }
   c.in_payload = true;
   if (c.land.left() == 0) on_payload_done(c);
 }
 
 void Pair::on_payload_done(Conn& c) {
   c.in_payload = false;
-  if (!c.keys) {
-    on_frame_done(c);
-    return;
-  }
-  c.land.authenticate(nullptr);
-  c.in_tag = true;  // the frame counts once its tag, next on the socket, matched
-  c.tag_have = 0;
-}
-
-void Pair::start_mac_in(Conn& c, MacStream stream) {
-  const int si = static_cast<int>(stream);
-  c.mac_in.emplace(frame_mac(c.keys->recv, static_cast<uint32_t>(stream), c.frames_in[si]++));
-  c.mac_in->update(c.header_buf, kFrameHeaderBytes);
-}
-
-void Pair::on_tag_done(Conn& c) {
-  c.in_tag = false;
-  uint8_t want[kMacTagBytes];
-  c.mac_in->finish(want);
-  c.mac_in.reset();
-  if (!tags_equal(want, c.tag_buf)) {
-    throw_error(ErrorKind::kProtocol,
-                "[transport] a " + std::string(frame_kind_name(c.cur.kind)) + " frame from " + who() +
-                    " failed its MAC check (MCCL_FRAME_MAC): it was altered or injected on the way, "
-                    "or the two daemons derived different keys; the link is dropped; check the "
-                    "network path between the hosts and that both run the same MCCL",
-                peer_rank_, peer_addr_);
-  }
-  on_frame_done(c);
-}
-
-void Pair::on_frame_done(Conn& c) {
   const FrameHeader& h = c.cur;
   if (h.kind == FrameKind::kBye) {
     if (!c.bye) {

@@ -37,17 +37,16 @@ bool Pair::release(Deadline deadline) {
   FrameHeader h;
   h.kind = FrameKind::kBye;
   h.comm_id = comm_id_;
-  uint8_t bye[kFrameHeaderBytes + kMacTagBytes];
-  encode_header(h, bye);
   // Messages that arrived whole but were never received (an eager p2p send nobody took)
   // die with this communicator; they do not matter to the streams. What would: a frame
   // half-written or half-read, which the checks below refuse.
   bool clean = true;
   for (auto& c : conns_) {
     if (!clean) break;
-    if (c.keys) tag_control(c, bye, kFrameHeaderBytes, bye + kFrameHeaderBytes);
-    clean = c.fd.valid() && c.sendq.empty() && !c.in_payload &&
-            write_all(c.fd.get(), bye, c.keys ? sizeof(bye) : kFrameHeaderBytes, deadline);
+    clean = c.fd.valid() && c.sendq.empty() && !c.in_payload;
+    if (!clean) break;
+    const std::string bye = control_frame(c, h, std::string());
+    clean = write_all(c.fd.get(), bye.data(), bye.size(), deadline);
   }
   for (auto& c : conns_) {
     if (!clean) break;
@@ -65,48 +64,33 @@ bool Pair::read_to_bye(Conn& c, Deadline deadline) {
   size_t leftover = c.rb_end - c.rb_begin;
   if (c.bye) {
     // The BYE was parsed while idle: it must have been the last byte read.
-    return leftover == 0 && c.header_have == 0 && !c.in_tag;
+    return leftover == 0 && c.header_have == 0;
   }
-  if (!c.in_tag) {
-    if (c.header_have + leftover > kFrameHeaderBytes) return false;  // a frame after all ops
-    std::memcpy(c.header_buf + c.header_have, c.rbuf.data() + c.rb_begin, leftover);
-    c.header_have += leftover;
-    c.rb_begin = c.rb_end;
-    leftover = 0;
-    if (!read_all(c.fd.get(), c.header_buf + c.header_have, kFrameHeaderBytes - c.header_have,
-                  deadline)) {
-      return false;  // the peer is late, gone, or closed the socket
-    }
-    c.header_have = 0;
-    FrameHeader h = decode_header(c.header_buf);
-    if (h.magic != kFrameMagic || h.version != kProtocolVersion || h.comm_id != comm_id_ ||
-        h.kind != FrameKind::kBye || h.total != 0) {
-      return false;
-    }
-    if (!c.keys) {
-      c.bye = true;
-      ++byes_;
-      return true;
-    }
-    c.cur = h;
-    start_mac_in(c, MacStream::kControl);
-    c.in_tag = true;
-    c.tag_have = 0;
-  }
-  // Frame MACs: exactly the BYE's tag is left to read (its header may have been parsed
-  // while idle).
-  if (c.cur.kind != FrameKind::kBye || c.tag_have + leftover > kMacTagBytes) return false;
-  std::memcpy(c.tag_buf + c.tag_have, c.rbuf.data() + c.rb_begin, leftover);
-  c.tag_have += leftover;
+  // Exactly the BYE (its header, and its tag when sealed) is left to read.
+  const size_t need = header_bytes();
+  if (c.in_payload || c.header_have + leftover > need) return false;  // a frame after all ops
+  std::memcpy(c.header_buf + c.header_have, c.rbuf.data() + c.rb_begin, leftover);
+  c.header_have += leftover;
   c.rb_begin = c.rb_end;
-  if (!read_all(c.fd.get(), c.tag_buf + c.tag_have, kMacTagBytes - c.tag_have, deadline)) return false;
-  c.tag_have = kMacTagBytes;
-  try {
-    on_tag_done(c);  // counts the BYE
-  } catch (const Error&) {
-    return false;  // not the peer's BYE: the socket is not reused
+  if (!read_all(c.fd.get(), c.header_buf + c.header_have, need - c.header_have, deadline)) {
+    return false;  // the peer is late, gone, or closed the socket
   }
-  return c.bye;
+  c.header_have = 0;
+  if (sealed_) {
+    try {
+      open_header(c);
+    } catch (const Error&) {
+      return false;  // not the peer's BYE: the socket is not reused
+    }
+  }
+  FrameHeader h = decode_header(c.header_buf);
+  if (h.magic != kFrameMagic || h.version != kProtocolVersion || h.comm_id != comm_id_ ||
+      h.kind != FrameKind::kBye || h.total != 0) {
+    return false;
+  }
+  c.bye = true;
+  ++byes_;
+  return true;
 }
 
 }  // namespace mccl

@@ -6,6 +6,7 @@
 #include <sys/uio.h>
 
 
+#include "core/errors.h"
 #include "core/thread_name.h"
 #include "transport/pair.h"
 
@@ -81,6 +82,30 @@ bool SendThread::write_pass(std::unique_lock<std::mutex>& lk) {
     for (size_t i = 0; i < p->num_conns() && !err_pair_; ++i) {
       if (paused_ || halted_ || stop_) return wrote;
       if (!p->conn_open(i) || !p->has_queued(i)) continue;
+      Pair::SealJob jobs[Pair::kMaxSealJobs];
+      if (const int n = p->claim_seal(i, jobs)) {
+        // Sealing is this thread's share of the crypto (the bytes are read here anyway):
+        // without the lock, like sendmsg, so the owner can queue more meanwhile.
+        busy_ = true;
+        lk.unlock();
+        bool sealed = true;
+        try {
+          p->seal(jobs, n);
+        } catch (const Error&) {
+          sealed = false;  // only when the keys are used up or libcrypto fails
+        }
+        lk.lock();
+        busy_ = false;
+        cv_.notify_all();
+        if (!sealed) {
+          err_pair_ = p;
+          err_ = EPROTO;
+          wake_owner_();
+          return wrote;
+        }
+        p->commit_seal(jobs, n);
+        if (paused_ || halted_ || stop_) return wrote;
+      }
       iovec iov[Pair::kMaxIov];
       const int cnt = p->gather_iov(i, iov);
       const int fd = p->conn_fd(i);

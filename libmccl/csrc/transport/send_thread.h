@@ -1,4 +1,5 @@
-// The thread that writes a transport's bulk frames to its sockets.
+// The thread that writes a transport's bulk frames to its sockets, sealing them first
+// when the link's frames are sealed (pair.h).
 //
 // The progress thread would otherwise copy every byte into the kernel itself, between
 // its receives and reductions: one core's worth for both directions of every link.

@@ -12,7 +12,7 @@ namespace mccl {
 Transport::Transport(int rank, int size, uint64_t comm_id, std::vector<std::vector<Fd>> links,
                      std::vector<std::string> addrs, bool send_thread, int recv_threads,
                      const std::vector<std::vector<FrameKeys>>& keys,
-                     std::shared_ptr<const SignatureRules> rules)
+                     std::shared_ptr<const SignatureRules> rules, WireSecurity security)
     : rank_(rank),
       size_(size),
       comm_id_(comm_id),
@@ -22,7 +22,7 @@ Transport::Transport(int rank, int size, uint64_t comm_id, std::vector<std::vect
   for (int r = 0; r < size; ++r) {
     if (r == rank) continue;
     pairs_[r] = std::make_unique<Pair>(*this, r, addrs_[r], comm_id, std::move(links[r]),
-                                       keys.empty() ? std::vector<FrameKeys>{} : keys[r]);
+                                       keys.empty() ? std::vector<FrameKeys>{} : keys[r], security);
   }
   make_wake_pipe(&wake_read_, &wake_write_, "progress thread");
   if (size > 1 && recv_threads > 0) {

@@ -45,12 +45,14 @@ class Transport : public PairHost {
 
   // send_thread: bulk frames are written by a SendThread (else by this thread, in progress).
   // recv_threads: that many RecvThreads read bulk payloads (0: this thread reads all).
-  // keys: empty (no frame MACs), or keys[peer] with one FrameKeys per socket of links[peer].
+  // keys: empty (bare frames), or keys[peer] with one FrameKeys per socket of links[peer];
+  // security: what they do, kMac or kAead (pair.h).
   // rules: what collective signatures mean (signature.h); null: compared as bytes.
   Transport(int rank, int size, uint64_t comm_id, std::vector<std::vector<Fd>> links,
             std::vector<std::string> addrs, bool send_thread, int recv_threads,
             const std::vector<std::vector<FrameKeys>>& keys = {},
-            std::shared_ptr<const SignatureRules> rules = nullptr);
+            std::shared_ptr<const SignatureRules> rules = nullptr,
+            WireSecurity security = WireSecurity::kAead);
   ~Transport() override;
   Transport(const Transport&) = delete;
   Transport& operator=(const Transport&) = delete;
