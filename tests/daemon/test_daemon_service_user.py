@@ -50,7 +50,8 @@ def test_client_falls_back_to_the_service_runtime_dir(tmp_path, monkeypatch):
     assert runtime_dir(cfg, create=False) == own / "mccl"          # no service daemon: our own dir
     (service / protocol.SOCKET_NAME).touch()
     assert runtime_dir(cfg, create=False) == service
-    (own / "mccl").mkdir(parents=True)
+    (own / "mccl").mkdir(parents=True, mode=0o700)
+    os.chown(own / "mccl", 4242, -1)                               # the (pretend) user's own dir
     (own / "mccl" / protocol.SOCKET_NAME).touch()
     assert runtime_dir(cfg, create=False) == own / "mccl"          # a daemon of our own wins
     explicit = load_config(env={"MCCL_RUNTIME_DIR": str(tmp_path / "x")})
