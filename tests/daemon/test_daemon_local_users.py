@@ -1,0 +1,217 @@
+"""Attacker tests: another local user (a forked child that dropped to uid 12345) tries to stand
+up a fake mccld, squat the runtime dir, or attach to a daemon that is not theirs."""
+
+from __future__ import annotations
+
+import contextlib
+import grp
+import os
+import select
+import threading
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import zmq
+
+from mccl_common import attach_protocol as protocol
+from mccl_common.daemon_settings import load_config, runtime_dir
+from mccl_common.errors import ConfigError
+from support.daemon import running_daemon
+from support.localuser import ATTACKER_UID, VICTIM_UID, as_user
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="plays other local users with setuid: needs root")
+
+
+@contextlib.contextmanager
+def _scratch():
+    """A directory every uid can traverse (pytest's tmp_path is root's 0700)."""
+    base = Path(tempfile.mkdtemp(prefix="mccl-lu-"))
+    base.chmod(0o755)
+    try:
+        yield base
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _victim_env(monkeypatch) -> None:
+    # The macOS default: no MCCL_RUNTIME_DIR, no XDG_RUNTIME_DIR, so /tmp/mccl-<uid>.
+    monkeypatch.delenv("MCCL_RUNTIME_DIR", raising=False)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+
+
+@pytest.mark.timeout(60)
+def test_client_refuses_a_runtime_dir_another_user_created_first(monkeypatch):
+    _victim_env(monkeypatch)
+    squatted = Path(f"/tmp/mccl-{VICTIM_UID}")
+    shutil.rmtree(squatted, ignore_errors=True)
+    try:
+        as_user(ATTACKER_UID, ATTACKER_UID, lambda: squatted.mkdir(mode=0o777))
+        assert squatted.stat().st_uid == ATTACKER_UID
+
+        def victim():
+            return str(runtime_dir(load_config(env={}), create=False))
+        out = as_user(VICTIM_UID, VICTIM_UID, victim)
+        assert out[0] == "raised", f"the victim's client accepted {out[1]} that uid {ATTACKER_UID} created"
+        assert out[1].startswith("ConfigError") and str(squatted) in out[1] and f"uid {ATTACKER_UID}" in out[1]
+    finally:
+        shutil.rmtree(squatted, ignore_errors=True)
+
+
+@pytest.mark.timeout(60)
+def test_client_refuses_a_runtime_dir_that_is_a_symlink(monkeypatch):
+    _victim_env(monkeypatch)
+    link = Path(f"/tmp/mccl-{VICTIM_UID}")
+    shutil.rmtree(link, ignore_errors=True)
+    with _scratch() as base:
+        target = base / "theirs"
+        target.mkdir(mode=0o700)
+        os.chown(target, VICTIM_UID, VICTIM_UID)   # even a directory the victim owns: the link is the attacker's
+        try:
+            as_user(ATTACKER_UID, ATTACKER_UID, lambda: link.symlink_to(target))
+            out = as_user(VICTIM_UID, VICTIM_UID, lambda: str(runtime_dir(load_config(env={}), create=False)))
+            assert out[0] == "raised" and out[1].startswith("ConfigError"), out
+            assert "symlink" in out[1] and str(link) in out[1] and f"uid {ATTACKER_UID}" in out[1]
+        finally:
+            link.unlink(missing_ok=True)
+
+
+@pytest.mark.timeout(30)
+def test_mccld_refuses_a_runtime_dir_that_is_a_symlink():
+    with _scratch() as base:
+        target = base / "real"
+        target.mkdir(mode=0o700)            # ours: following the link would look fine
+        link = base / "rt"
+        link.symlink_to(target)
+        with pytest.raises(ConfigError, match=rf"runtime dir {link} is a symlink \(owned by root \(uid 0\)\)"):
+            runtime_dir(load_config(env={"MCCL_RUNTIME_DIR": str(link)}), create=True)
+
+
+@pytest.mark.timeout(30)
+def test_mccld_refuses_a_runtime_dir_another_user_created():
+    with _scratch() as base:
+        rdir = base / "rt"
+        rdir.mkdir(mode=0o777)
+        os.chown(rdir, ATTACKER_UID, ATTACKER_UID)
+        with pytest.raises(ConfigError, match=rf"runtime dir {rdir} belongs to uid {ATTACKER_UID}"):
+            runtime_dir(load_config(env={"MCCL_RUNTIME_DIR": str(rdir)}), create=True)
+
+
+@pytest.mark.timeout(60)
+def test_client_refuses_a_fake_daemon_of_another_user_before_sending_anything():
+    with _scratch() as base:
+        rdir = base / "rt"
+        rdir.mkdir()
+        rdir.chmod(0o777)   # open to the other user for a moment (the umask would take it back)
+        r_ready, w_ready = os.pipe()
+        r_stop, w_stop = os.pipe()
+
+        def fake_daemon():
+            # Listen where the victim's mccld would, record whatever arrives.
+            ctx = zmq.Context()
+            router = ctx.socket(zmq.ROUTER)
+            router.setsockopt(zmq.LINGER, 0)
+            router.bind(protocol.endpoint(rdir))
+            (rdir / protocol.SOCKET_NAME).chmod(0o777)
+            (rdir / protocol.TOKEN_NAME).write_text("fake-token")
+            os.write(w_ready, b"x")
+            got = []
+            poller = zmq.Poller()
+            poller.register(router, zmq.POLLIN)
+            poller.register(r_stop, zmq.POLLIN)
+            while True:
+                events = dict(poller.poll(30000))
+                if router in events:
+                    frames = router.recv_multipart()
+                    got.append(frames[-1][:200])
+                    router.send_multipart([frames[0], protocol.encode(
+                        {"type": "reply", "req": 1, "ok": True, "host_id": "h", "link_addr": "127.0.0.1:1"})])
+                    continue
+                break
+            router.close(0)
+            ctx.term()
+            return got
+
+        result = {}
+        t = threading.Thread(target=lambda: result.setdefault("got", as_user(ATTACKER_UID, ATTACKER_UID,
+                                                                             fake_daemon)))
+        t.start()
+        try:
+            assert select.select([r_ready], [], [], 30)[0], f"the fake daemon did not start: {result}"
+            os.read(r_ready, 1)
+            # The directory then looks like the victim's own (as after they fixed its mode): the
+            # socket in it is still the other user's.
+            os.chown(rdir, VICTIM_UID, VICTIM_UID)
+            rdir.chmod(0o700)
+            os.chown(rdir / protocol.TOKEN_NAME, VICTIM_UID, VICTIM_UID)
+
+            def victim():
+                from libmccl.daemon_attach import Attachment
+                os.environ["MCCL_RUNTIME_DIR"] = str(rdir)
+                att = Attachment(rdir, 0, 1, 5.0)
+                try:
+                    att.connect()
+                    return "connected"
+                finally:
+                    att.close()
+            out = as_user(VICTIM_UID, VICTIM_UID, victim)
+        finally:
+            os.write(w_stop, b"x")
+            t.join(60)
+            for fd in (r_ready, w_ready, r_stop, w_stop):
+                os.close(fd)
+        assert out[0] == "raised" and out[1].startswith("AuthError"), out
+        assert f"runs as uid {ATTACKER_UID}" in out[1] and "impersonating mccld" in out[1], out
+        assert result["got"] == ("ok", []), f"the client sent the fake daemon {result['got']}"
+
+
+def _loosen(rdir: Path) -> None:
+    # What a wrong mode (or a filesystem without modes) would allow: the daemon must not rely on it.
+    rdir.chmod(0o755)
+    (rdir / protocol.SOCKET_NAME).chmod(0o666)
+    (rdir / protocol.TOKEN_NAME).chmod(0o644)
+
+
+def _raw_hello(rdir: Path):
+    def client():
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(protocol.endpoint(rdir))
+        try:
+            token = (rdir / protocol.TOKEN_NAME).read_text().strip()
+            s.send(protocol.encode({"type": "hello", "token": token, "pid": os.getpid(), "req": 1}))
+            if not s.poll(10000):
+                return None
+            return protocol.decode_reply(s.recv())
+        finally:
+            s.close(0)
+            ctx.term()
+    return client
+
+
+@pytest.mark.timeout(60)
+def test_mccld_refuses_a_client_of_another_user_not_in_the_attach_group():
+    with running_daemon() as (d, env):
+        rdir = Path(env["MCCL_RUNTIME_DIR"])
+        _loosen(rdir)
+        out = as_user(ATTACKER_UID, ATTACKER_UID, _raw_hello(rdir))
+        assert out[0] == "ok", out
+        reply = out[1]
+        assert reply is not None and not reply["ok"], f"mccld served uid {ATTACKER_UID}: {reply}"
+        assert reply["error"]["kind"] == "AuthError" and f"uid {ATTACKER_UID}" in reply["error"]["message"]
+        # ... and keeps serving its own user.
+        from mccld.attach import local_request
+        assert local_request(rdir, {"type": "status"})["ok"]
+
+
+@pytest.mark.timeout(60)
+def test_mccld_serves_a_member_of_the_attach_group():
+    group = grp.getgrgid(65534) if 65534 in [g.gr_gid for g in grp.getgrall()] else None
+    if group is None:
+        pytest.skip("no group 65534 on this host")
+    with running_daemon(MCCL_ATTACH_GROUP=group.gr_name) as (d, env):
+        rdir = Path(env["MCCL_RUNTIME_DIR"])
+        out = as_user(ATTACKER_UID, group.gr_gid, _raw_hello(rdir))
+        assert out[0] == "ok" and out[1] is not None and out[1]["ok"], out
