@@ -70,8 +70,9 @@ class DaemonConfig:
         "jobs here; empty: /etc/mccl/submit.key or ~/.config/mccl/submit.key; none: launching is off")
     launch_user: str = setting(
         "MCCL_LAUNCH_USER", "", "user",
-        "user the jobs `mcclctl run` starts run as; empty: mccld's own user, refused when that is root "
-        "(say root here to allow it, e.g. in a container)")
+        "user the jobs `mcclctl run` starts run as, never one that can read mccld's key files; empty: none "
+        "(mccld's own user could read its keys): name mccld's own user, or root, here to accept that (e.g. in "
+        "a container)")
     metrics_port: int = setting(
         "MCCL_METRICS_PORT", 29652, "port",
         "Prometheus /metrics port; 0 disables it")
@@ -189,6 +190,19 @@ class DaemonConfig:
                               "any of them could start jobs on the others: make a separate one with "
                               "`mccld keygen /etc/mccl/submit.key` for the hosts that submit")
         return key
+
+
+def key_paths(cfg: DaemonConfig) -> tuple[Path, ...]:
+    """The key files this daemon reads (fleet and submit key), those that exist: what a job it
+    launches must not be able to read (mccld/launch_identity.py)."""
+    found = []
+    for explicit, defaults in ((cfg.key_file, DEFAULT_KEY_FILES), (cfg.submit_key_file, DEFAULT_SUBMIT_KEY_FILES)):
+        for raw in [explicit] if explicit else defaults:
+            path = Path(raw).expanduser()
+            if path.exists():
+                found.append(path)
+                break
+    return tuple(found)
 
 
 def read_key_file(explicit: str, defaults: tuple[str, ...], env: str) -> bytes | None:

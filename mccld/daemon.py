@@ -19,7 +19,7 @@ from typing import Any
 
 from mccl_common import PROTO_VERSION, __version__, shm
 from mccl_common import attach_protocol as protocol
-from mccl_common.daemon_settings import DaemonConfig, attach_gid, runtime_dir
+from mccl_common.daemon_settings import DaemonConfig, attach_gid, key_paths, runtime_dir
 from mccl_common.errors import AbortedError, ConfigError, MCCLError, ProtocolError
 from mccl_common.hostinfo import host_facts
 from mccl_common.netif import choose_address
@@ -278,7 +278,8 @@ class Daemon:
         srv = LaunchServer(submit_key, self.host_id, self.runtime_dir, self.addr, self.cfg.launch_port,
                            launch_user=self.cfg.launch_user,
                            harvest_state=(lambda: harvester.snapshot()["state"]) if harvester else None,
-                           on_change=self._poke.set, gate=Gate.from_config("launch", self.cfg))
+                           on_change=self._poke.set, gate=Gate.from_config("launch", self.cfg),
+                           secret_files=key_paths(self.cfg))
         self.launcher = srv.start()
         self._servers.append(srv)
 
