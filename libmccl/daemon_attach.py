@@ -62,7 +62,7 @@ class Attachment:
         self.host_id = self.daemon_addr = ""
         self.link_addrs: list[str] = []    # every rank's daemon link address
         self.engine_cut: dict[str, int] = {}  # the daemon engine's pipeline_bytes, small_allreduce_bytes
-        self._daemon_uid = -1
+        self.daemon_uid = -1                # the daemon's user, as the kernel reported it
         self._peer: str | None = None      # libzmq's Peer-Address of the last reply: the daemon's credentials
 
     def close(self) -> None:
@@ -81,7 +81,7 @@ class Attachment:
         # mccld proves itself before the client says anything: the runtime dir is one only the
         # daemon's user controls, and the kernel says that user listens on its socket.
         try:
-            self._daemon_uid = localtrust.verify_daemon(
+            self.daemon_uid = localtrust.verify_daemon(
                 self._rdir, runtime_dir_owners(load(DaemonConfig), self._rdir), protocol.SOCKET_NAME)
         except DaemonUnavailableError:
             raise self.unavailable("nothing listens on its socket") from None
@@ -100,7 +100,7 @@ class Attachment:
         self.sock = s
         reply = self.call({"type": "hello", "token": token, "pid": os.getpid()}, _HELLO_TIMEOUT_S,
                           unavailable="it did not answer hello")
-        localtrust.check_reply_peer(self._peer, self._daemon_uid, self.endpoint)
+        localtrust.check_reply_peer(self._peer, self.daemon_uid, self.endpoint)
         self.host_id, self.daemon_addr = reply["host_id"], reply["link_addr"]
         self.engine_cut = _engine_cut(reply.get("engine_cut"), self.endpoint)
 

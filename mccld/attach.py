@@ -48,6 +48,7 @@ class AttachServer:
         self._ctx = zmq.Context.instance()
         self._token = secrets.token_hex(32)
         self._authenticated: set[bytes] = set()
+        self._peers: dict[bytes, localtrust.PeerCreds] = {}   # identity -> the kernel's word on its connection
         self._auth_lock = threading.Lock()
         self._once = OnceLogger(log)
         self._push_lock = threading.Lock()
@@ -209,6 +210,8 @@ class AttachServer:
                             "dir's mode keeps other users out", self.endpoint)
             return True
         if localtrust.uid_allowed(creds, self._group):
+            with self._auth_lock:
+                self._peers[ident] = creds
             return True
         err = AuthError(f"[daemon] refused a client running as {localtrust.owner_name(creds.uid)} (pid "
                         f"{creds.pid}): it is neither mccld's user nor in MCCL_ATTACH_GROUP; add that user to "
@@ -226,6 +229,13 @@ class AttachServer:
         """The client is gone: a new connection reusing its identity must say hello again."""
         with self._auth_lock:
             self._authenticated.discard(ident)
+            self._peers.pop(ident, None)
+
+    def peer_of(self, ident: bytes) -> localtrust.PeerCreds | None:
+        """The credentials of the connection that last sent as ``ident``: while its handler runs,
+        the one it is handling. None where libzmq reports none."""
+        with self._auth_lock:
+            return self._peers.get(ident)
 
 
 def local_request(runtime_dir: Path, msg: dict[str, Any], timeout_s: float = 5.0) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from mccl_common.netif import choose_address
 from mccl_common.settings import EngineConfig, load
 
 from .attach import AttachServer
+from .fd_inbox import FdInbox
 from .datalinks import DataLinks
 from .gate import Gate
 from .harvest import Harvester
@@ -76,6 +77,7 @@ class Daemon:
         self.links: LinkManager | None = None
         self.datalinks: DataLinks | None = None
         self.attach: AttachServer | None = None
+        self.inbox: FdInbox | None = None
         self.stats = None
         self.fleet = None
         self.advertiser = None
@@ -124,6 +126,7 @@ class Daemon:
             self._start_discovery()
             # Last: the token file it writes is what clients, mcclctl and tests take for
             # "mccld is up", so every service and thread of the daemon runs by then.
+            self.inbox = FdInbox(self.runtime_dir, attach_gid(cfg)).start()
             self.attach = AttachServer(self.runtime_dir, self._handle, on_disconnect=self._poke.set,
                                        group=attach_gid(cfg))
             self.attach.start()
@@ -167,6 +170,9 @@ class Daemon:
         if self.attach is not None:
             self.attach.stop()
             self.attach = None
+        if self.inbox is not None:
+            self.inbox.stop()
+            self.inbox = None
         if self.datalinks is not None:
             self.datalinks.stop()
             self.datalinks = None
@@ -319,6 +325,13 @@ class Daemon:
                 (self.runtime_dir / SEGMENT_RECORD).write_text("".join(n + "\n" for n in live))
 
     # -- the attach protocol ---------------------------------------------------------------
+    def take_segment(self, ident: bytes, name: str) -> int:
+        """The descriptor of segment ``name`` that the client behind ``ident`` handed over (the
+        caller owns it); ProtocolError/AuthError if that client handed over none by that name."""
+        if self.inbox is None or self.attach is None:
+            raise AbortedError(f"[daemon] mccld is stopping; segment {name} not mapped")
+        return self.inbox.take(name, self.attach.peer_of(ident))
+
     def _handle(self, ident: bytes, msg: protocol.Request) -> dict[str, Any] | None:
         kind = msg.type
         if kind == "hello":
