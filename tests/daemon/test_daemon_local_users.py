@@ -8,6 +8,7 @@ import grp
 import os
 import select
 import threading
+import time
 import shutil
 import tempfile
 from pathlib import Path
@@ -215,3 +216,100 @@ def test_mccld_serves_a_member_of_the_attach_group():
         rdir = Path(env["MCCL_RUNTIME_DIR"])
         out = as_user(ATTACKER_UID, group.gr_gid, _raw_hello(rdir))
         assert out[0] == "ok" and out[1] is not None and out[1]["ok"], out
+
+
+def _shrink(q) -> str:
+    """The client shrinks its own small-op queue under mccld's native thread, by whatever handle
+    it has: the /dev/shm name (named segments), else its descriptor."""
+    path = Path(f"/dev/shm/{q.name}")
+    if path.exists():
+        os.truncate(path, 0)
+        return "truncated"
+    try:
+        os.ftruncate(q.fd, 0)
+    except PermissionError:
+        return "sealed"
+    return "truncated"
+
+
+@pytest.mark.timeout(120)
+def test_a_client_shrinking_its_queue_under_mccld_cannot_kill_it(mccld_proc):
+    from support.daemon import RawClient, one_rank_job
+    proc, rdir, host = mccld_proc
+
+    def attacker():
+        # In a child of its own: a client touching its own shrunk queue dies of SIGBUS too, and
+        # what matters here is mccld. The child exits without closing anything, as a crash would.
+        from libmccl import _core
+        from mccl_common import shm
+        c = RawClient(rdir)
+        q = _core.FastQueue(shm.segment_name("5b00", 0, os.getpid(), 0), 4096, 0, lambda op_id, err: None)
+        link = c.hello()["link_addr"]
+        if hasattr(q, "fd"):
+            from mccl_common import fd_handover
+            fd_handover.hand_over(rdir, q.name, q.fd, os.geteuid())
+        joined = c.call({"type": "join", "job": "5b00", "rank": 0, "size": 1, "timeout_s": 30.0,
+                         "opts": {"fast_queue": q.name, "fast_bytes": 4096},
+                         "hosts": [{"host_id": host, "link_addr": link, "ranks": [0]}]})
+        assert joined["ok"], joined
+        time.sleep(1.0)                 # the job's dispatcher maps the queue and waits on it
+        return _shrink(q)
+
+    try:
+        out = as_user(os.geteuid(), os.getegid(), attacker)
+    except RuntimeError:
+        out = ("ok", "truncated (and died of it)")
+    assert out[0] == "ok", out
+    time.sleep(3.0)                     # mccld finds its client gone and fails the job
+    assert proc.poll() is None, f"mccld died (exit {proc.returncode}) after its client {out[1]} its queue"
+    assert out[1] == "sealed", "the client could shrink memory mccld maps"
+    c2 = RawClient(rdir)                # ... and mccld serves the next client
+    try:
+        seg = one_rank_job(c2, host, "5b01")
+        seg.close()
+    finally:
+        c2.close()
+    assert proc.poll() is None
+
+
+@pytest.mark.timeout(60)
+def test_mccld_refuses_memory_its_client_could_shrink(daemon):
+    from mccl_common import fd_handover, shm
+    from mccl_common.errors import ProtocolError
+    d, env = daemon
+    rdir = Path(env["MCCL_RUNTIME_DIR"])
+    name = shm.segment_name("5b02", 0, os.getpid(), 1)
+    fd = os.memfd_create(name)               # no seals: its owner can truncate it at will
+    try:
+        os.ftruncate(fd, shm.HEADER_BYTES + 4096)
+        with pytest.raises(ProtocolError, match=rf"segment {name} is not sealed against shrinking"):
+            fd_handover.hand_over(rdir, name, fd, os.geteuid())
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.timeout(60)
+def test_a_segment_handed_over_by_one_process_cannot_be_registered_by_another(daemon):
+    from mccl_common import fd_handover, shm
+    from mccl_common.errors import ProtocolError
+    d, env = daemon
+    rdir = Path(env["MCCL_RUNTIME_DIR"])
+    name = shm.segment_name("5b03", 0, os.getpid() + 1, 1)    # named after a pid that is not ours
+    seg = shm.Segment(name, 4096)
+    try:
+        with pytest.raises(ProtocolError, match=rf"segment {name} handed over by pid {os.getpid()}"):
+            fd_handover.hand_over(rdir, name, seg.handover_fd, os.geteuid())
+    finally:
+        seg.close()
+
+
+@pytest.mark.timeout(60)
+def test_segments_are_private_to_the_client_and_mccld():
+    from mccl_common import shm
+    seg = shm.Segment(shm.segment_name("5b04", 0, os.getpid(), 1), 4096)
+    try:
+        assert not Path(f"/dev/shm/{seg.name}").exists(), "a segment any process could open by name"
+        with pytest.raises(PermissionError):
+            os.ftruncate(seg.handover_fd, 0)      # sealed: not even its creator can shrink it
+    finally:
+        seg.close()

@@ -20,7 +20,7 @@ import pytest
 import zmq
 
 from mccl_common import attach_protocol as protocol
-from mccl_common import fd_handover, shm
+from mccl_common import shm
 from mccl_common.daemon_settings import load_config
 from mccl_common.wire import (AVG, BAND, BF16, BOOL, BOR, BXOR, F16, F32, F64, I8, I32, I64, MAX, MIN,  # noqa: F401
                               PROD, SUM, U8)
@@ -144,6 +144,7 @@ def refused(reply: dict, *words: str) -> bool:
 
 def hand_over(rdir: Path, seg: shm.Segment) -> None:
     """Give mccld (of this user) the segment's descriptor, as a client does before registering it."""
+    from mccl_common import fd_handover
     fd_handover.hand_over(rdir, seg.name, seg.handover_fd, os.geteuid())
     seg.handed_over()
 
