@@ -87,7 +87,8 @@ class DaemonConfig:
     attach_group: str = setting(
         "MCCL_ATTACH_GROUP", "", "group",
         "group whose members' processes may attach to this daemon (runtime dir 0750, token 0640 and "
-        "socket 0660 in that group; clients share their segments with it); empty: only this user "
+        "socket 0660 in that group; segments are handed over by descriptor, never shared with it); empty: "
+        "only this user "
         "(docs/service.md)")
     allow_wifi: bool = setting(
         "MCCL_ALLOW_WIFI", False, "bool",

@@ -9,8 +9,9 @@ descriptor until the client registers that name over the attach socket (mccld/fd
 
 Both ends check the other with the kernel's credentials first: the client that the socket's
 listener is the daemon's user (before it sends anything), mccld that the sender may attach
-(its user, root, MCCL_ATTACH_GROUP) and that the segment is named after the sender's own pid,
-so one client cannot hand over memory under another's name.
+(its user, root, MCCL_ATTACH_GROUP); the descriptor then goes only to a register from a
+connection with the sender's own uid and pid, so one client can neither take another's memory
+nor slip its own under another's registration.
 
 Frame: 2-byte big-endian length, then that many bytes of JSON ``{"segment": name}``; the
 reply likewise, ``{"ok": true}`` or ``{"ok": false, "error": {...}}``.

@@ -1,9 +1,11 @@
-"""POSIX shared-memory segments that carry tensor data between a client and the daemon.
+"""Shared-memory segments that carry tensor data between a client and the daemon.
 
 Segments are named ``mccl-<job>-<rank>-<pid>-<gen>`` (short: macOS caps names at 31
-characters). The owner pid in the name lets any daemon tell a live client's segment
-from one a crash left behind, so a sweep never frees memory that is still in use,
-even when several daemons share one /dev/shm (network-namespace tests).
+characters). On Linux the name only labels a sealed memfd that the client hands to mccld by
+descriptor (``Segment``, fd_handover.py); nothing is in /dev/shm. Where the memory is a named
+POSIX shm object (macOS until handed over, clients older than this), the owner pid in the
+name lets any daemon tell a live client's segment from one a crash left behind, so a sweep
+never frees memory that is still in use.
 
 Every segment starts with a control header, then the data (``Segment.addr``):
 
@@ -16,9 +18,9 @@ in cumulative bytes over the segment's life: an op covers [base, base + its byte
 base is the bytes of the pipelined ops before it in this segment. The header fills a page
 so the data stays page-aligned for whatever maps it next (a GPU registration, an MTLBuffer).
 
-``shm_open`` is called directly rather than through ``multiprocessing.shared_memory``:
-its resource tracker would unlink a segment when the *daemon's* reference goes away,
-pulling it from under the client.
+Where ``shm_open`` is used it is called directly rather than through
+``multiprocessing.shared_memory``: its resource tracker would unlink a segment when the
+*daemon's* reference goes away, pulling it from under the client.
 """
 
 from __future__ import annotations
@@ -197,6 +199,7 @@ def _create(name: str, size: int) -> int:
     if _MEMFD:
         fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
+            os.fchmod(fd, 0o600)   # a memfd starts 0777; /proc/<pid>/fd/N would reopen it by that mode
             os.ftruncate(fd, size)
             # Before anyone else holds it: from here on nobody can change its size.
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)

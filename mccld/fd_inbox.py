@@ -2,8 +2,7 @@
 
 One thread accepts connections on ``mccld.fds``; each carries one segment's name and its
 descriptor. The sender is checked before anything is read (the kernel's uid: mccld's user,
-root or MCCL_ATTACH_GROUP), the name must carry the sender's own pid (the kernel's), and on
-Linux the memory must be sealed against shrinking. What passes waits here until the same
+root or MCCL_ATTACH_GROUP), and on Linux the memory must be sealed against shrinking. What passes waits here until the same
 process registers that name over the attach socket (``take``): a descriptor is bound to the
 uid and pid the kernel reported for its sender, and only a connection with the same
 credentials gets it.
@@ -84,9 +83,9 @@ class FdInbox:
         with self._lock:
             entry = self._held.pop(name, None)
         if entry is None:
-            raise ProtocolError(f"[daemon] segment {name} was not handed over on {self.path} (or more than "
-                                f"{HOLD_S:.0f}s ago); the client hands over each segment's descriptor before "
-                                "registering it: client and daemon releases differ?")
+            raise ProtocolError(f"[daemon] field 'segment'={name} names no segment handed over on {self.path} "
+                                f"(or it was more than {HOLD_S:.0f}s ago); the client hands over each segment's "
+                                "descriptor before registering it: client and daemon releases differ?")
         fd, sender, _ = entry
         if creds is not None and (creds.uid != sender.uid or (creds.pid and sender.pid and creds.pid != sender.pid)):
             os.close(fd)
@@ -136,9 +135,6 @@ class FdInbox:
             name = msg.get("segment")
             if not isinstance(name, str) or not protocol.SEGMENT_RE.match(name):
                 raise ProtocolError(f"[daemon] fd hand-over names no segment ({str(name)[:80]!r})")
-            if creds.pid and shm.owner_pid(name) != creds.pid:
-                raise ProtocolError(f"[daemon] segment {name} handed over by pid {creds.pid}: a client hands over "
-                                    "only segments named after its own pid")
             if not stat.S_ISREG(os.fstat(fds[0]).st_mode):
                 raise ProtocolError(f"[daemon] segment {name} handed over as something other than memory")
             shm.check_sealed(fds[0], name)   # refused at once, not when a job first maps it

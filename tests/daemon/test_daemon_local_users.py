@@ -289,18 +289,25 @@ def test_mccld_refuses_memory_its_client_could_shrink(daemon):
 
 
 @pytest.mark.timeout(60)
-def test_a_segment_handed_over_by_one_process_cannot_be_registered_by_another(daemon):
+def test_a_segment_handed_over_by_one_process_cannot_be_registered_by_another(raw):
     from mccl_common import fd_handover, shm
-    from mccl_common.errors import ProtocolError
-    d, env = daemon
-    rdir = Path(env["MCCL_RUNTIME_DIR"])
-    name = shm.segment_name("5b03", 0, os.getpid() + 1, 1)    # named after a pid that is not ours
-    seg = shm.Segment(name, 4096)
-    try:
-        with pytest.raises(ProtocolError, match=rf"segment {name} handed over by pid {os.getpid()}"):
-            fd_handover.hand_over(rdir, name, seg.handover_fd, os.geteuid())
-    finally:
+    d, c = raw
+    rdir = c.rdir
+    name = shm.segment_name("5b03", 0, os.getpid(), 1)   # in the registering client's name
+
+    def other_process():
+        seg = shm.Segment(name, 4096)
+        fd_handover.hand_over(rdir, name, seg.handover_fd, os.geteuid())
         seg.close()
+        return os.getpid()
+    out = as_user(os.geteuid(), os.getegid(), other_process)
+    assert out[0] == "ok", out
+    link = c.hello()["link_addr"]
+    assert c.call({"type": "join", "job": "5b03", "rank": 0, "size": 1, "timeout_s": 30.0, "opts": {},
+                   "hosts": [{"host_id": d.host_id, "link_addr": link, "ranks": [0]}]})["ok"]
+    reply = c.call({"type": "register", "job": "5b03", "rank": 0, "segment": name, "nbytes": 4096})
+    assert not reply["ok"] and reply["error"]["kind"] == "AuthError", reply
+    assert f"handed over by pid {out[1]}" in reply["error"]["message"], reply
 
 
 @pytest.mark.timeout(60)

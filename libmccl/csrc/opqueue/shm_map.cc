@@ -40,6 +40,8 @@ std::unique_ptr<SharedMap> SharedMap::create(const std::string& name, size_t byt
 #ifdef __linux__
   int fd = ::memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0) fail_create(-1, name, "creating", errno);
+  // A memfd starts 0777; /proc/<pid>/fd/N would reopen it by that mode.
+  if (::fchmod(fd, 0600) != 0) fail_create(fd, name, "restricting", errno);
   if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) fail_create(fd, name, "sizing", errno);
   // Sealed before anyone else sees it: from here on nobody (we included) can change its size.
   if (::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
