@@ -129,6 +129,8 @@ class Attachment:
             frame = self.sock.recv(copy=False)
             self._peer = frame.get("Peer-Address")
             reply = protocol.decode_reply(frame.bytes)
+            if reply["req"] == -1 and not reply.get("ok"):
+                raise protocol.error_from_payload(reply.get("error") or {})   # refused whatever it sent
             if reply["req"] != req:
                 continue  # a late reply to an earlier request that timed out
             if not reply.get("ok"):
