@@ -320,3 +320,26 @@ def test_segments_are_private_to_the_client_and_mccld():
             os.ftruncate(seg.handover_fd, 0)      # sealed: not even its creator can shrink it
     finally:
         seg.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_client_is_told_why_at_once():
+    with running_daemon() as (d, env):
+        rdir = Path(env["MCCL_RUNTIME_DIR"])
+        _loosen(rdir)
+
+        def client():
+            from libmccl.daemon_attach import Attachment
+            os.environ["MCCL_RUNTIME_DIR"] = str(rdir)
+            att = Attachment(rdir, 0, 1, 30.0)
+            started = time.monotonic()
+            try:
+                att.connect()
+                return "connected"
+            except Exception as e:   # noqa: BLE001 - reported to the parent
+                return f"{type(e).__name__} after {time.monotonic() - started:.1f}s: {e}"
+            finally:
+                att.close()
+        out = as_user(ATTACKER_UID, ATTACKER_UID, client)
+        assert out[0] == "ok" and out[1].startswith("AuthError"), out
+        assert float(out[1].split()[2].rstrip("s:")) < 4.0, out     # not the hello's 5 s timeout
