@@ -63,8 +63,9 @@ class FastPath:
         slots = {q[1] for q in have.values()}
         if len(have) != len(local_ranks) or len(slots) > 1:
             without = sorted(set(local_ranks) - set(have))
+            shown = {r: q[:2] for r, q in have.items()}
             raise ConfigError(f"[daemon] job {self.job_id}: local ranks disagree on MCCL_DAEMON_FAST_BYTES "
-                              f"(queues: {{rank: (segment, bytes)}} = { {r: q[:2] for r, q in have.items()} }, without one: {without}); "
+                              f"(queues: {{rank: (segment, bytes)}} = {shown}, without one: {without}); "
                               "give every rank of the job the same setting")
 
         # Weakly: the dispatcher is a C++ object the cyclic GC cannot see through, so a strong

@@ -381,9 +381,11 @@ class Job:
         """Unmap and unlink every local rank's segments (the daemon is going away)."""
         with self._lock:
             self._freed = True
-            members = list(self.members.values())
-        for m in members:
-            self._unmap(m.release())
+            # Released under the lock: a member's queue descriptor closes only where the job's
+            # thread, duplicating them for the dispatcher under the same lock, cannot be at it.
+            released = [m.release() for m in self.members.values()]
+        for segs in released:
+            self._unmap(segs)
 
     def _unmap(self, segs: list[shm.Segment]) -> None:
         """Unmaps ``segs`` on the job's thread, after the ops queued there before; once that thread
@@ -480,8 +482,17 @@ class Job:
             return
         try:
             with self._lock:
-                queues = {r: m.queue for r, m in self.members.items()} if self.failed is None else {}
-            self.fast.start(self.local_ranks, queues, self.size, len(self.topo.hosts), engine, self._fast_failed)
+                # Duplicates, taken under the lock that members release theirs under: a rank leaving
+                # now cannot close the number (and another file take it) before the dispatcher maps it.
+                queues = {r: None if m.queue is None or m.queue[2] < 0 else (*m.queue[:2], os.dup(m.queue[2]))
+                          for r, m in self.members.items()} if self.failed is None else {}
+            try:
+                self.fast.start(self.local_ranks, queues, self.size, len(self.topo.hosts), engine,
+                                self._fast_failed)
+            finally:
+                for q in queues.values():
+                    if q is not None:
+                        os.close(q[2])
         except MCCLError as e:
             if engine is not None:
                 engine.abort(str(e))
