@@ -7,8 +7,9 @@ process registers that name over the attach socket (``take``): a descriptor is b
 uid and pid the kernel reported for its sender, and only a connection with the same
 credentials gets it.
 
-Bounds: one frame per connection, read within a deadline; at most MAX_HELD descriptors held,
-each for at most HOLD_S (a client that hands over and never registers loses it).
+Bounds: one frame per connection, read within a deadline; at most MAX_HELD descriptors held
+(MAX_HELD_PER_USER of one user's), each for at most HOLD_S (a client that hands over and never
+registers loses it).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from .logutil import OnceLogger
 log = logging.getLogger(__name__)
 
 MAX_HELD = 1024
+MAX_HELD_PER_USER = 128   # so one user's flood cannot fill the inbox for the others
 HOLD_S = 120.0
 _CONN_DEADLINE_S = 2.0
 
@@ -151,6 +153,10 @@ class FdInbox:
             if len(self._held) >= MAX_HELD:
                 raise ProtocolError(f"[daemon] already {MAX_HELD} segments handed over and not registered; a "
                                     "client hands over without registering: refused")
+            if sum(c.uid == creds.uid for _, c, _ in self._held.values()) >= MAX_HELD_PER_USER:
+                raise ProtocolError(f"[daemon] {localtrust.owner_name(creds.uid)} already handed over "
+                                    f"{MAX_HELD_PER_USER} segments it did not register: refused; its clients leak "
+                                    "them (or hand over without registering)")
             old = self._held.pop(name, None)
             self._held[name] = (fd, creds, time.monotonic())
         if old is not None:

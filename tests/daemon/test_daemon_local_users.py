@@ -343,3 +343,22 @@ def test_a_refused_client_is_told_why_at_once():
         out = as_user(ATTACKER_UID, ATTACKER_UID, client)
         assert out[0] == "ok" and out[1].startswith("AuthError"), out
         assert float(out[1].split()[2].rstrip("s:")) < 4.0, out     # not the hello's 5 s timeout
+
+
+@pytest.mark.timeout(60)
+def test_one_users_unregistered_hand_overs_are_capped(daemon, monkeypatch):
+    from mccl_common import fd_handover, shm
+    from mccl_common.errors import ProtocolError
+    from mccld import fd_inbox
+    monkeypatch.setattr(fd_inbox, "MAX_HELD_PER_USER", 2)
+    d, env = daemon
+    rdir = Path(env["MCCL_RUNTIME_DIR"])
+    segs = [shm.Segment(shm.segment_name("5b05", 0, os.getpid(), g), 4096) for g in (1, 2, 3)]
+    try:
+        for seg in segs[:2]:
+            fd_handover.hand_over(rdir, seg.name, seg.handover_fd, os.geteuid())
+        with pytest.raises(ProtocolError, match="already handed over 2 segments it did not register"):
+            fd_handover.hand_over(rdir, segs[2].name, segs[2].handover_fd, os.geteuid())
+    finally:
+        for seg in segs:
+            seg.close()
