@@ -2,8 +2,10 @@
 
 ``DaemonCommunicator`` has the engine communicator's API (docs/dev/interfaces.md §1),
 so the torch glue drives either one the same way. Tensor data moves through one
-POSIX shared-memory segment per rank (``/dev/shm/mccl-<job>-<rank>-<pid>-<gen>``,
-regrown on demand); control messages go over ZeroMQ to the daemon's ``ipc://`` socket.
+shared-memory segment per rank (``mccl-<job>-<rank>-<pid>-<gen>``, a sealed memfd on Linux
+handed to mccld by descriptor, mccl_common/fd_handover.py; regrown on demand); control
+messages go over ZeroMQ to the daemon's ``ipc://`` socket, once the client checked that
+mccld's user listens there (mccl_common/localtrust.py).
 
 Ops run one at a time in call order, like the engine's own thread: the next op's
 input is copied into the segment only when the previous op completed, so the segment
