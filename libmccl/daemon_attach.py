@@ -19,6 +19,9 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from mccl_common import attach_protocol as protocol
+from mccl_common import localtrust
+from mccl_common.daemon_settings import DaemonConfig, runtime_dir_owners
+from mccl_common.settings import load
 from mccl_common.errors import CollectiveTimeout, ConfigError, DaemonUnavailableError, ProtocolError
 
 from . import listen_addr, rendezvous
@@ -59,6 +62,8 @@ class Attachment:
         self.host_id = self.daemon_addr = ""
         self.link_addrs: list[str] = []    # every rank's daemon link address
         self.engine_cut: dict[str, int] = {}  # the daemon engine's pipeline_bytes, small_allreduce_bytes
+        self.daemon_uid = -1                # the daemon's user, as the kernel reported it
+        self._peer: str | None = None      # libzmq's Peer-Address of the last reply: the daemon's credentials
 
     def close(self) -> None:
         for s in (self.monitor, self.sock):
@@ -73,6 +78,13 @@ class Attachment:
             "MCCL_RUNTIME_DIR matches the daemon's, or unset MCCL_DAEMON to run in-process")
 
     def connect(self) -> None:
+        # mccld proves itself before the client says anything: the runtime dir is one only the
+        # daemon's user controls, and the kernel says that user listens on its socket.
+        try:
+            self.daemon_uid = localtrust.verify_daemon(
+                self._rdir, runtime_dir_owners(load(DaemonConfig), self._rdir), protocol.SOCKET_NAME)
+        except DaemonUnavailableError:
+            raise self.unavailable("nothing listens on its socket") from None
         try:
             token = (self._rdir / protocol.TOKEN_NAME).read_text().strip()
         except OSError as e:
@@ -88,6 +100,7 @@ class Attachment:
         self.sock = s
         reply = self.call({"type": "hello", "token": token, "pid": os.getpid()}, _HELLO_TIMEOUT_S,
                           unavailable="it did not answer hello")
+        localtrust.check_reply_peer(self._peer, self.daemon_uid, self.endpoint)
         self.host_id, self.daemon_addr = reply["host_id"], reply["link_addr"]
         self.engine_cut = _engine_cut(reply.get("engine_cut"), self.endpoint)
 
@@ -113,7 +126,11 @@ class Attachment:
                 raise CollectiveTimeout(f"[daemon-client] Timed out after {timeout_s:.0f}s: mccld did not "
                                         f"answer {msg['type']} (rank {self.rank}); other ranks of the job "
                                         "may not have started, or the daemon is overloaded")
-            reply = protocol.decode_reply(self.sock.recv())
+            frame = self.sock.recv(copy=False)
+            self._peer = frame.get("Peer-Address")
+            reply = protocol.decode_reply(frame.bytes)
+            if reply["req"] == -1 and not reply.get("ok"):
+                raise protocol.error_from_payload(reply.get("error") or {})   # refused whatever it sent
             if reply["req"] != req:
                 continue  # a late reply to an earlier request that timed out
             if not reply.get("ok"):

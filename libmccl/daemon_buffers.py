@@ -76,7 +76,9 @@ class BufferTable:
         self._live: weakref.WeakValueDictionary[str, SharedBuffer] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
 
-    def create(self, name: str, nbytes: int, ticket_at: Callable[[int], Any], group: int | None) -> SharedBuffer:
+    def create(self, name: str, nbytes: int, ticket_at: Callable[[int], Any],
+               hand_over: Callable[[shm.Segment], None]) -> SharedBuffer:
+        """A new buffer whose descriptor ``hand_over`` gave mccld (before its register goes)."""
         if nbytes <= 0:
             raise ConfigError(f"[daemon-client] a shared buffer of {nbytes} bytes on rank {self.rank}; "
                               "ask for at least one byte")
@@ -86,8 +88,13 @@ class BufferTable:
                 raise ConfigError(f"[daemon-client] rank {self.rank} already holds {live} shared "
                                   f"buffers (at most {MAX_BUFFERS_PER_RANK}); allocate fewer, larger ones "
                                   "and slice them, or drop the tensors of those no longer used")
-        buf = SharedBuffer(shm.Segment(name, nbytes, create=True, ticket_at=ticket_at, group=group),
-                           self.released)
+        seg = shm.Segment(name, nbytes, create=True, ticket_at=ticket_at)
+        try:
+            hand_over(seg)
+        except BaseException:
+            seg.close()
+            raise
+        buf = SharedBuffer(seg, self.released)
         with self._lock:
             self._live[name] = buf
         return buf

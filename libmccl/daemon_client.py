@@ -2,8 +2,10 @@
 
 ``DaemonCommunicator`` has the engine communicator's API (docs/dev/interfaces.md §1),
 so the torch glue drives either one the same way. Tensor data moves through one
-POSIX shared-memory segment per rank (``/dev/shm/mccl-<job>-<rank>-<pid>-<gen>``,
-regrown on demand); control messages go over ZeroMQ to the daemon's ``ipc://`` socket.
+shared-memory segment per rank (``mccl-<job>-<rank>-<pid>-<gen>``, a sealed memfd on Linux
+handed to mccld by descriptor, mccl_common/fd_handover.py; regrown on demand); control
+messages go over ZeroMQ to the daemon's ``ipc://`` socket, once the client checked that
+mccld's user listens there (mccl_common/localtrust.py).
 
 Ops run one at a time in call order, like the engine's own thread: the next op's
 input is copied into the segment only when the previous op completed, so the segment
@@ -40,6 +42,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from mccl_common import attach_protocol as protocol
+from mccl_common import fd_handover
 from mccl_common import errors, shm
 from mccl_common.daemon_settings import DaemonConfig, runtime_dir
 from mccl_common.errors import (AbortedError, CollectiveTimeout, ConfigError, DaemonUnavailableError, MCCLError,
@@ -203,14 +206,9 @@ class DaemonCommunicator:
         self._wake_addr = f"inproc://mccl-client-{id(self)}"
         att = Attachment(self._rdir, rank, size, self.timeout_s)
         self.endpoint = att.endpoint
-        self._group: int | None = None         # the attach group, when mccld runs as a service user
         try:
             att.connect()
-            self._group = shm.daemon_group(self._rdir)
-            if self._group is not None:
-                # mccld cannot remove our segments from the sticky /dev/shm, so those a killed
-                # process of ours left are ours to free.
-                shm.sweep()
+            self._daemon_uid = att.daemon_uid
             if fast_bytes:
                 self._fastq = self._open_fast_queue(fast_bytes)
             att.join(store, self._job, {"fast_queue": self._fastq.name, "fast_bytes": fast_bytes}
@@ -237,14 +235,18 @@ class DaemonCommunicator:
         name = shm.segment_name(self._job, self.rank, os.getpid(), 0)
         self._fast_kind = {"allreduce": _core.FAST_ALLREDUCE, "barrier": _core.FAST_BARRIER}
         q = _core.FastQueue(name, slot_bytes, self.rank, self._on_fast_done)
-        if self._group is not None:
-            try:
-                shm.share(name, self._group)
-            except BaseException:
-                q.unlink()
-                q.close()
-                raise
+        try:
+            fd_handover.hand_over(self._rdir, name, q.fd, self._daemon_uid)
+        except BaseException:
+            q.close()
+            raise
+        q.unlink()   # mccld holds its own descriptor now: ours, and any name, go
         return q
+
+    def _hand_over(self, seg: shm.Segment) -> None:
+        """mccld gets the segment's descriptor before its register (mccl_common/fd_handover.py)."""
+        fd_handover.hand_over(self._rdir, seg.name, seg.handover_fd, self._daemon_uid)
+        seg.handed_over()
 
     def _close_fast_queue(self) -> None:
         # Let go of the queue too: it is a C++ object holding our callback, a cycle the GC cannot
@@ -289,7 +291,7 @@ class DaemonCommunicator:
                 raise self._failed
             self._gen += 1
             name = shm.segment_name(self._job, self.rank, os.getpid(), self._gen)
-        buf = self._buffers.create(name, int(nbytes), _core.Ticket.at, self._group)
+        buf = self._buffers.create(name, int(nbytes), _core.Ticket.at, self._hand_over)
         with self._lock:
             self._outbox.append({"type": "register", "job": self._job, "rank": self.rank, "segment": name,
                                  "nbytes": buf.nbytes, "buffer": True})
@@ -492,7 +494,12 @@ class DaemonCommunicator:
             gen = self._gen
         name = shm.segment_name(self._job, self.rank, os.getpid(), gen)
         from . import _core  # the engine's ticket views over the segment's header
-        new = shm.Segment(name, size, create=True, ticket_at=_core.Ticket.at, group=self._group)
+        new = shm.Segment(name, size, create=True, ticket_at=_core.Ticket.at)
+        try:
+            self._hand_over(new)
+        except BaseException:
+            new.close()
+            raise
         self._req += 1
         self._register_reqs.add(self._req)
         self._sock.send(protocol.encode({"type": "register", "req": self._req, "job": self._job,

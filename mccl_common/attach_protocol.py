@@ -49,6 +49,8 @@ from .wire import DTYPE_SIZE, MAX_TAG, OP_NAMES
 
 SOCKET_NAME = "mccld.sock"
 TOKEN_NAME = "token"
+# Where a client hands mccld the descriptors of its segments (fd_handover.py): ZeroMQ cannot carry them.
+HANDOVER_NAME = "mccld.fds"
 
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_RANKS = 1 << 20

@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import localtrust
 from .attach_protocol import SOCKET_NAME
 from .errors import ConfigError
 from .settings import _require, load, register, setting
@@ -64,8 +65,9 @@ class DaemonConfig:
         "jobs here; empty: /etc/mccl/submit.key or ~/.config/mccl/submit.key; none: launching is off")
     launch_user: str = setting(
         "MCCL_LAUNCH_USER", "", "user",
-        "user the jobs `mcclctl run` starts run as; empty: mccld's own user, refused when that is root "
-        "(say root here to allow it, e.g. in a container)")
+        "user the jobs `mcclctl run` starts run as, never one that can read mccld's key files; empty: none "
+        "(mccld's own user could read its keys): name mccld's own user, or root, here to accept that (e.g. in "
+        "a container)")
     metrics_port: int = setting(
         "MCCL_METRICS_PORT", 29652, "port",
         "Prometheus /metrics port; 0 disables it")
@@ -86,7 +88,8 @@ class DaemonConfig:
     attach_group: str = setting(
         "MCCL_ATTACH_GROUP", "", "group",
         "group whose members' processes may attach to this daemon (runtime dir 0750, token 0640 and "
-        "socket 0660 in that group; clients share their segments with it); empty: only this user "
+        "socket 0660 in that group; segments are handed over by descriptor, never shared with it); empty: "
+        "only this user "
         "(docs/service.md)")
     allow_wifi: bool = setting(
         "MCCL_ALLOW_WIFI", False, "bool",
@@ -200,6 +203,19 @@ class DaemonConfig:
         return key
 
 
+def key_paths(cfg: DaemonConfig) -> tuple[Path, ...]:
+    """The key files this daemon reads (fleet and submit key), those that exist: what a job it
+    launches must not be able to read (mccld/launch_identity.py)."""
+    found = []
+    for explicit, defaults in ((cfg.key_file, DEFAULT_KEY_FILES), (cfg.submit_key_file, DEFAULT_SUBMIT_KEY_FILES)):
+        for raw in [explicit] if explicit else defaults:
+            path = Path(raw).expanduser()
+            if path.exists():
+                found.append(path)
+                break
+    return tuple(found)
+
+
 def read_key_file(explicit: str, defaults: tuple[str, ...], env: str) -> bytes | None:
     """A key from ``explicit`` (must exist) or the first of ``defaults`` that exists; None if none
     does. A file readable by group or others, or a short key, is refused."""
@@ -267,36 +283,51 @@ def attach_gid(cfg: DaemonConfig) -> int | None:
 
 def runtime_dir(cfg: DaemonConfig, create: bool) -> Path:
     """Directory of the attach socket: private to this user (0700), or with MCCL_ATTACH_GROUP
-    searchable by that group (0750) so its members can reach the socket and read the token."""
-    if cfg.runtime_dir:
-        path = Path(cfg.runtime_dir)
-    elif os.geteuid() == 0 and Path("/run").is_dir():
-        path = Path("/run/mccl")
-    elif os.environ.get("XDG_RUNTIME_DIR"):
-        path = Path(os.environ["XDG_RUNTIME_DIR"]) / "mccl"
-    else:
-        path = Path(f"/tmp/mccl-{os.getuid()}")
+    searchable by that group (0750) so its members can reach the socket and read the token.
+    Checked before use on both sides (mccl_common/localtrust.py): a symlink, or a directory another
+    user made (in /tmp anyone can take the name first), is a ConfigError naming it and its owner."""
+    path = _default_runtime_dir(cfg)
     if not create:
         service = Path(SERVICE_RUNTIME_DIR)
         if not cfg.runtime_dir and not (path / SOCKET_NAME).exists() and (service / SOCKET_NAME).exists():
-            return service
+            path = service
+        try:
+            localtrust.check_runtime_dir(path, runtime_dir_owners(cfg, path))
+        except FileNotFoundError:
+            pass   # no daemon here: the client reports that when it finds no token
         return path
     gid = attach_gid(cfg)
     mode = 0o700 if gid is None else 0o750
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = path.stat()
-    if st.st_uid != os.geteuid():
-        raise ConfigError(f"[config] runtime dir {path} belongs to uid {st.st_uid}, not to us "
-                          f"({os.geteuid()}); set MCCL_RUNTIME_DIR to a directory of ours")
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except FileExistsError:
+        pass       # a symlink to nowhere, or a file: check_runtime_dir names it
+    localtrust.check_runtime_dir(path, {os.geteuid()}, check_mode=False)
+    st = path.lstat()
     if gid is not None and st.st_gid != gid:
         try:
-            os.chown(path, -1, gid)
+            os.chown(path, -1, gid, follow_symlinks=False)
         except PermissionError:
             raise ConfigError(f"[config] cannot give runtime dir {path} to group {cfg.attach_group!r}: this "
                               "user is not a member of it; add it, or unset MCCL_ATTACH_GROUP") from None
     if stat.S_IMODE(st.st_mode) != mode:
-        os.chmod(path, mode)
+        os.chmod(path, mode, follow_symlinks=False)
     return path
+
+
+def _default_runtime_dir(cfg: DaemonConfig) -> Path:
+    if cfg.runtime_dir:
+        return Path(cfg.runtime_dir)
+    if os.geteuid() == 0 and Path("/run").is_dir():
+        return Path("/run/mccl")
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        return Path(os.environ["XDG_RUNTIME_DIR"]) / "mccl"
+    return Path(f"/tmp/mccl-{os.getuid()}")
+
+
+def runtime_dir_owners(cfg: DaemonConfig, path: Path) -> set[int]:
+    """The users a client accepts as owner of ``path``, and so as its daemon's user."""
+    return localtrust.daemon_owners(path, bool(cfg.runtime_dir), Path(SERVICE_RUNTIME_DIR))
 
 
 def write_key_file(path: str) -> Path:

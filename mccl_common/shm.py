@@ -1,9 +1,11 @@
-"""POSIX shared-memory segments that carry tensor data between a client and the daemon.
+"""Shared-memory segments that carry tensor data between a client and the daemon.
 
 Segments are named ``mccl-<job>-<rank>-<pid>-<gen>`` (short: macOS caps names at 31
-characters). The owner pid in the name lets any daemon tell a live client's segment
-from one a crash left behind, so a sweep never frees memory that is still in use,
-even when several daemons share one /dev/shm (network-namespace tests).
+characters). On Linux the name only labels a sealed memfd that the client hands to mccld by
+descriptor (``Segment``, fd_handover.py); nothing is in /dev/shm. Where the memory is a named
+POSIX shm object (macOS until handed over, clients older than this), the owner pid in the
+name lets any daemon tell a live client's segment from one a crash left behind, so a sweep
+never frees memory that is still in use.
 
 Every segment starts with a control header, then the data (``Segment.addr``):
 
@@ -16,14 +18,15 @@ in cumulative bytes over the segment's life: an op covers [base, base + its byte
 base is the bytes of the pipelined ops before it in this segment. The header fills a page
 so the data stays page-aligned for whatever maps it next (a GPU registration, an MTLBuffer).
 
-``shm_open`` is called directly rather than through ``multiprocessing.shared_memory``:
-its resource tracker would unlink a segment when the *daemon's* reference goes away,
-pulling it from under the client.
+Where ``shm_open`` is used it is called directly rather than through
+``multiprocessing.shared_memory``: its resource tracker would unlink a segment when the
+*daemon's* reference goes away, pulling it from under the client.
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import logging
 import mmap
 import os
@@ -77,34 +80,39 @@ def pid_alive(pid: int) -> bool:
 
 
 class Segment:
-    """One mapped segment: ``nbytes`` of data at ``addr`` after the control header. The
-    creator (client) or the daemon may unlink it.
+    """One mapped segment: ``nbytes`` of data at ``addr`` after the control header.
+
+    The client creates it (``create=True``) and hands its descriptor to mccld over the runtime
+    dir's Unix socket (fd_handover.py); mccld maps what it was handed (``Segment.adopt``) and
+    never opens a segment by name. On Linux the memory is a memfd sealed against shrinking and
+    growing before anyone else sees it, so nobody (its client included) can truncate it under
+    mccld's mapping: the SIGBUS that would kill mccld cannot happen, and mccld refuses a
+    descriptor without the seal. Nothing names it in /dev/shm, so only the client and mccld
+    (and root) can reach it. macOS has no memfd: a 0600 POSIX shm object, unlinked once handed
+    over (macOS cannot resize a shm object after its first ftruncate, so it cannot shrink).
 
     ``ticket_at`` (the engine's ``_core.Ticket.at``) makes ``ready`` and ``done`` views of
     the header's words; this package knows the layout, not the engine, so a caller that
     moves data through the tickets passes it, one that only maps the segment need not."""
 
-    def __init__(self, name: str, nbytes: int, create: bool, ticket_at: Callable[[int], Any] | None = None,
-                 group: int | None = None):
+    def __init__(self, name: str, nbytes: int, create: bool = True, ticket_at: Callable[[int], Any] | None = None,
+                 fd: int = -1):
         if not SEGMENT_RE.match(name):
             raise ProtocolError(f"[daemon] refused shared-memory segment name {name!r}; "
                                 "expected mccl-<job>-<rank>-<pid>-<gen>")
         self.name = name
         self.nbytes = nbytes
         self._fd = -1      # the daemon's side keeps it: check_size() asks the file, not our memory
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        self.handover_fd = -1   # the client's, until handed over (fd_handover.hand_over closes it)
+        if create:
+            fd = _create(name, HEADER_BYTES + nbytes)
+        elif fd < 0:
+            raise ProtocolError(f"[daemon] segment {name} was not handed over to mccld; a client hands "
+                                "over each segment's descriptor before registering it")
         try:
-            fd = _posixshmem.shm_open("/" + name, flags, 0o600)
-        except FileNotFoundError:
-            raise ProtocolError(f"[daemon] field 'segment'={name} names no shared-memory segment; the client "
-                                "never created it or unlinked it before registering it") from None
-        try:
-            if create:
-                if group is not None:
-                    _share(fd, name, group)
-                os.ftruncate(fd, HEADER_BYTES + nbytes)
-            else:
+            if not create:
                 self._fd = fd
+                check_sealed(fd, name)
                 self.check_size()
             self._map = mmap.mmap(fd, HEADER_BYTES + nbytes)
         except BaseException:
@@ -114,7 +122,7 @@ class Segment:
                 unlink(name)
             raise
         if create:
-            os.close(fd)
+            self.handover_fd = fd
         self._buf = (ctypes.c_char * (HEADER_BYTES + nbytes)).from_buffer(self._map)
         start = ctypes.addressof(self._buf)
         self.addr = start + HEADER_BYTES
@@ -122,17 +130,25 @@ class Segment:
         self.ready = ticket_at(start + READY_OFF) if ticket_at is not None else None
         self.done = ticket_at(start + DONE_OFF) if ticket_at is not None else None
 
-    def check_size(self) -> None:
-        """ProtocolError unless the file still holds the whole segment.
+    @classmethod
+    def adopt(cls, name: str, nbytes: int, fd: int, ticket_at: Callable[[int], Any] | None = None) -> "Segment":
+        """mccld's side: map the segment a client handed over as ``fd`` (owned from here on,
+        closed even on failure). ProtocolError if it is too small or not sealed."""
+        return cls(name, nbytes, create=False, ticket_at=ticket_at, fd=fd)
 
-        The client owns the file and can ftruncate it smaller under our mapping; touching a
-        page past the new end is SIGBUS, which would kill mccld. Nothing on Linux stops a
-        process that can map a shm file read-write from truncating it (only memfd seals can,
-        and an ipc:// ZeroMQ socket cannot pass the fd), so the daemon checks the size at
-        register and again right before every op touches the segment, and fails that job
-        with this error. What this cannot cover: a truncation in the microseconds-to-seconds
-        an op itself runs; closing that needs sealed memfd segments (or a SIGBUS-guarded
-        copy in the engine)."""
+    def handed_over(self) -> None:
+        """The client's descriptor went to mccld: drop ours (the mapping keeps the memory) and,
+        where the memory has a name (macOS), the name, so nobody else can open it."""
+        fd, self.handover_fd = self.handover_fd, -1
+        if fd >= 0:
+            os.close(fd)
+            if not _MEMFD:
+                unlink(self.name)
+
+    def check_size(self) -> None:
+        """ProtocolError unless the file still holds the whole segment. With sealed memory this
+        is a check of what the client sent; it stays for an OS without seals (it cannot close
+        the window while an op runs there, see the class comment)."""
         if self._fd < 0:
             raise ProtocolError(f"[daemon] segment {self.name} is no longer mapped by mccld; its rank left")
         have = os.fstat(self._fd).st_size
@@ -157,9 +173,11 @@ class Segment:
         if self._map is None:
             return
         self.ready = self.done = None
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        for attr in ("_fd", "handover_fd"):
+            fd = getattr(self, attr)
+            if fd >= 0:
+                os.close(fd)
+                setattr(self, attr, -1)
         del self._buf
         try:
             self._map.close()
@@ -172,32 +190,45 @@ class Segment:
         unlink(self.name)
 
 
-def daemon_group(rdir: Path) -> int | None:
-    """The group a client must share its segments with to reach the daemon serving ``rdir``:
-    None when that daemon runs as this user, else the runtime dir's group (MCCL_ATTACH_GROUP)."""
-    st = rdir.stat()
-    return None if st.st_uid == os.geteuid() else st.st_gid
+_MEMFD = hasattr(os, "memfd_create") and sys.platform.startswith("linux")
+_SEALS = (getattr(fcntl, "F_SEAL_SHRINK", 0) | getattr(fcntl, "F_SEAL_GROW", 0) |
+          getattr(fcntl, "F_SEAL_SEAL", 0))
 
 
-def _share(fd: int, name: str, group: int) -> None:
-    # The creator's mode and primary group would lock out a daemon running as a service user;
-    # the attach group is the one both sides are members of.
+def _create(name: str, size: int) -> int:
+    if _MEMFD:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.fchmod(fd, 0o600)   # a memfd starts 0777; /proc/<pid>/fd/N would reopen it by that mode
+            os.ftruncate(fd, size)
+            # Before anyone else holds it: from here on nobody can change its size.
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+    fd = _posixshmem.shm_open("/" + name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.fchown(fd, -1, group)
-        os.fchmod(fd, 0o660)
-    except PermissionError:
-        raise ConfigError(f"[daemon] cannot share segment {name} with group {group}, the group of the "
-                          "daemon's runtime dir: this user must be a member of it (the service's "
-                          "MCCL_ATTACH_GROUP)") from None
-
-
-def share(name: str, group: int) -> None:
-    """Give an existing segment of ours (one the engine created) to the attach group."""
-    fd = _posixshmem.shm_open("/" + name, os.O_RDWR, 0o600)
-    try:
-        _share(fd, name, group)
-    finally:
+        os.ftruncate(fd, size)
+    except BaseException:
         os.close(fd)
+        unlink(name)
+        raise
+    return fd
+
+
+def check_sealed(fd: int, name: str) -> None:
+    """mccld maps only memory its client cannot shrink (Linux: the memfd seal)."""
+    if not _MEMFD:
+        return
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0
+    if not seals & fcntl.F_SEAL_SHRINK:
+        raise ProtocolError(f"[daemon] segment {name} is not sealed against shrinking: its client could "
+                            "truncate it under mccld, refused; the client must create segments with "
+                            "mccl_common.shm (a sealed memfd)")
 
 
 def unlink(name: str) -> bool:

@@ -24,6 +24,7 @@ from typing import Any, Callable
 import zmq
 
 from mccl_common import attach_protocol as protocol
+from mccl_common import localtrust
 from mccl_common.errors import AuthError, MCCLError, ProtocolError
 
 from .logutil import OnceLogger
@@ -47,6 +48,7 @@ class AttachServer:
         self._ctx = zmq.Context.instance()
         self._token = secrets.token_hex(32)
         self._authenticated: set[bytes] = set()
+        self._peers: dict[bytes, localtrust.PeerCreds] = {}   # identity -> the kernel's word on its connection
         self._auth_lock = threading.Lock()
         self._once = OnceLogger(log)
         self._push_lock = threading.Lock()
@@ -146,10 +148,11 @@ class AttachServer:
                 if router in events:
                     while True:
                         try:
-                            frames = router.recv_multipart(zmq.NOBLOCK)
+                            frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        self._handle(router, frames)
+                        if self._peer_allowed(router, frames):
+                            self._handle(router, [f.bytes for f in frames])
                 if monitor in events:
                     # ROUTER cannot say which identity went: have the daemon check its clients now.
                     monitor.recv_multipart()
@@ -194,6 +197,30 @@ class AttachServer:
         if payload is not None:
             router.send_multipart([ident, protocol.encode({"type": "reply", "req": req, **payload})])
 
+    def _peer_allowed(self, router: zmq.Socket, frames: list[zmq.Frame]) -> bool:
+        """Whether the kernel says the sender may use this daemon (mccl_common/localtrust.py):
+        its uid is ours, root's, or a member's of MCCL_ATTACH_GROUP. Checked on every message,
+        not once per identity: a ROUTER identity outlives its connection, a message's metadata
+        is its own connection's. A refused sender gets one error reply and nothing is parsed."""
+        ident = frames[0].bytes
+        creds = localtrust.peer_creds(frames[-1].get("Peer-Address"))
+        if creds is None:
+            # libzmq built without SO_PEERCRED/LOCAL_PEERCRED: only the directory's mode guards.
+            self._once.warn("nocreds", "[daemon] libzmq reports no peer credentials on %s; only the runtime "
+                            "dir's mode keeps other users out", self.endpoint)
+            return True
+        if localtrust.uid_allowed(creds, self._group):
+            with self._auth_lock:
+                self._peers[ident] = creds
+            return True
+        err = AuthError(f"[daemon] refused a client running as {localtrust.owner_name(creds.uid)} (pid "
+                        f"{creds.pid}): it is neither mccld's user nor in MCCL_ATTACH_GROUP; add that user to "
+                        "the group if it should attach")
+        self._once.warn(f"uid:{creds.uid}", "%s", err)
+        router.send_multipart([ident, protocol.encode({"type": "reply", "req": -1, "ok": False,
+                                                       "error": protocol.error_payload(err)})])
+        return False
+
     def _is_authenticated(self, ident: bytes) -> bool:
         with self._auth_lock:
             return ident in self._authenticated
@@ -202,12 +229,22 @@ class AttachServer:
         """The client is gone: a new connection reusing its identity must say hello again."""
         with self._auth_lock:
             self._authenticated.discard(ident)
+            self._peers.pop(ident, None)
+
+    def peer_of(self, ident: bytes) -> localtrust.PeerCreds | None:
+        """The credentials of the connection that last sent as ``ident``: while its handler runs,
+        the one it is handling. None where libzmq reports none."""
+        with self._auth_lock:
+            return self._peers.get(ident)
 
 
 def local_request(runtime_dir: Path, msg: dict[str, Any], timeout_s: float = 5.0) -> dict[str, Any]:
     """One request to the daemon serving ``runtime_dir`` (hello first); for CLIs and tests."""
-    import os
+    from mccl_common.daemon_settings import DaemonConfig, runtime_dir_owners
     from mccl_common.errors import DaemonUnavailableError
+    from mccl_common.settings import load
+    daemon_uid = localtrust.verify_daemon(runtime_dir, runtime_dir_owners(load(DaemonConfig), runtime_dir),
+                                          protocol.SOCKET_NAME)
     try:
         token = (runtime_dir / protocol.TOKEN_NAME).read_text().strip()
     except OSError as e:
@@ -225,7 +262,9 @@ def local_request(runtime_dir: Path, msg: dict[str, Any], timeout_s: float = 5.0
                                              f"{protocol.endpoint(runtime_dir)} did not answer {m['type']}; "
                                              "it is stopped, wedged or overloaded: check its log, restart it "
                                              "if need be")
-            reply = protocol.decode_reply(sock.recv())
+            frame = sock.recv(copy=False)
+            localtrust.check_reply_peer(frame.get("Peer-Address"), daemon_uid, protocol.endpoint(runtime_dir))
+            reply = protocol.decode_reply(frame.bytes)
             if not reply.get("ok"):
                 raise protocol.error_from_payload(reply.get("error") or {})
         return reply

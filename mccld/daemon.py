@@ -20,13 +20,14 @@ from typing import Any
 from mccl_common import PROTO_VERSION, __version__, shm
 from mccl_common import attach_protocol as protocol
 from mccl_common import jobkey
-from mccl_common.daemon_settings import DaemonConfig, attach_gid, runtime_dir
+from mccl_common.daemon_settings import DaemonConfig, attach_gid, key_paths, runtime_dir
 from mccl_common.errors import AbortedError, ConfigError, MCCLError, ProtocolError
 from mccl_common.hostinfo import host_facts
 from mccl_common.netif import choose_address
 from mccl_common.settings import EngineConfig, load
 
 from .attach import AttachServer
+from .fd_inbox import FdInbox
 from .datalinks import DataLinks
 from .gate import Gate
 from .harvest import Harvester
@@ -77,6 +78,7 @@ class Daemon:
         self.links: LinkManager | None = None
         self.datalinks: DataLinks | None = None
         self.attach: AttachServer | None = None
+        self.inbox: FdInbox | None = None
         self.stats = None
         self.fleet = None
         self.advertiser = None
@@ -127,6 +129,7 @@ class Daemon:
             self._start_discovery()
             # Last: the token file it writes is what clients, mcclctl and tests take for
             # "mccld is up", so every service and thread of the daemon runs by then.
+            self.inbox = FdInbox(self.runtime_dir, attach_gid(cfg)).start()
             self.attach = AttachServer(self.runtime_dir, self._handle, on_disconnect=self._poke.set,
                                        group=attach_gid(cfg))
             self.attach.start()
@@ -170,6 +173,9 @@ class Daemon:
         if self.attach is not None:
             self.attach.stop()
             self.attach = None
+        if self.inbox is not None:
+            self.inbox.stop()
+            self.inbox = None
         if self.datalinks is not None:
             self.datalinks.stop()
             self.datalinks = None
@@ -283,7 +289,8 @@ class Daemon:
         srv = LaunchServer(submit_key, self.host_id, self.runtime_dir, self.addr, self.cfg.launch_port,
                            launch_user=self.cfg.launch_user,
                            harvest_state=(lambda: harvester.snapshot()["state"]) if harvester else None,
-                           on_change=self._poke.set, gate=Gate.from_config("launch", self.cfg))
+                           on_change=self._poke.set, gate=Gate.from_config("launch", self.cfg),
+                           secret_files=key_paths(self.cfg))
         self.launcher = srv.start()
         self._servers.append(srv)
 
@@ -323,6 +330,13 @@ class Daemon:
                 (self.runtime_dir / SEGMENT_RECORD).write_text("".join(n + "\n" for n in live))
 
     # -- the attach protocol ---------------------------------------------------------------
+    def take_segment(self, ident: bytes, name: str) -> int:
+        """The descriptor of segment ``name`` that the client behind ``ident`` handed over (the
+        caller owns it); ProtocolError/AuthError if that client handed over none by that name."""
+        if self.inbox is None or self.attach is None:
+            raise AbortedError(f"[daemon] mccld is stopping; segment {name} not mapped")
+        return self.inbox.take(name, self.attach.peer_of(ident))
+
     def _handle(self, ident: bytes, msg: protocol.Request) -> dict[str, Any] | None:
         kind = msg.type
         if kind == "hello":

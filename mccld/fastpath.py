@@ -53,7 +53,7 @@ class FastPath:
         self._final: list[tuple[int, int, float]] = []  # the closed dispatcher's last records
         self.turn = _core.Ticket()  # replaced by the dispatcher's own once it starts
 
-    def start(self, local_ranks: list[int], queues: dict[int, tuple[str, int] | None], world: int, hosts: int,
+    def start(self, local_ranks: list[int], queues: dict[int, tuple[str, int, int] | None], world: int, hosts: int,
               engine: Any, on_fail: Callable[[MCCLError, bool], None]) -> None:
         """Serve the local ranks' queues; nothing to do if no rank announced one. Raises
         ConfigError if only some did, or with different slot sizes (different settings)."""
@@ -63,8 +63,9 @@ class FastPath:
         slots = {q[1] for q in have.values()}
         if len(have) != len(local_ranks) or len(slots) > 1:
             without = sorted(set(local_ranks) - set(have))
+            shown = {r: q[:2] for r, q in have.items()}
             raise ConfigError(f"[daemon] job {self.job_id}: local ranks disagree on MCCL_DAEMON_FAST_BYTES "
-                              f"(queues: {{rank: (segment, bytes)}} = {have}, without one: {without}); "
+                              f"(queues: {{rank: (segment, bytes)}} = {shown}, without one: {without}); "
                               "give every rank of the job the same setting")
 
         # Weakly: the dispatcher is a C++ object the cyclic GC cannot see through, so a strong
@@ -77,8 +78,11 @@ class FastPath:
             if fn is not None:
                 fn(from_kind(kind, message, peer_rank, peer_addr), from_engine)
 
+        # The queues' descriptors, as their clients handed them over (sealed: mccl_common/shm.py);
+        # the dispatcher maps duplicates, the members keep and close theirs.
         self._dispatcher = _core.FastDispatcher(self.job_id, local_ranks, [have[r][0] for r in local_ranks],
-                                                slots.pop(), world, hosts, self.timeout_s, engine, failed)
+                                                [have[r][2] for r in local_ranks], slots.pop(), world, hosts,
+                                                self.timeout_s, engine, failed)
         self.turn = self._dispatcher.turn
         log.info("job %s: small ops served natively for local ranks %s", self.job_id, local_ranks)
 

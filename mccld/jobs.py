@@ -12,6 +12,7 @@ rest on the job's own thread; the attach thread only files requests.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -58,6 +59,7 @@ class JobHost(Protocol):
 
     def reply(self, ident: bytes, req: int, payload: dict[str, Any]) -> None: ...
     def reply_error(self, ident: bytes, req: int, exc: BaseException) -> None: ...
+    def take_segment(self, ident: bytes, name: str) -> int: ...   # the fd its client handed over (fd_inbox.py)
     def build_engine(self, job: "Job") -> Any: ...          # engine communicator among hosts
     def release_data_sockets(self, job: "Job", clean: bool) -> None: ...  # reuse them if clean
     def notify_peers_failed(self, job: "Job", exc: MCCLError) -> None: ...
@@ -72,7 +74,7 @@ class Member:
     ident: bytes
     pid: int
     join_req: int
-    queue: tuple[str, int] | None = None      # its small-op queue: (segment, slot bytes)
+    queue: tuple[str, int, int] | None = None  # its small-op queue: (segment, slot bytes, handed-over fd)
     segments: dict[str, shm.Segment] = field(default_factory=dict)   # its data segment (the latest)
     buffers: dict[str, shm.Segment] = field(default_factory=dict)    # where its tensors live (no copies)
 
@@ -87,8 +89,9 @@ class Member:
         segs = [*self.segments.values(), *self.buffers.values()]
         for seg in segs:
             seg.unlink()
-        if self.queue is not None:
-            shm.unlink(self.queue[0])  # a killed client's; the dispatcher keeps its own mapping
+        if self.queue is not None and self.queue[2] >= 0:
+            os.close(self.queue[2])    # the dispatcher, if any, mapped its own duplicate
+            self.queue = (*self.queue[:2], -1)
         self.segments.clear()
         self.buffers.clear()
         return segs
@@ -152,6 +155,17 @@ class Job:
     def join(self, ident: bytes, req: int, rank: int, pid: int, size: int, hosts: tuple,
              opts: dict[str, Any] | None = None) -> None:
         fast_queue = announced_queue(self.id, rank, pid, opts)
+        if fast_queue is not None:
+            fast_queue = (*fast_queue, self.host.take_segment(ident, fast_queue[0]))
+        try:
+            self._join(ident, req, rank, pid, size, hosts, fast_queue)
+        except BaseException:
+            if fast_queue is not None:
+                os.close(fast_queue[2])
+            raise
+
+    def _join(self, ident: bytes, req: int, rank: int, pid: int, size: int, hosts: tuple,
+              fast_queue: tuple[str, int, int] | None) -> None:
         with self._lock:
             if size != self.size or hosts != self.hosts:
                 raise CollectiveMismatch(f"[daemon] job {self.id}: rank {rank} joined with size {size} and "
@@ -180,7 +194,7 @@ class Job:
             raise ConfigError(f"[daemon] job {self.id} rank {rank}: already {len(member.buffers)} shared "
                               f"buffers registered (at most {protocol.MAX_BUFFERS_PER_RANK} per rank); the "
                               "client leaks them: allocate fewer, larger ones")
-        seg = shm.Segment(name, nbytes, create=False, ticket_at=_core.Ticket.at)
+        seg = shm.Segment.adopt(name, nbytes, self.host.take_segment(ident, name), ticket_at=_core.Ticket.at)
         with self._lock:
             if self._freed:
                 # mccld is stopping and has unmapped this job's segments: the attach thread can
@@ -367,9 +381,11 @@ class Job:
         """Unmap and unlink every local rank's segments (the daemon is going away)."""
         with self._lock:
             self._freed = True
-            members = list(self.members.values())
-        for m in members:
-            self._unmap(m.release())
+            # Released under the lock: a member's queue descriptor closes only where the job's
+            # thread, duplicating them for the dispatcher under the same lock, cannot be at it.
+            released = [m.release() for m in self.members.values()]
+        for segs in released:
+            self._unmap(segs)
 
     def _unmap(self, segs: list[shm.Segment]) -> None:
         """Unmaps ``segs`` on the job's thread, after the ops queued there before; once that thread
@@ -466,8 +482,17 @@ class Job:
             return
         try:
             with self._lock:
-                queues = {r: m.queue for r, m in self.members.items()} if self.failed is None else {}
-            self.fast.start(self.local_ranks, queues, self.size, len(self.topo.hosts), engine, self._fast_failed)
+                # Duplicates, taken under the lock that members release theirs under: a rank leaving
+                # now cannot close the number (and another file take it) before the dispatcher maps it.
+                queues = {r: None if m.queue is None or m.queue[2] < 0 else (*m.queue[:2], os.dup(m.queue[2]))
+                          for r, m in self.members.items()} if self.failed is None else {}
+            try:
+                self.fast.start(self.local_ranks, queues, self.size, len(self.topo.hosts), engine,
+                                self._fast_failed)
+            finally:
+                for q in queues.values():
+                    if q is not None:
+                        os.close(q[2])
         except MCCLError as e:
             if engine is not None:
                 engine.abort(str(e))

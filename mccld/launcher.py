@@ -4,8 +4,8 @@ One TCP connection is one lease (``mccl_common.launch_protocol``). The request m
 valid MAC under the submit key (not the fleet key); it is validated once
 (``LaunchRequest.parse``) and refused, with nothing started, if the host is not harvestable
 (unless the request asks for any state), too many jobs run, or mccld runs as root and
-MCCL_LAUNCH_USER does not say which user jobs run as. The job runs as MCCL_LAUNCH_USER (or
-mccld's own user) in a session of its own; its output goes back line by line, sealed, and
+MCCL_LAUNCH_USER names no user jobs may run as (launch_identity.py: never one that can read
+mccld's keys). The job runs as that user, with an allow-listed environment, in a session of its own; its output goes back line by line, sealed, and
 the lease ends with its exit code. A client that cancels, disconnects or stays silent for
 LEASE_TIMEOUT_S ends the lease: the job's process group gets SIGTERM (torchrun passes it to
 its workers), then SIGKILL after STOP_GRACE_S.
@@ -39,6 +39,7 @@ from mccl_common.launch_protocol import (BEAT_S, DRAIN_ENV, LEASE_TIMEOUT_S, LEF
                                          RUN_KEY_ENV, ControlCheck, LaunchRequest, request_ok, run_key, sealed)
 from mccl_common.status_protocol import IO_TIMEOUT_S, MAX_PREAUTH_LINE, Conn, HARVESTED_STATES
 
+from . import launch_identity
 from .gate import REWARN_S, Gate, Ticket
 from .logutil import OnceLogger
 
@@ -77,7 +78,7 @@ class LaunchServer:
                  launch_user: str = "", harvest_state: Callable[[], str] | None = None,
                  on_change: Callable[[], None] | None = None, gate: Gate | None = None,
                  command: Callable[[LaunchRequest], list[str]] = torchrun_command,
-                 lease_timeout_s: float = LEASE_TIMEOUT_S):
+                 lease_timeout_s: float = LEASE_TIMEOUT_S, secret_files: tuple[Path, ...] = ()):
         if not key:
             raise ConfigError("[launch] no submit key; set MCCL_SUBMIT_KEY_FILE (a key that is not the fleet key)")
         self._key = key
@@ -86,6 +87,7 @@ class LaunchServer:
         self._addr = addr
         self._port = port
         self._user = launch_user
+        self._secret_files = secret_files   # mccld's key files: no job may run as a user who can read them
         self._harvest_state = harvest_state
         self._on_change = on_change or (lambda: None)
         self._gate = gate or Gate.from_config("launch")
@@ -213,10 +215,10 @@ class LaunchServer:
             return None, ProtocolError(f"[launch] bad request: not JSON ({e})")
         except ProtocolError as e:
             return None, e
-        if os.geteuid() == 0 and not self._user:
-            return req, ConfigError(
-                f"[launch] {self._host_id} refuses to start jobs: mccld runs as root and jobs never do unless "
-                "told; run mccld as its service user (docs/service.md) or set MCCL_LAUNCH_USER")
+        try:
+            launch_identity.launch_user(self._user, self._secret_files, self._host_id)
+        except ConfigError as e:
+            return req, e
         if not Path(req.cwd).is_dir():
             return req, ConfigError(f"[launch] working directory {req.cwd} does not exist on {self._host_id}; "
                                     "give every host the same checkout path, or pass --cwd")
@@ -277,15 +279,13 @@ class LaunchServer:
             send("exit", {"code": code})
 
     def _spawn(self, req: LaunchRequest, drain_file: Path) -> subprocess.Popen:
-        env = dict(os.environ)
-        env.update(dict(req.env))
-        env.update({"MCCL_HOST_ID": self._host_id, "MCCL_RUNTIME_DIR": str(self._runtime_dir),
-                    DRAIN_ENV: str(drain_file), "PYTHONUNBUFFERED": "1"})
+        pw = launch_identity.launch_user(self._user, self._secret_files, self._host_id)
+        env = launch_identity.job_environment(os.environ, dict(req.env), pw, {
+            "MCCL_HOST_ID": self._host_id, "MCCL_RUNTIME_DIR": str(self._runtime_dir),
+            DRAIN_ENV: str(drain_file), "PYTHONUNBUFFERED": "1"})
         kwargs = {}
-        if self._user and self._user != pwd.getpwuid(os.geteuid()).pw_name:
-            pw = pwd.getpwnam(self._user)
+        if pw.pw_uid != os.geteuid():
             kwargs = {"user": pw.pw_uid, "group": pw.pw_gid, "extra_groups": os.getgrouplist(pw.pw_name, pw.pw_gid)}
-            env.update({"HOME": pw.pw_dir, "USER": pw.pw_name, "LOGNAME": pw.pw_name})
         if req.run_nonce:
             env[RUN_KEY_ENV] = str(self._write_run_key(req, _job_dir(drain_file), kwargs.get("user"),
                                                        kwargs.get("group")))

@@ -27,7 +27,7 @@ import numpy as np
 import zmq
 from hypothesis import strategies as st
 
-from mccl_common import attach_protocol as protocol, shm
+from mccl_common import attach_protocol as protocol, fd_handover, shm
 
 from .mutate import byte_noise, encode, mutated_json, random_bytes
 from .surfaces import Input, Surface, Verdict
@@ -93,6 +93,8 @@ class AttachSurface(Surface):
         self._call({"type": "hello", "token": self._token(), "pid": self._helper.pid})
         self._call(_one_rank_join(self.daemon, 1, job))
         self._seg = shm.Segment(shm.segment_name(job, 0, self._helper.pid, 1), _SEG_BYTES, create=True)
+        fd_handover.hand_over(self.daemon.rdir, self._seg.name, self._seg.handover_fd, os.geteuid())
+        self._seg.handed_over()
         self._call({"type": "register", "job": job, "rank": 0, "segment": self._seg.name, "nbytes": _SEG_BYTES})
 
     @property

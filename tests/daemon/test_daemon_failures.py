@@ -123,26 +123,33 @@ def test_daemon_killed_fails_pending_and_later_ops(tmp_path, sig, expect):
     assert job_segments(0xdead02) == []   # clients unlink their own segments on failure
 
 
+def _named_segment(name: str) -> str:
+    import _posixshmem
+    os.close(_posixshmem.shm_open("/" + name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+    return name
+
+
 @pytest.mark.timeout(60)
 def test_start_sweeps_segments_of_dead_processes():
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(10)
-    stale = shm.Segment(shm.segment_name("0badc0de", 3, dead.pid, 1), 4096, create=True)
-    live = shm.Segment(shm.segment_name("0badc0de", 4, os.getpid(), 1), 4096, create=True)
+    # Named segments are what a client older than sealed memfds (or one on macOS, between
+    # creating and handing over) leaves in /dev/shm: the start-up sweep still clears them.
+    stale = _named_segment(shm.segment_name("0badc0de", 3, dead.pid, 1))
+    live = _named_segment(shm.segment_name("0badc0de", 4, os.getpid(), 1))
     rdir = Path(tempfile.mkdtemp(prefix="mccl-dtest-"))
     d = None
     try:
         d = Daemon(load_config(env=daemon_env(rdir))).start()
         names = our_segments()
-        assert stale.name not in names, "a dead process's segment survived the start-up sweep"
-        assert live.name in names, "the sweep removed a live process's segment"
+        assert stale not in names, "a dead process's segment survived the start-up sweep"
+        assert live in names, "the sweep removed a live process's segment"
         assert local_request(rdir, {"type": "status"})["ok"]
     finally:
         if d is not None:
             d.stop()
-        for seg in (stale, live):
-            seg.close()
-            seg.unlink()
+        for name in (stale, live):
+            shm.unlink(name)
         for p in rdir.iterdir():
             p.unlink()
         rdir.rmdir()

@@ -20,7 +20,7 @@ import pytest
 
 from support.ranks import run_ranks
 from support.daemon import AVG, BAND, F16, F32, F64, I32, I64, MAX, MIN, SUM, connect
-from support.daemon import job_segments
+from support.daemon import job_segments, open_own_memory
 ENTRY_OFF = 3072   # libmccl/csrc/opqueue/layout.h
 
 
@@ -159,7 +159,7 @@ def rank_writes_garbage(rank: int, world: int, entry: bytes) -> str:
     comm, _store = connect(rank, world, comm_id=0xfa5c)
     a = np.ones(4, dtype=np.float32)
     comm.wait(comm.allreduce(a.ctypes.data, a.size, F32, SUM), 20)
-    fd = os.open(f"/dev/shm/{comm._fastq.name}", os.O_RDWR)
+    fd = open_own_memory(comm._fastq.name)
     mem = mmap.mmap(fd, 4096)
     os.close(fd)
     mem[ENTRY_OFF:ENTRY_OFF + len(entry)] = entry

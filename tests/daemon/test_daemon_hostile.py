@@ -18,11 +18,12 @@ import pytest
 from support.daemon import daemon_env
 
 from mccl_common.errors import ProtocolError
-from mccl_common import attach_protocol as protocol, shm
+from mccl_common import attach_protocol as protocol, fd_handover, shm
 from mccld.attach import local_request
 from mccl_common.daemon_settings import load_config
 from mccld.daemon import Daemon
-from support.daemon import RawClient, one_rank_job, refused, stop_process
+from support.daemon import RawClient, hand_over, one_rank_job, refused, stop_process
+from support.localuser import as_user
 ALLREDUCE = {"count": 16, "dtype": 0, "op": 0, "offset": 0}
 
 
@@ -128,6 +129,7 @@ def test_reregistering_a_segment_smaller_under_a_pending_op_is_refused(mccld_pro
         big = 1 << 22
         for r, c in enumerate(clients):
             segs.append(shm.Segment(shm.segment_name("c33", r, os.getpid(), 1), big, create=True))
+            hand_over(rdir, segs[r])
             assert c.call({"type": "register", "job": "c33", "rank": r, "segment": segs[r].name, "nbytes": big})["ok"]
         args = {"count": big // 4, "dtype": 0, "op": 0, "offset": 0}
         clients[0].send({"type": "op", "job": "c33", "rank": 0, "seq": 1, "op": "allreduce",
@@ -197,24 +199,27 @@ def test_sigusr1_writes_every_thread_stack_to_the_log_and_mccld_serves_on(tmp_pa
 
 
 @pytest.mark.timeout(60)
-def test_a_segment_created_but_never_registered_goes_when_its_client_dies(raw):
+def test_a_segment_handed_over_but_never_registered_goes_when_its_client_dies(raw, monkeypatch):
     """A rank SIGKILLed between creating its segment and registering it (the campaign saw it
-    once in 100 rank kills) left a segment no job knew of until mccld restarted."""
+    once in 100 rank kills) left a segment no job knew of until mccld restarted. Segments have
+    no name now (sealed memfds): what could stay is the descriptor mccld's inbox holds for it."""
+    from mccld import fd_inbox
+    from support.leak_check import fd_targets
+    monkeypatch.setattr(fd_inbox, "HOLD_S", 60.0)
     d, c = raw
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        c.hello(pid=child.pid)
-        name = shm.segment_name("0badc0de", 1, child.pid, 0)
-        shm.Segment(name, 4096, create=True).close()     # created in its name, never registered
-        path = Path("/dev/shm", name)
-        assert path.exists()
-        child.kill()
-        child.wait(10)
-        deadline = time.monotonic() + 10
-        while path.exists():
-            assert time.monotonic() < deadline, "the dead client's unregistered segment is still there"
-            time.sleep(0.05)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait(10)
+    rdir = c.rdir
+
+    def client_killed_before_register():
+        seg = shm.Segment(shm.segment_name("0badc0de", 1, os.getpid(), 0), 4096, create=True)
+        fd_handover.hand_over(rdir, seg.name, seg.handover_fd, os.geteuid())
+        assert not Path("/dev/shm", seg.name).exists()
+        return seg.name
+    out = as_user(os.geteuid(), os.getegid(), client_killed_before_register)
+    assert out[0] == "ok", out
+    held = lambda: [t for t in fd_targets() if t.startswith(f"/memfd:{out[1]}")]  # noqa: E731
+    assert held(), "mccld's inbox does not hold the handed-over segment"
+    monkeypatch.setattr(fd_inbox, "HOLD_S", 0.5)    # the hold runs out (at 120 s in mccld)
+    deadline = time.monotonic() + 10
+    while held():
+        assert time.monotonic() < deadline, "mccld still holds the dead client's unregistered segment"
+        time.sleep(0.05)

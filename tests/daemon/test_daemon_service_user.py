@@ -50,7 +50,8 @@ def test_client_falls_back_to_the_service_runtime_dir(tmp_path, monkeypatch):
     assert runtime_dir(cfg, create=False) == own / "mccl"          # no service daemon: our own dir
     (service / protocol.SOCKET_NAME).touch()
     assert runtime_dir(cfg, create=False) == service
-    (own / "mccl").mkdir(parents=True)
+    (own / "mccl").mkdir(parents=True, mode=0o700)
+    os.chown(own / "mccl", 4242, -1)                               # the (pretend) user's own dir
     (own / "mccl" / protocol.SOCKET_NAME).touch()
     assert runtime_dir(cfg, create=False) == own / "mccl"          # a daemon of our own wins
     explicit = load_config(env={"MCCL_RUNTIME_DIR": str(tmp_path / "x")})
@@ -76,26 +77,15 @@ def test_attach_endpoint_modes_with_a_group(tmp_path):
 
 
 @pytest.mark.timeout(10)
-def test_segments_shared_with_the_group(tmp_path):
-    name = shm.segment_name("5e41ce00", 0, os.getpid(), 1)
-    seg = shm.Segment(name, 4096, create=True, group=os.getegid())
+def test_segments_are_never_shared_with_the_group():
+    """A service user's mccld gets each segment's descriptor from its client (fd_handover.py):
+    nothing in /dev/shm is opened to the attach group, whose other members could read it."""
+    seg = shm.Segment(shm.segment_name("5e41ce00", 0, os.getpid(), 1), 4096, create=True)
     try:
-        st = Path("/dev/shm", name).stat()
-        assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == os.getegid()
+        assert not Path("/dev/shm", seg.name).exists()
+        assert stat.S_IMODE(os.fstat(seg.handover_fd).st_mode) & 0o077 == 0
     finally:
         seg.close()
-        seg.unlink()
-    private = shm.Segment(name, 4096, create=True)
-    try:
-        assert stat.S_IMODE(Path("/dev/shm", name).stat().st_mode) == 0o600
-        shm.share(name, os.getegid())          # the engine-made fast queue is shared after the fact
-        assert stat.S_IMODE(Path("/dev/shm", name).stat().st_mode) == 0o660
-    finally:
-        private.close()
-        private.unlink()
-    rdir = tmp_path / "rt"
-    rdir.mkdir()
-    assert shm.daemon_group(rdir) is None      # a daemon of our own: nothing to share
 
 
 @pytest.mark.timeout(10)

@@ -38,13 +38,16 @@ def job():
 def client_segment(job):
     """A buffer as the client creates it (the client's own mapping holds one fd)."""
     seg = shm.Segment(f"mccl-{job.id[-8:]}-0-{os.getpid()}-1", 4096, create=True)
+    job.host.handed[seg.name] = os.dup(seg.handover_fd)   # what mccld's fd inbox would hold
+    seg.handed_over()
     yield seg
     seg.close()
-    shm.unlink(seg.name)
+    for fd in job.host.handed.values():
+        os.close(fd)
 
 
 def _fds_on(name: str) -> int:
-    return sum(t.removesuffix(" (deleted)") == f"/dev/shm/{name}" for t in fd_targets())
+    return sum(t.removesuffix(" (deleted)") in (f"/dev/shm/{name}", f"/memfd:{name}") for t in fd_targets())
 
 
 def _stop(job: Job) -> None:

@@ -32,11 +32,7 @@ def _queue(job: str):
     done: queue.Queue = queue.Queue()
     q = _core.FastQueue(shm.segment_name(job, 0, os.getpid(), 0), 4096, 0,
                         lambda op_id, err: done.put((op_id, err)))
-    fd = os.open(f"/dev/shm/{q.name}", os.O_RDWR)
-    try:
-        mem = mmap.mmap(fd, DATA_OFF + 4096)
-    finally:
-        os.close(fd)
+    mem = mmap.mmap(q.fd, DATA_OFF + 4096)   # the queue's own descriptor, as mccld gets it handed over
     return q, done, mem
 
 
@@ -88,7 +84,7 @@ def test_an_op_the_failure_caught_mid_way_gets_the_error_and_no_partial_result()
 
 def test_the_dispatcher_records_how_many_ops_it_completed_before_failing():
     q, done, mem = _queue("0000fa9b")
-    d = _core.FastDispatcher("0000fa9b", [0], [q.name], 4096, 1, 1, 10.0, None, lambda *a: None)
+    d = _core.FastDispatcher("0000fa9b", [0], [q.name], [q.fd], 4096, 1, 1, 10.0, None, lambda *a: None)
     try:
         a = np.full(4, 3.0, dtype=np.float32)
         for n in (1, 2):

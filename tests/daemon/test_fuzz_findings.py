@@ -11,7 +11,8 @@ import pytest
 
 from support.daemon import one_rank_job, refused
 
-from mccl_common import shm, status_protocol
+from mccl_common import fd_handover, shm, status_protocol
+from support.daemon import open_own_memory
 from mccl_common.errors import ProtocolError
 from mccld import auth
 
@@ -68,14 +69,14 @@ def test_registering_a_segment_that_does_not_exist_is_a_protocol_error(raw):
     try:
         missing = shm.segment_name("d44", 0, os.getpid(), 9)
         reply = c.call({"type": "register", "job": "d44", "rank": 0, "segment": missing, "nbytes": 4096})
-        assert refused(reply, "'segment'", "no shared-memory segment"), reply
+        assert refused(reply, "'segment'", "names no segment handed over"), reply
     finally:
         seg.close()
         seg.unlink()
 
 
 # Found while fuzzing (mccld died of SIGBUS at the next op); fixed by the size check before
-# every op (shm.Segment.check_size). A truncation during the op itself is still fatal (shm.py).
+# every op (shm.Segment.check_size); now segments are sealed memfds that cannot shrink at all.
 @pytest.mark.timeout(90)
 def test_a_client_shrinking_its_registered_segment_does_not_kill_mccld():
     import sys
@@ -102,9 +103,17 @@ def test_a_client_shrinking_its_registered_segment_does_not_kill_mccld():
         call_all([{"type": "join", "job": "abd", "rank": r, "size": 2, "timeout_s": 10.0, "opts": {}, "hosts": hosts}
                   for r in range(2)])
         segs = [shm.Segment(shm.segment_name("abd", r, helper.pid, 1), 1 << 20, create=True) for r in range(2)]
+        for seg in segs:
+            fd_handover.hand_over(d.rdir, seg.name, seg.handover_fd, os.geteuid())
+            seg.handed_over()
         call_all([{"type": "register", "job": "abd", "rank": r, "segment": segs[r].name, "nbytes": 1 << 20}
                   for r in range(2)])
-        os.truncate(f"/dev/shm/{segs[0].name}", 4096)
+        fd = open_own_memory(segs[0].name)    # segments have no name now: the client's own mapping
+        try:
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd, 4096)           # sealed (mccl_common/shm.py): not even its client can
+        finally:
+            os.close(fd)
         replies = call_all([{"type": "op", "job": "abd", "rank": r, "seq": 1, "op": "allreduce",
                              "args": {"count": 1 << 18, "dtype": 0, "op": 0, "offset": 0, "segment": segs[r].name}}
                             for r in range(2)])

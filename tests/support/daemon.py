@@ -142,6 +142,22 @@ def refused(reply: dict, *words: str) -> bool:
     return not reply.get("ok") and reply["error"]["kind"] == "ProtocolError" and all(w in msg for w in words)
 
 
+def hand_over(rdir: Path, seg: shm.Segment) -> None:
+    """Give mccld (of this user) the segment's descriptor, as a client does before registering it."""
+    from mccl_common import fd_handover
+    fd_handover.hand_over(rdir, seg.name, seg.handover_fd, os.geteuid())
+    seg.handed_over()
+
+
+def open_own_memory(name: str) -> int:
+    """A new descriptor of this process's mapping of segment ``name`` (a memfd has no name to
+    open; /proc/self/map_files has the mapping, to root), for tests that write behind the client."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if f"/memfd:{name} " in line + " ":
+            return os.open(f"/proc/self/map_files/{line.split()[0]}", os.O_RDWR)
+    raise FileNotFoundError(f"no mapping of {name} in this process")
+
+
 def one_rank_job(client: RawClient, host_id: str, job: str, nbytes: int = 1 << 16) -> shm.Segment:
     """Join a 1-rank job and register a segment; returns the segment."""
     link = client.hello()["link_addr"]
@@ -149,6 +165,7 @@ def one_rank_job(client: RawClient, host_id: str, job: str, nbytes: int = 1 << 1
                           "hosts": [{"host_id": host_id, "link_addr": link, "ranks": [0]}]})
     assert joined["ok"], joined
     seg = shm.Segment(shm.segment_name(job, 0, os.getpid(), 1), nbytes, create=True)
+    hand_over(client.rdir, seg)
     assert client.call({"type": "register", "job": job, "rank": 0, "segment": seg.name, "nbytes": nbytes})["ok"]
     return seg
 

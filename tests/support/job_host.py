@@ -14,6 +14,13 @@ class StandInHost:
 
     def __init__(self) -> None:
         self.notified: list[MCCLError] = []
+        self.handed: dict[str, int] = {}   # segment name -> the descriptor its client handed over
+
+    def take_segment(self, ident, name) -> int:
+        from mccl_common.errors import ProtocolError
+        if name not in self.handed:
+            raise ProtocolError(f"[daemon] segment {name} was not handed over")
+        return self.handed.pop(name)
 
     def reply(self, ident, req, payload) -> None: ...
     def reply_error(self, ident, req, exc) -> None: ...

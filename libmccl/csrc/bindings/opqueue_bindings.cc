@@ -136,19 +136,20 @@ void register_opqueue_bindings(py::module_& m) {
         f.q().close();
       })
       .def("unlink", [](PyFastQueue& f) { f.q().unlink(); })
+      .def_property_readonly("fd", [](PyFastQueue& f) { return f.q().fd(); })
       .def_property_readonly("name", [](PyFastQueue& f) { return f.q().name(); })
       .def_property_readonly("slot_bytes", [](PyFastQueue& f) { return f.q().slot_bytes(); });
 
   py::class_<PyDispatcher>(m, "FastDispatcher")
       .def(py::init([](std::string job, std::vector<int> ranks, std::vector<std::string> queues,
-                       size_t slot_bytes, int world, int hosts, double timeout_s, py::object engine,
-                       py::object on_fail) {
+                       std::vector<int> queue_fds, size_t slot_bytes, int world, int hosts,
+                       double timeout_s, py::object engine, py::object on_fail) {
              opqueue::DispatcherSpec spec{std::move(job), std::move(ranks), std::move(queues),
-                                          slot_bytes, world, hosts, timeout_s};
+                                          std::move(queue_fds), slot_bytes, world, hosts, timeout_s};
              return std::make_unique<PyDispatcher>(std::move(spec), std::move(engine),
                                                    std::move(on_fail));
            }),
-           py::arg("job"), py::arg("local_ranks"), py::arg("queues"), py::arg("slot_bytes"),
+           py::arg("job"), py::arg("local_ranks"), py::arg("queues"), py::arg("queue_fds"), py::arg("slot_bytes"),
            py::arg("world"), py::arg("hosts"), py::arg("timeout_s"), py::arg("engine"),
            py::arg("on_fail"))
       .def_property_readonly("turn", [](PyDispatcher& p) { return p.d().turn(); })

@@ -42,7 +42,9 @@ class ClientQueue {
               void* buf);
   // Stops the completer (joined unless called from it) without reporting the op in flight.
   void close();
-  void unlink() const { s_->map->unlink(); }
+  // The memory's descriptor, handed to mccld (shm_map.h); -1 once unlink() let it go.
+  int fd() const { return s_->map->fd(); }
+  void unlink() { s_->map->unlink(); }
   const std::string& name() const { return s_->map->name(); }
   size_t slot_bytes() const { return s_->slot_bytes; }
 

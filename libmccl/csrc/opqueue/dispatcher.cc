@@ -50,6 +50,7 @@ Dispatcher::Dispatcher(DispatcherSpec spec, Communicator* engine, OnFail on_fail
     : spec_(std::move(spec)), engine_(engine), on_fail_(std::move(on_fail)),
       turn_(std::make_shared<Ticket>()) {
   if (spec_.local_ranks.empty() || spec_.local_ranks.size() != spec_.queues.size() ||
+      spec_.queue_fds.size() != spec_.queues.size() ||
       spec_.slot_bytes == 0 || spec_.slot_bytes > kMaxSlotBytes || spec_.world < 1 ||
       spec_.hosts < 1 || (spec_.hosts > 1) != (engine != nullptr)) {
     throw_error(ErrorKind::kConfig, "[daemon] job " + spec_.job +
@@ -59,7 +60,7 @@ Dispatcher::Dispatcher(DispatcherSpec spec, Communicator* engine, OnFail on_fail
   for (size_t i = 0; i < spec_.queues.size(); ++i) {
     Queue q;
     q.rank = spec_.local_ranks[i];
-    q.map = SharedMap::open(spec_.queues[i], queue_bytes(spec_.slot_bytes));
+    q.map = SharedMap::adopt(spec_.queue_fds[i], spec_.queues[i], queue_bytes(spec_.slot_bytes));
     q.submitted = Ticket::at(q.map->base() + kSubmittedOff);
     q.completed = Ticket::at(q.map->base() + kCompletedOff);
     queues_.push_back(std::move(q));

@@ -41,7 +41,8 @@ namespace mccl::opqueue {
 struct DispatcherSpec {
   std::string job;                  // for messages
   std::vector<int> local_ranks;     // global ranks on this host; the first leads
-  std::vector<std::string> queues;  // their queue segments, same order
+  std::vector<std::string> queues;  // their queue segments, same order (names, for messages)
+  std::vector<int> queue_fds;       // their descriptors as the clients handed them over
   size_t slot_bytes = 0;            // every queue's data area
   int world = 1;                    // ranks of the job
   int hosts = 1;                    // hosts of the job (the engine's size)
