@@ -38,6 +38,7 @@ from .logutil import OnceLogger
 
 log = logging.getLogger(__name__)
 
+JOB_POLL_S = 1.0            # poll at least this often while a job runs: its processes yield within it
 AWAY_AFTER_S = 60.0         # screen locked / nobody at the console: idle after this much quiet
 HISTORY_NAME = "harvest-history.jsonl"
 HISTORY_MAX_BYTES = 64 << 10    # ~1000 transitions, weeks of a normal desk; compacted to half past it
@@ -261,7 +262,7 @@ class Harvester:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self._poke.wait(self._cfg.harvest_poll_s)
+            self._poke.wait(self._interval())
             self._poke.clear()
             if self._stop.is_set():
                 return
@@ -269,6 +270,15 @@ class Harvester:
                 self.tick()
             except Exception:  # noqa: BLE001 - the monitor must survive anything
                 log.exception("[harvest] evaluating the harvest state failed")
+
+    def _interval(self) -> float:
+        """A host with jobs is sampled often enough that its user gets it back within a second
+        of touching it; an idle or busy one no more than MCCL_HARVEST_POLL asks."""
+        try:
+            jobs = self._jobs()
+        except Exception:  # noqa: BLE001 - the count is only a hint for the poll interval
+            jobs = 0
+        return min(self._cfg.harvest_poll_s, JOB_POLL_S) if jobs else self._cfg.harvest_poll_s
 
     def tick(self) -> None:
         activity = self._monitor.sample()

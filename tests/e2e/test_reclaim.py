@@ -1,0 +1,204 @@
+"""Issue 25, as a new user meets it: a harvested host goes back to its user within the reclaim
+grace, whatever the job. Three real mcclds on loopback (each its own host id, runtime dir,
+ports and activity file), ``mcclctl run`` of examples/count_steps.py (a plain script: one
+all-reduce per step, its own step checkpoint, no libmccl.elastic) or examples/elastic_train.py.
+Mid-job one host's activity file is touched: its user is back. Its job processes must drop to
+background priority within a second and be gone within MCCL_RECLAIM_GRACE + 10 s; the job
+finishes on the others."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from mccld.priority import is_background
+from support.daemon import stop_process
+from support.elastic import FLEET_KEY, PY, REPO, job_pids, run_elastic, start_hosts, steps_of
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")]
+
+GRACE_S = 5.0
+SCRIPT = REPO / "examples" / "count_steps.py"
+COUNT_LINE = re.compile(r"count step (\d+) world (\d+)")
+
+
+class Watch:
+    """Watches one host's job processes from the moment the user is back: when every one of
+    them (all threads) first runs at background priority, and when the last one is gone."""
+
+    def __init__(self, host: str, needle: str):
+        self.host, self.needle = host, needle
+        self.touched: float | None = None
+        self.lowered: float | None = None
+        self.gone: float | None = None
+        self.seen = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="reclaim-watch", daemon=True)
+
+    def touch(self, activity: Path) -> None:
+        self.touched = time.monotonic()
+        activity.touch()
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            now = time.monotonic()
+            pids = job_pids(self.host, self.needle)
+            self.seen = max(self.seen, len(pids))
+            if not pids:
+                if self.seen or now - self.touched > 30:
+                    self.gone = now
+                    return
+            elif self.lowered is None and _all_background(pids):
+                self.lowered = now
+            self._stop.wait(0.05)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+
+def _all_background(pids: list[int]) -> bool:
+    try:
+        return all(is_background(int(t)) for p in pids for t in os.listdir(f"/proc/{p}/task"))
+    except (OSError, ProcessLookupError):
+        return False        # one ended meanwhile: look again
+
+
+def run_plain(hosts, n_min: int, n_max: int, steps: int, ckpt: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [PY, "-m", "mcclctl", "run", "--min", str(n_min), "--max", str(n_max), *hosts.args,
+         "--submit-key-file", str(hosts.key), "--env", "OMP_NUM_THREADS=1", "--env", f"STEPS={steps}",
+         "--env", f"CKPT={ckpt}", "--env", "CKPT_EVERY=10", "--", "python", str(SCRIPT)],
+        cwd=hosts.root, env={**os.environ, "MCCL_FLEET_KEY": FLEET_KEY},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.fixture
+def grace(monkeypatch):
+    # Inherited by the mcclds start_hosts starts.
+    monkeypatch.setenv("MCCL_RECLAIM_GRACE", str(GRACE_S))
+    return GRACE_S
+
+
+def _finish(run, hosts, watch: Watch | None = None) -> None:
+    if watch is not None:
+        watch.stop()
+    if run is not None:
+        stop_process(run)
+        run.stdout.close()
+    hosts.stop()
+
+
+def _report(watch: Watch) -> str:
+    return (f"priority lowered {watch.lowered - watch.touched:.2f} s and job processes gone "
+            f"{watch.gone - watch.touched:.2f} s after the user's return")
+
+
+def test_a_plain_script_is_removed_from_a_reclaimed_host_and_finishes_on_the_others(tmp_path, grace):
+    hosts = start_hosts(tmp_path, ["h1", "h2", "h3"])
+    run, watch = None, Watch("h3", str(SCRIPT))
+    try:
+        run = run_plain(hosts, 2, 3, 80, tmp_path / "ckpt.json")
+        lines = []
+        for line in run.stdout:
+            lines.append(line.rstrip())
+            m = COUNT_LINE.search(line)
+            if m and m.group(2) == "3" and int(m.group(1)) >= 12 and watch.touched is None:
+                watch.touch(hosts.activity["h3"])
+        rc = run.wait(timeout=60)
+        watch.stop()
+        text = "\n".join(lines)
+        assert rc == 0, text
+        assert watch.touched and watch.lowered and watch.gone, text
+        assert watch.lowered - watch.touched <= 1.0, _report(watch) + "\n" + text
+        assert watch.gone - watch.touched <= grace + 10.0, _report(watch) + "\n" + text
+        assert "[h3] [mcclctl] reclaimed" in text and "DONE" in text, text
+        counted = [(int(s), int(w)) for s, w in COUNT_LINE.findall(text)]
+        assert counted[-1] == (79, 2), text             # the run ended in the smaller world
+        assert {s for s, _ in counted} == set(range(80)), text
+        print(_report(watch))
+    finally:
+        _finish(run, hosts, watch)
+
+
+def test_an_elastic_script_still_leaves_at_its_step_boundary_without_a_restart(tmp_path, grace):
+    hosts = start_hosts(tmp_path, ["h1", "h2", "h3"])
+    run, watch = None, Watch("h3", "elastic_train.py")
+    try:
+        run = run_elastic(hosts, tmp_path / "ckpt", 40, 2, 3)
+        lines = []
+        for line in run.stdout:
+            lines.append(line.rstrip())
+            m = re.search(r"step (\d+) loss [0-9.]+ world 3", line)
+            if m and int(m.group(1)) >= 5 and watch.touched is None:
+                watch.touch(hosts.activity["h3"])
+        rc = run.wait(timeout=60)
+        watch.stop()
+        text = "\n".join(lines)
+        assert rc == 0, text
+        assert "left after step" in text and "reclaimed" not in text, text
+        assert "re-forming in place" in text and "exitcode: 75" not in text, text
+        assert [s for s, _, _ in steps_of(text)] == list(range(40)), text
+        assert watch.lowered is not None and watch.lowered - watch.touched <= 1.0, _report(watch)
+        print(_report(watch))
+    finally:
+        _finish(run, hosts, watch)
+
+
+def test_a_user_back_during_start_up_gets_the_host_back_and_the_job_runs_on_the_others(tmp_path, grace):
+    hosts = start_hosts(tmp_path, ["h1", "h2", "h3"])
+    run, watch = None, Watch("h3", str(SCRIPT))
+    try:
+        run = run_plain(hosts, 2, 3, 40, tmp_path / "ckpt.json")
+        out: list[str] = []
+        reader = threading.Thread(target=lambda: out.extend(line.rstrip() for line in run.stdout), daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 60
+        while not job_pids("h3", str(SCRIPT)):        # h3's torchrun started: the job is starting up
+            assert time.monotonic() < deadline and run.poll() is None, "\n".join(out)
+            time.sleep(0.05)
+        watch.touch(hosts.activity["h3"])
+        rc = run.wait(timeout=200)
+        reader.join(timeout=10)
+        watch.stop()
+        text = "\n".join(out)
+        assert rc == 0, text
+        assert watch.gone is not None and watch.gone - watch.touched <= grace + 10.0, text
+        assert watch.lowered is not None and watch.lowered - watch.touched <= 1.0, _report(watch)
+        assert "DONE" in text and COUNT_LINE.findall(text)[-1] == ("39", "2"), text
+        print(_report(watch))
+    finally:
+        _finish(run, hosts, watch)
+
+
+def test_a_job_of_exactly_min_hosts_ends_saying_why_instead_of_hanging(tmp_path, grace):
+    hosts = start_hosts(tmp_path, ["h1", "h2"])
+    run, watch = None, Watch("h2", str(SCRIPT))
+    try:
+        run = run_plain(hosts, 2, 2, 400, tmp_path / "ckpt.json")
+        lines = []
+        for line in run.stdout:
+            lines.append(line.rstrip())
+            m = COUNT_LINE.search(line)
+            if m and int(m.group(1)) >= 5 and watch.touched is None:
+                watch.touch(hosts.activity["h2"])
+        rc = run.wait(timeout=60)
+        ended = time.monotonic()
+        text = "\n".join(lines)
+        assert rc == 1, text
+        assert "was handed back to its user" in text and "needs at least 2 (--min)" in text, text
+        assert ended - watch.touched <= grace + 10.0 + 15.0, text      # + the other host's cancel
+        deadline = time.monotonic() + 30
+        while (job_pids("h1", str(SCRIPT)) or job_pids("h2", str(SCRIPT))) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not job_pids("h1", str(SCRIPT)) and not job_pids("h2", str(SCRIPT))
+    finally:
+        _finish(run, hosts, watch)
