@@ -8,7 +8,7 @@ leave at its next step boundary), but only on what the user leaves unused.
   from their parent thread. A process may lower its own user's processes without privileges.
 - macOS: ``taskpolicy -b -p PID`` (background QoS: lowest CPU priority, throttled I/O and, on
   Apple silicon, the efficiency cores) and nice 19, per process. NOT VERIFIED ON A MAC: run
-  ``MCCL_TEST_MACOS=1 .venv/bin/python -m pytest tests/daemon/test_priority.py`` there.
+  ``.venv/bin/python -m pytest tests/daemon/test_reclaim.py -k macos`` there.
 
 ``Background`` is the one entry point; ``lower(pids)`` is idempotent and cheap enough to call
 on every harvest sample.

@@ -6,7 +6,8 @@ tree under torchrun, walked by parent pid, and remembered with each process's st
 pid the kernel reused for someone else's process is never signalled.
 
 Linux reads /proc; macOS asks ``ps`` (NOT VERIFIED ON A MAC: the ``ps -A -o pid=,ppid=,lstart=``
-parser is tested on captured text only).
+parser is tested on captured text only; ``pytest tests/daemon/test_reclaim.py -k macos`` on a
+Mac runs it on real processes).
 """
 
 from __future__ import annotations

@@ -79,13 +79,13 @@ def test_the_job_tree_keeps_a_worker_orphaned_by_its_torchruns_death():
 
 
 @linux
-def test_a_removal_terminates_then_kills_what_ignores_sigterm():
+def test_a_removal_terminates_torchrun_then_kills_whatever_of_the_job_is_left():
     proc, worker = _job(ignore_term=True)
     now = [0.0]
     try:
         time.sleep(0.3)     # the worker has set its SIGTERM handler
         removal = Removal(JobTree(proc.pid), kill_after_s=5.0, clock=lambda: now[0])
-        assert proc.wait(timeout=10) == -signal.SIGTERM
+        assert proc.wait(timeout=10) == -signal.SIGTERM     # the "torchrun" alone, which left its worker
         removal.tick()
         assert not _gone(worker, within_s=0.5)  # before the wait is over: SIGTERM only
         now[0] = 5.0
@@ -180,3 +180,21 @@ def test_the_exporter_has_the_reclaim_latency_histogram():
     assert 'mccl_reclaim_seconds_bucket{how="removed",le="70.0"} 2.0' in text
     assert 'mccl_reclaim_seconds_count{how="removed"} 2.0' in text
     assert 'mccl_reclaim_seconds_sum{how="removed"} 74.0' in text
+
+
+@pytest.mark.skipif(sys.platform != "darwin", reason="macOS only: taskpolicy and ps -o lstart")
+def test_macos_background_priority_and_job_tree():
+    """Never run yet (no Mac): taskpolicy -b and the ps-based job tree on real processes."""
+    proc, worker = _job()
+    try:
+        tree = JobTree(proc.pid)
+        assert set(tree.scan()) == {proc.pid, worker}
+        assert Background().lower(tree.scan()) == 2
+        for pid in (proc.pid, worker):
+            nice = subprocess.run(["ps", "-o", "ni=", "-p", str(pid)], capture_output=True, text=True).stdout
+            assert int(nice) == 19
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+        proc.stdout.close()
+        os.kill(worker, signal.SIGKILL)

@@ -10,75 +10,18 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
-from mccld.priority import is_background
 from support.daemon import stop_process
-from support.elastic import FLEET_KEY, PY, REPO, job_pids, run_elastic, start_hosts, steps_of
+from support.elastic import job_pids, run_elastic, start_hosts, steps_of
+from support.reclaim import COUNT_LINE, SCRIPT, Watch, run_plain
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")]
 
 GRACE_S = 5.0
-SCRIPT = REPO / "examples" / "count_steps.py"
-COUNT_LINE = re.compile(r"count step (\d+) world (\d+)")
-
-
-class Watch:
-    """Watches one host's job processes from the moment the user is back: when every one of
-    them (all threads) first runs at background priority, and when the last one is gone."""
-
-    def __init__(self, host: str, needle: str):
-        self.host, self.needle = host, needle
-        self.touched: float | None = None
-        self.lowered: float | None = None
-        self.gone: float | None = None
-        self.seen = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="reclaim-watch", daemon=True)
-
-    def touch(self, activity: Path) -> None:
-        self.touched = time.monotonic()
-        activity.touch()
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            now = time.monotonic()
-            pids = job_pids(self.host, self.needle)
-            self.seen = max(self.seen, len(pids))
-            if not pids:
-                if self.seen or now - self.touched > 30:
-                    self.gone = now
-                    return
-            elif self.lowered is None and _all_background(pids):
-                self.lowered = now
-            self._stop.wait(0.05)
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=10)
-
-
-def _all_background(pids: list[int]) -> bool:
-    try:
-        return all(is_background(int(t)) for p in pids for t in os.listdir(f"/proc/{p}/task"))
-    except (OSError, ProcessLookupError):
-        return False        # one ended meanwhile: look again
-
-
-def run_plain(hosts, n_min: int, n_max: int, steps: int, ckpt: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [PY, "-m", "mcclctl", "run", "--min", str(n_min), "--max", str(n_max), *hosts.args,
-         "--submit-key-file", str(hosts.key), "--env", "OMP_NUM_THREADS=1", "--env", f"STEPS={steps}",
-         "--env", f"CKPT={ckpt}", "--env", "CKPT_EVERY=10", "--", "python", str(SCRIPT)],
-        cwd=hosts.root, env={**os.environ, "MCCL_FLEET_KEY": FLEET_KEY},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 @pytest.fixture
@@ -98,8 +41,7 @@ def _finish(run, hosts, watch: Watch | None = None) -> None:
 
 
 def _report(watch: Watch) -> str:
-    return (f"priority lowered {watch.lowered - watch.touched:.2f} s and job processes gone "
-            f"{watch.gone - watch.touched:.2f} s after the user's return")
+    return watch.report()
 
 
 def test_a_plain_script_is_removed_from_a_reclaimed_host_and_finishes_on_the_others(tmp_path, grace):
