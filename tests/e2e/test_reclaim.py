@@ -8,15 +8,17 @@ finishes on the others."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import subprocess
 import threading
 import time
 
 import pytest
 
 from support.daemon import stop_process
-from support.elastic import job_pids, run_elastic, start_hosts, steps_of
+from support.elastic import FLEET_KEY, PY, job_pids, run_elastic, start_hosts, steps_of
 from support.reclaim import COUNT_LINE, SCRIPT, Watch, run_plain
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")]
@@ -38,6 +40,16 @@ def _finish(run, hosts, watch: Watch | None = None) -> None:
         stop_process(run)
         run.stdout.close()
     hosts.stop()
+
+
+def _capacity(hosts, name: str) -> dict:
+    """``mcclctl capacity --json``'s harvest object of host ``name``."""
+    out = subprocess.run([PY, "-m", "mcclctl", "capacity", "--json", *hosts.args], capture_output=True, text=True,
+                         env={**os.environ, "MCCL_FLEET_KEY": FLEET_KEY}, timeout=60)
+    for d in json.loads(out.stdout)["daemons"]:
+        if d["capacity"] and d["capacity"].get("host") == name:
+            return d["capacity"]["harvest"]
+    raise AssertionError(f"no capacity of {name}: {out.stdout}{out.stderr}")
 
 
 def _report(watch: Watch) -> str:
@@ -66,6 +78,10 @@ def test_a_plain_script_is_removed_from_a_reclaimed_host_and_finishes_on_the_oth
         counted = [(int(s), int(w)) for s, w in COUNT_LINE.findall(text)]
         assert counted[-1] == (79, 2), text             # the run ended in the smaller world
         assert {s for s, _ in counted} == set(range(80)), text
+        # What the user and the fleet's operator see afterwards: how long the hand-back took.
+        h3 = _capacity(hosts, "h3")
+        assert h3["state"] == "busy" and h3["last_reclaim"]["how"] == "removed", h3
+        assert h3["last_reclaim"]["seconds"] <= grace + 10.0, h3
         print(_report(watch))
     finally:
         _finish(run, hosts, watch)
