@@ -5,7 +5,8 @@
 - idle: no user input for MCCL_IDLE_AFTER seconds: the fleet may lease the host;
 - leased: idle, and a job runs on the daemon;
 - draining: leased, and the user came back (or the harvest window closed): the running
-  jobs finish, no new lease; once they end, busy.
+  jobs leave, at a step boundary or removed when MCCL_RECLAIM_GRACE runs out (reclaim.py),
+  no new lease; once they are gone, busy.
 
 Hysteresis: entering idle takes MCCL_IDLE_AFTER seconds without input, leaving it takes
 fresh input, so the state cannot flap around the threshold; after draining, the host must
