@@ -90,9 +90,12 @@ class HarvestPolicy:
         """Feed one sample and the number of running jobs; the new state, or None if unchanged."""
         ok, why = self.harvestable(activity, now)
         state = self.state
-        if state in ("busy", "idle"):
+        if state == "busy":
             new = ("leased" if jobs else "idle") if ok else "busy"
-        elif state == "leased":
+        elif state in ("idle", "leased"):
+            # An idle host with jobs is leased even before a sample said so: a job leased at the
+            # start of a poll interval and the user back before its end must drain (and be
+            # removed by the reclaim deadline), not turn busy and keep the job at full size.
             new = ("leased" if jobs else "idle") if ok else ("draining" if jobs else "busy")
         else:  # draining: only the jobs' end moves it, to busy; a new lease needs a new idle spell
             new = "draining" if jobs else "busy"
