@@ -111,12 +111,6 @@ def test_an_elastic_script_still_leaves_at_its_step_boundary_without_a_restart(t
         _finish(run, hosts, watch)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "host side fixed (the user's return before the first harvest sample of the lease drains the host, "
-    "tests/daemon/test_harvest.py); but when the removal lands while the workers of the first round are "
-    "still in init_process_group, the survivors' restarted workers disagree on the workers' store "
-    "(one waits for rank 1's address, the other for rank 0 to connect) at every restart: seen in 2 of 3 "
-    "runs on 2 cores; a rendezvous (libmccl/elastic_rdzv.py) bug for its owner, not fixed on this branch"))
 def test_a_user_back_during_start_up_gets_the_host_back_and_the_job_runs_on_the_others(tmp_path, grace):
     hosts = start_hosts(tmp_path, ["h1", "h2", "h3"])
     run, watch = None, Watch("h3", str(SCRIPT))
