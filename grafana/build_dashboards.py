@@ -192,6 +192,17 @@ def harvest_panels(L: Layout) -> list[dict]:
         panel(L, "timeseries", "Time since user input", [
             (f"max by (instance) (mccl_host_idle_seconds{{{INST}}}) {HOSTNAME}", "{{hostname}}")],
             unit="s", w=24, description="A host becomes idle after MCCL_IDLE_AFTER seconds without input"),
+        panel(L, "timeseries", "Hand-back to the user (reclaim latency)", [
+            (f"histogram_quantile({q}, sum by (le) (mccl_reclaim_seconds_bucket{{{INST}}}))", f"p{round(q * 100)}")
+            for q in (0.5, 0.99)] + [
+            (f"histogram_quantile(0.99, sum by (le, how) (mccl_reclaim_seconds_bucket{{{INST}}}))",
+             "p99 {{how}}")], unit="s", w=18,
+            description="Seconds from a host's user coming back to the host free of job processes, over the "
+                        "hand-backs since the daemons started. left: the jobs left at a step boundary (or "
+                        "ended); removed: MCCL_RECLAIM_GRACE ran out (the promise: grace + 10 s at most)"),
+        panel(L, "stat", "Hand-backs by outcome", [
+            (f"sum by (how) (mccl_reclaim_seconds_count{{{INST}}})", "{{how}}")], w=6, instant=True,
+            description="How many times a host was handed back to its user, since the daemons started"),
     ]
 
 

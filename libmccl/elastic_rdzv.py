@@ -435,6 +435,7 @@ class MCCLRendezvousHandler(DynamicRendezvousHandler):
         # The workers of the last round stopped: a new round answers the request.
         self._join_asked = None
         _remove(self.reform_file)
+        self._forget_workers_store()
         try:
             info = super().next_rendezvous()
         except (RendezvousJoinTimeout, RendezvousClosed, RendezvousUnreachable):
@@ -461,6 +462,20 @@ class MCCLRendezvousHandler(DynamicRendezvousHandler):
                   self.settings.run_id, info.rank, info.world_size, self._this_node.addr,
                   time.monotonic() - started, self.anchor, ", served here" if self.serves_anchor else "")
         return info
+
+    def _forget_workers_store(self) -> None:
+        """torch keeps the workers' store address of this handler's first round: a host that
+        was not rank 0 then reads it once and uses it in every later round. When that round's
+        rank 0 left (its user came back and mccld removed the job), its store is gone, or it
+        now runs a store nobody else uses: the workers of the next rounds waited in
+        init_process_group on two different stores, timed out, and restarted into the same
+        split again and again (issue 25: a host reclaimed while the first round's workers
+        started). Forgetting it makes every round's rank 0 serve a store and publish it, and
+        every other host read it again (private torch fields: absent on other versions)."""
+        if hasattr(self, "_bootstrap_store_info"):
+            self._bootstrap_store_info = None
+        if hasattr(self, "_shared_tcp_store_server"):
+            self._shared_tcp_store_server = None
 
     def shutdown(self) -> bool:
         _remove(self.reform_file)

@@ -141,7 +141,13 @@ class DaemonConfig:
         "(touch it from a login hook or a script); empty: none")
     harvest_poll_s: float = setting(
         "MCCL_HARVEST_POLL", 5.0, "seconds",
-        "harvesting: how often the daemon samples user activity and re-evaluates the harvest state")
+        "harvesting: how often the daemon samples user activity and re-evaluates the harvest state; at most every "
+        "1 s while a job runs here, so its processes yield within a second of the user's return")
+    reclaim_grace_s: float = setting(
+        "MCCL_RECLAIM_GRACE", 60.0, "seconds",
+        "harvesting: once the host's user is back, a job still running here after this long is removed "
+        "(SIGTERM, SIGKILL 5 s later) and the host handed back; libmccl.elastic jobs leave at their next "
+        "step long before")
 
     def harvest_window(self) -> tuple[int, int] | None:
         """MCCL_HARVEST_HOURS as (start hour, end hour), end exclusive; None: any hour."""
@@ -175,6 +181,7 @@ class DaemonConfig:
                  "must be positive")
         _require(self.idle_after_s > 0, "MCCL_IDLE_AFTER", self.idle_after_s, "must be positive")
         _require(self.harvest_poll_s > 0, "MCCL_HARVEST_POLL", self.harvest_poll_s, "must be positive")
+        _require(self.reclaim_grace_s >= 0, "MCCL_RECLAIM_GRACE", self.reclaim_grace_s, "must not be negative")
         self.harvest_window()
         _require(bool(self.fleet) and all(c.isalnum() or c in "-_." for c in self.fleet),
                  "MCCL_FLEET", self.fleet, "use letters, digits, '-', '_' or '.'")

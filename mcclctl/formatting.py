@@ -85,7 +85,7 @@ def status_row(host: str, status: dict | None, error: str | None, our_version: s
         status.get("address") or NA,
         version,
         status.get("state") or NA,
-        (status.get("harvest") or {}).get("state") or NA,
+        harvest_state(status.get("harvest")),
         f"{len(jobs)}/{ranks}",
         f"{status.get('links_up', 0)}/{status.get('links_total', 0)}",
         human_bits_rate(_bits(status.get("tx_bytes_per_s"))),
@@ -95,9 +95,41 @@ def status_row(host: str, status: dict | None, error: str | None, our_version: s
     ]
 
 
+def harvest_state(h: dict | None) -> str:
+    """The harvest state, with the reclaim deadline while draining: "draining (leaves in 42 s)"."""
+    if not h or not h.get("state"):
+        return NA
+    if h["state"] == "draining" and h.get("leaves_in_s") is not None:
+        return f"draining (leaves in {h['leaves_in_s']:.0f} s)"
+    return h["state"]
+
+
+RECLAIM_HOW = {"left": "its jobs left or ended by themselves", "removed": "its jobs were removed at MCCL_RECLAIM_GRACE"}
+
+
+def reclaim_notes(hosts: Iterable[tuple[str, dict | None]], now: float | None = None) -> list[str]:
+    """Lines under a status or capacity table: why a host drains and when it will be free, and
+    how long the last hand-back to its user took (``now`` given: how long ago)."""
+    lines = []
+    for host, h in hosts:
+        if not h:
+            continue
+        if h.get("state") == "draining":
+            lines.append(f"{host}: {harvest_state(h)}: {h.get('reason') or 'its user is back'}")
+        last = h.get("last_reclaim")
+        if last and last.get("seconds") is not None:
+            ago = f", {human_duration(max(0.0, now - last['at']))} ago" if now is not None and last.get("at") else ""
+            lines.append(f"{host}: handed back to its user in {last['seconds']:.1f} s "
+                         f"({RECLAIM_HOW.get(last.get('how'), last.get('how'))}{ago})")
+    return lines
+
+
 def status_table(rows: list[tuple[str, dict | None, str | None]], our_version: str,
                  warnings: Sequence[str] = ()) -> str:
     text = table(STATUS_HEADERS, [status_row(h, s, e, our_version) for h, s, e in rows])
+    notes = reclaim_notes([(s.get("host") or h, s.get("harvest")) for h, s, _ in rows if s is not None])
+    if notes:
+        text += "\n" + "\n".join(notes)
     if warnings:
         text += "\n" + "\n".join(f"warning: {w}" for w in warnings)
     return text
@@ -191,7 +223,7 @@ def capacity_row(host: str, cap: dict | None, error: str | None, now: float) -> 
     since = h.get("since")
     return [
         cap.get("host") or host,
-        h.get("state") or NA,
+        harvest_state(h),
         NA if since is None else human_duration(max(0.0, now - since)),
         human_duration(h.get("idle_s")),
         NA if cap.get("cores") is None else str(cap["cores"]),
@@ -220,6 +252,9 @@ def harvestable_totals(caps: Iterable[dict]) -> dict:
 def capacity_table(rows: list[tuple[str, dict | None, str | None]], now: float,
                    warnings: Sequence[str] = ()) -> str:
     text = table(CAPACITY_HEADERS, [capacity_row(h, c, e, now) for h, c, e in rows])
+    notes = reclaim_notes([(c.get("host") or h, c.get("harvest")) for h, c, _ in rows if c is not None], now)
+    if notes:
+        text += "\n" + "\n".join(notes)
     t = harvestable_totals(c for _, c, _ in rows if c is not None)
     devices = ", ".join(f"{n} x {kind}" for kind, n in sorted(t["devices"].items())) or "none"
     text += (f"\nharvestable now: {len(t['hosts'])} of {len(rows)} hosts, {t['cores']} cores, "

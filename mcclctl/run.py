@@ -212,12 +212,15 @@ def open_lease(h: Host, submit_key: bytes, request: dict) -> Lease:
 def run_job(hosts: list[Host], submit_key: bytes, request: dict, out: Callable[[str, str, str], None],
             on_event: Callable[[str, str, Any], None] | None = None,
             elastic: bool = False, recruiter: Recruiter | None = None,
-            check: Callable[[], None] | None = None) -> dict[str, int | str]:
+            check: Callable[[], None] | None = None, n_min: int = 1) -> dict[str, int | str]:
     """Leases every host, streams until each exits; returns host -> exit code, or why it is out
     ("left after step N": drained; "lease lost: ..."). A lost lease ends the job everywhere,
     unless ``elastic``: then the others' torchruns re-form without that host. A ``recruiter``
     (elastic runs below their maximum) adds the idle hosts it leases while the job runs;
-    ``check`` is called on every turn and ends the job by raising (the anchor died)."""
+    ``check`` is called on every turn and ends the job by raising (the anchor died). A host
+    handed back to its user (it left, or its mccld removed the job: "reclaimed") that leaves
+    fewer than ``n_min`` hosts ends the job everywhere, saying so, rather than leaving the others
+    waiting for a world that cannot form."""
     leases: dict[str, Lease] = {}
     results: dict[str, int | str] = {}
     errors: dict[str, BaseException] = {}
@@ -283,8 +286,17 @@ def run_job(hosts: list[Host], submit_key: bytes, request: dict, out: Callable[[
                     out(name, event, str(data))
                 elif event == "left":
                     results[name] = f"left after step {(data or {}).get('step')}"
+                    _handed_back(name, live, n_min, results[name])
                     out(name, "err", f"[mcclctl] left after step {(data or {}).get('step')} (its user is back); "
                                      "the job goes on without it")
+                elif event == "reclaimed":
+                    results[name] = "reclaimed by its user"
+                    _handed_back(name, live, n_min, results[name])
+                    out(name, "err", "[mcclctl] reclaimed: its user is back and the job did not leave within "
+                                     "MCCL_RECLAIM_GRACE, so its mccld removed it; the job goes on without this "
+                                     "host (a script without libmccl.elastic restarts from its own last checkpoint)")
+                    if recruiter is not None:
+                        recruiter.avoid(name)
                 elif event == "exit":
                     code = int((data or {}).get("code", -1))
                     if name in results:
@@ -328,6 +340,16 @@ def run_job(hosts: list[Host], submit_key: bytes, request: dict, out: Callable[[
     if recruiter is not None:
         _cancel({h.name: lease for h, lease in recruiter.stop()})
     return results
+
+
+def _handed_back(name: str, live: dict, n_min: int, why: str) -> None:
+    """Raises if the hosts that stay are too few for the job (``--min``)."""
+    remaining = len([n for n in live if n != name])
+    if remaining < n_min:
+        raise MCCLError(f"[mcclctl] {name} was handed back to its user ({why}); {remaining} host(s) remain and the "
+                        f"job needs at least {n_min} (--min), so it cannot go on; resubmit it when hosts are idle "
+                        "(mcclctl capacity), or with a lower --min. A script that keeps checkpoints resumes from "
+                        "its last one")
 
 
 def _cancel(leases: dict[str, Lease]) -> None:
@@ -397,7 +419,7 @@ def cmd_run(args) -> int:
         try:
             results = run_job(chosen, submit_key, request,
                               lambda host, stream, line: _print_line(args.json, width, host, stream, line),
-                              elastic=n_min < n_max, recruiter=recruiter, check=anchor.check)
+                              elastic=n_min < n_max, recruiter=recruiter, check=anchor.check, n_min=n_min)
         except KeyboardInterrupt:
             say("cancelled", {"message": "interrupted: every host's job was stopped"})
             return 130

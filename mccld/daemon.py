@@ -33,6 +33,7 @@ from .gate import Gate
 from .harvest import Harvester
 from .jobs import Job
 from .launcher import LaunchServer
+from .reclaim import ReclaimWatch
 from .links import LinkManager
 from .reduce import ReducePool
 
@@ -86,6 +87,7 @@ class Daemon:
         self._running_jobs = 0              # last count the harvester was told about
         self._servers: list[Any] = []
         self.launcher: LaunchServer | None = None
+        self.reclaim = ReclaimWatch(cfg.reclaim_grace_s, self._record_reclaim)
         self.jobs: dict[str, Job] = {}
         self.clients: dict[bytes, dict[str, Any]] = {}   # ident -> {pid, memberships: {(job, rank)}}
         self._lock = threading.RLock()
@@ -575,10 +577,11 @@ class Daemon:
         return attached + (launcher.running() if launcher is not None else 0)
 
     def _on_harvest(self, snapshot: dict[str, Any], changed: bool) -> None:
-        self._stat("set_harvest", snapshot)
         launcher = self.launcher   # read once: stop() may clear it
         if changed and snapshot["state"] == "draining" and launcher is not None:
             launcher.drain()
+        snapshot = {**snapshot, **self.reclaim.update(snapshot, changed, launcher)}
+        self._stat("set_harvest", snapshot)
         advertiser = self.advertiser   # read once: stop() may clear it (set_harvest re-announces on change only)
         if advertiser is not None:
             advertiser.set_harvest(snapshot["state"])
@@ -615,7 +618,12 @@ class Daemon:
         harvester = self.harvester   # read once: stop() may clear it
         if harvester is None:
             raise MCCLError("[daemon] mccld is stopping; no harvest state to report")
-        return {**host_facts(), "harvest": harvester.snapshot(), "history": harvester.history_records()}
+        harvest = harvester.snapshot()
+        harvest.update(self.reclaim.fields(harvest["state"]))
+        return {**host_facts(), "harvest": harvest, "history": harvester.history_records()}
+
+    def _record_reclaim(self, seconds: float, how: str) -> None:
+        self._stat("record_reclaim", seconds, how)
 
     def status_provider(self) -> dict[str, Any]:
         """What only the daemon knows (docs/dev/interfaces.md §4); the status server adds stats."""

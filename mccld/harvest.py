@@ -5,7 +5,8 @@
 - idle: no user input for MCCL_IDLE_AFTER seconds: the fleet may lease the host;
 - leased: idle, and a job runs on the daemon;
 - draining: leased, and the user came back (or the harvest window closed): the running
-  jobs finish, no new lease; once they end, busy.
+  jobs leave, at a step boundary or removed when MCCL_RECLAIM_GRACE runs out (reclaim.py),
+  no new lease; once they are gone, busy.
 
 Hysteresis: entering idle takes MCCL_IDLE_AFTER seconds without input, leaving it takes
 fresh input, so the state cannot flap around the threshold; after draining, the host must
@@ -38,6 +39,7 @@ from .logutil import OnceLogger
 
 log = logging.getLogger(__name__)
 
+JOB_POLL_S = 1.0            # poll at least this often while a job runs: its processes yield within it
 AWAY_AFTER_S = 60.0         # screen locked / nobody at the console: idle after this much quiet
 HISTORY_NAME = "harvest-history.jsonl"
 HISTORY_MAX_BYTES = 64 << 10    # ~1000 transitions, weeks of a normal desk; compacted to half past it
@@ -88,9 +90,12 @@ class HarvestPolicy:
         """Feed one sample and the number of running jobs; the new state, or None if unchanged."""
         ok, why = self.harvestable(activity, now)
         state = self.state
-        if state in ("busy", "idle"):
+        if state == "busy":
             new = ("leased" if jobs else "idle") if ok else "busy"
-        elif state == "leased":
+        elif state in ("idle", "leased"):
+            # An idle host with jobs is leased even before a sample said so: a job leased at the
+            # start of a poll interval and the user back before its end must drain (and be
+            # removed by the reclaim deadline), not turn busy and keep the job at full size.
             new = ("leased" if jobs else "idle") if ok else ("draining" if jobs else "busy")
         else:  # draining: only the jobs' end moves it, to busy; a new lease needs a new idle spell
             new = "draining" if jobs else "busy"
@@ -261,7 +266,7 @@ class Harvester:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self._poke.wait(self._cfg.harvest_poll_s)
+            self._poke.wait(self._interval())
             self._poke.clear()
             if self._stop.is_set():
                 return
@@ -269,6 +274,15 @@ class Harvester:
                 self.tick()
             except Exception:  # noqa: BLE001 - the monitor must survive anything
                 log.exception("[harvest] evaluating the harvest state failed")
+
+    def _interval(self) -> float:
+        """A host with jobs is sampled often enough that its user gets it back within a second
+        of touching it; an idle or busy one no more than MCCL_HARVEST_POLL asks."""
+        try:
+            jobs = self._jobs()
+        except Exception:  # noqa: BLE001 - the count is only a hint for the poll interval
+            jobs = 0
+        return min(self._cfg.harvest_poll_s, JOB_POLL_S) if jobs else self._cfg.harvest_poll_s
 
     def tick(self) -> None:
         activity = self._monitor.sample()

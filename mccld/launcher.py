@@ -13,7 +13,9 @@ its workers), then SIGKILL after STOP_GRACE_S.
 Draining (the host's user is back): ``drain`` creates each job's MCCL_DRAIN_FILE; a job that
 uses libmccl.elastic saves at its next step boundary and its ranks here exit; once they wrote
 the ".left" file the lease reports "left" and torchrun is stopped, leaving the run to the
-other hosts (docs/elastic.md).
+other hosts (docs/elastic.md). A job that has not left when MCCL_RECLAIM_GRACE runs out is
+removed (``reclaim_after``, reclaim.py); while the user is here the jobs run at background
+priority (``background``).
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ from mccl_common.status_protocol import IO_TIMEOUT_S, MAX_PREAUTH_LINE, Conn, HA
 from . import launch_identity
 from .gate import REWARN_S, Gate, Ticket
 from .logutil import OnceLogger
+from .priority import Background
+from .proctree import JobTree
+from .reclaim import Removal
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +106,9 @@ class LaunchServer:
         self._drain_files: dict[str, Path] = {}         # lease id -> the file that tells its job to leave
         self._conns: set[threading.Thread] = set()
         self._once = OnceLogger(log, rewarn_s=REWARN_S)   # keyed by peer address, not connection
+        self._reclaim_due: dict[str, float] = {}        # drain file -> monotonic deadline of its job
+        self._background = Background()
+        self.removed = 0                                # jobs removed at their reclaim deadline
 
     @property
     def port(self) -> int:
@@ -132,6 +140,42 @@ class LaunchServer:
         if files:
             log.warning("[launch] draining: %d job(s) told to leave this host at their next step", len(files))
         return len(files)
+
+    def background(self) -> int:
+        """The host's user is here: every job's processes to background priority; how many."""
+        with self._lock:
+            roots = [p.pid for p in self._jobs.values() if p.poll() is None]
+        return self._background.lower([pid for root in roots for pid in JobTree(root).scan()])
+
+    def reclaim_after(self, grace_s: float) -> int:
+        """Every running job that has not left ``grace_s`` from now is removed (its lease
+        ends); returns how many got the deadline."""
+        deadline = time.monotonic() + grace_s
+        with self._lock:
+            files = [str(f) for f in self._drain_files.values()]
+            for f in files:
+                self._reclaim_due.setdefault(f, deadline)
+        return len(files)
+
+    def _reclaim_check(self, drain_file: Path, job: "_Job", send, name: str, announced: bool) -> bool:
+        """Called on every turn of a lease's pump: past the job's reclaim deadline, starts its
+        removal (and tells the client, unless the job already said it left); True once it is
+        being removed."""
+        if job.removal is not None:
+            job.removal.tick()
+            return True
+        with self._lock:
+            due = self._reclaim_due.get(str(drain_file))
+        if due is None or time.monotonic() < due:
+            return False
+        log.warning("[launch] job %s did not leave within MCCL_RECLAIM_GRACE: removing it from this host", name)
+        job.removal = Removal(JobTree(job.proc.pid))
+        with self._lock:
+            self.removed += 1
+        if not announced:
+            send("reclaimed", {"host": self._host_id, "why": "its user is back and the job did not leave at a "
+                               "step boundary within MCCL_RECLAIM_GRACE"})
+        return True
 
     def start(self) -> "LaunchServer":
         if self._sock is not None:
@@ -270,6 +314,7 @@ class LaunchServer:
             with self._lock:
                 self._jobs.pop(lease_id, None)
                 self._drain_files.pop(lease_id, None)
+                self._reclaim_due.pop(str(drain_file), None)
             _remove(drain_file)
             _remove(Path(str(drain_file) + LEFT_SUFFIX))
             shutil.rmtree(_job_dir(drain_file), ignore_errors=True)
@@ -346,6 +391,8 @@ class LaunchServer:
                         proc.send_signal(signal.SIGTERM)
                     except ProcessLookupError:
                         pass
+                if self._reclaim_check(drain_file, job, send, name, told_left):
+                    told_left = True
                 if proc.poll() is not None and lines.empty():
                     exited = exited or time.monotonic()
                     # Something outside the session may hold the pipes open: the exit counts anyway.
@@ -402,6 +449,7 @@ class _Job:
         for t in self.readers:
             t.start()
         self._stopped = False
+        self.removal: Removal | None = None     # set once the reclaim deadline ends the job
 
     def stop(self) -> None:
         """SIGTERM to the job's whole session, SIGKILL after the grace; reaps it. Idempotent:
@@ -418,6 +466,8 @@ class _Job:
                 pass
         # Workers torchrun left behind (it was killed, or they ignore SIGTERM) share its session.
         _signal_group(proc.pid, signal.SIGKILL)
+        if self.removal is not None:
+            self.removal.finish()   # workers in sessions of their own: the host is free of the job
         try:
             proc.wait(timeout=5.0)
         except subprocess.TimeoutExpired:

@@ -67,6 +67,7 @@ class StatsCollector(Collector):
         snap = self._stats.snapshot()
         yield from self._host_metrics(snap)
         yield from self._harvest_metrics(snap.get("harvest"), self._presence)
+        yield from self._reclaim_metrics(snap)
         yield from self._collective_metrics(snap)
         yield from self._peer_metrics(snap)
         yield from self._job_metrics(snap)
@@ -156,6 +157,16 @@ class StatsCollector(Collector):
             yield GaugeMetricFamily("mccl_harvestable_seconds_per_night", "Mean seconds per night (noon to "
                                     "noon) the host was idle or leased, over the recent nights",
                                     value=harvest["harvestable_s_per_night"])
+
+    @staticmethod
+    def _reclaim_metrics(snap: dict) -> Iterable[Metric]:
+        bounds = [_fmt_bound(b) for b in snap["reclaim_buckets_s"]] + ["+Inf"]
+        hist = HistogramMetricFamily("mccl_reclaim_seconds", "Seconds from the host's user coming back to the "
+                                     "host free of job processes, by how the jobs went (left at a step "
+                                     "boundary or ended; removed at MCCL_RECLAIM_GRACE)", labels=["how"])
+        for how, h in sorted(snap["reclaims"].items()):
+            hist.add_metric([how], list(zip(bounds, h["cumulative"] + [h["count"]])), h["sum_s"])
+        yield hist
 
     def _collective_metrics(self, snap: dict) -> Iterable[Metric]:
         bounds = [_fmt_bound(b) for b in snap["duration_buckets_s"]] + ["+Inf"]

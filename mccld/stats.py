@@ -40,6 +40,13 @@ _SIZE_BOUNDS = [b for _, b in SIZE_BUCKETS]
 
 STATES = ("idle", "training")
 
+# Upper bounds (seconds) of the reclaim-latency histogram: the user's return to the host free of
+# job processes. A step-boundary leave takes seconds; a removal MCCL_RECLAIM_GRACE (60 s) plus
+# up to 10 s; the top bounds catch a grace set longer.
+RECLAIM_BUCKETS_S: tuple[float, ...] = (1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 45.0, 60.0, 70.0, 90.0, 120.0,
+                                        300.0, 600.0)
+RECLAIM_HOW = ("left", "removed")
+
 # Seconds of recent activity that the bus-bandwidth gauge and per-peer rates average over.
 BUSBW_WINDOW_S = 10.0
 # A job (or a rank of it) that reported nothing for this long is dropped from the
@@ -149,6 +156,7 @@ class DaemonStats:
         self._attached = 0
         self._state = "idle"
         self._harvest: dict[str, Any] | None = None   # None: no harvest monitor feeds these stats
+        self._reclaims: dict[str, list] = {}            # how -> [counts per bucket (+ overflow), sum s]
         self._version = mccl_version()
 
     # ---- writers (hot path) -------------------------------------------------------
@@ -277,6 +285,15 @@ class DaemonStats:
         with self._lock:
             self._harvest = dict(harvest)
 
+    def record_reclaim(self, seconds: float, how: str) -> None:
+        """One hand-back of the host to its user that took ``seconds``; ``how`` in RECLAIM_HOW."""
+        if how not in RECLAIM_HOW:
+            raise ValueError(f"[stats] unknown reclaim outcome {how!r}; expected one of {RECLAIM_HOW}")
+        with self._lock:
+            h = self._reclaims.setdefault(how, [[0] * (len(RECLAIM_BUCKETS_S) + 1), 0.0])
+            h[0][bisect.bisect_left(RECLAIM_BUCKETS_S, seconds)] += 1
+            h[1] += seconds
+
     def forget_peer(self, peer: str) -> None:
         """Drop a peer that left the fleet for good (its series disappear)."""
         with self._lock:
@@ -327,6 +344,9 @@ class DaemonStats:
                 "harvest": dict(self._harvest) if self._harvest is not None else None,
                 "attached": self._attached,
                 "duration_buckets_s": list(DURATION_BUCKETS_S),
+                "reclaim_buckets_s": list(RECLAIM_BUCKETS_S),
+                "reclaims": {how: {"cumulative": _cumulative(h[0])[:-1], "count": sum(h[0]), "sum_s": h[1]}
+                             for how, h in self._reclaims.items()},
                 "collectives": collectives,
                 "ops": ops,
                 "peers": peers,
@@ -358,3 +378,11 @@ class DaemonStats:
     def _trim(window: deque, now: float) -> None:
         while window and window[0][0] < now - BUSBW_WINDOW_S:
             window.popleft()
+
+
+def _cumulative(counts: list[int]) -> list[int]:
+    out, acc = [], 0
+    for c in counts:
+        acc += c
+        out.append(acc)
+    return out

@@ -327,3 +327,19 @@ def test_capacity_command_json_and_table(fleet_of_two, tmp_path, capsys):
         assert out[-1].startswith("harvestable now: 1 of 2 hosts, 8 cores")
     finally:
         srv.stop()
+
+
+@pytest.mark.timeout(10)
+def test_a_draining_host_says_when_it_leaves_why_and_how_long_the_last_hand_back_took():
+    cap = capacity("pc1", "draining")
+    cap["harvest"].update({"leaves_in_s": 42.4, "reason": "1 job(s) finishing; user input 0 s ago",
+                           "last_reclaim": {"seconds": 66.2, "how": "removed", "at": 900.0}})
+    assert fmt.capacity_row("pc1", cap, None, now=1000.0)[1] == "draining (leaves in 42 s)"
+    text = fmt.capacity_table([("pc1", cap, None)], now=1000.0)
+    assert "pc1: draining (leaves in 42 s): 1 job(s) finishing; user input 0 s ago" in text
+    assert ("pc1: handed back to its user in 66.2 s (its jobs were removed at MCCL_RECLAIM_GRACE, 1m 40s ago)"
+            in text)
+    status = {"host": "pc1", "harvest": cap["harvest"]}
+    assert fmt.status_row("pc1", status, None, "0.1.0")[4] == "draining (leaves in 42 s)"
+    assert "pc1: handed back to its user in 66.2 s" in fmt.status_table([("pc1", status, None)], "0.1.0")
+    assert fmt.harvest_state({"state": "leased", "leaves_in_s": None}) == "leased"

@@ -101,3 +101,30 @@ def test_an_elastic_job_goes_on_without_a_silent_or_failed_host(leases):
     assert results["h2"].startswith("lease lost: no word from its mccld"), results
     assert run.job_outcome(results) == 0
     assert any(h == "h2" and "the job goes on without it" in line for h, line in lines), lines
+
+
+def test_a_reclaimed_host_leaves_an_elastic_job_that_goes_on_without_it(leases):
+    lines, turns = [], [0]
+
+    def talk():
+        turns[0] += 1
+        if turns[0] == 1:
+            leases["h3"].say("reclaimed", {"host": "h3", "why": "its user is back"})
+            leases["h3"].say("exit", {"code": -15})                # its torchrun stopping: not a failure
+        elif turns[0] == 3:
+            leases["h1"].say("exit", {"code": 0})
+            leases["h2"].say("exit", {"code": 0})
+    results = run.run_job(_hosts("h1", "h2", "h3"), b"k", {}, lambda h, s, line: lines.append((h, line)),
+                          elastic=True, check=talk, n_min=2)
+    assert results == {"h1": 0, "h2": 0, "h3": "reclaimed by its user"}, results
+    assert run.job_outcome(results) == 0
+    assert any(h == "h3" and "[mcclctl] reclaimed" in line for h, line in lines), lines
+
+
+@pytest.mark.parametrize("event, data", [("reclaimed", {"host": "h2"}), ("left", {"step": 7})])
+def test_a_host_handed_back_below_min_ends_the_job_everywhere_saying_why(leases, event, data):
+    with pytest.raises(run.MCCLError, match=r"h2 was handed back to its user .*1 host\(s\) remain and the job "
+                                            r"needs at least 2 \(--min\)"):
+        run.run_job(_hosts("h1", "h2"), b"k", {}, lambda h, s, line: None,
+                    elastic=False, check=lambda: leases["h2"].say(event, data), n_min=2)
+    assert leases["h1"].cancelled and leases["h2"].cancelled

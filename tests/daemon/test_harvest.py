@@ -55,6 +55,15 @@ def test_policy_walks_busy_idle_leased_draining_busy():
 
 
 @pytest.mark.timeout(10)
+def test_policy_a_job_leased_between_two_samples_drains_when_the_user_is_back():
+    p = HarvestPolicy(idle_after_s=900)
+    assert p.update(here(1000), jobs=0, now=1000) == "idle"
+    # The lease started after that sample; the next one already sees the user (issue 25: a
+    # user back during the job's start-up got "busy", and the job ran on at full size).
+    assert p.update(here(0.5), jobs=1, now=1001) == "draining"
+    assert p.update(here(0.5), jobs=0, now=1010) == "busy"
+
+
 def test_policy_busy_host_with_a_job_goes_straight_to_leased_and_back_to_busy_without_jobs():
     p = HarvestPolicy(idle_after_s=60, hour_of=utc_hour)
     assert p.update(here(10), jobs=1, now=10) is None                # the user's own job: busy

@@ -174,6 +174,9 @@ def test_every_dashboard_query_returns_data_and_counters_match_the_workload(tmp_
     harvesters: list[Harvester] = []
     try:
         harvesters = [start_harvester(r, tmp_path) for r in ranks]
+        # Each host was handed back to its user once: rank 0's job left, rank 1's was removed.
+        ranks[0].stats.record_reclaim(3.5, "left")
+        ranks[1].stats.record_reclaim(64.0, "removed")
         for s in status + metrics:
             s.start()
         from mccld.status_server import query

@@ -17,7 +17,7 @@ from support.ranks import free_port
 
 PY = sys.executable
 REPO = Path(__file__).resolve().parents[2]
-FLEET_KEY = "test-key-" + "x" * 32
+FLEET_KEY = "test-key-" + "x" * 32     # key_material refuses keys under 32 bytes
 STEP_LINE = re.compile(r"step (\d+) loss ([0-9.]+) world (\d+)")
 
 
