@@ -144,14 +144,17 @@ def test_the_fleet_key_alone_cannot_start_jobs(tmp_path, monkeypatch):
 
 
 def _raw_request(srv: LaunchServer, body: str) -> dict:
-    """Sends ``body`` with a valid MAC, bypassing LaunchRequest's own checks, as a hostile client could."""
-    from mccl_common.launch_protocol import request_mac
+    """Sends ``body`` sealed under the submit key, bypassing LaunchRequest's own checks, as a
+    hostile client holding the key could; returns the first event, opened."""
+    from mccl_common.launch_protocol import Channel
     from mccl_common.status_protocol import Conn
     with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
         conn = Conn(s, "test")
         hello = conn.recv("hello")
-        conn.send({"body": body, "cnonce": "c1", "mac": request_mac(KEY, hello["nonce"], hello["host"], "c1", body)})
-        return conn.recv("answer")
+        chan = Channel(KEY, hello["nonce"], hello["host"], "c1")
+        conn.send(chan.seal_request(body))
+        event, data = chan.open_event(conn.recv("answer"))
+        return {"event": event, "data": data}
 
 
 @pytest.mark.parametrize("body, why", [
@@ -220,8 +223,9 @@ def test_torchrun_command_runs_python_programs_in_mcclds_interpreter(tmp_path):
 
 
 def test_a_forged_event_is_caught_by_the_client(tmp_path):
-    """The server's events are sealed: a message altered on the way fails the MAC check."""
-    from mccl_common.launch_protocol import PROTO, sealed
+    """The server's events are sealed: a message altered on the way fails to open."""
+    import base64
+    from mccl_common.launch_protocol import PROTO, Channel
     from mccl_common.status_protocol import Conn
     with socket.socket() as lst:
         lst.bind(("127.0.0.1", 0))
@@ -236,8 +240,10 @@ def test_a_forged_event_is_caught_by_the_client(tmp_path):
             t = threading.Thread(target=lambda: box.setdefault("r", _expect_auth_error(lz, tmp_path)))
             t.start()
             req = conn.recv("request")
-            msg = sealed(KEY, req["cnonce"], "n1", 0, "started", {"host": "fake", "pid": 1})
-            msg["data"]["pid"] = 2      # altered on the way
+            msg = Channel(KEY, "n1", "fake", req["cnonce"]).seal_event("started", {"host": "fake", "pid": 1})
+            sealed_box = bytearray(base64.b64decode(msg["box"]))
+            sealed_box[len(sealed_box) // 2] ^= 1     # altered on the way
+            msg["box"] = base64.b64encode(bytes(sealed_box)).decode()
             conn.send(msg)
             t.join(10)
         lz.close()
