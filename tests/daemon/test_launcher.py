@@ -265,3 +265,33 @@ def test_parse_rejects_what_the_wire_must_not_carry(tmp_path):
         LaunchRequest.parse(request(tmp_path, env={f"V{i}": "x" for i in range(65)}))
     ok = LaunchRequest.parse(request(tmp_path, env={"A": "1"}))
     assert LaunchRequest.parse(ok.to_json()) == ok
+
+
+def _request_of_body_size(tmp_path: Path, size: int) -> LaunchRequest:
+    """A request whose JSON body is exactly ``size`` bytes, padded with environment variables."""
+    from mccl_common.status_protocol import canon
+    env: dict[str, str] = {}
+
+    def length() -> int:
+        return len(canon(LaunchRequest.parse(request(tmp_path, env=env)).to_json()))
+    while length() < size:
+        name = f"PAD{len(env)}"
+        env[name] = ""
+        env[name] = "x" * min(4000, size - length())
+    assert length() == size
+    return LaunchRequest.parse(request(tmp_path, env=env))
+
+
+def test_the_largest_request_protocol_2_carried_still_fits_once_encrypted(server, tmp_path):
+    """The pre-auth cap is on the base64 of the sealed request (4/3 of it, plus the tag): a body
+    of MAX_REQUEST_BODY bytes (what fitted the 16 KiB line in clear) must still be read."""
+    from mccl_common.launch_protocol import MAX_REQUEST_BODY
+    srv = server("print('big ok')")
+    lz = lease(srv)
+    lz.open(_request_of_body_size(tmp_path, MAX_REQUEST_BODY))
+    assert drain(lz) == ([("out", "big ok")], 0)
+    lz.close()
+    lz = lease(srv)
+    with pytest.raises(ConfigError, match="shorten the command line"):
+        lz.open(_request_of_body_size(tmp_path, MAX_REQUEST_BODY + 1))
+    lz.close()
