@@ -36,10 +36,10 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import json
 import math
 import os
 import re
-import json
 import socket
 from typing import Any
 
