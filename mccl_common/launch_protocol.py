@@ -2,26 +2,29 @@
 
 One lease per TCP connection, newline-framed JSON (``status_protocol.Conn``)::
 
-    server -> {"mccl_launch": PROTO, "nonce": <hex>, "host": <host id>}
-    client -> {"body": "<json LaunchRequest>", "cnonce": <hex>,
-               "mac": MAC(key, "launch-req", nonce, host, cnonce, body)}
-    server -> {"seq": 0, "event": "started", "data": {...}, "mac": <hex>}
-              | {"seq": 0, "event": "refused", "data": {"kind", "message"}, "mac": <hex>}
-    server -> {"seq": n, "event": "out" | "err" | "beat" | "left" | "exit", "data": ..., "mac": <hex>} ...
-    client -> {"ctl": "beat" | "cancel", "cseq": n, "mac": MAC(key, "launch-ctl", cnonce, nonce, n, ctl)}
+    server -> {"mccl_launch": PROTO, "nonce": <hex>, "host": <host id>}              (clear)
+    client -> {"cnonce": <hex>, "box": B64(SEAL(K_req, 0, "<json LaunchRequest>"))}
+    server -> {"seq": n, "box": B64(SEAL(K_down, n, {"event", "data"}))} ...
+              events: started | refused, then out | err | beat | left | exit
+    client -> {"cseq": n, "box": B64(SEAL(K_up, n, "beat" | "cancel"))}
               (a beat every BEAT_S; cseq counts 0, 1, ... per lease)
 
-The request is MAC'd with the *submit key* (MCCL_SUBMIT_KEY_FILE), which is not the fleet
-key: a host of the fleet can reach its peers' status but cannot start jobs on them. Every
-server message after it carries MAC(key, "launch-event", cnonce, nonce, seq, event, data),
-so output lines and the exit code cannot be forged or reordered by the network. The host id
-the server names in its hello is inside the request's MAC (the server checks it against its
-own), so a client cannot be fooled about which host it leased; and the client's beats and
-cancel are MAC'd and numbered, so nobody on the path can cancel a job, or keep a lease
-alive after its client is gone, by injecting or replaying one (the server ignores, and logs,
-a control message that fails its check).
+SEAL is AES-256-GCM (``mccl_common.aead``): the request (command line, ``--env`` values, cwd)
+and every event (job output, exit code) and control are encrypted and authenticated. Its
+keys come from the *submit key* (MCCL_SUBMIT_KEY_FILE), which is not the fleet key (a host
+of the fleet can reach its peers' status but cannot start jobs on them or read their jobs'
+output): K_x = derive(submit key, "launch-x", nonce, host, cnonce) for x = req, down, up,
+so each connection and direction has keys of its own (both nonces are fresh). The GCM nonce
+is the message's number in its direction, and the associated data names the protocol, the
+message kind and its number, so a message can be neither forged, altered, replayed nor
+reordered. The host id the server named in its hello is in every key: a server other than
+the one the client meant cannot open the request (it answers an unsigned AuthError), so a
+client cannot be fooled about which host it leased. The server ignores (and logs) a control
+that fails to open: nobody on the path can cancel a job, or keep a lease alive after its
+client is gone, by injecting or replaying one. Only the hello and a refusal before the key
+is proven are in clear, and neither carries anything secret.
 
-The request's ``run_nonce`` (fresh per run, under the request's MAC) gives every leased host
+The request's ``run_nonce`` (fresh per run, sealed in the request) gives every leased host
 the same *run key*, ``run_key(submit key, job, run_nonce)``, without it crossing the network:
 mccld writes it to a file only the job's user reads and points the job's MCCL_JOB_KEY_FILE
 there, so the run's rendezvous values and links are keyed to this run alone. Both sides
@@ -31,21 +34,31 @@ that is gone (Ctrl-C, killed, cable pulled) ends the lease and mccld stops the j
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import json
+import math
 import os
 import re
 import socket
 from typing import Any
 
+from . import aead
 from .errors import AuthError, ConfigError, DaemonUnavailableError, MCCLError, ProtocolError
 from .jobkey import derive
-from .status_protocol import MAX_PREAUTH_LINE, Conn, canon, mac, mac_ok, split_addr
+from .status_protocol import MAX_PREAUTH_LINE, Conn, canon, split_addr
 
-PROTO = 2                    # 2: host id in the request MAC; beats and cancels MAC'd
+PROTO = 3                    # 3: request, events and controls AES-256-GCM; 2: MAC'd, in clear
 DEFAULT_PORT = 29653
 BEAT_S = 2.0                 # each side sends something at least this often
 LEASE_TIMEOUT_S = 10.0       # silence after which a side takes the other for gone
 MAX_LINE_CHARS = 16 << 10    # one output line as sent; longer lines are cut
+# The request body a client may send: what fitted the 16 KiB pre-auth line in clear (protocol 2).
+MAX_REQUEST_BODY = MAX_PREAUTH_LINE - 256
+# What the server reads before the request opened: that body sealed (tag) and in base64 (4/3),
+# plus the JSON around it. Events go the other way, read under status_protocol.MAX_LINE (4 MiB):
+# a maximal output line, JSON-escaped (at most 6 characters a byte) and base64'd, is ~130 KiB.
+MAX_REQUEST_LINE = 4 * math.ceil((MAX_REQUEST_BODY + aead.TAG_BYTES) / 3) + 256
 MAX_ARGV = 256
 MAX_ARG_CHARS = 4096
 MAX_ENV = 64
@@ -153,50 +166,95 @@ class LaunchRequest:
         return d
 
 
-def event_mac(key: bytes, cnonce: str, nonce: str, seq: int, event: str, data: Any) -> str:
-    return mac(key, "launch-event", cnonce, nonce, str(seq), event, canon(data))
-
-
-def sealed(key: bytes, cnonce: str, nonce: str, seq: int, event: str, data: Any) -> dict:
-    return {"seq": seq, "event": event, "data": data, "mac": event_mac(key, cnonce, nonce, seq, event, data)}
-
-
-def request_mac(key: bytes, nonce: str, host: str, cnonce: str, body: str) -> str:
-    return mac(key, "launch-req", nonce, host, cnonce, body)
-
-
-def request_ok(key: bytes, msg: dict, nonce: str, host: str) -> tuple[str, str] | None:
-    """(body, cnonce) of an authentic request to ``host`` (this server's own id), else None."""
-    body, cnonce, got = msg.get("body"), msg.get("cnonce"), msg.get("mac")
-    if not all(isinstance(x, str) for x in (body, cnonce, got)) or len(cnonce) > 64:
-        return None
-    return (body, cnonce) if mac_ok(key, got, "launch-req", nonce, host, cnonce, body) else None
-
-
 CONTROLS = ("beat", "cancel")
+_LABEL = f"mccl-launch/{PROTO}"
 
 
-def control(key: bytes, cnonce: str, nonce: str, cseq: int, ctl: str) -> dict:
-    """A client's sealed beat or cancel, number ``cseq`` of its lease."""
-    return {"ctl": ctl, "cseq": cseq, "mac": mac(key, "launch-ctl", cnonce, nonce, str(cseq), ctl)}
+def _b64(box: bytes) -> str:
+    return base64.b64encode(box).decode("ascii")
 
 
-class ControlCheck:
-    """The server's check of a lease's beats and cancels: authentic, and each number used once
-    and in order, so neither an injected nor a replayed one counts."""
+def _unb64(text: Any) -> bytes | None:
+    if not isinstance(text, str):
+        return None
+    try:
+        return base64.b64decode(text.encode("ascii"), validate=True)
+    except ValueError:          # binascii.Error and UnicodeEncodeError both are
+        return None
 
-    def __init__(self, key: bytes, cnonce: str, nonce: str):
-        self._key, self._cnonce, self._nonce = key, cnonce, nonce
-        self._next = 0
 
-    def __call__(self, msg: dict) -> str | None:
-        """"beat" or "cancel" for an authentic control message, None for anything else."""
-        ctl, cseq = msg.get("ctl"), msg.get("cseq")
-        if (ctl not in CONTROLS or not isinstance(cseq, int) or isinstance(cseq, bool) or cseq != self._next
-                or not mac_ok(self._key, msg.get("mac"), "launch-ctl", self._cnonce, self._nonce, str(cseq), ctl)):
+class Channel:
+    """One lease's keys and counters, on either side: the request box (used once), the
+    server's events (down) and the client's controls (up), each AES-256-GCM under a key
+    of this connection and direction alone."""
+
+    def __init__(self, key: bytes, nonce: str, host: str, cnonce: str):
+        self._req = aead.Box(derive(key, "launch-req", nonce, host, cnonce))
+        self._down = aead.Box(derive(key, "launch-down", nonce, host, cnonce))
+        self._up = aead.Box(derive(key, "launch-up", nonce, host, cnonce))
+        self.cnonce = cnonce
+
+    # client -> server
+    def seal_request(self, body: str) -> dict:
+        _, box = self._req.seal(body.encode(), f"{_LABEL}\0req".encode())
+        return {"cnonce": self.cnonce, "box": _b64(box)}
+
+    def seal_control(self, ctl: str) -> dict:
+        seq = self._up.seq
+        _, box = self._up.seal(ctl.encode(), f"{_LABEL}\0ctl\0{seq}".encode())
+        return {"cseq": seq, "box": _b64(box)}
+
+    # server -> client
+    def seal_event(self, event: str, data: Any) -> dict:
+        seq = self._down.seq
+        _, box = self._down.seal(canon({"event": event, "data": data}).encode(),
+                                 f"{_LABEL}\0event\0{seq}".encode())
+        return {"seq": seq, "box": _b64(box)}
+
+    def open_request(self, msg: dict) -> str | None:
+        box = _unb64(msg.get("box"))
+        plain = None if box is None else self._req.open(box, f"{_LABEL}\0req".encode())
+        try:
+            return None if plain is None else plain.decode()
+        except UnicodeDecodeError:
             return None
-        self._next += 1
-        return ctl
+
+    def open_control(self, msg: dict) -> str | None:
+        """"beat" or "cancel" for the client's next control, None for anything else: a control
+        injected, replayed or altered on the path fails to open and counts for nothing."""
+        seq, box = msg.get("cseq"), _unb64(msg.get("box"))
+        if box is None or seq != self._up.seq or isinstance(seq, bool):
+            return None
+        plain = self._up.open(box, f"{_LABEL}\0ctl\0{seq}".encode())
+        ctl = None if plain is None else plain.decode("ascii", "replace")
+        return ctl if ctl in CONTROLS else None
+
+    def open_event(self, msg: dict) -> tuple[str, Any] | None:
+        seq, box = msg.get("seq"), _unb64(msg.get("box"))
+        if box is None or seq != self._down.seq or isinstance(seq, bool):
+            return None
+        plain = self._down.open(box, f"{_LABEL}\0event\0{seq}".encode())
+        if plain is None:
+            return None
+        # Sealed by the holder of the submit key: parsed, but still checked for shape.
+        try:
+            obj = json.loads(plain)
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(obj, dict) or not isinstance(obj.get("event"), str):
+            return None
+        return obj["event"], obj.get("data")
+
+
+def accept_request(key: bytes, msg: dict, nonce: str, host: str) -> tuple[Channel, str] | None:
+    """The server's lease channel and the request body of an authentic request to ``host``
+    (this server's own id), else None."""
+    cnonce = msg.get("cnonce")
+    if not isinstance(cnonce, str) or not 1 <= len(cnonce) <= 64 or not cnonce.isascii():
+        return None
+    chan = Channel(key, nonce, host, cnonce)
+    body = chan.open_request(msg)
+    return None if body is None else (chan, body)
 
 
 class Lease:
@@ -216,10 +274,9 @@ class Lease:
                 f"[launch] cannot reach the launch endpoint, peer={host}:{port}: {e.strerror or e}; mccld is "
                 "not running there, its MCCL_LAUNCH_PORT differs, or a firewall blocks it") from None
         self._conn = Conn(self._sock, f"{host}:{port}")
-        self._seq = 0
-        self._cseq = 0
         self._cnonce = os.urandom(16).hex()
-        self._nonce = ""
+        self._chan: Channel | None = None
+        self._started = False
         self.host = ""
 
     def open(self, request: LaunchRequest) -> dict:
@@ -229,15 +286,15 @@ class Lease:
                 raise ProtocolError(f"[launch] peer={self.addr} speaks launch protocol "
                                     f"{hello.get('mccl_launch')!r}, mcclctl speaks {PROTO}; "
                                     "upgrade mcclctl and mccld to the same release")
-            self._nonce, self.host = hello["nonce"], str(hello.get("host", self.addr))
+            self.host = str(hello.get("host", self.addr))
             body = canon(request.to_json())
-            if len(body) + 256 > MAX_PREAUTH_LINE:
+            if len(body) > MAX_REQUEST_BODY:
                 raise ConfigError(f"[launch] the request to peer={self.addr} is {len(body)} bytes; a host reads at "
-                                  f"most {MAX_PREAUTH_LINE} before the submit key is proven: shorten the "
+                                  f"most {MAX_REQUEST_BODY} before the submit key is proven: shorten the "
                                   "command line or the environment passed with it")
-            # The host id the server named is under the MAC: the server checks it is its own.
-            self._conn.send({"body": body, "cnonce": self._cnonce,
-                             "mac": request_mac(self._key, self._nonce, self.host, self._cnonce, body)})
+            # The host id the server named is in every key: only that host can open the request.
+            self._chan = Channel(self._key, hello["nonce"], self.host, self._cnonce)
+            self._conn.send(self._chan.seal_request(body))
             event, data = self._next()
         except (OSError, ConnectionError) as e:
             raise DaemonUnavailableError(f"[launch] lost the connection to peer={self.addr} "
@@ -265,8 +322,9 @@ class Lease:
         self._control("cancel")
 
     def _control(self, ctl: str) -> None:
-        self._conn.send(control(self._key, self._cnonce, self._nonce, self._cseq, ctl))
-        self._cseq += 1
+        if self._chan is None:
+            raise ProtocolError(f"[launch] no lease on peer={self.addr} yet: open() it first")
+        self._conn.send(self._chan.seal_control(ctl))
 
     def close(self) -> None:
         try:
@@ -287,15 +345,16 @@ class Lease:
 
     def _next(self) -> tuple[str, Any]:
         msg = self._conn.recv("launch event")
-        if msg.get("ok") is False:      # refused before authentication: unsigned, as the status endpoint does
+        if msg.get("ok") is False and not self._started:
+            # Refused before authentication: unsigned, as the status endpoint does. Only the
+            # first answer may be one; later, it is an injection like any other.
             raise self._error(msg.get("error") or {})
-        seq, event, data = msg.get("seq"), msg.get("event"), msg.get("data")
-        if not isinstance(event, str) or seq != self._seq or not mac_ok(
-                self._key, msg.get("mac"), "launch-event", self._cnonce, self._nonce, str(seq), event, canon(data)):
-            raise AuthError(f"[launch] a message from peer={self.addr} failed its MAC or sequence check; "
-                            "something on the path altered it, or the host uses another submit key")
-        self._seq += 1
-        return event, data
+        got = self._chan.open_event(msg) if self._chan is not None else None
+        if got is None:
+            raise AuthError(f"[launch] a message from peer={self.addr} failed its authentication or sequence "
+                            "check; something on the path altered it, or the host uses another submit key")
+        self._started = True
+        return got
 
     def _error(self, data: Any) -> MCCLError:
         kind = data.get("kind") if isinstance(data, dict) else None

@@ -1,4 +1,4 @@
-"""Mutual fleet-key authentication of a daemon-to-daemon link, and per-frame MACs.
+"""Mutual fleet-key authentication of a daemon-to-daemon link, and its encrypted frames.
 
 Handshake (HMAC-SHA256, both sides prove the key, nonces from both sides so neither
 a recorded exchange nor a reflected one authenticates). The initiator proves first: a
@@ -12,8 +12,11 @@ just proven it holds the key:
 Both MACs cover every field either side acts on (host ids, listen addresses, purpose),
 so none can be changed on the way. A daemon refuses a peer that claims its own host id
 (a reflected connection, or a misconfigured twin) and a key under 32 bytes.
-Afterwards every frame carries H(session, direction, seq, payload) with
-session = H(key, "session", nA, nB), so frames cannot be injected, replayed or reordered.
+Afterwards every frame is AES-256-GCM under H(session, "aead", direction) with
+session = H(key, "session", nA, nB): a key of this link and direction alone (both nonces are
+fresh), the frame's number in its direction as the GCM nonce, and the protocol version and
+direction as associated data. So what daemons tell each other (job names, hosts, leases) is
+unreadable on the path, and no frame can be injected, replayed, reordered or altered.
 
 The hello also names the socket's purpose, covered by both MACs: "control" (a link, as
 above) or "data:<id>" (a data socket of the daemon's pool, mccld/datalinks.py, named
@@ -32,6 +35,7 @@ import socket
 import struct
 from typing import Any
 
+from mccl_common import aead
 from mccl_common.daemon_settings import MIN_KEY_BYTES
 from mccl_common.errors import AuthError, ConfigError, ProtocolError
 
@@ -83,32 +87,37 @@ def recv_plain(sock: socket.socket, peer: str) -> dict[str, Any]:
 
 
 class Session:
-    """Per-link frame authentication after the handshake."""
+    """A link's frames after the handshake: each one encrypted and authenticated (AES-256-GCM,
+    mccl_common.aead) under a key of this link and direction alone, numbered by the Box, so
+    nobody on the path reads, injects, replays, reorders or alters one."""
 
     def __init__(self, key: bytes, nonce_a: bytes, nonce_b: bytes, initiator: bool, peer: str):
-        self._key = _mac(key, "session", nonce_a, nonce_b)
-        self._out_dir, self._in_dir = ("a2b", "b2a") if initiator else ("b2a", "a2b")
-        self._send_seq = 0
-        self._recv_seq = 0
+        session = _mac(key, "session", nonce_a, nonce_b)
+        out_dir, in_dir = ("a2b", "b2a") if initiator else ("b2a", "a2b")
+        self._out = aead.Box(_mac(session, "aead", out_dir))
+        self._in = aead.Box(_mac(session, "aead", in_dir))
+        self._out_aad = _aad(out_dir)
+        self._in_aad = _aad(in_dir)
         self.peer = peer
 
     def seal(self, msg: dict[str, Any]) -> bytes:
-        body = json.dumps(msg, separators=(",", ":")).encode()
-        tag = _mac(self._key, self._out_dir, str(self._send_seq), body)
-        self._send_seq += 1
-        return _LEN.pack(MAC_BYTES + len(body)) + tag + body
+        return self.seal_raw(json.dumps(msg, separators=(",", ":")).encode())
+
+    def seal_raw(self, body: bytes) -> bytes:
+        """The frame of the next message with these exact bytes (fuzzers and tests send bodies
+        that ``seal`` would never produce)."""
+        _, box = self._out.seal(body, self._out_aad)
+        return _LEN.pack(len(box)) + box
 
     def open(self, sock: socket.socket) -> dict[str, Any]:
         (n,) = _LEN.unpack(_recv_exact(sock, 4))
-        if n < MAC_BYTES or n > MAX_FRAME:
+        if n < aead.TAG_BYTES or n > MAX_FRAME:
             raise ProtocolError(f"[link] frame of {n} bytes from peer={self.peer} is malformed; "
                                 "dropping the link (it will be redialled when needed)")
-        raw = _recv_exact(sock, n)
-        tag, body = raw[:MAC_BYTES], raw[MAC_BYTES:]
-        if not hmac.compare_digest(tag, _mac(self._key, self._in_dir, str(self._recv_seq), body)):
-            raise AuthError(f"[link] frame from peer={self.peer} failed its MAC check (injected, "
-                            "replayed or corrupted); dropping the link")
-        self._recv_seq += 1
+        body = self._in.open(_recv_exact(sock, n), self._in_aad)
+        if body is None:
+            raise AuthError(f"[link] frame from peer={self.peer} failed its authentication (injected, "
+                            "replayed, reordered or corrupted on the path); dropping the link")
         try:
             msg = json.loads(body)
         except (ValueError, RecursionError):
@@ -116,6 +125,10 @@ class Session:
         if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
             raise ProtocolError(f"[link] frame from peer={self.peer} has no message type")
         return msg
+
+
+def _aad(direction: str) -> bytes:
+    return f"mccl-link/{PROTO_VERSION}/{direction}".encode()
 
 
 CONTROL = "control"

@@ -1,11 +1,12 @@
 """The launch endpoint: ``mcclctl run`` leases this host and starts one torchrun here.
 
-One TCP connection is one lease (``mccl_common.launch_protocol``). The request must carry a
-valid MAC under the submit key (not the fleet key); it is validated once
+One TCP connection is one lease (``mccl_common.launch_protocol``). The request must open
+(AES-256-GCM) under keys derived from the submit key (not the fleet key); it is validated once
 (``LaunchRequest.parse``) and refused, with nothing started, if the host is not harvestable
 (unless the request asks for any state), too many jobs run, or mccld runs as root and
 MCCL_LAUNCH_USER names no user jobs may run as (launch_identity.py: never one that can read
-mccld's keys). The job runs as that user, with an allow-listed environment, in a session of its own; its output goes back line by line, sealed, and
+mccld's keys). The job runs as that user, with an allow-listed environment, in a session of its
+own; its output goes back line by line, encrypted, and
 the lease ends with its exit code. A client that cancels, disconnects or stays silent for
 LEASE_TIMEOUT_S ends the lease: the job's process group gets SIGTERM (torchrun passes it to
 its workers), then SIGKILL after STOP_GRACE_S.
@@ -37,8 +38,9 @@ from pathlib import Path
 from typing import Callable
 
 from mccl_common.errors import ConfigError, MCCLError, ProtocolError
-from mccl_common.launch_protocol import (BEAT_S, DRAIN_ENV, LEASE_TIMEOUT_S, LEFT_SUFFIX, MAX_LINE_CHARS, PROTO,
-                                         RUN_KEY_ENV, ControlCheck, LaunchRequest, request_ok, run_key, sealed)
+from mccl_common.launch_protocol import (BEAT_S, DRAIN_ENV, LEASE_TIMEOUT_S, LEFT_SUFFIX, MAX_LINE_CHARS,
+                                         MAX_REQUEST_LINE, PROTO, RUN_KEY_ENV, Channel, LaunchRequest,
+                                         accept_request, run_key)
 from mccl_common.status_protocol import IO_TIMEOUT_S, MAX_PREAUTH_LINE, Conn, HARVESTED_STATES
 
 from . import launch_identity
@@ -229,16 +231,19 @@ class LaunchServer:
             conn = Conn(sock, peer)
             nonce = os.urandom(16).hex()
             conn.send({"mccl_launch": PROTO, "nonce": nonce, "host": self._host_id})
-            got = request_ok(self._key, conn.recv("launch request", limit=MAX_PREAUTH_LINE), nonce, self._host_id)
+            got = accept_request(self._key, conn.recv("launch request", limit=MAX_REQUEST_LINE), nonce,
+                                 self._host_id)
             if got is None:
-                self._once.warn(peer.rpartition(":")[0], "[launch] refused a launch request from peer=%s: its MAC "
-                                "does not match the submit key; nothing was started", peer)
+                self._once.warn(peer.rpartition(":")[0], "[launch] refused a launch request from peer=%s: it does "
+                                "not open under the submit key (another key, or altered on the path); nothing "
+                                "was started", peer)
                 conn.send({"ok": False, "error": {"kind": "AuthError", "message": (
-                    "[launch] request MAC does not match; use this fleet's submit key (MCCL_SUBMIT_KEY_FILE)")}})
+                    "[launch] the request does not open under this host's submit key; use this fleet's "
+                    "submit key (MCCL_SUBMIT_KEY_FILE)")}})
                 return
             ticket.passed()
-            body, cnonce = got
-            self._lease(conn, peer, body, cnonce, nonce)
+            chan, body = got
+            self._lease(conn, peer, body, chan)
         except ConnectionError as e:
             log.debug("launch connection from peer=%s closed early: %s", peer, e)
         except (OSError, ProtocolError) as e:
@@ -276,13 +281,9 @@ class LaunchServer:
                                       "wait for one to end")
         return req, None
 
-    def _lease(self, conn: Conn, peer: str, body: str, cnonce: str, nonce: str) -> None:
-        seq = 0
-
+    def _lease(self, conn: Conn, peer: str, body: str, chan: Channel) -> None:
         def send(event: str, data) -> None:
-            nonlocal seq
-            conn.send(sealed(self._key, cnonce, nonce, seq, event, data))
-            seq += 1
+            conn.send(chan.seal_event(event, data))
 
         req, err = self._refusal(body)
         if err is not None:
@@ -308,7 +309,7 @@ class LaunchServer:
                  " ".join(req.argv))
         try:
             send("started", {"host": self._host_id, "pid": job.proc.pid})
-            code = self._pump(conn, job, send, req.job, peer, drain_file, ControlCheck(self._key, cnonce, nonce))
+            code = self._pump(conn, job, send, req.job, peer, drain_file, chan)
         finally:
             job.stop()
             with self._lock:
@@ -353,7 +354,7 @@ class LaunchServer:
         return path
 
     def _pump(self, conn: Conn, job: "_Job", send, name: str, peer: str, drain_file: Path,
-              check: ControlCheck) -> int | None:
+              chan: Channel) -> int | None:
         """Streams output until the job exits (its code) or the lease ends (None). Once this
         host's ranks have saved and left (the drain's ".left" file), torchrun is stopped: its
         rendezvous handler takes the host out of the run, so the others re-form at once."""
@@ -404,7 +405,7 @@ class LaunchServer:
                 readable, _, _ = select.select([sock], [], [], _POLL_S)
                 now = time.monotonic()
                 if readable or conn.pending():
-                    ctl = self._control(conn, check, peer, name)    # raises ConnectionError on EOF
+                    ctl = self._control(conn, chan, peer, name)    # raises ConnectionError on EOF
                     if ctl is not None:
                         last_heard = now
                     if ctl == "cancel":
@@ -422,16 +423,16 @@ class LaunchServer:
             log.warning("[launch] lease of job %s lost (peer=%s: %s); stopping it", name, peer, e)
             return None
 
-    def _control(self, conn: Conn, check: ControlCheck, peer: str, name: str) -> str | None:
+    def _control(self, conn: Conn, chan: Channel, peer: str, name: str) -> str | None:
         """The client's next beat or cancel; None (logged, once per peer a minute) for a message
-        that fails its MAC or sequence check: injected or replayed by someone on the path, it
+        that fails to open or is out of sequence: injected or replayed by someone on the path, it
         neither ends the job nor keeps a lease alive whose client is gone."""
         msg = conn.recv("lease message", limit=MAX_PREAUTH_LINE)
-        ctl = check(msg)
+        ctl = chan.open_control(msg)
         if ctl is None:
             self._once.warn(f"ctl:{peer.rpartition(':')[0]}", "[launch] ignored a lease message for job %s from "
-                            "peer=%s: it fails its submit-key MAC or sequence check (injected or replayed on the "
-                            "path, or an mcclctl of another release)", name, peer)
+                            "peer=%s: it fails its submit-key authentication or sequence check (injected or "
+                            "replayed on the path, or an mcclctl of another release)", name, peer)
         return ctl
 
 

@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 
 # torch is pinned: a bare `torch` resolves to several GB of CUDA wheels.
 PY_PKGS=(torch==2.13.0 "pybind11>=2.12" "scikit-build-core>=0.10" ninja cmake "pyzmq>=25"
-         "zeroconf>=0.130" "prometheus-client>=0.19" "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" numpy
+         "zeroconf>=0.130" "prometheus-client>=0.19" "cryptography>=42" "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" numpy
          matplotlib)
 APT_PKGS=(prometheus iperf3 iproute2 procps libssl-dev)
 

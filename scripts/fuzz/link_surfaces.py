@@ -10,7 +10,7 @@ link surface, stages:
   hello    a mutated hello frame; if a challenge comes back, a valid auth for what the
            hello claimed, so mutated host ids, listen addresses and purposes get adopted
   session  after a valid control handshake, one mutated link message sealed with a
-           valid MAC (or its frame damaged): reaches the daemon's link handlers. A
+           valid AEAD tag (or its frame damaged): reaches the daemon's link handlers. A
            notification: nothing answers it, the link must just live or close.
 data surface, stages:
   hello    as link/hello with a "data:<id>" purpose: the socket joins the daemon's pool
@@ -192,12 +192,9 @@ class LinkSurface(Surface):
     def _session(self, body: bytes, how: str) -> Verdict:
         if self._peer is None:
             self._peer = PeerLink(self.daemon, fake_host_id(1), "127.0.0.9:29650")
-        s = self._peer.session
-        tag = auth._mac(s._key, s._out_dir, str(s._send_seq), body)
-        s._send_seq += 1
-        if how == "bad_mac":
-            tag = bytes(32)
-        frame = _LEN.pack(auth.MAC_BYTES + len(body)) + tag + body
+        frame = self._peer.session.seal_raw(body)
+        if how == "bad_mac":            # a flipped bit of the tag: the frame fails its authentication
+            frame = frame[:-1] + bytes([frame[-1] ^ 1])
         if how == "bad_len":
             frame = _LEN.pack(0xFFFFFFFF) + frame[4:]
         try:

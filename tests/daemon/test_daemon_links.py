@@ -1,5 +1,5 @@
-"""Daemon-to-daemon links on loopback: mutual fleet-key authentication, frame MACs,
-refusals logged once, and a listener that survives garbage."""
+"""Daemon-to-daemon links on loopback: mutual fleet-key authentication, encrypted and
+authenticated frames, refusals logged once, and a listener that survives garbage."""
 
 from __future__ import annotations
 
@@ -97,3 +97,105 @@ def test_dialing_nobody_is_peer_lost():
             port = s.getsockname()[1]
         with pytest.raises(PeerLostError, match="cannot connect"):
             a.links.link_to(f"127.0.0.1:{port}")
+
+
+class Relay:
+    """A TCP relay on the path of one link (all a sniffer sees, in ``seen``); with
+    ``flip_frame=n`` it flips a bit in the n-th length-prefixed frame the dialler sends."""
+
+    def __init__(self, target: str, flip_frame: int | None = None):
+        host, port = target.split(":")
+        self._target = (host, int(port))
+        self._flip = flip_frame
+        self._srv = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._srv.getsockname()[1]}"
+        self.seen = bytearray()
+        self._socks: list[socket.socket] = []
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def _accept(self) -> None:
+        try:
+            client, _ = self._srv.accept()
+        except OSError:
+            return
+        up = socket.create_connection(self._target)
+        self._socks += [client, up]
+        for args in ((client, up, True), (up, client, False)):
+            t = threading.Thread(target=self._pump, args=args, daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _pump(self, src: socket.socket, dst: socket.socket, upward: bool) -> None:
+        buf, frames = bytearray(), 0
+        try:
+            while chunk := src.recv(65536):
+                self.seen += chunk
+                if not upward or self._flip is None:
+                    dst.sendall(chunk)
+                    continue
+                buf += chunk
+                while len(buf) >= 4 and len(buf) >= 4 + struct.unpack("!I", buf[:4])[0]:
+                    n = 4 + struct.unpack("!I", buf[:4])[0]
+                    frame, buf = bytearray(buf[:n]), buf[n:]
+                    frames += 1
+                    if frames == self._flip:
+                        frame[-1] ^= 0x01
+                    dst.sendall(frame)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self._srv.close()
+        for s in self._socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for t in self._threads:
+            t.join(timeout=5)
+        for s in self._socks:
+            s.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_link_message_crosses_the_path_encrypted():
+    """Up to link proto 1 a sealed frame was JSON in clear after its MAC: a sniffer read which
+    jobs, hosts and leases the daemons spoke of."""
+    with Peer("a") as a, Peer("b") as b:
+        relay = Relay(b.links.address)
+        try:
+            link = a.links.link_to(relay.address)
+            link.send({"type": "job_setup", "job": "secret-job-name-4c2a", "hosts": ["hidden-host-77"]})
+            assert b.event.wait(5)
+            assert b.got == [("a", {"type": "job_setup", "job": "secret-job-name-4c2a", "hosts": ["hidden-host-77"]})]
+        finally:
+            a.links.stop()
+            relay.close()
+        for what in (b"secret-job-name-4c2a", b"hidden-host-77", b"job_setup"):
+            assert what not in relay.seen, f"{what!r} crossed the link in clear"
+
+
+@pytest.mark.timeout(30)
+def test_a_link_frame_with_a_flipped_ciphertext_bit_is_refused_and_drops_the_link(caplog):
+    caplog.set_level(logging.DEBUG, logger="mccld.links")
+    with Peer("a") as a, Peer("b") as b:
+        relay = Relay(b.links.address, flip_frame=3)        # hello, auth, then the first sealed frame
+        try:
+            link = a.links.link_to(relay.address)
+            link.send({"type": "job_setup", "x": 1})
+            deadline = time.monotonic() + 10
+            while not any("failed its authentication" in r.getMessage() for r in caplog.records) \
+                    and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert any("frame from peer=" in r.getMessage() and "failed its authentication" in r.getMessage()
+                       for r in caplog.records)
+            assert b.got == []
+        finally:
+            a.links.stop()
+            relay.close()

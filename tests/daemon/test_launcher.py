@@ -144,14 +144,17 @@ def test_the_fleet_key_alone_cannot_start_jobs(tmp_path, monkeypatch):
 
 
 def _raw_request(srv: LaunchServer, body: str) -> dict:
-    """Sends ``body`` with a valid MAC, bypassing LaunchRequest's own checks, as a hostile client could."""
-    from mccl_common.launch_protocol import request_mac
+    """Sends ``body`` sealed under the submit key, bypassing LaunchRequest's own checks, as a
+    hostile client holding the key could; returns the first event, opened."""
+    from mccl_common.launch_protocol import Channel
     from mccl_common.status_protocol import Conn
     with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
         conn = Conn(s, "test")
         hello = conn.recv("hello")
-        conn.send({"body": body, "cnonce": "c1", "mac": request_mac(KEY, hello["nonce"], hello["host"], "c1", body)})
-        return conn.recv("answer")
+        chan = Channel(KEY, hello["nonce"], hello["host"], "c1")
+        conn.send(chan.seal_request(body))
+        event, data = chan.open_event(conn.recv("answer"))
+        return {"event": event, "data": data}
 
 
 @pytest.mark.parametrize("body, why", [
@@ -220,8 +223,9 @@ def test_torchrun_command_runs_python_programs_in_mcclds_interpreter(tmp_path):
 
 
 def test_a_forged_event_is_caught_by_the_client(tmp_path):
-    """The server's events are sealed: a message altered on the way fails the MAC check."""
-    from mccl_common.launch_protocol import PROTO, sealed
+    """The server's events are sealed: a message altered on the way fails to open."""
+    import base64
+    from mccl_common.launch_protocol import PROTO, Channel
     from mccl_common.status_protocol import Conn
     with socket.socket() as lst:
         lst.bind(("127.0.0.1", 0))
@@ -236,8 +240,10 @@ def test_a_forged_event_is_caught_by_the_client(tmp_path):
             t = threading.Thread(target=lambda: box.setdefault("r", _expect_auth_error(lz, tmp_path)))
             t.start()
             req = conn.recv("request")
-            msg = sealed(KEY, req["cnonce"], "n1", 0, "started", {"host": "fake", "pid": 1})
-            msg["data"]["pid"] = 2      # altered on the way
+            msg = Channel(KEY, "n1", "fake", req["cnonce"]).seal_event("started", {"host": "fake", "pid": 1})
+            sealed_box = bytearray(base64.b64decode(msg["box"]))
+            sealed_box[len(sealed_box) // 2] ^= 1     # altered on the way
+            msg["box"] = base64.b64encode(bytes(sealed_box)).decode()
             conn.send(msg)
             t.join(10)
         lz.close()
@@ -259,3 +265,33 @@ def test_parse_rejects_what_the_wire_must_not_carry(tmp_path):
         LaunchRequest.parse(request(tmp_path, env={f"V{i}": "x" for i in range(65)}))
     ok = LaunchRequest.parse(request(tmp_path, env={"A": "1"}))
     assert LaunchRequest.parse(ok.to_json()) == ok
+
+
+def _request_of_body_size(tmp_path: Path, size: int) -> LaunchRequest:
+    """A request whose JSON body is exactly ``size`` bytes, padded with environment variables."""
+    from mccl_common.status_protocol import canon
+    env: dict[str, str] = {}
+
+    def length() -> int:
+        return len(canon(LaunchRequest.parse(request(tmp_path, env=env)).to_json()))
+    while length() < size:
+        name = f"PAD{len(env)}"
+        env[name] = ""
+        env[name] = "x" * min(4000, size - length())
+    assert length() == size
+    return LaunchRequest.parse(request(tmp_path, env=env))
+
+
+def test_the_largest_request_protocol_2_carried_still_fits_once_encrypted(server, tmp_path):
+    """The pre-auth cap is on the base64 of the sealed request (4/3 of it, plus the tag): a body
+    of MAX_REQUEST_BODY bytes (what fitted the 16 KiB line in clear) must still be read."""
+    from mccl_common.launch_protocol import MAX_REQUEST_BODY
+    srv = server("print('big ok')")
+    lz = lease(srv)
+    lz.open(_request_of_body_size(tmp_path, MAX_REQUEST_BODY))
+    assert drain(lz) == ([("out", "big ok")], 0)
+    lz.close()
+    lz = lease(srv)
+    with pytest.raises(ConfigError, match="shorten the command line"):
+        lz.open(_request_of_body_size(tmp_path, MAX_REQUEST_BODY + 1))
+    lz.close()
