@@ -837,12 +837,12 @@ class DaemonCommunicator:
             self._sock.send(protocol.encode({**report, "req": self._req}))
 
     def _next_report_locked(self, released: collections.deque) -> dict[str, Any] | None:
-        while released:
+        if released:
             name = released.popleft()
             unsent = [r for r in self._outbox if r["type"] == "register" and r["segment"] == name]
-            if not unsent:
-                return {"type": "release", "job": self._job, "rank": self.rank, "segment": name}
-            self._outbox.remove(unsent[0])  # never registered: mccld need not hear of it at all
+            if unsent:
+                self._outbox.remove(unsent[0])  # never registered; its release frees the handed-over fd
+            return {"type": "release", "job": self._job, "rank": self.rank, "segment": name}
         return self._outbox.popleft() if self._outbox else None
 
     def _io_loop(self, pull: zmq.Socket) -> None:

@@ -366,6 +366,11 @@ class Daemon:
                 fh.write(msg.segment + "\n")
             return {"ok": True}
         if kind == "release":
+            # A buffer dropped before its register went out was only handed over: its
+            # descriptor waits in the inbox, not in the job.
+            if self.inbox is not None and self.attach is not None and self.inbox.discard(
+                    msg.segment, self.attach.peer_of(ident)):
+                return {"ok": True}
             job.release_buffer(msg.rank, ident, msg.segment)
             return {"ok": True}
         if kind == "op":

@@ -96,6 +96,19 @@ class FdInbox:
                             f"({localtrust.owner_name(creds.uid)}); a client registers only its own segments")
         return fd
 
+    def discard(self, name: str, creds: localtrust.PeerCreds | None) -> bool:
+        """Close the descriptor held as ``name`` for the process with ``creds``, which dropped
+        that segment before registering it (else it would sit under the user's cap for HOLD_S).
+        False if none is held for that sender."""
+        with self._lock:
+            entry = self._held.get(name)
+            if entry is None or (creds is not None and (creds.uid != entry[1].uid or (
+                    creds.pid and entry[1].pid and creds.pid != entry[1].pid))):
+                return False
+            del self._held[name]
+        os.close(entry[0])
+        return True
+
     # -- the inbox thread -------------------------------------------------------------------
     def _serve(self) -> None:
         while not self._stop.is_set():
