@@ -110,6 +110,8 @@ def main() -> int:
               flush=True)
         for line in r["tail"]:
             print(f"    {line}", flush=True)
+        if args.out:    # after every trial: a run cut short keeps what it measured
+            Path(args.out).write_text(json.dumps({"grace_s": args.grace, "trials": results}, indent=1))
     ok = [r for r in results if r["rc"] == 0 and r["gone_s"] is not None and r["lowered_s"] is not None]
     lowered = [r["lowered_s"] for r in ok]
     gone = [r["gone_s"] for r in ok]
