@@ -156,7 +156,9 @@ class DaemonStats:
         self._attached = 0
         self._state = "idle"
         self._harvest: dict[str, Any] | None = None   # None: no harvest monitor feeds these stats
-        self._reclaims: dict[str, list] = {}            # how -> [counts per bucket (+ overflow), sum s]
+        # how -> [counts per bucket (+ overflow), sum s]; every outcome from the start, so a host that
+        # never handed back exports zeros (a dashboard's "no hand-backs"), not nothing
+        self._reclaims: dict[str, list] = {how: [[0] * (len(RECLAIM_BUCKETS_S) + 1), 0.0] for how in RECLAIM_HOW}
         self._version = mccl_version()
 
     # ---- writers (hot path) -------------------------------------------------------
