@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from mccl_common import PROTO_VERSION
 from support.daemon import job_segments
 from support.pipelined import PIPE_ENV
 from support.fleet import KEY, skip_unless_fleet
@@ -45,7 +46,7 @@ def test_daemons_discover_each_other_and_refuse_a_wrong_key():
             time.sleep(0.5)
         entry = next(e for e in df.status(0)["fleet_table"] if e["host_id"] == "h1")
         assert entry["fleet"] == "dtest" and entry["addresses"] == [df.fleet.hosts[1].addr]
-        assert entry["cores"] > 0 and entry["state"] == "idle" and entry["proto"] == 1
+        assert entry["cores"] > 0 and entry["state"] == "idle" and entry["proto"] == PROTO_VERSION
         # browse_fleet (what mcclctl calls) from a fresh process on host 0
         # Once (of many runs) this process was killed at the 30 s limit without a word: if it
         # hangs again, its threads' stacks say where.
@@ -178,7 +179,8 @@ def test_sigstopped_rank_times_out_the_others_and_the_daemons_serve_a_new_job():
             assert "local rank(s) [3] did not submit" in last, last
         stopped = procs[3]
         assert _state(stopped.pid) == "T", "rank 3 did not stop itself"
-        assert list(Path("/dev/shm").glob("mccl-00dead04-3-*")), "the stopped rank's segment vanished early"
+        assert [n for n in job_segments(0xdead04) if n.split("-")[2] == "3"], \
+            "the stopped rank's segment vanished early"
         # A new job on both daemons while the stopped rank still holds its place in the old one.
         again = df.ranks("collectives", [0, 1, 1, 0], timeout_s=120)
         for r, (code, text) in again.items():

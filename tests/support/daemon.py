@@ -34,10 +34,33 @@ def daemon_env(rdir: Path) -> dict[str, str]:
             "MCCL_METRICS_PORT": "0", "MCCL_HOST_ID": f"t{os.getpid()}", "MCCL_CLIENT_CHECK_INTERVAL": "0.1"}
 
 
+def live_segments() -> set[str]:
+    """Names of the mccl segments that still exist anywhere on this machine. On Linux they are
+    sealed memfds with no name in /dev/shm: one exists while some process holds it open or
+    mapped (/proc/*/fd, /proc/*/maps show "/memfd:<name> (deleted)"); named ones (/dev/shm,
+    as on macOS) count too."""
+    names = {p.name for p in Path("/dev/shm").glob("mccl-*")}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            for line in (proc / "maps").read_text().splitlines():
+                at = line.find("/memfd:mccl-")
+                if at >= 0:
+                    names.add(line[at + len("/memfd:"):].removesuffix(" (deleted)").strip())
+            for fd in (proc / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("/memfd:mccl-"):
+                    names.add(target[len("/memfd:"):].removesuffix(" (deleted)"))
+        except OSError:
+            continue   # the process went, or is not ours to read
+    return names
+
+
 def our_segments() -> list[str]:
-    """The /dev/shm/mccl-* segments this test run may have left: not those of a live process
-    outside it (CI runs the unit and e2e suites side by side, and they share job ids)."""
-    return sorted(p.name for p in Path("/dev/shm").glob("mccl-*") if not _someone_elses(p.name))
+    """The mccl segments this test run may have left: not those of a live process outside it
+    (CI runs the unit and e2e suites side by side, and they share job ids)."""
+    return sorted(n for n in live_segments() if not _someone_elses(n))
 
 
 def _someone_elses(name: str) -> bool:
