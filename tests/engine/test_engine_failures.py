@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from libmccl import _core
-from mccl_common.errors import (AbortedError, CollectiveMismatch, CollectiveTimeout, ConfigError,
+from mccl_common.errors import (AbortedError, AuthError, CollectiveMismatch, CollectiveTimeout, ConfigError,
                                 MCCLError, PeerLostError, ProtocolError)
 from support import link_peer
 from support.engine import (DT, MAX, SUM, build, fd_count, job_secret, make_options, ptr, ranks, run_ranks,
@@ -297,7 +297,9 @@ def _fake_peer(listener_sock):
     return conn
 
 
-def test_malformed_frame_is_a_protocol_error_naming_the_peer():
+def test_malformed_frame_fails_naming_the_peer():
+    """A peer that proved the key and then writes nonsense: with sealed frames (the default)
+    the header's own tag fails before any field of it is believed."""
     import socket
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
@@ -310,10 +312,10 @@ def test_malformed_frame_is_a_protocol_error_naming_the_peer():
     comm = _core.Communicator(0, 2, 77, lst, addrs, make_options(sockets_per_peer=1), None, secret=job_secret())
     t.join(10)
     try:
-        box["conn"].sendall(b"GARBAGE!" * 9)  # 72 bytes: one header's worth of nonsense
+        box["conn"].sendall(b"GARBAGE!" * 11)  # 88 bytes: a header's and its tag's worth of nonsense
         a = np.zeros(4, np.float32)
-        err = expect(comm, comm.allreduce(ptr(a), 4, DT[a.dtype], SUM), ProtocolError, 10)
-        assert "malformed frame" in str(err) and "rank 1" in str(err) and err.peer_rank == 1
+        err = expect(comm, comm.allreduce(ptr(a), 4, DT[a.dtype], SUM), AuthError, 10)
+        assert "failed authentication" in str(err) and "rank 1" in str(err) and err.peer_rank == 1
     finally:
         comm.shutdown(2.0)
         box["conn"].close()
