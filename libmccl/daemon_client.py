@@ -894,6 +894,11 @@ class DaemonCommunicator:
                     self._start_next()
                     if not self._pump_inflight():
                         break
+        except ConnectionError as e:
+            # A socket to mccld (the hand-over socket, say) reset or closed: mccld is gone.
+            self._fail(DaemonUnavailableError(
+                f"[daemon-client] the local mccld ({self.endpoint}) went away on rank {self.rank} "
+                f"({e.strerror or e}); it crashed or was stopped; restart it and the job"), leave_abort=None)
         except Exception as e:  # noqa: BLE001 - surface it to every pending op
             log.exception("[daemon-client] I/O thread failed")
             self._fail(MCCLError(f"[daemon-client] I/O thread failed on rank {self.rank}: {e}"), leave_abort=None)

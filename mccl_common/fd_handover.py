@@ -89,6 +89,9 @@ def hand_over(rdir: Path, name: str, fd: int, daemon_uid: int) -> None:
     except (socket.timeout, TimeoutError):
         raise DaemonUnavailableError(f"[daemon-client] Timed out after {TIMEOUT_S:.0f}s handing segment {name} to "
                                      f"mccld at {path}; it is wedged or overloaded") from None
+    except ConnectionError as e:
+        raise DaemonUnavailableError(f"[daemon-client] mccld at {path} closed the connection while segment {name} "
+                                     f"was handed over ({e.strerror or e}); it crashed or was stopped") from None
     finally:
         s.close()
     if not reply.get("ok"):
