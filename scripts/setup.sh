@@ -33,7 +33,7 @@ if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv"
   python3 -m venv .venv
 fi
-if ! .venv/bin/python -c "import torch, zmq, zeroconf, prometheus_client, pytest_timeout, hypothesis, pybind11, scikit_build_core" 2>/dev/null; then
+if ! .venv/bin/python -c "import torch, zmq, zeroconf, prometheus_client, cryptography, pytest_timeout, hypothesis, pybind11, scikit_build_core" 2>/dev/null; then
   echo "[setup] pip install ${PY_PKGS[*]}"
   .venv/bin/python -m pip install -q --disable-pip-version-check "${PY_PKGS[@]}"
 fi
