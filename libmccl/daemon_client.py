@@ -894,6 +894,8 @@ class DaemonCommunicator:
                     self._start_next()
                     if not self._pump_inflight():
                         break
+        except DaemonUnavailableError as e:   # already says mccld went away (fd_handover, say)
+            self._fail(e, leave_abort=None)
         except ConnectionError as e:
             # A socket to mccld (the hand-over socket, say) reset or closed: mccld is gone.
             self._fail(DaemonUnavailableError(
