@@ -286,6 +286,10 @@ class FleetDemo:
         say(f"\n[demo] $ {' '.join(argv)}   (on host0)")
         say("[demo] each rank hands its collectives to its host's mccld (MCCL_DAEMON=1), so gradients cross "
             "the daemons' links; the checkpoint folder is shared (the namespaces share one filesystem)")
+        say("[demo] on the wire: the daemons' links open only with the fleet key, every engine frame is "
+            "sealed with AES-256-GCM (MCCL_WIRE_SECURITY=aead, the default), the job's rendezvous values carry "
+            "MACs under a key of this run's own, and its command line and output travel encrypted "
+            "(docs/security.md)")
         say("[demo] jobs run as root (MCCL_LAUNCH_USER=root): the mcclds run as root to use namespaces, and "
             "the venv's Python may live where other users cannot run it (here: under /root)")
         return self.fleet.popen(0, [PY, "-m", *argv], env=self.ctl_env, cwd=str(REPO), stdout=subprocess.PIPE,
