@@ -245,7 +245,10 @@ class DaemonCommunicator:
 
     def _hand_over(self, seg: shm.Segment) -> None:
         """mccld gets the segment's descriptor before its register (mccl_common/fd_handover.py)."""
-        fd_handover.hand_over(self._rdir, seg.name, seg.handover_fd, self._daemon_uid)
+        # On the I/O thread, a stopped mccld must not hold it past the group's timeout (the
+        # heartbeat that would tell it mccld is gone is read by the same thread).
+        fd_handover.hand_over(self._rdir, seg.name, seg.handover_fd, self._daemon_uid,
+                              min(fd_handover.TIMEOUT_S, max(self.timeout_s, 0.5)))
         seg.handed_over()
 
     def _close_fast_queue(self) -> None:

@@ -67,13 +67,14 @@ def read_frame(sock: socket.socket, first: bytes, deadline: float) -> dict[str, 
     return msg
 
 
-def hand_over(rdir: Path, name: str, fd: int, daemon_uid: int) -> None:
-    """Give mccld serving ``rdir`` (running as ``daemon_uid``) the descriptor of segment ``name``."""
+def hand_over(rdir: Path, name: str, fd: int, daemon_uid: int, timeout_s: float = TIMEOUT_S) -> None:
+    """Give mccld serving ``rdir`` (running as ``daemon_uid``) the descriptor of segment ``name``,
+    waiting at most ``timeout_s`` for its answer."""
     path = rdir / protocol.HANDOVER_NAME
-    deadline = time.monotonic() + TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        s.settimeout(TIMEOUT_S)
+        s.settimeout(timeout_s)
         try:
             s.connect(str(path))
         except OSError as e:
@@ -87,7 +88,7 @@ def hand_over(rdir: Path, name: str, fd: int, daemon_uid: int) -> None:
         socket.send_fds(s, [encode({"segment": name})], [fd])
         reply = read_frame(s, b"", deadline)
     except (socket.timeout, TimeoutError):
-        raise DaemonUnavailableError(f"[daemon-client] Timed out after {TIMEOUT_S:.0f}s handing segment {name} to "
+        raise DaemonUnavailableError(f"[daemon-client] Timed out after {timeout_s:.0f}s handing segment {name} to "
                                      f"mccld at {path}; it is wedged or overloaded") from None
     except ConnectionError as e:
         raise DaemonUnavailableError(f"[daemon-client] mccld at {path} closed the connection while segment {name} "
