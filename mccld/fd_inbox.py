@@ -38,6 +38,12 @@ HOLD_S = 120.0
 _CONN_DEADLINE_S = 2.0
 
 
+def _same_sender(creds: localtrust.PeerCreds | None, sender: localtrust.PeerCreds) -> bool:
+    """Whether the attach connection's ``creds`` (None: unknown here) are the process that
+    handed the descriptor over: same uid, and same pid where both are known."""
+    return creds is None or (creds.uid == sender.uid and not (creds.pid and sender.pid and creds.pid != sender.pid))
+
+
 class FdInbox:
     def __init__(self, runtime_dir: Path, group: int | None):
         self.path = runtime_dir / protocol.HANDOVER_NAME
@@ -89,7 +95,7 @@ class FdInbox:
                                 f"(or it was more than {HOLD_S:.0f}s ago); the client hands over each segment's "
                                 "descriptor before registering it: client and daemon releases differ?")
         fd, sender, _ = entry
-        if creds is not None and (creds.uid != sender.uid or (creds.pid and sender.pid and creds.pid != sender.pid)):
+        if not _same_sender(creds, sender):
             os.close(fd)
             raise AuthError(f"[daemon] segment {name} was handed over by pid {sender.pid} "
                             f"({localtrust.owner_name(sender.uid)}), but registered by pid {creds.pid} "
@@ -102,8 +108,7 @@ class FdInbox:
         False if none is held for that sender."""
         with self._lock:
             entry = self._held.get(name)
-            if entry is None or (creds is not None and (creds.uid != entry[1].uid or (
-                    creds.pid and entry[1].pid and creds.pid != entry[1].pid))):
+            if entry is None or not _same_sender(creds, entry[1]):
                 return False
             del self._held[name]
         os.close(entry[0])

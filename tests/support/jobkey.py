@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import atexit
 import os
-import secrets
 import shutil
 import tempfile
+
+from mccl_common.daemon_settings import write_key_file
 
 
 def install_session_job_key() -> str:
@@ -15,10 +16,7 @@ def install_session_job_key() -> str:
     if os.environ.get("MCCL_JOB_KEY_FILE"):
         return os.environ["MCCL_JOB_KEY_FILE"]
     root = tempfile.mkdtemp(prefix="mccl-test-key-")
-    path = os.path.join(root, "job.key")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(secrets.token_hex(32) + "\n")
+    path = str(write_key_file(os.path.join(root, "job.key")))
     pid = os.getpid()
     atexit.register(lambda: os.getpid() == pid and shutil.rmtree(root, ignore_errors=True))
     os.environ["MCCL_JOB_KEY_FILE"] = path

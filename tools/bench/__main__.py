@@ -88,22 +88,18 @@ def _parser() -> argparse.ArgumentParser:
 def _ensure_job_key() -> None:
     """Every rank of an mccl job must hold the same job key (mccl_common/jobkey.py): without one
     in the environment, the benchmark writes a throwaway key (mode 0600) that its ranks inherit."""
+    from mccl_common.daemon_settings import write_key_file
     from mccl_common.jobkey import find_job_key
 
     if os.environ.get("MCCL_WIRE_SECURITY") == "off" or find_job_key() is not None:
         return
     import atexit
-    import secrets
     import shutil
     import tempfile
 
     root = tempfile.mkdtemp(prefix="mccl-bench-key-")
-    path = os.path.join(root, "job.key")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(secrets.token_hex(32) + "\n")
     atexit.register(shutil.rmtree, root, True)
-    os.environ["MCCL_JOB_KEY_FILE"] = path
+    os.environ["MCCL_JOB_KEY_FILE"] = str(write_key_file(os.path.join(root, "job.key")))
 
 
 def _write_json(path: str | None, result: dict) -> None:
