@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "core/options.h"
 #include "transport/transport.h"
@@ -32,19 +33,40 @@ struct Collective {
   double timeout_s;
   const Options& opts;
   Scratch& scratch;
+  // A view onto some of the ranks (sub()): rank(), size() and every peer an algorithm
+  // names are positions in `members`, which holds global ranks. Null: all ranks.
+  const std::vector<int>* members = nullptr;
+  int my_index = -1;
+  // Added to every tag, so the phases of one op (hierarchical all-reduce) never match each
+  // other's frames between the same two ranks.
+  uint32_t tag_base = 0;
 
-  int rank() const { return t.rank(); }
-  int size() const { return t.size(); }
+  // The same op over `group` (global ranks, this rank among them; it must outlive the
+  // view), with tags offset by `tag_offset`. Algorithms run on it unchanged. The view
+  // shares the scratch slots: its caller must not hold a slot across a call on it.
+  Collective sub(const std::vector<int>& group, uint32_t tag_offset) const {
+    Collective v = *this;
+    v.members = &group;
+    v.tag_base = tag_base + tag_offset;
+    v.my_index = -1;
+    for (size_t i = 0; i < group.size(); ++i) {
+      if (group[i] == t.rank()) v.my_index = static_cast<int>(i);
+    }
+    return v;
+  }
+  int rank() const { return members ? my_index : t.rank(); }
+  int size() const { return members ? static_cast<int>(members->size()) : t.size(); }
+  int global(int peer) const { return members ? (*members)[peer] : peer; }
   RequestPtr send(int peer, const void* buf, size_t n, uint32_t tag, uint64_t cookie = 0) {
-    return t.isend(peer, buf, n, tag, cookie);
+    return t.isend(global(peer), buf, n, tag_base + tag, cookie);
   }
   RequestPtr recv(int peer, void* buf, size_t n, uint32_t tag, uint64_t cookie = 0) {
-    return t.irecv(peer, buf, n, tag, cookie);
+    return t.irecv(global(peer), buf, n, tag_base + tag, cookie);
   }
   // buf = fn(what arrives, buf), elements of `elem` bytes.
   RequestPtr recv_reduce(int peer, void* buf, size_t n, uint32_t tag, ReduceFn fn, size_t elem,
                          uint64_t cookie = 0) {
-    return t.irecv_reduce(peer, buf, n, tag, fn, elem, cookie);
+    return t.irecv_reduce(global(peer), buf, n, tag_base + tag, fn, elem, cookie);
   }
   // The next finished request of this op (throws on failure or timeout).
   RequestPtr next() { return t.wait_next(deadline, timeout_s); }
