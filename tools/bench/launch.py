@@ -53,12 +53,12 @@ class FleetLauncher:
 
     kind = "fleet"
 
-    def __init__(self, n: int, rate: str | None):
+    def __init__(self, n: int, rate: str | None, **fleet_kw):
         from ..fleet import Fleet
 
         self.n = n
         self.rate = rate
-        self.fleet = Fleet(n, rate=rate).start()
+        self.fleet = Fleet(n, rate=rate, **fleet_kw).start()   # fleet_kw: delay, burst (tools/fleet.py)
 
     def addr(self, i: int) -> str:
         return self.fleet.hosts[i].addr
