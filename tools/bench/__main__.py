@@ -133,6 +133,16 @@ def main(argv: list[str] | None = None) -> int:
         except (MCCLError, ValueError) as e:
             print(e, file=sys.stderr)
             return 2
+    if argv[:1] == ["scale-report"]:   # README.md and plots again from a saved scale.json
+        if len(argv) != 3:
+            print("usage: python -m tools.bench scale-report SCALE.json OUT_DIR", file=sys.stderr)
+            return 2
+        from .scale_report import write_outputs
+
+        with open(argv[1]) as f:
+            write_outputs(json.load(f), argv[2])
+        print(f"wrote {argv[2]}/README.md")
+        return 0
     if argv[:1] == ["table"]:
         from .report import markdown
 

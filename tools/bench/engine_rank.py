@@ -153,6 +153,25 @@ def _agree_max(comm, value: float, timeout_s: float) -> float:  # noqa: ANN001
     return float(v[0])
 
 
+def _pingpong_alpha(comm, rank: int, rounds: int, timeout_s: float) -> float:  # noqa: ANN001
+    """alpha of the emulation as it stands (its delay and the CPUs' own latency): half the median
+    round trip of 8 bytes between ranks 0 and 1, agreed by every rank (the others send nothing)."""
+    buf = np.zeros(1, np.float64)
+    rtts = []
+    if rank in (0, 1):
+        peer = 1 - rank
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            if rank == 0:
+                comm.wait(comm.send(buf.ctypes.data, 8, peer, 1), timeout_s)
+                comm.wait(comm.recv(buf.ctypes.data, 8, peer, 1), timeout_s)
+            else:
+                comm.wait(comm.recv(buf.ctypes.data, 8, peer, 1), timeout_s)
+                comm.wait(comm.send(buf.ctypes.data, 8, peer, 1), timeout_s)
+            rtts.append(time.perf_counter() - t0)
+    return _agree_max(comm, statistics.median(rtts) / 2 if rank == 0 else 0.0, timeout_s)
+
+
 def _measure(comm, plan: dict, op: str, nbytes: int, rank: int, world: int, deadline: float) -> dict | None:  # noqa: ANN001
     count = op_elements(op, nbytes, world)
     if count == 0:
@@ -212,6 +231,8 @@ def run(plan: dict) -> dict:
         series["init_s"] = time.monotonic() - t0
         if hasattr(comm, "alpha_beta"):
             series["alpha_beta"] = list(comm.alpha_beta())
+        elif world > 1:
+            series["pingpong_alpha_s"] = _pingpong_alpha(comm, rank, plan.get("pingpong_rounds", 30), plan["timeout_s"])
         try:
             # This algorithm's share of the time left, so a slow one cannot starve the next.
             algos_left = len(plan["algos"]) - plan["algos"].index(algo)
@@ -228,7 +249,8 @@ def run(plan: dict) -> dict:
                     out["torch_imported"] = "torch" in sys.modules
                     _write(path, out)
         finally:
-            series["released_clean"] = bool(comm.shutdown(10.0))
+            comm.shutdown(10.0)     # raises on a failed shutdown: this rank then has no shutdown_ok
+            series["shutdown_ok"] = True
     out["torch_imported"] = "torch" in sys.modules
     _write(path, out)
     return out

@@ -54,6 +54,7 @@ class ScaleConfig:
     gloo_hosts: list[int] = field(default_factory=list)
     gloo_sizes: list[int] = field(default_factory=lambda: [256 << 10, 1 << 20, 4 << 20])
     time_limit_s: float = 150.0      # per N, everything included
+    time_limits: dict[int, float] = field(default_factory=dict)   # N -> seconds, overriding time_limit_s
     max_op_s: float = 4.0            # skip sizes predicted slower than this per op, dilated
     target_s: float = 0.5
     repeats: int = 3
@@ -113,10 +114,10 @@ class ScalePoint:
         self.t0 = time.monotonic()
         self.result: dict = {"hosts": n, "dilation": self.dil.factor, "rate_bits": cfg.rate_bits,
                              "delay_s": cfg.delay_s, "loopback": cfg.loopback, "rows": [], "skipped": [],
-                             "errors": []}
+                             "notes": [], "errors": []}
 
     def left(self) -> float:
-        return self.cfg.time_limit_s - (time.monotonic() - self.t0)
+        return self.cfg.time_limits.get(self.n, self.cfg.time_limit_s) - (time.monotonic() - self.t0)
 
     def run(self, tmp: str) -> dict:
         cfg, d, res = self.cfg, self.dil, self.result
@@ -153,8 +154,8 @@ class ScalePoint:
         res.update(tc_rate=d.tc_rate, tc_delay=d.tc_delay if emulate else None, delay_emulated=emulate,
                    tc_burst=_burst(d))
         if d.tc_delay is not None and not emulate:
-            res["errors"].append("this kernel has no netem (sch_netem): the hop delay is NOT emulated; alpha is the "
-                                 "machine's own latency, and the model beside the measurements uses alpha = 0")
+            res["notes"].append("this kernel has no netem (sch_netem): the hop delay is NOT emulated; alpha is the "
+                                 "machine's own latency (the model takes it from an 8-byte ping-pong)")
         return FleetLauncher(self.n, d.tc_rate, delay=d.tc_delay if emulate else None, burst=_burst(d))
 
     # ---- the network the measurements stand for ------------------------------------
@@ -165,6 +166,9 @@ class ScalePoint:
         if ab:
             return (self.dil.real(statistics.median(a for a, _ in ab)),
                     self.dil.real(statistics.median(b for _, b in ab)), "engine alpha_beta()")
+        pp = docs[0]["series"].get(algo, {}).get("pingpong_alpha_s")
+        if pp is not None:
+            return self.dil.real(pp), self.dil.beta, "alpha: 8-byte ping-pong rank 0-1 at set-up; beta: nominal rate"
         alpha = self.dil.alpha if self.result.get("delay_emulated") else 0.0
         return alpha, self.dil.beta, "nominal link (rate, delay)"
 
@@ -218,7 +222,7 @@ class ScalePoint:
             res["errors"].append("mccl: not every rank wrote results")
             return
         res["torch_imported"] = any(d.get("torch_imported", True) for d in docs)
-        res["released_clean"] = all(s.get("released_clean", False) for d in docs for s in d["series"].values())
+        res["shutdown_ok"] = all(s.get("shutdown_ok", False) for d in docs for s in d["series"].values())
         res["init_s"] = {a: max(d["series"].get(a, {}).get("init_s", 0.0) for d in docs) for a in cfg.algos}
         pinned = "MCCL_ALGO" if self.model.chooser == "engine" else None
         for algo in cfg.algos:
@@ -341,9 +345,9 @@ def _csv(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
-def _dilations(text: str) -> dict[int, float]:
-    """'64:32,200:100' -> {64: 32.0, 200: 100.0}; 'auto' -> {}."""
-    if text == "auto":
+def _per_n(text: str) -> dict[int, float]:
+    """'64:32,200:100' -> {64: 32.0, 200: 100.0}; 'auto' or a plain number -> {}."""
+    if text == "auto" or ":" not in text:
         return {}
     return {int(k): float(v) for k, v in (p.split(":") for p in _csv(text))}
 
@@ -371,7 +375,8 @@ def parser() -> argparse.ArgumentParser:
                     help="host counts at which torch Gloo ranks run too (empty: none)")
     ap.add_argument("--gloo-sizes", type=lambda t: [parse_bytes(x) for x in _csv(t)],
                     default=[256 << 10, 1 << 20, 4 << 20])
-    ap.add_argument("--time-limit", type=float, default=150.0, help="seconds per host count, everything included")
+    ap.add_argument("--time-limit", default="150",
+                    help="seconds per host count, everything included: one number, or N:seconds list (8:60,64:170)")
     ap.add_argument("--max-op-seconds", type=float, default=4.0,
                     help="skip sizes the model predicts to take longer per op (dilated)")
     ap.add_argument("--target-seconds", type=float, default=0.5)
@@ -388,9 +393,10 @@ def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     cfg = ScaleConfig(hosts=args.hosts, sizes=args.sizes, ops=args.ops, algos=args.algos,
                       rate_bits=args.parse_rate_bits(args.rate), delay_s=args.parse_time_s(args.delay),
-                      dilation=_dilations(args.dilation), machine_bits=args.machine_gbit * 1e9,
+                      dilation=_per_n(args.dilation), machine_bits=args.machine_gbit * 1e9,
                       loopback=args.loopback, gloo_hosts=args.gloo_hosts, gloo_sizes=args.gloo_sizes,
-                      time_limit_s=args.time_limit, max_op_s=args.max_op_seconds, target_s=args.target_seconds,
+                      time_limit_s=150.0 if ":" in args.time_limit else float(args.time_limit),
+                      time_limits=_per_n(args.time_limit), max_op_s=args.max_op_seconds, target_s=args.target_seconds,
                       repeats=args.repeats, ceiling_seconds=args.ceiling_seconds, log_dir=args.log_dir)
     from .scale_report import markdown, write_outputs
 

@@ -37,6 +37,7 @@ def point_table(p: dict) -> str:
     if "torch_imported" in p:
         notes.append(f"torch imported by an engine rank: {p['torch_imported']}; set-up "
                      + ", ".join(f"{a} {s:.1f}s" for a, s in (p.get("init_s") or {}).items()))
+    notes += p.get("notes", [])
     notes += [f"skipped {fmt_bytes(s['bytes'])}: {s['why']}" for s in p["skipped"]]
     notes += [f"error: {e}" for e in p["errors"]]
     lines = ["| op | size | algo (ran) | time (real) | model | ratio | busbw Gbit/s | flat ring | ring model |",
