@@ -156,7 +156,9 @@ class ScalePoint:
         if d.tc_delay is not None and not emulate:
             res["notes"].append("this kernel has no netem (sch_netem): the hop delay is NOT emulated; alpha is the "
                                  "machine's own latency (the model takes it from an 8-byte ping-pong)")
-        return FleetLauncher(self.n, d.tc_rate, delay=d.tc_delay if emulate else None, burst=_burst(d))
+        # static_arp: 64+ hosts connecting all at once lose their ARP broadcasts (fleet.py).
+        return FleetLauncher(self.n, d.tc_rate, delay=d.tc_delay if emulate else None, burst=_burst(d),
+                             static_arp=True)
 
     # ---- the network the measurements stand for ------------------------------------
     def _alpha_beta(self, docs: list[dict], algo: str) -> tuple[float, float, str]:
