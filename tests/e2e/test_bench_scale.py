@@ -156,3 +156,28 @@ def test_nine_engine_only_ranks_on_loopback(tmp_path):
     # Below the small-op threshold auto runs the one-round path, the pinned ring never does.
     assert {r["algo_used"] for r in rows if r["algo"] == "auto" and r["bytes"] == 8} == {"direct"}
     assert {r["algo_used"] for r in rows if r["algo"] == "ring"} == {"ring"}
+
+
+@pytest.mark.fleet
+@pytest.mark.timeout(90)
+def test_engine_only_ranks_on_a_dilated_fleet(tmp_path):
+    from support.fleet import skip_unless_fleet
+    from tools.fleet import list_namespaces
+
+    skip_unless_fleet()
+    before = set(list_namespaces())
+    cfg = ScaleConfig(hosts=[9], sizes=[8, 256 << 10], algos=["auto", "ring"], dilation={9: 40}, time_limit_s=70,
+                      ceiling_seconds=0, target_s=0.05, repeats=3, max_iters=10, log_dir=str(tmp_path))
+    (p,) = run_scale(cfg)["points"]
+    assert set(list_namespaces()) <= before            # the fleet is gone
+    assert p["errors"] == [], p["errors"]
+    assert p["dilation"] == 40 and p["tc_rate"] == "250000kbit" and p["torch_imported"] is False
+    rows = {(r["algo"], r["bytes"]): r for r in p["rows"] if "time_s" in r}
+    assert set(rows) == {(a, s) for a in ("auto", "ring") for s in (8, 256 << 10)}
+    big = rows[("ring", 256 << 10)]
+    # Times are converted back to the real network; the links are shaped to 10 Gbit/s / 40.
+    assert big["time_s"] == pytest.approx(big["dilated_s"] / 40)
+    assert big["target_model_s"] == pytest.approx(M.predict("all_reduce", "ring", 9, 256 << 10, A, B))
+    # A shaped link bounds the bus bandwidth (generously: the shaper's burst lets a little more through).
+    assert 0 < big["busbw_Gbps"] < 10 * 1.5
+    assert big["model_s"] > 0 and big["ratio"] > 0

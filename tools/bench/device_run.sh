@@ -39,7 +39,9 @@
 #   18-scale         issue 26's scale benchmark (tools/bench/scale.py): engine-only ranks (no torch), one per
 #                    emulated host, N in SCALE_HOSTS (8,64,200), all_reduce at SCALE_SIZES (8 B..256 MB), algorithm
 #                    auto and pinned ring in the same run, links standing for 10 Gbit/s + a 30 us hop, time-dilated
-#                    (SCALE_DIL: auto = N x 10 Gbit/s within SCALE_MACHINE_GBIT, or N:factor list), the iperf3
+#                    (SCALE_DIL, N:factor, default 8:2,64:64,200:200,256:256: about 10 Gbit/s of all hosts' traffic
+#                    together from 64 hosts on, where the smoke run's iperf3 ring carried only 72 % of 64 x 370
+#                    Mbit/s; "auto" = N x 10 Gbit/s within SCALE_MACHINE_GBIT), the iperf3
 #                    ring ceiling at each shaping, Gloo (torch ranks) at 64 hosts; each N within its SCALE_LIMITS
 #                    seconds. README.md (tables), scale.json and scale.png land in SCALE_DIR
 #                    (docs/results/device-scale-<date>) and come back in $OUT/scale/. One call:
@@ -209,7 +211,7 @@ if timeout 45 $PY -m tools.fleet selftest --rate 1gbit > "$RESULTS/fleet-selftes
     status "$name start (limit ${limit}s, per N ${SCALE_LIMITS:-8:55,64:170,200:210})"
     timeout --kill-after=30 "$limit" $PY -m tools.bench scale --hosts "${SCALE_HOSTS:-8,64,200}" \
       --sizes "${SCALE_SIZES:-8,256K,1M,4M,16M,64M,256M}" --ops "${SCALE_OPS:-all_reduce}" --algos "${SCALE_ALGOS:-auto,ring}" \
-      --rate 10gbit --delay 30us --dilation "${SCALE_DIL:-auto}" --machine-gbit "${SCALE_MACHINE_GBIT:-24}" \
+      --rate 10gbit --delay 30us --dilation "${SCALE_DIL:-8:2,64:64,200:200,256:256}" --machine-gbit "${SCALE_MACHINE_GBIT:-24}" \
       --gloo-hosts "${SCALE_GLOO_HOSTS:-64}" --gloo-sizes "${SCALE_GLOO_SIZES:-256K,1M,4M}" \
       --time-limit "${SCALE_LIMITS:-8:55,64:170,200:210}" --max-op-seconds "${SCALE_MAX_OP_S:-4}" \
       --ceiling-seconds 2 --out-dir "$SCALE_DIR" --json "$RESULTS/$name.json" --log-dir "$RESULTS/$name-logs" \

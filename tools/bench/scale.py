@@ -254,9 +254,11 @@ class ScalePoint:
                 return
             try:
                 m = self.model.predict(op, used.split()[0], n, nbytes, alpha, beta)
-                out.update(model_s=m, ratio=t / m if m > 0 else None)
+                # And on the network the run stands for (rate, delay), whether or not its delay was emulated.
+                target = self.model.predict(op, used.split()[0], n, nbytes, d.alpha, d.beta)
+                out.update(model_s=m, ratio=t / m if m > 0 else None, target_model_s=target)
             except ValueError:
-                out.update(model_s=None, ratio=None)
+                out.update(model_s=None, ratio=None, target_model_s=None)
         self.result["rows"].append(out)
 
     def _add_ring_columns(self) -> None:

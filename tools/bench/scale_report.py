@@ -40,15 +40,16 @@ def point_table(p: dict) -> str:
     notes += p.get("notes", [])
     notes += [f"skipped {fmt_bytes(s['bytes'])}: {s['why']}" for s in p["skipped"]]
     notes += [f"error: {e}" for e in p["errors"]]
-    lines = ["| op | size | algo (ran) | time (real) | model | ratio | busbw Gbit/s | flat ring | ring model |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    target = f"model at {p['rate_bits'] / 1e9:g}G+{p['delay_s'] * 1e6:g}us"
+    lines = [f"| op | size | algo (ran) | time (real) | model | ratio | busbw Gbit/s | flat ring | ring model | {target} |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in p["rows"]:
         if "time_s" not in r:
-            lines.append(f"| {r['op']} | {fmt_bytes(r['bytes'])} | {r['algo']} | {r.get('skipped', '-')} |||||")
+            lines.append(f"| {r['op']} | {fmt_bytes(r['bytes'])} | {r['algo']} | {r.get('skipped', '-')} ||||||")
             continue
         lines.append(f"| {r['op']} | {fmt_bytes(r['bytes'])} | {r['algo']} ({r['algo_used']}) | {_us(r['time_s'])} | "
                      f"{_us(r.get('model_s'))} | {_x(r.get('ratio'))} | {_x(r.get('busbw_Gbps'))} | "
-                     f"{_us(r.get('ring_time_s'))} | {_us(r.get('ring_model_s'))} |")
+                     f"{_us(r.get('ring_time_s'))} | {_us(r.get('ring_model_s'))} | {_us(r.get('target_model_s'))} |")
     gv = p.get("gloo_vs_mccl") or []
     if gv:
         lines.append("")
@@ -62,7 +63,9 @@ def markdown(result: dict) -> str:
     m = result["meta"]
     intro = (f"Scale benchmark, {m['started']}, {m['cores']} cores. Times in us unless marked, converted to the "
              f"real network (measured / D); CPU time per message is not dilated, so after / D it counts D times "
-             f"too little. Model: {m['model']} formulas, {m['chooser']} choice of algorithm for auto.\n\n")
+             f"too little. Model: {m['model']} formulas, {m['chooser']} choice of algorithm for auto; 'model' uses "
+             f"the (alpha, beta) of the emulation as run (listed per N), the last column those of the network the "
+             f"run stands for.\n\n")
     return intro + "\n".join(point_table(p) for p in result["points"])
 
 
