@@ -229,11 +229,12 @@ def run(plan: dict) -> dict:
         lst, addrs = rendezvous(plan, algo, rank, world, cfg.wire_security)
         comm = _core.Communicator(rank, world, plan["comm_ids"][algo], lst, addrs, opts, None, secret=secret)
         series["init_s"] = time.monotonic() - t0
-        if hasattr(comm, "alpha_beta"):
-            series["alpha_beta"] = list(comm.alpha_beta())
-        elif world > 1:
-            series["pingpong_alpha_s"] = _pingpong_alpha(comm, rank, plan.get("pingpong_rounds", 30), plan["timeout_s"])
         try:
+            if hasattr(comm, "alpha_beta"):
+                series["alpha_beta"] = list(comm.alpha_beta())
+            elif world > 1:
+                series["pingpong_alpha_s"] = _pingpong_alpha(comm, rank, plan.get("pingpong_rounds", 30),
+                                                             plan["timeout_s"])
             # This algorithm's share of the time left, so a slow one cannot starve the next.
             algos_left = len(plan["algos"]) - plan["algos"].index(algo)
             share = time.monotonic() + (deadline - time.monotonic()) / algos_left

@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 
 from mccl_common.errors import MCCLError
 from .launch import FleetLauncher, LocalLauncher, first_failure, run_group
-from .metrics import OPS, op_elements, parse_bytes
+from ..fleet import parse_rate_bits, parse_time_s
+from .metrics import OPS, parse_bytes
 from .model import Dilation, Model, auto_factor
 
 log = logging.getLogger(__name__)
@@ -357,8 +358,6 @@ def _per_n(text: str) -> dict[int, float]:
 
 
 def parser() -> argparse.ArgumentParser:
-    from ..fleet import parse_rate_bits, parse_time_s
-
     ap = argparse.ArgumentParser(prog="python -m tools.bench scale", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hosts", type=lambda t: [int(x) for x in _csv(t)], default=[8, 64],
@@ -389,14 +388,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", dest="json_out")
     ap.add_argument("--out-dir", help="also write scale.json, README.md and plots here")
     ap.add_argument("--log-dir")
-    ap.set_defaults(parse_rate_bits=parse_rate_bits, parse_time_s=parse_time_s)
     return ap
 
 
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     cfg = ScaleConfig(hosts=args.hosts, sizes=args.sizes, ops=args.ops, algos=args.algos,
-                      rate_bits=args.parse_rate_bits(args.rate), delay_s=args.parse_time_s(args.delay),
+                      rate_bits=parse_rate_bits(args.rate), delay_s=parse_time_s(args.delay),
                       dilation=_per_n(args.dilation), machine_bits=args.machine_gbit * 1e9,
                       loopback=args.loopback, gloo_hosts=args.gloo_hosts, gloo_sizes=args.gloo_sizes,
                       time_limit_s=150.0 if ":" in args.time_limit else float(args.time_limit),
