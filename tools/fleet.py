@@ -49,7 +49,7 @@ from mccl_common.errors import ConfigError, MCCLError
 log = logging.getLogger(__name__)
 
 PREFIX = "mccl"
-MAX_HOSTS = 256
+MAX_HOSTS = 256   # a Linux bridge takes up to 1024 ports
 # Host addresses .1 to .253 of a /24 (.254 and .255 stay free); beyond, a /16.
 HOSTS_PER_24 = 253
 # tbf parameters: 256 KB of burst keeps a 10 Gbit/s bucket from starving between timer

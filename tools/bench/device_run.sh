@@ -211,7 +211,7 @@ if timeout 45 $PY -m tools.fleet selftest --rate 1gbit > "$RESULTS/fleet-selftes
     status "$name start (limit ${limit}s, per N ${SCALE_LIMITS:-8:55,64:170,200:210})"
     timeout --kill-after=30 "$limit" $PY -m tools.bench scale --hosts "${SCALE_HOSTS:-8,64,200}" \
       --sizes "${SCALE_SIZES:-8,256K,1M,4M,16M,64M,256M}" --ops "${SCALE_OPS:-all_reduce}" --algos "${SCALE_ALGOS:-auto,ring}" \
-      --rate 10gbit --delay 30us --dilation "${SCALE_DIL:-8:2,64:64,200:200,256:256}" --machine-gbit "${SCALE_MACHINE_GBIT:-24}" \
+      --rate 10gbit --delay 30us --dilation "${SCALE_DIL:-8:2,64:64,200:200,256:256}" --machine-gbit "${SCALE_MACHINE_GBIT:-10}" \
       --gloo-hosts "${SCALE_GLOO_HOSTS:-64}" --gloo-sizes "${SCALE_GLOO_SIZES:-256K,1M,4M}" \
       --time-limit "${SCALE_LIMITS:-8:55,64:170,200:210}" --max-op-seconds "${SCALE_MAX_OP_S:-4}" \
       --ceiling-seconds 2 --out-dir "$SCALE_DIR" --json "$RESULTS/$name.json" --log-dir "$RESULTS/$name-logs" \

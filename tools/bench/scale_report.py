@@ -56,6 +56,10 @@ def point_table(p: dict) -> str:
         lines.append("Gloo (torch ranks, same namespaces) against MCCL auto, all_reduce: " + "; ".join(
             f"{fmt_bytes(g['bytes'])}: Gloo {_us(g['gloo_s'])}, MCCL {_us(g['mccl_auto_s'])}, "
             f"MCCL {g['speedup']:.2f}x faster" for g in gv))
+        for g in gv:
+            if g["bytes"] == 1 << 20:
+                lines.append(f"\nIssue 26's target, MCCL >= 2x Gloo's ring at 1 MB ({p['hosts']} ranks): "
+                             f"{'met' if g['speedup'] >= 2 else 'NOT met'} ({g['speedup']:.2f}x).")
     return head + "".join(f"- {n}\n" for n in notes) + "\n" + "\n".join(lines) + "\n"
 
 
