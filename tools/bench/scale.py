@@ -110,10 +110,9 @@ def _read_docs(out_dir: str, n: int, prefix: str = "rank") -> list[dict]:
 class ScalePoint:
     """Everything measured at one host count."""
 
-    def __init__(self, cfg: ScaleConfig, n: int, model: Model, small_allreduce_bytes: int):
+    def __init__(self, cfg: ScaleConfig, n: int, model: Model):
         self.cfg, self.n, self.model = cfg, n, model
         self.dil = _realtime(cfg, n)
-        self.small = small_allreduce_bytes
         self.t0 = time.monotonic()
         self.result: dict = {"hosts": n, "dilation": self.dil.factor, "rate_bits": cfg.rate_bits,
                              "delay_s": cfg.delay_s, "loopback": cfg.loopback, "rows": [], "skipped": [],
@@ -333,7 +332,7 @@ def run_scale(cfg: ScaleConfig, checkpoint=None) -> dict:  # noqa: ANN001
     tmp = cfg.log_dir or tempfile.mkdtemp(prefix="mccl-scale-")
     os.makedirs(tmp, exist_ok=True)
     for n in cfg.hosts:
-        point = ScalePoint(cfg, n, model, small)
+        point = ScalePoint(cfg, n, model)
         where = os.path.join(tmp, f"n{n}")
         os.makedirs(where, exist_ok=True)
         try:
