@@ -315,3 +315,27 @@ def test_pinned_parameters_are_what_every_rank_reports():
             assert alpha == pytest.approx(25e-6) and beta == pytest.approx(8 / 10e9)
     finally:
         run_threads(3, lambda r: comms[r].shutdown(5.0))
+
+
+def test_a_stalled_step_is_named_in_the_timeout():
+    """Rank 2 (folded onto rank 0 at N=3) never calls: rank 0's timeout says it waited in
+    the fold-in; rank 1, waiting on rank 0, hears of it."""
+    from mccl_common.errors import CollectiveTimeout
+    comms = build(3, opts=opts_for("allreduce=rd", timeout_s=1.0))
+
+    def body(r, c):
+        if r == 2:
+            return None
+        a = np.ones(10, np.float32)
+        try:
+            c.wait(c.allreduce(ptr(a), a.size, DTYPES["float32"][1], OPS["SUM"]), 20)
+        except MCCLError as e:
+            return e
+        return None
+
+    try:
+        errors = run_ranks(comms, body, timeout=40)
+        assert isinstance(errors[0], CollectiveTimeout) and "fold-in from the extra rank" in str(errors[0]), errors
+        assert isinstance(errors[1], MCCLError), errors
+    finally:
+        run_threads(3, lambda r: comms[r].shutdown(2.0))

@@ -41,6 +41,7 @@ void allgather_doubling(Collective& c, const void* send, void* recv, size_t nbyt
   const Fold f = Fold::of(n, r);
   const uint32_t out_tag = 1 + f.steps;
   const size_t total = nbytes * n;
+  name_tags(c, f.steps, "recursive-doubling");
   if (f.extra()) {
     send_wait(c, f.core_of_extra(), in, nbytes, 0);
     recv_wait(c, f.core_of_extra(), out, total, out_tag);
@@ -73,6 +74,7 @@ void reduce_scatter_halving(Collective& c, const void* send, void* recv, size_t 
   }
   const Fold f = Fold::of(n, r);
   const uint32_t out_tag = 1 + f.steps;
+  name_tags(c, f.steps, "recursive-halving");
   if (f.extra()) {
     send_wait(c, f.core_of_extra(), in, total, 0);
     recv_wait(c, f.core_of_extra(), recv, block, out_tag);

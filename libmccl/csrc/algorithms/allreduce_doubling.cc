@@ -48,6 +48,7 @@ void allreduce_recursive_doubling(Collective& c, void* buf, size_t count, const 
   uint8_t* b = static_cast<uint8_t*>(buf);
   const size_t nb = count * red.elem;
   const uint32_t out_tag = 1 + f.steps;
+  name_tags(c, f.steps, "recursive-doubling");
   if (f.extra()) return run_as_extra(c, f, b, nb, out_tag);
   fold_in(c, f, b, count, red);
   uint8_t* theirs = c.scratch.get(2, nb);
@@ -70,6 +71,7 @@ void allreduce_rabenseifner(Collective& c, void* buf, size_t count, const Reduct
   uint8_t* b = static_cast<uint8_t*>(buf);
   const size_t nb = count * red.elem, es = red.elem;
   const uint32_t out_tag = 1 + 2 * f.steps;
+  name_tags(c, f.steps, "recursive-halving", "recursive-doubling");
   if (f.extra()) return run_as_extra(c, f, b, nb, out_tag);
   fold_in(c, f, b, count, red);
   const std::vector<size_t> off = even_blocks(count, f.p);

@@ -37,6 +37,7 @@ void broadcast_binomial(Collective& c, void* buf, size_t nbytes, int root) {
   if (nbytes == 0 || n == 1) return;
   const Fold f = Fold::of(n, c.rank());
   uint8_t* b = static_cast<uint8_t*>(buf);
+  name_tags(c, f.steps, "binomial-tree");
   const int croot = fold_root_in(c, f, b, nbytes, root);
   if (!f.extra()) {
     const int v = f.r ^ croot;
@@ -61,6 +62,7 @@ void broadcast_scatter_allgather(Collective& c, void* buf, size_t nbytes, int ro
   if (nbytes == 0 || n == 1) return;
   const Fold f = Fold::of(n, c.rank());
   uint8_t* b = static_cast<uint8_t*>(buf);
+  name_tags(c, f.steps, "binomial-scatter", "recursive-doubling");
   const int croot = fold_root_in(c, f, b, nbytes, root);
   if (!f.extra()) {
     const int v = f.r ^ croot;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "algorithms/algorithms.h"
@@ -34,6 +35,7 @@ CostParams measure_cost(Collective& c) {
   uint8_t* mem = c.scratch.get(0, 2 * kBigBytes);
   std::memset(mem, 0, 2 * kBigBytes);
   uint32_t tag = 0;
+  c.t.set_tag_namer([](uint32_t t) { return "cost-model calibration round " + std::to_string(t + 1); });
   // Everyone sends right and receives from the left at once: one step of a ring.
   auto round = [&](size_t bytes) {
     const auto t0 = Clock::now();

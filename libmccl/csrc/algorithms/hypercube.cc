@@ -1,6 +1,7 @@
 #include "algorithms/hypercube.h"
 
 #include <cstring>
+#include <string>
 
 namespace mccl {
 
@@ -18,6 +19,19 @@ void combine_ordered(const Reduction& red, uint8_t* mine, uint8_t* theirs, size_
     red.fn(mine, theirs, count);  // theirs = op(theirs, mine): the low operand first
     std::memcpy(mine, theirs, count * red.elem);
   }
+}
+
+void name_tags(Collective& c, int steps, const char* a, const char* b) {
+  const int phases = b ? 2 : 1;
+  const std::string pa = a, pb = b ? b : "";
+  c.t.set_tag_namer([=](uint32_t t) {
+    const int tag = static_cast<int>(t);
+    if (tag == 0) return std::string("fold-in from the extra rank");
+    if (tag > phases * steps) return std::string("fold-out to the extra rank");
+    const bool first = tag <= steps;
+    const int k = first ? tag : tag - steps;
+    return (first ? pa : pb) + " step " + std::to_string(k) + " of " + std::to_string(steps);
+  });
 }
 
 void send_wait(Collective& c, int peer, const void* buf, size_t n, uint32_t tag) {

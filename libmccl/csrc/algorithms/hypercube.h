@@ -66,6 +66,10 @@ void halving_reduce_scatter(Collective& c, const Fold& f, uint8_t* work,
 void doubling_allgather(Collective& c, const Fold& f, uint8_t* work,
                         const std::vector<size_t>& off, size_t unit, uint32_t tag0, int rel = 0);
 
+// Names the tags of a folded hypercube algorithm for timeout messages: 0 the fold-in,
+// then `steps` steps of phase `a`, `steps` of phase `b` (null: none), then the fold-out.
+void name_tags(Collective& c, int steps, const char* a, const char* b = nullptr);
+
 // Send or receive `n` bytes and wait for it; zero-byte transfers are skipped on both sides.
 void send_wait(Collective& c, int peer, const void* buf, size_t n, uint32_t tag);
 void recv_wait(Collective& c, int peer, void* buf, size_t n, uint32_t tag);
