@@ -339,3 +339,43 @@ def test_a_stalled_step_is_named_in_the_timeout():
         assert isinstance(errors[1], MCCLError), errors
     finally:
         run_threads(3, lambda r: comms[r].shutdown(2.0))
+
+
+def collective_peers(r: int, n: int) -> set[int]:
+    """algorithms/partners.h, restated: ring neighbours, fold partner, hypercube partners."""
+    p = 1
+    while p * 2 <= n:
+        p *= 2
+    out = {(r + 1) % n, (r - 1) % n}
+    if r < n - p:
+        out.add(r + p)
+    if r >= p:
+        out.add(r - p)
+    if r < p:
+        out |= {r ^ d for d in (1 << k for k in range(p.bit_length() - 1))}
+    return out - {r}
+
+
+@pytest.mark.parametrize("n", [6, 12, 13])
+@pytest.mark.parametrize("variant", ["hypercube", "rabenseifner", "ring"])
+def test_the_algorithms_talk_only_to_collective_peers(n, variant):
+    """Links open only to collective_peers (another change of this issue), so every
+    whole-communicator algorithm but the one-step ones keeps to them; so does the start."""
+    comms = build(n, opts=opts_for(VARIANTS[variant]))
+
+    def body(r, c):
+        a = np.ones(1000, np.float32)
+        out = np.zeros(1000 * n, np.float32)
+        c.wait(c.allreduce(ptr(a), a.size, DTYPES["float32"][1], OPS["SUM"]), 60)
+        c.wait(c.reduce_scatter(ptr(out), ptr(a), a.size, DTYPES["float32"][1], OPS["SUM"]), 60)
+        c.wait(c.allgather(ptr(a), ptr(out), a.nbytes), 60)
+        for root in (0, n - 1):
+            c.wait(c.broadcast(ptr(a), a.nbytes, root), 60)
+        return c.stats()
+
+    try:
+        for r, s in enumerate(run_ranks(comms, body)):
+            talked = {q for q, p in s["per_peer"].items() if p["sent"] or p["received"]}
+            assert talked and talked <= collective_peers(r, n), (r, sorted(talked), sorted(collective_peers(r, n)))
+    finally:
+        run_threads(n, lambda r: comms[r].shutdown(5.0))
