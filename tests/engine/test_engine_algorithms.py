@@ -109,10 +109,13 @@ def cases_for(n: int) -> list[tuple[str, str, int]]:
 
 
 def expected_algo(variant: str, op: str, n: int, nbytes: int, cost: dict, opts) -> str:
+    """`nbytes`: one rank's block; choose_algorithm counts as nccl-tests do (all-gather's
+    output, reduce-scatter's input: N blocks)."""
     pin = PINNED[variant].get(op)
     if pin:
         return pin
-    return _core.choose_algorithm(op, n, nbytes, cost["alpha_s"], cost["beta_s_per_byte"],
+    whole = nbytes * n if op in ("allgather", "reduce_scatter") else nbytes
+    return _core.choose_algorithm(op, n, whole, cost["alpha_s"], cost["beta_s_per_byte"],
                                   cost["gamma_s_per_byte"], opts)
 
 
@@ -297,6 +300,28 @@ def test_choice_is_the_cheapest_prediction(op):
     # At 200 ranks: latency-bound small messages avoid the ring's 2(N-1) steps, big ones take it.
     assert _core.choose_algorithm("allreduce", 200, 8, 50e-6, 1e-9, 1e-10) == "rd"
     assert _core.choose_algorithm("allreduce", 200, 256 << 20, 50e-6, 1e-9, 1e-10) == "ring"
+
+
+def test_direct_and_ring_name_the_same_shape_on_every_op():
+    """"direct" is the one-step algorithm of all-reduce and broadcast, and a broadcast's ring
+    is the chain, so MCCL_ALGO=direct or =ring pins every op that has one."""
+    a, b = 30e-6, 1e-9
+    assert _core.predict("allreduce", "direct", 4, 4096, a, b) == _core.predict("allreduce", "oneround", 4, 4096, a, b)
+    assert _core.predict("broadcast", "direct", 4, 4096, a, b) == _core.predict("broadcast", "fanout", 4, 4096, a, b)
+    assert _core.predict("broadcast", "ring", 9, 1 << 20, a, b) == _core.predict("broadcast", "chain", 9, 1 << 20, a, b)
+    # Sizes as nccl-tests count them: an all-gather of S bytes gathers N blocks of S/N.
+    assert _core.predict("allgather", "ring", 8, 8 << 20, a, b) == pytest.approx(7 * a + 7 * (1 << 20) * b)
+    comms = build(3, opts=opts_for("direct"))
+    try:
+        def body(r, c):
+            x = np.ones(16, np.float32)
+            c.wait(c.allreduce(ptr(x), x.size, DTYPES["float32"][1], OPS["SUM"]), 30)
+            c.wait(c.broadcast(ptr(x), x.nbytes, 2), 30)
+            return c.last_algorithm("allreduce"), c.last_algorithm("broadcast"), x
+        for algos in run_ranks(comms, body):
+            assert algos[:2] == ("oneround", "fanout") and (algos[2] == 3).all()
+    finally:
+        run_threads(3, lambda r: comms[r].shutdown(5.0))
 
 
 def test_ring_prediction_follows_the_formula():

@@ -87,7 +87,7 @@ Cost cost(AlgoOp op, Algo a, int n, double b) {
 
 [[noreturn]] void bad_spec(const std::string& spec, const std::string& why) {
   throw_error(ErrorKind::kConfig, "[engine] MCCL_ALGO=" + spec + ": " + why +
-                                      "; use auto, one algorithm (ring, oneround, rd, "
+                                      "; use auto, one algorithm (ring, direct, oneround, rd, "
                                       "rabenseifner, halving, chain, fanout, binomial, "
                                       "scatter_allgather) or op=algorithm pairs separated by "
                                       "commas (ops: allreduce, allgather, reduce_scatter, broadcast)");
@@ -141,6 +141,20 @@ bool parse_algo(const std::string& s, Algo* out) {
   return false;
 }
 
+bool parse_algo_for(AlgoOp op, const std::string& s, Algo* out) {
+  Algo a;
+  if (s == "direct") {
+    a = op == AlgoOp::kBroadcast ? Algo::kFanout : Algo::kOneRound;
+  } else if (s == "ring" && op == AlgoOp::kBroadcast) {
+    a = Algo::kChain;
+  } else if (!parse_algo(s, &a)) {
+    return false;
+  }
+  if (a != Algo::kAuto && !algo_applies(op, a)) return false;
+  *out = a;
+  return true;
+}
+
 const std::vector<Algo>& algos_of(AlgoOp op) {
   static const std::vector<Algo> ar{Algo::kOneRound, Algo::kRecursiveDoubling, Algo::kRabenseifner,
                                     Algo::kRing};
@@ -166,16 +180,9 @@ AlgoPins AlgoPins::parse(const std::string& spec) {
   AlgoPins pins;
   if (spec.empty() || spec == "auto") return pins;
   if (spec.find('=') == std::string::npos) {
-    Algo a;
-    if (!parse_algo(spec, &a)) bad_spec(spec, "unknown algorithm '" + spec + "'");
     bool any = false;
-    for (int i = 0; i < kNumAlgoOps; ++i) {
-      if (algo_applies(static_cast<AlgoOp>(i), a)) {
-        pins.pin[i] = a;
-        any = true;
-      }
-    }
-    if (!any && a != Algo::kAuto) bad_spec(spec, "no collective runs '" + spec + "'");
+    for (int i = 0; i < kNumAlgoOps; ++i) any = parse_algo_for(static_cast<AlgoOp>(i), spec, &pins.pin[i]) || any;
+    if (!any) bad_spec(spec, "unknown algorithm '" + spec + "'");
     return pins;
   }
   size_t at = 0;
@@ -190,11 +197,8 @@ AlgoPins AlgoPins::parse(const std::string& spec) {
     if (!parse_algo_op(item.substr(0, eq), &op)) {
       bad_spec(spec, "unknown op '" + item.substr(0, eq) + "'");
     }
-    if (!parse_algo(item.substr(eq + 1), &a)) {
-      bad_spec(spec, "unknown algorithm '" + item.substr(eq + 1) + "'");
-    }
-    if (a != Algo::kAuto && !algo_applies(op, a)) {
-      bad_spec(spec, std::string(algo_op_name(op)) + " has no algorithm '" + algo_name(a) + "'");
+    if (!parse_algo_for(op, item.substr(eq + 1), &a)) {
+      bad_spec(spec, std::string(algo_op_name(op)) + " has no algorithm '" + item.substr(eq + 1) + "'");
     }
     pins.pin[static_cast<int>(op)] = a;
     at = end + 1;

@@ -41,6 +41,10 @@ const char* algo_name(Algo a);      // "ring", "rd", ... as MCCL_ALGO spells the
 const char* algo_op_name(AlgoOp o); // "allreduce", ...
 bool parse_algo_op(const std::string& s, AlgoOp* out);
 bool parse_algo(const std::string& s, Algo* out);  // accepts "auto" too
+// The name as `op` reads it: parse_algo, plus "direct" for the one-step algorithm
+// (oneround, fanout) and "ring" for broadcast's chain, so a name that means one shape on
+// every op pins it on every op. False where `op` has no such algorithm.
+bool parse_algo_for(AlgoOp op, const std::string& s, Algo* out);
 // The algorithms of one op, in the order ties are broken.
 const std::vector<Algo>& algos_of(AlgoOp op);
 bool algo_applies(AlgoOp op, Algo a);
@@ -52,7 +56,7 @@ struct CostParams {
 };
 
 // MCCL_ALGO, parsed: one pin per op, kAuto where unpinned. Syntax: "auto"; one name,
-// pinning every op it applies to ("ring", "rd"); or op=name pairs separated by commas
+// pinning every op it applies to ("ring", "rd", "direct"; parse_algo_for); or op=name pairs separated by commas
 // ("allreduce=rabenseifner,allgather=ring"). Throws ConfigError naming what is wrong.
 struct AlgoPins {
   Algo pin[kNumAlgoOps] = {Algo::kAuto, Algo::kAuto, Algo::kAuto, Algo::kAuto};

@@ -5,6 +5,7 @@
 
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -48,13 +49,20 @@ AlgoOp to_algo_op(const std::string& s) {
 
 Algo to_algo(AlgoOp op, const std::string& s) {
   Algo a;
-  if (!parse_algo(s, &a) || a == Algo::kAuto || !algo_applies(op, a)) {
+  if (!parse_algo_for(op, s, &a) || a == Algo::kAuto) {
     std::string names;
     for (Algo x : algos_of(op)) names += std::string(names.empty() ? "" : ", ") + algo_name(x);
     throw_error(ErrorKind::kConfig, "[engine] " + std::string(algo_op_name(op)) +
                                         " has no algorithm '" + s + "'; it has " + names);
   }
   return a;
+}
+
+// Sizes as nccl-tests (and the benchmarks) count them: all-gather's output and
+// reduce-scatter's input are N blocks; the model takes one rank's block.
+size_t model_bytes(AlgoOp op, int n, size_t nbytes) {
+  const bool whole = op == AlgoOp::kAllgather || op == AlgoOp::kReduceScatter;
+  return whole ? nbytes / static_cast<size_t>(std::max(n, 1)) : nbytes;
 }
 
 CostParams cost_of(double alpha, double beta, double gamma) {
@@ -299,18 +307,19 @@ void register_engine_bindings(py::module_& m) {
       .def_readwrite("beta_gbps", &Options::beta_gbps);
 
   // The cost model (algorithms/cost_model.h), for benchmarks that print and plot it beside
-  // what they measure. Seconds; beta in seconds per byte; `nbytes` as the ops count them
-  // (all-reduce and broadcast: the buffer; all-gather: one rank's input; reduce-scatter:
-  // one rank's output).
+  // what they measure. Seconds; beta in seconds per byte; `nbytes` as nccl-tests count
+  // them (all-reduce and broadcast: the buffer; all-gather: the gathered output;
+  // reduce-scatter: the input, N blocks). Algorithm names as MCCL_ALGO spells them.
   m.def("predict", [](const std::string& op, const std::string& algo, int n, size_t nbytes,
                       double alpha, double beta, double gamma) {
     const AlgoOp o = to_algo_op(op);
-    return predict(o, to_algo(o, algo), n, nbytes, cost_of(alpha, beta, gamma));
+    return predict(o, to_algo(o, algo), n, model_bytes(o, n, nbytes), cost_of(alpha, beta, gamma));
   }, py::arg("op"), py::arg("algo"), py::arg("n"), py::arg("nbytes"), py::arg("alpha"),
      py::arg("beta"), py::arg("gamma") = 0.0);
   m.def("choose_algorithm", [](const std::string& op, int n, size_t nbytes, double alpha,
                                double beta, double gamma, std::optional<Options> opts) {
-    return std::string(algo_name(choose(to_algo_op(op), n, nbytes, cost_of(alpha, beta, gamma),
+    const AlgoOp o = to_algo_op(op);
+    return std::string(algo_name(choose(o, n, model_bytes(o, n, nbytes), cost_of(alpha, beta, gamma),
                                         opts ? *opts : Options{})));
   }, py::arg("op"), py::arg("n"), py::arg("nbytes"), py::arg("alpha"), py::arg("beta"),
      py::arg("gamma") = 0.0, py::arg("opts") = py::none());
