@@ -192,7 +192,8 @@ def test_inexact_values_give_the_same_bits_on_every_rank(n, variant):
         x = rng.standard_normal(count).astype(np.float32)
         if op in ("MIN", "MAX"):
             nan = np.array([0x7FC00000 | (r + 1)], np.uint32).view(np.float32)[0]
-            x[r::7] = nan  # each rank its own payload, on places that overlap between ranks
+            x[::7] = nan       # each rank its own payload, at the same places: NaN meets NaN
+            x[r + 1::11] = nan  # and at places of its own: NaN meets a number
         if dtype == "bfloat16":
             return (x.view(np.uint32) >> 16).astype(np.uint16)
         return x.astype(DTYPES[dtype][0])
