@@ -2,6 +2,7 @@
 // declares the MCCL_* variables, defaults and units once). Plain data.
 #pragma once
 #include <cstddef>
+#include <string>
 
 namespace mccl {
 
@@ -20,6 +21,9 @@ struct Options {
   double timeout_s = 1800.0;            // per operation, seconds
   double connect_timeout_s = 1800.0;    // building the mesh, seconds
   WireSecurity wire_security = WireSecurity::kOff;  // frames: encrypted, authenticated or bare
+  std::string algo = "auto";            // MCCL_ALGO: algorithm pins (algorithms/cost_model.h)
+  double alpha_us = 0;                  // MCCL_ALPHA_US: the model's step latency, us; 0 = measure
+  double beta_gbps = 0;                 // MCCL_BETA_GBPS: the model's link speed, Gbit/s; 0 = measure
 
   // Throws ConfigError naming the bad field.
   void validate() const;
