@@ -155,6 +155,14 @@ class LinkManager:
     def send(self, addr: str, msg: dict[str, Any]) -> None:
         self.link_to(addr).send(msg)
 
+    def send_host(self, peer_host: str, msg: dict[str, Any]) -> None:
+        """Send over the live link to ``peer_host`` (an answer to what it sent us); never dials."""
+        with self._lock:
+            link = self._links.get(peer_host)
+        if link is None or link.closed:
+            raise PeerLostError(f"[link] no live link to {peer_host}; it went down before we could answer")
+        link.send(msg)
+
     def peers(self) -> list[dict[str, Any]]:
         with self._lock:
             return [{"host": h, "peer": l.peer_addr, "up": True} for h, l in self._links.items() if not l.closed]
