@@ -95,7 +95,7 @@ def _int(obj: dict, field: str, lo: int, hi: int) -> int:
 
 def _str(obj: dict, field: str, pattern: re.Pattern, allowed: tuple[str, ...] | None = None) -> str:
     v = obj.get(field)
-    if not isinstance(v, str) or not pattern.match(v) or (allowed is not None and v not in allowed):
+    if not isinstance(v, str) or not pattern.fullmatch(v) or (allowed is not None and v not in allowed):
         raise ValueError(f"{field}={str(v)[:32]!r} is malformed")
     return v
 
@@ -141,7 +141,7 @@ def check_entries(msg: dict, fleet: str, now_ms: int) -> tuple[list[Entry], list
     if len({e.host_id for e in out}) != len(out):
         raise ValueError("an entry is repeated")
     for h in want:
-        if not isinstance(h, str) or not _HOST_ID.match(h):
+        if not isinstance(h, str) or not _HOST_ID.fullmatch(h):
             raise ValueError(f"want names {str(h)[:32]!r}, not a host id")
     return out, want
 
@@ -153,7 +153,7 @@ def check_digest(msg: dict, now_ms: int) -> dict[str, tuple[int, int]]:
         raise ValueError(f"digest must be a list of at most {MAX_TABLE} rows")
     out: dict[str, tuple[int, int]] = {}
     for row in digest:
-        if (not isinstance(row, list) or len(row) != 3 or not isinstance(row[0], str) or not _HOST_ID.match(row[0])
+        if (not isinstance(row, list) or len(row) != 3 or not isinstance(row[0], str) or not _HOST_ID.fullmatch(row[0])
                 or type(row[1]) is not int or type(row[2]) is not int
                 or not 0 <= row[1] <= now_ms + MAX_FUTURE_MS or not 0 <= row[2] <= MAX_COUNTER):
             raise ValueError(f"digest row {str(row)[:64]!r} is not [host id, incarnation, counter]")
@@ -200,7 +200,7 @@ def _valid_seed_host(host: str) -> bool:
     except ValueError:
         pass
     # Digits and dots only, yet not an address (300.1.1.1, 10.1): a typo, not a name.
-    return bool(_SEED_HOST.match(host)) and not host.replace(".", "").isdigit()
+    return bool(_SEED_HOST.fullmatch(host)) and not host.replace(".", "").isdigit()
 
 
 def resolve_seed(host: str, port: int) -> list[str]:

@@ -114,7 +114,7 @@ class Gossip:
             self._thread.join(timeout=5.0)
             self._thread = None
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown(wait=True, cancel_futures=True)   # a dial in flight ends by MCCL_LINK_TIMEOUT
             self._pool = None
 
     # -- what the daemon reads ---------------------------------------------------------------
