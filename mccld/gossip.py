@@ -89,6 +89,7 @@ class Gossip:
         self._dropped: dict[str, tuple[tuple[int, int], float]] = {}   # host -> (version, when) for a TTL
         self._introduced: dict[str, list[float]] = {}                  # peer -> times it brought a new host
         self._budget: dict[str, int] = {}                              # peer -> messages left this round
+        self._shunned: dict[str, tuple[float, float]] = {}             # addr -> (retry at, backoff) after a failure
         self._lock = threading.Lock()
         self._inbox: queue.Queue = queue.Queue(maxsize=_INBOX)
         self._queued = 0
@@ -167,6 +168,10 @@ class Gossip:
         own_addr = self._own.link_addr if self._own else ""
         addrs.update(a for a in self._local_peers() if a != own_addr)
         addrs.discard(own_addr)
+        with self._lock:
+            # A peer that failed (down, or another fleet key: mDNS is unauthenticated) waits out
+            # its backoff instead of costing a handshake every round.
+            addrs = {a for a in addrs if self._shunned.get(a, (0.0, 0.0))[0] <= now}
         targets = random.sample(sorted(addrs), min(FANOUT, len(addrs)))
         for addr in targets:
             self._submit(self._exchange, addr, None)
@@ -205,9 +210,17 @@ class Gossip:
 
     def _exchange(self, addr: str, _: Any) -> None:
         try:
-            self._links.link_to(addr).send(self._digest())
+            self._links.link_to(addr, quiet=True).send(self._digest())
         except MCCLError as e:
             log.debug("gossip to %s failed: %s", addr, e)
+            with self._lock:
+                backoff = min(MAX_BACKOFF_S, max(self._interval, 2 * self._shunned.get(addr, (0.0, 0.0))[1]))
+                self._shunned[addr] = (time.monotonic() + backoff, backoff)
+                if len(self._shunned) > gp.MAX_TABLE:
+                    self._shunned.pop(next(iter(self._shunned)))
+            return
+        with self._lock:
+            self._shunned.pop(addr, None)
 
     def _contact_seed(self, seed: _Seed, _: Any) -> None:
         name = f"{seed.host}:{seed.port}"
@@ -223,7 +236,7 @@ class Gossip:
                 reached += 1     # a DNS name of the whole fleet names us too
                 continue
             try:
-                self._links.link_to(addr).send(self._digest())
+                self._links.link_to(addr, quiet=True).send(self._digest())
                 reached += 1
             except MCCLError as e:
                 why = str(e)

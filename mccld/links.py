@@ -133,8 +133,9 @@ class LinkManager:
         self.gate.close()
 
     # -- public ------------------------------------------------------------------------
-    def link_to(self, addr: str) -> Link:
-        """An authenticated link to the daemon at ``ip:port``, dialled if none is up."""
+    def link_to(self, addr: str, quiet: bool = False) -> Link:
+        """An authenticated link to the daemon at ``ip:port``, dialled if none is up. ``quiet``: a
+        failed dial logs at DEBUG (gossip tries peers it merely heard of, and logs seeds itself)."""
         with self._lock:
             host = self._by_addr.get(addr)
             link = self._links.get(host) if host else None
@@ -147,7 +148,7 @@ class LinkManager:
                 link = self._links.get(host) if host else None
                 if link is not None and not link.closed:
                     return link
-            link = self._dial(addr)
+            link = self._dial(addr, quiet)
             with self._lock:
                 self._by_addr[addr] = link.peer_host
             return link
@@ -176,12 +177,13 @@ class LinkManager:
         return sock, peer_host, session
 
     # -- internals ---------------------------------------------------------------------
-    def _connect(self, addr: str, purpose: str) -> tuple[socket.socket, str, str, auth.Session]:
+    def _connect(self, addr: str, purpose: str, quiet: bool = False) -> tuple[socket.socket, str, str, auth.Session]:
         host, _, port = addr.rpartition(":")
+        warn = (lambda key, msg, *a: log.debug(msg, *a)) if quiet else self._once.warn
         try:
             sock = socket.create_connection((host, int(port)), timeout=self._timeout)
         except (OSError, ValueError) as e:
-            self._once.warn(f"dial:{addr}", "[link] cannot connect to peer=%s: %s", addr, e)
+            warn(f"dial:{addr}", "[link] cannot connect to peer=%s: %s", addr, e)
             raise PeerLostError(f"[link] cannot connect to peer={addr}: {e}; is mccld running there "
                                 "and reachable on MCCL_PORT?") from None
         try:
@@ -189,7 +191,7 @@ class LinkManager:
                                                             self.address, addr, purpose)
         except (AuthError, ProtocolError) as e:
             sock.close()
-            self._once.warn(f"auth:{addr}", "%s", e)
+            warn(f"auth:{addr}", "%s", e)
             raise
         except OSError as e:
             sock.close()
@@ -201,8 +203,8 @@ class LinkManager:
         self.gate.know(host)
         return sock, peer_host, peer_listen, session
 
-    def _dial(self, addr: str) -> Link:
-        sock, peer_host, peer_listen, session = self._connect(addr, auth.CONTROL)
+    def _dial(self, addr: str, quiet: bool = False) -> Link:
+        sock, peer_host, peer_listen, session = self._connect(addr, auth.CONTROL, quiet)
         return self._adopt(sock, session, peer_host, peer_listen)
 
     def _accept_loop(self) -> None:
@@ -233,7 +235,10 @@ class LinkManager:
             sock.settimeout(None)
             self.on_data(sock, peer_host, purpose[len("data:"):], session)
         elif purpose == auth.CONTROL:
-            self._adopt(sock, session, peer_host, peer_listen)
+            try:
+                self._adopt(sock, session, peer_host, peer_listen)
+            except PeerLostError:
+                pass      # we are stopping; _adopt closed it
         else:
             self._once.warn(f"purpose:{peer_host}", "[link] peer=%s (%s) opened a socket for %r, which this "
                             "daemon does not serve; closing it (mixed mccld versions?)", peer, peer_host, purpose)
@@ -245,6 +250,10 @@ class LinkManager:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         link = Link(sock, session, peer_host, addr)
         with self._lock:
+            if self._stopping.is_set():
+                # A handshake that finished while stop() ran: its reader would outlive us.
+                link.close()
+                raise PeerLostError(f"[link] link to peer={addr} ({peer_host}) came up while mccld stops")
             old = self._links.get(peer_host)
             # Two daemons dialling each other at once keep both links; either works for sending.
             if old is None or old.closed:

@@ -70,6 +70,8 @@ def nodes():
         made.append(Node(*args, **kw))
         return made[-1]
     yield make
+    for n in made:         # no gossip dials while the links go down
+        n.gossip.stop()
     for n in made:
         n.stop()
 
