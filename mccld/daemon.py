@@ -249,7 +249,7 @@ class Daemon:
         disc = _optional("mccl_common.discovery")
         if disc is None:
             return
-        self.fleet = disc.FleetTable(self.cfg.fleet, [self.addr], on_change=self._on_fleet_change,
+        self.fleet = disc.FleetTable(self.cfg.fleet, [self.addr], on_change=self._on_mdns_change,
                                      ttl_s=self.cfg.mdns_ttl_s)
         self.fleet.start()
         port = int(self.links.address.rpartition(":")[2])
@@ -512,6 +512,12 @@ class Daemon:
 
     def _on_peer(self, peer_host: str, peer_addr: str, up: bool) -> None:
         self._stat("set_peer_up", peer_addr, up)
+
+    def _on_mdns_change(self, host_id: str, entry: dict | None) -> None:
+        gossip = self.gossip   # read once: stop() may clear it
+        if entry is None and gossip is not None:
+            gossip.forget(host_id)
+        self._on_fleet_change(host_id, entry)
 
     def _on_fleet_change(self, host_id: str, entry: dict | None) -> None:
         log.debug("fleet: %s %s", host_id, "left" if entry is None else "seen")

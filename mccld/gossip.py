@@ -125,6 +125,16 @@ class Gossip:
             entries = [k.entry for k in self._table.values()] + ([self._own] if self._own else [])
         return sorted((e.table_row() for e in entries), key=lambda r: r["host_id"])
 
+    def forget(self, host_id: str) -> None:
+        """mDNS saw ``host_id`` leave our subnet (goodbye or expiry): drop its entry now, not a
+        gossip TTL later. Its owner's next heartbeat brings it back if it is alive after all."""
+        with self._lock:
+            known = self._table.pop(host_id, None)
+            if known is not None:
+                self._dropped[host_id] = (known.entry.key, time.monotonic())
+        if known is not None:
+            self._on_change(host_id, None)
+
     def on_message(self, peer_host: str, msg: dict[str, Any]) -> None:
         """A gossip message from an authenticated link's reader: counted against the peer's
         budget and queued, never handled on the reader (it must not block on a send)."""

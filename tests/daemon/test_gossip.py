@@ -242,3 +242,17 @@ def test_a_member_cannot_take_over_another_hosts_entry_fill_the_table_or_refresh
         assert {"victim", "witness"} <= witness.known()
     finally:
         mallory.stop()
+
+
+@pytest.mark.timeout(60)
+def test_mdns_seeing_a_host_leave_drops_it_at_once_and_its_next_heartbeat_brings_it_back(nodes):
+    a = nodes("a", ttl=30.0).start()
+    b = nodes("b", seeds=[a.addr], ttl=30.0).start()
+    wait_for(lambda: "b" in a.known(), 15, "a to learn b")
+    a.gossip.forget("b")          # what mccld does when mDNS reports b gone
+    assert "b" not in a.known()
+    wait_for(lambda: "b" in a.known(), 15, "b's next heartbeat to bring it back")   # it was alive after all
+    b.stop()
+    a.gossip.forget("b")
+    time.sleep(10 * INTERVAL)     # nobody relays b's last version back in
+    assert "b" not in a.known()
