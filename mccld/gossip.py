@@ -68,6 +68,7 @@ class _Seed:
     backoff: float = 0.0
     last_ok: float = -1e18
     failures: int = 0
+    busy: bool = False        # an attempt is in flight (dialling every address may outlast a round)
 
 
 class Gossip:
@@ -188,15 +189,17 @@ class Gossip:
         for seed in self._seeds:
             # A seed we exchanged with lately is an ordinary peer; one we lost (or never reached)
             # is retried with backoff, so a partitioned daemon finds its way back.
-            if now - seed.last_ok > self._ttl / 2 and now >= seed.next_try:
-                seed.next_try = now + self._interval   # not again while this attempt runs
-                self._submit(self._contact_seed, seed, None)
+            if now - seed.last_ok > self._ttl / 2 and now >= seed.next_try and not seed.busy:
+                seed.busy = True      # before the submit: the attempt may end before it returns
+                if not self._submit(self._contact_seed, seed, None):
+                    seed.busy = False
 
-    def _submit(self, fn: Callable, a: Any, b: Any) -> None:
+    def _submit(self, fn: Callable, a: Any, b: Any) -> bool:
+        """Run fn(a, b) on the dial pool; False when the pool is full (or gone) and it will not run."""
         pool = self._pool
         with self._lock:
             if pool is None or self._queued >= MAX_QUEUED:
-                return
+                return False
             self._queued += 1
 
         def run() -> None:
@@ -210,6 +213,8 @@ class Gossip:
         except RuntimeError:   # shut down meanwhile
             with self._lock:
                 self._queued -= 1
+            return False
+        return True
 
     def _digest(self) -> dict[str, Any]:
         with self._lock:
@@ -233,6 +238,12 @@ class Gossip:
             self._shunned.pop(addr, None)
 
     def _contact_seed(self, seed: _Seed, _: Any) -> None:
+        try:
+            self._try_seed(seed)
+        finally:
+            seed.busy = False
+
+    def _try_seed(self, seed: _Seed) -> None:
         name = f"{seed.host}:{seed.port}"
         try:
             addrs = gp.resolve_seed(seed.host, seed.port)

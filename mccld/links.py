@@ -89,6 +89,7 @@ class LinkManager:
         self._on_peer = on_peer or (lambda host, addr, up: None)
         self.on_data = on_data  # set by the data-socket pool; None: data sockets are refused
         self._links: dict[str, Link] = {}        # peer host id -> live link
+        self._readers: dict[Link, threading.Thread] = {}   # every open link (a crossed dial's spare too)
         self._by_addr: dict[str, str] = {}       # "ip:port" dialled -> peer host id
         self._lock = threading.Lock()
         self._dial_locks: dict[str, threading.Lock] = {}
@@ -124,12 +125,14 @@ class LinkManager:
         if self._server is not None:
             self._server.close()
         with self._lock:
-            links = list(self._links.values())
+            links = list(self._links.values()) + list(self._readers)
+            readers = list(self._readers.values())
             self._links.clear()
         for link in links:
             link.close()
-        for t in self._threads:
-            t.join(timeout=2.0)
+        for t in self._threads + readers:
+            if t.ident is not None:   # a reader adopted just now may not have started yet
+                t.join(timeout=2.0)
         self.gate.close()
 
     # -- public ------------------------------------------------------------------------
@@ -249,6 +252,7 @@ class LinkManager:
         bound_dead_link(sock)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         link = Link(sock, session, peer_host, addr)
+        reader = threading.Thread(target=self._read_loop, args=(link,), name="mccld-link-read", daemon=True)
         with self._lock:
             if self._stopping.is_set():
                 # A handshake that finished while stop() ran: its reader would outlive us.
@@ -259,10 +263,10 @@ class LinkManager:
             if old is None or old.closed:
                 self._links[peer_host] = link
             self._by_addr[addr] = peer_host  # an accepted link also serves our own sends
+            self._readers[link] = reader     # under the same lock as the stop check: stop() joins it
         log.info("link up: peer=%s (%s)", addr, peer_host)
         self._on_peer(peer_host, addr, True)
-        t = threading.Thread(target=self._read_loop, args=(link,), name="mccld-link-read", daemon=True)
-        t.start()
+        reader.start()
         return link
 
     def _read_loop(self, link: Link) -> None:
@@ -282,6 +286,7 @@ class LinkManager:
         with self._lock:
             if self._links.get(link.peer_host) is link:
                 del self._links[link.peer_host]
+            self._readers.pop(link, None)
         if not self._stopping.is_set():
             log.info("link down: peer=%s (%s)", link.peer_addr, link.peer_host)
             self._on_peer(link.peer_host, link.peer_addr, False)

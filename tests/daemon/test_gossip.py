@@ -4,7 +4,6 @@ convergence, expiry, validation at the boundary, and what a hostile fleet member
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 import pytest
