@@ -100,6 +100,18 @@ class DaemonConfig:
     mdns_ttl_s: int = setting(
         "MCCL_MDNS_TTL", 60, "seconds",
         "TTL of the mDNS records; a host that vanishes without goodbye expires after it")
+    peers: str = setting(
+        "MCCL_PEERS", "", "list",
+        "seed daemons beside mDNS, comma-separated host[:port] (port: their MCCL_PORT, default this one's); a DNS "
+        "name may resolve to several addresses. Daemons reached through a seed gossip their fleet tables over the "
+        "authenticated links, so every daemon learns the whole fleet across subnets and VLANs (docs/discovery.md)")
+    gossip_interval_s: float = setting(
+        "MCCL_GOSSIP_INTERVAL", 2.0, "seconds",
+        "how often a daemon sends its fleet-table digest to a few random peers (and retries unreachable seeds, "
+        "with backoff)")
+    gossip_ttl_s: float = setting(
+        "MCCL_GOSSIP_TTL", 30.0, "seconds",
+        "a gossiped fleet entry whose owner has not refreshed it for this long is dropped (a host that died)")
     link_timeout_s: float = setting(
         "MCCL_LINK_TIMEOUT", 10.0, "seconds",
         "time to connect and authenticate a daemon-to-daemon link")
@@ -169,6 +181,11 @@ class DaemonConfig:
                           ("MCCL_METRICS_PORT", self.metrics_port), ("MCCL_LAUNCH_PORT", self.launch_port)):
             _require(0 <= port <= 65535, env, port, "must be a TCP port (0-65535)")
         _require(self.mdns_ttl_s >= 1, "MCCL_MDNS_TTL", self.mdns_ttl_s, "must be at least 1")
+        _require(self.gossip_interval_s >= 0.1, "MCCL_GOSSIP_INTERVAL", self.gossip_interval_s,
+                 "must be at least 0.1")
+        _require(self.gossip_ttl_s >= 3 * self.gossip_interval_s, "MCCL_GOSSIP_TTL", self.gossip_ttl_s,
+                 "must be at least 3 gossip intervals (MCCL_GOSSIP_INTERVAL), or live hosts expire between rounds")
+        self.seeds()
         _require(self.link_timeout_s > 0, "MCCL_LINK_TIMEOUT", self.link_timeout_s, "must be positive")
         _require(self.unauth_timeout_s > 0, "MCCL_UNAUTH_TIMEOUT", self.unauth_timeout_s, "must be positive")
         for env, n in (("MCCL_MAX_UNAUTH_CONNECTIONS", self.max_unauth_connections),
@@ -185,6 +202,11 @@ class DaemonConfig:
         self.harvest_window()
         _require(bool(self.fleet) and all(c.isalnum() or c in "-_." for c in self.fleet),
                  "MCCL_FLEET", self.fleet, "use letters, digits, '-', '_' or '.'")
+
+    def seeds(self) -> list[tuple[str, int]]:
+        """MCCL_PEERS as (host or address, link port) pairs; ConfigError naming the first bad entry."""
+        from .gossip_protocol import parse_peers
+        return parse_peers(self.peers, self.port or 29650)
 
     def read_key(self) -> bytes:
         """The fleet key; a key file readable by others is refused (the key is the fleet's only secret)."""

@@ -34,7 +34,7 @@ MAX_LINE = 4 << 20           # a status answer of a large fleet fits easily
 MAX_PREAUTH_LINE = 16 << 10
 IO_TIMEOUT_S = 10.0          # per read/write on a server connection
 
-READ_METHODS = ("status", "links", "jobs", "linktest_result", "capacity")
+READ_METHODS = ("status", "links", "jobs", "linktest_result", "capacity", "fleet")
 WRITE_METHODS = ("linktest",)
 SINK = "linktest_sink"       # internal: the far end of another daemon's linktest
 

@@ -19,11 +19,14 @@ def build_parser() -> argparse.ArgumentParser:
     def common(sp, hosts=True, requests=True):
         if hosts:
             sp.add_argument("--host", action="append", metavar="H[:PORT]",
-                            help="daemon status endpoint (repeatable); default: find daemons by mDNS")
+                            help="daemon status endpoint (repeatable); default: the local mccld's fleet table "
+                                 "(mDNS and gossip), else the MCCL_PEERS seeds', else mDNS")
         sp.add_argument("--json", action="store_true", help="machine-readable output")
         if requests:  # only commands that talk to daemons need the key and a request timeout
             sp.add_argument("--key-file", help="fleet key file (default: MCCL_KEY_FILE or the standard paths)")
-            sp.add_argument("--timeout", type=float, default=5.0, help="seconds per daemon request")
+            sp.add_argument("--timeout", type=float, default=5.0,
+                            help="seconds per daemon request; all are asked at once, so also about the longest "
+                                 "an unreachable host delays the answer")
         sp.add_argument("--discover-timeout", type=float, default=3.0,
                         help="seconds to listen for mDNS announcements")
         return sp

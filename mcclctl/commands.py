@@ -14,17 +14,19 @@ from . import formatting as fmt
 from .targets import Target, discover, fetch, from_hosts, load_key, version_mismatches
 
 
-def find_targets(args) -> list[Target]:
+def find_targets(args, key: bytes | None = None) -> list[Target]:
+    """--host, else the fleet as this host's daemon (or a seed, or mDNS) knows it."""
     if args.host:
         return from_hosts(args.host)
-    targets = discover(args.discover_timeout)
+    targets = discover(args.discover_timeout, key)
     if not targets:
-        raise ConfigError(f"[mcclctl] no mccld answered mDNS within {args.discover_timeout:.1f} s; "
-                          f"start mccld, check that multicast reaches this host, or use --host H[:port]")
+        raise ConfigError(f"[mcclctl] no fleet table from this host's mccld or the MCCL_PEERS seeds, and no "
+                          f"mccld answered mDNS within {args.discover_timeout:.1f} s; start mccld, check that "
+                          f"multicast reaches this host, set MCCL_PEERS, or use --host H[:port]")
     return targets
 
 
-def resolve(names: list[str], discover_timeout: float) -> list[Target]:
+def resolve(names: list[str], discover_timeout: float, key: bytes | None = None) -> list[Target]:
     """Targets for names that are host[:port] or mDNS host ids (looked up only if needed)."""
     found: dict[str, Target] | None = None
     out = []
@@ -34,7 +36,7 @@ def resolve(names: list[str], discover_timeout: float) -> list[Target]:
             continue
         if found is None:
             try:
-                found = {t.host: t for t in discover(discover_timeout)}
+                found = {t.host: t for t in discover(discover_timeout, key)}
             except ConfigError:
                 found = {}
         out.append(found.get(name) or from_hosts([name])[0])
@@ -50,7 +52,7 @@ def _is_ip(name: str) -> bool:
 
 
 def _render_status(args, key: bytes) -> tuple[str, int]:
-    replies = fetch(find_targets(args), key, "status", timeout_s=args.timeout)
+    replies = fetch(find_targets(args, key), key, "status", timeout_s=args.timeout)
     if args.json:
         data = [{"target": r.target.status_addr, "host": r.target.host, "status": r.result,
                  "error": r.error} for r in replies]
@@ -85,7 +87,8 @@ def cmd_status(args) -> int:
 
 
 def _per_host(args, method: str, section: str, table: Callable) -> int:
-    replies = fetch(find_targets(args), load_key(args.key_file), method, timeout_s=args.timeout)
+    key = load_key(args.key_file)
+    replies = fetch(find_targets(args, key), key, method, timeout_s=args.timeout)
     if args.json:
         print(fmt.to_json([{"host": r.target.host, section: (r.result or {}).get(section),
                             "error": r.error} for r in replies]))
@@ -106,7 +109,8 @@ def cmd_jobs(args) -> int:
 
 
 def cmd_capacity(args) -> int:
-    replies = fetch(find_targets(args), load_key(args.key_file), "capacity", timeout_s=args.timeout)
+    key = load_key(args.key_file)
+    replies = fetch(find_targets(args, key), key, "capacity", timeout_s=args.timeout)
     if args.json:
         caps = [r.result for r in replies if r.result is not None]
         print(fmt.to_json({"mcclctl_version": MCCL_VERSION, "harvestable": fmt.harvestable_totals(caps),
@@ -120,8 +124,8 @@ def cmd_capacity(args) -> int:
 
 
 def cmd_linktest(args) -> int:
-    a, b = resolve([args.a, args.b], args.discover_timeout)
     key = load_key(args.key_file)
+    a, b = resolve([args.a, args.b], args.discover_timeout, key)
     # The measurement runs on A; our request waits for it, plus connection set-up.
     (reply,) = fetch([a], key, "linktest",
                      {"target": b.status_addr, "seconds": args.seconds, "streams": args.streams},

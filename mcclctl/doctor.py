@@ -270,7 +270,7 @@ def cmd_doctor(args) -> int:
 
     checks += key_checks(read_key, key_file or "")
     try:
-        targets = from_hosts(args.host) if args.host else discover(args.discover_timeout)
+        targets = from_hosts(args.host) if args.host else discover(args.discover_timeout, key)
     except ConfigError as e:
         targets = []
         checks.append(check("discovery", "warn", str(e), "name peers with --host H[:port]"))

@@ -104,7 +104,7 @@ def select_hosts(hosts: list[Host], n_min: int, n_max: int, where: list[str]) ->
 
 def fleet_hosts(args, key: bytes) -> tuple[list[Host], list[str]]:
     """Every daemon that answered both its status and its capacity, and the errors of the others."""
-    targets = find_targets(args)
+    targets = find_targets(args, key)   # the local daemon's table: hosts of every subnet, not only mDNS
     status = fetch(targets, key, "status", timeout_s=args.timeout)
     capacity = {r.target: r for r in fetch(targets, key, "capacity", timeout_s=args.timeout)}
     hosts, errors = [], []

@@ -1,9 +1,11 @@
-"""Finding daemons (mDNS or --host) and fetching from them, in parallel and bounded."""
+"""Finding daemons (the local daemon's gossiped table, MCCL_PEERS, mDNS or --host) and fetching
+from them, in parallel and bounded."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
+import queue
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -16,6 +18,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_STATUS_PORT = 29651
 DEFAULT_METRICS_PORT = 29652
+MAX_PARALLEL = 256        # status requests in flight at once (a thread each, mostly waiting on the network)
+TABLE_TIMEOUT_S = 2.0     # for a daemon's fleet table: the local daemon answers in milliseconds
+_SLACK_S = 1.0            # past a query's own timeout, for its thread to report
 
 
 @dataclass(frozen=True)
@@ -74,18 +79,51 @@ def from_record(rec: Any, status_port: int = DEFAULT_STATUS_PORT,
     return Target(host=host, status_addr=f"{ip}:{status_port}", metrics_addr=f"{ip}:{metrics_port}")
 
 
-def discover(timeout_s: float) -> list[Target]:
-    """Daemons of this host's fleet (MCCL_FLEET) announced over mDNS, sorted by host id."""
+def discover(timeout_s: float, key: bytes | None = None) -> list[Target]:
+    """Daemons of this host's fleet (MCCL_FLEET), sorted by host id.
+
+    First the table of this host's own daemon, which knows every subnet through gossip
+    (mccld/gossip.py) and answers at once; else the tables of the MCCL_PEERS seeds; else
+    whatever answers mDNS on this subnet within ``timeout_s``. ``key`` (the fleet key) lets
+    mcclctl ask daemons; without one only mDNS is tried."""
+    from mccl_common.daemon_settings import load_config
+    cfg = load_config()
+    ports = (cfg.status_port or DEFAULT_STATUS_PORT, cfg.metrics_port or DEFAULT_METRICS_PORT)
+    if key is not None and cfg.status_port:
+        for addrs in (_own_daemon(cfg), [f"{h}:{cfg.status_port}" for h, _ in cfg.seeds()]):
+            rows = _tables(addrs, key)
+            if rows:
+                return sorted((from_record(r, *ports) for r in rows), key=lambda t: t.host)
     try:
-        from mccl_common.daemon_settings import load_config
         from mccl_common.discovery import browse_fleet
     except ImportError as e:
-        raise ConfigError(f"[mcclctl] mDNS discovery is unavailable ({e}); name daemons with --host") from None
-    cfg = load_config()
+        raise ConfigError(f"[mcclctl] mDNS discovery is unavailable ({e}) and no daemon's fleet table could be "
+                          "read; name daemons with --host, or set MCCL_PEERS") from None
     records = browse_fleet(timeout_s, fleet=cfg.fleet)
-    return sorted((from_record(r, cfg.status_port or DEFAULT_STATUS_PORT,
-                               cfg.metrics_port or DEFAULT_METRICS_PORT) for r in records),
-                  key=lambda t: t.host)
+    return sorted((from_record(r, *ports) for r in records), key=lambda t: t.host)
+
+
+def _own_daemon(cfg) -> list[str]:
+    """The status endpoint this host's mccld listens on (the address it would choose)."""
+    from mccl_common.netif import choose_address
+    try:
+        return [f"{choose_address(cfg.iface, cfg.listen_addr, cfg.allow_wifi)[1]}:{cfg.status_port}"]
+    except MCCLError as e:
+        log.debug("no local daemon address: %s", e)
+        return []
+
+
+def _tables(addrs: list[str], key: bytes) -> list[dict]:
+    """The union of the fleet tables these daemons hold ([] if none answers)."""
+    rows: dict[str, dict] = {}
+    for r in fetch(from_hosts(addrs), key, "fleet", timeout_s=TABLE_TIMEOUT_S):
+        if r.error:
+            log.debug("fleet table of %s: %s", r.target.status_addr, r.error)
+            continue
+        for row in (r.result or {}).get("fleet_table") or []:
+            if isinstance(row, dict) and isinstance(row.get("host_id"), str):
+                rows.setdefault(row["host_id"], row)
+    return list(rows.values())
 
 
 def load_key(key_file: str | None) -> bytes:
@@ -100,7 +138,9 @@ def load_key(key_file: str | None) -> bytes:
 
 def fetch(targets: list[Target], key: bytes, method: str, args: dict | None = None,
           timeout_s: float = 5.0) -> list[Reply]:
-    """Ask every target at once; a daemon that fails gives a Reply with ``error`` set."""
+    """Ask every target at once (at most MAX_PARALLEL in flight), each within ``timeout_s`` as a
+    whole; a daemon that fails or does not answer in time gives a Reply with ``error`` set, so
+    one unreachable host costs the caller ``timeout_s`` once, not once per host."""
     def one(t: Target) -> Reply:
         if t.status_addr.endswith(":0"):
             return Reply(t, error="status endpoint disabled on that host (MCCL_STATUS_PORT=0)")
@@ -115,8 +155,37 @@ def fetch(targets: list[Target], key: bytes, method: str, args: dict | None = No
 
     if not targets:
         return []
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(targets))) as pool:
-        return list(pool.map(one, targets))
+    replies: list[Reply | None] = [None] * len(targets)
+    todo: queue.SimpleQueue = queue.SimpleQueue()
+    for i in range(len(targets)):
+        todo.put(i)
+    done = threading.Semaphore(0)
+
+    def worker() -> None:
+        while True:
+            try:
+                i = todo.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                replies[i] = one(targets[i])
+            except Exception as e:  # noqa: BLE001 - one host's surprise must not lose the others
+                replies[i] = Reply(targets[i], error=f"{type(e).__name__}: {e}")
+            done.release()
+
+    # Daemon threads: a host that never answers must not hold mcclctl's exit.
+    for _ in range(min(MAX_PARALLEL, len(targets))):
+        threading.Thread(target=worker, name="mcclctl-fetch", daemon=True).start()
+    # Each query bounds its own connect and reads; the deadline bounds the whole (a host that
+    # dribbles bytes), plus a wave of waiting when more hosts than MAX_PARALLEL are asked.
+    waves = -(-len(targets) // MAX_PARALLEL)
+    deadline = time.monotonic() + waves * (timeout_s + _SLACK_S)
+    for _ in targets:
+        if not done.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            break
+    return [r if r is not None else Reply(t, error=f"DaemonUnavailableError: no answer within {timeout_s:.1f} s; "
+                                                    "the host is unreachable or its daemon hangs")
+            for t, r in zip(targets, list(replies))]
 
 
 def version_mismatches(replies: list[Reply]) -> list[str]:

@@ -22,7 +22,7 @@ from mccl_common import attach_protocol as protocol
 from mccl_common import jobkey
 from mccl_common.daemon_settings import DaemonConfig, attach_gid, key_paths, runtime_dir
 from mccl_common.errors import AbortedError, ConfigError, MCCLError, ProtocolError
-from mccl_common.hostinfo import host_facts
+from mccl_common.hostinfo import cpu_cores, device_kind, host_facts, memory_bytes
 from mccl_common.netif import choose_address
 from mccl_common.settings import EngineConfig, load
 
@@ -84,6 +84,8 @@ class Daemon:
         self.fleet = None
         self.advertiser = None
         self.harvester: Harvester | None = None
+        self.gossip = None
+        self._announced = {"state": "idle", "harvest": ""}   # what our fleet entry says (mDNS, gossip)
         self._running_jobs = 0              # last count the harvester was told about
         self._servers: list[Any] = []
         self.launcher: LaunchServer | None = None
@@ -129,6 +131,7 @@ class Daemon:
             self._start_servers(key)
             self._start_launcher()
             self._start_discovery()
+            self._start_gossip()
             # Last: the token file it writes is what clients, mcclctl and tests take for
             # "mccld is up", so every service and thread of the daemon runs by then.
             self.inbox = FdInbox(self.runtime_dir, attach_gid(cfg)).start()
@@ -166,6 +169,9 @@ class Daemon:
                 log.debug("stopping %r failed", srv, exc_info=True)
         self._servers.clear()
         self.launcher = None
+        if self.gossip is not None:
+            self.gossip.stop()
+            self.gossip = None
         if self.advertiser is not None:
             self.advertiser.stop()
             self.advertiser = None
@@ -243,7 +249,7 @@ class Daemon:
         disc = _optional("mccl_common.discovery")
         if disc is None:
             return
-        self.fleet = disc.FleetTable(self.cfg.fleet, [self.addr], on_change=self._on_fleet_change,
+        self.fleet = disc.FleetTable(self.cfg.fleet, [self.addr], on_change=self._on_mdns_change,
                                      ttl_s=self.cfg.mdns_ttl_s)
         self.fleet.start()
         port = int(self.links.address.rpartition(":")[2])
@@ -254,6 +260,35 @@ class Daemon:
         self.advertiser.start()
         if self.harvester is not None:
             self.advertiser.set_harvest(self.harvester.snapshot()["state"])
+
+    def _start_gossip(self) -> None:
+        """Fleet tables spread over the links (mccld/gossip.py): seeds from MCCL_PEERS, peers from
+        mDNS and from gossip itself, so the fleet is one table across subnets."""
+        from .gossip import Gossip
+        ports = {type(s).__name__: s.port for s in self._servers}
+        fixed = {"proto": PROTO_VERSION, "addresses": [self.addr], "port": int(self.links.address.rpartition(":")[2]),
+                 "status_port": ports.get("StatusServer", 0), "metrics_port": ports.get("MetricsServer", 0),
+                 "cores": cpu_cores(), "memory": memory_bytes(), "device": device_kind(), "version": __version__}
+
+        def own() -> dict[str, Any]:
+            return {**fixed, **self._announced}
+
+        def local_peers() -> list[str]:
+            fleet = self.fleet   # read once: stop() may clear it
+            return [f"{e['addresses'][0]}:{e['port']}" for e in (fleet.entries() if fleet else [])
+                    if e.get("addresses") and e["host_id"] != self.host_id]
+
+        self.gossip = Gossip(self.cfg.fleet, self.host_id, self.links, own, self.cfg.seeds(),
+                             self.cfg.gossip_interval_s, self.cfg.gossip_ttl_s, local_peers,
+                             self._on_fleet_change).start()
+
+    def fleet_rows(self) -> list[dict[str, Any]]:
+        """The fleet as this daemon knows it: mDNS (our subnet) first, gossip (every subnet) for the rest."""
+        fleet, gossip = self.fleet, self.gossip   # read once: stop() may clear them
+        rows = {e["host_id"]: {**e, "source": "mdns"} for e in (fleet.entries() if fleet else [])}
+        for row in gossip.rows() if gossip else []:
+            rows.setdefault(row["host_id"], row)
+        return [rows[h] for h in sorted(rows)]
 
     def _start_servers(self, key: bytes) -> None:
         if self.stats is None:
@@ -462,6 +497,10 @@ class Daemon:
             datalinks = self.datalinks
             if datalinks is not None:
                 datalinks.on_message(peer_host, msg)
+        elif kind.startswith("gossip_"):
+            gossip = self.gossip
+            if gossip is not None:
+                gossip.on_message(peer_host, msg)
         elif kind == "job_failed":
             job = self.jobs.get(str(msg.get("job")))
             if job is None or all(h.host_id != peer_host for h in job.hosts):
@@ -473,6 +512,12 @@ class Daemon:
 
     def _on_peer(self, peer_host: str, peer_addr: str, up: bool) -> None:
         self._stat("set_peer_up", peer_addr, up)
+
+    def _on_mdns_change(self, host_id: str, entry: dict | None) -> None:
+        gossip = self.gossip   # read once: stop() may clear it
+        if entry is None and gossip is not None:
+            gossip.forget(host_id)
+        self._on_fleet_change(host_id, entry)
 
     def _on_fleet_change(self, host_id: str, entry: dict | None) -> None:
         log.debug("fleet: %s %s", host_id, "left" if entry is None else "seen")
@@ -567,6 +612,7 @@ class Daemon:
         with self._lock:
             busy = any(j.state == "ready" for j in self.jobs.values())
         self._stat("set_state", "training" if busy else "idle")
+        self._announced["state"] = "training" if busy else "idle"
         if self.advertiser is not None:
             self.advertiser.set_state("training" if busy else "idle")
         running = self._count_running_jobs()
@@ -587,6 +633,7 @@ class Daemon:
             launcher.drain()
         snapshot = {**snapshot, **self.reclaim.update(snapshot, changed, launcher)}
         self._stat("set_harvest", snapshot)
+        self._announced["harvest"] = snapshot["state"]
         advertiser = self.advertiser   # read once: stop() may clear it (set_harvest re-announces on change only)
         if advertiser is not None:
             advertiser.set_harvest(snapshot["state"])
@@ -642,7 +689,7 @@ class Daemon:
             "version": __version__, "proto": PROTO_VERSION, "attached": attached, "jobs": jobs,
             "links": self.links.peers() if self.links else [],
             "data_links": self._data_link_status(),
-            "fleet_table": self.fleet.entries() if self.fleet is not None else [],
+            "fleet_table": self.fleet_rows(),
             "last_error": self.last_error or None,
             "launch_port": self.launcher.port if self.launcher is not None else 0,
             "launched": self.launcher.jobs() if self.launcher is not None else [],

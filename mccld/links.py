@@ -89,6 +89,7 @@ class LinkManager:
         self._on_peer = on_peer or (lambda host, addr, up: None)
         self.on_data = on_data  # set by the data-socket pool; None: data sockets are refused
         self._links: dict[str, Link] = {}        # peer host id -> live link
+        self._readers: dict[Link, threading.Thread] = {}   # every open link (a crossed dial's spare too)
         self._by_addr: dict[str, str] = {}       # "ip:port" dialled -> peer host id
         self._lock = threading.Lock()
         self._dial_locks: dict[str, threading.Lock] = {}
@@ -124,17 +125,20 @@ class LinkManager:
         if self._server is not None:
             self._server.close()
         with self._lock:
-            links = list(self._links.values())
+            links = list(self._links.values()) + list(self._readers)
+            readers = list(self._readers.values())
             self._links.clear()
         for link in links:
             link.close()
-        for t in self._threads:
-            t.join(timeout=2.0)
+        for t in self._threads + readers:
+            if t.ident is not None:   # a reader adopted just now may not have started yet
+                t.join(timeout=2.0)
         self.gate.close()
 
     # -- public ------------------------------------------------------------------------
-    def link_to(self, addr: str) -> Link:
-        """An authenticated link to the daemon at ``ip:port``, dialled if none is up."""
+    def link_to(self, addr: str, quiet: bool = False) -> Link:
+        """An authenticated link to the daemon at ``ip:port``, dialled if none is up. ``quiet``: a
+        failed dial logs at DEBUG (gossip tries peers it merely heard of, and logs seeds itself)."""
         with self._lock:
             host = self._by_addr.get(addr)
             link = self._links.get(host) if host else None
@@ -147,13 +151,21 @@ class LinkManager:
                 link = self._links.get(host) if host else None
                 if link is not None and not link.closed:
                     return link
-            link = self._dial(addr)
+            link = self._dial(addr, quiet)
             with self._lock:
                 self._by_addr[addr] = link.peer_host
             return link
 
     def send(self, addr: str, msg: dict[str, Any]) -> None:
         self.link_to(addr).send(msg)
+
+    def send_host(self, peer_host: str, msg: dict[str, Any]) -> None:
+        """Send over the live link to ``peer_host`` (an answer to what it sent us); never dials."""
+        with self._lock:
+            link = self._links.get(peer_host)
+        if link is None or link.closed:
+            raise PeerLostError(f"[link] no live link to {peer_host}; it went down before we could answer")
+        link.send(msg)
 
     def peers(self) -> list[dict[str, Any]]:
         with self._lock:
@@ -168,12 +180,13 @@ class LinkManager:
         return sock, peer_host, session
 
     # -- internals ---------------------------------------------------------------------
-    def _connect(self, addr: str, purpose: str) -> tuple[socket.socket, str, str, auth.Session]:
+    def _connect(self, addr: str, purpose: str, quiet: bool = False) -> tuple[socket.socket, str, str, auth.Session]:
         host, _, port = addr.rpartition(":")
+        warn = (lambda key, msg, *a: log.debug(msg, *a)) if quiet else self._once.warn
         try:
             sock = socket.create_connection((host, int(port)), timeout=self._timeout)
         except (OSError, ValueError) as e:
-            self._once.warn(f"dial:{addr}", "[link] cannot connect to peer=%s: %s", addr, e)
+            warn(f"dial:{addr}", "[link] cannot connect to peer=%s: %s", addr, e)
             raise PeerLostError(f"[link] cannot connect to peer={addr}: {e}; is mccld running there "
                                 "and reachable on MCCL_PORT?") from None
         try:
@@ -181,7 +194,7 @@ class LinkManager:
                                                             self.address, addr, purpose)
         except (AuthError, ProtocolError) as e:
             sock.close()
-            self._once.warn(f"auth:{addr}", "%s", e)
+            warn(f"auth:{addr}", "%s", e)
             raise
         except OSError as e:
             sock.close()
@@ -193,8 +206,8 @@ class LinkManager:
         self.gate.know(host)
         return sock, peer_host, peer_listen, session
 
-    def _dial(self, addr: str) -> Link:
-        sock, peer_host, peer_listen, session = self._connect(addr, auth.CONTROL)
+    def _dial(self, addr: str, quiet: bool = False) -> Link:
+        sock, peer_host, peer_listen, session = self._connect(addr, auth.CONTROL, quiet)
         return self._adopt(sock, session, peer_host, peer_listen)
 
     def _accept_loop(self) -> None:
@@ -225,7 +238,10 @@ class LinkManager:
             sock.settimeout(None)
             self.on_data(sock, peer_host, purpose[len("data:"):], session)
         elif purpose == auth.CONTROL:
-            self._adopt(sock, session, peer_host, peer_listen)
+            try:
+                self._adopt(sock, session, peer_host, peer_listen)
+            except PeerLostError:
+                pass      # we are stopping; _adopt closed it
         else:
             self._once.warn(f"purpose:{peer_host}", "[link] peer=%s (%s) opened a socket for %r, which this "
                             "daemon does not serve; closing it (mixed mccld versions?)", peer, peer_host, purpose)
@@ -236,16 +252,21 @@ class LinkManager:
         bound_dead_link(sock)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         link = Link(sock, session, peer_host, addr)
+        reader = threading.Thread(target=self._read_loop, args=(link,), name="mccld-link-read", daemon=True)
         with self._lock:
+            if self._stopping.is_set():
+                # A handshake that finished while stop() ran: its reader would outlive us.
+                link.close()
+                raise PeerLostError(f"[link] link to peer={addr} ({peer_host}) came up while mccld stops")
             old = self._links.get(peer_host)
             # Two daemons dialling each other at once keep both links; either works for sending.
             if old is None or old.closed:
                 self._links[peer_host] = link
             self._by_addr[addr] = peer_host  # an accepted link also serves our own sends
+            self._readers[link] = reader     # under the same lock as the stop check: stop() joins it
         log.info("link up: peer=%s (%s)", addr, peer_host)
         self._on_peer(peer_host, addr, True)
-        t = threading.Thread(target=self._read_loop, args=(link,), name="mccld-link-read", daemon=True)
-        t.start()
+        reader.start()
         return link
 
     def _read_loop(self, link: Link) -> None:
@@ -265,6 +286,7 @@ class LinkManager:
         with self._lock:
             if self._links.get(link.peer_host) is link:
                 del self._links[link.peer_host]
+            self._readers.pop(link, None)
         if not self._stopping.is_set():
             log.info("link down: peer=%s (%s)", link.peer_addr, link.peer_host)
             self._on_peer(link.peer_host, link.peer_addr, False)

@@ -264,6 +264,11 @@ class StatusServer:
                 return status
             return {"host": status.get("host"), "address": status.get("address"),
                     "version": status.get("version"), method: status.get(method, [])}
+        if method == "fleet":
+            # The daemon's fleet table (mDNS and gossip): where mcclctl finds every host at once.
+            status = self._provider()
+            return {"host": status.get("host"), "address": status.get("address"),
+                    "fleet_table": status.get("fleet_table") or []}
         if method == "linktest_result":
             return self.linktest_results()
         if method == "capacity":
