@@ -101,6 +101,16 @@ class EngineConfig:
         "smallest piece of an all-reduce handed over by segment tickets (mccld's shared-memory path, "
         "accelerator buckets): the engine starts a piece once its input is ready and announces it once "
         "final; large ops use pieces of up to N MB at N ranks (at most 1/16 of the buffer)")
+    topology: str = setting(
+        "MCCL_TOPOLOGY", "", "path",
+        "file naming each host's switch, lines `SWITCH: HOST HOST ...` (hosts by MCCL_HOST_ID, host name or "
+        "IP; docs/tuning.md): all-reduces of MCCL_HIERARCHY_MIN_BYTES and up then run within each switch, "
+        "then across switches, then within each again. Empty: one switch in-process; through mccld the "
+        "daemons' topology (theirs, or inferred from RTTs: `mcclctl links --topology`)")
+    hierarchy_min_bytes: int = setting(
+        "MCCL_HIERARCHY_MIN_BYTES", 1 << 20, "bytes",
+        "smallest all-reduce run switch by switch when the hosts span two or more switches (MCCL_TOPOLOGY); "
+        "every rank must use the same value")
     send_thread: bool = setting(
         "MCCL_SEND_THREAD", True, "bool",
         "a second engine thread per communicator copies bulk frames (512K and up) into the sockets, "
@@ -164,6 +174,7 @@ class EngineConfig:
         opts.segment_bytes = self.segment_bytes
         opts.small_allreduce_bytes = self.small_allreduce_bytes
         opts.pipeline_bytes = self.pipeline_bytes
+        opts.hierarchy_min_bytes = self.hierarchy_min_bytes
         opts.send_thread = self.send_thread
         opts.recv_threads = self.recv_threads
         opts.timeout_s = timeout_s
@@ -185,6 +196,8 @@ class EngineConfig:
                  self.small_allreduce_bytes, "must not be negative")
         _require(self.pipeline_bytes >= 4 << 10, "MCCL_PIPELINE_BYTES", self.pipeline_bytes,
                  "must be at least 4K")
+        _require(self.hierarchy_min_bytes >= 0, "MCCL_HIERARCHY_MIN_BYTES", self.hierarchy_min_bytes,
+                 "must not be negative")
         _require(0 <= self.daemon_fast_bytes <= 16 << 20, "MCCL_DAEMON_FAST_BYTES", self.daemon_fast_bytes,
                  "must be between 0 (off) and 16M")
         _require(self.daemon_copy_ahead_bytes >= 0, "MCCL_DAEMON_COPY_AHEAD_BYTES", self.daemon_copy_ahead_bytes,

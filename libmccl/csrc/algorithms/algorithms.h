@@ -4,6 +4,7 @@
 // the same sizes; the transport checks that (frame signatures).
 #pragma once
 #include <cstddef>
+#include <cstdint>
 #include <vector>
 
 #include "algorithms/collective.h"
@@ -22,6 +23,24 @@ void allreduce(Collective& c, void* buf, size_t count, const Reduction& red, con
 Pieces allreduce_pieces(const Options& opts, int size, size_t count, DType dt);
 void allreduce_ring(Collective& c, void* buf, size_t count, const Reduction& red);
 void allreduce_small(Collective& c, void* buf, size_t count, const Reduction& red);
+
+// Ranks grouped by switch (Options::switch_of_rank), as hierarchical.cc runs over them.
+// Built from the same vector on every rank, so every rank derives the same groups.
+struct Hierarchy {
+  std::vector<std::vector<int>> groups;  // global ranks of each switch, switches by id, ascending
+  std::vector<std::vector<int>> cores;   // the first `width` ranks of each switch
+  std::vector<std::vector<int>> slices;  // slices[i]: core rank i of every switch
+  int width = 0;                         // ranks of the smallest switch
+  int max_group = 0;                     // ranks of the largest switch
+  int group = -1, index = -1;            // this rank's switch and place in it
+  int32_t fingerprint = -1;              // of the grouping, for op signatures (>= 0 if active)
+  static Hierarchy of(const std::vector<int>& switch_of_rank, int rank);
+  bool active() const { return groups.size() >= 2; }
+};
+// Reduce-scatter within each switch, all-reduce across switches, all-gather within each
+// switch (hierarchical.cc). Tickets as allreduce's; bitwise identical on every rank.
+void allreduce_hierarchical(Collective& c, void* buf, size_t count, const Reduction& red,
+                            const Hierarchy& h, const OpTickets& t);
 
 void allgather_ring(Collective& c, const void* send, void* recv, size_t nbytes);
 void reduce_scatter_ring(Collective& c, const void* send, void* recv, size_t count, const Reduction& red);

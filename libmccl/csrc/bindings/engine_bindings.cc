@@ -260,6 +260,8 @@ void register_engine_bindings(py::module_& m) {
       .def_readwrite("segment_bytes", &Options::segment_bytes)
       .def_readwrite("small_allreduce_bytes", &Options::small_allreduce_bytes)
       .def_readwrite("pipeline_bytes", &Options::pipeline_bytes)
+      .def_readwrite("switch_of_rank", &Options::switch_of_rank)
+      .def_readwrite("hierarchy_min_bytes", &Options::hierarchy_min_bytes)
       .def_readwrite("send_thread", &Options::send_thread)
       .def_readwrite("recv_threads", &Options::recv_threads)
       .def_readwrite("timeout_s", &Options::timeout_s)

@@ -50,6 +50,7 @@ Communicator::Communicator(int rank, int size, uint64_t comm_id, int listen_fd,
       timeout_s_(opts.timeout_s),
       deliver_(std::move(deliver)) {
   validate_world();
+  hierarchy_ = Hierarchy::of(opts_.switch_of_rank, rank_);
   start(build_mesh(mesh_spec(secret), listen_fd, deadline_after(opts_.connect_timeout_s),
                    cancel));
 }
@@ -66,6 +67,7 @@ Communicator::Communicator(int rank, int size, uint64_t comm_id,
       timeout_s_(opts.timeout_s),
       deliver_(std::move(deliver)) {
   validate_world();
+  hierarchy_ = Hierarchy::of(opts_.switch_of_rank, rank_);
   start(adopt_mesh(mesh_spec(secret), fds, deadline_after(opts_.connect_timeout_s)));
 }
 
@@ -85,6 +87,20 @@ void Communicator::validate_world() const {
                                         " peer addresses for a world of size " +
                                         std::to_string(size_) + "; pass one per rank");
   }
+  if (!opts_.switch_of_rank.empty() && static_cast<int>(opts_.switch_of_rank.size()) != size_) {
+    throw_error(ErrorKind::kConfig, "[engine] got a switch for " +
+                                        std::to_string(opts_.switch_of_rank.size()) +
+                                        " ranks in a world of size " + std::to_string(size_) +
+                                        "; MCCL_TOPOLOGY must place every rank (or none)");
+  }
+}
+
+// Small and separate, so an algorithm chooser can take it over: the same answer on every
+// rank (the groups and the threshold are the same everywhere, and so are the op's sizes).
+bool Communicator::hierarchical(const Op& op) const {
+  return op.kind == OpKind::kAllreduce && hierarchy_.active() &&
+         op.count * dtype_size(op.dtype) >= opts_.hierarchy_min_bytes &&
+         op.count >= static_cast<size_t>(size_);
 }
 
 MeshSpec Communicator::mesh_spec(const std::string& secret) const {
@@ -304,11 +320,15 @@ void Communicator::run_collective(Op& op) {
       op.kind == OpKind::kGather || op.kind == OpKind::kScatter) {
     sig.root = op.root;
   }
+  const bool by_switch = hierarchical(op);
+  if (by_switch) sig.root = hierarchy_.fingerprint;  // ranks grouped differently fail at once
   transport_->begin_collective(coll_seq_++, encode_signature(sig));
   Collective c{*transport_, deadline_after(op.timeout_s), op.timeout_s, opts_, scratch_};
   switch (op.kind) {
     case OpKind::kAllreduce:
-      if (op.tickets.any()) {
+      if (by_switch) {
+        allreduce_hierarchical(c, op.buf, op.count, Reduction::of(op.dtype, op.op), hierarchy_, op.tickets);
+      } else if (op.tickets.any()) {
         mccl::allreduce(c, op.buf, op.count, Reduction::of(op.dtype, op.op), op.tickets);
       } else {
         mccl::allreduce(c, op.buf, op.count, Reduction::of(op.dtype, op.op));

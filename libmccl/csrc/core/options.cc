@@ -27,6 +27,9 @@ void Options::validate() const {
   if (pipeline_bytes < (4 << 10)) {
     bad("pipeline_bytes=" + std::to_string(pipeline_bytes) + ": must be at least 4K (MCCL_PIPELINE_BYTES)");
   }
+  for (int sw : switch_of_rank) {
+    if (sw < 0) bad("switch_of_rank: switch ids must not be negative (MCCL_TOPOLOGY)");
+  }
   if (!(timeout_s > 0)) bad("timeout_s=" + format_seconds(timeout_s) + ": must be positive");
   if (!(connect_timeout_s > 0)) {
     bad("connect_timeout_s=" + format_seconds(connect_timeout_s) + ": must be positive");

@@ -2,6 +2,7 @@
 // declares the MCCL_* variables, defaults and units once). Plain data.
 #pragma once
 #include <cstddef>
+#include <vector>
 
 namespace mccl {
 
@@ -20,6 +21,11 @@ struct Options {
   double timeout_s = 1800.0;            // per operation, seconds
   double connect_timeout_s = 1800.0;    // building the mesh, seconds
   WireSecurity wire_security = WireSecurity::kOff;  // frames: encrypted, authenticated or bare
+  // The switch of every rank (MCCL_TOPOLOGY; algorithms/hierarchical.cc), identical on every
+  // rank; empty: one switch. All-reduces of at least hierarchy_min_bytes then run reduce-
+  // scatter within each switch, all-reduce across switches, all-gather within each switch.
+  std::vector<int> switch_of_rank;
+  size_t hierarchy_min_bytes = 1 << 20;  // MCCL_HIERARCHY_MIN_BYTES, bytes
 
   // Throws ConfigError naming the bad field.
   void validate() const;
