@@ -100,6 +100,14 @@ class DaemonConfig:
     mdns_ttl_s: int = setting(
         "MCCL_MDNS_TTL", 60, "seconds",
         "TTL of the mDNS records; a host that vanishes without goodbye expires after it")
+    topology_probes: int = setting(
+        "MCCL_TOPOLOGY_PROBES", 48, "count",
+        "without MCCL_TOPOLOGY: how many other daemons this one measures RTTs to, so the switches can be "
+        "inferred (every pair up to this many + 1 hosts, a fixed sample beyond; `mcclctl links --topology`)")
+    topology_interval_s: float = setting(
+        "MCCL_TOPOLOGY_INTERVAL", 300.0, "seconds",
+        "without MCCL_TOPOLOGY: how often the peers' RTT rows are gathered again once the fleet settled "
+        "(RTTs are measured again whenever daemons join or leave)")
     link_timeout_s: float = setting(
         "MCCL_LINK_TIMEOUT", 10.0, "seconds",
         "time to connect and authenticate a daemon-to-daemon link")
@@ -170,6 +178,10 @@ class DaemonConfig:
             _require(0 <= port <= 65535, env, port, "must be a TCP port (0-65535)")
         _require(self.mdns_ttl_s >= 1, "MCCL_MDNS_TTL", self.mdns_ttl_s, "must be at least 1")
         _require(self.link_timeout_s > 0, "MCCL_LINK_TIMEOUT", self.link_timeout_s, "must be positive")
+        _require(1 <= self.topology_probes <= 1024, "MCCL_TOPOLOGY_PROBES", self.topology_probes,
+                 "must be between 1 and 1024")
+        _require(self.topology_interval_s >= 10, "MCCL_TOPOLOGY_INTERVAL", self.topology_interval_s,
+                 "must be at least 10 seconds")
         _require(self.unauth_timeout_s > 0, "MCCL_UNAUTH_TIMEOUT", self.unauth_timeout_s, "must be positive")
         for env, n in (("MCCL_MAX_UNAUTH_CONNECTIONS", self.max_unauth_connections),
                        ("MCCL_MAX_UNAUTH_PER_PEER", self.max_unauth_per_peer)):

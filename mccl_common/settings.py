@@ -104,7 +104,7 @@ class EngineConfig:
     topology: str = setting(
         "MCCL_TOPOLOGY", "", "path",
         "file naming each host's switch, lines `SWITCH: HOST HOST ...` (hosts by MCCL_HOST_ID, host name or "
-        "IP; docs/tuning.md): all-reduces of MCCL_HIERARCHY_MIN_BYTES and up then run within each switch, "
+        "IP; docs/topology.md): all-reduces of MCCL_HIERARCHY_MIN_BYTES and up then run within each switch, "
         "then across switches, then within each again. Empty: one switch in-process; through mccld the "
         "daemons' topology (theirs, or inferred from RTTs: `mcclctl links --topology`)")
     hierarchy_min_bytes: int = setting(

@@ -219,3 +219,27 @@ def rtt_summary(hosts: list[str], rtt: dict[tuple[str, str], float]) -> dict:
     return {"hosts": len(set(hosts)), "pairs_measured": len(values),
             "near_rtt_s": split[0] if split else None, "far_rtt_s": split[1] if split else None,
             "threshold_s": split[2] if split else None}
+
+
+def fleet_view(reports: dict[str, dict | None]) -> dict:
+    """The fleet's switches from every daemon's report (mccld/topology.py ``status``: its switch,
+    its source, its RTT row), as ``mcclctl links --topology`` shows them. Inferred from the
+    union of the rows when no daemon has MCCL_TOPOLOGY; each daemon's own answer beside it (the
+    switch its jobs use), so a daemon that disagrees with the fleet's view stands out."""
+    reports = {h: r for h, r in reports.items() if r}
+    files = {h: r for h, r in reports.items() if r.get("source") == "file"}
+    rtt: dict[tuple[str, str], float] = {}
+    for h, r in reports.items():
+        for peer, v in (r.get("row") or {}).items():
+            if isinstance(v, (int, float)):
+                rtt[(h, str(peer))] = float(v)
+    hosts = sorted(set(reports) | {b for _, b in rtt})
+    if files:
+        first = files[min(files)]
+        switches = {k: list(v) for k, v in (first.get("configured") or {}).items()}
+        source = "file" if len(files) == len(reports) else "mixed"
+    else:
+        switches, source = cluster_by_rtt(hosts, rtt), "rtt"
+    return {"source": source, "switches": switches,
+            "daemons": {h: r.get("switch") or "" for h, r in sorted(reports.items())},
+            "rtt": rtt_summary(hosts, rtt)}

@@ -176,7 +176,7 @@ class Fleet:
         return f"{PREFIX}{self.id}core"
 
     def topology_text(self) -> str:
-        """An MCCL_TOPOLOGY file for this fleet, hosts named by address (docs/tuning.md)."""
+        """An MCCL_TOPOLOGY file for this fleet, hosts named by address (docs/topology.md)."""
         return "".join(f"switch-{k}: " + " ".join(h.addr for h in self.hosts if h.switch == k) + "\n"
                        for k in range(len(self.switch_sizes)))
 

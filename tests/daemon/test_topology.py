@@ -148,3 +148,23 @@ def test_the_answer_depends_on_the_measurements_only():
     assert a == b and as_sets(a) == {frozenset(s) for s in sw}
     summary = topology.rtt_summary(hosts, rtt)
     assert summary["pairs_measured"] == len(rtt) and summary["near_rtt_s"] < summary["far_rtt_s"]
+
+
+def test_the_fleet_view_joins_the_daemons_rows_or_shows_their_file():
+    sw = [["h0", "h1", "h2"], ["h3", "h4"]]
+    full = matrix(sw, near=1e-3, far=10e-3, noise=0.5, seed=2)
+    hosts = [h for s in sw for h in s]
+    reports = {}
+    for h in hosts:
+        row = topology.measure_row(h, hosts, lambda p, h=h: full.get((h, p), full.get((p, h))))
+        reports[h] = {"source": "rtt", "switch": "sw-h0" if h in sw[0] else "", "row": row}
+    reports["h5"] = None  # unreachable
+    view = topology.fleet_view(reports)
+    assert view["source"] == "rtt" and as_sets(view["switches"]) == {frozenset(s) for s in sw}
+    assert view["daemons"]["h0"] == "sw-h0" and view["daemons"]["h3"] == ""
+    assert view["rtt"]["far_rtt_s"] > 5 * view["rtt"]["near_rtt_s"]
+    configured = {"a": ["h0", "h1"], "b": ["h2"]}
+    files = {h: {"source": "file", "switch": s, "configured": configured, "row": {}}
+             for s, hs in configured.items() for h in hs}
+    assert topology.fleet_view(files)["switches"] == configured and topology.fleet_view(files)["source"] == "file"
+    assert topology.fleet_view({**files, "h9": {"source": "rtt", "row": {}}})["source"] == "mixed"
