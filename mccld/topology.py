@@ -73,8 +73,9 @@ class SwitchMap:
             return self._label
 
     def status(self) -> dict[str, Any]:
+        switch = self.switch()
         with self._lock:
-            return {"host": self.host_id, "switch": self.switch(),
+            return {"host": self.host_id, "switch": switch,
                     "source": "file" if self.configured is not None else "rtt",
                     "configured": ({k: list(v) for k, v in self.configured.switches.items()}
                                    if self.configured is not None else None),
