@@ -133,6 +133,23 @@ def test_the_hierarchy_runs_only_from_the_threshold_and_talks_across_switches_by
         assert big[0][3] == 0 and big[0][7] == 0  # never to another switch's other ranks
 
 
+def test_the_peers_it_talks_to_are_those_the_hierarchy_names(comms, request):
+    n = len(comms)
+    layout = LAYOUTS[request.node.callspec.params["comms"]]
+
+    def body(r, c):
+        a = np.ones(4099, dtype=np.float32)
+        before = c.stats()["per_peer"]
+        c.wait(c.allreduce(ptr(a), a.size, DT[a.dtype], SUM), 60.0)
+        after = c.stats()["per_peer"]
+        return {p for p in after if after[p]["sent"] > before[p]["sent"]
+                or after[p]["received"] > before[p]["received"]}
+
+    sent = run_ranks(comms, body)
+    for r in range(n):
+        assert sent[r] == set(_core.hierarchy_peers(layout, r)), (r, sent[r])
+
+
 def test_a_pipelined_allreduce_with_tickets_runs_by_switch_and_is_exact():
     layout = LAYOUTS["3+5"]
     n, count, pipe = len(layout), 1 << 18, 64 << 10

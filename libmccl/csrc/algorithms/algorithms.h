@@ -36,6 +36,10 @@ struct Hierarchy {
   int32_t fingerprint = -1;              // of the grouping, for op signatures (>= 0 if active)
   static Hierarchy of(const std::vector<int>& switch_of_rank, int rank);
   bool active() const { return groups.size() >= 2; }
+  // The ranks this rank exchanges frames with in allreduce_hierarchical, sorted: its ring
+  // neighbours on its switch and in its slice, and the extra ranks folded onto it (or the one
+  // it folds onto). Links on demand add these to partners.h's collective_peers.
+  std::vector<int> peers() const;
 };
 // Reduce-scatter within each switch, all-reduce across switches, all-gather within each
 // switch (hierarchical.cc). Tickets as allreduce's; bitwise identical on every rank.

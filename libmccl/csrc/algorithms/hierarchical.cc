@@ -18,6 +18,7 @@
 // sized from the layout it runs, so frames of two phases between the same two ranks never
 // match. A ticketed op runs piece by piece (the same cut as the flat ring's: pieces.h), so
 // a producer that feeds `ready` a few pieces ahead of `done` is never waited for forever.
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <string>
@@ -62,6 +63,29 @@ Hierarchy Hierarchy::of(const std::vector<int>& switch_of_rank, int rank) {
   f = (f ^ static_cast<uint32_t>(switch_of_rank.size())) * 16777619u;
   h.fingerprint = static_cast<int32_t>(f & 0x7fffffff);
   return h;
+}
+
+std::vector<int> Hierarchy::peers() const {
+  std::vector<int> out;
+  if (!active() || group < 0) return out;
+  const auto& g = groups[group];
+  const int me = g[index];
+  if (index >= width) {
+    out.push_back(g[index % width]);
+    return out;
+  }
+  const int k = static_cast<int>(groups.size());
+  const auto& core = cores[group];
+  const auto& slice = slices[index];
+  for (int d : {-1, 1}) {
+    out.push_back(core[ring_mod(index + d, width)]);
+    out.push_back(slice[ring_mod(group + d, k)]);
+  }
+  for (size_t e = index + width; e < g.size(); e += width) out.push_back(g[e]);
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  out.erase(std::remove(out.begin(), out.end(), me), out.end());
+  return out;
 }
 
 namespace {

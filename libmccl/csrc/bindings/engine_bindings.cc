@@ -267,6 +267,10 @@ void register_engine_bindings(py::module_& m) {
       .def_readwrite("timeout_s", &Options::timeout_s)
       .def_readwrite("connect_timeout_s", &Options::connect_timeout_s)
       .def_readwrite("wire_security", &Options::wire_security);
+  // The peers rank `rank` talks to in a hierarchical all-reduce (algorithms/hierarchical.cc).
+  m.def("hierarchy_peers", [](const std::vector<int>& switch_of_rank, int rank) {
+    return Hierarchy::of(switch_of_rank, rank).peers();
+  }, py::arg("switch_of_rank"), py::arg("rank"));
 
   // A ticket owns its word (Ticket()) or views one the caller keeps mapped (Ticket.at).
   py::class_<Ticket, std::shared_ptr<Ticket>>(m, "Ticket")
