@@ -111,6 +111,12 @@ class EngineConfig:
         "MCCL_HIERARCHY_MIN_BYTES", 1 << 20, "bytes",
         "smallest all-reduce run switch by switch when the hosts span two or more switches (MCCL_TOPOLOGY); "
         "every rank must use the same value")
+    hierarchy: str = setting(
+        "MCCL_HIERARCHY", "tree", "tree|ring",
+        "how those all-reduces cross switches: tree = reduce-scatter within each switch, all-reduce across, "
+        "all-gather within (fewest bytes on the uplinks, fewest steps); ring = one ring visiting the switches "
+        "in turn (one pass, each uplink crossed once each way; better while the uplinks are not the bottleneck, "
+        "docs/topology.md). Every rank must use the same value")
     send_thread: bool = setting(
         "MCCL_SEND_THREAD", True, "bool",
         "a second engine thread per communicator copies bulk frames (512K and up) into the sockets, "
@@ -175,6 +181,7 @@ class EngineConfig:
         opts.small_allreduce_bytes = self.small_allreduce_bytes
         opts.pipeline_bytes = self.pipeline_bytes
         opts.hierarchy_min_bytes = self.hierarchy_min_bytes
+        opts.hierarchy_ring = self.hierarchy == "ring"
         opts.send_thread = self.send_thread
         opts.recv_threads = self.recv_threads
         opts.timeout_s = timeout_s
@@ -196,6 +203,7 @@ class EngineConfig:
                  self.small_allreduce_bytes, "must not be negative")
         _require(self.pipeline_bytes >= 4 << 10, "MCCL_PIPELINE_BYTES", self.pipeline_bytes,
                  "must be at least 4K")
+        _require(self.hierarchy in ("tree", "ring"), "MCCL_HIERARCHY", self.hierarchy, "must be tree or ring")
         _require(self.hierarchy_min_bytes >= 0, "MCCL_HIERARCHY_MIN_BYTES", self.hierarchy_min_bytes,
                  "must not be negative")
         _require(0 <= self.daemon_fast_bytes <= 16 << 20, "MCCL_DAEMON_FAST_BYTES", self.daemon_fast_bytes,

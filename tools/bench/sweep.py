@@ -42,9 +42,10 @@ log = logging.getLogger(__name__)
 BACKENDS = ("mccl", "gloo")
 # How mccl runs; Gloo has one way only. daemon-shared: through mccld, the all-reduce buffers
 # allocated with libmccl.shared_empty (not copied between the ranks and their daemon).
-MODES = ("in-process", "daemon", "daemon-shared", "topology")
+MODES = ("in-process", "daemon", "daemon-shared", "topology", "topology-ring")
 # topology: in-process, with an MCCL_TOPOLOGY naming each emulated host's switch (--switches),
-# so all-reduces from MCCL_HIERARCHY_MIN_BYTES run switch by switch; beside in-process (flat).
+# so all-reduces from MCCL_HIERARCHY_MIN_BYTES run switch by switch (MCCL_HIERARCHY=tree);
+# topology-ring: the same as one ring in switch order (MCCL_HIERARCHY=ring); beside in-process (flat).
 _VIA_DAEMON = ("daemon", "daemon-shared")
 WORKLOADS = ("collectives", "ddp")   # an nccl-tests sweep, or DDP training steps (ddp.py)
 LATENCY_BYTES = 8                    # the small-op latency: an all_reduce of two float32
@@ -118,7 +119,7 @@ class BenchConfig:
         bad = [o for o in self.ops if o not in OPS]
         if bad:
             raise ConfigError(f"[bench] unknown op(s) {bad}; choose from {', '.join(OPS)}")
-        if "topology" in self.modes and (self.hosts < 2 or self.switches < 2):
+        if {"topology", "topology-ring"} & set(self.modes) and (self.hosts < 2 or self.switches < 2):
             raise ConfigError("[bench] --mode topology needs emulated hosts on two or more switches "
                               "(--hosts N --switches S)")
         if self.switches > 1 and not self.hosts:
@@ -180,12 +181,13 @@ def _run_series(launcher, cfg: BenchConfig, series: Series, tmp: str) -> SeriesR
     envs = [{"RANK": str(r), "LOCAL_RANK": str(r % per_host), "LOCAL_WORLD_SIZE": str(per_host),
              "WORLD_SIZE": str(n), "MASTER_ADDR": launcher.addr(0), "MASTER_PORT": str(port), "PYTHONPATH": pypath,
              "OMP_NUM_THREADS": "1", "MCCL_DAEMON": "0", **launcher.rank_env(placement[r])} for r in range(n)]
-    if series.mode == "topology":
+    if series.mode in ("topology", "topology-ring"):
         topo = os.path.join(out_dir, "topology.txt")
         with open(topo, "w") as f:
             f.write(launcher.fleet.topology_text())
         for e in envs:
             e["MCCL_TOPOLOGY"] = topo
+            e["MCCL_HIERARCHY"] = "ring" if series.mode == "topology-ring" else "tree"
     run, daemons = SeriesRun([]), None
     with contextlib.ExitStack() as stack:
         runner = launcher
@@ -254,7 +256,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 # (numerator series, denominator series, key prefix) of every comparison the report shows.
-_PAIRS = (("mccl", "gloo", "mccl_over_gloo"), ("mccl-topology", "mccl", "topology_over_flat"), ("mccl-daemon", "mccl", "daemon_over_in_process"),
+_PAIRS = (("mccl", "gloo", "mccl_over_gloo"), ("mccl-topology", "mccl", "topology_over_flat"),
+          ("mccl-topology-ring", "mccl", "switch_ring_over_flat"), ("mccl-daemon", "mccl", "daemon_over_in_process"),
           ("mccl-daemon", "gloo", "daemon_over_gloo"), ("mccl-daemon-shared", "mccl", "shared_over_in_process"))
 
 
@@ -274,7 +277,7 @@ def compare(rows: list[dict], ceiling: dict | None) -> list[dict]:
             c[f"cpu_{key}"] = _ratio(a["cpu_s_per_wire_gb"], b["cpu_s_per_wire_gb"])
         if "busbw_mccl_over_gloo" in c:
             c["latency_gloo_over_mccl"] = 1 / c.pop("time_mccl_over_gloo")
-        for name in ("mccl", "mccl-daemon", "mccl-daemon-shared", "mccl-topology"):
+        for name in ("mccl", "mccl-daemon", "mccl-daemon-shared", "mccl-topology", "mccl-topology-ring"):
             if (name, op, size) in by:
                 c[f"cpu_{name.replace('-', '_')}_over_ceiling_tool"] = _ratio(
                     by[(name, op, size)]["cpu_s_per_wire_gb"], iperf_cpu)

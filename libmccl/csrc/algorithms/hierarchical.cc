@@ -14,6 +14,12 @@
 // every rank holds the same bits. Unequal switches cost only their extra ranks a whole-
 // buffer hop to a neighbour on the same switch, and keep the slices equal across switches.
 //
+// allreduce_switch_ring is the other way (MCCL_HIERARCHY=ring): the flat ring over the ranks
+// in switch order. It moves 2(N-1)/N of the buffer over each uplink each way against the
+// tree's (k-1)/k x 2, in one pipelined pass instead of three phases one after the other, so it
+// wins while one host's rate fits the uplink (2:1 and the like) and the tree wins once the
+// uplinks are the bottleneck, or on latency (2(w-1) + 2(k-1) steps against 2(N-1)).
+//
 // The phases run over views of the op (Collective::sub) with tag ranges of their own, each
 // sized from the layout it runs, so frames of two phases between the same two ranks never
 // match. A ticketed op runs piece by piece (the same cut as the flat ring's: pieces.h), so
@@ -44,6 +50,7 @@ Hierarchy Hierarchy::of(const std::vector<int>& switch_of_rank, int rank) {
   }
   for (auto& g : h.groups) {
     h.cores.emplace_back(g.begin(), g.begin() + h.width);
+    h.ring_order.insert(h.ring_order.end(), g.begin(), g.end());
     h.max_group = std::max(h.max_group, static_cast<int>(g.size()));
   }
   h.slices.resize(h.width);
@@ -65,11 +72,19 @@ Hierarchy Hierarchy::of(const std::vector<int>& switch_of_rank, int rank) {
   return h;
 }
 
-std::vector<int> Hierarchy::peers() const {
+std::vector<int> Hierarchy::peers(bool ring) const {
   std::vector<int> out;
   if (!active() || group < 0) return out;
   const auto& g = groups[group];
   const int me = g[index];
+  if (ring) {
+    const int n = static_cast<int>(ring_order.size());
+    const int at = static_cast<int>(std::find(ring_order.begin(), ring_order.end(), me) - ring_order.begin());
+    for (int d : {-1, 1}) out.push_back(ring_order[ring_mod(at + d, n)]);
+    std::sort(out.begin(), out.end());
+    out.erase(std::unique(out.begin(), out.end()), out.end());
+    return out;
+  }
   if (index >= width) {
     out.push_back(g[index % width]);
     return out;
@@ -224,6 +239,17 @@ void allreduce_hierarchical(Collective& c, void* buf, size_t count, const Reduct
     gate.wait_ready(j);
     run.piece(b + p.begin(j) * p.elem, p.len(j));
     gate.finished(j);
+  }
+}
+
+void allreduce_switch_ring(Collective& c, void* buf, size_t count, const Reduction& red,
+                           const Hierarchy& h, const OpTickets& t) {
+  // Same size, same pieces as the flat all-reduce: only the order of the ranks differs.
+  Collective ring = c.sub(h.ring_order, 0);
+  if (t.any()) {
+    allreduce(ring, buf, count, red, t);
+  } else {
+    allreduce(ring, buf, count, red);
   }
 }
 

@@ -262,15 +262,16 @@ void register_engine_bindings(py::module_& m) {
       .def_readwrite("pipeline_bytes", &Options::pipeline_bytes)
       .def_readwrite("switch_of_rank", &Options::switch_of_rank)
       .def_readwrite("hierarchy_min_bytes", &Options::hierarchy_min_bytes)
+      .def_readwrite("hierarchy_ring", &Options::hierarchy_ring)
       .def_readwrite("send_thread", &Options::send_thread)
       .def_readwrite("recv_threads", &Options::recv_threads)
       .def_readwrite("timeout_s", &Options::timeout_s)
       .def_readwrite("connect_timeout_s", &Options::connect_timeout_s)
       .def_readwrite("wire_security", &Options::wire_security);
   // The peers rank `rank` talks to in a hierarchical all-reduce (algorithms/hierarchical.cc).
-  m.def("hierarchy_peers", [](const std::vector<int>& switch_of_rank, int rank) {
-    return Hierarchy::of(switch_of_rank, rank).peers();
-  }, py::arg("switch_of_rank"), py::arg("rank"));
+  m.def("hierarchy_peers", [](const std::vector<int>& switch_of_rank, int rank, bool ring) {
+    return Hierarchy::of(switch_of_rank, rank).peers(ring);
+  }, py::arg("switch_of_rank"), py::arg("rank"), py::arg("ring") = false);
 
   // A ticket owns its word (Ticket()) or views one the caller keeps mapped (Ticket.at).
   py::class_<Ticket, std::shared_ptr<Ticket>>(m, "Ticket")

@@ -321,12 +321,15 @@ void Communicator::run_collective(Op& op) {
     sig.root = op.root;
   }
   const bool by_switch = hierarchical(op);
-  if (by_switch) sig.root = hierarchy_.fingerprint;  // ranks grouped differently fail at once
+  // Ranks grouped differently, or by the other algorithm, fail at once (a topology mismatch).
+  if (by_switch) sig.root = (hierarchy_.fingerprint & 0x3fffffff) | (opts_.hierarchy_ring ? 1 << 30 : 0);
   transport_->begin_collective(coll_seq_++, encode_signature(sig));
   Collective c{*transport_, deadline_after(op.timeout_s), op.timeout_s, opts_, scratch_};
   switch (op.kind) {
     case OpKind::kAllreduce:
-      if (by_switch) {
+      if (by_switch && opts_.hierarchy_ring) {
+        allreduce_switch_ring(c, op.buf, op.count, Reduction::of(op.dtype, op.op), hierarchy_, op.tickets);
+      } else if (by_switch) {
         allreduce_hierarchical(c, op.buf, op.count, Reduction::of(op.dtype, op.op), hierarchy_, op.tickets);
       } else if (op.tickets.any()) {
         mccl::allreduce(c, op.buf, op.count, Reduction::of(op.dtype, op.op), op.tickets);

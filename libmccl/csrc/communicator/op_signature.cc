@@ -119,7 +119,7 @@ std::string CollectiveRules::mismatch(const Signature& mine_sig, const Signature
     auto how = [](int32_t f) { return f < 0 ? std::string("flat") : "by switch (grouping " + std::to_string(f) + ")"; };
     return "topology mismatch with " + who + " for " + opno + ": it runs it " + how(theirs.root) +
            ", this rank " + how(mine.root) +
-           "; give every rank the same MCCL_TOPOLOGY and MCCL_HIERARCHY_MIN_BYTES";
+           "; give every rank the same MCCL_TOPOLOGY, MCCL_HIERARCHY and MCCL_HIERARCHY_MIN_BYTES";
   }
   if (theirs.root != mine.root) {
     return "root mismatch with " + who + " for " + opno + ": it uses root " +
