@@ -16,7 +16,7 @@
 //
 // allreduce_switch_ring is the other way (MCCL_HIERARCHY=ring): the flat ring over the ranks
 // in switch order. It moves 2(N-1)/N of the buffer over each uplink each way against the
-// tree's (k-1)/k x 2, in one pipelined pass instead of three phases one after the other, so it
+// tree's 2(k-1)/k, in one pipelined pass instead of three phases one after the other, so it
 // wins while one host's rate fits the uplink (2:1 and the like) and the tree wins once the
 // uplinks are the bottleneck, or on latency (2(w-1) + 2(k-1) steps against 2(N-1)).
 //
