@@ -112,11 +112,12 @@ class EngineConfig:
         "smallest all-reduce run switch by switch when the hosts span two or more switches (MCCL_TOPOLOGY); "
         "every rank must use the same value")
     hierarchy: str = setting(
-        "MCCL_HIERARCHY", "tree", "tree|ring",
-        "how those all-reduces cross switches: tree = reduce-scatter within each switch, all-reduce across, "
-        "all-gather within (fewest bytes on the uplinks, fewest steps); ring = one ring visiting the switches "
-        "in turn (one pass, each uplink crossed once each way; better while the uplinks are not the bottleneck, "
-        "docs/topology.md). Every rank must use the same value")
+        "MCCL_HIERARCHY", "ring", "ring|tree",
+        "how those all-reduces cross switches: ring = one ring visiting the switches in turn (one pass, each "
+        "uplink crossed once each way: never slower than the flat ring, faster wherever rank order zig-zags "
+        "between switches); tree = reduce-scatter within each switch, all-reduce across, all-gather within "
+        "(fewest bytes on the uplinks and fewest steps, for uplinks oversubscribed past one host's rate and "
+        "many hosts; docs/topology.md). Every rank must use the same value")
     send_thread: bool = setting(
         "MCCL_SEND_THREAD", True, "bool",
         "a second engine thread per communicator copies bulk frames (512K and up) into the sockets, "
@@ -203,7 +204,7 @@ class EngineConfig:
                  self.small_allreduce_bytes, "must not be negative")
         _require(self.pipeline_bytes >= 4 << 10, "MCCL_PIPELINE_BYTES", self.pipeline_bytes,
                  "must be at least 4K")
-        _require(self.hierarchy in ("tree", "ring"), "MCCL_HIERARCHY", self.hierarchy, "must be tree or ring")
+        _require(self.hierarchy in ("tree", "ring"), "MCCL_HIERARCHY", self.hierarchy, "must be ring or tree")
         _require(self.hierarchy_min_bytes >= 0, "MCCL_HIERARCHY_MIN_BYTES", self.hierarchy_min_bytes,
                  "must not be negative")
         _require(0 <= self.daemon_fast_bytes <= 16 << 20, "MCCL_DAEMON_FAST_BYTES", self.daemon_fast_bytes,

@@ -516,8 +516,9 @@ class Daemon:
         # The job's host list (every rank built it alike) names each host's switch.
         opts.switch_of_rank = job_switches(job.hosts)
         if opts.switch_of_rank:
-            log.info("[daemon] job %s: its %d hosts on %d switches, all-reduces from %d bytes run by switch",
-                     job.id, len(job.hosts), len(set(opts.switch_of_rank)), opts.hierarchy_min_bytes)
+            log.info("[daemon] job %s: its %d hosts on %d switches, all-reduces from %d bytes run by switch (%s)",
+                     job.id, len(job.hosts), len(set(opts.switch_of_rank)), opts.hierarchy_min_bytes,
+                     "ring" if opts.hierarchy_ring else "tree")
         # The link addresses only name the peers in the engine's messages: nothing is dialled.
         addrs = [host.link_addr for host in job.hosts]
         # Bound to the fleet and the job: a host of another fleet, or a stale engine of an

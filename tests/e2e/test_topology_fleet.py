@@ -30,7 +30,7 @@ COUNT = 1 << 20  # 4 MB of float32: past MCCL_DAEMON_FAST_BYTES, so pipelined wi
 @pytest.mark.timeout(150)
 def test_daemons_infer_two_switches_and_a_job_reduces_by_switch():
     skip_unless_fleet()
-    env = {"MCCL_HIERARCHY_MIN_BYTES": str(64 << 10), "MCCL_STATUS_PORT": str(STATUS_PORT)}
+    env = {"MCCL_HIERARCHY_MIN_BYTES": str(64 << 10), "MCCL_HIERARCHY": "tree", "MCCL_STATUS_PORT": str(STATUS_PORT)}
     with DaemonFleet(4, rate="1gbit", extra_env=env, switches=2, uplink_rate="100mbit") as df:
         base = {**df.env(0), "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
         hosts = [a for h in df.fleet.hosts for a in ("--host", f"{h.addr}:{STATUS_PORT}")]
@@ -56,7 +56,7 @@ def test_daemons_infer_two_switches_and_a_job_reduces_by_switch():
         out = df.ranks("allreduce", [0, 2, 1, 3], timeout_s=90)
         for r, (code, text) in out.items():
             assert code == 0 and text.endswith("ok"), f"rank {r}:\n{text}\n--- h0 ---\n{df.log(0)[-3000:]}"
-        assert "on 2 switches, all-reduces from 65536 bytes run by switch" in df.log(0)
+        assert "on 2 switches, all-reduces from 65536 bytes run by switch (tree)" in df.log(0)
 
 
 @pytest.mark.fleet

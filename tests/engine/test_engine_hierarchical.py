@@ -31,6 +31,7 @@ def options(layout, **kw):
     o = make_options(**kw)
     o.switch_of_rank = layout
     o.hierarchy_min_bytes = 0
+    o.hierarchy_ring = False  # the tree; the ring has tests of its own below
     return o
 
 

@@ -9,8 +9,9 @@ Examples::
                                                        # + mccl through one mccld per host
     python -m tools.bench --hosts 4 --ops all_reduce --sizes 8    # small-message latency
     python -m tools.bench --hosts 8 --rate 10gbit --mode in-process,daemon --workload ddp   # DDP step times
-    python -m tools.bench --hosts 8 --rate 200mbit --switches 2 --uplink-rate 400mbit --mode in-process,topology \\
-        --backends mccl --ops all_reduce --sizes 16M,64M        # by switch vs the flat ring, 2:1 uplink
+    python -m tools.bench --hosts 8 --rate 200mbit --switches 2 --uplink-rate 400mbit --rank-order interleaved \\
+        --mode in-process,topology,topology-ring --backends mccl --ops all_reduce --sizes 64M
+                                                       # by switch (tree, ring) vs a zig-zag flat ring, 2:1 uplinks
     python -m tools.bench plot n4.json docs/img/n4-1gbit.png
     python -m tools.bench table n4.json
 """

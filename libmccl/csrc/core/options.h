@@ -26,9 +26,9 @@ struct Options {
   // scatter within each switch, all-reduce across switches, all-gather within each switch.
   std::vector<int> switch_of_rank;
   size_t hierarchy_min_bytes = 1 << 20;  // MCCL_HIERARCHY_MIN_BYTES, bytes
-  // MCCL_HIERARCHY=ring: those all-reduces run as one ring that visits the switches in turn
-  // (each uplink crossed once each way) instead of reduce-scatter/all-reduce/all-gather.
-  bool hierarchy_ring = false;
+  // MCCL_HIERARCHY: ring (true), those all-reduces run as one ring that visits the switches in
+  // turn (each uplink crossed once each way); tree (false), reduce-scatter/all-reduce/all-gather.
+  bool hierarchy_ring = true;
 
   // Throws ConfigError naming the bad field.
   void validate() const;
