@@ -93,9 +93,26 @@ class EngineConfig:
         "pipeline segment of the ring algorithms; 0 picks one from the message size")
     small_allreduce_bytes: int = setting(
         "MCCL_SMALL_ALLREDUCE_BYTES", 64 << 10, "bytes",
-        "one-round low-latency all-reduce (instead of the ring) while (world size - 1) x the "
-        "buffer is at most this many bytes, the bytes it puts on each link; a broadcast goes "
-        "straight from the root while (world size - 1) x its size is within it too")
+        "the most bytes the one-step algorithms may put on a rank's link, (world size - 1) x the buffer: "
+        "MCCL_ALGO=auto considers the one-round all-reduce and the broadcast straight from the root only "
+        "within it (and at 4 ranks or fewer); views over some ranks (hierarchical algorithms) use them "
+        "within it instead of the ring and the chain")
+    algo: str = setting(
+        "MCCL_ALGO", "auto", "auto|algorithm|op=algorithm,...",
+        "which algorithm runs each collective: auto lets the engine's alpha-beta cost model choose by world "
+        "size and message size (docs/tuning.md); one name pins every op that has it (ring, rd, rabenseifner, "
+        "oneround, halving, chain, fanout, binomial, scatter_allgather); op=name pairs pin ops one by one, e.g. "
+        "allreduce=rabenseifner,allgather=ring (ops: allreduce, allgather, reduce_scatter, broadcast). Every "
+        "rank must use the same value")
+    alpha_us: float = setting(
+        "MCCL_ALPHA_US", 0.0, "microseconds",
+        "the cost model's latency of one step between two ranks; 0 measures it when a communicator starts "
+        "(and every rank takes the largest measurement). Set it, and MCCL_BETA_GBPS, for benchmarks whose "
+        "choices must not vary from run to run; every rank must use the same value")
+    beta_gbps: float = setting(
+        "MCCL_BETA_GBPS", 0.0, "Gbit/s",
+        "the cost model's link speed (10 for 10 GbE); 0 measures it when a communicator starts, as "
+        "MCCL_ALPHA_US; every rank must use the same value")
     pipeline_bytes: int = setting(
         "MCCL_PIPELINE_BYTES", 2 << 20, "bytes",
         "smallest piece of an all-reduce handed over by segment tickets (mccld's shared-memory path, "
@@ -183,6 +200,9 @@ class EngineConfig:
         opts.pipeline_bytes = self.pipeline_bytes
         opts.hierarchy_min_bytes = self.hierarchy_min_bytes
         opts.hierarchy_ring = self.hierarchy == "ring"
+        opts.algo = self.algo
+        opts.alpha_us = self.alpha_us
+        opts.beta_gbps = self.beta_gbps
         opts.send_thread = self.send_thread
         opts.recv_threads = self.recv_threads
         opts.timeout_s = timeout_s
@@ -202,6 +222,9 @@ class EngineConfig:
                  self.segment_bytes, "must be 0 (auto) or at least 4K")
         _require(self.small_allreduce_bytes >= 0, "MCCL_SMALL_ALLREDUCE_BYTES",
                  self.small_allreduce_bytes, "must not be negative")
+        _require(self.alpha_us >= 0, "MCCL_ALPHA_US", self.alpha_us, "must not be negative (0: measure)")
+        _require(self.beta_gbps >= 0, "MCCL_BETA_GBPS", self.beta_gbps, "must not be negative (0: measure)")
+        _require(bool(self.algo.strip()), "MCCL_ALGO", self.algo, "must not be empty (auto: the cost model chooses)")
         _require(self.pipeline_bytes >= 4 << 10, "MCCL_PIPELINE_BYTES", self.pipeline_bytes,
                  "must be at least 4K")
         _require(self.hierarchy in ("tree", "ring"), "MCCL_HIERARCHY", self.hierarchy, "must be ring or tree")

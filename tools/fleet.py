@@ -4,9 +4,16 @@ Each host is a network namespace ``mccl<id>h<i>`` with one interface ``eth0`` (a
 whose peer sits on a bridge ``mccl<id>br`` in the root namespace, like machines on one
 switch. Host ``i`` has address ``10.77.<id % 250>.<i + 1>/24``; that subnet exists only
 inside our namespaces (the bridge itself has no address), so two fleets never see each
-other and nothing leaves the machine. Links can be shaped to a line rate with a token
-bucket on both ends of every veth, so each host's send *and* receive side is capped,
-like a NIC on a switch port.
+other and nothing leaves the machine. A fleet of more than ``HOSTS_PER_24`` hosts does not
+fit a /24: its hosts get ``10.<100 + id % 100>.<(i + 1) // 256>.<(i + 1) % 256>/16``
+instead. Links can be shaped to a line rate with a token bucket on both ends of every
+veth, so each host's send *and* receive side is capped, like a NIC on a switch port;
+``delay`` adds a fixed one-way latency (netem, on the host's sending side only, so a
+message between two hosts is delayed once, like one switch hop). ``static_arp`` gives every
+host a permanent neighbour entry for every other: when tens of hosts open connections to
+each other at once, their ARP broadcasts, flooded by the bridge to every port, overflow
+the kernel's per-CPU backlog (netdev_max_backlog) and connects fail with "no route to
+host" or time out (seen from 64 hosts on, on 2 and on 16 cores).
 
 Switches (``switches=``): host i then hangs off bridge ``mccl<id>s<k>`` of its switch k (switch
 0 is ``mccl<id>br``), and every switch has one uplink, a veth pair ``mccl<id>u<k>a`` /
@@ -49,13 +56,18 @@ from mccl_common.errors import ConfigError, MCCLError
 log = logging.getLogger(__name__)
 
 PREFIX = "mccl"
-MAX_HOSTS = 64
+MAX_HOSTS = 256   # a Linux bridge takes up to 1024 ports
+# Host addresses .1 to .253 of a /24 (.254 and .255 stay free); beyond, a /16.
+HOSTS_PER_24 = 253
 # tbf parameters: 256 KB of burst keeps a 10 Gbit/s bucket from starving between timer
 # ticks, 10 ms of queue bounds the latency the shaper itself adds.
 TBF_BURST = "256kb"
 TBF_LATENCY = "10ms"
 _CMD_TIMEOUT_S = 20.0
 _KILL_WAIT_S = 5.0
+# netem queues this many packets at most: enough for a dilated link's whole delay-bandwidth
+# product (GSO packets up to 64 KB), so the delay never drops.
+NETEM_LIMIT = 100000
 _NAME_RE = re.compile(r"^[a-z0-9]{1,5}$")
 
 
@@ -78,6 +90,14 @@ def check_prerequisites() -> None:
             raise ConfigError(
                 f"[fleet] the '{tool}' command is missing; install iproute2 "
                 "(apt-get install iproute2) or put it on PATH")
+
+
+def parse_time_s(text: str) -> float:
+    """'30us' -> 3e-05 (tc's time units: s, ms, us)."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(s|ms|us)", text.strip().lower())
+    if not m:
+        raise ConfigError(f"[fleet] delay={text!r} is not a tc time; use e.g. '30us', '2.5ms'")
+    return float(m.group(1)) * {"s": 1.0, "ms": 1e-3, "us": 1e-6}[m.group(2)]
 
 
 def parse_rate_bits(rate: str) -> float:
@@ -117,6 +137,20 @@ def list_links(kind: str | None = None) -> list[str]:
     return names
 
 
+def netem_supported() -> bool:
+    """Can this kernel delay packets (sch_netem)? Some VM kernels are built without it; a
+    throwaway namespace's loopback tells, leaving nothing behind."""
+    check_prerequisites()
+    ns = f"{PREFIX}probe{os.getpid() % 100000}"
+    if _sh(["ip", "netns", "add", ns], check=False).returncode != 0:
+        return False
+    try:
+        return _sh(["tc", "-n", ns, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
+                   check=False).returncode == 0
+    finally:
+        _sh(["ip", "netns", "del", ns], check=False)
+
+
 @dataclass(frozen=True)
 class Host:
     index: int
@@ -131,6 +165,7 @@ class Fleet:
     """N emulated hosts on one bridge; a context manager with explicit start()/stop()."""
 
     def __init__(self, n_hosts: int, rate: str | None = "1gbit", name: str | None = None,
+                 delay: str | None = None, burst: str | None = None, static_arp: bool = False,
                  switches: int | Sequence[int] | None = None, uplink_rate: str | None = None,
                  uplink_delay: str | None = None):
         """``switches``: a number of switches (hosts split in order, as evenly as they go) or
@@ -139,11 +174,13 @@ class Fleet:
             raise ConfigError(f"[fleet] n_hosts={n_hosts} is out of range; use 1..{MAX_HOSTS}")
         if rate is not None:
             parse_rate_bits(rate)
+        if delay is not None:
+            parse_time_s(delay)
         self.switch_sizes = _switch_sizes(int(n_hosts), switches)
         if uplink_rate is not None:
             parse_rate_bits(uplink_rate)
-        if uplink_delay is not None and not re.fullmatch(r"\d+(\.\d+)?(us|ms)", uplink_delay):
-            raise ConfigError(f"[fleet] uplink_delay={uplink_delay!r} is not a delay; use e.g. '200us' or '1ms'")
+        if uplink_delay is not None:
+            parse_time_s(uplink_delay)
         if (uplink_rate or uplink_delay) and len(self.switch_sizes) < 2:
             raise ConfigError("[fleet] uplink_rate/uplink_delay need at least two switches (switches=2 or more)")
         self.uplink_rate = uplink_rate
@@ -154,6 +191,10 @@ class Fleet:
         self.n_hosts = int(n_hosts)
         self.rate = rate
         self.rate_bits = parse_rate_bits(rate) if rate else None
+        self.delay = delay
+        # A slow (time-dilated) link wants a smaller burst: 256 KB at 100 Mbit/s is 20 ms of free line rate.
+        self.burst = burst or TBF_BURST
+        self.static_arp = static_arp
         self._name = name
         self.id: str | None = None
         self.hosts: list[Host] = []
@@ -203,7 +244,7 @@ class Fleet:
             self._claim_id()
             octet = self._subnet_octet()
             switch_of = [k for k, size in enumerate(self.switch_sizes) for _ in range(size)]
-            self.hosts = [Host(i, f"{PREFIX}{self.id}h{i}", f"10.77.{octet}.{i + 1}", f"{PREFIX}{self.id}v{i}",
+            self.hosts = [Host(i, f"{PREFIX}{self.id}h{i}", self._addr(i, octet), f"{PREFIX}{self.id}v{i}",
                                switch=switch_of[i]) for i in range(self.n_hosts)]
             if len(self.switch_sizes) > 1:
                 self._add_switches()
@@ -212,6 +253,8 @@ class Fleet:
             _sh(["ip", "link", "set", self.bridge, "up"])
             for h in self.hosts:
                 self._add_host(h)
+            if self.static_arp:
+                self._pin_neighbours()
         except BaseException:
             self.stop()
             raise
@@ -219,6 +262,15 @@ class Fleet:
                  self.bridge, self.rate or "unshaped", self.switch_sizes, self.uplink_rate or "unshaped",
                  self.uplink_delay or "")
         return self
+
+    @property
+    def prefix_len(self) -> int:
+        return 24 if self.n_hosts <= HOSTS_PER_24 else 16
+
+    def _addr(self, i: int, octet: int) -> str:
+        if self.prefix_len == 24:
+            return f"10.77.{octet}.{i + 1}"
+        return f"10.{100 + octet % 100}.{(i + 1) // 256}.{(i + 1) % 256}"
 
     def _claim_id(self) -> None:
         """Pick an id nobody uses; creating the bridge is the atomic claim across processes."""
@@ -246,16 +298,40 @@ class Fleet:
         _sh(["ip", "link", "set", h.veth, "master", self.switch_bridge(h.switch)])
         _sh(["ip", "link", "set", h.veth, "up"])
         n = ["ip", "-n", h.ns]
-        _sh(n + ["link", "set", tmp, "name", h.ifname])
-        _sh(n + ["addr", "add", f"{h.addr}/24", "dev", h.ifname])
+        _sh(n + ["link", "set", tmp, "name", h.ifname] + (["address", self._mac(h.index)] if self.static_arp else []))
+        _sh(n + ["addr", "add", f"{h.addr}/{self.prefix_len}", "dev", h.ifname])
         _sh(n + ["link", "set", h.ifname, "multicast", "on", "up"])
         _sh(n + ["link", "set", "lo", "up"])
         # mDNS sends to 224.0.0.251; with no default route it would find no way out.
         _sh(n + ["route", "add", "224.0.0.0/4", "dev", h.ifname])
         if self.rate:
-            tbf = ["root", "tbf", "rate", self.rate, "burst", TBF_BURST, "latency", TBF_LATENCY]
-            _sh(["tc", "-n", h.ns, "qdisc", "replace", "dev", h.ifname] + tbf)   # host -> switch
-            _sh(["tc", "qdisc", "replace", "dev", h.veth] + tbf)                # switch -> host
+            tbf = ["tbf", "rate", self.rate, "burst", self.burst, "latency", TBF_LATENCY]
+            _sh(["tc", "-n", h.ns, "qdisc", "replace", "dev", h.ifname, "root", "handle", "1:"] + tbf)  # host -> switch
+            _sh(["tc", "qdisc", "replace", "dev", h.veth, "root"] + tbf)                              # switch -> host
+        if self.delay:
+            # Under the token bucket (or alone): the line rate is shaped first, then each packet waits.
+            where = ["parent", "1:1"] if self.rate else ["root"]
+            _sh(["tc", "-n", h.ns, "qdisc", "replace", "dev", h.ifname, *where, "handle", "10:",
+                 "netem", "delay", self.delay, "limit", str(NETEM_LIMIT)])
+
+    @staticmethod
+    def _mac(i: int) -> str:
+        return f"02:6d:63:{(i >> 8) & 0xff:02x}:{i & 0xff:02x}:01"   # locally administered, one per host
+
+    def _pin_neighbours(self) -> None:
+        """Every host's neighbour table holds every other host (see the module doc): one
+        ``ip -batch`` per host, so 256 hosts cost 256 commands, not 65,000."""
+        for h in self.hosts:
+            lines = "".join(f"neigh replace {o.addr} lladdr {self._mac(o.index)} dev {o.ifname} nud permanent\n"
+                            for o in self.hosts if o is not h)
+            try:
+                res = subprocess.run(["ip", "-n", h.ns, "-batch", "-"], input=lines, capture_output=True, text=True,
+                                     timeout=_CMD_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                raise MCCLError(f"[fleet] Timed out pinning the neighbours of {h.ns}; the machine may be "
+                                "overloaded, retry") from None
+            if res.returncode != 0:
+                raise MCCLError(f"[fleet] pinning the neighbours of {h.ns} failed: {res.stderr.strip()[-300:]}")
 
     def _add_switches(self) -> None:
         """A bridge per switch beyond the first and the core, each switch with its shaped uplink."""
@@ -376,7 +452,7 @@ class Fleet:
         return out
 
     def __repr__(self) -> str:
-        return f"Fleet(id={self.id}, n_hosts={self.n_hosts}, rate={self.rate})"
+        return f"Fleet(id={self.id}, n_hosts={self.n_hosts}, rate={self.rate}, delay={self.delay})"
 
 
 def _switch_sizes(n_hosts: int, switches: int | Sequence[int] | None) -> list[int]:

@@ -41,10 +41,13 @@ def test_collectives_on_handed_in_sockets_then_a_second_communicator_on_the_same
 def test_a_message_nobody_received_does_not_spoil_the_sockets():
     with Mesh(2) as mesh:
         comms = mesh.build()
+        for c in comms:
+            c.alpha_beta()  # the start's own exchanges are over (some of them arrive early too)
+        early = comms[1].stats()["unexpected_messages"]
         x = np.arange(1000, dtype=np.float32)
         comms[0].wait(comms[0].send(ptr(x), x.nbytes, 1, 5), 10)   # eager; rank 1 never receives it
         time.sleep(0.2)
-        assert comms[1].stats()["unexpected_messages"] == 1
+        assert comms[1].stats()["unexpected_messages"] == early + 1
         assert run_threads(2, lambda r: comms[r].shutdown(5.0)) == [True, True]
         comms = mesh.build()
         allreduce_check(comms, 5)

@@ -122,6 +122,10 @@ def attacked_allreduce(mode, attack, sealed: bool = True, **kw):
     returns (each rank's outcome: True or its error, rank 1's buffer afterwards, the Mitm)."""
     cid = random.getrandbits(63)
     mitm = Mitm(sealed, attack)
+    # The ring, whatever the cost model would take: its records land in reduce-receives, and
+    # rank 0 finishes only with rank 1's all-gather data, so it must hear of rank 1's failure
+    # (after one recursive-doubling exchange rank 0 would be done, with authentic data).
+    kw.setdefault("algo", "allreduce=ring")
     try:
         comms = build(2, mitm.fds, new_secret() if sealed else None, mode, comm_id=cid, timeout_s=20.0, **kw)
         bufs = [np.full(N_ELEMS, PEER, dtype=np.float32), np.full(N_ELEMS, OWN, dtype=np.float32)]

@@ -9,4 +9,6 @@ separate processes, on loopback or on the hosts of an emulated fleet (tools.flee
 The harness imports torch only inside the rank processes (worker.py), and never zmq or
 zeroconf: it runs on machines that have only torch and the built engine. Only the daemon
 series needs mccld's dependencies, in the mccld processes it starts (daemons.py).
+``python -m tools.bench scale`` (scale.py) goes to 256 emulated hosts with ranks that
+import no torch at all (engine_rank.py), time-dilated, beside the alpha-beta model (model.py).
 """

@@ -1,5 +1,6 @@
 """mccl-bench: ``python -m tools.bench [options]`` runs a sweep; ``... plot RESULTS.json... OUT.png`` plots;
-``python -m tools.bench table RESULTS.json...`` prints saved results as Markdown tables.
+``python -m tools.bench table RESULTS.json...`` prints saved results as Markdown tables;
+``python -m tools.bench scale ...`` runs the scale benchmark (engine-only ranks, 8-256 hosts, scale.py).
 
 Examples::
 
@@ -14,6 +15,7 @@ Examples::
                                                        # by switch (tree, ring) vs a zig-zag flat ring, 2:1 uplinks
     python -m tools.bench plot n4.json docs/img/n4-1gbit.png
     python -m tools.bench table n4.json
+    python -m tools.bench scale --hosts 8,64,200 --rate 10gbit --delay 30us --out-dir docs/results/x
 """
 
 from __future__ import annotations
@@ -131,6 +133,27 @@ def main(argv: list[str] | None = None) -> int:
 
         plot(argv[1:-1], argv[-1])
         print(f"wrote {argv[-1]}")
+        return 0
+    if argv[:1] == ["scale"]:
+        _ensure_job_key()
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        from .scale import main as scale_main
+
+        try:
+            return scale_main(argv[1:])
+        except (MCCLError, ValueError) as e:
+            print(e, file=sys.stderr)
+            return 2
+    if argv[:1] == ["scale-report"]:   # README.md and plots again from a saved scale.json
+        if len(argv) != 3:
+            print("usage: python -m tools.bench scale-report SCALE.json OUT_DIR", file=sys.stderr)
+            return 2
+        from .scale_report import write_outputs
+
+        with open(argv[1]) as f:
+            write_outputs(json.load(f), argv[2])
+        print(f"wrote {argv[2]}/README.md")
         return 0
     if argv[:1] == ["table"]:
         from .report import markdown

@@ -36,6 +36,16 @@
 #   17-shared        in-process, through mccld, and through mccld with the all_reduce buffers from
 #                    libmccl.shared_empty (no client copies), Gloo beside: 8 hosts x 1 (16/64/256 MB)
 #                    and 4 hosts x 2 (64/256 MB), SHARED_RUNS times
+#   18-scale         issue 26's scale benchmark (tools/bench/scale.py): engine-only ranks (no torch), one per
+#                    emulated host, N in SCALE_HOSTS (8,64,200), all_reduce at SCALE_SIZES (8 B..256 MB), algorithm
+#                    auto and pinned ring in the same run, links standing for 10 Gbit/s + a 30 us hop, time-dilated
+#                    (SCALE_DIL, N:factor, default 8:2,64:64,200:200,256:256: about 10 Gbit/s of all hosts' traffic
+#                    together from 64 hosts on, where the smoke run's iperf3 ring carried only 72 % of 64 x 370
+#                    Mbit/s; "auto" = N x 10 Gbit/s within SCALE_MACHINE_GBIT), the iperf3
+#                    ring ceiling at each shaping, Gloo (torch ranks) at 64 hosts; each N within its SCALE_LIMITS
+#                    seconds. README.md (tables), scale.json and scale.png land in SCALE_DIR
+#                    (docs/results/device-scale-<date>) and come back in $OUT/scale/. One call:
+#                    STEPS=18 OUT=... bash tools/bench/device_run.sh  (~8 minutes)
 # Step 3 takes DDP_WIDTH, DDP_DEPTH, DDP_VARIANTS (ddp,nocomm: the step with communication removed, for overlap) and
 # DDP_BUCKET_MB (DDP's bucket_cap_mb).
 # STEPS picks which run (default "1 2 3 4 5"; e.g. STEPS="1 2 3 6" then STEPS="4 5 7" as
@@ -193,6 +203,23 @@ if timeout 45 $PY -m tools.fleet selftest --rate 1gbit > "$RESULTS/fleet-selftes
         --mode in-process,daemon,daemon-shared --backends mccl --sizes "$SIZES_X2" --latency-iters 0 \
         --ceiling-seconds 2 "${COMMON[@]}"
     done
+  fi
+  if want 18; then
+    name=18-scale
+    SCALE_DIR=${SCALE_DIR:-docs/results/device-scale-$(date -u +%Y%m%d)}
+    limit=$(( $(left) - 20 ))
+    status "$name start (limit ${limit}s, per N ${SCALE_LIMITS:-8:55,64:170,200:210})"
+    timeout --kill-after=30 "$limit" $PY -m tools.bench scale --hosts "${SCALE_HOSTS:-8,64,200}" \
+      --sizes "${SCALE_SIZES:-8,256K,1M,4M,16M,64M,256M}" --ops "${SCALE_OPS:-all_reduce}" --algos "${SCALE_ALGOS:-auto,ring}" \
+      --rate 10gbit --delay 30us --dilation "${SCALE_DIL:-8:2,64:64,200:200,256:256}" --machine-gbit "${SCALE_MACHINE_GBIT:-10}" \
+      --gloo-hosts "${SCALE_GLOO_HOSTS:-64}" --gloo-sizes "${SCALE_GLOO_SIZES:-256K,1M,4M}" \
+      --time-limit "${SCALE_LIMITS:-8:55,64:170,200:210}" --max-op-seconds "${SCALE_MAX_OP_S:-4}" \
+      --ceiling-seconds 2 --out-dir "$SCALE_DIR" --json "$RESULTS/$name.json" --log-dir "$RESULTS/$name-logs" \
+      > "$RESULTS/$name.txt" 2> "$RESULTS/$name.err"
+    status "$name rc=$? (results in $SCALE_DIR)"
+    mkdir -p "$OUT/scale" && cp "$SCALE_DIR"/* "$OUT/scale/" 2>/dev/null
+    cat "$RESULTS/$name.txt"
+    pack
   fi
 else
   status "fleet selftest FAILED (see fleet-selftest.txt); falling back to 8 ranks on loopback"

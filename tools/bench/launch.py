@@ -53,14 +53,12 @@ class FleetLauncher:
 
     kind = "fleet"
 
-    def __init__(self, n: int, rate: str | None, switches: int = 0, uplink_rate: str | None = None,
-                 uplink_delay: str | None = None):
+    def __init__(self, n: int, rate: str | None, **fleet_kw):
         from ..fleet import Fleet
 
         self.n = n
         self.rate = rate
-        self.fleet = (Fleet(n, rate=rate, switches=switches, uplink_rate=uplink_rate, uplink_delay=uplink_delay)
-                      if switches > 1 else Fleet(n, rate=rate)).start()
+        self.fleet = Fleet(n, rate=rate, **fleet_kw).start()   # fleet_kw: delay, burst (tools/fleet.py)
 
     def addr(self, i: int) -> str:
         return self.fleet.hosts[i].addr

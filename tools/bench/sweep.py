@@ -336,7 +336,8 @@ def run_bench(cfg: BenchConfig, checkpoint: Callable[[dict], None] | None = None
         if checkpoint is not None:
             checkpoint(_assemble(meta, ceilings, series, docs_by_series, complete=False))
 
-    launcher = (FleetLauncher(cfg.hosts, cfg.rate, cfg.switches, cfg.uplink_rate, cfg.uplink_delay)
+    launcher = (FleetLauncher(cfg.hosts, cfg.rate, switches=cfg.switches or None, uplink_rate=cfg.uplink_rate,
+                              uplink_delay=cfg.uplink_delay)
                 if cfg.hosts else LocalLauncher(cfg.n_hosts))
     try:
         with contextlib.ExitStack() as stack:

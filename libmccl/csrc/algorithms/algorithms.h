@@ -8,21 +8,40 @@
 #include <vector>
 
 #include "algorithms/collective.h"
+#include "algorithms/cost_model.h"
 #include "algorithms/pieces.h"
 #include "core/dtype.h"
 #include "reduce/reduce.h"
 
 namespace mccl {
 
-void allreduce(Collective& c, void* buf, size_t count, const Reduction& red);
-// With tickets (either may be null): the ring runs piece by piece as `ready` allows and
-// raises `done` as pieces finish; a one-round op waits for all of its input first.
-void allreduce(Collective& c, void* buf, size_t count, const Reduction& red, const OpTickets& t);
-// The pieces a ticketed all-reduce is pipelined in; n == 0 when it is not (one round,
-// one rank, nothing to reduce). Identical on every rank given the same arguments.
+// The algorithm `a` (cost_model.h; never kAuto): what the communicator runs once it chose.
+void allreduce(Collective& c, Algo a, void* buf, size_t count, const Reduction& red);
+// With tickets (either may be null): an op larger than MCCL_PIPELINE_BYTES runs the
+// pipelined ring piece by piece as `ready` allows and raises `done` as pieces finish,
+// whatever `a` says (allreduce_pieces); a smaller one waits for all of its input, then
+// runs `a`.
+void allreduce(Collective& c, Algo a, void* buf, size_t count, const Reduction& red,
+               const OpTickets& t);
+// The pieces a ticketed all-reduce is pipelined in; n == 0 when it is not (one rank,
+// nothing to reduce, or at most MCCL_PIPELINE_BYTES: nothing to pipeline). Identical on
+// every rank given the same arguments.
 Pieces allreduce_pieces(const Options& opts, int size, size_t count, DType dt);
+void allgather(Collective& c, Algo a, const void* send, void* recv, size_t nbytes);
+void reduce_scatter(Collective& c, Algo a, const void* send, void* recv, size_t count,
+                    const Reduction& red);
+void broadcast(Collective& c, Algo a, void* buf, size_t nbytes, int root);
+
+// Without a model (views over some ranks, Collective::sub): one round while its link
+// bytes are within MCCL_SMALL_ALLREDUCE_BYTES, else the ring; fan-out or chain likewise.
+void allreduce(Collective& c, void* buf, size_t count, const Reduction& red);
+void broadcast(Collective& c, void* buf, size_t nbytes, int root);
+
+// The algorithms themselves.
 void allreduce_ring(Collective& c, void* buf, size_t count, const Reduction& red);
 void allreduce_small(Collective& c, void* buf, size_t count, const Reduction& red);
+void allreduce_recursive_doubling(Collective& c, void* buf, size_t count, const Reduction& red);
+void allreduce_rabenseifner(Collective& c, void* buf, size_t count, const Reduction& red);
 
 // Ranks grouped by switch (Options::switch_of_rank), as hierarchical.cc runs over them.
 // Built from the same vector on every rank, so every rank derives the same groups.
@@ -52,8 +71,14 @@ void allreduce_switch_ring(Collective& c, void* buf, size_t count, const Reducti
                            const Hierarchy& h, const OpTickets& t);
 
 void allgather_ring(Collective& c, const void* send, void* recv, size_t nbytes);
+void allgather_doubling(Collective& c, const void* send, void* recv, size_t nbytes);
 void reduce_scatter_ring(Collective& c, const void* send, void* recv, size_t count, const Reduction& red);
-void broadcast(Collective& c, void* buf, size_t nbytes, int root);
+void reduce_scatter_halving(Collective& c, const void* send, void* recv, size_t count,
+                            const Reduction& red);
+void broadcast_fanout(Collective& c, void* buf, size_t nbytes, int root);
+void broadcast_chain(Collective& c, void* buf, size_t nbytes, int root);
+void broadcast_binomial(Collective& c, void* buf, size_t nbytes, int root);
+void broadcast_scatter_allgather(Collective& c, void* buf, size_t nbytes, int root);
 void reduce_to_root(Collective& c, void* buf, size_t count, const Reduction& red, int root);
 void gather(Collective& c, const void* send, void* recv, size_t nbytes, int root);
 void scatter(Collective& c, const void* send, void* recv, size_t nbytes, int root);

@@ -1,8 +1,10 @@
 // All-gather: the all-gather half of the ring, every rank starting from its own block.
 #include <cstring>
+#include <string>
 
 #include "algorithms/algorithms.h"
 #include "algorithms/ring.h"
+#include "core/errors.h"
 
 namespace mccl {
 
@@ -27,6 +29,16 @@ void allgather_ring(Collective& c, const void* send, void* recv, size_t nbytes) 
   ph.reduce_scatter = false;
   ph.shift = -1;  // rank r starts owning block r
   ring_pipeline(c, out, L, ph);
+}
+
+void allgather(Collective& c, Algo a, const void* send, void* recv, size_t nbytes) {
+  switch (a) {
+    case Algo::kRing: return allgather_ring(c, send, recv, nbytes);
+    case Algo::kRecursiveDoubling: return allgather_doubling(c, send, recv, nbytes);
+    default:
+      throw_error(ErrorKind::kGeneric, std::string("[allgather] internal error: no algorithm ") +
+                                           algo_name(a));
+  }
 }
 
 }  // namespace mccl

@@ -1,9 +1,12 @@
-// All-reduce: one round for small buffers (latency), the pipelined ring otherwise
-// (bandwidth). Both give bitwise-identical results on every rank.
+// All-reduce: the pipelined ring (bandwidth), the one-round exchange (latency, few ranks),
+// and the dispatch to them and to the hypercube algorithms (allreduce_doubling.cc). Every
+// one gives bitwise-identical results on every rank.
 #include <cstring>
+#include <string>
 
 #include "algorithms/algorithms.h"
 #include "algorithms/ring.h"
+#include "core/errors.h"
 #include "reduce/reduce.h"
 
 namespace mccl {
@@ -36,15 +39,26 @@ void allreduce_pieced(Collective& c, uint8_t* buf, const Pieces& p, const Reduct
 
 void allreduce(Collective& c, void* buf, size_t count, const Reduction& red) {
   if (count == 0 || c.size() == 1) return;
-  if (one_round(c.opts, c.size(), count, red.dtype)) {
-    allreduce_small(c, buf, count, red);
-    return;
+  allreduce(c, one_round(c.opts, c.size(), count, red.dtype) ? Algo::kOneRound : Algo::kRing, buf,
+            count, red);
+}
+
+void allreduce(Collective& c, Algo a, void* buf, size_t count, const Reduction& red) {
+  if (count == 0 || c.size() == 1) return;
+  switch (a) {
+    case Algo::kOneRound: return allreduce_small(c, buf, count, red);
+    case Algo::kRecursiveDoubling: return allreduce_recursive_doubling(c, buf, count, red);
+    case Algo::kRabenseifner: return allreduce_rabenseifner(c, buf, count, red);
+    case Algo::kRing: break;
+    default:
+      throw_error(ErrorKind::kGeneric, std::string("[allreduce] internal error: no algorithm ") +
+                                           algo_name(a));
   }
   // In pieces, a few in flight (ring.cc), as the ticketed path runs: on the 16-core machine
   // at 8 hosts x 10 Gbit/s it took 99.5-100.4 % of the ceiling at 64 MB in five runs, the
   // ring over the whole buffer at once 87.7-97.1 % in seven; at 256 MB both swing between
   // about 70 and 100 % from run to run there (docs/benchmarks.md, 3 Dec).
-  const Pieces p = allreduce_pieces(c.opts, c.size(), count, red.dtype);
+  const Pieces p = Pieces::cut(count, red.elem, c.opts.pipeline_bytes, c.size());
   if (p.n > 1) {
     allreduce_pieced(c, static_cast<uint8_t*>(buf), p, red, OpTickets{});
   } else {
@@ -52,12 +66,19 @@ void allreduce(Collective& c, void* buf, size_t count, const Reduction& red) {
   }
 }
 
+// The rule for ticketed ops (DDP buckets handed over piece by piece): above one piece
+// (MCCL_PIPELINE_BYTES) the ring runs pipelined with the producer, whatever the model
+// says: only it can start before all of the input is there, and the producer (mccld's
+// client) feeds `ready` only a few pieces ahead of `done`, so an algorithm that waited
+// for the whole input would wait for ever. At most one piece has nothing to pipeline: it
+// waits for its input and runs the chosen algorithm.
 Pieces allreduce_pieces(const Options& opts, int size, size_t count, DType dt) {
-  if (count == 0 || size == 1 || one_round(opts, size, count, dt)) return Pieces{};
+  if (count == 0 || size == 1 || count * dtype_size(dt) <= opts.pipeline_bytes) return Pieces{};
   return Pieces::cut(count, dtype_size(dt), opts.pipeline_bytes, size);
 }
 
-void allreduce(Collective& c, void* buf, size_t count, const Reduction& red, const OpTickets& t) {
+void allreduce(Collective& c, Algo a, void* buf, size_t count, const Reduction& red,
+               const OpTickets& t) {
   const Pieces p = allreduce_pieces(c.opts, c.size(), count, red.dtype);
   if (p.n > 0) {
     allreduce_pieced(c, static_cast<uint8_t*>(buf), p, red, t);
@@ -68,7 +89,7 @@ void allreduce(Collective& c, void* buf, size_t count, const Reduction& red, con
   PieceGate gate(c, t, whole, "allreduce");
   if (whole.n == 0) return;
   gate.wait_ready(0);
-  allreduce(c, buf, count, red);
+  allreduce(c, a, buf, count, red);
   gate.finished(0);
 }
 

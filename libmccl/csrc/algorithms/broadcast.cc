@@ -1,4 +1,4 @@
-// Broadcast: direct fan-out from the root for small buffers; for large ones a
+// Broadcast: direct fan-out from the root (one step, (N-1) copies out of the root), and a
 // pipelined chain root -> root+1 -> ... where each rank forwards a segment the moment
 // it has landed, so the time is ~ size/bandwidth + (N-2) segments, not N-1 full copies
 // out of the root's link.
@@ -6,27 +6,40 @@
 #include <string>
 
 #include "algorithms/algorithms.h"
+#include "core/errors.h"
 
 namespace mccl {
 
-void broadcast(Collective& c, void* buf, size_t nbytes, int root) {
+void broadcast_fanout(Collective& c, void* buf, size_t nbytes, int root) {
   const int n = c.size(), r = c.rank();
   if (nbytes == 0 || n == 1) return;
   uint8_t* p = static_cast<uint8_t*>(buf);
+  if (r == root) {
+    for (int q = 0; q < n; ++q) {
+      if (q != root) c.send(q, p, nbytes, 0);
+    }
+    c.wait_all(n - 1);
+  } else {
+    c.recv(root, p, nbytes, 0);
+    c.wait_all(1);
+  }
+}
+
+void broadcast(Collective& c, void* buf, size_t nbytes, int root) {
   // Direct fan-out puts (N-1) copies on the root's link: the same link-byte bound as the
   // one-round all-reduce. With two ranks the chain is the fan-out.
-  if (nbytes * size_t(n - 1) <= c.opts.small_allreduce_bytes || n == 2) {
-    if (r == root) {
-      for (int q = 0; q < n; ++q) {
-        if (q != root) c.send(q, p, nbytes, 0);
-      }
-      c.wait_all(n - 1);
-    } else {
-      c.recv(root, p, nbytes, 0);
-      c.wait_all(1);
-    }
-    return;
+  if (nbytes * size_t(c.size() - 1) <= c.opts.small_allreduce_bytes || c.size() == 2) {
+    broadcast_fanout(c, buf, nbytes, root);
+  } else {
+    broadcast_chain(c, buf, nbytes, root);
   }
+}
+
+void broadcast_chain(Collective& c, void* buf, size_t nbytes, int root) {
+  const int n = c.size(), r = c.rank();
+  if (nbytes == 0 || n == 1) return;
+  if (n == 2) return broadcast_fanout(c, buf, nbytes, root);
+  uint8_t* p = static_cast<uint8_t*>(buf);
   const int pos = ring_mod(r - root, n);  // place in the chain
   const int next = pos + 1 < n ? ring_mod(r + 1, n) : -1;
   const int prev = ring_mod(r - 1, n);
@@ -56,6 +69,18 @@ void broadcast(Collective& c, void* buf, size_t nbytes, int root) {
       c.send(next, at(j), len(j), uint32_t(j));
       ++outstanding;
     }
+  }
+}
+
+void broadcast(Collective& c, Algo a, void* buf, size_t nbytes, int root) {
+  switch (a) {
+    case Algo::kFanout: return broadcast_fanout(c, buf, nbytes, root);
+    case Algo::kChain: return broadcast_chain(c, buf, nbytes, root);
+    case Algo::kBinomial: return broadcast_binomial(c, buf, nbytes, root);
+    case Algo::kScatterAllgather: return broadcast_scatter_allgather(c, buf, nbytes, root);
+    default:
+      throw_error(ErrorKind::kGeneric, std::string("[broadcast] internal error: no algorithm ") +
+                                           algo_name(a));
   }
 }
 

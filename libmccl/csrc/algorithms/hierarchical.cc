@@ -247,9 +247,9 @@ void allreduce_switch_ring(Collective& c, void* buf, size_t count, const Reducti
   // Same size, same pieces as the flat all-reduce: only the order of the ranks differs.
   Collective ring = c.sub(h.ring_order, 0);
   if (t.any()) {
-    allreduce(ring, buf, count, red, t);
+    allreduce(ring, Algo::kRing, buf, count, red, t);
   } else {
-    allreduce(ring, buf, count, red);
+    allreduce(ring, Algo::kRing, buf, count, red);
   }
 }
 

@@ -1,9 +1,11 @@
 // Reduce-scatter: the reduce-scatter half of the ring, out of place (the caller's send
 // buffer is never written), rotated so rank r ends with block r.
 #include <cstring>
+#include <string>
 
 #include "algorithms/algorithms.h"
 #include "algorithms/ring.h"
+#include "core/errors.h"
 #include "reduce/reduce.h"
 
 namespace mccl {
@@ -35,6 +37,17 @@ void reduce_scatter_ring(Collective& c, const void* send, void* recv, size_t cou
   ph.result = static_cast<uint8_t*>(recv);
   ring_pipeline(c, const_cast<uint8_t*>(in), L, ph);
   red.finish(recv, count, n);
+}
+
+void reduce_scatter(Collective& c, Algo a, const void* send, void* recv, size_t count,
+                    const Reduction& red) {
+  switch (a) {
+    case Algo::kRing: return reduce_scatter_ring(c, send, recv, count, red);
+    case Algo::kRecursiveHalving: return reduce_scatter_halving(c, send, recv, count, red);
+    default:
+      throw_error(ErrorKind::kGeneric,
+                  std::string("[reduce_scatter] internal error: no algorithm ") + algo_name(a));
+  }
 }
 
 }  // namespace mccl

@@ -5,6 +5,7 @@
 
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -13,6 +14,7 @@
 #include <memory>
 #include <thread>
 
+#include "algorithms/cost_model.h"
 #include "communicator/communicator.h"
 #include "core/dtype.h"
 #include "core/errors.h"
@@ -34,6 +36,41 @@ DType to_dtype(int v) {
                                         "; use the values of _core.DType");
   }
   return static_cast<DType>(v);
+}
+
+AlgoOp to_algo_op(const std::string& s) {
+  AlgoOp op;
+  if (!parse_algo_op(s, &op)) {
+    throw_error(ErrorKind::kConfig, "[engine] no algorithm choice for op '" + s +
+                                        "'; ops: allreduce, allgather, reduce_scatter, broadcast");
+  }
+  return op;
+}
+
+Algo to_algo(AlgoOp op, const std::string& s) {
+  Algo a;
+  if (!parse_algo_for(op, s, &a) || a == Algo::kAuto) {
+    std::string names;
+    for (Algo x : algos_of(op)) names += std::string(names.empty() ? "" : ", ") + algo_name(x);
+    throw_error(ErrorKind::kConfig, "[engine] " + std::string(algo_op_name(op)) +
+                                        " has no algorithm '" + s + "'; it has " + names);
+  }
+  return a;
+}
+
+// Sizes as nccl-tests (and the benchmarks) count them: all-gather's output and
+// reduce-scatter's input are N blocks; the model takes one rank's block.
+size_t model_bytes(AlgoOp op, int n, size_t nbytes) {
+  const bool whole = op == AlgoOp::kAllgather || op == AlgoOp::kReduceScatter;
+  return whole ? nbytes / static_cast<size_t>(std::max(n, 1)) : nbytes;
+}
+
+CostParams cost_of(double alpha, double beta, double gamma) {
+  CostParams p;
+  p.alpha_s = alpha;
+  p.beta_s_per_byte = beta;
+  p.gamma_s_per_byte = gamma;
+  return p;
 }
 
 ReduceOp to_op(int v) {
@@ -267,7 +304,33 @@ void register_engine_bindings(py::module_& m) {
       .def_readwrite("recv_threads", &Options::recv_threads)
       .def_readwrite("timeout_s", &Options::timeout_s)
       .def_readwrite("connect_timeout_s", &Options::connect_timeout_s)
-      .def_readwrite("wire_security", &Options::wire_security);
+      .def_readwrite("wire_security", &Options::wire_security)
+      .def_readwrite("algo", &Options::algo)
+      .def_readwrite("alpha_us", &Options::alpha_us)
+      .def_readwrite("beta_gbps", &Options::beta_gbps);
+
+  // The cost model (algorithms/cost_model.h), for benchmarks that print and plot it beside
+  // what they measure. Seconds; beta in seconds per byte; `nbytes` as nccl-tests count
+  // them (all-reduce and broadcast: the buffer; all-gather: the gathered output;
+  // reduce-scatter: the input, N blocks). Algorithm names as MCCL_ALGO spells them.
+  m.def("predict", [](const std::string& op, const std::string& algo, int n, size_t nbytes,
+                      double alpha, double beta, double gamma) {
+    const AlgoOp o = to_algo_op(op);
+    return predict(o, to_algo(o, algo), n, model_bytes(o, n, nbytes), cost_of(alpha, beta, gamma));
+  }, py::arg("op"), py::arg("algo"), py::arg("n"), py::arg("nbytes"), py::arg("alpha"),
+     py::arg("beta"), py::arg("gamma") = 0.0);
+  m.def("choose_algorithm", [](const std::string& op, int n, size_t nbytes, double alpha,
+                               double beta, double gamma, std::optional<Options> opts) {
+    const AlgoOp o = to_algo_op(op);
+    return std::string(algo_name(choose(o, n, model_bytes(o, n, nbytes), cost_of(alpha, beta, gamma),
+                                        opts ? *opts : Options{})));
+  }, py::arg("op"), py::arg("n"), py::arg("nbytes"), py::arg("alpha"), py::arg("beta"),
+     py::arg("gamma") = 0.0, py::arg("opts") = py::none());
+  m.def("algorithms", [](const std::string& op) {
+    std::vector<std::string> out;
+    for (Algo a : algos_of(to_algo_op(op))) out.push_back(algo_name(a));
+    return out;
+  }, py::arg("op"));
   // The peers rank `rank` talks to in a hierarchical all-reduce (algorithms/hierarchical.cc).
   m.def("hierarchy_peers", [](const std::vector<int>& switch_of_rank, int rank, bool ring) {
     return Hierarchy::of(switch_of_rank, rank).peers(ring);
@@ -422,6 +485,28 @@ void register_engine_bindings(py::module_& m) {
         return c.core().released_clean();
       }, py::arg("timeout_s") = 10.0)
       .def("released_clean", [](PC& c) { return c.core().released_clean(); })
+      // The cost model's parameters every rank agreed on at start: (alpha s, beta s/byte).
+      .def("alpha_beta", [](PC& c, double timeout_s) {
+        py::gil_scoped_release nogil;
+        const CostParams p = c.core().cost_params(timeout_s);
+        return std::make_pair(p.alpha_s, p.beta_s_per_byte);
+      }, py::arg("timeout_s") = 60.0)
+      .def("cost_params", [](PC& c, double timeout_s) {
+        CostParams p;
+        {
+          py::gil_scoped_release nogil;
+          p = c.core().cost_params(timeout_s);
+        }
+        py::dict d;
+        d["alpha_s"] = p.alpha_s;
+        d["beta_s_per_byte"] = p.beta_s_per_byte;
+        d["gamma_s_per_byte"] = p.gamma_s_per_byte;
+        return d;
+      }, py::arg("timeout_s") = 60.0)
+      // The algorithm the last op of `op` ran ("auto" before the first).
+      .def("last_algorithm", [](PC& c, const std::string& op) {
+        return std::string(algo_name(c.core().last_algorithm(to_algo_op(op))));
+      }, py::arg("op"))
       .def_property_readonly("rank", [](PC& c) { return c.core().rank(); })
       .def_property_readonly("size", [](PC& c) { return c.core().size(); })
       .def_property_readonly("comm_id", [](PC& c) { return c.core().comm_id(); })

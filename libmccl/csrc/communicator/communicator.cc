@@ -4,6 +4,7 @@
 #include <cstdio>
 
 #include "algorithms/algorithms.h"
+#include "algorithms/calibrate.h"
 #include "core/thread_name.h"
 #include "reduce/reduce.h"
 
@@ -47,6 +48,7 @@ Communicator::Communicator(int rank, int size, uint64_t comm_id, int listen_fd,
       opts_(opts),
       addrs_(std::move(peer_addrs)),
       borrowed_(false),
+      pins_(AlgoPins::parse(opts.algo)),
       timeout_s_(opts.timeout_s),
       deliver_(std::move(deliver)) {
   validate_world();
@@ -64,6 +66,7 @@ Communicator::Communicator(int rank, int size, uint64_t comm_id,
       opts_(opts),
       addrs_(std::move(peer_addrs)),
       borrowed_(true),
+      pins_(AlgoPins::parse(opts.algo)),
       timeout_s_(opts.timeout_s),
       deliver_(std::move(deliver)) {
   validate_world();
@@ -207,6 +210,7 @@ uint64_t Communicator::enqueue(Op op) {
 // ---------------------------------------------------------------- the worker
 
 void Communicator::worker_main() {
+  calibrate();
   while (true) {
     Op op;
     bool have = false;
@@ -240,6 +244,52 @@ void Communicator::worker_main() {
       transport_->close_gracefully(deadline_after(1.0));
     }
   }
+}
+
+// ---------------------------------------------------------------- the cost model
+
+// Two collectives of their own (signed kCalibrate), before any op: every rank's worker runs
+// them first, so they pair up like any op. A failure fails the communicator (its first op
+// reports it), as a broken link would.
+void Communicator::calibrate() {
+  CostParams p;
+  if (size_ > 1) {
+    try {
+      const double timeout = timeout_s_.load();
+      Collective c{*transport_, deadline_after(timeout), timeout, opts_, scratch_};
+      OpSignature sig;
+      sig.kind = OpKind::kCalibrate;
+      sig.op_bytes = 1;  // the measurement
+      transport_->begin_collective(coll_seq_++, encode_signature(sig));
+      p = measure_cost(c);
+      transport_->end_collective();
+      sig.op_bytes = 2;  // the agreement
+      transport_->begin_collective(coll_seq_++, encode_signature(sig));
+      agree_max(c, p);
+      transport_->end_collective();
+    } catch (const Error& e) {
+      on_error(e);
+    }
+  }
+  // Pins replace what was measured; equal on every rank, or the signatures tell.
+  if (opts_.alpha_us > 0) p.alpha_s = opts_.alpha_us * 1e-6;
+  if (opts_.beta_gbps > 0) p.beta_s_per_byte = 8.0 / (opts_.beta_gbps * 1e9);
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    cost_ = p;
+    calibrated_ = true;
+  }
+  done_cv_.notify_all();
+}
+
+CostParams Communicator::cost_params(double timeout_s) {
+  std::unique_lock<std::mutex> lk(mu_);
+  if (!done_cv_.wait_until(lk, deadline_after(timeout_s), [&] { return calibrated_; })) {
+    throw_error(ErrorKind::kTimeout, "[engine] Timed out after " + format_seconds(timeout_s) +
+                                         " s waiting for the cost model's parameters; the other "
+                                         "ranks have not started their communicators");
+  }
+  return cost_;
 }
 
 void Communicator::run(Op& op) {
@@ -320,6 +370,21 @@ void Communicator::run_collective(Op& op) {
       op.kind == OpKind::kGather || op.kind == OpKind::kScatter) {
     sig.root = op.root;
   }
+  // The algorithm, by the model (or MCCL_ALGO): a ticketed all-reduce that is pipelined
+  // runs the ring (allreduce_pieces says when).
+  Algo algo = Algo::kAuto;
+  AlgoOp aop = AlgoOp::kAllreduce;
+  switch (op.kind) {
+    case OpKind::kAllreduce:
+      algo = sig.pieces ? Algo::kRing : choose_algo(aop, op.count * es);
+      break;
+    case OpKind::kAllgather: algo = choose_algo(aop = AlgoOp::kAllgather, op.count); break;
+    case OpKind::kReduceScatter: algo = choose_algo(aop = AlgoOp::kReduceScatter, op.count * es); break;
+    case OpKind::kBroadcast: algo = choose_algo(aop = AlgoOp::kBroadcast, op.count); break;
+    default: break;
+  }
+  if (algo != Algo::kAuto) last_algo_[static_cast<int>(aop)].store(algo);
+  sig.algo = static_cast<uint8_t>(algo);
   const bool by_switch = hierarchical(op);
   // Ranks grouped differently, or by the other algorithm, fail at once (a topology mismatch).
   if (by_switch) sig.root = (hierarchy_.fingerprint & 0x3fffffff) | (opts_.hierarchy_ring ? 1 << 30 : 0);
@@ -332,15 +397,15 @@ void Communicator::run_collective(Op& op) {
       } else if (by_switch) {
         allreduce_hierarchical(c, op.buf, op.count, Reduction::of(op.dtype, op.op), hierarchy_, op.tickets);
       } else if (op.tickets.any()) {
-        mccl::allreduce(c, op.buf, op.count, Reduction::of(op.dtype, op.op), op.tickets);
+        mccl::allreduce(c, algo, op.buf, op.count, Reduction::of(op.dtype, op.op), op.tickets);
       } else {
-        mccl::allreduce(c, op.buf, op.count, Reduction::of(op.dtype, op.op));
+        mccl::allreduce(c, algo, op.buf, op.count, Reduction::of(op.dtype, op.op));
       }
       break;
-    case OpKind::kBroadcast: mccl::broadcast(c, op.buf, op.count, op.root); break;
-    case OpKind::kAllgather: mccl::allgather_ring(c, op.buf, op.out, op.count); break;
+    case OpKind::kBroadcast: mccl::broadcast(c, algo, op.buf, op.count, op.root); break;
+    case OpKind::kAllgather: mccl::allgather(c, algo, op.buf, op.out, op.count); break;
     case OpKind::kReduceScatter:
-      mccl::reduce_scatter_ring(c, op.buf, op.out, op.count, Reduction::of(op.dtype, op.op));
+      mccl::reduce_scatter(c, algo, op.buf, op.out, op.count, Reduction::of(op.dtype, op.op));
       break;
     case OpKind::kReduce:
       mccl::reduce_to_root(c, op.buf, op.count, Reduction::of(op.dtype, op.op), op.root);

@@ -33,6 +33,7 @@
 
 #include "algorithms/algorithms.h"
 #include "algorithms/collective.h"
+#include "algorithms/cost_model.h"
 #include "core/dtype.h"
 #include "core/errors.h"
 #include "core/options.h"
@@ -173,6 +174,12 @@ class Communicator {
   }
   CommStats stats() const;
 
+  // The cost model's parameters every rank agreed on at start (measured, or pinned by
+  // MCCL_ALPHA_US / MCCL_BETA_GBPS): blocks until the worker has them, up to timeout_s.
+  CostParams cost_params(double timeout_s);
+  // The algorithm the last op of `op` ran (kAuto before the first).
+  Algo last_algorithm(AlgoOp op) const { return last_algo_[static_cast<int>(op)].load(); }
+
  private:
   void validate_world() const;
   MeshSpec mesh_spec(const std::string& secret) const;
@@ -188,6 +195,9 @@ class Communicator {
   void check_reduction(DType dt, ReduceOp op, const char* name) const;
 
   void worker_main();
+  // Once, first thing on the worker: measure and agree on the cost model's parameters.
+  void calibrate();
+  Algo choose_algo(AlgoOp op, size_t bytes) const { return select_algo(op, pins_, size_, bytes, cost_, opts_); }
   void run(Op& op);
   void run_gate(Op& op);
   void run_collective(Op& op);
@@ -215,6 +225,13 @@ class Communicator {
   Scratch scratch_;
   Hierarchy hierarchy_;  // from opts_.switch_of_rank; inactive for one switch
   uint64_t coll_seq_ = 0;  // worker only
+
+  // The algorithm choice (cost_model.h): pins from MCCL_ALGO; parameters written once by
+  // calibrate() on the worker before any op, read by cost_params() under mu_.
+  const AlgoPins pins_;
+  CostParams cost_;
+  bool calibrated_ = false;  // mu_; done_cv_ tells waiters
+  std::atomic<Algo> last_algo_[kNumAlgoOps] = {Algo::kAuto, Algo::kAuto, Algo::kAuto, Algo::kAuto};
 
   // Op queue and op state (mu_).
   mutable std::mutex mu_;

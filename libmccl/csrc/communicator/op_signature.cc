@@ -6,10 +6,12 @@ namespace mccl {
 
 namespace {
 
-static_assert(2 + 8 + 1 + 1 + 4 + 4 == kSignatureBytes, "OpSignature fills the signature");
+static_assert(1 + 1 + 8 + 1 + 1 + 4 + 4 == kSignatureBytes, "OpSignature fills the signature");
 static_assert(8 + 8 == kTermsBytes, "terms_of fills the terms");
 
-bool known(OpKind k) { return k >= OpKind::kAllreduce && k <= OpKind::kBarrier; }
+bool known(OpKind k) {
+  return (k >= OpKind::kAllreduce && k <= OpKind::kBarrier) || k == OpKind::kCalibrate;
+}
 
 std::string kind_text(OpKind k) {
   return known(k) ? op_kind_name(k) : "unknown op " + std::to_string(static_cast<unsigned>(k));
@@ -21,6 +23,10 @@ std::string dtype_text(uint8_t d) {
 
 std::string redop_text(uint8_t r) {
   return r < kNumReduceOps ? reduce_op_name(static_cast<ReduceOp>(r)) : "op " + std::to_string(r);
+}
+
+std::string algo_text(uint8_t a) {
+  return a <= kMaxAlgo ? algo_name(static_cast<Algo>(a)) : "algorithm " + std::to_string(a);
 }
 
 std::string pieces_text(uint32_t p) {
@@ -42,6 +48,7 @@ const char* op_kind_name(OpKind k) {
     case OpKind::kAlltoallv: return "alltoallv";
     case OpKind::kBarrier: return "barrier";
     case OpKind::kP2P: return "send/recv";
+    case OpKind::kCalibrate: return "calibrate";
   }
   return "unknown";
 }
@@ -49,7 +56,8 @@ const char* op_kind_name(OpKind k) {
 Signature encode_signature(const OpSignature& s) {
   Signature out{};
   uint8_t* p = out.data();
-  put_le<uint16_t>(p, static_cast<uint16_t>(s.kind));
+  put_le<uint8_t>(p, static_cast<uint8_t>(s.kind));
+  put_le<uint8_t>(p, s.algo);
   put_le<uint64_t>(p, s.op_bytes);
   put_le<uint8_t>(p, s.dtype);
   put_le<uint8_t>(p, s.redop);
@@ -61,7 +69,8 @@ Signature encode_signature(const OpSignature& s) {
 OpSignature decode_signature(const Signature& in) {
   const uint8_t* p = in.data();
   OpSignature s;
-  s.kind = static_cast<OpKind>(get_le<uint16_t>(p));
+  s.kind = static_cast<OpKind>(get_le<uint8_t>(p));
+  s.algo = get_le<uint8_t>(p);
   s.op_bytes = get_le<uint64_t>(p);
   s.dtype = get_le<uint8_t>(p);
   s.redop = get_le<uint8_t>(p);
@@ -114,6 +123,12 @@ std::string CollectiveRules::mismatch(const Signature& mine_sig, const Signature
     return "pipelining mismatch with " + who + " for " + opno + ": it runs it " +
            pieces_text(theirs.pieces) + ", this rank " + pieces_text(mine.pieces) +
            "; every rank must pass tickets alike and use the same MCCL_PIPELINE_BYTES";
+  }
+  if (theirs.algo != mine.algo) {
+    return "algorithm mismatch with " + who + " for " + opno + ": it runs " +
+           kind_text(mine.kind) + " by " + algo_text(theirs.algo) + ", this rank by " +
+           algo_text(mine.algo) + "; set MCCL_ALGO, MCCL_ALPHA_US and MCCL_BETA_GBPS the same "
+           "on every rank";
   }
   if (theirs.root != mine.root && mine.kind == OpKind::kAllreduce) {
     auto how = [](int32_t f) { return f < 0 ? std::string("flat") : "by switch (grouping " + std::to_string(f) + ")"; };

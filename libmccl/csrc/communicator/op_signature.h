@@ -8,6 +8,7 @@
 
 #include "core/dtype.h"
 #include "core/options.h"
+#include "algorithms/cost_model.h"
 #include "transport/signature.h"
 
 namespace mccl {
@@ -26,12 +27,16 @@ enum class OpKind : uint16_t {
   kAlltoallv = 9,
   kBarrier = 10,
   kP2P = 11,  // send/recv: never signed, matched per (peer, tag)
+  kCalibrate = 12,  // measuring the cost model's parameters, once at start (calibrate.h)
 };
 const char* op_kind_name(OpKind k);
 
 // One collective's signature, decoded. Fields that do not apply stay at their defaults.
 struct OpSignature {
   OpKind kind = OpKind::kBarrier;
+  // The algorithm it runs (algorithms/cost_model.h Algo; 0: no choice): ranks that chose
+  // differently (another MCCL_ALGO or MCCL_ALPHA_US) fail at the first frame.
+  uint8_t algo = 0;
   uint64_t op_bytes = 0;  // the op's size in bytes (0: not compared: alltoallv, barrier)
   uint8_t dtype = 0;      // element type of reducing ops
   uint8_t redop = 0;      // reduce op of reducing ops

@@ -2,6 +2,7 @@
 // declares the MCCL_* variables, defaults and units once). Plain data.
 #pragma once
 #include <cstddef>
+#include <string>
 #include <vector>
 
 namespace mccl {
@@ -29,6 +30,9 @@ struct Options {
   // MCCL_HIERARCHY: ring (true), those all-reduces run as one ring that visits the switches in
   // turn (each uplink crossed once each way); tree (false), reduce-scatter/all-reduce/all-gather.
   bool hierarchy_ring = true;
+  std::string algo = "auto";            // MCCL_ALGO: algorithm pins (algorithms/cost_model.h)
+  double alpha_us = 0;                  // MCCL_ALPHA_US: the model's step latency, us; 0 = measure
+  double beta_gbps = 0;                 // MCCL_BETA_GBPS: the model's link speed, Gbit/s; 0 = measure
 
   // Throws ConfigError naming the bad field.
   void validate() const;
