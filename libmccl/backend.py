@@ -31,6 +31,7 @@ from . import _buffers as B
 from . import device_tensors
 from . import _torch_compat as compat
 from . import rendezvous
+from . import switch_groups
 from .group_options import Options
 from .backend_exchange import ExchangeOps
 from .device_order import TICKET_BASE
@@ -92,6 +93,12 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
         # Before the rendezvous: a rank without the job key fails here, not its peers at set-up.
         secret = jobkey.engine_secret(self._cfg.wire_security)
         rv = rendezvous.exchange(store, rank, size, _core.Listener, self._cfg, opts.connect_timeout_s, group_id)
+        try:
+            opts.switch_of_rank = switch_groups.agree(rv.store, rank, size, rv.peer_addrs, self._cfg,
+                                                      opts.connect_timeout_s)
+        except BaseException:
+            rv.listener.close()
+            raise
         return _core.Communicator(rank, size, rv.comm_id, rv.listener, rv.peer_addrs, opts, self._router.on_complete,
                                   secret=secret)
 

@@ -60,6 +60,7 @@ class Attachment:
         self.monitor: zmq.Socket | None = None
         self.req = 0                       # last request id used; the I/O thread continues from it
         self.host_id = self.daemon_addr = ""
+        self.switch = ""                   # the daemon's switch, "" when it knows none
         self.link_addrs: list[str] = []    # every rank's daemon link address
         self.engine_cut: dict[str, int] = {}  # the daemon engine's pipeline_bytes, small_allreduce_bytes
         self.daemon_uid = -1                # the daemon's user, as the kernel reported it
@@ -102,6 +103,7 @@ class Attachment:
                           unavailable="it did not answer hello")
         localtrust.check_reply_peer(self._peer, self.daemon_uid, self.endpoint)
         self.host_id, self.daemon_addr = reply["host_id"], reply["link_addr"]
+        self.switch = str(reply.get("switch") or "")  # the daemon's switch (mccld/topology.py)
         self.engine_cut = _engine_cut(reply.get("engine_cut"), self.endpoint)
 
     def call(self, msg: dict[str, Any], timeout_s: float, unavailable: str | None = None) -> dict[str, Any]:
@@ -140,7 +142,7 @@ class Attachment:
     def join(self, store: Any, job: str, opts: dict[str, Any] | None = None) -> None:
         """Members publish (host id, daemon link address) in the store; the daemons do the rest.
         ``opts``: this rank's extras for its daemon (its small-op queue)."""
-        me = json.dumps({"host_id": self.host_id, "link_addr": self.daemon_addr})
+        me = json.dumps({"host_id": self.host_id, "link_addr": self.daemon_addr, "switch": self.switch})
         store.set(f"mccld/member/{self.rank}", me)
         keys = [f"mccld/member/{r}" for r in range(self.size)]
         try:
@@ -152,7 +154,8 @@ class Attachment:
         members = [json.loads(store.get(k)) for k in keys]
         hosts: dict[str, dict[str, Any]] = {}
         for r, m in enumerate(members):
-            h = hosts.setdefault(m["host_id"], {"host_id": m["host_id"], "link_addr": m["link_addr"], "ranks": []})
+            h = hosts.setdefault(m["host_id"], {"host_id": m["host_id"], "link_addr": m["link_addr"],
+                                                "switch": str(m.get("switch") or ""), "ranks": []})
             h["ranks"].append(r)
         ordered = sorted(hosts.values(), key=lambda h: h["ranks"][0])
         self.link_addrs = [m["link_addr"] for m in members]

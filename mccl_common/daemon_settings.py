@@ -112,6 +112,14 @@ class DaemonConfig:
     gossip_ttl_s: float = setting(
         "MCCL_GOSSIP_TTL", 30.0, "seconds",
         "a gossiped fleet entry whose owner has not refreshed it for this long is dropped (a host that died)")
+    topology_probes: int = setting(
+        "MCCL_TOPOLOGY_PROBES", 48, "count",
+        "without MCCL_TOPOLOGY: how many other daemons this one measures RTTs to, so the switches can be "
+        "inferred (every pair up to this many + 1 hosts, a fixed sample beyond; `mcclctl links --topology`)")
+    topology_interval_s: float = setting(
+        "MCCL_TOPOLOGY_INTERVAL", 300.0, "seconds",
+        "without MCCL_TOPOLOGY: how often the peers' RTT rows are gathered again once the fleet settled "
+        "(RTTs are measured again whenever daemons join or leave)")
     link_timeout_s: float = setting(
         "MCCL_LINK_TIMEOUT", 10.0, "seconds",
         "time to connect and authenticate a daemon-to-daemon link")
@@ -187,6 +195,10 @@ class DaemonConfig:
                  "must be at least 3 gossip intervals (MCCL_GOSSIP_INTERVAL), or live hosts expire between rounds")
         self.seeds()
         _require(self.link_timeout_s > 0, "MCCL_LINK_TIMEOUT", self.link_timeout_s, "must be positive")
+        _require(1 <= self.topology_probes <= 1024, "MCCL_TOPOLOGY_PROBES", self.topology_probes,
+                 "must be between 1 and 1024")
+        _require(self.topology_interval_s >= 10, "MCCL_TOPOLOGY_INTERVAL", self.topology_interval_s,
+                 "must be at least 10 seconds")
         _require(self.unauth_timeout_s > 0, "MCCL_UNAUTH_TIMEOUT", self.unauth_timeout_s, "must be positive")
         for env, n in (("MCCL_MAX_UNAUTH_CONNECTIONS", self.max_unauth_connections),
                        ("MCCL_MAX_UNAUTH_PER_PEER", self.max_unauth_per_peer)):

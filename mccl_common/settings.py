@@ -118,6 +118,23 @@ class EngineConfig:
         "smallest piece of an all-reduce handed over by segment tickets (mccld's shared-memory path, "
         "accelerator buckets): the engine starts a piece once its input is ready and announces it once "
         "final; large ops use pieces of up to N MB at N ranks (at most 1/16 of the buffer)")
+    topology: str = setting(
+        "MCCL_TOPOLOGY", "", "path",
+        "file naming each host's switch, lines `SWITCH: HOST HOST ...` (hosts by MCCL_HOST_ID, host name or "
+        "IP; docs/topology.md): all-reduces of MCCL_HIERARCHY_MIN_BYTES and up then run within each switch, "
+        "then across switches, then within each again. Empty: one switch in-process; through mccld the "
+        "daemons' topology (theirs, or inferred from RTTs: `mcclctl links --topology`)")
+    hierarchy_min_bytes: int = setting(
+        "MCCL_HIERARCHY_MIN_BYTES", 1 << 20, "bytes",
+        "smallest all-reduce run switch by switch when the hosts span two or more switches (MCCL_TOPOLOGY); "
+        "every rank must use the same value")
+    hierarchy: str = setting(
+        "MCCL_HIERARCHY", "ring", "ring|tree",
+        "how those all-reduces cross switches: ring = one ring visiting the switches in turn (one pass, each "
+        "uplink crossed once each way: never slower than the flat ring, faster wherever rank order zig-zags "
+        "between switches); tree = reduce-scatter within each switch, all-reduce across, all-gather within "
+        "(fewest bytes on the uplinks and fewest steps, for uplinks oversubscribed past one host's rate and "
+        "many hosts; docs/topology.md). Every rank must use the same value")
     send_thread: bool = setting(
         "MCCL_SEND_THREAD", True, "bool",
         "a second engine thread per communicator copies bulk frames (512K and up) into the sockets, "
@@ -181,6 +198,8 @@ class EngineConfig:
         opts.segment_bytes = self.segment_bytes
         opts.small_allreduce_bytes = self.small_allreduce_bytes
         opts.pipeline_bytes = self.pipeline_bytes
+        opts.hierarchy_min_bytes = self.hierarchy_min_bytes
+        opts.hierarchy_ring = self.hierarchy == "ring"
         opts.algo = self.algo
         opts.alpha_us = self.alpha_us
         opts.beta_gbps = self.beta_gbps
@@ -208,6 +227,9 @@ class EngineConfig:
         _require(bool(self.algo.strip()), "MCCL_ALGO", self.algo, "must not be empty (auto: the cost model chooses)")
         _require(self.pipeline_bytes >= 4 << 10, "MCCL_PIPELINE_BYTES", self.pipeline_bytes,
                  "must be at least 4K")
+        _require(self.hierarchy in ("tree", "ring"), "MCCL_HIERARCHY", self.hierarchy, "must be ring or tree")
+        _require(self.hierarchy_min_bytes >= 0, "MCCL_HIERARCHY_MIN_BYTES", self.hierarchy_min_bytes,
+                 "must not be negative")
         _require(0 <= self.daemon_fast_bytes <= 16 << 20, "MCCL_DAEMON_FAST_BYTES", self.daemon_fast_bytes,
                  "must be between 0 (off) and 16M")
         _require(self.daemon_copy_ahead_bytes >= 0, "MCCL_DAEMON_COPY_AHEAD_BYTES", self.daemon_copy_ahead_bytes,

@@ -33,7 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     st = common(sub.add_parser("status", help="one row per daemon"))
     st.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
-    common(sub.add_parser("links", help="per-peer links: sockets, bytes, goodput, retransmits"))
+    lk = common(sub.add_parser("links", help="per-peer links: sockets, bytes, goodput, retransmits"))
+    lk.add_argument("--topology", action="store_true",
+                    help="the switches instead: from MCCL_TOPOLOGY, else inferred from the daemons' RTTs")
     common(sub.add_parser("jobs", help="jobs and ranks attached to each daemon"))
     common(sub.add_parser("capacity", help="harvestable hosts now (cores, memory, devices) and hours "
                                            "harvestable per night from each daemon's history"))

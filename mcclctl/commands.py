@@ -8,6 +8,7 @@ import time
 from typing import Callable
 
 from mccl_common import __version__ as MCCL_VERSION
+from mccl_common import topology
 from mccl_common.errors import ConfigError, MCCLError
 
 from . import formatting as fmt
@@ -101,7 +102,18 @@ def _per_host(args, method: str, section: str, table: Callable) -> int:
 
 
 def cmd_links(args) -> int:
+    if getattr(args, "topology", False):
+        return _topology(args)
     return _per_host(args, "links", "links", fmt.links_table)
+
+
+def _topology(args) -> int:
+    replies = fetch(find_targets(args), load_key(args.key_file), "links", timeout_s=args.timeout)
+    view = topology.fleet_view({(r.result or {}).get("host") or r.target.host: (r.result or {}).get("topology")
+                                for r in replies if r.error is None})
+    view["errors"] = {r.target.host: r.error for r in replies if r.error is not None}
+    print(fmt.to_json(view) if args.json else fmt.topology_text(view))
+    return _rc(replies)
 
 
 def cmd_jobs(args) -> int:

@@ -186,6 +186,26 @@ def links_table(per_host: list[tuple[str, list[dict] | None, str | None]]) -> st
     return _per_host_table(LINK_HEADERS, per_host, link_rows, "no links")
 
 
+def topology_text(view: dict) -> str:
+    """``mcclctl links --topology``: one row per switch, then what the inference saw."""
+    source = {"file": "MCCL_TOPOLOGY", "rtt": "inferred from RTTs", "mixed": "MCCL_TOPOLOGY on some daemons only"}
+    rows = [[name, str(len(hosts)), " ".join(hosts)] for name, hosts in sorted(view["switches"].items())]
+    out = [f"switches: {len(rows)} ({source.get(view['source'], view['source'])})",
+           table(("SWITCH", "HOSTS", "MEMBERS"), rows)]
+    rtt = view.get("rtt") or {}
+    if view["source"] != "file":
+        near, far = rtt.get("near_rtt_s"), rtt.get("far_rtt_s")
+        split = (f"near {near * 1e6:.0f} us, far {far * 1e6:.0f} us" if near and far
+                 else "no clear gap: one switch")
+        out.append(f"RTT pairs measured: {rtt.get('pairs_measured', 0)} among {rtt.get('hosts', 0)} hosts; {split}")
+    unknown = sorted(h for h, s in view.get("daemons", {}).items() if not s)
+    if unknown:
+        out.append("no switch yet (jobs run flat): " + " ".join(unknown))
+    for host, err in sorted((view.get("errors") or {}).items()):
+        out.append(f"{host}: unreachable: {truncate(err, 80)}")
+    return "\n".join(out)
+
+
 # ---- jobs ----------------------------------------------------------------------------
 
 JOB_HEADERS = ("HOST", "JOB", "RANKS", "WORLD", "COLLECTIVES", "BYTES", "OVERLAP")

@@ -19,7 +19,7 @@ from typing import Any
 
 from mccl_common import PROTO_VERSION, __version__, shm
 from mccl_common import attach_protocol as protocol
-from mccl_common import jobkey
+from mccl_common import jobkey, topology
 from mccl_common.daemon_settings import DaemonConfig, attach_gid, key_paths, runtime_dir
 from mccl_common.errors import AbortedError, ConfigError, MCCLError, ProtocolError
 from mccl_common.hostinfo import cpu_cores, device_kind, host_facts, memory_bytes
@@ -35,6 +35,7 @@ from .jobs import Job
 from .launcher import LaunchServer
 from .reclaim import ReclaimWatch
 from .links import LinkManager
+from .topology import SwitchMap, fleet_peers
 from .reduce import ReducePool
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,13 @@ log = logging.getLogger(__name__)
 SEGMENT_RECORD = "segments"
 LOCK_NAME = "mccld.lock"
 _LOCK_PID_WAIT_S = 1.0      # for the winner of a simultaneous start to write its pid
+
+
+def job_switches(hosts) -> list[int]:
+    """The engine's switch_of_rank for a job's hosts (one engine rank each): empty, so flat,
+    unless every host's daemon knows its switch and there are two or more."""
+    names = [getattr(h, "switch", "") for h in hosts]
+    return topology.switch_ids(names) if all(names) else []
 
 
 def default_host_id() -> str:
@@ -82,6 +90,7 @@ class Daemon:
         self.inbox: FdInbox | None = None
         self.stats = None
         self.fleet = None
+        self.switches: SwitchMap | None = None   # this host's switch (mccld/topology.py)
         self.advertiser = None
         self.harvester: Harvester | None = None
         self.gossip = None
@@ -172,6 +181,9 @@ class Daemon:
         if self.gossip is not None:
             self.gossip.stop()
             self.gossip = None
+        if self.switches is not None:
+            self.switches.stop()
+            self.switches = None
         if self.advertiser is not None:
             self.advertiser.stop()
             self.advertiser = None
@@ -258,6 +270,7 @@ class Daemon:
                                           self.cfg.mdns_ttl_s, status_port=ports.get("StatusServer", 0),
                                           metrics_port=ports.get("MetricsServer", 0))
         self.advertiser.start()
+        self._start_switch_map()
         if self.harvester is not None:
             self.advertiser.set_harvest(self.harvester.snapshot()["state"])
 
@@ -289,6 +302,10 @@ class Daemon:
         for row in gossip.rows() if gossip else []:
             rows.setdefault(row["host_id"], row)
         return [rows[h] for h in sorted(rows)]
+    def _start_switch_map(self) -> None:
+        self.switches = SwitchMap(self.host_id, self.addr, self.links, lambda: fleet_peers(self.fleet_rows(), self.host_id),
+                                  self.engine_cfg.topology, self.cfg.topology_probes,
+                                  self.cfg.topology_interval_s).start()
 
     def _start_servers(self, key: bytes) -> None:
         if self.stats is None:
@@ -383,7 +400,8 @@ class Daemon:
             cut = {"pipeline_bytes": self.engine_cfg.pipeline_bytes,
                    "small_allreduce_bytes": self.engine_cfg.small_allreduce_bytes}
             return {"ok": True, "host_id": self.host_id, "link_addr": self.links.address,
-                    "daemon_version": __version__, "proto": PROTO_VERSION, "engine_cut": cut}
+                    "daemon_version": __version__, "proto": PROTO_VERSION, "engine_cut": cut,
+                    "switch": self.switches.switch() if self.switches is not None else ""}
         if kind == "status":
             return {"ok": True, "status": self.status_provider()}
         if kind == "probe":
@@ -497,10 +515,14 @@ class Daemon:
             datalinks = self.datalinks
             if datalinks is not None:
                 datalinks.on_message(peer_host, msg)
-        elif kind.startswith("gossip_"):
+        elif isinstance(kind, str) and kind.startswith("gossip_"):
             gossip = self.gossip
             if gossip is not None:
                 gossip.on_message(peer_host, msg)
+        elif kind in ("rtt_ping", "rtt_pong", "topo_row_req", "topo_row"):
+            switches = self.switches
+            if switches is not None:
+                switches.on_message(peer_host, msg)
         elif kind == "job_failed":
             job = self.jobs.get(str(msg.get("job")))
             if job is None or all(h.host_id != peer_host for h in job.hosts):
@@ -535,6 +557,12 @@ class Daemon:
         peers = [(h, host.host_id, host.link_addr) for h, host in enumerate(job.hosts) if h != me]
         leased = self.datalinks.lease(job.id, peers, time.monotonic() + job.setup_timeout_s, lambda: job.failed)
         opts = self.engine_cfg.engine_options(Options(), job.timeout_s, job.timeout_s)
+        # The job's host list (every rank built it alike) names each host's switch.
+        opts.switch_of_rank = job_switches(job.hosts)
+        if opts.switch_of_rank:
+            log.info("[daemon] job %s: its %d hosts on %d switches, all-reduces from %d bytes run by switch (%s)",
+                     job.id, len(job.hosts), len(set(opts.switch_of_rank)), opts.hierarchy_min_bytes,
+                     "ring" if opts.hierarchy_ring else "tree")
         # The link addresses only name the peers in the engine's messages: nothing is dialled.
         addrs = [host.link_addr for host in job.hosts]
         # Bound to the fleet and the job: a host of another fleet, or a stale engine of an
@@ -690,6 +718,7 @@ class Daemon:
             "links": self.links.peers() if self.links else [],
             "data_links": self._data_link_status(),
             "fleet_table": self.fleet_rows(),
+            "topology": self.switches.status() if self.switches is not None else None,
             "last_error": self.last_error or None,
             "launch_port": self.launcher.port if self.launcher is not None else 0,
             "launched": self.launcher.jobs() if self.launcher is not None else [],

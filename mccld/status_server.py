@@ -262,8 +262,11 @@ class StatusServer:
             status["linktests"] = self.linktest_results()
             if method == "status":
                 return status
-            return {"host": status.get("host"), "address": status.get("address"),
-                    "version": status.get("version"), method: status.get(method, [])}
+            out = {"host": status.get("host"), "address": status.get("address"),
+                   "version": status.get("version"), method: status.get(method, [])}
+            if method == "links":
+                out["topology"] = status.get("topology")  # this host's switch and RTT row (mccld/topology.py)
+            return out
         if method == "fleet":
             # The daemon's fleet table (mDNS and gossip): where mcclctl finds every host at once.
             status = self._provider()

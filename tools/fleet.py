@@ -15,6 +15,13 @@ each other at once, their ARP broadcasts, flooded by the bridge to every port, o
 the kernel's per-CPU backlog (netdev_max_backlog) and connects fail with "no route to
 host" or time out (seen from 64 hosts on, on 2 and on 16 cores).
 
+Switches (``switches=``): host i then hangs off bridge ``mccl<id>s<k>`` of its switch k (switch
+0 is ``mccl<id>br``), and every switch has one uplink, a veth pair ``mccl<id>u<k>a`` /
+``mccl<id>u<k>b``, to a core bridge ``mccl<id>core``. Uplinks are shaped both ways to
+``uplink_rate`` (an oversubscribed uplink: less than the sum of its hosts' rates) and may
+add ``uplink_delay`` per hop (so a path between two switches crosses two uplinks). It is
+still one subnet: only the bandwidth and latency between switches differ.
+
 Usage::
 
     with Fleet(3, rate="1gbit") as fleet:
@@ -151,19 +158,33 @@ class Host:
     addr: str     # IPv4 address of eth0 inside ns
     veth: str     # bridge-side end of the host's veth, in the root namespace
     ifname: str = "eth0"
+    switch: int = 0  # which switch (bridge) it hangs off
 
 
 class Fleet:
     """N emulated hosts on one bridge; a context manager with explicit start()/stop()."""
 
     def __init__(self, n_hosts: int, rate: str | None = "1gbit", name: str | None = None,
-                 delay: str | None = None, burst: str | None = None, static_arp: bool = False):
+                 delay: str | None = None, burst: str | None = None, static_arp: bool = False,
+                 switches: int | Sequence[int] | None = None, uplink_rate: str | None = None,
+                 uplink_delay: str | None = None):
+        """``switches``: a number of switches (hosts split in order, as evenly as they go) or
+        the number of hosts on each; None: one switch, no uplinks."""
         if not 1 <= int(n_hosts) <= MAX_HOSTS:
             raise ConfigError(f"[fleet] n_hosts={n_hosts} is out of range; use 1..{MAX_HOSTS}")
         if rate is not None:
             parse_rate_bits(rate)
         if delay is not None:
             parse_time_s(delay)
+        self.switch_sizes = _switch_sizes(int(n_hosts), switches)
+        if uplink_rate is not None:
+            parse_rate_bits(uplink_rate)
+        if uplink_delay is not None:
+            parse_time_s(uplink_delay)
+        if (uplink_rate or uplink_delay) and len(self.switch_sizes) < 2:
+            raise ConfigError("[fleet] uplink_rate/uplink_delay need at least two switches (switches=2 or more)")
+        self.uplink_rate = uplink_rate
+        self.uplink_delay = uplink_delay
         if name is not None and not _NAME_RE.match(name):
             raise ConfigError(f"[fleet] name={name!r} must be 1-5 lowercase letters/digits "
                               "(interface names are limited to 15 characters)")
@@ -188,6 +209,18 @@ class Fleet:
     def bridge(self) -> str:
         return f"{PREFIX}{self.id}br"
 
+    def switch_bridge(self, k: int) -> str:
+        return self.bridge if k == 0 else f"{PREFIX}{self.id}s{k}"
+
+    @property
+    def core_bridge(self) -> str:
+        return f"{PREFIX}{self.id}core"
+
+    def topology_text(self) -> str:
+        """An MCCL_TOPOLOGY file for this fleet, hosts named by address (docs/topology.md)."""
+        return "".join(f"switch-{k}: " + " ".join(h.addr for h in self.hosts if h.switch == k) + "\n"
+                       for k in range(len(self.switch_sizes)))
+
     def _subnet_octet(self) -> int:
         assert self.id is not None
         return int(self.id) % 250 if self.id.isdigit() else zlib.crc32(self.id.encode()) % 250
@@ -210,8 +243,11 @@ class Fleet:
         try:
             self._claim_id()
             octet = self._subnet_octet()
-            self.hosts = [Host(i, f"{PREFIX}{self.id}h{i}", self._addr(i, octet), f"{PREFIX}{self.id}v{i}")
-                          for i in range(self.n_hosts)]
+            switch_of = [k for k, size in enumerate(self.switch_sizes) for _ in range(size)]
+            self.hosts = [Host(i, f"{PREFIX}{self.id}h{i}", self._addr(i, octet), f"{PREFIX}{self.id}v{i}",
+                               switch=switch_of[i]) for i in range(self.n_hosts)]
+            if len(self.switch_sizes) > 1:
+                self._add_switches()
             # Without snooping off the bridge drops mDNS until a multicast querier shows up.
             _sh(["ip", "link", "set", self.bridge, "type", "bridge", "mcast_snooping", "0"])
             _sh(["ip", "link", "set", self.bridge, "up"])
@@ -222,7 +258,9 @@ class Fleet:
         except BaseException:
             self.stop()
             raise
-        log.info("fleet %s up: %d hosts on %s, rate %s", self.id, self.n_hosts, self.bridge, self.rate or "unshaped")
+        log.info("fleet %s up: %d hosts on %s, rate %s, switches %s, uplinks %s %s", self.id, self.n_hosts,
+                 self.bridge, self.rate or "unshaped", self.switch_sizes, self.uplink_rate or "unshaped",
+                 self.uplink_delay or "")
         return self
 
     @property
@@ -257,7 +295,7 @@ class Fleet:
         _sh(["ip", "netns", "add", h.ns])
         _sh(["ip", "link", "add", h.veth, "type", "veth", "peer", "name", tmp])
         _sh(["ip", "link", "set", tmp, "netns", h.ns])
-        _sh(["ip", "link", "set", h.veth, "master", self.bridge])
+        _sh(["ip", "link", "set", h.veth, "master", self.switch_bridge(h.switch)])
         _sh(["ip", "link", "set", h.veth, "up"])
         n = ["ip", "-n", h.ns]
         _sh(n + ["link", "set", tmp, "name", h.ifname] + (["address", self._mac(h.index)] if self.static_arp else []))
@@ -294,6 +332,21 @@ class Fleet:
                                 "overloaded, retry") from None
             if res.returncode != 0:
                 raise MCCLError(f"[fleet] pinning the neighbours of {h.ns} failed: {res.stderr.strip()[-300:]}")
+
+    def _add_switches(self) -> None:
+        """A bridge per switch beyond the first and the core, each switch with its shaped uplink."""
+        for br in [self.core_bridge] + [self.switch_bridge(k) for k in range(1, len(self.switch_sizes))]:
+            _sh(["ip", "link", "add", br, "type", "bridge"])
+            _sh(["ip", "link", "set", br, "type", "bridge", "mcast_snooping", "0"])
+            _sh(["ip", "link", "set", br, "up"])
+        for k in range(len(self.switch_sizes)):
+            down, up = f"{PREFIX}{self.id}u{k}a", f"{PREFIX}{self.id}u{k}b"  # switch end, core end
+            _sh(["ip", "link", "add", down, "type", "veth", "peer", "name", up])
+            _sh(["ip", "link", "set", down, "master", self.switch_bridge(k)])
+            _sh(["ip", "link", "set", up, "master", self.core_bridge])
+            for end in (down, up):
+                _sh(["ip", "link", "set", end, "up"])
+                shape_link(end, self.uplink_rate, self.uplink_delay, burst=uplink_burst(self.uplink_rate))
 
     def stop(self) -> None:
         """Kill every process in the fleet, delete namespaces, veths and bridge. Idempotent.
@@ -402,6 +455,47 @@ class Fleet:
         return f"Fleet(id={self.id}, n_hosts={self.n_hosts}, rate={self.rate}, delay={self.delay})"
 
 
+def _switch_sizes(n_hosts: int, switches: int | Sequence[int] | None) -> list[int]:
+    if switches is None:
+        return [n_hosts]
+    if isinstance(switches, int):
+        if not 1 <= switches <= n_hosts:
+            raise ConfigError(f"[fleet] switches={switches} must be between 1 and the {n_hosts} hosts")
+        return [n_hosts // switches + (1 if k < n_hosts % switches else 0) for k in range(switches)]
+    sizes = [int(x) for x in switches]
+    if not sizes or any(x < 1 for x in sizes) or sum(sizes) != n_hosts or len(sizes) > 16:
+        raise ConfigError(f"[fleet] switches={list(switches)} must be 1..16 positive sizes adding up to "
+                          f"the {n_hosts} hosts")
+    return sizes
+
+
+def shape_link(dev: str, rate: str | None, delay: str | None = None, ns: str | None = None,
+               burst: str = TBF_BURST) -> None:
+    """Shape what leaves ``dev`` (in namespace ``ns``): a token bucket at ``rate`` with
+    ``burst``, behind a netem delay when ``delay`` is given. Nothing when both are None."""
+    qdisc = ["tc"] + (["-n", ns] if ns else []) + ["qdisc", "replace", "dev", dev]
+    tbf = ["tbf", "rate", rate or "", "burst", burst, "latency", TBF_LATENCY]
+    if delay:
+        # netem holds the packets for the delay, its child bucket paces them.
+        res = _sh(qdisc + ["root", "handle", "1:", "netem", "delay", delay, "limit", "100000"], check=False)
+        if res.returncode != 0:
+            raise ConfigError(f"[fleet] cannot add {delay} of delay on {dev}: {res.stderr.strip()}; this kernel "
+                              "may lack netem (CONFIG_NET_SCH_NETEM): leave the delay out")
+        if rate:
+            _sh(qdisc + ["parent", "1:1", "handle", "10:"] + tbf)
+    elif rate:
+        _sh(qdisc + ["root"] + tbf)
+
+
+def uplink_burst(rate: str | None) -> str:
+    """A line's burst: ~100 us at its rate, at least two full frames. A switch port sends each
+    frame at line rate, with no bucket of credit to spend: so a probe crossing an uplink takes
+    its serialization time there, as it would on the wire."""
+    if not rate:
+        return TBF_BURST
+    return f"{max(3028, int(parse_rate_bits(rate) * 100e-6 / 8))}b"
+
+
 def wait_for_output(p: subprocess.Popen, marker: bytes, what: str, timeout: float = 15.0) -> None:
     """Block until process ``p`` (stdout=PIPE) prints ``marker``, e.g. a server's
     "listening" line; raises naming ``what`` and what it printed if it does not in time."""
@@ -453,7 +547,8 @@ def teardown(fleet_id: str) -> None:
         if res.returncode != 0 and ns in list_namespaces():
             log.warning("[fleet] could not delete namespace %s: %s", ns, res.stderr.strip())
     for link in list_links():
-        if re.fullmatch(rf"{prefix}(v|p)\d+", link) or link == f"{prefix}br":
+        if (re.fullmatch(rf"{prefix}(v|p|s)\d+|{prefix}u\d+a", link)
+                or link in (f"{prefix}br", f"{prefix}core")):
             _sh(["ip", "link", "del", link], check=False)
 
 

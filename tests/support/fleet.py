@@ -35,11 +35,12 @@ class DaemonFleet:
     RANK_SCRIPT: Path | None = None
 
     def __init__(self, n: int, keys: list[str] | None = None, rate: str | None = None,
-                 extra_env: dict[str, str] | None = None):
+                 extra_env: dict[str, str] | None = None, **fleet_kw):
+        """``fleet_kw``: more of tools.fleet.Fleet's arguments (switches, uplink_rate, ...)."""
         from tools.fleet import Fleet
         self.n = n
         self.extra_env = extra_env or {}
-        self.fleet = Fleet(n, rate=rate)
+        self.fleet = Fleet(n, rate=rate, **fleet_kw)
         self.dir = Path(tempfile.mkdtemp(prefix="mccl-dfleet-"))
         self.keys = keys or [KEY] * n
         self.daemons: list[subprocess.Popen] = []

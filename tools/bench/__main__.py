@@ -10,6 +10,9 @@ Examples::
                                                        # + mccl through one mccld per host
     python -m tools.bench --hosts 4 --ops all_reduce --sizes 8    # small-message latency
     python -m tools.bench --hosts 8 --rate 10gbit --mode in-process,daemon --workload ddp   # DDP step times
+    python -m tools.bench --hosts 8 --rate 200mbit --switches 2 --uplink-rate 400mbit --rank-order interleaved \\
+        --mode in-process,topology,topology-ring --backends mccl --ops all_reduce --sizes 64M
+                                                       # by switch (tree, ring) vs a zig-zag flat ring, 2:1 uplinks
     python -m tools.bench plot n4.json docs/img/n4-1gbit.png
     python -m tools.bench table n4.json
     python -m tools.bench scale --hosts 8,64,200 --rate 10gbit --delay 30us --out-dir docs/results/x
@@ -43,6 +46,15 @@ def _parser() -> argparse.ArgumentParser:
     where.add_argument("--ranks-per-host", type=int, default=1,
                        help="ranks per host (on loopback: per daemon); busbw counts all hosts x ranks")
     where.add_argument("--rate", default="1gbit", help="link rate per emulated host (tc syntax) or 'none'")
+    where.add_argument("--switches", type=int, default=0,
+                       help="emulated switches, the hosts split evenly in order, each switch with one uplink to "
+                            "a core (default: one switch); --mode topology then runs by switch")
+    where.add_argument("--uplink-rate", default=None,
+                       help="rate of each switch's uplink (tc syntax), e.g. 400mbit for 4 hosts x 200mbit at 2:1")
+    where.add_argument("--rank-order", choices=("hosts", "interleaved"), default="hosts",
+                       help="hosts: rank r on host r (switch by switch); interleaved: consecutive ranks on "
+                            "different switches, so a flat ring zig-zags across the uplinks")
+    where.add_argument("--uplink-delay", default=None, help="delay added per uplink hop (needs netem), e.g. 200us")
     what = ap.add_argument_group("what is measured")
     what.add_argument("--backends", type=_csv, default=list(BACKENDS), help="comma list (default mccl,gloo)")
     what.add_argument("--mode", dest="modes", type=_csv, default=["in-process"],
@@ -160,7 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sizes = args.sizes or sweep_sizes(args.min_bytes, args.max_bytes, args.step_factor)
         cfg = BenchConfig(hosts=args.hosts, ranks=args.ranks, ranks_per_host=args.ranks_per_host,
-                          rate=None if args.rate == "none" else args.rate, backends=args.backends,
+                          rate=None if args.rate == "none" else args.rate, switches=args.switches,
+                          uplink_rate=args.uplink_rate, uplink_delay=args.uplink_delay,
+                          rank_order=args.rank_order, backends=args.backends,
                           modes=args.modes, ops=args.ops, latency_iters=args.latency_iters, sizes=sizes,
                           workload=args.workload,
                           ddp={"steps": args.ddp_steps, "width": args.ddp_width, "depth": args.ddp_depth,

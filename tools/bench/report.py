@@ -7,7 +7,8 @@ from .metrics import fmt_bytes
 
 # Ratio columns: (comparison key, heading); shown where the comparison has them.
 _RATIOS = (("busbw_mccl_over_gloo", "mccl/gloo"), ("busbw_daemon_over_in_process", "daemon/in-proc"),
-           ("busbw_daemon_over_gloo", "daemon/gloo"), ("busbw_shared_over_in_process", "shared/in-proc"))
+           ("busbw_daemon_over_gloo", "daemon/gloo"), ("busbw_shared_over_in_process", "shared/in-proc"),
+           ("busbw_topology_over_flat", "by-switch/flat"), ("busbw_switch_ring_over_flat", "sw-ring/flat"))
 
 
 def series_of(row: dict) -> str:

@@ -42,7 +42,10 @@ log = logging.getLogger(__name__)
 BACKENDS = ("mccl", "gloo")
 # How mccl runs; Gloo has one way only. daemon-shared: through mccld, the all-reduce buffers
 # allocated with libmccl.shared_empty (not copied between the ranks and their daemon).
-MODES = ("in-process", "daemon", "daemon-shared")
+MODES = ("in-process", "daemon", "daemon-shared", "topology", "topology-ring")
+# topology: in-process, with an MCCL_TOPOLOGY naming each emulated host's switch (--switches),
+# so all-reduces from MCCL_HIERARCHY_MIN_BYTES run switch by switch (MCCL_HIERARCHY=tree);
+# topology-ring: the same as one ring in switch order (MCCL_HIERARCHY=ring); beside in-process (flat).
 _VIA_DAEMON = ("daemon", "daemon-shared")
 WORKLOADS = ("collectives", "ddp")   # an nccl-tests sweep, or DDP training steps (ddp.py)
 LATENCY_BYTES = 8                    # the small-op latency: an all_reduce of two float32
@@ -62,6 +65,10 @@ class BenchConfig:
     ranks: int = 2                 # loopback only: ranks in all; with hosts > 0, hosts * ranks_per_host
     ranks_per_host: int = 1        # ranks sharing one host (and, in daemon mode, one mccld)
     rate: str | None = "1gbit"     # fleet link rate (tc syntax); None: unshaped
+    switches: int = 0              # fleet switches (0/1: one bridge); hosts split evenly in order
+    uplink_rate: str | None = None  # each switch's uplink to the core (tc syntax); None: unshaped
+    uplink_delay: str | None = None  # added per uplink hop (netem), e.g. "200us"
+    rank_order: str = "hosts"      # hosts: rank r on host r; interleaved: consecutive ranks on other switches
     backends: list[str] = field(default_factory=lambda: list(BACKENDS))
     modes: list[str] = field(default_factory=lambda: ["in-process"])   # of the mccl backend
     ops: list[str] = field(default_factory=lambda: list(OPS))
@@ -112,12 +119,31 @@ class BenchConfig:
         bad = [o for o in self.ops if o not in OPS]
         if bad:
             raise ConfigError(f"[bench] unknown op(s) {bad}; choose from {', '.join(OPS)}")
+        if {"topology", "topology-ring"} & set(self.modes) and (self.hosts < 2 or self.switches < 2):
+            raise ConfigError("[bench] --mode topology needs emulated hosts on two or more switches "
+                              "(--hosts N --switches S)")
+        if self.switches > 1 and not self.hosts:
+            raise ConfigError("[bench] --switches needs emulated hosts (--hosts N)")
+        if self.rank_order not in ("hosts", "interleaved"):
+            raise ConfigError(f"[bench] --rank-order {self.rank_order!r}: use hosts or interleaved")
         if self.repeats < 3:
             raise ConfigError(f"[bench] --repeats {self.repeats}: the median needs at least 3 repeats")
         if self.workload not in WORKLOADS:
             raise ConfigError(f"[bench] unknown --workload {self.workload!r}; choose from {', '.join(WORKLOADS)}")
         if self.workload == "collectives" and not self.sizes:
             raise ConfigError("[bench] no sizes to run; check --min-bytes/--max-bytes")
+
+
+def host_order(cfg: BenchConfig) -> list[int]:
+    """Which host the i-th block of ranks runs on. ``interleaved`` deals the hosts out switch by
+    switch (host 0 of switch 0, host 0 of switch 1, ...), so a flat ring in rank order zig-zags
+    across the uplinks, as it does where ranks follow a host list that ignores the switches."""
+    hosts = cfg.n_hosts
+    if cfg.rank_order != "interleaved" or cfg.switches < 2:
+        return list(range(hosts))
+    sizes = [hosts // cfg.switches + (1 if k < hosts % cfg.switches else 0) for k in range(cfg.switches)]
+    starts = [sum(sizes[:k]) for k in range(cfg.switches)]
+    return [starts[k] + i for i in range(max(sizes)) for k in range(cfg.switches) if i < sizes[k]]
 
 
 def _git_commit() -> str | None:
@@ -150,11 +176,18 @@ def _run_series(launcher, cfg: BenchConfig, series: Series, tmp: str) -> SeriesR
             "latency_iters": cfg.latency_iters, "latency_bytes": LATENCY_BYTES, "out_dir": out_dir}
     port = launcher.free_port(29500)
     n, per_host = cfg.world, cfg.ranks_per_host
-    placement = [r // per_host for r in range(n)]
+    placement = [host_order(cfg)[r // per_host] for r in range(n)]
     pypath = os.pathsep.join(p for p in (_PKG_ROOT, os.environ.get("PYTHONPATH")) if p)
     envs = [{"RANK": str(r), "LOCAL_RANK": str(r % per_host), "LOCAL_WORLD_SIZE": str(per_host),
              "WORLD_SIZE": str(n), "MASTER_ADDR": launcher.addr(0), "MASTER_PORT": str(port), "PYTHONPATH": pypath,
              "OMP_NUM_THREADS": "1", "MCCL_DAEMON": "0", **launcher.rank_env(placement[r])} for r in range(n)]
+    if series.mode in ("topology", "topology-ring"):
+        topo = os.path.join(out_dir, "topology.txt")
+        with open(topo, "w") as f:
+            f.write(launcher.fleet.topology_text())
+        for e in envs:
+            e["MCCL_TOPOLOGY"] = topo
+            e["MCCL_HIERARCHY"] = "ring" if series.mode == "topology-ring" else "tree"
     run, daemons = SeriesRun([]), None
     with contextlib.ExitStack() as stack:
         runner = launcher
@@ -223,7 +256,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 # (numerator series, denominator series, key prefix) of every comparison the report shows.
-_PAIRS = (("mccl", "gloo", "mccl_over_gloo"), ("mccl-daemon", "mccl", "daemon_over_in_process"),
+_PAIRS = (("mccl", "gloo", "mccl_over_gloo"), ("mccl-topology", "mccl", "topology_over_flat"),
+          ("mccl-topology-ring", "mccl", "switch_ring_over_flat"), ("mccl-daemon", "mccl", "daemon_over_in_process"),
           ("mccl-daemon", "gloo", "daemon_over_gloo"), ("mccl-daemon-shared", "mccl", "shared_over_in_process"))
 
 
@@ -243,7 +277,7 @@ def compare(rows: list[dict], ceiling: dict | None) -> list[dict]:
             c[f"cpu_{key}"] = _ratio(a["cpu_s_per_wire_gb"], b["cpu_s_per_wire_gb"])
         if "busbw_mccl_over_gloo" in c:
             c["latency_gloo_over_mccl"] = 1 / c.pop("time_mccl_over_gloo")
-        for name in ("mccl", "mccl-daemon", "mccl-daemon-shared"):
+        for name in ("mccl", "mccl-daemon", "mccl-daemon-shared", "mccl-topology", "mccl-topology-ring"):
             if (name, op, size) in by:
                 c[f"cpu_{name.replace('-', '_')}_over_ceiling_tool"] = _ratio(
                     by[(name, op, size)]["cpu_s_per_wire_gb"], iperf_cpu)
@@ -290,7 +324,8 @@ def run_bench(cfg: BenchConfig, checkpoint: Callable[[dict], None] | None = None
     meta = {"started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "t0": time.time(), "mode": "fleet" if cfg.hosts else "loopback", "world": cfg.world,
             "hosts": cfg.n_hosts, "ranks_per_host": cfg.ranks_per_host,
-            "rate": cfg.rate if cfg.hosts else None, "machine": platform.node(), "cpus": os.cpu_count(),
+            "rate": cfg.rate if cfg.hosts else None, "switches": cfg.switches or None,
+            "uplink_rate": cfg.uplink_rate, "uplink_delay": cfg.uplink_delay, "machine": platform.node(), "cpus": os.cpu_count(),
             "python": platform.python_version(), "commit": _git_commit(), "loadavg_start": os.getloadavg(),
             "config": asdict(cfg)}
     series: dict[str, dict] = {}
@@ -301,7 +336,9 @@ def run_bench(cfg: BenchConfig, checkpoint: Callable[[dict], None] | None = None
         if checkpoint is not None:
             checkpoint(_assemble(meta, ceilings, series, docs_by_series, complete=False))
 
-    launcher = FleetLauncher(cfg.hosts, cfg.rate) if cfg.hosts else LocalLauncher(cfg.n_hosts)
+    launcher = (FleetLauncher(cfg.hosts, cfg.rate, switches=cfg.switches or None, uplink_rate=cfg.uplink_rate,
+                              uplink_delay=cfg.uplink_delay)
+                if cfg.hosts else LocalLauncher(cfg.n_hosts))
     try:
         with contextlib.ExitStack() as stack:
             if cfg.log_dir:

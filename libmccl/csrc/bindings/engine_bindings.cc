@@ -297,6 +297,9 @@ void register_engine_bindings(py::module_& m) {
       .def_readwrite("segment_bytes", &Options::segment_bytes)
       .def_readwrite("small_allreduce_bytes", &Options::small_allreduce_bytes)
       .def_readwrite("pipeline_bytes", &Options::pipeline_bytes)
+      .def_readwrite("switch_of_rank", &Options::switch_of_rank)
+      .def_readwrite("hierarchy_min_bytes", &Options::hierarchy_min_bytes)
+      .def_readwrite("hierarchy_ring", &Options::hierarchy_ring)
       .def_readwrite("send_thread", &Options::send_thread)
       .def_readwrite("recv_threads", &Options::recv_threads)
       .def_readwrite("timeout_s", &Options::timeout_s)
@@ -328,6 +331,10 @@ void register_engine_bindings(py::module_& m) {
     for (Algo a : algos_of(to_algo_op(op))) out.push_back(algo_name(a));
     return out;
   }, py::arg("op"));
+  // The peers rank `rank` talks to in a hierarchical all-reduce (algorithms/hierarchical.cc).
+  m.def("hierarchy_peers", [](const std::vector<int>& switch_of_rank, int rank, bool ring) {
+    return Hierarchy::of(switch_of_rank, rank).peers(ring);
+  }, py::arg("switch_of_rank"), py::arg("rank"), py::arg("ring") = false);
 
   // A ticket owns its word (Ticket()) or views one the caller keeps mapped (Ticket.at).
   py::class_<Ticket, std::shared_ptr<Ticket>>(m, "Ticket")

@@ -52,6 +52,7 @@ Communicator::Communicator(int rank, int size, uint64_t comm_id, int listen_fd,
       timeout_s_(opts.timeout_s),
       deliver_(std::move(deliver)) {
   validate_world();
+  hierarchy_ = Hierarchy::of(opts_.switch_of_rank, rank_);
   start(build_mesh(mesh_spec(secret), listen_fd, deadline_after(opts_.connect_timeout_s),
                    cancel));
 }
@@ -69,6 +70,7 @@ Communicator::Communicator(int rank, int size, uint64_t comm_id,
       timeout_s_(opts.timeout_s),
       deliver_(std::move(deliver)) {
   validate_world();
+  hierarchy_ = Hierarchy::of(opts_.switch_of_rank, rank_);
   start(adopt_mesh(mesh_spec(secret), fds, deadline_after(opts_.connect_timeout_s)));
 }
 
@@ -88,6 +90,20 @@ void Communicator::validate_world() const {
                                         " peer addresses for a world of size " +
                                         std::to_string(size_) + "; pass one per rank");
   }
+  if (!opts_.switch_of_rank.empty() && static_cast<int>(opts_.switch_of_rank.size()) != size_) {
+    throw_error(ErrorKind::kConfig, "[engine] got a switch for " +
+                                        std::to_string(opts_.switch_of_rank.size()) +
+                                        " ranks in a world of size " + std::to_string(size_) +
+                                        "; MCCL_TOPOLOGY must place every rank (or none)");
+  }
+}
+
+// Small and separate, so an algorithm chooser can take it over: the same answer on every
+// rank (the groups and the threshold are the same everywhere, and so are the op's sizes).
+bool Communicator::hierarchical(const Op& op) const {
+  return op.kind == OpKind::kAllreduce && hierarchy_.active() &&
+         op.count * dtype_size(op.dtype) >= opts_.hierarchy_min_bytes &&
+         op.count >= static_cast<size_t>(size_);
 }
 
 MeshSpec Communicator::mesh_spec(const std::string& secret) const {
@@ -369,11 +385,18 @@ void Communicator::run_collective(Op& op) {
   }
   if (algo != Algo::kAuto) last_algo_[static_cast<int>(aop)].store(algo);
   sig.algo = static_cast<uint8_t>(algo);
+  const bool by_switch = hierarchical(op);
+  // Ranks grouped differently, or by the other algorithm, fail at once (a topology mismatch).
+  if (by_switch) sig.root = (hierarchy_.fingerprint & 0x3fffffff) | (opts_.hierarchy_ring ? 1 << 30 : 0);
   transport_->begin_collective(coll_seq_++, encode_signature(sig));
   Collective c{*transport_, deadline_after(op.timeout_s), op.timeout_s, opts_, scratch_};
   switch (op.kind) {
     case OpKind::kAllreduce:
-      if (op.tickets.any()) {
+      if (by_switch && opts_.hierarchy_ring) {
+        allreduce_switch_ring(c, op.buf, op.count, Reduction::of(op.dtype, op.op), hierarchy_, op.tickets);
+      } else if (by_switch) {
+        allreduce_hierarchical(c, op.buf, op.count, Reduction::of(op.dtype, op.op), hierarchy_, op.tickets);
+      } else if (op.tickets.any()) {
         mccl::allreduce(c, algo, op.buf, op.count, Reduction::of(op.dtype, op.op), op.tickets);
       } else {
         mccl::allreduce(c, algo, op.buf, op.count, Reduction::of(op.dtype, op.op));

@@ -31,6 +31,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "algorithms/algorithms.h"
 #include "algorithms/collective.h"
 #include "algorithms/cost_model.h"
 #include "core/dtype.h"
@@ -200,6 +201,7 @@ class Communicator {
   void run(Op& op);
   void run_gate(Op& op);
   void run_collective(Op& op);
+  bool hierarchical(const Op& op) const;  // run this all-reduce switch by switch
   void post_p2p(const Op& op);
   void idle_progress();
   void on_error(const Error& e);
@@ -221,6 +223,7 @@ class Communicator {
   std::atomic<bool> released_clean_{false};
   std::unique_ptr<Transport> transport_;
   Scratch scratch_;
+  Hierarchy hierarchy_;  // from opts_.switch_of_rank; inactive for one switch
   uint64_t coll_seq_ = 0;  // worker only
 
   // The algorithm choice (cost_model.h): pins from MCCL_ALGO; parameters written once by

@@ -130,6 +130,12 @@ std::string CollectiveRules::mismatch(const Signature& mine_sig, const Signature
            algo_text(mine.algo) + "; set MCCL_ALGO, MCCL_ALPHA_US and MCCL_BETA_GBPS the same "
            "on every rank";
   }
+  if (theirs.root != mine.root && mine.kind == OpKind::kAllreduce) {
+    auto how = [](int32_t f) { return f < 0 ? std::string("flat") : "by switch (grouping " + std::to_string(f) + ")"; };
+    return "topology mismatch with " + who + " for " + opno + ": it runs it " + how(theirs.root) +
+           ", this rank " + how(mine.root) +
+           "; give every rank the same MCCL_TOPOLOGY, MCCL_HIERARCHY and MCCL_HIERARCHY_MIN_BYTES";
+  }
   if (theirs.root != mine.root) {
     return "root mismatch with " + who + " for " + opno + ": it uses root " +
            std::to_string(theirs.root) + ", this rank " + std::to_string(mine.root) +

@@ -40,7 +40,7 @@ struct OpSignature {
   uint64_t op_bytes = 0;  // the op's size in bytes (0: not compared: alltoallv, barrier)
   uint8_t dtype = 0;      // element type of reducing ops
   uint8_t redop = 0;      // reduce op of reducing ops
-  int32_t root = -1;      // root rank, -1 if none
+  int32_t root = -1;      // root rank, -1 if none; an all-reduce run by switch: the grouping's fingerprint
   uint32_t pieces = 0;    // a ticketed op's pieces (algorithms/pieces.h); 0: not pipelined
 };
 Signature encode_signature(const OpSignature& s);

@@ -27,6 +27,9 @@ void Options::validate() const {
   if (pipeline_bytes < (4 << 10)) {
     bad("pipeline_bytes=" + std::to_string(pipeline_bytes) + ": must be at least 4K (MCCL_PIPELINE_BYTES)");
   }
+  for (int sw : switch_of_rank) {
+    if (sw < 0) bad("switch_of_rank: switch ids must not be negative (MCCL_TOPOLOGY)");
+  }
   if (!(alpha_us >= 0)) bad("alpha_us=" + format_seconds(alpha_us) + ": must be >= 0 (MCCL_ALPHA_US)");
   if (!(beta_gbps >= 0)) bad("beta_gbps=" + format_seconds(beta_gbps) + ": must be >= 0 (MCCL_BETA_GBPS)");
   if (!(timeout_s > 0)) bad("timeout_s=" + format_seconds(timeout_s) + ": must be positive");

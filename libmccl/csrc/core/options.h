@@ -3,6 +3,7 @@
 #pragma once
 #include <cstddef>
 #include <string>
+#include <vector>
 
 namespace mccl {
 
@@ -21,6 +22,14 @@ struct Options {
   double timeout_s = 1800.0;            // per operation, seconds
   double connect_timeout_s = 1800.0;    // building the mesh, seconds
   WireSecurity wire_security = WireSecurity::kOff;  // frames: encrypted, authenticated or bare
+  // The switch of every rank (MCCL_TOPOLOGY; algorithms/hierarchical.cc), identical on every
+  // rank; empty: one switch. All-reduces of at least hierarchy_min_bytes then run reduce-
+  // scatter within each switch, all-reduce across switches, all-gather within each switch.
+  std::vector<int> switch_of_rank;
+  size_t hierarchy_min_bytes = 1 << 20;  // MCCL_HIERARCHY_MIN_BYTES, bytes
+  // MCCL_HIERARCHY: ring (true), those all-reduces run as one ring that visits the switches in
+  // turn (each uplink crossed once each way); tree (false), reduce-scatter/all-reduce/all-gather.
+  bool hierarchy_ring = true;
   std::string algo = "auto";            // MCCL_ALGO: algorithm pins (algorithms/cost_model.h)
   double alpha_us = 0;                  // MCCL_ALPHA_US: the model's step latency, us; 0 = measure
   double beta_gbps = 0;                 // MCCL_BETA_GBPS: the model's link speed, Gbit/s; 0 = measure
