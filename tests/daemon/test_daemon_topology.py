@@ -73,10 +73,9 @@ def test_a_configured_file_wins_and_a_host_it_omits_runs_flat(tmp_path):
 
 
 def test_fleet_peers_are_the_other_daemons_by_link_address():
-    class Table:
-        def entries(self):
-            return [{"host_id": "me", "addresses": ["10.0.0.1"], "port": 29650},
-                    {"host_id": "p", "addresses": ["10.0.0.2", "fe80::1"], "port": 29650},
-                    {"host_id": "q", "addresses": [], "port": 29650}]
-    assert fleet_peers(Table(), "me") == {"p": "10.0.0.2:29650"}
-    assert fleet_peers(None, "me") == {}
+    rows = [{"host_id": "me", "addresses": ["10.0.0.1"], "port": 29650},
+            {"host_id": "p", "addresses": ["10.0.0.2", "fe80::1"], "port": 29650, "source": "mdns"},
+            {"host_id": "g", "addresses": ["10.1.0.7"], "port": 29650, "source": "gossip"},
+            {"host_id": "q", "addresses": [], "port": 29650}]
+    assert fleet_peers(rows, "me") == {"p": "10.0.0.2:29650", "g": "10.1.0.7:29650"}
+    assert fleet_peers([], "me") == {}
