@@ -77,6 +77,7 @@ Hello Linker::hello(int to_rank, int sock_index) const {
 }
 
 void Linker::ready_locked(int peer, std::vector<Fd> fds, std::vector<FrameKeys> keys) {
+  peers_[peer].dialed = peers_[peer].state == State::kDialing;
   peers_[peer].state = State::kUp;
   NewLink link;
   link.peer = peer;
@@ -217,7 +218,8 @@ int Linker::claim_slot(uint32_t from, uint32_t sock, int* held) {
   if (sock >= p.fds.size()) return kSlotDuplicate;  // more sockets than this link has
   switch (p.state) {
     case State::kUp:
-      return kSlotDuplicate;
+      // Our dial won and finished before the peer's own dial reached us: decline it too.
+      return p.dialed && r > spec_.rank ? kSlotDecline : kSlotDuplicate;
     case State::kDialing:
       // Both dial: the lower rank's dial wins. Ours is declined at the peer.
       if (r > spec_.rank) return kSlotDecline;

@@ -93,6 +93,7 @@ class Linker {
   enum class State { kNone, kDialing, kAccepting, kUp };
   struct Peer {
     State state = State::kNone;
+    bool dialed = false;  // kUp by our own dial
     std::vector<Fd> fds;  // accepted sockets, by index (kAccepting)
     std::vector<FrameKeys> keys;
     std::vector<bool> reserved;  // a proved connection is being answered for that index
