@@ -242,3 +242,31 @@ def test_socket_count_stays_logarithmic_at_64_ranks():
     assert max(per_rank) <= bound, (max(per_rank), bound)
     assert opened <= n * (bound + 1), (opened, n * (bound + 1))
     assert opened >= sum(per_rank)  # the count is of real sockets
+
+
+def test_borrowed_links_to_the_collective_peers_only():
+    """Built on handed-in sockets (mccld's way) to the collectives' peers only: the
+    collectives run; an op that needs another peer fails at once with a ConfigError naming it."""
+    from mccl_common.errors import ConfigError
+    from support.borrowed import Mesh
+
+    n = 5
+    with Mesh(n) as mesh:
+        for r in range(n):  # keep only the sockets to collective peers
+            mesh.socks[r] = {p: s for p, s in mesh.socks[r].items() if p in _core.collective_peers(r, n)}
+        comms = mesh.build()
+        try:
+            def body(r, c):  # the ring all-gather (the all-reduce of today may message anyone)
+                mine, out = np.full(4, r, np.int32), np.zeros(4 * n, np.int32)
+                wait(c, c.allgather(ptr(mine), ptr(out), mine.nbytes))
+                assert c.stats()["linked_peers"] == len(_core.collective_peers(r, n))
+                return out.tolist()
+
+            assert run_ranks(comms, body) == [np.repeat(np.arange(n), 4).tolist()] * n
+            outsider = next(q for q in range(1, n) if q not in _core.collective_peers(0, n))
+            buf = np.zeros(4, np.int32)
+            with pytest.raises(ConfigError) as ei:
+                comms[0].wait(comms[0].send(ptr(buf), buf.nbytes, outsider, 0), 10.0)
+            assert ei.value.peer_rank == outsider and "no link" in str(ei.value)
+        finally:
+            run_ranks(comms, lambda r, c: c.abort("test over"))
