@@ -22,12 +22,13 @@ from mccl_common import attach_protocol as protocol
 from mccl_common import jobkey
 from mccl_common.daemon_settings import DaemonConfig, attach_gid, key_paths, runtime_dir
 from mccl_common.errors import AbortedError, ConfigError, MCCLError, ProtocolError
+from mccl_common.fd_limit import ensure_open_files
 from mccl_common.hostinfo import host_facts
 from mccl_common.netif import choose_address
 from mccl_common.settings import EngineConfig, load
 
 from .attach import AttachServer
-from .fd_inbox import FdInbox
+from .fd_inbox import MAX_HELD, FdInbox
 from .datalinks import DataLinks
 from .gate import Gate
 from .harvest import Harvester
@@ -38,6 +39,9 @@ from .links import LinkManager
 from .reduce import ReducePool
 
 log = logging.getLogger(__name__)
+
+_SPARE_FILES = 256     # clients, data sockets, segments beyond the inbox's and the gate's caps
+_WANT_FILES = 65536    # the soft limit mccld raises itself to, when the hard limit allows
 
 SEGMENT_RECORD = "segments"
 LOCK_NAME = "mccld.lock"
@@ -108,6 +112,10 @@ class Daemon:
             return self
         cfg = self.cfg
         self._stop.clear()
+        # Needed: the descriptors the fd inbox may hold and the unauthenticated connections it
+        # admits, plus room for clients, data sockets and segments; hoped for: plenty more,
+        # since the data sockets grow with jobs and peers (macOS starts processes at 256).
+        ensure_open_files(MAX_HELD + cfg.max_unauth_connections + _SPARE_FILES, _WANT_FILES, "[daemon] mccld")
         key = cfg.read_key()
         self._fleet_key = key
         self.iface, self.addr = choose_address(cfg.iface, cfg.listen_addr, cfg.allow_wifi)
