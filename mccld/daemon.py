@@ -495,6 +495,13 @@ class Daemon:
             raise ConfigError("[daemon] this build's engine has no Communicator, so a job spanning hosts "
                               "cannot run in daemon mode; rebuild MCCL (`make build`)") from None
         me = job.topo.host_rank
+        # Every peer host, not only _core.collective_peers(me, hosts), the links an in-process
+        # engine opens at set-up: this engine runs p2p to any host (and the any-source mailbox
+        # whose close sends a header to every host, p2p.py), and barrier and all-to-all(v),
+        # which message every host (collectives.py). The engine would take a partial set (an op
+        # needing a host outside it fails with a ConfigError naming that host), but leasing a
+        # host's sockets mid-job needs the lease protocol (datalinks.py) on the op's path.
+        # Hosts, not ranks, count here: a job of 200 ranks on 25 hosts leases 24 peers.
         peers = [(h, host.host_id, host.link_addr) for h, host in enumerate(job.hosts) if h != me]
         leased = self.datalinks.lease(job.id, peers, time.monotonic() + job.setup_timeout_s, lambda: job.failed)
         opts = self.engine_cfg.engine_options(Options(), job.timeout_s, job.timeout_s)
