@@ -33,7 +33,16 @@ import torch, torch.distributed as dist
 import libmccl
 import libmccl.rendezvous as rdzv
 libmccl.register()
-phase = {"rendezvous_s": 0.0}
+phase = {"rendezvous_s": 0.0, "links_s": 0.0}
+from libmccl import _core
+class TimedCommunicator(_core.Communicator):  # building the engine: its links at set-up
+    def __init__(self, *a, **kw):
+        t = time.perf_counter()
+        try:
+            super().__init__(*a, **kw)
+        finally:
+            phase["links_s"] += time.perf_counter() - t
+_core.Communicator = TimedCommunicator
 _exchange = rdzv.exchange
 def timed_exchange(*a, **kw):  # the store part of init, apart from building the links
     t = time.perf_counter()
@@ -127,7 +136,7 @@ def summary(n: int, rows: list[dict]) -> dict:
 
     for r in rows:
         r["total_s"] = r["init_s"] + r["first_allreduce_s"]
-    out = {"ranks": n, "init_s": stat("init_s"), "rendezvous_s": stat("rendezvous_s"),
+    out = {"ranks": n, "init_s": stat("init_s"), "rendezvous_s": stat("rendezvous_s"), "links_s": stat("links_s"),
            "first_allreduce_s": stat("first_allreduce_s"),
            "total_s": stat("total_s"), "sockets": stat("sockets"), "fds": stat("fds")}
     if all(r["links"] is not None for r in rows):
@@ -152,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(s)
             links = f", link sockets max {s['link_sockets']['max']}" if "link_sockets" in s else ""
             print(f"[init_scale] {n:4d} ranks: init_process_group max {s['init_s']['max']:.3f} s "
-                  f"median {s['init_s']['median']:.3f} s (rendezvous max {s['rendezvous_s']['max']:.3f} s); first all-reduce max {s['first_allreduce_s']['max']:.3f} s; "
+                  f"median {s['init_s']['median']:.3f} s (rendezvous max {s['rendezvous_s']['max']:.3f} s, links max {s['links_s']['max']:.3f} s); first all-reduce max {s['first_allreduce_s']['max']:.3f} s; "
                   f"both max {s['total_s']['max']:.3f} s; sockets per rank max {s['sockets']['max']} "
                   f"median {s['sockets']['median']}{links}; open files max {s['fds']['max']}", flush=True)
     if args.json:
