@@ -81,7 +81,8 @@ Communicator::Communicator(int rank, int size, uint64_t comm_id, int listen_fd,
   // while the caller closes its listener once we are built.
   const int fd = ::fcntl(listen_fd, F_DUPFD_CLOEXEC, 0);
   if (fd < 0) {
-    throw_error(ErrorKind::kConfig, std::string("[engine] the listening socket is not an open fd (") +
+    throw_error(ErrorKind::kConfig, std::string("[engine] the listening socket is not an open "
+                                                "fd (") +
                                         std::strerror(errno) + "); pass the Listener's fd");
   }
   auto linker = std::make_unique<Linker>(std::move(spec), Fd(fd), opts_.connect_timeout_s);

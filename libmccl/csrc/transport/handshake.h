@@ -1,6 +1,7 @@
 // The first bytes on every new link socket: a challenge-response on the job secret in
-// which the dialer (the rank that needs the link, see linker.h) proves the key first, then the acceptor proves it back
-// along with its verdict, and both derive the socket's frame keys.
+// which the dialer (the rank that needs the link, linker.h; the lower rank on handed-in
+// sockets, mesh.h) proves the key first, then the acceptor proves it back along with its
+// verdict, and both derive the socket's frame keys.
 //
 //   D -> A  hello     magic, version, comm id, ranks, world, socket index, sockets per
 //                     peer, terms, wire security mode, fresh nonce nD      (88 bytes)
@@ -78,8 +79,8 @@ struct Accepted {
 // the job key"); the caller logs it and keeps accepting. Once the peer has proved the key,
 // a disagreement is answered in words and thrown here too. `seen(from_rank, sock_index)`
 // answers kSlotTake/kSlotDuplicate/kSlotDecline (a bool: true = already held); it is asked
-// only after the proof, so only a peer that holds the key can take or be declined a link. `cancel` becoming true ends it within ~0.2 s
-// (nullopt).
+// only after the proof, so only a peer that holds the key can take or be declined a link.
+// `cancel` becoming true ends it within ~0.2 s (nullopt).
 template <typename Seen>
 std::optional<Accepted> handshake_accept(int fd, const Hello& mine, const LinkSecret& secret,
                                          const SignatureRules& rules, Deadline deadline,
@@ -99,7 +100,9 @@ std::optional<Accepted> handshake_accept(int fd, const Hello& mine, const LinkSe
                                          const std::atomic<bool>* cancel) {
   return handshake_accept_impl(
       fd, mine, secret, rules, deadline,
-      [](void* c, uint32_t r, uint32_t s) { return static_cast<int>((*static_cast<Seen*>(c))(r, s)); },
+      [](void* c, uint32_t r, uint32_t s) {
+        return static_cast<int>((*static_cast<Seen*>(c))(r, s));
+      },
       &seen,
       dropped_why, cancel);
 }

@@ -58,7 +58,8 @@ MeshLinks adopt_mesh(const MeshSpec& spec, const std::vector<std::vector<int>>& 
       throw_error(ErrorKind::kConfig,
                   "[transport] got " + std::to_string(fds[peer].size()) + " socket(s) for rank " +
                       std::to_string(peer) + ", expected " + std::to_string(want) +
-                      " (MCCL_SOCKETS_PER_PEER) or none; hand the same number of sockets to every leased peer");
+                      " (MCCL_SOCKETS_PER_PEER) or none; hand the same number of sockets to "
+                      "every leased peer");
     }
     if (fds[peer].empty()) continue;
     for (int s = 0; s < k; ++s) {
