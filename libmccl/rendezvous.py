@@ -6,6 +6,11 @@ every rank publishes the "host:port" its engine listens on. A per-rank creation
 counter keeps keys of a group re-created on the same store (re-init after
 ``destroy_process_group`` with a user-supplied store) from colliding with the
 previous incarnation's.
+
+The store sees O(N) operations, not O(N^2): rank 0 alone reads the N addresses (one
+multi_get) and publishes them as one sealed table, which every other rank reads once.
+Every rank reading every other's address was N^2 gets on the one TCPStore server, which
+at 200 ranks dominated set-up.
 """
 
 from __future__ import annotations
@@ -83,7 +88,9 @@ def exchange(store: Any, rank: int, size: int, listener_factory: Callable[[str],
 
     def missing_what(missing: list[str]) -> str:
         return f"{label}: rank {rank} is missing " + ", ".join(
-            "the comm id from rank 0" if k.endswith("comm_id") else f"rank {k.rsplit('/', 1)[1]}'s address"
+            "the comm id from rank 0" if k.endswith("comm_id")
+            else "the address table from rank 0" if k.endswith("addr_table")
+            else f"rank {k.rsplit('/', 1)[1]}'s address"
             for k in missing)
 
     drawn = secrets.randbits(64) if rank == 0 else None
@@ -94,6 +101,7 @@ def exchange(store: Any, rank: int, size: int, listener_factory: Callable[[str],
     addr_key = store_auth.scoped_key(group_key, "comm", comm_id)
 
     addr_keys = [f"{prefix}/addr/{r}" for r in range(size)] if listener_factory is not None else []
+    table_key = f"{prefix}/addr_table"
     listener = None
     if listener_factory is not None:
         try:
@@ -105,13 +113,21 @@ def exchange(store: Any, rank: int, size: int, listener_factory: Callable[[str],
             except Exception:  # noqa: BLE001 - the store failing too must not hide why we stop
                 _log.debug("[rendezvous] rank %d could not publish its failure", rank, exc_info=True)
             else:
+                if rank == 0:  # the others wait for the table, which must say why we stop
+                    try:
+                        _publish_table(store, addr_keys, table_key, addr_key, peer, timeout_s, missing_what)
+                    except Exception:  # noqa: BLE001 - as above
+                        _log.debug("[rendezvous] rank 0 could not publish the table", exc_info=True)
                 linger(store, prefix, rank, size, timeout_s)
             raise
         store.set(addr_keys[rank], store_auth.seal(addr_key, addr_keys[rank], listener.address.encode()))
 
     try:
-        _wait_keys(store, addr_keys, timeout_s, missing_what)
-        peers = [store_auth.open(addr_key, k, store.get(k), peer).decode(errors="replace") for k in addr_keys]
+        if rank == 0:
+            peers = _publish_table(store, addr_keys, table_key, addr_key, peer, timeout_s, missing_what)
+        else:
+            _wait_keys(store, [table_key], timeout_s, missing_what)
+            peers = _open_table(store_auth.open(addr_key, table_key, store.get(table_key), peer), size, peer)
         _check_peers(peers, rank, label)
     except BaseException as exc:
         if listener is not None:
@@ -129,6 +145,28 @@ def exchange(store: Any, rank: int, size: int, listener_factory: Callable[[str],
     # sealed under this communicator's key too.
     return Rendezvous(comm_id=comm_id, peer_addrs=peers, listener=listener,
                       store=SealedStore(PrefixStore(f"{prefix}/", store), addr_key, peer))
+
+
+def _publish_table(store: Any, addr_keys: list[str], table_key: str, addr_key: bytes | None, peer: str,
+                   timeout_s: float, missing_what: Callable[[list[str]], str]) -> list[str]:
+    """Rank 0: reads every rank's sealed address (each checked under the comm's key) and
+    publishes them as one sealed table; returns them."""
+    _wait_keys(store, addr_keys, timeout_s, missing_what)
+    blobs = store.multi_get(addr_keys) if hasattr(store, "multi_get") else [store.get(k) for k in addr_keys]
+    peers = [store_auth.open(addr_key, k, b, peer).decode(errors="replace") for k, b in zip(addr_keys, blobs)]
+    # Newline-separated: no "host:port" (nor a failure text, which we flatten) holds one.
+    body = "\n".join(p.replace("\n", " ") for p in peers)
+    store.set(table_key, store_auth.seal(addr_key, table_key, body.encode()))
+    return peers
+
+
+def _open_table(raw: bytes, size: int, peer: str) -> list[str]:
+    peers = raw.decode(errors="replace").split("\n")
+    if len(peers) != size:
+        raise StoreAuthError(f"[rendezvous] the address table from rank 0 lists {len(peers)} ranks, not {size}, "
+                             f"peer={peer}: a writer holding the job's key wrote something else there; check which "
+                             "programs use this job key", peer_addr=peer)
+    return peers
 
 
 def _read_comm_id(store: Any, id_key: str, group_key: bytes | None, peer: str, drawn: int | None) -> int:

@@ -84,7 +84,8 @@ class EngineConfig:
 
     sockets_per_peer: int = setting(
         "MCCL_SOCKETS_PER_PEER", 2, "sockets",
-        "TCP sockets per peer link; large messages are striped across them")
+        "TCP sockets of a link to a ring neighbour; large messages are striped across them. Links to other "
+        "peers (the collectives' other partners, and peers linked on first use) have one socket")
     socket_buffer_bytes: int = setting(
         "MCCL_SOCKET_BUFFER_BYTES", 4 << 20, "bytes",
         "SO_SNDBUF/SO_RCVBUF asked for on every link socket (the kernel may cap it)")

@@ -22,12 +22,13 @@ from mccl_common import attach_protocol as protocol
 from mccl_common import jobkey, topology
 from mccl_common.daemon_settings import DaemonConfig, attach_gid, key_paths, runtime_dir
 from mccl_common.errors import AbortedError, ConfigError, MCCLError, ProtocolError
+from mccl_common.fd_limit import ensure_open_files
 from mccl_common.hostinfo import cpu_cores, device_kind, host_facts, memory_bytes
 from mccl_common.netif import choose_address
 from mccl_common.settings import EngineConfig, load
 
 from .attach import AttachServer
-from .fd_inbox import FdInbox
+from .fd_inbox import MAX_HELD, FdInbox
 from .datalinks import DataLinks
 from .gate import Gate
 from .harvest import Harvester
@@ -39,6 +40,9 @@ from .topology import SwitchMap, fleet_peers
 from .reduce import ReducePool
 
 log = logging.getLogger(__name__)
+
+_SPARE_FILES = 256     # clients, data sockets, segments beyond the inbox's and the gate's caps
+_WANT_FILES = 65536    # the soft limit mccld raises itself to, when the hard limit allows
 
 SEGMENT_RECORD = "segments"
 LOCK_NAME = "mccld.lock"
@@ -119,6 +123,10 @@ class Daemon:
             return self
         cfg = self.cfg
         self._stop.clear()
+        # Needed: the descriptors the fd inbox may hold and the unauthenticated connections it
+        # admits, plus room for clients, data sockets and segments; hoped for: plenty more,
+        # since the data sockets grow with jobs and peers (macOS starts processes at 256).
+        ensure_open_files(MAX_HELD + cfg.max_unauth_connections + _SPARE_FILES, _WANT_FILES, "[daemon] mccld")
         key = cfg.read_key()
         self._fleet_key = key
         self.iface, self.addr = choose_address(cfg.iface, cfg.listen_addr, cfg.allow_wifi)
@@ -554,6 +562,13 @@ class Daemon:
             raise ConfigError("[daemon] this build's engine has no Communicator, so a job spanning hosts "
                               "cannot run in daemon mode; rebuild MCCL (`make build`)") from None
         me = job.topo.host_rank
+        # Every peer host, not only _core.collective_peers(me, hosts), the links an in-process
+        # engine opens at set-up: this engine runs p2p to any host (and the any-source mailbox
+        # whose close sends a header to every host, p2p.py), and barrier and all-to-all(v),
+        # which message every host (collectives.py). The engine would take a partial set (an op
+        # needing a host outside it fails with a ConfigError naming that host), but leasing a
+        # host's sockets mid-job needs the lease protocol (datalinks.py) on the op's path.
+        # Hosts, not ranks, count here: a job of 200 ranks on 25 hosts leases 24 peers.
         peers = [(h, host.host_id, host.link_addr) for h, host in enumerate(job.hosts) if h != me]
         leased = self.datalinks.lease(job.id, peers, time.monotonic() + job.setup_timeout_s, lambda: job.failed)
         opts = self.engine_cfg.engine_options(Options(), job.timeout_s, job.timeout_s)

@@ -193,3 +193,63 @@ def test_hosts_in_namespaces_find_each_other(ifname: str) -> None:
         assert p.returncode == 0, f"host {i}:\n{err[-3000:]}"
         peers = out.split("PEERS ", 1)[1].split()
         assert [a.rsplit(":", 1)[0] for a in peers] == [h.addr for h in fleet.hosts], peers
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_0_that_cannot_listen_stops_its_peers_at_once() -> None:
+    """The others wait for rank 0's address table, which carries rank 0's failure."""
+    import torch.distributed as dist
+
+    cfgs = [EngineConfig(socket_ifname="mccl-nope0"), EngineConfig(bind_addr="10.0.0.2"),
+            EngineConfig(bind_addr="10.0.0.3")]
+    results = _exchange_on_threads(dist.HashStore(), cfgs, 30)
+    assert isinstance(results[0][0], ConfigError) and "MCCL_SOCKET_IFNAME='mccl-nope0'" in str(results[0][0])
+    for exc, elapsed, listener in results[1:]:
+        assert isinstance(exc, ConfigError) and "rank 0 could not start listening" in str(exc), exc
+        assert elapsed < 5 and listener.closed
+
+
+@pytest.mark.timeout(60)
+def test_the_store_serves_O_N_reads_not_N_squared() -> None:
+    """Rank 0 reads every address once and publishes one table; every other rank reads the
+    comm id and the table: about 3N reads in all (every rank reading every address: N^2)."""
+    import threading
+
+    import torch.distributed as dist
+
+    class CountingStore(dist.Store):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner, self.reads, self.lock = dist.HashStore(), 0, threading.Lock()
+
+        def _count(self, n: int) -> None:
+            with self.lock:
+                self.reads += n
+
+        def get(self, key):
+            self._count(1)
+            return self.inner.get(key)
+
+        def multi_get(self, keys):
+            self._count(len(keys))
+            return self.inner.multi_get(keys)
+
+        def set(self, key, value):
+            self.inner.set(key, value)
+
+        def add(self, key, amount):
+            return self.inner.add(key, amount)
+
+        def check(self, keys):
+            return self.inner.check(keys)
+
+        def wait(self, keys, timeout=None):
+            self.inner.wait(keys, timeout if timeout is not None else datetime.timedelta(seconds=30))
+
+    n = 16
+    store = CountingStore()
+    results = _exchange_on_threads(store, [EngineConfig(bind_addr=f"10.0.0.{r + 1}") for r in range(n)], 30)
+    for r, (rv, _, _) in enumerate(results):
+        assert not isinstance(rv, Exception), (r, rv)
+        assert rv.peer_addrs == [f"10.0.0.{q + 1}:1" for q in range(n)]
+    assert store.reads <= 3 * n, store.reads

@@ -149,11 +149,11 @@ def test_a_forged_peer_address_is_refused_and_never_dialled() -> None:
     trap.setblocking(False)
     try:
         # Rank 0 (here the test, holding the job key) published the comm id; the attacker's
-        # address for rank 0 is there before rank 1 reads the table.
+        # address table (rank 0 publishes it, rendezvous.py) is there before rank 1 reads it.
         server.set("mccl/1/comm_id", store_auth.seal(key, "mccl/1/comm_id", b"77"))
         attacker = _attacker(port)
-        attacker.set("mccl/1/addr/0", f"127.0.0.1:{trap.getsockname()[1]}".encode())
-        with pytest.raises(StoreAuthError, match=rf"'mccl/1/addr/0'.*peer=127.0.0.1:{port}"):
+        attacker.set("mccl/1/addr_table", f"127.0.0.1:{trap.getsockname()[1]}\n127.0.0.1:9".encode())
+        with pytest.raises(StoreAuthError, match=rf"'mccl/1/addr_table'.*peer=127.0.0.1:{port}"):
             rendezvous.exchange(server, 1, 2, _Listener, EngineConfig(bind_addr="127.0.0.1"), 3.0, "g")
         with pytest.raises(BlockingIOError):
             trap.accept()      # nobody dialled the forged address
@@ -166,11 +166,11 @@ def test_a_value_copied_to_another_key_or_run_is_refused() -> None:
     server, port = _c10d_store()
     key = store_auth.scoped_key(find_job_key(), "c10d", "g")
     server.set("mccl/1/comm_id", store_auth.seal(key, "mccl/1/comm_id", b"77"))
-    # Rank 1's own sealed address, copied by the attacker into rank 0's slot.
+    # Rank 1's own sealed address, copied by the attacker into the table's slot.
     attacker = _attacker(port)
     addr_key = store_auth.scoped_key(key, "comm", 77)
-    attacker.set("mccl/1/addr/0", store_auth.seal(addr_key, "mccl/1/addr/1", b"127.0.0.1:9"))
-    with pytest.raises(StoreAuthError, match=r"'mccl/1/addr/0'.*failed its MAC"):
+    attacker.set("mccl/1/addr_table", store_auth.seal(addr_key, "mccl/1/addr/1", b"127.0.0.1:9\n127.0.0.1:9"))
+    with pytest.raises(StoreAuthError, match=r"'mccl/1/addr_table'.*failed its MAC"):
         rendezvous.exchange(server, 1, 2, _Listener, EngineConfig(bind_addr="127.0.0.1"), 3.0, "g")
     # A rendezvous state of one run copied into another run's key.
     store = dist.HashStore()

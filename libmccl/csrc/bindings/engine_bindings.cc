@@ -15,7 +15,9 @@
 #include <thread>
 
 #include "algorithms/cost_model.h"
+#include "algorithms/partners.h"
 #include "communicator/communicator.h"
+#include "core/fd_limit.h"
 #include "core/dtype.h"
 #include "core/errors.h"
 #include "core/log.h"
@@ -528,8 +530,15 @@ void register_engine_bindings(py::module_& m) {
         out["unexpected_messages"] = s.unexpected_messages;
         out["unexpected_bytes"] = s.unexpected_bytes;
         out["per_peer"] = per_peer;
+        out["linked_peers"] = s.linked_peers;
+        out["link_sockets"] = s.link_sockets;
         return out;
-      });
+      })
+      .def("link_count", [](PC& c) { return c.core().stats().link_sockets; },
+           "Sockets of the links this rank holds now (links open on demand).");
+  m.def("collective_peers", &collective_peers, py::arg("r"), py::arg("n"),
+        "The peers the whole-communicator collectives of rank r of n talk to (sorted).");
+  m.def("open_file_count", &open_file_count, "Files this process has open (-1: unknown).");
 }
 
 }  // namespace mccl

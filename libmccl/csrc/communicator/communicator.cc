@@ -3,8 +3,15 @@
 #include <algorithm>
 #include <cstdio>
 
+#include <fcntl.h>
+
+#include <cerrno>
+#include <cstring>
+
 #include "algorithms/algorithms.h"
 #include "algorithms/calibrate.h"
+#include "algorithms/partners.h"
+#include "core/fd_limit.h"
 #include "core/thread_name.h"
 #include "reduce/reduce.h"
 
@@ -15,6 +22,12 @@ namespace {
 // Scratch slots up to this size stay allocated between ops (a DDP bucket is 25 MB);
 // bigger ones are freed after their op.
 constexpr size_t kKeepScratchBytes = 64 << 20;
+
+// Files a communicator opens besides its link sockets: the listener's dup, wake pipes of
+// the progress and send threads (and 2 per receive thread, added by the callers).
+constexpr int kHelperFiles = 6;
+// Headroom asked for beyond what the communicator itself needs (the caller's own files).
+constexpr int kSpareFiles = 64;
 
 // Job secrets come from mccl_common.jobkey.derive (32 bytes); shorter ones are guessable.
 constexpr size_t kMinSecretBytes = 32;
@@ -53,8 +66,36 @@ Communicator::Communicator(int rank, int size, uint64_t comm_id, int listen_fd,
       deliver_(std::move(deliver)) {
   validate_world();
   hierarchy_ = Hierarchy::of(opts_.switch_of_rank, rank_);
-  start(build_mesh(mesh_spec(secret), listen_fd, deadline_after(opts_.connect_timeout_s),
-                   cancel));
+  MeshSpec spec = mesh_spec(secret);
+  const std::vector<int> eager = collective_peers(rank_, size_);
+  {
+    // Needed: the set-up links; hoped for: a link to every peer (all-to-all, p2p).
+    int need = 0, all = 0;
+    for (int peer : eager) need += Linker::sockets_for(rank_, peer, size_, opts_.sockets_per_peer);
+    for (int peer = 0; peer < size_; ++peer) {
+      if (peer != rank_) all += Linker::sockets_for(rank_, peer, size_, opts_.sockets_per_peer);
+    }
+    const int helpers = kHelperFiles + 2 * opts_.recv_threads;
+    const std::string who = "[engine] rank " + std::to_string(rank_);
+    ensure_open_files(need + helpers, std::max(open_file_count(), 0) + all + helpers + kSpareFiles,
+                      who.c_str());
+  }
+  // Our own copy: the links are opened on demand for as long as the communicator lives,
+  // while the caller closes its listener once we are built.
+  const int fd = ::fcntl(listen_fd, F_DUPFD_CLOEXEC, 0);
+  if (fd < 0) {
+    throw_error(ErrorKind::kConfig, std::string("[engine] the listening socket is not an open "
+                                                "fd (") +
+                                        std::strerror(errno) + "); pass the Listener's fd");
+  }
+  auto linker = std::make_unique<Linker>(std::move(spec), Fd(fd), opts_.connect_timeout_s);
+  // Set-up links only the collectives' peers (O(log N), algorithms/partners.h), the lower
+  // rank of each pair dialing; every other link is opened by the first op that needs it.
+  for (int peer : eager) {
+    if (peer > rank_) linker->want(peer);
+  }
+  MeshLinks mesh = linker->wait_for(eager, deadline_after(opts_.connect_timeout_s), cancel);
+  start(std::move(mesh), std::move(linker));
 }
 
 Communicator::Communicator(int rank, int size, uint64_t comm_id,
@@ -71,6 +112,12 @@ Communicator::Communicator(int rank, int size, uint64_t comm_id,
       deliver_(std::move(deliver)) {
   validate_world();
   hierarchy_ = Hierarchy::of(opts_.switch_of_rank, rank_);
+  {
+    int need = kHelperFiles + 2 * opts_.recv_threads;
+    for (const auto& per_peer : fds) need += static_cast<int>(per_peer.size());  // the dups
+    const std::string who = "[engine] rank " + std::to_string(rank_);
+    ensure_open_files(need, std::max(open_file_count(), 0) + need + kSpareFiles, who.c_str());
+  }
   start(adopt_mesh(mesh_spec(secret), fds, deadline_after(opts_.connect_timeout_s)));
 }
 
@@ -136,7 +183,7 @@ MeshSpec Communicator::mesh_spec(const std::string& secret) const {
   return spec;
 }
 
-void Communicator::start(MeshLinks mesh) {
+void Communicator::start(MeshLinks mesh, std::unique_ptr<Linker> linker) {
   key_ids_.assign(mesh.keys.size(), {});
   for (size_t r = 0; r < mesh.keys.size(); ++r) {
     for (const FrameKeys& k : mesh.keys[r]) key_ids_[r].emplace_back(key_id(k.send), key_id(k.recv));
@@ -147,6 +194,7 @@ void Communicator::start(MeshLinks mesh) {
                                            // The handshake gives keys exactly when the mode wants them.
                                            mesh.keys.empty() ? WireSecurity::kOff : opts_.wire_security);
   for (auto& per_peer : mesh.keys) wipe(per_peer.data(), per_peer.size() * sizeof(FrameKeys));
+  if (linker) transport_->use_linker(std::move(linker));
   worker_ = std::thread([this] {
     name_this_thread("mccl-worker");
     worker_main();
@@ -605,6 +653,8 @@ CommStats Communicator::stats() const {
   }
   s.unexpected_messages = transport_->unexpected_messages();
   s.unexpected_bytes = transport_->unexpected_bytes();
+  s.linked_peers = transport_->linked_peers();
+  s.link_sockets = transport_->link_sockets();
   s.per_peer.resize(size_);
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) continue;

@@ -56,6 +56,8 @@ struct CommStats {
   uint64_t bytes_received = 0;
   uint64_t unexpected_messages = 0;  // arrived before their receive was posted
   uint64_t unexpected_bytes = 0;
+  int linked_peers = 0;  // peers this rank holds a link to (links on demand)
+  int link_sockets = 0;  // and the sockets of those links
   std::vector<std::pair<uint64_t, uint64_t>> per_peer;  // (sent, received) by rank
 };
 
@@ -85,15 +87,18 @@ class Communicator {
  public:
   using Deliver = std::function<void(std::vector<Completion>& batch)>;
 
-  // Builds the mesh (blocking, bounded by opts.connect_timeout_s; setting *cancel from
-  // another thread interrupts it) and starts the threads. `secret`: the job secret every
+  // Links to the collectives' peers (algorithms/partners.h; blocking, bounded by
+  // opts.connect_timeout_s; setting *cancel from another thread interrupts it) and starts
+  // the threads. Other peers are linked when an op first needs them (transport/linker.h),
+  // over a dup of `listen_fd` kept for the communicator's life. `secret`: the job secret every
   // link proves in its handshake and derives its frame keys from (transport/handshake.h);
   // at least 32 bytes, required unless opts.wire_security is kOff (then it must be empty).
   Communicator(int rank, int size, uint64_t comm_id, int listen_fd,
                std::vector<std::string> peer_addrs, const Options& opts,
                const std::string& secret, Deliver deliver, std::atomic<bool>* cancel = nullptr);
   // Builds it on sockets the caller already connected: `fds[peer]` holds
-  // opts.sockets_per_peer sockets to each peer (empty for this rank), which the engine
+  // opts.sockets_per_peer sockets to each peer it leased (empty for this rank and the
+  // others: an op that needs one of those fails with a ConfigError naming it), which the engine
   // dup()s and handshakes on (transport/mesh.h adopt_mesh). These borrowed sockets are
   // left reusable by a clean shutdown (see released_clean).
   // The same handshake runs on them, so every job derives fresh frame keys.
@@ -188,7 +193,7 @@ class Communicator {
     static const auto r = std::make_shared<const CollectiveRules>();
     return r;
   }
-  void start(MeshLinks mesh);
+  void start(MeshLinks mesh, std::unique_ptr<Linker> linker = nullptr);
   uint64_t enqueue(Op op);
   void check_root(int root, const char* op) const;
   void check_ptr(const void* p, size_t n, const char* what, const char* op) const;

@@ -141,10 +141,10 @@ Verdict judge(const Hello& theirs, const Hello& mine, const SignatureRules& rule
                                     n(mine.from_rank) +
                                     "; the ranks disagree on the peer address list"};
   }
-  if (theirs.from_rank >= mine.from_rank) {
+  if (theirs.from_rank >= mine.world || theirs.from_rank == mine.from_rank) {
     return {ErrorKind::kConfig, "rank " + n(theirs.from_rank) + " dialed rank " +
-                                    n(mine.from_rank) +
-                                    " but only lower ranks dial; duplicate or misnumbered rank"};
+                                    n(mine.from_rank) + " in a world of " + n(mine.world) +
+                                    "; duplicate or misnumbered rank"};
   }
   if (theirs.socks_per_peer != mine.socks_per_peer || theirs.sock_index >= mine.socks_per_peer) {
     return {ErrorKind::kConfig, "sockets per peer mismatch (dialer " + n(theirs.socks_per_peer) +
@@ -185,7 +185,7 @@ bool send_reply(int fd, uint32_t status, const uint8_t* tail32, const std::strin
 
 bool handshake_dial(int fd, const Hello& hello, const LinkSecret& secret,
                     const std::string& peer_addr, Deadline deadline,
-                    const std::atomic<bool>* cancel, FrameKeys* keys) {
+                    const std::atomic<bool>* cancel, FrameKeys* keys, bool* declined) {
   const int peer = static_cast<int>(hello.to_rank);
   const std::string who = "peer=" + peer_addr + " (rank " + std::to_string(peer) + ")";
   const bool with_key = keyed(hello.wire_security);
@@ -213,7 +213,8 @@ bool handshake_dial(int fd, const Hello& hello, const LinkSecret& secret,
   };
   auto malformed = [&](const uint8_t* r) {
     return get32(r) != kFrameMagic || get32(r + 8) > kMaxReason ||
-           get32(r + 4) > static_cast<uint32_t>(ErrorKind::kAuth);
+           (get32(r + 4) > static_cast<uint32_t>(ErrorKind::kAuth) &&
+            get32(r + 4) != kDeclinedStatus);
   };
 
   if (!write_all(fd, hello_buf, sizeof(hello_buf), deadline, cancel) ||
@@ -281,8 +282,12 @@ bool handshake_dial(int fd, const Hello& hello, const LinkSecret& secret,
                   peer, peer_addr);
     }
   }
+  if (status == kDeclinedStatus && declined) {
+    *declined = true;  // proved by the acceptor: it dials this link itself (linker.h)
+    return false;
+  }
   if (status != 0) {
-    throw_error(static_cast<ErrorKind>(status),
+    throw_error(status == kDeclinedStatus ? ErrorKind::kProtocol : static_cast<ErrorKind>(status),
                 "[transport] handshake refused by " + who + ": " + reason, peer, peer_addr);
   }
   if (with_key) *keys = derive_keys(secret, hello_buf, na, /*dialer=*/true);
@@ -291,7 +296,7 @@ bool handshake_dial(int fd, const Hello& hello, const LinkSecret& secret,
 
 std::optional<Accepted> handshake_accept_impl(int fd, const Hello& mine, const LinkSecret& secret,
                                               const SignatureRules& rules, Deadline deadline,
-                                              bool (*is_dup)(void*, uint32_t, uint32_t),
+                                              int (*slot)(void*, uint32_t, uint32_t),
                                               void* ctx, std::string* dropped_why,
                                               const std::atomic<bool>* cancel) {
   auto drop = [&](const std::string& why) -> std::optional<Accepted> {
@@ -342,18 +347,27 @@ std::optional<Accepted> handshake_accept_impl(int fd, const Hello& mine, const L
 
   // From here the peer holds the key: a disagreement is a misconfigured job, told in words.
   Verdict v = judge(theirs, mine, rules);
-  if (v.reason.empty() && is_dup(ctx, theirs.from_rank, theirs.sock_index)) {
-    v = {ErrorKind::kConfig, "two processes claim rank " + std::to_string(theirs.from_rank) +
-                                 "; a stale process from an earlier job or a misnumbered rank"};
+  bool decline = false;
+  if (v.reason.empty()) {
+    const int taken = slot(ctx, theirs.from_rank, theirs.sock_index);
+    if (taken == kSlotDecline) {
+      decline = true;
+      v.reason = "declined: this rank dials the link itself";
+    } else if (taken != kSlotTake) {
+      v = {ErrorKind::kConfig, "two processes claim rank " + std::to_string(theirs.from_rank) +
+                                   "; a stale process from an earlier job or a misnumbered rank"};
+    }
   }
   if (v.reason.size() > kMaxReason) v.reason.resize(kMaxReason);
-  const uint32_t status = v.reason.empty() ? 0 : static_cast<uint32_t>(v.kind);
+  const uint32_t status =
+      decline ? kDeclinedStatus : v.reason.empty() ? 0 : static_cast<uint32_t>(v.kind);
   uint8_t status_and_len[8];
   put32(status_and_len, status);
   put32(status_and_len + 4, static_cast<uint32_t>(v.reason.size()));
   uint8_t tag[kLinkProofBytes] = {};
   if (with_key) acceptor_proof(secret, hello_buf, na, status_and_len, v.reason, tag);
   bool sent = send_reply(fd, status, tag, v.reason, deadline, cancel);
+  if (decline) return drop(kDeclinedWhy);
   if (!v.reason.empty()) {
     std::string addr = remote_address(fd);
     throw_error(v.kind,

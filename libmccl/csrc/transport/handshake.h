@@ -1,6 +1,7 @@
 // The first bytes on every new link socket: a challenge-response on the job secret in
-// which the dialer (the lower rank) proves the key first, then the acceptor proves it back
-// along with its verdict, and both derive the socket's frame keys.
+// which the dialer (the rank that needs the link, linker.h; the lower rank on handed-in
+// sockets, mesh.h) proves the key first, then the acceptor proves it back along with its
+// verdict, and both derive the socket's frame keys.
 //
 //   D -> A  hello     magic, version, comm id, ranks, world, socket index, sockets per
 //                     peer, terms, wire security mode, fresh nonce nD      (88 bytes)
@@ -42,16 +43,31 @@ struct Hello {
   uint32_t wire_security = 0;  // core/options.h WireSecurity: both sides must agree
 };
 
+// The verdict of an acceptor that dials this link itself (links on demand, linker.h: when
+// both ranks dial at once the lower rank's dial wins). Proved like any verdict.
+constexpr uint32_t kDeclinedStatus = 0xDEC1;
+
 // Dialer side. On success fills *keys (left as is under kOff). Throws AuthError when the
 // acceptor drops the link after our proof or answers without proving the key,
 // ProtocolError/ConfigError on a refusal (with the acceptor's reason), PeerLost when
-// there is no answer at all. Returns false (nothing thrown) if `cancel` became true.
+// there is no answer at all. Returns false (nothing thrown) if `cancel` became true, or
+// if the acceptor declined (it dials us itself) and `declined` is given: then *declined.
 bool handshake_dial(int fd, const Hello& hello, const LinkSecret& secret,
                     const std::string& peer_addr, Deadline deadline,
-                    const std::atomic<bool>* cancel, FrameKeys* keys);
+                    const std::atomic<bool>* cancel, FrameKeys* keys,
+                    bool* declined = nullptr);
 
 // What handshake_accept reports for a connection whose proof did not check out.
 constexpr char kFailedProofWhy[] = "failed the proof of the job key";
+// ... and for one it declined (slot() said kSlotDecline).
+constexpr char kDeclinedWhy[] = "declined: this rank dials that link itself";
+
+// What `slot(from_rank, sock_index)` answers: take the socket, refuse it as a duplicate
+// (a second process claiming that rank), or decline it because this rank is dialing the
+// same link (the dialer then waits for our connection).
+constexpr int kSlotTake = 0;
+constexpr int kSlotDuplicate = 1;
+constexpr int kSlotDecline = 2;
 
 struct Accepted {
   Hello hello;
@@ -62,9 +78,9 @@ struct Accepted {
 // connection it dropped, with *dropped_why saying what it failed ("failed the proof of
 // the job key"); the caller logs it and keeps accepting. Once the peer has proved the key,
 // a disagreement is answered in words and thrown here too. `seen(from_rank, sock_index)`
-// says whether that socket is already held; it is asked only after the proof, so only a
-// peer that holds the key can take a link. `cancel` becoming true ends it within ~0.2 s
-// (nullopt).
+// answers kSlotTake/kSlotDuplicate/kSlotDecline (a bool: true = already held); it is asked
+// only after the proof, so only a peer that holds the key can take or be declined a link.
+// `cancel` becoming true ends it within ~0.2 s (nullopt).
 template <typename Seen>
 std::optional<Accepted> handshake_accept(int fd, const Hello& mine, const LinkSecret& secret,
                                          const SignatureRules& rules, Deadline deadline,
@@ -73,7 +89,7 @@ std::optional<Accepted> handshake_accept(int fd, const Hello& mine, const LinkSe
 
 std::optional<Accepted> handshake_accept_impl(int fd, const Hello& mine, const LinkSecret& secret,
                                               const SignatureRules& rules, Deadline deadline,
-                                              bool (*is_dup)(void*, uint32_t, uint32_t),
+                                              int (*slot)(void*, uint32_t, uint32_t),
                                               void* ctx, std::string* dropped_why,
                                               const std::atomic<bool>* cancel);
 
@@ -84,7 +100,10 @@ std::optional<Accepted> handshake_accept(int fd, const Hello& mine, const LinkSe
                                          const std::atomic<bool>* cancel) {
   return handshake_accept_impl(
       fd, mine, secret, rules, deadline,
-      [](void* c, uint32_t r, uint32_t s) { return (*static_cast<Seen*>(c))(r, s); }, &seen,
+      [](void* c, uint32_t r, uint32_t s) {
+        return static_cast<int>((*static_cast<Seen*>(c))(r, s));
+      },
+      &seen,
       dropped_why, cancel);
 }
 

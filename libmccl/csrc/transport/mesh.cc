@@ -2,15 +2,11 @@
 
 #include <fcntl.h>
 
-#include <atomic>
 #include <cerrno>
 #include <cstring>
-#include <exception>
-#include <thread>
 
 #include "core/errors.h"
 #include "transport/handshake.h"
-#include "transport/link_acceptor.h"
 
 namespace mccl {
 
@@ -32,12 +28,12 @@ const SignatureRules& rules_of(const MeshSpec& spec) {
   return spec.rules ? *spec.rules : opaque;
 }
 
-MeshLinks empty_mesh(const MeshSpec& spec) {
+MeshLinks empty_mesh(const MeshSpec& spec, const std::vector<std::vector<int>>& fds) {
   MeshLinks m;
   m.links.resize(spec.size);
   if (spec.wire_security != 0) m.keys.resize(spec.size);
   for (int r = 0; r < spec.size; ++r) {
-    if (r == spec.rank) continue;
+    if (r == spec.rank || fds[r].empty()) continue;
     m.links[r].resize(spec.sockets_per_peer);
     if (!m.keys.empty()) m.keys[r].resize(spec.sockets_per_peer);
   }
@@ -45,55 +41,6 @@ MeshLinks empty_mesh(const MeshSpec& spec) {
 }
 
 }  // namespace
-
-MeshLinks build_mesh(const MeshSpec& spec, int listen_fd, Deadline deadline,
-                     std::atomic<bool>* cancel) {
-  const int k = spec.sockets_per_peer;
-  MeshLinks mesh = empty_mesh(spec);
-  // One flag stops both directions: set by the caller (interrupt) or by a failing side.
-  std::atomic<bool> own_stop{false};
-  std::atomic<bool>& stop = cancel ? *cancel : own_stop;
-  std::exception_ptr accept_error;
-  std::thread acceptor([&] {
-    try {
-      accept_lower_ranks(spec, hello_of(spec), rules_of(spec), listen_fd, deadline, stop, &mesh);
-    } catch (...) {
-      accept_error = std::current_exception();
-      stop.store(true);
-    }
-  });
-  std::exception_ptr dial_error;
-  try {
-    for (int peer = spec.rank + 1; peer < spec.size && !stop.load(); ++peer) {
-      HostPort hp = parse_host_port(spec.peer_addrs[peer], "rank " + std::to_string(peer));
-      for (int s = 0; s < k && !stop.load(); ++s) {
-        Fd fd = connect_tcp(hp, deadline, peer, &stop);
-        if (!fd.valid()) break;
-        Hello h = hello_of(spec);
-        h.to_rank = static_cast<uint32_t>(peer);
-        h.sock_index = static_cast<uint32_t>(s);
-        FrameKeys keys{};
-        if (!handshake_dial(fd.get(), h, spec.secret, hp.str(), deadline, &stop, &keys)) break;
-        configure_link_socket(fd.get(), spec.socket_buffer_bytes);
-        set_nonblocking(fd.get(), true);
-        mesh.links[peer][s] = std::move(fd);
-        if (!mesh.keys.empty()) mesh.keys[peer][s] = keys;
-        wipe(&keys, sizeof(keys));
-      }
-    }
-  } catch (...) {
-    dial_error = std::current_exception();
-    stop.store(true);
-  }
-  acceptor.join();
-  if (dial_error) std::rethrow_exception(dial_error);
-  if (accept_error) std::rethrow_exception(accept_error);
-  if (stop.load()) {
-    throw_error(ErrorKind::kAborted, "[transport] building the links of rank " +
-                                         std::to_string(spec.rank) + " was interrupted");
-  }
-  return mesh;
-}
 
 MeshLinks adopt_mesh(const MeshSpec& spec, const std::vector<std::vector<int>>& fds,
                      Deadline deadline) {
@@ -103,17 +50,18 @@ MeshLinks adopt_mesh(const MeshSpec& spec, const std::vector<std::vector<int>>& 
                                         " ranks in a world of " + std::to_string(spec.size) +
                                         "; pass one list per rank (empty for this rank)");
   }
-  MeshLinks mesh = empty_mesh(spec);
+  MeshLinks mesh = empty_mesh(spec, fds);
   auto& links = mesh.links;
   for (int peer = 0; peer < spec.size; ++peer) {
     const size_t want = peer == spec.rank ? 0 : static_cast<size_t>(k);
-    if (fds[peer].size() != want) {
+    if (fds[peer].size() != want && !fds[peer].empty()) {
       throw_error(ErrorKind::kConfig,
                   "[transport] got " + std::to_string(fds[peer].size()) + " socket(s) for rank " +
                       std::to_string(peer) + ", expected " + std::to_string(want) +
-                      " (MCCL_SOCKETS_PER_PEER); hand the same number of sockets to every peer");
+                      " (MCCL_SOCKETS_PER_PEER) or none; hand the same number of sockets to "
+                      "every leased peer");
     }
-    if (peer == spec.rank) continue;
+    if (fds[peer].empty()) continue;
     for (int s = 0; s < k; ++s) {
       int dup = ::fcntl(fds[peer][s], F_DUPFD_CLOEXEC, 0);
       if (dup < 0) {
@@ -126,7 +74,7 @@ MeshLinks adopt_mesh(const MeshSpec& spec, const std::vector<std::vector<int>>& 
   }
   Hello mine = hello_of(spec);
   for (int peer = 0; peer < spec.size; ++peer) {
-    if (peer == spec.rank) continue;
+    if (fds[peer].empty()) continue;
     const std::string& addr = spec.peer_addrs[peer];
     std::vector<Fd> got(k);
     std::vector<FrameKeys> got_keys(k);

@@ -25,11 +25,19 @@ SendThread::~SendThread() {
 }
 
 void SendThread::start(std::vector<Pair*> pairs) {
-  pairs_ = std::move(pairs);
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    pairs_.insert(pairs_.end(), pairs.begin(), pairs.end());  // after any add_pair
+  }
   thread_ = std::thread([this] {
     name_this_thread("mccl-send");
     main();
   });
+}
+
+void SendThread::add_pair(Pair* pair) {
+  std::lock_guard<std::mutex> lk(mu_);
+  pairs_.push_back(pair);
 }
 
 void SendThread::notify_locked() {
@@ -78,7 +86,9 @@ bool SendThread::write_pass(std::unique_lock<std::mutex>& lk) {
   bool wrote = false;
   kicked_ = false;
   poll_.clear();
-  for (Pair* p : pairs_) {
+  // By index: add_pair may grow pairs_ while the lock is let go below.
+  for (size_t pi = 0; pi < pairs_.size(); ++pi) {
+    Pair* p = pairs_[pi];
     for (size_t i = 0; i < p->num_conns() && !err_pair_; ++i) {
       if (paused_ || halted_ || stop_) return wrote;
       if (!p->conn_open(i) || !p->has_queued(i)) continue;

@@ -46,6 +46,8 @@ class SendThread {
   SendThread& operator=(const SendThread&) = delete;
 
   void start(std::vector<Pair*> pairs);
+  // A link that came up later (links on demand, linker.h); not with mu() held.
+  void add_pair(Pair* pair);
   std::mutex& mu() { return mu_; }
   // New frames were queued; the caller holds mu().
   void notify_locked();

@@ -17,36 +17,89 @@ Transport::Transport(int rank, int size, uint64_t comm_id, std::vector<std::vect
       size_(size),
       comm_id_(comm_id),
       addrs_(std::move(addrs)),
-      rules_(rules ? std::move(rules) : std::make_shared<OpaqueSignatureRules>()) {
+      rules_(rules ? std::move(rules) : std::make_shared<OpaqueSignatureRules>()),
+      security_(security) {
   pairs_.resize(size);
-  for (int r = 0; r < size; ++r) {
-    if (r == rank) continue;
-    pairs_[r] = std::make_unique<Pair>(*this, r, addrs_[r], comm_id, std::move(links[r]),
-                                       keys.empty() ? std::vector<FrameKeys>{} : keys[r], security);
-  }
+  unlinked_.resize(size);
+  published_.reset(new std::atomic<Pair*>[size]);
+  for (int r = 0; r < size; ++r) published_[r].store(nullptr);
   make_wake_pipe(&wake_read_, &wake_write_, "progress thread");
   if (size > 1 && recv_threads > 0) {
-    std::vector<RecvThread*> readers;
     for (int i = 0; i < recv_threads; ++i) {
       readers_.push_back(std::make_unique<RecvThread>([this] { wake(); }));
-      readers.push_back(readers_.back().get());
-    }
-    for (auto& p : pairs_) {
-      if (p) p->use_readers(readers);
+      reader_ptrs_.push_back(readers_.back().get());
     }
   }
-  if (!send_thread) return;
-  writer_ = std::make_unique<SendThread>([this] { wake(); });
-  std::vector<Pair*> live;
-  for (auto& p : pairs_) {
-    if (!p) continue;
+  if (send_thread) writer_ = std::make_unique<SendThread>([this] { wake(); });
+  for (int r = 0; r < size; ++r) {
+    if (r == rank || links[r].empty()) continue;
+    add_pair(r, std::move(links[r]), keys.empty() ? std::vector<FrameKeys>{} : keys[r]);
+  }
+  if (writer_) writer_->start({});  // it learned the pairs through add_pair
+}
+
+void Transport::add_pair(int peer, std::vector<Fd> fds, const std::vector<FrameKeys>& keys) {
+  const int n = static_cast<int>(fds.size());
+  pairs_[peer] = std::make_unique<Pair>(*this, peer, addrs_[peer], comm_id_, std::move(fds), keys,
+                                        security_);
+  Pair* p = pairs_[peer].get();
+  if (!reader_ptrs_.empty()) p->use_readers(reader_ptrs_);
+  if (writer_) {
     p->use_writer(writer_.get());
-    live.push_back(p.get());
+    writer_->add_pair(p);
   }
-  writer_->start(std::move(live));
+  published_[peer].store(p);
+  linked_peers_.fetch_add(1, std::memory_order_relaxed);
+  link_sockets_.fetch_add(n, std::memory_order_relaxed);
+}
+
+void Transport::use_linker(std::unique_ptr<Linker> linker) {
+  linker_ = std::move(linker);
+  linker_->on_event([this] { wake(); });
+  wake();  // links that came up before this call wait in its queue
+}
+
+void Transport::post(int peer, const RequestPtr& req) {
+  if (Pair* p = pairs_[peer].get()) {
+    if (req->is_send) {
+      p->post_send(req);
+    } else {
+      p->post_recv(req);
+    }
+    return;
+  }
+  if (!linker_) {
+    throw_error(ErrorKind::kConfig,
+                "[transport] no link to " + who(peer) +
+                    ": this communicator runs on the sockets its owner handed in (mccld) and "
+                    "none were handed in for that rank, which only the collectives' own peers "
+                    "get; likely cause: an op that needs every peer (gather, scatter, "
+                    "all-to-all, send/recv) on a communicator built that way; run it over the "
+                    "engine's own links (MCCL_USE_DAEMON=0)",
+                peer, addrs_[peer]);
+  }
+  unlinked_[peer].push_back(req);
+  if (req->is_send) linker_->want(peer);
+}
+
+void Transport::adopt_links() {
+  if (!linker_) return;
+  if (auto err = linker_->take_error()) throw Error(*err);
+  std::vector<NewLink> links;
+  linker_->take_ready(&links);
+  for (NewLink& l : links) {
+    if (pairs_[l.peer]) continue;  // cannot happen: the Linker hands each peer over once
+    add_pair(l.peer, std::move(l.fds), l.keys);
+    wipe(l.keys.data(), l.keys.size() * sizeof(FrameKeys));
+    std::deque<RequestPtr> waiting;
+    waiting.swap(unlinked_[l.peer]);
+    for (const RequestPtr& req : waiting) post(l.peer, req);
+    any_source_dirty_ = true;  // its buffered messages may match any-source receives
+  }
 }
 
 Transport::~Transport() {
+  if (linker_) linker_->stop();
   if (writer_) writer_->halt();
   for (auto& r : readers_) r->halt();
   for (auto& p : pairs_) {
@@ -55,6 +108,7 @@ Transport::~Transport() {
 }
 
 void Transport::stop_helpers() {
+  if (linker_) linker_->stop();
   for (auto& p : pairs_) {
     if (p) {
       p->use_writer(nullptr);
@@ -102,7 +156,7 @@ RequestPtr Transport::isend(int peer, const void* buf, size_t n, uint32_t tag, u
     auto req = make_request(true, peer, buf, n, {Channel::kCollective, active_seq_, tag});
     req->sig = active_sig_;
     req->cookie = cookie;
-    pairs_[peer]->post_send(req);
+    post(peer, req);
     return req;
   });
 }
@@ -120,7 +174,7 @@ RequestPtr Transport::irecv_reduce(int peer, void* buf, size_t n, uint32_t tag, 
     req->cookie = cookie;
     req->reduce = fn;
     req->elem = elem;
-    pairs_[peer]->post_recv(req);
+    post(peer, req);
     return req;
   });
 }
@@ -250,6 +304,24 @@ std::string Transport::describe_stall(Channel chan, int* peer, bool* sure) const
     RequestPtr r = p->oldest_pending(chan);
     if (r && (!oldest || r->post_order < oldest->post_order)) oldest = r;
   }
+  for (auto& waiting : unlinked_) {
+    for (const RequestPtr& r : waiting) {
+      if (r->key.chan == chan && (!oldest || r->post_order < oldest->post_order)) oldest = r;
+    }
+  }
+  if (oldest && !pairs_[oldest->peer]) {
+    // No link yet: nothing of this op can have come from that peer.
+    if (sure) *sure = true;
+    *peer = oldest->peer;
+    const bool dialing = oldest->is_send;
+    return "a link to " + who(oldest->peer) +
+           (dialing ? ", which this rank dialed and which never answered"
+                    : ", which never connected to this rank to send its data") +
+           " (" + (chan == Channel::kCollective && tag_namer_ ? tag_namer_(oldest->key.tag)
+                                                               : "message tag " +
+                                                                     std::to_string(oldest->key.tag)) +
+           ")";
+  }
   if (!oldest) {
     bool any = false;
     for (auto& kv : any_source_) any = any || !kv.second.empty();
@@ -339,6 +411,7 @@ void Transport::progress(Deadline until) {
     throw_if_failed();
   }
   guarded([&] {
+    adopt_links();
     match_any_source();
     // Rebuilt each round (a handful of sockets): the set shrinks as links close.
     std::vector<pollfd>& fds = poll_fds_;
@@ -428,6 +501,7 @@ void Transport::complete_sent() {
 
 void Transport::fail(const Error& cause) {
   if (failed_) return;
+  if (linker_) linker_->stop();  // no link is adopted by a failed transport
   // From here on this thread alone writes (ABORT frames); frames already written still
   // complete their requests normally. Nothing reads into the receives failed below.
   halt_writer();
@@ -485,6 +559,14 @@ void Transport::fail(const Error& cause) {
     }
   }
   any_source_.clear();
+  for (auto& waiting : unlinked_) {
+    for (auto& r : waiting) {
+      r->state = Request::State::kFailed;
+      r->error = failed_;
+      failed.push_back(r);
+    }
+    waiting.clear();
+  }
   done_q_.clear();
   for (auto& r : failed) {
     if (r->on_done) r->on_done(*r);
@@ -492,6 +574,7 @@ void Transport::fail(const Error& cause) {
 }
 
 void Transport::close_gracefully(Deadline deadline) {
+  if (linker_) linker_->stop();
   halt_writer();  // every op has ended: nothing is queued but what BYE may need
   halt_readers();
   if (!failed_) {
@@ -508,11 +591,13 @@ void Transport::close_gracefully(Deadline deadline) {
 }
 
 uint64_t Transport::bytes_sent(int peer) const {
-  return pairs_[peer] ? pairs_[peer]->bytes_sent() : 0;
+  Pair* p = published_[peer].load();
+  return p ? p->bytes_sent() : 0;
 }
 
 uint64_t Transport::bytes_received(int peer) const {
-  return pairs_[peer] ? pairs_[peer]->bytes_received() : 0;
+  Pair* p = published_[peer].load();
+  return p ? p->bytes_received() : 0;
 }
 
 }  // namespace mccl

@@ -11,9 +11,16 @@
 // sticky: every pending request fails with it, live peers get an ABORT frame naming
 // the original culprit, and all sockets are closed.
 //
+// Links on demand: a peer without a link has no Pair yet. Requests posted to it wait in
+// the transport (unlinked_) in post order; a send asks the Linker (linker.h) to dial it,
+// a receive waits for the sender's dial. Each progress round adopts the links the Linker
+// finished (a Pair, registered with the send and receive threads) and posts what waited.
+// Without a Linker (links built on borrowed sockets) an op to an unlinked peer fails with
+// a ConfigError naming it.
+//
 // Thread safety: everything runs on the owning (worker) thread except wake(),
-// request_abort(), the byte counters, the send thread's socket writes and the receive
-// threads' reads of lent sockets.
+// request_abort(), the byte and link counters, the send thread's socket writes and the
+// receive threads' reads of lent sockets.
 #pragma once
 #include <poll.h>
 
@@ -28,6 +35,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "transport/linker.h"
 #include "transport/pair.h"
 #include "transport/recv_thread.h"
 #include "transport/request.h"
@@ -45,6 +53,7 @@ class Transport : public PairHost {
 
   // send_thread: bulk frames are written by a SendThread (else by this thread, in progress).
   // recv_threads: that many RecvThreads read bulk payloads (0: this thread reads all).
+  // links[peer]: its sockets, or empty: no link yet (linked later, see use_linker).
   // keys: empty (bare frames), or keys[peer] with one FrameKeys per socket of links[peer];
   // security: what they do, kMac or kAead (pair.h).
   // rules: what collective signatures mean (signature.h); null: compared as bytes.
@@ -56,6 +65,12 @@ class Transport : public PairHost {
   ~Transport() override;
   Transport(const Transport&) = delete;
   Transport& operator=(const Transport&) = delete;
+
+  // Links to peers without one are opened by `linker` from now on (woken by it).
+  void use_linker(std::unique_ptr<Linker> linker);
+  // Peers linked now, and their sockets (any thread).
+  int linked_peers() const { return linked_peers_.load(std::memory_order_relaxed); }
+  int link_sockets() const { return link_sockets_.load(std::memory_order_relaxed); }
 
   int rank() const { return rank_; }
   int size() const { return size_; }
@@ -134,6 +149,11 @@ class Transport : public PairHost {
 
  private:
   RequestPtr make_request(bool is_send, int peer, const void* buf, size_t n, const MsgKey& key);
+  // Posts to the peer's Pair, or queues it until the link is up (see the file comment).
+  void post(int peer, const RequestPtr& req);
+  void add_pair(int peer, std::vector<Fd> fds, const std::vector<FrameKeys>& keys);
+  // The Linker's finished links become Pairs; a failed dial throws its error.
+  void adopt_links();
   void check_peer(int peer, const char* what) const;
   // Throws CollectiveMismatch if `h` disagrees with `s` (or unconditionally if `finished`).
   void compare_signature(Pair& pair, const FrameHeader& h, const Signature& s,
@@ -172,7 +192,13 @@ class Transport : public PairHost {
   const uint64_t comm_id_;
   std::vector<std::string> addrs_;
   std::shared_ptr<const SignatureRules> rules_;
-  std::vector<std::unique_ptr<Pair>> pairs_;  // null at index rank_
+  const WireSecurity security_;
+  std::vector<std::unique_ptr<Pair>> pairs_;  // null at index rank_ and for unlinked peers
+  // pairs_ for other threads (byte counters): set once a pair exists, never cleared.
+  std::unique_ptr<std::atomic<Pair*>[]> published_;
+  std::vector<std::deque<RequestPtr>> unlinked_;  // by peer: posted before its link is up
+  std::atomic<int> linked_peers_{0};
+  std::atomic<int> link_sockets_{0};
 
   std::deque<RequestPtr> done_q_;
   uint64_t post_counter_ = 0;
@@ -218,6 +244,9 @@ class Transport : public PairHost {
   std::unique_ptr<SendThread> writer_;
   // Likewise, they read into the pairs' landings; empty when this thread reads everything.
   std::vector<std::unique_ptr<RecvThread>> readers_;
+  std::vector<RecvThread*> reader_ptrs_;  // handed to every new pair
+  // First to stop (destructor, stop_helpers, fail): no link is adopted after that.
+  std::unique_ptr<Linker> linker_;
 };
 
 }  // namespace mccl

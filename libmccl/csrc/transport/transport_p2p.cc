@@ -20,7 +20,7 @@ RequestPtr Transport::send_p2p(int peer, const void* buf, size_t n, uint32_t tag
     uint64_t seq = p2p_send_seq_[p2p_slot(peer, tag)]++;
     auto req = make_request(true, peer, buf, n, {Channel::kP2P, seq, tag});
     req->on_done = std::move(on_done);
-    pairs_[peer]->post_send(req);
+    post(peer, req);
     return req;
   });
 }
@@ -33,7 +33,7 @@ RequestPtr Transport::recv_p2p(int peer, void* buf, size_t n, uint32_t tag, Done
       uint64_t seq = p2p_recv_seq_[p2p_slot(peer, tag)]++;
       req = make_request(false, peer, buf, n, {Channel::kP2P, seq, tag});
       req->on_done = std::move(on_done);
-      pairs_[peer]->post_recv(req);
+      post(peer, req);
       any_source_dirty_ = true;  // the next message of (peer, tag) may now be claimable
     } else {
       req = make_request(false, -1, buf, n, {Channel::kP2P, 0, tag});
@@ -97,6 +97,11 @@ bool Transport::has_pending_p2p() const {
   }
   for (auto& p : pairs_) {
     if (p && p->oldest_pending(Channel::kP2P)) return true;
+  }
+  for (auto& waiting : unlinked_) {
+    for (auto& r : waiting) {
+      if (r->key.chan == Channel::kP2P) return true;
+    }
   }
   return false;
 }

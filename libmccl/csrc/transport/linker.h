@@ -1,0 +1,139 @@
+// Links on demand: a communicator's links to its peers, opened when first needed rather
+// than to every rank at set-up (at N ranks a full mesh is N-1 links a rank and ~N^2
+// connections in all; a rank of 200 would hold 398 sockets).
+//
+// The Linker owns the communicator's listening socket for its whole life. Its acceptor
+// thread proves every connection with the keyed handshake (handshake.h) on a short-lived
+// thread each (at most kMaxPendingHandshakes at once; a stranger that fails the proof is
+// dropped and logged once per host, rejects.h), so a peer may dial in at any time, not
+// only during set-up. `want(peer)` dials a peer on a dialer thread (at most kMaxDialers at
+// once). Finished links wait in a queue for the transport, which is woken to adopt them.
+//
+// Who dials: the rank that needs the link (the sender of the first message; at set-up, the
+// lower rank of each pair of collective partners). A receiver never dials: the message it
+// waits for comes with its sender's dial, so a rank that only receives (an any-source
+// receive, the root of a gather) needs no dial of its own, and only one side wanting
+// the link cannot deadlock. When both dial at once, the lower rank's dial wins: each
+// side's per-peer state (under one mutex) says whether it is dialing, and an acceptor
+// that is itself dialing a higher rank declines that rank's connection in the handshake
+// (a proved verdict, kDeclinedStatus); the declined dialer closes its socket and waits for
+// the winner's connection, which its own acceptor takes. A link is adopted only whole
+// (all its sockets proved), so the transport never sees half a link.
+//
+// Sockets per link (sockets_for): MCCL_SOCKETS_PER_PEER (K) to ring neighbours, which
+// carry the bulk of the ring algorithms back to back and gain from striping across K
+// sockets; 1 to every other peer (hypercube and fold partners, and the peers of
+// gather/scatter/all-to-all/point-to-point), whose exchanges are a log N few per op: with
+// ~log2 N such partners, K for all of them would double the open files for little gain.
+#pragma once
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/errors.h"
+#include "transport/handshake.h"
+#include "transport/mesh.h"
+#include "transport/rejects.h"
+
+namespace mccl {
+
+constexpr int kMaxPendingHandshakes = 32;
+
+// One link, all its sockets proved, configured and nonblocking.
+struct NewLink {
+  int peer = -1;
+  std::vector<Fd> fds;
+  std::vector<FrameKeys> keys;  // one per socket; empty under kOff
+};
+
+class Linker {
+ public:
+  static constexpr int kMaxDialers = 8;
+
+  // `listen_fd` is owned from here (closed by stop()). `link_timeout_s` bounds each
+  // dial (connect retries and handshakes) started by want().
+  Linker(MeshSpec spec, Fd listen_fd, double link_timeout_s);
+  ~Linker();  // stop()
+  Linker(const Linker&) = delete;
+  Linker& operator=(const Linker&) = delete;
+
+  // The sockets of the link between ranks a and b (see the file comment).
+  static int sockets_for(int a, int b, int size, int sockets_per_peer);
+
+  // Called (any thread, without the Linker's lock) whenever a link is ready or a dial
+  // failed; set once, before want() is called.
+  void on_event(std::function<void()> fn);
+  // Dials `peer` unless a link to it is up, being dialed or being accepted. Any thread.
+  void want(int peer);
+  // Set-up: blocks until the links to every rank of `peers` are ready and takes them out
+  // of the queue (others stay there for the transport). Throws a typed Timeout at
+  // `deadline` naming the first missing rank (and who failed the proof of the key, if
+  // anyone did), a dial's error, or Aborted once `*cancel` is set.
+  MeshLinks wait_for(const std::vector<int>& peers, Deadline deadline,
+                     const std::atomic<bool>* cancel);
+  // The links that became ready since the last call.
+  void take_ready(std::vector<NewLink>* out);
+  // The first failed dial, once (a typed Error naming the peer), or null.
+  std::shared_ptr<const Error> take_error();
+  // Whether a link to `peer` is being dialed or accepted now (for timeout messages).
+  bool linking(int peer) const;
+  // Stops accepting and dialing, joins every thread, closes the listening socket and
+  // the links nobody took. Idempotent.
+  void stop();
+
+ private:
+  enum class State { kNone, kDialing, kAccepting, kUp };
+  struct Peer {
+    State state = State::kNone;
+    bool dialed = false;  // kUp by our own dial
+    std::vector<Fd> fds;  // accepted sockets, by index (kAccepting)
+    std::vector<FrameKeys> keys;
+    std::vector<bool> reserved;  // a proved connection is being answered for that index
+  };
+  struct Worker {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done = std::make_shared<std::atomic<bool>>(false);
+  };
+
+  Hello hello(int to_rank, int sock_index) const;
+  void accept_main();
+  void handshake_one(Fd fd, const std::string& from);
+  int claim_slot(uint32_t from, uint32_t sock, int* held);  // kSlot*, under mu_
+  void dial_main();
+  void dial_one(int peer);
+  void ready_locked(int peer, std::vector<Fd> fds, std::vector<FrameKeys> keys);
+  void fire();
+  static void reap(std::list<Worker>* workers, bool all);
+
+  const MeshSpec spec_;
+  Fd listen_fd_;
+  const double link_timeout_s_;
+  Rejects rejects_;
+  std::atomic<bool> stop_{false};
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;  // a link became ready, or a dial failed
+  std::vector<Peer> peers_;
+  std::deque<NewLink> ready_;
+  std::deque<int> dial_queue_;
+  int dialers_ = 0;  // dialer threads running
+  std::list<Worker> dialer_threads_;
+  std::shared_ptr<const Error> error_;
+  bool error_taken_ = false;
+  std::function<void()> on_event_;
+
+  std::thread acceptor_;
+  std::list<Worker> handshakes_;  // acceptor thread only
+  std::mutex stop_mu_;
+  bool stopped_ = false;
+};
+
+}  // namespace mccl
