@@ -232,6 +232,7 @@ def test_socket_count_stays_logarithmic_at_64_ranks():
             assert (g.reshape(n, 64) == np.arange(n, dtype=np.uint8)[:, None]).all()
             ones, rs = np.ones(16 * n, np.float32), np.zeros(16, np.float32)
             wait(c, c.reduce_scatter(ptr(ones), ptr(rs), 16, f32, SUM))
+            wait(c, c.barrier())  # by recursive doubling: it messaged every rank before
             return float(x[0]), float(rs[0])
 
         assert run_ranks(cs, body, timeout=240) == [(float(n), float(n))] * n

@@ -1,5 +1,5 @@
 // The collectives that are a single round of direct messages: gather, scatter,
-// all-to-all(v) and barrier. Post every send and receive, then wait for all of them.
+// all-to-all(v). Post every send and receive, then wait for all of them.
 #include <algorithm>
 #include <cstring>
 
@@ -77,15 +77,5 @@ void alltoall(Collective& c, const void* send, void* recv, size_t nbytes) {
 
 // An exchange of empty messages with every peer: the one-round small all-reduce with
 // no payload. Nobody leaves before everybody has arrived.
-void barrier(Collective& c) {
-  const int n = c.size(), r = c.rank();
-  static const uint8_t kNothing = 0;
-  for (int q = 0; q < n; ++q) {
-    if (q == r) continue;
-    c.recv(q, nullptr, 0, 0);
-    c.send(q, &kNothing, 0, 0);
-  }
-  c.wait_all(2 * size_t(n - 1));
-}
 
 }  // namespace mccl
