@@ -46,6 +46,11 @@
 #                    seconds. README.md (tables), scale.json and scale.png land in SCALE_DIR
 #                    (docs/results/device-scale-<date>) and come back in $OUT/scale/. One call:
 #                    STEPS=18 OUT=... bash tools/bench/device_run.sh  (~8 minutes)
+#   19-topo-2x16     issue 26's hierarchy: 2 switches x 16 hosts (TOPO_RATE, default 500mbit), uplinks 2:1
+#                    (TOPO_UPLINK 4gbit), ranks interleaved across switches, all_reduce 64 MB: flat ring,
+#                    ring in switch order, tree
+#   20-init          init_process_group of INIT_RANKS (200) torch ranks on loopback (tools/bench/init_scale.py)
+#   21-scale-k1      step 18 at 64 hosts, 1/4 MB, Rabenseifner and ring with one socket a peer
 # Step 3 takes DDP_WIDTH, DDP_DEPTH, DDP_VARIANTS (ddp,nocomm: the step with communication removed, for overlap) and
 # DDP_BUCKET_MB (DDP's bucket_cap_mb).
 # STEPS picks which run (default "1 2 3 4 5"; e.g. STEPS="1 2 3 6" then STEPS="4 5 7" as
@@ -218,6 +223,33 @@ if timeout 45 $PY -m tools.fleet selftest --rate 1gbit > "$RESULTS/fleet-selftes
       > "$RESULTS/$name.txt" 2> "$RESULTS/$name.err"
     status "$name rc=$? (results in $SCALE_DIR)"
     mkdir -p "$OUT/scale" && cp "$SCALE_DIR"/* "$OUT/scale/" 2>/dev/null
+    cat "$RESULTS/$name.txt"
+    pack
+  fi
+  # Issue 26's hierarchy: 2 switches x 16 hosts, uplinks 2:1 oversubscribed (16 x TOPO_RATE / 2), ranks
+  # placed across the switches in turn (what a placement blind to switches gives), 64 MB: the flat
+  # ring against the ring in switch order and the tree (docs/topology.md).
+  want 19 && bench "19-topo-2x16" 150 --hosts 32 --rate "${TOPO_RATE:-500mbit}" --switches 2 \
+    --uplink-rate "${TOPO_UPLINK:-4gbit}" --rank-order interleaved --mode in-process,topology,topology-ring \
+    --backends mccl --ops all_reduce --sizes 64M --ceiling-tool none --latency-iters 0 --target-seconds 0.5
+  # Issue 26's start-up at scale: INIT_RANKS torch ranks on loopback time init_process_group.
+  if want 20; then
+    status "20-init start"
+    timeout --kill-after=20 "$(( $(left) > 200 ? 180 : $(left) - 20 ))" $PY tools/bench/init_scale.py \
+      --ranks "${INIT_RANKS:-200}" --json "$RESULTS/20-init.json" > "$RESULTS/20-init.txt" 2> "$RESULTS/20-init.err"
+    status "20-init rc=$?"
+    cat "$RESULTS/20-init.txt"; tail -5 "$RESULTS/20-init.err"
+    pack
+  fi
+  # Is the ring's lead over Rabenseifner at 64 hosts its two sockets a neighbour? Both on one socket.
+  if want 21; then
+    name=21-scale-k1
+    status "$name start"
+    MCCL_SOCKETS_PER_PEER=1 timeout --kill-after=30 "$(( $(left) > 120 ? 100 : $(left) - 20 ))" $PY -m tools.bench scale \
+      --hosts 64 --sizes 1M,4M --ops all_reduce --algos rabenseifner,ring --rate 10gbit --dilation 64:64 \
+      --machine-gbit 10 --gloo-hosts 0 --time-limit 64:90 --max-op-seconds 4 --ceiling-seconds 2 \
+      --out-dir "$RESULTS/$name" --json "$RESULTS/$name.json" > "$RESULTS/$name.txt" 2> "$RESULTS/$name.err"
+    status "$name rc=$?"
     cat "$RESULTS/$name.txt"
     pack
   fi
