@@ -167,9 +167,10 @@ class Fleet:
     def __init__(self, n_hosts: int, rate: str | None = "1gbit", name: str | None = None,
                  delay: str | None = None, burst: str | None = None, static_arp: bool = False,
                  switches: int | Sequence[int] | None = None, uplink_rate: str | None = None,
-                 uplink_delay: str | None = None):
+                 uplink_delay: str | None = None, queue: str | None = None):
         """``switches``: a number of switches (hosts split in order, as evenly as they go) or
-        the number of hosts on each; None: one switch, no uplinks."""
+        the number of hosts on each; None: one switch, no uplinks. ``queue``: how much time of
+        the rate a host's shaper queues before it drops (tbf latency; default TBF_LATENCY)."""
         if not 1 <= int(n_hosts) <= MAX_HOSTS:
             raise ConfigError(f"[fleet] n_hosts={n_hosts} is out of range; use 1..{MAX_HOSTS}")
         if rate is not None:
@@ -194,6 +195,9 @@ class Fleet:
         self.delay = delay
         # A slow (time-dilated) link wants a smaller burst: 256 KB at 100 Mbit/s is 20 ms of free line rate.
         self.burst = burst or TBF_BURST
+        if queue is not None:
+            parse_time_s(queue)
+        self.queue = queue or TBF_LATENCY
         self.static_arp = static_arp
         self._name = name
         self.id: str | None = None
@@ -305,7 +309,7 @@ class Fleet:
         # mDNS sends to 224.0.0.251; with no default route it would find no way out.
         _sh(n + ["route", "add", "224.0.0.0/4", "dev", h.ifname])
         if self.rate:
-            tbf = ["tbf", "rate", self.rate, "burst", self.burst, "latency", TBF_LATENCY]
+            tbf = ["tbf", "rate", self.rate, "burst", self.burst, "latency", self.queue]
             _sh(["tc", "-n", h.ns, "qdisc", "replace", "dev", h.ifname, "root", "handle", "1:"] + tbf)  # host -> switch
             _sh(["tc", "qdisc", "replace", "dev", h.veth, "root"] + tbf)                              # switch -> host
         if self.delay:

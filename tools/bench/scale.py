@@ -77,6 +77,13 @@ def _burst(d: Dilation) -> str:
     return f"{max(64, round(256 / d.factor))}kb"
 
 
+def _queue(d: Dilation) -> str:
+    # fleet.py's 10 ms of queue, dilated like the delay, so the shaper holds as many bytes as
+    # the real link's would: undilated, a 64x slower link queues 64x fewer bytes and drops the
+    # bursts a lock-step algorithm sends (Rabenseifner's halving steps) that a real port carries.
+    return f"{10 * d.factor:g}ms"
+
+
 def _aggregate(docs: list[dict], algo: str) -> list[dict]:
     """Per (op, size): each repeat took as long as its slowest rank; the median repeat."""
     rows = []
@@ -154,13 +161,13 @@ class ScalePoint:
         d = self.dil
         emulate = d.tc_delay is not None and netem_supported()
         res.update(tc_rate=d.tc_rate, tc_delay=d.tc_delay if emulate else None, delay_emulated=emulate,
-                   tc_burst=_burst(d))
+                   tc_burst=_burst(d), tc_queue=_queue(d))
         if d.tc_delay is not None and not emulate:
             res["notes"].append("this kernel has no netem (sch_netem): the hop delay is NOT emulated; alpha is the "
                                  "machine's own latency (the model takes it from an 8-byte ping-pong)")
         # static_arp: 64+ hosts connecting all at once lose their ARP broadcasts (fleet.py).
         return FleetLauncher(self.n, d.tc_rate, delay=d.tc_delay if emulate else None, burst=_burst(d),
-                             static_arp=True)
+                             queue=os.environ.get("MCCL_BENCH_TC_QUEUE") or _queue(d), static_arp=True)
 
     # ---- the network the measurements stand for ------------------------------------
     def _alpha_beta(self, docs: list[dict], algo: str) -> tuple[float, float, str]:
