@@ -69,7 +69,6 @@ _KILL_WAIT_S = 5.0
 # product (GSO packets up to 64 KB), so the delay never drops.
 NETEM_LIMIT = 100000
 _NAME_RE = re.compile(r"^[a-z0-9]{1,5}$")
-_SYSCTL_RE = re.compile(r"^net(\.[a-z0-9_]+)+$")
 
 
 def _is_root() -> bool:
@@ -168,13 +167,10 @@ class Fleet:
     def __init__(self, n_hosts: int, rate: str | None = "1gbit", name: str | None = None,
                  delay: str | None = None, burst: str | None = None, static_arp: bool = False,
                  switches: int | Sequence[int] | None = None, uplink_rate: str | None = None,
-                 uplink_delay: str | None = None, queue: str | None = None,
-                 sysctls: Mapping[str, int] | None = None):
+                 uplink_delay: str | None = None, queue: str | None = None):
         """``switches``: a number of switches (hosts split in order, as evenly as they go) or
         the number of hosts on each; None: one switch, no uplinks. ``queue``: how much time of
-        the rate a host's shaper queues before it drops (tbf latency; default TBF_LATENCY).
-        ``sysctls``: per-namespace kernel settings for every host, e.g.
-        {"net.ipv4.tcp_slow_start_after_idle": 0} (net.* only: those are per namespace)."""
+        the rate a host's shaper queues before it drops (tbf latency; default TBF_LATENCY)."""
         if not 1 <= int(n_hosts) <= MAX_HOSTS:
             raise ConfigError(f"[fleet] n_hosts={n_hosts} is out of range; use 1..{MAX_HOSTS}")
         if rate is not None:
@@ -202,10 +198,6 @@ class Fleet:
         if queue is not None:
             parse_time_s(queue)
         self.queue = queue or TBF_LATENCY
-        self.sysctls = dict(sysctls or {})
-        for k, v in self.sysctls.items():
-            if not _SYSCTL_RE.match(k) or not isinstance(v, int):
-                raise ConfigError(f"[fleet] sysctl {k!r}={v!r}: want a net.* name and an integer")
         self.static_arp = static_arp
         self._name = name
         self.id: str | None = None
@@ -314,9 +306,6 @@ class Fleet:
         _sh(n + ["addr", "add", f"{h.addr}/{self.prefix_len}", "dev", h.ifname])
         _sh(n + ["link", "set", h.ifname, "multicast", "on", "up"])
         _sh(n + ["link", "set", "lo", "up"])
-        for k, v in self.sysctls.items():
-            path = "/proc/sys/" + k.replace(".", "/")   # /proc/sys/net is the namespace's own
-            _sh(["ip", "netns", "exec", h.ns, "sh", "-c", f"echo {int(v)} > {path}"])
         # mDNS sends to 224.0.0.251; with no default route it would find no way out.
         _sh(n + ["route", "add", "224.0.0.0/4", "dev", h.ifname])
         if self.rate:

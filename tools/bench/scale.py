@@ -84,17 +84,6 @@ def _queue(d: Dilation) -> str:
     return f"{10 * d.factor:g}ms"
 
 
-def _sysctls(d: Dilation) -> dict[str, int]:
-    # TCP restarts slow start on a socket idle for longer than its RTO (200 ms at least, never
-    # dilated). Dilated, the ops last D times longer, so a socket a lock-step algorithm uses once
-    # an op (a hypercube partner's) sits idle past the RTO between ops and starts every step from
-    # ten segments, which the real network's back-to-back ops never see. MCCL_BENCH_SLOW_START=1
-    # keeps the kernel's default, to show the difference.
-    if d.factor <= 1 or os.environ.get("MCCL_BENCH_SLOW_START") == "1":
-        return {}
-    return {"net.ipv4.tcp_slow_start_after_idle": 0}
-
-
 def _aggregate(docs: list[dict], algo: str) -> list[dict]:
     """Per (op, size): each repeat took as long as its slowest rank; the median repeat."""
     rows = []
@@ -172,15 +161,13 @@ class ScalePoint:
         d = self.dil
         emulate = d.tc_delay is not None and netem_supported()
         res.update(tc_rate=d.tc_rate, tc_delay=d.tc_delay if emulate else None, delay_emulated=emulate,
-                   tc_burst=_burst(d), tc_queue=os.environ.get("MCCL_BENCH_TC_QUEUE") or _queue(d),
-                   tcp_sysctls=_sysctls(d))
+                   tc_burst=_burst(d), tc_queue=_queue(d))
         if d.tc_delay is not None and not emulate:
             res["notes"].append("this kernel has no netem (sch_netem): the hop delay is NOT emulated; alpha is the "
                                  "machine's own latency (the model takes it from an 8-byte ping-pong)")
         # static_arp: 64+ hosts connecting all at once lose their ARP broadcasts (fleet.py).
         return FleetLauncher(self.n, d.tc_rate, delay=d.tc_delay if emulate else None, burst=_burst(d),
-                             queue=os.environ.get("MCCL_BENCH_TC_QUEUE") or _queue(d), static_arp=True,
-                             sysctls=_sysctls(d))
+                             queue=os.environ.get("MCCL_BENCH_TC_QUEUE") or _queue(d), static_arp=True)
 
     # ---- the network the measurements stand for ------------------------------------
     def _alpha_beta(self, docs: list[dict], algo: str) -> tuple[float, float, str]:
