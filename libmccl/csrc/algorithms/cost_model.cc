@@ -32,6 +32,19 @@ struct Cost {
   double steps, bytes, reduced;
 };
 
+// The lock-step algorithms (hypercube exchanges, trees) move their bytes more slowly than
+// the pipelined ring, which keeps every link busy all the time: on the 16-core machine at 64
+// emulated hosts (6 Dec, docs/results/device-issue26-scale) Rabenseifner's all-reduce took
+// 1.1x, 1.55x and 2.0x the ring's time at 256 KB, 1 MB and 4 MB where the two move the same
+// bytes (at 8 hosts, 1.0x). Their bytes count this much more, so they win where the ring's
+// 2(N-1) latencies dominate, not where the model could only call a tie.
+constexpr double kLockstepByteCost = 1.6;
+
+Cost lockstep(Cost c) {
+  c.bytes *= kLockstepByteCost;
+  return c;
+}
+
 // The pipelined chain broadcast: S segments through N-1 hops take S + N - 2 segment times
 // (broadcast.cc picks the segment).
 Cost chain_cost(int n, double bytes) {
@@ -50,9 +63,9 @@ Cost cost(AlgoOp op, Algo a, int n, double b) {
       switch (a) {
         case Algo::kRing: return {2 * (N - 1), 2 * (N - 1) / N * b, 0};
         case Algo::kOneRound: return {1, (N - 1) * b, (N - 1) * b};
-        case Algo::kRecursiveDoubling: return {L + 2 * F, (L + 2 * F) * b, (L + F) * b};
+        case Algo::kRecursiveDoubling: return lockstep({L + 2 * F, (L + 2 * F) * b, (L + F) * b});
         case Algo::kRabenseifner:
-          return {2 * L + 2 * F, 2 * (P - 1) / P * b + 2 * F * b, (P - 1) / P * b + F * b};
+          return lockstep({2 * L + 2 * F, 2 * (P - 1) / P * b + 2 * F * b, (P - 1) / P * b + F * b});
         default: break;
       }
       break;
@@ -60,7 +73,7 @@ Cost cost(AlgoOp op, Algo a, int n, double b) {
       switch (a) {
         case Algo::kRing: return {N - 1, (N - 1) * b, 0};
         case Algo::kRecursiveDoubling:
-          return {L + 2 * F, F * b + (P - 1) / P * N * b + F * N * b, 0};
+          return lockstep({L + 2 * F, F * b + (P - 1) / P * N * b + F * N * b, 0});
         default: break;
       }
       break;
@@ -68,7 +81,7 @@ Cost cost(AlgoOp op, Algo a, int n, double b) {
       switch (a) {
         case Algo::kRing: return {N - 1, (N - 1) * b, 0};
         case Algo::kRecursiveHalving:
-          return {L + 2 * F, F * N * b + (P - 1) / P * N * b + F * b, (P - 1) / P * N * b + F * N * b};
+          return lockstep({L + 2 * F, F * N * b + (P - 1) / P * N * b + F * b, (P - 1) / P * N * b + F * N * b});
         default: break;
       }
       break;
@@ -76,8 +89,8 @@ Cost cost(AlgoOp op, Algo a, int n, double b) {
       switch (a) {
         case Algo::kFanout: return {1, (N - 1) * b, 0};
         case Algo::kChain: return chain_cost(n, b);
-        case Algo::kBinomial: return {L + 2 * F, (L + 2 * F) * b, 0};
-        case Algo::kScatterAllgather: return {2 * L + 2 * F, 2 * (P - 1) / P * b + 2 * F * b, 0};
+        case Algo::kBinomial: return lockstep({L + 2 * F, (L + 2 * F) * b, 0});
+        case Algo::kScatterAllgather: return lockstep({2 * L + 2 * F, 2 * (P - 1) / P * b + 2 * F * b, 0});
         default: break;
       }
       break;
