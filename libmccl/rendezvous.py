@@ -123,7 +123,9 @@ def exchange(store: Any, rank: int, size: int, listener_factory: Callable[[str],
         store.set(addr_keys[rank], store_auth.seal(addr_key, addr_keys[rank], listener.address.encode()))
 
     try:
-        if rank == 0:
+        if not addr_keys:
+            peers = []  # no engine listens here (mccld's mode): no addresses, no table
+        elif rank == 0:
             peers = _publish_table(store, addr_keys, table_key, addr_key, peer, timeout_s, missing_what)
         else:
             _wait_keys(store, [table_key], timeout_s, missing_what)
