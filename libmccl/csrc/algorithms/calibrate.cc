@@ -61,12 +61,19 @@ CostParams measure_cost(Collective& c) {
   return p;
 }
 
-void agree_max(Collective& c, CostParams& p) {
-  double v[3] = {p.alpha_s, p.beta_s_per_byte, p.gamma_s_per_byte};
-  allreduce_recursive_doubling(c, v, 3, Reduction::of(DType::kFloat64, ReduceOp::kMax));
-  p.alpha_s = v[0];
-  p.beta_s_per_byte = v[1];
-  p.gamma_s_per_byte = v[2];
+void agree_median(Collective& c, CostParams& p) {
+  const int n = c.size();
+  const double mine[3] = {p.alpha_s, p.beta_s_per_byte, p.gamma_s_per_byte};
+  std::vector<double> all(3 * size_t(n));
+  allgather_doubling(c, mine, all.data(), sizeof(mine));
+  // Every rank holds the same array, so every rank computes the same medians.
+  double* out[3] = {&p.alpha_s, &p.beta_s_per_byte, &p.gamma_s_per_byte};
+  std::vector<double> col(n);
+  for (int k = 0; k < 3; ++k) {
+    for (int r = 0; r < n; ++r) col[r] = all[3 * size_t(r) + k];
+    std::nth_element(col.begin(), col.begin() + n / 2, col.end());
+    *out[k] = col[n / 2];
+  }
 }
 
 }  // namespace mccl

@@ -1,7 +1,8 @@
 // Measuring the cost model's parameters (cost_model.h) once per communicator, cheaply:
 // a few 8-byte and two 160 KiB exchanges around the ring (neighbours are always linked) and
-// a 160 KiB local reduction, then an all-reduce MAX of the three numbers by recursive
-// doubling, so every rank holds the same parameters and so chooses alike. Set-up cost:
+// a 160 KiB local reduction, then every rank's three numbers gathered (recursive doubling)
+// and the median over ranks taken, so every rank holds the same parameters and so chooses
+// alike. Set-up cost:
 // a few milliseconds plus log2 N small steps.
 #pragma once
 #include "algorithms/collective.h"
@@ -14,8 +15,10 @@ namespace mccl {
 // neighbours). Zeros for a world of one.
 CostParams measure_cost(Collective& c);
 
-// Every rank ends with the elementwise maximum over all ranks (the slowest link and
-// reduction decide what an op costs).
-void agree_max(Collective& c, CostParams& p);
+// Every rank ends with the elementwise median over all ranks. Not the maximum, which one
+// rank slowed during its few rounds decides: at 64 emulated hosts on the 16-core machine
+// (6 Dec) the agreed maximum alpha was ~20x the per-hop latency the ring's ops then showed,
+// and the model sent 1-4 MB all-reduces to Rabenseifner where the ring was 1.5-2x faster.
+void agree_median(Collective& c, CostParams& p);
 
 }  // namespace mccl

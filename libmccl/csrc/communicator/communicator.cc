@@ -313,7 +313,7 @@ void Communicator::calibrate() {
       transport_->end_collective();
       sig.op_bytes = 2;  // the agreement
       transport_->begin_collective(coll_seq_++, encode_signature(sig));
-      agree_max(c, p);
+      agree_median(c, p);
       transport_->end_collective();
     } catch (const Error& e) {
       on_error(e);
