@@ -64,16 +64,6 @@ class AttachServer:
         sock_path = self.runtime_dir / protocol.SOCKET_NAME
         if sock_path.exists():
             sock_path.unlink()  # a stale socket of a dead daemon (the caller checked none answers)
-        token_path = self.runtime_dir / protocol.TOKEN_NAME
-        tmp = token_path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            os.fchmod(fd, 0o600)    # a stale .tmp keeps its mode: set it, never trust it
-            if self._group is not None:
-                os.fchown(fd, -1, self._group)
-                os.fchmod(fd, 0o640)
-            fh.write(self._token)
-        tmp.replace(token_path)
         self._owns_files = True
         self._thread = threading.Thread(target=self._serve, name="mccld-attach", daemon=True)
         self._thread.start()
@@ -84,6 +74,19 @@ class AttachServer:
             # from the group; the 0750 directory already keeps everyone else out.
             os.chown(sock_path, -1, self._group)
             os.chmod(sock_path, 0o660)
+        # The token last: clients (and tests, and the fuzzer) take its appearance to mean the
+        # socket answers. Written before the bind, a client beside two busy loops once found the
+        # token and no socket yet (CI, 6 Dec).
+        token_path = self.runtime_dir / protocol.TOKEN_NAME
+        tmp = token_path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            os.fchmod(fd, 0o600)    # a stale .tmp keeps its mode: set it, never trust it
+            if self._group is not None:
+                os.fchown(fd, -1, self._group)
+                os.fchmod(fd, 0o640)
+            fh.write(self._token)
+        tmp.replace(token_path)
         self._push = self._ctx.socket(zmq.PUSH)
         self._push.setsockopt(zmq.LINGER, 0)
         self._push.connect(self._inproc)

@@ -140,8 +140,12 @@ class SwitchMap:
             with self._lock:
                 self._pongs[nonce] = ev
             try:
+                # Dialled quietly and before the clock starts: the peers come from the fleet
+                # table, which holds whatever mDNS heard (a host of another fleet key included,
+                # whose refusal the gossip and the link listener already report).
+                link = self._links.link_to(addr, quiet=True)
                 t0 = time.perf_counter()
-                self._links.send(addr, {"type": "rtt_ping", "nonce": nonce, "pad": "0" * PROBE_BYTES})
+                link.send({"type": "rtt_ping", "nonce": nonce, "pad": "0" * PROBE_BYTES})
                 if not ev.wait(ECHO_TIMEOUT_S):
                     continue
                 dt = time.perf_counter() - t0
@@ -159,7 +163,7 @@ class SwitchMap:
             targets = [h for h in self._row if h in peers]
         for h in targets:
             try:
-                self._links.send(peers[h], {"type": "topo_row_req"})
+                self._links.link_to(peers[h], quiet=True).send({"type": "topo_row_req"})
             except MCCLError as e:
                 log.debug("[topology] cannot ask %s for its row: %s", h, e)
 
