@@ -31,7 +31,6 @@ import queue
 import random
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -44,6 +43,7 @@ log = logging.getLogger(__name__)
 
 FANOUT = 3                    # random peers per round, besides due seeds
 MAX_DIALS = 4                 # dials / sends in flight at once
+_STOP_JOIN_S = 15.0           # stop() waits this long for a dial in flight (MCCL_LINK_TIMEOUT is 10 s)
 MAX_QUEUED = 64               # work waiting for the pool; past it a round sends less
 # Messages taken from one peer per interval: a whole table is MAX_TABLE / MAX_ENTRIES_PER_MESSAGE
 # of them, and a peer may answer our digest while sending its own.
@@ -94,7 +94,11 @@ class Gossip:
         self._lock = threading.Lock()
         self._inbox: queue.Queue = queue.Queue(maxsize=_INBOX)
         self._queued = 0
-        self._pool: ThreadPoolExecutor | None = None
+        # The dial workers: a fixed pool started with the rest, so the daemon's threads are all
+        # up when its token appears (the fuzzer and the fault campaign count them before and
+        # after; a ThreadPoolExecutor starting its workers at the first dials read as growth).
+        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._workers: list[threading.Thread] = []
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._once = OnceLogger(log, rewarn_s=None)
@@ -103,7 +107,10 @@ class Gossip:
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> "Gossip":
         self._heartbeat()
-        self._pool = ThreadPoolExecutor(max_workers=MAX_DIALS, thread_name_prefix="mccld-gossip-dial")
+        self._workers = [threading.Thread(target=self._work, name=f"mccld-gossip-dial-{i}", daemon=True)
+                         for i in range(MAX_DIALS)]
+        for w in self._workers:
+            w.start()
         self._thread = threading.Thread(target=self._loop, name="mccld-gossip", daemon=True)
         self._thread.start()
         if self._seeds:
@@ -115,9 +122,23 @@ class Gossip:
         if self._thread is not None:
             self._thread.join(timeout=5.0)
             self._thread = None
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)   # a dial in flight ends by MCCL_LINK_TIMEOUT
-            self._pool = None
+        while True:   # what has not started will not
+            try:
+                self._jobs.get_nowait()
+            except queue.Empty:
+                break
+        for _ in self._workers:
+            self._jobs.put(None)
+        for w in self._workers:
+            w.join(_STOP_JOIN_S)   # a dial in flight ends by MCCL_LINK_TIMEOUT
+        self._workers = []
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            job()
 
     # -- what the daemon reads ---------------------------------------------------------------
     def rows(self) -> list[dict[str, Any]]:
@@ -195,25 +216,21 @@ class Gossip:
                     seed.busy = False
 
     def _submit(self, fn: Callable, a: Any, b: Any) -> bool:
-        """Run fn(a, b) on the dial pool; False when the pool is full (or gone) and it will not run."""
-        pool = self._pool
+        """Run fn(a, b) on a dial worker; False when too much is queued (or we stop) and it will not run."""
         with self._lock:
-            if pool is None or self._queued >= MAX_QUEUED:
+            if not self._workers or self._stop.is_set() or self._queued >= MAX_QUEUED:
                 return False
             self._queued += 1
 
         def run() -> None:
             try:
                 fn(a, b)
+            except Exception:  # noqa: BLE001 - a worker must outlive any one dial
+                log.debug("gossip: a dial task failed", exc_info=True)
             finally:
                 with self._lock:
                     self._queued -= 1
-        try:
-            pool.submit(run)
-        except RuntimeError:   # shut down meanwhile
-            with self._lock:
-                self._queued -= 1
-            return False
+        self._jobs.put(run)
         return True
 
     def _digest(self) -> dict[str, Any]:
