@@ -571,7 +571,10 @@ class Daemon:
         # Hosts, not ranks, count here: a job of 200 ranks on 25 hosts leases 24 peers.
         peers = [(h, host.host_id, host.link_addr) for h, host in enumerate(job.hosts) if h != me]
         leased = self.datalinks.lease(job.id, peers, time.monotonic() + job.setup_timeout_s, lambda: job.failed)
-        opts = self.engine_cfg.engine_options(Options(), job.timeout_s, job.timeout_s)
+        # The links are built within the job's set-up time, not its op timeout: hosts reach this
+        # point seconds apart on a loaded machine (jobs.py _SETUP_TIMEOUT_FLOOR_S), and one late
+        # host held every lower rank's handshakes past a 2 s op timeout (fault campaign, 6 Dec).
+        opts = self.engine_cfg.engine_options(Options(), job.timeout_s, job.setup_timeout_s)
         # The job's host list (every rank built it alike) names each host's switch.
         opts.switch_of_rank = job_switches(job.hosts)
         if opts.switch_of_rank:
