@@ -35,23 +35,21 @@ idempotent and keeps going past individual failures so nothing is left behind.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
-import random
 import re
 import select
-import shutil
-import signal
 import subprocess
 import sys
-import threading
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Sequence
 
 from mccl_common.errors import ConfigError, MCCLError
+
+from .netns_fleet import (CMD_TIMEOUT_S, NamespaceFleet, _sh, check_prerequisites,  # noqa: F401
+                          kill_namespace_pids, list_links, list_namespaces)
 
 log = logging.getLogger(__name__)
 
@@ -63,33 +61,10 @@ HOSTS_PER_24 = 253
 # ticks, 10 ms of queue bounds the latency the shaper itself adds.
 TBF_BURST = "256kb"
 TBF_LATENCY = "10ms"
-_CMD_TIMEOUT_S = 20.0
-_KILL_WAIT_S = 5.0
 # netem queues this many packets at most: enough for a dilated link's whole delay-bandwidth
 # product (GSO packets up to 64 KB), so the delay never drops.
 NETEM_LIMIT = 100000
 _NAME_RE = re.compile(r"^[a-z0-9]{1,5}$")
-
-
-def _is_root() -> bool:
-    return os.geteuid() == 0
-
-
-def check_prerequisites() -> None:
-    """Raise ConfigError unless this process can build namespaces (root, Linux, ip, tc)."""
-    if not sys.platform.startswith("linux"):
-        raise ConfigError(
-            f"[fleet] network namespaces need Linux, this is {sys.platform}; "
-            "run the fleet tests and benchmarks on a Linux machine")
-    if not _is_root():
-        raise ConfigError(
-            "[fleet] needs root (network namespaces, veths and tc qdiscs), running as uid "
-            f"{os.geteuid()}; run as root, or use loopback mode (python -m tools.bench --hosts 0)")
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            raise ConfigError(
-                f"[fleet] the '{tool}' command is missing; install iproute2 "
-                "(apt-get install iproute2) or put it on PATH")
 
 
 def parse_time_s(text: str) -> float:
@@ -107,34 +82,6 @@ def parse_rate_bits(rate: str) -> float:
         raise ConfigError(f"[fleet] rate={rate!r} is not a tc rate; use e.g. '1gbit', '2.5gbit', '200mbit'")
     scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2)]
     return float(m.group(1)) * scale * (8 if m.group(3) == "bps" else 1)
-
-
-def _sh(argv: Sequence[str], *, check: bool = True, timeout: float = _CMD_TIMEOUT_S) -> subprocess.CompletedProcess:
-    try:
-        res = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise MCCLError(f"[fleet] Timed out after {timeout:.0f}s: '{' '.join(argv)}' did not finish; "
-                        "the machine may be overloaded, retry") from None
-    if check and res.returncode != 0:
-        raise MCCLError(f"[fleet] '{' '.join(argv)}' failed (rc={res.returncode}): "
-                        f"{res.stderr.strip() or res.stdout.strip()}")
-    return res
-
-
-def list_namespaces() -> list[str]:
-    out = _sh(["ip", "netns", "list"], check=False).stdout
-    return [line.split()[0] for line in out.splitlines() if line.strip()]
-
-
-def list_links(kind: str | None = None) -> list[str]:
-    argv = ["ip", "-o", "link", "show"] + (["type", kind] if kind else [])
-    out = _sh(argv, check=False).stdout
-    names = []
-    for line in out.splitlines():
-        parts = line.split(": ")
-        if len(parts) >= 2:
-            names.append(parts[1].split("@")[0])
-    return names
 
 
 def netem_supported() -> bool:
@@ -161,7 +108,7 @@ class Host:
     switch: int = 0  # which switch (bridge) it hangs off
 
 
-class Fleet:
+class Fleet(NamespaceFleet):
     """N emulated hosts on one bridge; a context manager with explicit start()/stop()."""
 
     def __init__(self, n_hosts: int, rate: str | None = "1gbit", name: str | None = None,
@@ -200,13 +147,8 @@ class Fleet:
         self.queue = queue or TBF_LATENCY
         self.static_arp = static_arp
         self._name = name
-        self.id: str | None = None
         self.hosts: list[Host] = []
-        self._procs: list[subprocess.Popen] = []
-        self._lock = threading.Lock()
-        self._started = False
-        self._stopped = False
-        self._owner_pid = os.getpid()
+        super().__init__()
 
     # ---- names -------------------------------------------------------------------
     @property
@@ -229,43 +171,25 @@ class Fleet:
         assert self.id is not None
         return int(self.id) % 250 if self.id.isdigit() else zlib.crc32(self.id.encode()) % 250
 
-    # ---- lifecycle ---------------------------------------------------------------
-    def __enter__(self) -> "Fleet":
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def start(self) -> "Fleet":
-        if self._started:
-            raise MCCLError("[fleet] start() called twice; a Fleet is started once, then stopped")
-        check_prerequisites()
-        self._started = True
-        self._owner_pid = os.getpid()
-        atexit.register(self.stop)
-        try:
-            self._claim_id()
-            octet = self._subnet_octet()
-            switch_of = [k for k, size in enumerate(self.switch_sizes) for _ in range(size)]
-            self.hosts = [Host(i, f"{PREFIX}{self.id}h{i}", self._addr(i, octet), f"{PREFIX}{self.id}v{i}",
-                               switch=switch_of[i]) for i in range(self.n_hosts)]
-            if len(self.switch_sizes) > 1:
-                self._add_switches()
-            # Without snooping off the bridge drops mDNS until a multicast querier shows up.
-            _sh(["ip", "link", "set", self.bridge, "type", "bridge", "mcast_snooping", "0"])
-            _sh(["ip", "link", "set", self.bridge, "up"])
-            for h in self.hosts:
-                self._add_host(h)
-            if self.static_arp:
-                self._pin_neighbours()
-        except BaseException:
-            self.stop()
-            raise
+    # ---- lifecycle (netns_fleet.py) ---------------------------------------------
+    def _build(self) -> None:
+        self._claim_id()
+        octet = self._subnet_octet()
+        switch_of = [k for k, size in enumerate(self.switch_sizes) for _ in range(size)]
+        self.hosts = [Host(i, f"{PREFIX}{self.id}h{i}", self._addr(i, octet), f"{PREFIX}{self.id}v{i}",
+                           switch=switch_of[i]) for i in range(self.n_hosts)]
+        if len(self.switch_sizes) > 1:
+            self._add_switches()
+        # Without snooping off the bridge drops mDNS until a multicast querier shows up.
+        _sh(["ip", "link", "set", self.bridge, "type", "bridge", "mcast_snooping", "0"])
+        _sh(["ip", "link", "set", self.bridge, "up"])
+        for h in self.hosts:
+            self._add_host(h)
+        if self.static_arp:
+            self._pin_neighbours()
         log.info("fleet %s up: %d hosts on %s, rate %s, switches %s, uplinks %s %s", self.id, self.n_hosts,
                  self.bridge, self.rate or "unshaped", self.switch_sizes, self.uplink_rate or "unshaped",
                  self.uplink_delay or "")
-        return self
 
     @property
     def prefix_len(self) -> int:
@@ -277,22 +201,10 @@ class Fleet:
         return f"10.{100 + octet % 100}.{(i + 1) // 256}.{(i + 1) % 256}"
 
     def _claim_id(self) -> None:
-        """Pick an id nobody uses; creating the bridge is the atomic claim across processes."""
-        existing_ns = list_namespaces()
-        candidates = [self._name] if self._name else [str(random.randint(1, 9999)) for _ in range(50)]
-        for cand in candidates:
-            if any(ns.startswith(f"{PREFIX}{cand}h") for ns in existing_ns):
-                continue
-            res = _sh(["ip", "link", "add", f"{PREFIX}{cand}br", "type", "bridge"], check=False)
-            if res.returncode == 0:
-                self.id = cand
-                return
-            if "exists" not in res.stderr:
-                raise MCCLError(f"[fleet] could not create bridge {PREFIX}{cand}br: {res.stderr.strip()}")
-        raise ConfigError(
-            f"[fleet] no free fleet id (tried {', '.join(candidates[:5])}...); a fleet with that name "
-            "is already up or a crashed run left namespaces behind: run 'python -m tools.fleet down' "
-            "for it, or scripts/cleanup.sh")
+        self._claim_id_from([self._name] if self._name else self.random_ids(), lambda c: f"{PREFIX}{c}br",
+                            lambda c: any(ns.startswith(f"{PREFIX}{c}h") for ns in list_namespaces()),
+                            "a fleet with that name is already up or a crashed run left namespaces behind: run "
+                            "'python -m tools.fleet down' for it, or scripts/cleanup.sh")
 
     def _add_host(self, h: Host) -> None:
         tmp = f"{PREFIX}{self.id}p{h.index}"  # host end before it moves into the namespace
@@ -330,7 +242,7 @@ class Fleet:
                             for o in self.hosts if o is not h)
             try:
                 res = subprocess.run(["ip", "-n", h.ns, "-batch", "-"], input=lines, capture_output=True, text=True,
-                                     timeout=_CMD_TIMEOUT_S)
+                                     timeout=CMD_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 raise MCCLError(f"[fleet] Timed out pinning the neighbours of {h.ns}; the machine may be "
                                 "overloaded, retry") from None
@@ -352,100 +264,18 @@ class Fleet:
                 _sh(["ip", "link", "set", end, "up"])
                 shape_link(end, self.uplink_rate, self.uplink_delay, burst=uplink_burst(self.uplink_rate))
 
-    def stop(self) -> None:
-        """Kill every process in the fleet, delete namespaces, veths and bridge. Idempotent.
+    def _namespaces(self) -> list[str]:
+        return [h.ns for h in self.hosts]
 
-        Only the process that started the fleet tears it down: a forked child inherits the
-        atexit hook, and its exit must not pull the network out from under its parent."""
-        if os.getpid() != self._owner_pid:
-            return
-        with self._lock:
-            if self._stopped or not self._started:
-                self._stopped = self._stopped or self._started
-                return
-            self._stopped = True
-        try:
-            atexit.unregister(self.stop)
-        except Exception:  # pragma: no cover - interpreter shutting down
-            pass
-        if self.id is None:
-            return
-        self._kill_all()
+    def _teardown(self) -> None:
+        assert self.id is not None
         teardown(self.id)
-        log.info("fleet %s down", self.id)
-
-    def _kill_all(self) -> None:
-        for p in self._procs:
-            if p.poll() is None:
-                # Each child leads its own session, so its pid is also its group's id.
-                for kill in (lambda: os.killpg(p.pid, signal.SIGKILL), lambda: os.kill(p.pid, signal.SIGKILL)):
-                    try:
-                        kill()
-                    except (ProcessLookupError, PermissionError):
-                        pass
-        kill_namespace_pids([h.ns for h in self.hosts])
-        for p in self._procs:
-            try:
-                p.wait(timeout=_KILL_WAIT_S)
-            except subprocess.TimeoutExpired:
-                log.warning("[fleet] pid %d survived SIGKILL for %.0fs (stuck in the kernel?)", p.pid, _KILL_WAIT_S)
-
-    def release(self) -> None:
-        """Forget the fleet without tearing it down (``python -m tools.fleet up``);
-        ``python -m tools.fleet down <id>`` or ``teardown(id)`` removes it later."""
-        with self._lock:
-            self._stopped = True
-        atexit.unregister(self.stop)
 
     # ---- running things inside hosts ----------------------------------------------
-    def _host(self, i: int) -> Host:
-        if not self._started or self._stopped:
-            raise MCCLError("[fleet] the fleet is not running; call start() (or use 'with Fleet(...)') first")
+    def _ns(self, i: int) -> str:
         if not 0 <= i < len(self.hosts):
             raise ConfigError(f"[fleet] host index {i} is out of range; this fleet has {len(self.hosts)} hosts")
-        return self.hosts[i]
-
-    def exec_argv(self, i: int, argv: Sequence[str]) -> list[str]:
-        """The argv that runs ``argv`` inside host i (``ip netns exec`` execs, so pids match)."""
-        return ["ip", "netns", "exec", self._host(i).ns, *argv]
-
-    def popen(self, i: int, argv: Sequence[str], env: Mapping[str, str] | None = None, **kw) -> subprocess.Popen:
-        """Start ``argv`` inside host i. ``env`` is added on top of this process's environment.
-
-        The process leads its own session (so teardown can kill its children too) and is
-        tracked: stop() kills it.
-        """
-        full_env = dict(os.environ)
-        if env:
-            full_env.update(env)
-        kw.setdefault("start_new_session", True)
-        p = subprocess.Popen(self.exec_argv(i, argv), env=full_env, **kw)
-        self._procs.append(p)
-        return p
-
-    def run(self, i: int, argv: Sequence[str], timeout: float, env: Mapping[str, str] | None = None,
-            check: bool = False, **kw) -> subprocess.CompletedProcess:
-        """Run ``argv`` inside host i to completion, output captured as text.
-
-        After ``timeout`` seconds the process group is killed and subprocess.TimeoutExpired
-        raised, so a wedged command never stalls the caller."""
-        kw.setdefault("stdout", subprocess.PIPE)
-        kw.setdefault("stderr", subprocess.PIPE)
-        kw.setdefault("text", True)
-        p = self.popen(i, argv, env=env, **kw)
-        try:
-            out, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.communicate(timeout=_KILL_WAIT_S)
-            raise
-        res = subprocess.CompletedProcess(p.args, p.returncode, out, err)
-        if check:
-            res.check_returncode()
-        return res
+        return self.hosts[i].ns
 
     def pids(self) -> list[int]:
         """Pids of every process currently inside any of this fleet's namespaces."""
@@ -516,27 +346,6 @@ def wait_for_output(p: subprocess.Popen, marker: bytes, what: str, timeout: floa
                 return
     raise MCCLError(f"[fleet] {what} did not print {marker.decode()!r} within {timeout:.0f}s "
                     f"(exit code {p.poll()}): {seen.decode(errors='replace').strip()[-300:]}; is its port taken?")
-
-
-def kill_namespace_pids(namespaces: Sequence[str]) -> None:
-    """SIGKILL every process inside the given namespaces and wait until they are gone."""
-    deadline = time.monotonic() + _KILL_WAIT_S
-    while True:
-        alive = []
-        for ns in namespaces:
-            res = _sh(["ip", "netns", "pids", ns], check=False)
-            alive += [int(x) for x in res.stdout.split() if x.isdigit()]
-        if not alive:
-            return
-        if time.monotonic() > deadline:
-            log.warning("[fleet] pids %s still in namespaces %s after SIGKILL; deleting anyway", alive, namespaces)
-            return
-        for pid in alive:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.05)
 
 
 def teardown(fleet_id: str) -> None:

@@ -19,21 +19,16 @@ namespaces by pid first, then deletes namespaces, veths and bridges; it is idemp
 
 from __future__ import annotations
 
-import atexit
 import logging
-import os
-import random
 import re
-import signal
-import subprocess
-import threading
 import zlib
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Sequence
 
-from mccl_common.errors import ConfigError, MCCLError
+from mccl_common.errors import ConfigError
 
-from .fleet import PREFIX, _sh, check_prerequisites, kill_namespace_pids, list_links, list_namespaces
+from .fleet import PREFIX
+from .netns_fleet import NamespaceFleet, _sh, kill_namespace_pids, list_links, list_namespaces
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +36,6 @@ MAX_SUBNETS = 8
 MAX_HOSTS_PER_SUBNET = 16
 FIRST_NET = 79                   # 10.79.x.0/24, 10.80.x.0/24, ...: clear of tools/fleet.py's 10.77
 ROUTER_HOST = 254
-_KILL_WAIT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -54,7 +48,7 @@ class Host:
     ifname: str = "eth0"
 
 
-class SubnetFleet:
+class SubnetFleet(NamespaceFleet):
     """``sizes[s]`` hosts on subnet s, subnets joined by one router; a context manager."""
 
     def __init__(self, sizes: Sequence[int]):
@@ -62,12 +56,8 @@ class SubnetFleet:
             raise ConfigError(f"[fleet] subnets {list(sizes)}: use 1..{MAX_SUBNETS} subnets of "
                               f"1..{MAX_HOSTS_PER_SUBNET} hosts")
         self.sizes = list(sizes)
-        self.id: str | None = None
         self.hosts: dict[tuple[int, int], Host] = {}
-        self._procs: list[subprocess.Popen] = []
-        self._lock = threading.Lock()
-        self._started = self._stopped = False
-        self._owner_pid = os.getpid()
+        super().__init__()
 
     # ---- names -------------------------------------------------------------------------
     @property
@@ -87,47 +77,29 @@ class SubnetFleet:
         assert self.id is not None
         return zlib.crc32(self.id.encode()) % 250
 
-    # ---- lifecycle ---------------------------------------------------------------------
-    def __enter__(self) -> "SubnetFleet":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def start(self) -> "SubnetFleet":
-        if self._started:
-            raise MCCLError("[fleet] start() called twice; a SubnetFleet is started once, then stopped")
-        check_prerequisites()
-        self._started = True
-        self._owner_pid = os.getpid()
-        atexit.register(self.stop)
-        try:
-            self._claim_id()
-            _sh(["ip", "netns", "add", self.router])
-            _sh(["ip", "-n", self.router, "link", "set", "lo", "up"])
-            _sh(["ip", "netns", "exec", self.router, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
-            for s, n in enumerate(self.sizes):
-                self._add_subnet(s, n)
-        except BaseException:
-            self.stop()
-            raise
+    # ---- lifecycle (netns_fleet.py) -------------------------------------------------
+    def _build(self) -> None:
+        self._claim_id_from(self.random_ids(), lambda c: f"{PREFIX}{c}b0",
+                            lambda c: any(ns.startswith(f"{PREFIX}{c}") for ns in list_namespaces()),
+                            "a crashed run left bridges behind: scripts/cleanup.sh removes them")
+        _sh(["ip", "netns", "add", self.router])
+        _sh(["ip", "-n", self.router, "link", "set", "lo", "up"])
+        _sh(["ip", "netns", "exec", self.router, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
+        for s, n in enumerate(self.sizes):
+            self._add_subnet(s, n)
         log.info("subnet fleet %s up: subnets %s behind router %s", self.id, self.sizes, self.router)
-        return self
 
-    def _claim_id(self) -> None:
-        """Creating the first bridge is the atomic claim of an id across processes."""
-        existing = list_namespaces()
-        for cand in (str(random.randint(1, 9999)) for _ in range(50)):
-            if any(ns.startswith(f"{PREFIX}{cand}") for ns in existing):
-                continue
-            res = _sh(["ip", "link", "add", f"{PREFIX}{cand}b0", "type", "bridge"], check=False)
-            if res.returncode == 0:
-                self.id = cand
-                return
-            if "exists" not in res.stderr:
-                raise MCCLError(f"[fleet] could not create bridge {PREFIX}{cand}b0: {res.stderr.strip()}")
-        raise ConfigError("[fleet] no free subnet-fleet id after 50 tries; a crashed run left bridges behind: "
-                          "scripts/cleanup.sh removes them")
+    def _namespaces(self) -> list[str]:
+        return [h.ns for h in self.hosts.values()]
+
+    def _teardown(self) -> None:
+        assert self.id is not None
+        teardown(self.id)
+
+    def _ns(self, host: tuple[int, int]) -> str:
+        if host not in self.hosts:
+            raise ConfigError(f"[fleet] no host {host}; hosts are (subnet, index) of {self.sizes}")
+        return self.hosts[host].ns
 
     def _add_subnet(self, s: int, n: int) -> None:
         br = self.bridge(s)
@@ -164,60 +136,6 @@ class SubnetFleet:
         _sh(n + ["link", "set", "lo", "up"])
         _sh(n + ["route", "add", "default", "via", self.gateway(h.subnet)])
         _sh(n + ["route", "add", "224.0.0.0/4", "dev", h.ifname])   # mDNS out of eth0 (it stops at the router)
-
-    def stop(self) -> None:
-        """Kill every process in the namespaces, then delete them, the veths and the bridges.
-        Only the process that started the fleet tears it down (a forked child inherits atexit)."""
-        if os.getpid() != self._owner_pid:
-            return
-        with self._lock:
-            if self._stopped or not self._started:
-                self._stopped = self._stopped or self._started
-                return
-            self._stopped = True
-        atexit.unregister(self.stop)
-        if self.id is None:
-            return
-        for p in self._procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-        teardown(self.id)
-        for p in self._procs:
-            try:
-                p.wait(timeout=_KILL_WAIT_S)
-            except subprocess.TimeoutExpired:
-                log.warning("[fleet] pid %d survived SIGKILL for %.0f s", p.pid, _KILL_WAIT_S)
-        log.info("subnet fleet %s down", self.id)
-
-    # ---- running things inside hosts ---------------------------------------------------
-    def exec_argv(self, host: tuple[int, int], argv: Sequence[str]) -> list[str]:
-        if not self._started or self._stopped:
-            raise MCCLError("[fleet] the subnet fleet is not running; start() it first")
-        if host not in self.hosts:
-            raise ConfigError(f"[fleet] no host {host}; hosts are (subnet, index) of {self.sizes}")
-        return ["ip", "netns", "exec", self.hosts[host].ns, *argv]
-
-    def popen(self, host: tuple[int, int], argv: Sequence[str], env: Mapping[str, str] | None = None,
-              **kw) -> subprocess.Popen:
-        """Start ``argv`` inside ``host`` in a session of its own (stop() kills its group)."""
-        kw.setdefault("start_new_session", True)
-        p = subprocess.Popen(self.exec_argv(host, argv), env={**os.environ, **(env or {})}, **kw)
-        self._procs.append(p)
-        return p
-
-    def run(self, host: tuple[int, int], argv: Sequence[str], timeout: float,
-            env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
-        p = self.popen(host, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            out, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.communicate(timeout=_KILL_WAIT_S)
-            raise
-        return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
 def teardown(fleet_id: str) -> None:

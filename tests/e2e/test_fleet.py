@@ -13,6 +13,7 @@ import time
 import pytest
 
 from tools import fleet as fleet_mod
+from tools import netns_fleet
 from mccl_common.errors import ConfigError
 from tools.fleet import PREFIX, Fleet, list_links, list_namespaces
 from tools.fleet_cli import iperf3_pair, unreachable_pairs
@@ -164,15 +165,15 @@ def test_teardown_on_exception():
 
 @pytest.mark.timeout(10)
 def test_refuses_without_root(monkeypatch):
-    monkeypatch.setattr(fleet_mod, "_is_root", lambda: False)
+    monkeypatch.setattr(netns_fleet, "_is_root", lambda: False)
     with pytest.raises(ConfigError, match=r"\[fleet\] needs root"):
         Fleet(2).start()
 
 
 @pytest.mark.timeout(10)
 def test_refuses_when_tools_missing(monkeypatch):
-    monkeypatch.setattr(fleet_mod, "_is_root", lambda: True)
-    monkeypatch.setattr(fleet_mod.shutil, "which", lambda tool: None if tool == "tc" else "/usr/sbin/" + tool)
+    monkeypatch.setattr(netns_fleet, "_is_root", lambda: True)
+    monkeypatch.setattr(netns_fleet.shutil, "which", lambda tool: None if tool == "tc" else "/usr/sbin/" + tool)
     with pytest.raises(ConfigError, match="'tc' command is missing"):
         Fleet(2).start()
 

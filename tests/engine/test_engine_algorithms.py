@@ -248,6 +248,16 @@ def test_ticketed_allreduce_runs_the_model_below_a_piece_and_the_ring_above():
         run_threads(n, lambda r: comms[r].shutdown(5.0))
 
 
+def allreduce_error(c, count: int) -> MCCLError | None:
+    """The error one float32 SUM all-reduce of ``count`` ones raises on ``c``, or None."""
+    a = np.ones(count, np.float32)
+    try:
+        c.wait(c.allreduce(ptr(a), a.size, DTYPES["float32"][1], OPS["SUM"]), 20)
+    except MCCLError as e:
+        return e
+    return None
+
+
 def test_ranks_pinning_different_algorithms_fail_with_a_mismatch():
     """Two ranks that choose differently must not exchange frames of different shapes: the
     algorithm is in every op's signature."""
@@ -257,16 +267,8 @@ def test_ranks_pinning_different_algorithms_fail_with_a_mismatch():
     comms = run_threads(3, lambda r: _core.Communicator(r, 3, 8, listeners[r], addrs, opts_for(specs[r]),
                                                         secret=job_secret()))
 
-    def body(r, c):
-        a = np.ones(1000, np.float32)
-        try:
-            c.wait(c.allreduce(ptr(a), a.size, DTYPES["float32"][1], OPS["SUM"]), 20)
-        except MCCLError as e:
-            return e
-        return None
-
     try:
-        errors = run_ranks(comms, body, timeout=40)
+        errors = run_ranks(comms, lambda r, c: allreduce_error(c, 1000), timeout=40)
         # Rank 2 hears from both neighbours; ranks 0 and 1 at least one of them says it.
         assert isinstance(errors[2], CollectiveMismatch), errors
         assert "algorithm mismatch" in str(errors[2]) and "MCCL_ALGO" in str(errors[2])
@@ -349,18 +351,8 @@ def test_a_stalled_step_is_named_in_the_timeout():
     from mccl_common.errors import CollectiveTimeout
     comms = build(3, opts=opts_for("allreduce=rd", timeout_s=1.0))
 
-    def body(r, c):
-        if r == 2:
-            return None
-        a = np.ones(10, np.float32)
-        try:
-            c.wait(c.allreduce(ptr(a), a.size, DTYPES["float32"][1], OPS["SUM"]), 20)
-        except MCCLError as e:
-            return e
-        return None
-
     try:
-        errors = run_ranks(comms, body, timeout=40)
+        errors = run_ranks(comms, lambda r, c: None if r == 2 else allreduce_error(c, 10), timeout=40)
         assert isinstance(errors[0], CollectiveTimeout) and "fold-in from the extra rank" in str(errors[0]), errors
         assert isinstance(errors[1], MCCLError), errors
     finally:

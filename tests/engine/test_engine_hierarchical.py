@@ -189,13 +189,12 @@ def test_a_pipelined_allreduce_with_tickets_runs_by_switch_and_is_exact():
         np.testing.assert_allclose(out, ref, rtol=1e-6)
 
 
-def test_ranks_given_different_groupings_fail_with_a_topology_mismatch():
-    layouts = [[0, 0, 1, 1], [0, 0, 1, 1], [0, 0, 1, 1], [0, 1, 0, 1]]
+def _mismatch_errors(opts: list, comm_id: int) -> list:
+    """What each of four ranks built with ``opts[r]`` gets from one all-reduce."""
     from support.engine import job_secret, run_threads
     listeners = [_core.Listener("127.0.0.1", 0) for _ in range(4)]
     addrs = [x.address for x in listeners]
-    comms = run_threads(4, lambda r: _core.Communicator(r, 4, 11, listeners[r], addrs,
-                                                        options(layouts[r], timeout_s=10.0),
+    comms = run_threads(4, lambda r: _core.Communicator(r, 4, comm_id, listeners[r], addrs, opts[r],
                                                         secret=job_secret()))
     try:
         def body(r, c):
@@ -210,6 +209,12 @@ def test_ranks_given_different_groupings_fail_with_a_topology_mismatch():
     finally:
         run_threads(4, lambda r: comms[r].abort("test over"))
     assert all(errors), errors  # every rank fails, none hangs or succeeds
+    return errors
+
+
+def test_ranks_given_different_groupings_fail_with_a_topology_mismatch():
+    layouts = [[0, 0, 1, 1], [0, 0, 1, 1], [0, 0, 1, 1], [0, 1, 0, 1]]
+    errors = _mismatch_errors([options(layouts[r], timeout_s=10.0) for r in range(4)], 11)
     assert any("topology mismatch" in e and "MCCL_TOPOLOGY" in e for e in errors), errors
 
 
@@ -262,23 +267,7 @@ def test_the_switch_ring_is_exact_and_talks_only_to_its_ring_neighbours_in_switc
 
 
 def test_ranks_running_the_tree_and_the_ring_fail_with_a_topology_mismatch():
-    from support.engine import job_secret, run_threads
-    listeners = [_core.Listener("127.0.0.1", 0) for _ in range(4)]
-    addrs = [x.address for x in listeners]
     opts = [options([0, 1, 0, 1], timeout_s=10.0) for _ in range(4)]
     opts[2].hierarchy_ring = True
-    comms = run_threads(4, lambda r: _core.Communicator(r, 4, 13, listeners[r], addrs, opts[r], secret=job_secret()))
-    try:
-        def body(r, c):
-            a = np.ones(1 << 18, dtype=np.float32)
-            try:
-                c.wait(c.allreduce(ptr(a), a.size, DT[a.dtype], SUM), 30.0)
-            except MCCLError as e:
-                return str(e)
-            return None
-
-        errors = run_ranks(comms, body)
-    finally:
-        run_threads(4, lambda r: comms[r].abort("test over"))
-    assert all(errors), errors
+    errors = _mismatch_errors(opts, 13)
     assert any("topology mismatch" in e and "MCCL_HIERARCHY" in e for e in errors), errors
