@@ -91,7 +91,8 @@ def _cell(gbps: float | None, pct: float | None) -> str:
 
 def table(figs: list[Figure]) -> str:
     """Markdown: busbw in Gbit/s per host and % of the ring ceiling measured in the same run."""
-    lines = [f"| config (all-reduce, {_size()}) | MCCL | Gloo | ring ceiling | run |",
+    lines = [f"| config (all-reduce, {_size()}) | MCCL, Gbit/s (% of ceiling) | Gloo, Gbit/s (% of ceiling) | "
+             "ring ceiling, Gbit/s | run |",
              "|---|---|---|---|---|"]
     for f in figs:
         folder = str(Path(f.row.path).parent)
