@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 # torch is pinned: a bare `torch` resolves to several GB of CUDA wheels.
 PY_PKGS=(torch==2.13.0 "pybind11>=2.12" "scikit-build-core>=0.10" ninja cmake "pyzmq>=25"
          "zeroconf>=0.130" "prometheus-client>=0.19" "cryptography>=42" "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" numpy
-         matplotlib)
+         matplotlib "grafana-foundation-sdk==1769699379!11.6.0")
 APT_PKGS=(prometheus iperf3 iproute2 procps libssl-dev)
 
 need_apt=()
@@ -33,7 +33,7 @@ if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv"
   python3 -m venv .venv
 fi
-if ! .venv/bin/python -c "import torch, zmq, zeroconf, prometheus_client, cryptography, pytest_timeout, hypothesis, pybind11, scikit_build_core" 2>/dev/null; then
+if ! .venv/bin/python -c "import torch, zmq, zeroconf, prometheus_client, cryptography, pytest_timeout, hypothesis, pybind11, scikit_build_core, matplotlib, grafana_foundation_sdk" 2>/dev/null; then
   echo "[setup] pip install ${PY_PKGS[*]}"
   .venv/bin/python -m pip install -q --disable-pip-version-check "${PY_PKGS[@]}"
 fi

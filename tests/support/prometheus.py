@@ -198,10 +198,13 @@ def resolve_variables(prom: PrometheusServer, variables: list[dict]) -> dict[str
     """What Grafana would substitute: "All" -> allValue, else the first value Prometheus has."""
     values = {"__rate_interval": RATE_INTERVAL}
     for var in variables:
-        m = re.fullmatch(r"label_values\((\w+),\s*(\w+)\)", var["definition"])
-        assert m, f"variable {var['name']}: unsupported query {var['definition']!r}"
+        # grafana-foundation-sdk writes the query as a string; Grafana's editor saves it as an
+        # object beside a "definition"
+        query = var["query"]["query"] if isinstance(var["query"], dict) else var["query"]
+        m = re.fullmatch(r"label_values\((\w+),\s*(\w+)\)", query)
+        assert m, f"variable {var['name']}: unsupported query {query!r}"
         found = prom.api(f"label/{m.group(2)}/values", {"match[]": m.group(1)})
-        assert found, f"variable {var['name']} ({var['definition']}) has no values"
+        assert found, f"variable {var['name']} ({query}) has no values"
         values[var["name"]] = var["allValue"] if var.get("includeAll") else found[0]
     return values
 

@@ -1,4 +1,6 @@
 """mccl-bench: ``python -m tools.bench [options]`` runs a sweep; ``... plot RESULTS.json... OUT.png`` plots;
+``python -m tools.bench plot`` alone redraws the README's performance table and docs/img/performance.png
+from the committed runs tools/bench/summary.py names;
 ``python -m tools.bench table RESULTS.json...`` prints saved results as Markdown tables;
 ``python -m tools.bench scale ...`` runs the scale benchmark (engine-only ranks, 8-256 hosts, scale.py).
 
@@ -14,6 +16,7 @@ Examples::
         --mode in-process,topology,topology-ring --backends mccl --ops all_reduce --sizes 64M
                                                        # by switch (tree, ring) vs a zig-zag flat ring, 2:1 uplinks
     python -m tools.bench plot n4.json docs/img/n4-1gbit.png
+    python -m tools.bench plot                                    # README.md's table, docs/img/performance.png
     python -m tools.bench table n4.json
     python -m tools.bench scale --hosts 8,64,200 --rate 10gbit --delay 30us --out-dir docs/results/x
 """
@@ -126,8 +129,18 @@ def _write_json(path: str | None, result: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["plot"]:
+        if len(argv) == 1:   # the README's table and plot, from the runs tools/bench/summary.py names
+            from .summary import PLOT, README, main as summary_main
+
+            try:
+                print(summary_main())
+            except MCCLError as e:
+                print(e, file=sys.stderr)
+                return 2
+            print(f"wrote the table into {README.name} and {PLOT.relative_to(README.parent)}")
+            return 0
         if len(argv) < 3:
-            print("usage: python -m tools.bench plot RESULTS.json [MORE.json...] OUT.png", file=sys.stderr)
+            print("usage: python -m tools.bench plot [RESULTS.json [MORE.json...] OUT.png]", file=sys.stderr)
             return 2
         from .plot import plot
 

@@ -10,11 +10,12 @@ from mccl_common.errors import ConfigError
 from .metrics import fmt_bytes
 from .report import where, series_of
 
-_STYLE = {"mccl": dict(color="#d62728", marker="o"), "mccl-daemon": dict(color="#ff7f0e", marker="^"),
-          "mccl-daemon-shared": dict(color="#2ca02c", marker="v"), "gloo": dict(color="#1f77b4", marker="s")}
+STYLE = {"mccl": dict(color="#d62728", marker="o"), "mccl-daemon": dict(color="#ff7f0e", marker="^"),
+         "mccl-daemon-shared": dict(color="#2ca02c", marker="v"), "gloo": dict(color="#1f77b4", marker="s")}
 
 
-def plot(results_paths: list[str], out_png: str, title: str | None = None) -> None:
+def pyplot():
+    """matplotlib.pyplot drawing to files only (no display needed)."""
     try:
         import matplotlib
 
@@ -22,6 +23,11 @@ def plot(results_paths: list[str], out_png: str, title: str | None = None) -> No
         import matplotlib.pyplot as plt
     except ImportError:
         raise ConfigError("[bench] plotting needs matplotlib: pip install 'mccl[bench]'") from None
+    return plt
+
+
+def plot(results_paths: list[str], out_png: str, title: str | None = None) -> None:
+    plt = pyplot()
     results = []
     for p in results_paths:
         with open(p) as f:
@@ -43,7 +49,7 @@ def plot(results_paths: list[str], out_png: str, title: str | None = None) -> No
                              if r["op"] == op and series_of(r) == series)
                 if pts:
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"{series} {tag}".strip(),
-                            **_STYLE.get(series, {}), markersize=4)
+                            **STYLE.get(series, {}), markersize=4)
             if res["ceiling"]:
                 c = res["ceiling"]["mean_bps"] / 1e9
                 ax.axhline(c, color="black", linestyle="--", linewidth=1,
