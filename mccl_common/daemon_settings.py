@@ -258,21 +258,36 @@ def key_paths(cfg: DaemonConfig) -> tuple[Path, ...]:
 
 
 def read_key_file(explicit: str, defaults: tuple[str, ...], env: str) -> bytes | None:
-    """A key from ``explicit`` (must exist) or the first of ``defaults`` that exists; None if none
-    does. A file readable by group or others, or a short key, is refused."""
+    """A key from ``explicit`` (must exist) or the first of ``defaults`` that exists and this
+    user can read; None if none exists. A file readable by group or others, or a short key, is
+    refused. A default this user may not read (the service's own /etc/mccl, mode 0750) is
+    skipped for the next one, and named if no other is found."""
     candidates = [explicit] if explicit else list(defaults)
+    denied: list[Path] = []
     for raw in candidates:
         path = Path(raw).expanduser()
-        if not path.exists():
+        try:
+            if not path.exists():
+                if explicit:
+                    raise ConfigError(f"[config] {env}={raw!r} does not exist; "
+                                      f"create it with `mccld keygen {raw}` and copy it where it is needed")
+                continue
+            mode = stat.S_IMODE(path.stat().st_mode)
+            if mode & 0o077:
+                raise ConfigError(f"[config] key file {path} has mode {mode:04o}; it must not be readable "
+                                  f"by group or others: run `chmod 600 {path}`")
+            raw_key = path.read_bytes()
+        except PermissionError:
             if explicit:
-                raise ConfigError(f"[config] {env}={raw!r} does not exist; "
-                                  f"create it with `mccld keygen {raw}` and copy it where it is needed")
+                raise ConfigError(f"[config] {env}={raw!r} cannot be read by this user (uid {os.getuid()}); "
+                                  f"use a copy of the key that this user owns, mode 0600") from None
+            denied.append(path)
             continue
-        mode = stat.S_IMODE(path.stat().st_mode)
-        if mode & 0o077:
-            raise ConfigError(f"[config] key file {path} has mode {mode:04o}; it must not be readable "
-                              f"by group or others: run `chmod 600 {path}`")
-        return key_material(path.read_bytes(), f"key file {path}", f"mccld keygen {path}")
+        return key_material(raw_key, f"key file {path}", f"mccld keygen {path}")
+    if denied:
+        raise ConfigError(f"[config] the key file {denied[0]} exists but this user (uid {os.getuid()}) may not "
+                          f"read it (it is the service's); copy the key to a file this user owns, mode 0600, "
+                          f"and set {env} to it")
     return None
 
 

@@ -11,7 +11,7 @@ from mccl_common.errors import ConfigError
 from mccl_common.settings import ALL_SETTINGS, markdown_table
 
 from mccl_common import netif
-from mccl_common.daemon_settings import DaemonConfig, load_config, runtime_dir, write_key_file
+from mccl_common.daemon_settings import DaemonConfig, load_config, read_key_file, runtime_dir, write_key_file
 
 
 @pytest.mark.timeout(10)
@@ -39,6 +39,65 @@ def test_key_file_must_be_private(tmp_path):
         load_config(env={"MCCL_KEY_FILE": str(tmp_path / "missing")}).read_key()
     with pytest.raises(FileExistsError):
         write_key_file(str(key))  # never overwrite a fleet key
+
+
+@pytest.mark.timeout(30)
+def test_a_key_file_this_user_may_not_read_is_skipped_or_named():
+    """A user outside the service's group running mcclctl: /etc/mccl (0750) holds a key it may
+    not read. The next default is used; with none, a ConfigError says what to do (it used to
+    be an uncaught PermissionError)."""
+    import shutil
+    import tempfile
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a child as another user")
+    nobody = 65534
+    top = tempfile.mkdtemp(prefix="mccl-keyperm-")
+    try:
+        os.chmod(top, 0o755)
+        service = os.path.join(top, "etc-mccl")
+        os.mkdir(service, 0o750)          # root:root 0750: nobody may not look inside
+        denied = write_key_file(os.path.join(service, "fleet.key"))
+        home = os.path.join(top, "home")
+        os.mkdir(home, 0o700)
+        own = write_key_file(os.path.join(home, "fleet.key"))
+        os.chown(home, nobody, -1)
+        os.chown(own, nobody, -1)
+
+        def read(*args: str) -> str:
+            # A forked child, not a new interpreter: this one lives under /root, which
+            # nobody may not enter.
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - the child
+                try:
+                    os.close(r)
+                    os.setgid(nobody)
+                    os.setuid(nobody)
+                    try:
+                        key = read_key_file(args[0], tuple(args[1:]), "MCCL_KEY_FILE")
+                        out = f"key {len(key) if key else None}"
+                    except ConfigError as e:
+                        out = f"ConfigError {e}"
+                    os.write(w, out.encode())
+                finally:
+                    os._exit(0)
+            os.close(w)
+            try:
+                with os.fdopen(r, "rb") as f:
+                    out = f.read().decode()
+            finally:
+                _, status = os.waitpid(pid, 0)
+            assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+            return out
+
+        assert read("", str(denied), str(own)) == "key 32"
+        out = read("", str(denied))
+        assert out.startswith("ConfigError") and str(denied) in out and "MCCL_KEY_FILE" in out, out
+        out = read(str(denied))
+        assert out.startswith("ConfigError") and "cannot be read by this user" in out, out
+        assert read("", os.path.join(home, "missing")) == "key None"
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
 
 
 @pytest.mark.timeout(10)
