@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import sys
 import time
 
@@ -124,8 +125,8 @@ def _metallib_check() -> tuple[str, bool, str]:
         return name, False, f"{path} was not built (CMake builds it where `xcrun metal` exists)"
     with open(path, "rb") as f:
         blob = f.read()
-    # A metallib's function list stores each host name as a NUL-terminated string.
-    missing = [k for k in KERNELS if k.encode() + b"\0" not in blob]
+    # A metallib's function list stores each host name as a string (no name is a prefix of another).
+    missing = [k for k in KERNELS if k.encode() not in blob]
     return name, not missing, f"missing: {missing}" if missing else f"{len(blob)} bytes"
 
 
@@ -142,6 +143,7 @@ def main() -> int:
     ap.add_argument("--json", help="write what ran, whether MPS was present, and each check's result here")
     ap.add_argument("--no-mps-ok", action="store_true",
                     help="without MPS (a hosted runner), pass on the checks that need no GPU")
+    ap.add_argument("--summary", help="append the results as Markdown here (a GitHub job summary)")
     args = ap.parse_args()
     mps = torch.backends.mps.is_available()
     record = {"platform": sys.platform, "torch": torch.__version__, "mps_available": mps,
@@ -151,7 +153,7 @@ def main() -> int:
     failed = not _report(no_gpu)
     if not mps:
         print("SKIP the rank checks: torch reports MPS unavailable (they need Apple silicon with a Metal GPU)")
-        _write(args.json, record)
+        _write(args.json, args.summary, record)
         return 1 if failed or not args.no_mps_ok else 0
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -169,14 +171,26 @@ def main() -> int:
         failed |= not ok
         print(("PASS " if ok else "FAIL ") + name)
     record["ranks"] = {str(r): rows for r, rows in results.items()}
-    _write(args.json, record)
+    _write(args.json, args.summary, record)
     return 1 if failed else 0
 
 
-def _write(path: str | None, record: dict) -> None:
+def _write(path: str | None, summary: str | None, record: dict) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(record, f, indent=1)
+    if not summary:
+        return
+    lines = [f"### metal_check on {platform.platform()}, torch {record['torch']}", "",
+             f"MPS present: **{'yes' if record['mps_available'] else 'no'}**"
+             + ("" if record["mps_available"] else " (the checks on a GPU did not run)"), "",
+             "| check | rank | result | detail |", "|---|---|---|---|"]
+    rows = [("-", r) for r in record["no_gpu_checks"]]
+    rows += [(rank, r) for rank, rank_rows in sorted(record["ranks"].items()) for r in rank_rows]
+    for rank, (name, ok, detail) in rows:
+        lines.append(f"| {name} | {rank} | {'PASS' if ok else 'FAIL'} | {detail.replace('|', '/')} |")
+    with open(summary, "a") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

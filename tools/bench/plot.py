@@ -21,7 +21,7 @@ def plot(results_paths: list[str], out_png: str, title: str | None = None) -> No
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ConfigError("[bench] plotting needs matplotlib: pip install 'mccl[bench]'") from None
+        raise ConfigError("[bench] plotting needs matplotlib: pip install 'mccl-fleet[bench]'") from None
     results = []
     for p in results_paths:
         with open(p) as f:
