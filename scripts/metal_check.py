@@ -130,6 +130,19 @@ def _metallib_check() -> tuple[str, bool, str]:
     return name, not missing, f"missing: {missing}" if missing else f"{len(blob)} bytes"
 
 
+def _mps_usable() -> tuple[bool, str]:
+    """torch's is_available() is not enough: GitHub's hosted Apple-silicon runners (VMs) report
+    MPS available, then fail every allocation ("MPS backend out of memory ... MPS allocated: 0
+    bytes", actions/runner-images#9918). A small kernel round trip decides."""
+    if not torch.backends.mps.is_available():
+        return False, "torch reports MPS unavailable"
+    try:
+        got = torch.ones(1024, device="mps").add_(1).sum().item()
+    except RuntimeError as exc:
+        return False, f"torch reports MPS available, but a first kernel failed: {str(exc).splitlines()[0]}"
+    return got == 2048, f"a first kernel on mps gave {got}, expected 2048" if got != 2048 else ""
+
+
 def _report(rows: list[tuple[str, bool, str]]) -> bool:
     for name, ok, detail in rows:
         print(("PASS " if ok else "FAIL ") + name + (f": {detail}" if detail and not ok else ""))
@@ -145,14 +158,15 @@ def main() -> int:
                     help="without MPS (a hosted runner), pass on the checks that need no GPU")
     ap.add_argument("--summary", help="append the results as Markdown here (a GitHub job summary)")
     args = ap.parse_args()
-    mps = torch.backends.mps.is_available()
-    record = {"platform": sys.platform, "torch": torch.__version__, "mps_available": mps,
+    mps, why_not = _mps_usable()
+    record = {"platform": sys.platform, "torch": torch.__version__,
+              "mps_reported": torch.backends.mps.is_available(), "mps_available": mps, "mps_detail": why_not,
               "no_gpu_checks": [], "ranks": {}}
     no_gpu = [_bridge_check(), _metallib_check()]
     record["no_gpu_checks"] = no_gpu
     failed = not _report(no_gpu)
     if not mps:
-        print("SKIP the rank checks: torch reports MPS unavailable (they need Apple silicon with a Metal GPU)")
+        print(f"SKIP the rank checks: {why_not} (they need Apple silicon with a usable Metal GPU)")
         _write(args.json, args.summary, record)
         return 1 if failed or not args.no_mps_ok else 0
     ctx = mp.get_context("spawn")
@@ -182,8 +196,8 @@ def _write(path: str | None, summary: str | None, record: dict) -> None:
     if not summary:
         return
     lines = [f"### metal_check on {platform.platform()}, torch {record['torch']}", "",
-             f"MPS present: **{'yes' if record['mps_available'] else 'no'}**"
-             + ("" if record["mps_available"] else " (the checks on a GPU did not run)"), "",
+             f"MPS usable: **{'yes' if record['mps_available'] else 'no'}**"
+             + ("" if record["mps_available"] else f" ({record['mps_detail']}; the checks on a GPU did not run)"), "",
              "| check | rank | result | detail |", "|---|---|---|---|"]
     rows = [("-", r) for r in record["no_gpu_checks"]]
     rows += [(rank, r) for rank, rank_rows in sorted(record["ranks"].items()) for r in rank_rows]
