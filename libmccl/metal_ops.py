@@ -317,6 +317,6 @@ class MetalDevice:
 
 
 def bridge_path() -> str:
-    """Where the build puts the bridge: next to the engine extension."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    return os.path.join(here, "libmccl_metal.dylib")
+    """Where the build puts the bridge: next to the engine extension. Not next to this file: an
+    editable install leaves the sources in the checkout and installs what CMake built elsewhere."""
+    return os.path.join(os.path.dirname(os.path.abspath(_core.__file__)), "libmccl_metal.dylib")

@@ -1,9 +1,15 @@
-"""The Metal bridge on a Mac, end to end: what CI (Linux) cannot run. NOT run by this repository.
+"""The Metal bridge on a Mac, end to end: what CI (Linux) cannot run. The macOS workflow
+(.github/workflows/macos.yml) runs it on GitHub's Apple-silicon runners; metal/README.md says
+which of its checks need a GPU.
 
-    pip install --no-build-isolation -e .      # builds metal/bridge on macOS
-    python scripts/metal_check.py [--ranks 2] [--json out.json]
+    pip install --no-build-isolation -e .      # builds metal/bridge (and the .metallib) on macOS
+    python scripts/metal_check.py [--ranks 2] [--json out.json] [--no-mps-ok]
 
-Ranks are processes on one Mac (loopback). Each check prints PASS/FAIL:
+Without a GPU (checked first, in this process):
+  a. the bridge library is built, loads, speaks this mccl's ABI and finds torch's three
+     torch::mps entry points in libtorch_cpu (its open then stops at MTLCreateSystemDefaultDevice);
+  b. mccl_reduce.metallib was built and names every kernel metal/README.md lists.
+With MPS, ranks are processes on one Mac (loopback). Each check prints PASS/FAIL:
   1. the bridge loads (MCCL_UNIFIED_COLLECTIVE=1), and which storage mode torch's mps tensors have;
   2. all_reduce of mps tensors written by GPU kernels just before the call equals Gloo's on CPU copies
      (SUM and AVG, float32/float16/bfloat16, several sizes), in place or staged;
@@ -16,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import sys
 import time
 
@@ -85,15 +92,83 @@ def _rank(rank: int, world: int, port: int, out: "mp.Queue") -> None:
     out.put((rank, rows))
 
 
+# The kernels metal/reduce.metal instantiates (metal/README.md, "Kernels").
+KERNELS = ([f"mccl_reduce_{op}_{dt}" for op in ("sum", "min", "max", "product")
+            for dt in ("float32", "float16", "bfloat16", "int32")]
+           + [f"mccl_reduce_{op}_int32" for op in ("band", "bor", "bxor")]
+           + [f"mccl_finalize_avg_{dt}" for dt in ("float32", "float16", "bfloat16", "int32")])
+
+
+def _bridge_check() -> tuple[str, bool, str]:
+    """Loads the bridge as the backend would; without a Metal GPU its open fails only after the
+    torch symbols were found, at MTLCreateSystemDefaultDevice, which still proves the rest."""
+    from mccl_common.errors import ConfigError
+    from libmccl import metal_ops, metal_tensors
+
+    name = "the Metal bridge loads, matches this mccl's ABI and finds torch::mps in libtorch_cpu"
+    if not os.path.exists(metal_ops.bridge_path()):
+        return name, False, f"{metal_ops.bridge_path()} was not built"
+    try:
+        metal_tensors.device()
+    except ConfigError as exc:
+        no_gpu = "MTLCreateSystemDefaultDevice returned nil" in str(exc)
+        return name + (" (no Metal GPU: stopped at MTLCreateSystemDefaultDevice)" if no_gpu else ""), no_gpu, str(exc)
+    return name + " (a Metal GPU is present)", True, ""
+
+
+def _metallib_check() -> tuple[str, bool, str]:
+    from libmccl import metal_ops
+
+    path = os.path.join(os.path.dirname(metal_ops.bridge_path()), "mccl_reduce.metallib")
+    name = f"mccl_reduce.metallib holds the {len(KERNELS)} kernels"
+    if not os.path.exists(path):
+        return name, False, f"{path} was not built (CMake builds it where `xcrun metal` exists)"
+    with open(path, "rb") as f:
+        blob = f.read()
+    # A metallib's function list stores each host name as a string (no name is a prefix of another).
+    missing = [k for k in KERNELS if k.encode() not in blob]
+    return name, not missing, f"missing: {missing}" if missing else f"{len(blob)} bytes"
+
+
+def _mps_usable() -> tuple[bool, str]:
+    """torch's is_available() is not enough: GitHub's hosted Apple-silicon runners (VMs) report
+    MPS available, then fail every allocation ("MPS backend out of memory ... MPS allocated: 0
+    bytes", actions/runner-images#9918). A small kernel round trip decides."""
+    if not torch.backends.mps.is_available():
+        return False, "torch reports MPS unavailable"
+    try:
+        got = torch.ones(1024, device="mps").add_(1).sum().item()
+    except RuntimeError as exc:
+        return False, f"torch reports MPS available, but a first kernel failed: {str(exc).splitlines()[0]}"
+    return got == 2048, f"a first kernel on mps gave {got}, expected 2048" if got != 2048 else ""
+
+
+def _report(rows: list[tuple[str, bool, str]]) -> bool:
+    for name, ok, detail in rows:
+        print(("PASS " if ok else "FAIL ") + name + (f": {detail}" if detail and not ok else ""))
+    return all(ok for _, ok, _ in rows)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--port", type=int, default=29731)
-    ap.add_argument("--json")
+    ap.add_argument("--json", help="write what ran, whether MPS was present, and each check's result here")
+    ap.add_argument("--no-mps-ok", action="store_true",
+                    help="without MPS (a hosted runner), pass on the checks that need no GPU")
+    ap.add_argument("--summary", help="append the results as Markdown here (a GitHub job summary)")
     args = ap.parse_args()
-    if not torch.backends.mps.is_available():
-        print("FAIL torch reports MPS unavailable: run this on Apple silicon")
-        return 1
+    mps, why_not = _mps_usable()
+    record = {"platform": sys.platform, "torch": torch.__version__,
+              "mps_reported": torch.backends.mps.is_available(), "mps_available": mps, "mps_detail": why_not,
+              "no_gpu_checks": [], "ranks": {}}
+    no_gpu = [_bridge_check(), _metallib_check()]
+    record["no_gpu_checks"] = no_gpu
+    failed = not _report(no_gpu)
+    if not mps:
+        print(f"SKIP the rank checks: {why_not} (they need Apple silicon with a usable Metal GPU)")
+        _write(args.json, args.summary, record)
+        return 1 if failed or not args.no_mps_ok else 0
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, args.ranks, args.port, out)) for r in range(args.ranks)]
@@ -105,15 +180,31 @@ def main() -> int:
         results[r] = rows
     for p in procs:
         p.join(60)
-    failed = False
     for i, (name, _, _) in enumerate(results[0]):
         ok = all(rows[i][1] for rows in results.values())  # every rank ran the same checks in order
         failed |= not ok
         print(("PASS " if ok else "FAIL ") + name)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({str(r): rows for r, rows in results.items()}, f, indent=1)
+    record["ranks"] = {str(r): rows for r, rows in results.items()}
+    _write(args.json, args.summary, record)
     return 1 if failed else 0
+
+
+def _write(path: str | None, summary: str | None, record: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(record, f, indent=1)
+    if not summary:
+        return
+    lines = [f"### metal_check on {platform.platform()}, torch {record['torch']}", "",
+             f"MPS usable: **{'yes' if record['mps_available'] else 'no'}**"
+             + ("" if record["mps_available"] else f" ({record['mps_detail']}; the checks on a GPU did not run)"), "",
+             "| check | rank | result | detail |", "|---|---|---|---|"]
+    rows = [("-", r) for r in record["no_gpu_checks"]]
+    rows += [(rank, r) for rank, rank_rows in sorted(record["ranks"].items()) for r in rank_rows]
+    for rank, (name, ok, detail) in rows:
+        lines.append(f"| {name} | {rank} | {'PASS' if ok else 'FAIL'} | {detail.replace('|', '/')} |")
+    with open(summary, "a") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -8,12 +8,18 @@ zombies), and a new segment counts when this process maps or holds it, or its na
 field is this process or one of its children. ``warm_up()`` creates once the per-process
 singletons that a first user would otherwise be blamed for (ZeroMQ's I/O threads, torch's
 intra-op pool, multiprocessing's resource tracker, libuv's signal pipe under TCPStore).
+
+Linux reads all of it from /proc. Elsewhere (the macOS workflow) threads and children come
+from psutil, fds from /dev/fd, and shared-memory segments are not counted: macOS's POSIX
+shared memory has no directory to list.
 """
 
 from __future__ import annotations
 
 import gc
 import os
+import stat
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -31,20 +37,42 @@ class Snapshot:
     segments: frozenset[str]
 
 
+LINUX = sys.platform.startswith("linux")
+_FD_DIR = "/proc/self/fd" if LINUX else "/dev/fd"
+_F_GETPATH = 50    # macOS fcntl: the path a file descriptor is open on
+
+
 def _tasks() -> frozenset[int]:
-    return frozenset(int(t) for t in os.listdir("/proc/self/task"))
+    if LINUX:
+        return frozenset(int(t) for t in os.listdir("/proc/self/task"))
+    import psutil
+    return frozenset(t.id for t in psutil.Process().threads())
 
 
 def _fds() -> frozenset[int]:
-    return frozenset(int(f) for f in os.listdir("/proc/self/fd"))
+    return frozenset(int(f) for f in os.listdir(_FD_DIR))
+
+
+def _fd_target(fd: int) -> str:
+    """As Linux's /proc/self/fd links name it ("pipe:[…]", "socket:[…]", a path); raises OSError
+    once the fd is closed."""
+    if LINUX:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    mode = os.fstat(fd).st_mode
+    if stat.S_ISFIFO(mode):
+        return f"pipe:[{os.fstat(fd).st_ino}]"
+    if stat.S_ISSOCK(mode):
+        return f"socket:[{os.fstat(fd).st_ino}]"
+    import fcntl
+    return fcntl.fcntl(fd, _F_GETPATH, b"\0" * 1024).rstrip(b"\0").decode(errors="replace")
 
 
 def fd_targets() -> list[str]:
     """What each of this process's fds is open on ("pipe:[…]", "/dev/shm/x (deleted)", …)."""
     out = []
-    for fd in os.listdir("/proc/self/fd"):
+    for fd in os.listdir(_FD_DIR):
         try:
-            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+            out.append(_fd_target(int(fd)))
         except OSError:
             pass       # closed since the listing (the listing's own fd is)
     return out
@@ -56,6 +84,16 @@ def pipe_fds() -> int:
 
 
 def _children() -> frozenset[int]:
+    if not LINUX:
+        import psutil
+        kids = []
+        for c in psutil.Process().children():
+            try:
+                if c.status() != psutil.STATUS_ZOMBIE:
+                    kids.append(c.pid)
+            except psutil.NoSuchProcess:
+                pass
+        return frozenset(kids)
     me, out = os.getpid(), set()
     for d in os.listdir("/proc"):
         if not d.isdigit():
@@ -71,7 +109,7 @@ def _children() -> frozenset[int]:
 
 
 def _segments() -> frozenset[str]:
-    return frozenset(p.name for p in Path("/dev/shm").glob("mccl*"))
+    return frozenset(p.name for p in Path("/dev/shm").glob("mccl*")) if LINUX else frozenset()
 
 
 def snapshot() -> Snapshot:
@@ -80,7 +118,9 @@ def snapshot() -> Snapshot:
 
 def held_segments() -> set[str]:
     """Names of the /dev/shm/mccl* segments this process maps or holds open."""
-    held = set()
+    held: set[str] = set()
+    if not LINUX:
+        return held
     with open("/proc/self/maps") as f:
         held.update(Path(line.split()[-1]).name for line in f if "/dev/shm/mccl" in line)
     held.update(Path(t).name for t in fd_targets() if t.startswith("/dev/shm/mccl"))
@@ -95,7 +135,7 @@ def _owner_pid(name: str) -> int | None:
 
 def _describe_fd(fd: int) -> str:
     try:
-        return f"{fd}->{os.readlink(f'/proc/self/fd/{fd}')}"
+        return f"{fd}->{_fd_target(fd)}"
     except OSError:
         return str(fd)
 
@@ -124,6 +164,12 @@ def _diff(before: Snapshot) -> dict[str, list[str]]:
 
 
 def _cmdline(pid: int) -> str:
+    if not LINUX:
+        import psutil
+        try:
+            return " ".join(psutil.Process(pid).cmdline())[:200]
+        except psutil.Error:
+            return "(gone)"
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
     except OSError:

@@ -22,7 +22,7 @@ def pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ConfigError("[bench] plotting needs matplotlib: pip install 'mccl[bench]'") from None
+        raise ConfigError("[bench] plotting needs matplotlib: pip install 'mccl-fleet[bench]'") from None
     return plt
 
 

@@ -1,5 +1,5 @@
 """The scale benchmark's outputs: Markdown tables (README.md) and, where matplotlib is
-installed (``pip install 'mccl[bench]'``), one plot per host count of time against size
+installed (``pip install 'mccl-fleet[bench]'``), one plot per host count of time against size
 for each algorithm, measured as points and the alpha-beta model as lines."""
 
 from __future__ import annotations
