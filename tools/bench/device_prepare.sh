@@ -37,9 +37,9 @@ $PY - "$SITE" <<'PYEOF'
 import sys, tomllib, pathlib
 site = pathlib.Path(sys.argv[1])
 proj = tomllib.load(open("pyproject.toml", "rb"))["project"]
-d = site / f"mccl-{proj['version']}.dist-info"
+d = site / f"{proj['name'].replace('-', '_')}-{proj['version']}.dist-info"
 d.mkdir(parents=True, exist_ok=True)
-(d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: mccl\nVersion: {proj['version']}\n")
+(d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {proj['name']}\nVersion: {proj['version']}\n")
 (d / "entry_points.txt").write_text("".join(
     f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()) + "\n"
     for group, eps in proj["entry-points"].items()))
