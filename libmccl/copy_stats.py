@@ -39,6 +39,16 @@ class CopyStats:
             else:
                 t["s"] += seconds
 
+    def add_seconds(self, direction: str, seconds: float | None, copies: int) -> None:
+        """The duration of ``copies`` already recorded as timed, known only later (a device's
+        marks); None: the device could not tell after all."""
+        with self._lock:
+            t = self._totals[direction]
+            if seconds is None:
+                t["untimed"] += copies
+            else:
+                t["s"] += seconds
+
     def snapshot(self) -> dict[str, float]:
         with self._lock:
             return {f"copy_{d}_{f}": v for d, t in self._totals.items() for f, v in t.items()}

@@ -147,7 +147,7 @@ class TicketedOp:
         self.released = ops.new_ticket()
         self._finish_lock = threading.Lock()
         self._finished = False
-        self._copy_runs: list[tuple[str, int, int, Any, Any]] = []  # (direction, bytes, copies, marks)
+        self._copy_runs: list[tuple[str, int, Any, Any]] = []  # (direction, copies, marks) not yet read
         # Set by the backend once the op is enqueued: the engine holds views of the words
         # until the op has completed, which may come after ``released``.
         self.engine_finished: Callable[[], bool] = lambda: True
@@ -185,20 +185,22 @@ class TicketedOp:
 
     def _queue_copies(self, stream: Any, direction: str, copies: list[tuple[int, int, int]],
                       copy: Callable[[Any, int, int, int], None]) -> None:
-        """Queue ``copies`` between two marks; counted (and timed) once the op retires."""
+        """Queue ``copies`` between two marks: counted now, their seconds added once the op retires."""
         if not copies:
             return
         start = self.ops.mark(stream)
         for a, b, n in copies:
             copy(stream, a, b, n)
         end = self.ops.mark(stream) if start is not None else None
-        self._copy_runs.append((direction, sum(c[2] for c in copies), len(copies), start, end))
+        timed = start is not None and end is not None
+        self.ops.copies.record(direction, sum(c[2] for c in copies), len(copies), 0.0 if timed else None)
+        if timed:
+            self._copy_runs.append((direction, len(copies), start, end))
 
     def _count_copies(self) -> None:
         runs, self._copy_runs = self._copy_runs, []
-        for direction, nbytes, n, start, end in runs:
-            seconds = self.ops.elapsed_s(start, end) if start is not None and end is not None else None
-            self.ops.copies.record(direction, nbytes, n, seconds)
+        for direction, n, start, end in runs:
+            self.ops.copies.add_seconds(direction, self.ops.elapsed_s(start, end), n)
 
     def finishing(self) -> bool:
         """``finish`` queued the stream's side of O2 (or the op was abandoned)."""
