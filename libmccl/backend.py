@@ -261,7 +261,7 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
             # One rank: the all-reduce is the identity, so the tensor stays untouched where it
             # is and nothing is queued on its stream (the solo communicator ignores the address).
             return self._submit(name, lambda: launch(t.data_ptr()), [t], B.Staging(), opts)
-        found = device_tensors.ordered(t, name)
+        found = device_tensors.ordered(t, name, self._segment_staging)
         if found is None:
             return None
         order, stream = found

@@ -107,6 +107,9 @@ class DeviceOps(abc.ABC):
     def on_op(self, op: "TicketedOp") -> None:
         """A new op's tickets and range are known (the fake device tracks them)."""
 
+    def on_retire(self, op: "TicketedOp") -> None:
+        """``op`` retired: neither the device nor the engine refers to its memory any more."""
+
     def register_host(self, addr: int, nbytes: int) -> None:
         """Make host memory allocated by someone else (a shared buffer mccld maps) a target of
         this device's copies; raises MCCLError where the device cannot (segment_staging.py)."""
@@ -220,6 +223,7 @@ class TicketedOp:
         for t in (self.ready, self.done, self.released):
             self.ops.retire_ticket(t)
         self._count_copies()  # the stream is past every copy of the op: their marks are final
+        self.ops.on_retire(self)  # before its buffer can serve another op
         self._release_staging()
 
     def _release_staging(self) -> None:
@@ -231,15 +235,20 @@ class OrderedOp(TicketedOp):
     ``buffer`` is what the engine works on, the device buffer when the device memory is
     the host's, else a staging buffer."""
 
-    def __init__(self, ops: DeviceOps, dev_ptr: int, nbytes: int, what: str) -> None:
+    def __init__(self, ops: DeviceOps, dev_ptr: int, nbytes: int, what: str, blocks: Any = None) -> None:
+        """``blocks``: where the staging buffer comes from first, as for ``StagedOp``."""
         super().__init__(ops, what)
         self.dev_ptr = dev_ptr
         self.nbytes = nbytes
         self._staging: Any = None
+        self._give: Callable[[Any], None] = ops.release_staging
         if ops.unified:
             self.buffer = dev_ptr
         else:
-            self.buffer, self._staging = ops.staging_buffer(nbytes)
+            got = blocks.take(ops, nbytes) if blocks is not None else None
+            if got is not None:
+                self._give = blocks.give
+            self.buffer, self._staging = got if got is not None else ops.staging_buffer(nbytes)
         ops.on_op(self)
 
     @property
@@ -261,7 +270,7 @@ class OrderedOp(TicketedOp):
 
     def _release_staging(self) -> None:
         if self._staging is not None:
-            self.ops.release_staging(self._staging)
+            self._give(self._staging)
             self._staging = None
 
 

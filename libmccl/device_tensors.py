@@ -215,10 +215,11 @@ def _side_stream(device: torch.device) -> Any:
         return _side[index]
 
 
-def ordered(t: torch.Tensor, name: str) -> tuple[OrderedOp, Any] | None:
+def ordered(t: torch.Tensor, name: str, blocks: Any = None) -> tuple[OrderedOp, Any] | None:
     """The device side of an all-reduce on ``t`` reduced in place (unified memory: the fake
     device, Metal) or staged by the Metal bridge, its tickets fresh, not yet launched; None
-    where Staging stages it (CUDA, ``staged``) or it goes through blocking copies."""
+    where Staging stages it (CUDA, ``staged``) or it goes through blocking copies. ``blocks``:
+    where a staged op's buffer comes from first (segment_staging.SegmentStaging)."""
     if t.device.type == "mps":
         from . import metal_tensors  # loads the Metal bridge on first use
 
@@ -238,7 +239,7 @@ def ordered(t: torch.Tensor, name: str) -> tuple[OrderedOp, Any] | None:
     if not t.is_contiguous():
         raise ConfigError(f"[mccl] {name}: the {t.device} tensor is not contiguous; device tensors are "
                           "reduced in place, pass tensor.contiguous() and copy the result back")
-    op = OrderedOp(ops, addr, t.numel() * t.element_size(), f"{name} on {t.device}")
+    op = OrderedOp(ops, addr, t.numel() * t.element_size(), f"{name} on {t.device}", blocks)
     _ledger(ops).add(op)
     return op, stream
 
