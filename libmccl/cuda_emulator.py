@@ -164,11 +164,6 @@ class Emulator:
         out._obj.value = (b - a) * 1e3
         return 0
 
-    def cuEventDestroy(self, ev):
-        with self._cv:
-            self._events.pop(_val(ev), None)
-        return 0
-
     # -- streams -----------------------------------------------------------------------------
     def enqueue(self, stream: Any, fn: Callable[[], Any]) -> int:
         with self._cv:

@@ -63,7 +63,6 @@ class _Driver:
     _OPTIONAL = {
         "cuMemHostRegister": "cuMemHostRegister_v2", "cuMemHostUnregister": None,
         "cuEventCreate": None, "cuEventRecord": None, "cuEventElapsedTime": None,
-        "cuEventDestroy": "cuEventDestroy_v2",
     }
 
     def __init__(self, lib: Any = None) -> None:
@@ -97,12 +96,11 @@ class _Driver:
         if self.cuMemHostRegister is not None and self.cuMemHostUnregister is not None:
             self.cuMemHostRegister.argtypes = [vp, ctypes.c_size_t, ctypes.c_uint]
             self.cuMemHostUnregister.argtypes = [vp]
-        if all(getattr(self, n) is not None for n in ("cuEventCreate", "cuEventRecord", "cuEventElapsedTime",
-                                                         "cuEventDestroy")):
+        if all(getattr(self, n) is not None for n in ("cuEventCreate", "cuEventRecord", "cuEventElapsedTime")):
+            # Events are pooled for the process's life (CudaOps.mark), never destroyed.
             self.cuEventCreate.argtypes = [ctypes.POINTER(vp), ctypes.c_uint]
             self.cuEventRecord.argtypes = [vp, vp]
             self.cuEventElapsedTime.argtypes = [ctypes.POINTER(ctypes.c_float), vp, vp]
-            self.cuEventDestroy.argtypes = [vp]
         else:
             self.cuEventCreate = None
         self.check(self.cuInit(0), "cuInit")
@@ -160,6 +158,7 @@ class CudaOps(DeviceOps):
         self._pool = StagingPool(lambda n: _PinnedBlock(self._drv, n), load(EngineConfig).cuda_staging_bytes,
                                  "MCCL_CUDA_STAGING_BYTES")
         self._bound = threading.local()
+        self.registers_host = self._drv.cuMemHostRegister is not None and self._drv.cuMemHostUnregister is not None
         self._bind_context()
         dev = ctypes.c_int()
         self._drv.check(self._drv.cuDeviceGet(ctypes.byref(dev), device_index), "cuDeviceGet")

@@ -69,6 +69,8 @@ class DeviceOps(abc.ABC):
     # True where the engine may reduce in the device buffer itself (Apple unified memory,
     # the fake device); False where buckets are staged through host memory.
     unified: bool = False
+    # Whether ``register_host`` can work here at all (segment_staging asks before allocating).
+    registers_host: bool = False
 
     @abc.abstractmethod
     def new_ticket(self) -> Any:

@@ -169,6 +169,7 @@ class MetalOps(DeviceOps):
 
     def __init__(self, bridge: Bridge, unified: bool) -> None:
         self.unified = unified
+        self.registers_host = not unified  # staged buckets only: wrap_host is in every bridge
         self._bridge = bridge
         self._lock = threading.Lock()
         self._events: dict[int, tuple[Any, int]] = {}   # ticket word address -> (Ticket, event)

@@ -74,6 +74,8 @@ class SegmentStaging:
         self._closed = False
 
     def take(self, ops: Any, nbytes: int) -> tuple[int, _Block] | None:
+        if not ops.registers_host:
+            return None  # a device that cannot copy into others' memory: its own pool, nothing to say
         size = -(-size_class(nbytes) // PAGE) * PAGE
         with self._lock:
             if self._closed or self._off is not None or (self._ops is not None and ops is not self._ops):
@@ -114,13 +116,13 @@ class SegmentStaging:
             if buf.addr % PAGE:
                 raise MCCLError(f"[mccl] a shared buffer at {buf.addr:#x} is not page-aligned")
             ops.register_host(buf.addr, slab_bytes)
-        except (MCCLError, NotImplementedError, OSError) as exc:
+        except (MCCLError, OSError) as exc:
             if buf is not None:
                 buf.release()
             with self._lock:
                 self._bytes -= slab_bytes
                 first, self._off = self._off is None, f"{type(exc).__name__}: {exc}"
-            (_log.warning if first and not isinstance(exc, NotImplementedError) else _log.debug)(
+            (_log.warning if first else _log.debug)(
                 "[mccl] rank %d: device buckets cannot be staged in mccld's shared memory (%s); they stage "
                 "through the device's own pinned blocks, one copy more each way through mccld",
                 self._rank, self._off)
