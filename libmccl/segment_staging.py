@@ -43,10 +43,9 @@ MAX_SLABS = MAX_BUFFERS_PER_RANK // 2
 
 
 class _Slab:
-    def __init__(self, buf: Any, block: int) -> None:
+    def __init__(self, buf: Any) -> None:
         self.buffer = buf          # the SharedBuffer: keeps the mapping alive
-        self.block = block
-        self.in_use = 0
+        self.in_use = 1            # born with the block its first op takes
 
 
 class _Block:
@@ -98,18 +97,16 @@ class SegmentStaging:
                 "one copy more each way through mccld; raise %s if this repeats",
                 self._rank, self._bytes, len(self._slabs), self._setting, MAX_SLABS, self._setting)
             return None
-        slab = self._new_slab(ops, slab_bytes, size)
+        slab = self._new_slab(ops, slab_bytes)
         if slab is None:
             return None
         blocks = [_Block(slab, slab.buffer.addr + i * size, size) for i in range(slab_bytes // size)]
         with self._lock:
-            slab.in_use = 1
-            self._idle.setdefault(size, []).extend(blocks[1:])
-            if self._closed:  # closed meanwhile: this one block is served, then the slab goes
-                self._idle[size] = [b for b in self._idle[size] if b.slab is not slab]
+            if not self._closed:  # else this one block is served, and the slab goes when it comes back
+                self._idle.setdefault(size, []).extend(blocks[1:])
         return blocks[0].host, blocks[0]
 
-    def _new_slab(self, ops: Any, slab_bytes: int, size: int) -> _Slab | None:
+    def _new_slab(self, ops: Any, slab_bytes: int) -> _Slab | None:
         buf = None
         try:
             buf = self._alloc(slab_bytes)
@@ -127,7 +124,7 @@ class SegmentStaging:
                 "through the device's own pinned blocks, one copy more each way through mccld",
                 self._rank, self._off)
             return None
-        slab = _Slab(buf, size)
+        slab = _Slab(buf)
         with self._lock:
             self._ops = ops
             self._slabs.append(slab)
