@@ -150,7 +150,8 @@ class Staging:
     so that scratch buffers are staging blocks too when a device is involved.
     """
 
-    def __init__(self, name: str = "", tensors: Sequence[Any] = ()) -> None:
+    def __init__(self, name: str = "", tensors: Sequence[Any] = (), blocks: Any = None) -> None:
+        """``blocks``: where device staging blocks come from first (segment_staging.py)."""
         self.keep: list[Any] = []
         self._unpack: list[Callable[[], None]] = []
         self._copy_back: list[Callable[[], None]] = []
@@ -158,13 +159,14 @@ class Staging:
         self.stream: Any = None
         self.device_tensors: list[torch.Tensor] = []
         self._name = name
+        self._blocks = blocks
         for t in _flat(tensors):
             if device_tensors.stages(t):
                 self._stage(t)
 
     def _stage(self, t: torch.Tensor) -> None:
         if self.device is None:
-            self.device, self.stream = device_tensors.staged(t, self._name)
+            self.device, self.stream = device_tensors.staged(t, self._name, self._blocks)
             self.keep.append(self.device)
         elif device_tensors.ops_for(t)[0] is not self.device.ops:
             self._refuse(f"[mccl] {self._name}: tensors on {self.device_tensors[0].device} and {t.device} in one "

@@ -34,7 +34,9 @@ from . import rendezvous
 from . import switch_groups
 from .group_options import Options
 from .backend_exchange import ExchangeOps
+from .copy_stats import merged as merged_copies
 from .device_order import TICKET_BASE
+from .segment_staging import SegmentStaging
 from .solo_comm import SoloCommunicator
 from .work import AllOf, CompletionRouter, MCCLWork, shutdown_error
 
@@ -61,9 +63,13 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
         self._lost_result: BaseException | None = None
         self._daemon: Any = None    # the DaemonCommunicator, when self._comm is one (shared buffers)
         self._comm = self._connect(store, group_id)
+        # Through mccld, device buckets are staged in memory mccld reduces in (segment_staging.py).
+        self._segment_staging = (SegmentStaging(self._daemon.alloc_buffer, self._cfg.cuda_staging_bytes,
+                                                "MCCL_CUDA_STAGING_BYTES", rank)
+                                 if self._daemon is not None else None)
         # An interpreter exiting without destroy_process_group() still stops the
         # engine's threads and closes its links; holds the comm, not self.
-        self._finalizer = weakref.finalize(self, _shutdown_quietly, self._comm)
+        self._finalizer = weakref.finalize(self, _shutdown_quietly, self._comm, self._segment_staging)
 
     # -- construction ---------------------------------------------------------
     def _engine_options(self) -> Any:
@@ -173,6 +179,7 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
             self._comm.shutdown(10.0)
         finally:
             self._router.fail_all(shutdown_error(self.rank()))
+            self._close_staging()
 
     def abort(self) -> None:
         """Fail every pending op with AbortedError and tell live peers; idempotent."""
@@ -185,6 +192,18 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
             self._comm.shutdown(10.0)
         self._router.fail_all(AbortedError(f"[mccl] process group {self._group_name!r} was aborted on "
                                            f"rank {self.rank()}; create a new process group to continue"))
+        self._close_staging()
+
+    def _close_staging(self) -> None:
+        if self._segment_staging is not None:
+            device_tensors.settle()  # ops whose copy back is queued give their blocks back first
+            self._segment_staging.close()
+
+    def copy_stats(self) -> dict[str, float]:
+        """Bytes, copies and seconds per direction (libmccl/copy_stats.py): the daemon client's
+        copies into and out of its segment, and the device staging copies of this process."""
+        client = self._daemon.stats() if self._daemon is not None else {}
+        return merged_copies(client, device_tensors.copy_stats())
 
     # -- submission --------------------------------------------------------------
     def _submit(self, name: str, launch: Callable[[], int], outputs: Sequence[torch.Tensor], st: B.Staging,
@@ -242,7 +261,7 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
             # One rank: the all-reduce is the identity, so the tensor stays untouched where it
             # is and nothing is queued on its stream (the solo communicator ignores the address).
             return self._submit(name, lambda: launch(t.data_ptr()), [t], B.Staging(), opts)
-        found = device_tensors.ordered(t, name)
+        found = device_tensors.ordered(t, name, self._segment_staging)
         if found is None:
             return None
         order, stream = found
@@ -267,7 +286,7 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
             buf, count, dtype, op, **tk), opts)
         if work is not None:
             return work
-        st = B.Staging("allreduce", [t])
+        st = B.Staging("allreduce", [t], self._segment_staging)
         buf = st.inout(t)
         return self._submit("allreduce", lambda: self._comm.allreduce(buf.data_ptr(), count, dtype, op),
                             [t], st, opts)
@@ -279,7 +298,7 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
             if t.dtype != ts[0].dtype:
                 raise ConfigError(f"[mccl] allreduce_coalesced: tensors[{i}] has dtype {t.dtype} but tensors[0] "
                                   f"has {ts[0].dtype}; coalesced all-reduce needs one dtype")
-        st = B.Staging("allreduce_coalesced", ts)
+        st = B.Staging("allreduce_coalesced", ts, self._segment_staging)
         flat = st.scratch(sum(t.numel() for t in ts), ts[0].dtype)
         offset = 0
         for t in ts:
@@ -455,9 +474,11 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
         return AllOf(works, self.rank(), self._timeout_s)
 
 
-def _shutdown_quietly(comm: Any) -> None:
+def _shutdown_quietly(comm: Any, staging: Any = None) -> None:
     try:
         comm.shutdown(2.0)
+        if staging is not None:
+            staging.close()
     except Exception:  # noqa: BLE001 - interpreter exit: nothing left to report to
         pass
 

@@ -8,9 +8,9 @@ is host memory too (``EmulatedCuda.alloc``), so torch sees CPU tensors that
 runs its commands in order. ``cuStreamWaitValue64`` compares cyclically, as CUDA documents
 for GEQ ((int64_t)(*addr - value) >= 0).
 
-What would stall a real GPU's caller is made visible: ``cuMemHostAlloc`` and
-``cuMemFreeHost`` wait until every stream is idle, as the driver does when it maps or
-unmaps pinned memory (the hidden synchronisation of issue 10), and each is counted with
+What would stall a real GPU's caller is made visible: ``cuMemHostAlloc``,
+``cuMemFreeHost`` and ``cuMemHostRegister``/``Unregister`` wait until every stream is idle, as the
+driver does when it maps or unmaps pinned memory (the hidden synchronisation of issue 10), and each is counted with
 the synchronize calls in ``calls``; ``forbid`` makes any of them raise instead.
 """
 
@@ -26,7 +26,19 @@ from typing import Any, Callable
 from . import cuda_ops
 
 _HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-SYNCHRONISING = ("cuMemHostAlloc", "cuMemFreeHost", "cuStreamSynchronize", "cuCtxSynchronize")
+# (cuMemHostUnregister waits too, but only as a group closes, outside any hot path.)
+SYNCHRONISING = ("cuMemHostAlloc", "cuMemFreeHost", "cuMemHostRegister", "cuStreamSynchronize", "cuCtxSynchronize")
+# The driver's codes for what the emulator refuses (cuda.h's CUresult).
+CUDA_ERROR_INVALID_VALUE = 1
+CUDA_ERROR_NOT_SUPPORTED = 801
+CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
+CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713
+CUDA_ERROR_NOT_READY = 600
+_NAMES = {CUDA_ERROR_INVALID_VALUE: b"CUDA_ERROR_INVALID_VALUE", CUDA_ERROR_NOT_SUPPORTED: b"CUDA_ERROR_NOT_SUPPORTED",
+          CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED: b"CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
+          CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED: b"CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED",
+          CUDA_ERROR_NOT_READY: b"CUDA_ERROR_NOT_READY"}
+PAGE = 4096
 
 
 def _val(x: Any) -> Any:
@@ -46,6 +58,10 @@ class Emulator:
         self.host_fns = 0
         self.calls: collections.Counter[str] = collections.Counter()
         self.forbidden: set[str] = set()
+        self.registered: dict[int, int] = {}   # cuMemHostRegister'd ranges: address -> bytes
+        self.register_error = 0                # what cuMemHostRegister returns instead of success
+        self._events: dict[int, float | None] = {}
+        self._next_event = 1
         self._streams: dict[Any, collections.deque] = {}
         self._busy = 0  # commands queued or running, all streams
         self._cv = threading.Condition()
@@ -63,7 +79,7 @@ class Emulator:
 
     # -- context, device ------------------------------------------------------------------
     def cuInit(self, flags): return 0
-    def cuGetErrorName(self, rc, out): out._obj.value = b"CUDA_ERROR_EMULATED"; return 0
+    def cuGetErrorName(self, rc, out): out._obj.value = _NAMES.get(rc, b"CUDA_ERROR_EMULATED"); return 0
     def cuCtxGetCurrent(self, out): out._obj.value = 1; return 0
     def cuCtxSetCurrent(self, ctx): return 0
     def cuDeviceGet(self, out, index): out._obj.value = index; return 0
@@ -98,6 +114,54 @@ class Emulator:
         if self.alloc_waits:
             self.idle()
         self.freed.append(_val(host))
+        return 0
+
+    def cuMemHostRegister(self, host, nbytes, flags):
+        """As the driver: pins (waiting for the device, like an allocation); refuses a range
+        not on page boundaries (this driver's rule: the CUDA 4.0 one, stricter than today's)
+        or overlapping one already registered."""
+        self._count("cuMemHostRegister")
+        addr = _val(host)
+        if self.register_error:
+            return self.register_error
+        if not nbytes or addr % PAGE or nbytes % PAGE:
+            return CUDA_ERROR_INVALID_VALUE
+        with self._cv:
+            if any(a < addr + nbytes and addr < a + n for a, n in self.registered.items()):
+                return CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
+        if self.alloc_waits:
+            self.idle()
+        with self._cv:
+            self.registered[addr] = nbytes
+        return 0
+
+    def cuMemHostUnregister(self, host):
+        self._count("cuMemHostUnregister")
+        if self.alloc_waits:
+            self.idle()
+        with self._cv:
+            return 0 if self.registered.pop(_val(host), None) is not None else CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED
+
+    # -- events: the stream's clock when it passes them ---------------------------------------
+    def cuEventCreate(self, out, flags):
+        with self._cv:
+            ev, self._next_event = self._next_event, self._next_event + 1
+            self._events[ev] = None
+        out._obj.value = ev
+        return 0
+
+    def cuEventRecord(self, ev, stream):
+        ev = _val(ev)
+        with self._cv:
+            self._events[ev] = None
+        return self.enqueue(stream, lambda: self._events.__setitem__(ev, time.perf_counter()))
+
+    def cuEventElapsedTime(self, out, start, end):
+        with self._cv:
+            a, b = self._events.get(_val(start)), self._events.get(_val(end))
+        if a is None or b is None:
+            return CUDA_ERROR_NOT_READY
+        out._obj.value = (b - a) * 1e3
         return 0
 
     # -- streams -----------------------------------------------------------------------------

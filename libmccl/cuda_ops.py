@@ -27,6 +27,8 @@ from .device_pool import StagingPool
 
 _CU_MEMHOSTALLOC_PORTABLE = 0x01
 _CU_MEMHOSTALLOC_DEVICEMAP = 0x02
+_CU_MEMHOSTREGISTER_PORTABLE = 0x01
+_CU_EVENT_DEFAULT = 0x0
 _CU_STREAM_WAIT_VALUE_GEQ = 0x0
 _CU_STREAM_WRITE_VALUE_DEFAULT = 0x0
 _WORDS_PER_SLAB = 512  # one 4 KiB pinned page of ticket words
@@ -56,6 +58,12 @@ class _Driver:
         "cuStreamWriteValue64": "cuStreamWriteValue64_v2", "cuStreamWaitValue64": "cuStreamWaitValue64_v2",
         "cuLaunchHostFunc": None,
     }
+    # Used where present; without them staging stays in the driver's own pinned blocks
+    # (segment_staging.py) and copies go untimed (copy_stats.py).
+    _OPTIONAL = {
+        "cuMemHostRegister": "cuMemHostRegister_v2", "cuMemHostUnregister": None,
+        "cuEventCreate": None, "cuEventRecord": None, "cuEventElapsedTime": None,
+    }
 
     def __init__(self, lib: Any = None) -> None:
         lib = lib if lib is not None else _load_driver()
@@ -70,6 +78,12 @@ class _Driver:
                                   "CUDA 11.7; upgrade the NVIDIA driver")
             fn.restype = ctypes.c_int
             setattr(self, name, fn)
+        for name, preferred in self._OPTIONAL.items():
+            fn = next((f for f in (getattr(lib, sym, None) for sym in filter(None, (preferred, name)))
+                       if f is not None), None)
+            if fn is not None:
+                fn.restype = ctypes.c_int
+            setattr(self, name, fn)
         u64, vp = ctypes.c_uint64, ctypes.c_void_p
         self.cuStreamWriteValue64.argtypes = [vp, u64, u64, ctypes.c_uint]
         self.cuStreamWaitValue64.argtypes = [vp, u64, u64, ctypes.c_uint]
@@ -79,15 +93,28 @@ class _Driver:
         self.cuMemHostGetDevicePointer.argtypes = [ctypes.POINTER(u64), vp, ctypes.c_uint]
         self.cuMemFreeHost.argtypes = [vp]
         self.cuLaunchHostFunc.argtypes = [vp, vp, vp]
+        if self.cuMemHostRegister is not None and self.cuMemHostUnregister is not None:
+            self.cuMemHostRegister.argtypes = [vp, ctypes.c_size_t, ctypes.c_uint]
+            self.cuMemHostUnregister.argtypes = [vp]
+        if all(getattr(self, n) is not None for n in ("cuEventCreate", "cuEventRecord", "cuEventElapsedTime")):
+            # Events are pooled for the process's life (CudaOps.mark), never destroyed.
+            self.cuEventCreate.argtypes = [ctypes.POINTER(vp), ctypes.c_uint]
+            self.cuEventRecord.argtypes = [vp, vp]
+            self.cuEventElapsedTime.argtypes = [ctypes.POINTER(ctypes.c_float), vp, vp]
+        else:
+            self.cuEventCreate = None
         self.check(self.cuInit(0), "cuInit")
 
     def check(self, rc: int, what: str) -> None:
         if rc == 0:
             return
+        raise MCCLError(f"[cuda] {what} failed with {self.error_name(rc)}; see the CUDA "
+                        "driver documentation for this error")
+
+    def error_name(self, rc: int) -> str:
         name = ctypes.c_char_p()
         self.cuGetErrorName(rc, ctypes.byref(name))
-        raise MCCLError(f"[cuda] {what} failed with {name.value.decode() if name.value else rc}; see the CUDA "
-                        "driver documentation for this error")
+        return name.value.decode() if name.value else str(rc)
 
 
 class _PinnedBlock:
@@ -127,9 +154,11 @@ class CudaOps(DeviceOps):
         self._free_words: list[tuple[int, int]] = []  # (host address, device address)
         self._device_of: dict[int, int] = {}          # ticket host address -> device address
         self._words: dict[int, Any] = {}              # keeps each word's Ticket view alive
+        self._events: list[Any] = []                  # idle timing events (mark)
         self._pool = StagingPool(lambda n: _PinnedBlock(self._drv, n), load(EngineConfig).cuda_staging_bytes,
                                  "MCCL_CUDA_STAGING_BYTES")
         self._bound = threading.local()
+        self.registers_host = self._drv.cuMemHostRegister is not None and self._drv.cuMemHostUnregister is not None
         self._bind_context()
         dev = ctypes.c_int()
         self._drv.check(self._drv.cuDeviceGet(ctypes.byref(dev), device_index), "cuDeviceGet")
@@ -214,3 +243,43 @@ class CudaOps(DeviceOps):
     @property
     def pool(self) -> StagingPool:
         return self._pool
+
+    # -- host memory of others (mccld's shared buffers), pinned in place --------------------------
+    def register_host(self, addr: int, nbytes: int) -> None:
+        """Pin ``nbytes`` at ``addr`` (page-aligned) so the stream's asynchronous copies reach it.
+        PORTABLE: any context of the process may copy; no DEVICEMAP, as copies address it by
+        its host pointer and no kernel reads it. Raises MCCLError naming the driver's refusal."""
+        if self._drv.cuMemHostRegister is None:
+            raise MCCLError("[cuda] the CUDA driver lacks cuMemHostRegister; likely cause: a very old "
+                            "driver; upgrade the NVIDIA driver")
+        self._bind_context()
+        self._drv.check(self._drv.cuMemHostRegister(addr, nbytes, _CU_MEMHOSTREGISTER_PORTABLE),
+                        f"cuMemHostRegister({nbytes} bytes)")
+
+    def unregister_host(self, addr: int) -> None:
+        self._bind_context()
+        self._drv.check(self._drv.cuMemHostUnregister(addr), "cuMemHostUnregister")
+
+    # -- copy timing: an event before and after a run of copies ---------------------------------
+    def mark(self, stream: Any) -> Any:
+        if self._drv.cuEventCreate is None:
+            return None
+        with self._lock:
+            ev = self._events.pop() if self._events else None
+        if ev is None:
+            out = ctypes.c_void_p()
+            if self._drv.cuEventCreate(ctypes.byref(out), _CU_EVENT_DEFAULT) != 0:
+                return None
+            ev = out.value
+        if self._drv.cuEventRecord(ev, stream) != 0:
+            with self._lock:
+                self._events.append(ev)
+            return None
+        return ev
+
+    def elapsed_s(self, start: Any, end: Any) -> float | None:
+        ms = ctypes.c_float()
+        ok = self._drv.cuEventElapsedTime(ctypes.byref(ms), start, end) == 0
+        with self._lock:
+            self._events += [start, end]
+        return ms.value / 1e3 if ok else None

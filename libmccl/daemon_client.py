@@ -50,6 +50,7 @@ from mccl_common.errors import (AbortedError, CollectiveTimeout, ConfigError, Da
 from mccl_common.settings import EngineConfig, load
 from mccl_common.wire import DTYPE_SIZE
 
+from .copy_stats import CopyStats
 from .daemon_attach import Attachment
 from .daemon_buffers import BufferTable, SharedBuffer
 from .daemon_gates import Gate, GateWatcher, gate_timeout
@@ -198,6 +199,7 @@ class DaemonCommunicator:
         self._buffers = BufferTable(rank)
         self._stats = {"ops_completed": 0, "bytes_sent": 0, "bytes_received": 0, "pipelined_ops": 0,
                        "zero_copy_ops": 0, **dict.fromkeys(_PHASES, 0.0)}
+        self.copies = CopyStats()                # host <-> segment copies (copy_stats.py), in stats()
         self._closed = False
         self._closer: int | None = None            # the thread that tears the communicator down
         self._torn_down = threading.Event()
@@ -412,7 +414,7 @@ class DaemonCommunicator:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return {**self._stats, "per_peer": {}}
+            return {**self._stats, **self.copies.snapshot(), "per_peer": {}}
 
     # -- internals -----------------------------------------------------------------------------
     def _set_verdict_bound(self) -> None:
@@ -564,6 +566,7 @@ class DaemonCommunicator:
             self._stats["ops_completed"] += 1
             self._stats["bytes_sent"] += sum(c[2] for c in op.spec.copy_in)
             self._stats["bytes_received"] += sum(c[2] for c in op.spec.copy_out)
+            self._count_fast_copies(op.spec)
             self._finish_locked(op, err)
             if err is not None and self._failed is None:
                 self._failed = err
@@ -603,8 +606,10 @@ class DaemonCommunicator:
                 self._ticket_base += n
             else:
                 base = self._segment.addr if spec.span else 0
+                t0 = time.perf_counter()
                 for off, ptr, n in spec.copy_in:
                     ctypes.memmove(base + off, ptr, n)
+                self._count_copies("host_to_segment", spec.copy_in, t0)
             if spec.span:
                 args["segment"] = self._segment.name
         self._req += 1
@@ -624,6 +629,18 @@ class DaemonCommunicator:
             args["base"] = buf.ticket_base
             buf.ticket_base += n
             buf.segment.ready.signal(op.pipe.base + n)
+
+    def _count_copies(self, direction: str, copies: list, t0: float) -> None:
+        n = sum(c[2] for c in copies)
+        if n:
+            self.copies.record(direction, n, sum(1 for c in copies if c[2]), time.perf_counter() - t0)
+
+    def _count_fast_copies(self, spec: OpSpec) -> None:
+        """The small-op queue copies in C++: counted, not timed."""
+        for direction, copies in (("host_to_segment", spec.copy_in), ("segment_to_host", spec.copy_out)):
+            n = sum(c[2] for c in copies)
+            if n:
+                self.copies.record(direction, n, sum(1 for c in copies if c[2]))
 
     def _copy_lead(self, args: dict[str, Any], nbytes: int) -> int:
         """How far ahead of the results a pipelined all-reduce's input is copied in."""
@@ -646,7 +663,9 @@ class DaemonCommunicator:
             # Input up to `lead` ahead of the results, so the copy spreads over the op.
             while p.copied_in < min(p.nbytes, p.copied_out + p.lead):
                 k = min(self._piece, p.nbytes - p.copied_in)
+                t0 = time.perf_counter()
                 ctypes.memmove(seg.addr + p.copied_in, p.ptr + p.copied_in, k)  # releases the GIL
+                self.copies.record("host_to_segment", k, seconds=time.perf_counter() - t0)
                 p.copied_in += k
                 seg.ready.signal(p.base + p.copied_in)
                 if p.copied_in == p.nbytes:
@@ -664,8 +683,11 @@ class DaemonCommunicator:
                     p.t_first = time.monotonic() - p.started
                 if covered == p.nbytes:
                     p.t_all = time.monotonic() - p.started
-                if not p.in_place:
+                if not p.in_place and covered > p.copied_out:
+                    t0 = time.perf_counter()
                     ctypes.memmove(p.ptr + p.copied_out, seg.addr + p.copied_out, covered - p.copied_out)
+                    self.copies.record("segment_to_host", covered - p.copied_out,
+                                       seconds=time.perf_counter() - t0)
                 p.copied_out = covered
                 p.progress_at = time.monotonic()
             elif (self._closed or self._sock.poll(0) or self._monitor.poll(0)
@@ -750,14 +772,18 @@ class DaemonCommunicator:
         spec, err = op.spec, None
         if reply.get("ok") and op.pipe is not None:
             p = op.pipe  # done covers the whole op by now: the rest is final
-            if not p.in_place:
+            if not p.in_place and p.nbytes > p.copied_out:
+                t0 = time.perf_counter()
                 ctypes.memmove(p.ptr + p.copied_out, p.seg.addr + p.copied_out, p.nbytes - p.copied_out)
+                self.copies.record("segment_to_host", p.nbytes - p.copied_out, seconds=time.perf_counter() - t0)
         elif reply.get("ok") and op.buffer is not None:
             pass  # the result is where the tensor is
         elif reply.get("ok"):
             base = self._segment.addr if spec.span else 0
+            t0 = time.perf_counter()
             for off, ptr, n in spec.copy_out:
                 ctypes.memmove(ptr, base + off, n)
+            self._count_copies("segment_to_host", spec.copy_out, t0)
         else:
             err = protocol.error_from_payload(reply.get("error") or {})
         self._completed(op, err)

@@ -35,6 +35,8 @@ from typing import Any, Callable
 
 from mccl_common.errors import MCCLError
 
+from .copy_stats import CopyStats
+
 TICKET_BASE = 1 << 63
 
 
@@ -67,6 +69,8 @@ class DeviceOps(abc.ABC):
     # True where the engine may reduce in the device buffer itself (Apple unified memory,
     # the fake device); False where buckets are staged through host memory.
     unified: bool = False
+    # Whether ``register_host`` can work here at all (segment_staging asks before allocating).
+    registers_host: bool = False
 
     @abc.abstractmethod
     def new_ticket(self) -> Any:
@@ -105,6 +109,31 @@ class DeviceOps(abc.ABC):
     def on_op(self, op: "TicketedOp") -> None:
         """A new op's tickets and range are known (the fake device tracks them)."""
 
+    def on_retire(self, op: "TicketedOp") -> None:
+        """``op`` retired: neither the device nor the engine refers to its memory any more."""
+
+    def register_host(self, addr: int, nbytes: int) -> None:
+        """Make host memory allocated by someone else (a shared buffer mccld maps) a target of
+        this device's copies; raises MCCLError where the device cannot (segment_staging.py)."""
+        raise NotImplementedError(f"{self.name} cannot stage into memory it did not allocate")
+
+    def unregister_host(self, addr: int) -> None:
+        """Undo ``register_host``; before the memory is unmapped."""
+
+    def mark(self, stream: Any) -> Any:
+        """Queue a time stamp; None where the device cannot time its work."""
+        return None
+
+    def elapsed_s(self, start: Any, end: Any) -> float | None:
+        """Seconds between two marks the device has passed (None if it cannot tell)."""
+        return None
+
+    @property
+    def copies(self) -> CopyStats:
+        """This device's staging copies, for every communicator of the process (copy_stats.py)."""
+        found = self.__dict__.get("_copy_stats")
+        return found if found is not None else self.__dict__.setdefault("_copy_stats", CopyStats())
+
 
 class TicketedOp:
     """The tickets of one op on a device and the two halves of the protocol around them.
@@ -123,6 +152,7 @@ class TicketedOp:
         self.released = ops.new_ticket()
         self._finish_lock = threading.Lock()
         self._finished = False
+        self._copy_runs: list[tuple[str, int, Any, Any]] = []  # (direction, copies, marks) not yet read
         # Set by the backend once the op is enqueued: the engine holds views of the words
         # until the op has completed, which may come after ``released``.
         self.engine_finished: Callable[[], bool] = lambda: True
@@ -158,6 +188,29 @@ class TicketedOp:
         self.ops.signal(stream, self.released, TICKET_BASE + 1)
         self.ops.commit(stream)
 
+    def _queue_copies(self, stream: Any, direction: str, copies: list[tuple[int, int, int]],
+                      copy: Callable[[Any, int, int, int], None]) -> None:
+        """Queue ``copies`` between two marks: counted now, their seconds added once the op retires."""
+        if not copies:
+            return
+        start = self.ops.mark(stream)
+        for a, b, n in copies:
+            copy(stream, a, b, n)
+        end = self.ops.mark(stream) if start is not None else None
+        timed = start is not None and end is not None
+        self.ops.copies.record(direction, sum(c[2] for c in copies), len(copies), 0.0 if timed else None)
+        if timed:
+            self._copy_runs.append((direction, len(copies), start, end))
+
+    def _count_copies(self) -> None:
+        runs, self._copy_runs = self._copy_runs, []
+        for direction, n, start, end in runs:
+            self.ops.copies.add_seconds(direction, self.ops.elapsed_s(start, end), n)
+
+    def finishing(self) -> bool:
+        """``finish`` queued the stream's side of O2 (or the op was abandoned)."""
+        return self._finished or self.ready.poisoned
+
     def abandon(self) -> None:
         """The op never reached the engine: release every wait on its tickets."""
         for t in (self.ready, self.done, self.released):
@@ -171,6 +224,8 @@ class TicketedOp:
     def retire(self) -> None:
         for t in (self.ready, self.done, self.released):
             self.ops.retire_ticket(t)
+        self._count_copies()  # the stream is past every copy of the op: their marks are final
+        self.ops.on_retire(self)  # before its buffer can serve another op
         self._release_staging()
 
     def _release_staging(self) -> None:
@@ -182,15 +237,20 @@ class OrderedOp(TicketedOp):
     ``buffer`` is what the engine works on, the device buffer when the device memory is
     the host's, else a staging buffer."""
 
-    def __init__(self, ops: DeviceOps, dev_ptr: int, nbytes: int, what: str) -> None:
+    def __init__(self, ops: DeviceOps, dev_ptr: int, nbytes: int, what: str, blocks: Any = None) -> None:
+        """``blocks``: where the staging buffer comes from first, as for ``StagedOp``."""
         super().__init__(ops, what)
         self.dev_ptr = dev_ptr
         self.nbytes = nbytes
         self._staging: Any = None
+        self._give: Callable[[Any], None] = ops.release_staging
         if ops.unified:
             self.buffer = dev_ptr
         else:
-            self.buffer, self._staging = ops.staging_buffer(nbytes)
+            got = blocks.take(ops, nbytes) if blocks is not None else None
+            if got is not None:
+                self._give = blocks.give
+            self.buffer, self._staging = got if got is not None else ops.staging_buffer(nbytes)
         ops.on_op(self)
 
     @property
@@ -202,15 +262,17 @@ class OrderedOp(TicketedOp):
 
     def _before_ready(self, stream: Any) -> None:
         if not self.ops.unified:
-            self.ops.copy_to_host(stream, self.buffer, self.dev_ptr, self.nbytes)
+            self._queue_copies(stream, "device_to_host", [(self.buffer, self.dev_ptr, self.nbytes)],
+                               self.ops.copy_to_host)
 
     def _after_done(self, stream: Any) -> None:
         if not self.ops.unified:
-            self.ops.copy_to_device(stream, self.dev_ptr, self.buffer, self.nbytes)
+            self._queue_copies(stream, "host_to_device", [(self.dev_ptr, self.buffer, self.nbytes)],
+                               self.ops.copy_to_device)
 
     def _release_staging(self) -> None:
         if self._staging is not None:
-            self.ops.release_staging(self._staging)
+            self._give(self._staging)
             self._staging = None
 
 
@@ -220,9 +282,12 @@ class StagedOp(TicketedOp):
     gate on ``ready`` (``Communicator.gate``), and the completion thread raises ``done``
     once the result's host-side steps ran (``settle``): a ticket store, no device call."""
 
-    def __init__(self, ops: DeviceOps, what: str) -> None:
+    def __init__(self, ops: DeviceOps, what: str, blocks: Any = None) -> None:
+        """``blocks``: where staging blocks come from first (``take(ops, nbytes)`` -> (address,
+        owner) or None, ``give(owner)``: segment_staging.SegmentStaging), else the device's pool."""
         super().__init__(ops, what)
-        self._blocks: list[tuple[int, int, Any]] = []  # (address, bytes, owner)
+        self._source = blocks
+        self._blocks: list[tuple[int, int, Any, Callable[[Any], None]]] = []  # (address, bytes, owner, give)
         self._to_host: list[tuple[int, int, int]] = []    # (host, device, bytes)
         self._to_device: list[tuple[int, int, int]] = []  # (device, host, bytes)
         ops.on_op(self)
@@ -233,8 +298,13 @@ class StagedOp(TicketedOp):
 
     def block(self, nbytes: int) -> int:
         """A staging block of at least ``nbytes``, the op's until it retires."""
-        addr, owner = self.ops.staging_buffer(nbytes)
-        self._blocks.append((addr, nbytes, owner))
+        got = self._source.take(self.ops, nbytes) if self._source is not None else None
+        if got is not None:
+            addr, owner = got
+            self._blocks.append((addr, nbytes, owner, self._source.give))
+        else:
+            addr, owner = self.ops.staging_buffer(nbytes)
+            self._blocks.append((addr, nbytes, owner, self.ops.release_staging))
         return addr
 
     def copy_in(self, host: int, dev: int, nbytes: int) -> None:
@@ -246,15 +316,13 @@ class StagedOp(TicketedOp):
             self._to_device.append((dev, host, nbytes))
 
     def engine_ranges(self) -> list[tuple[int, int]]:
-        return [(addr, n) for addr, n, _ in self._blocks]
+        return [(addr, n) for addr, n, _, _ in self._blocks]
 
     def _before_ready(self, stream: Any) -> None:
-        for host, dev, n in self._to_host:
-            self.ops.copy_to_host(stream, host, dev, n)
+        self._queue_copies(stream, "device_to_host", self._to_host, self.ops.copy_to_host)
 
     def _after_done(self, stream: Any) -> None:
-        for dev, host, n in self._to_device:
-            self.ops.copy_to_device(stream, dev, host, n)
+        self._queue_copies(stream, "host_to_device", self._to_device, self.ops.copy_to_device)
 
     def cancel(self, stream: Any) -> None:
         """Launched, but the engine never took the op: the caller's tensors stay as they
@@ -274,5 +342,5 @@ class StagedOp(TicketedOp):
 
     def _release_staging(self) -> None:
         blocks, self._blocks = self._blocks, []
-        for _, _, owner in blocks:
-            self.ops.release_staging(owner)
+        for _, _, owner, give in blocks:
+            give(owner)

@@ -11,15 +11,16 @@ the failure callback ``WaiterSide.future`` leaves on the op, which touches no de
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from typing import Any, Callable
 
 import torch
 
-from mccl_common.errors import ConfigError
+from mccl_common.errors import ConfigError, MCCLError
 
 from ._torch_compat import ResultFuture
-from .device_order import DeviceOps, OrderedOp, StagedOp, TicketedOp
+from .device_order import TICKET_BASE, DeviceOps, OrderedOp, StagedOp, TicketedOp
 
 # Fake devices (CI) whose memory is host memory: a CPU tensor in their memory is theirs.
 _installed: list[Any] = []
@@ -69,7 +70,43 @@ class _Ledger:
         self._ops = keep
 
 
+    def settle(self, timeout_s: float) -> None:
+        """Retire every op the stream has passed, waiting up to ``timeout_s`` for those whose
+        copy back is queued (a group closing: its staging blocks go back). An op nobody
+        waited for has nothing queued after ``ready`` and stays until a later op reclaims it."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            pending = [o for o in self._ops if o.finishing() and not o.reusable()]
+        for o in pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                o.released.wait_for(TICKET_BASE + 1, left)
+            except MCCLError:
+                pass  # poisoned: the op was abandoned, nothing of it is queued
+        with self._lock:
+            self._reclaim_locked()
+
+
 _ledgers: "weakref.WeakKeyDictionary[DeviceOps, _Ledger]" = weakref.WeakKeyDictionary()
+
+
+def settle(timeout_s: float = 5.0) -> None:
+    """``_Ledger.settle`` on every device of this process."""
+    with _cuda_lock:
+        ledgers = list(_ledgers.values())
+    for ledger in ledgers:
+        ledger.settle(timeout_s)
+
+
+def copy_stats() -> dict[str, float]:
+    """The staging copies of every device of this process (copy_stats.py)."""
+    from .copy_stats import merged
+
+    with _cuda_lock:
+        devices = list(_ledgers.keys())
+    return merged(*(d.copies.snapshot() for d in devices))
 
 
 def _ledger(ops: DeviceOps) -> _Ledger:
@@ -178,10 +215,11 @@ def _side_stream(device: torch.device) -> Any:
         return _side[index]
 
 
-def ordered(t: torch.Tensor, name: str) -> tuple[OrderedOp, Any] | None:
+def ordered(t: torch.Tensor, name: str, blocks: Any = None) -> tuple[OrderedOp, Any] | None:
     """The device side of an all-reduce on ``t`` reduced in place (unified memory: the fake
     device, Metal) or staged by the Metal bridge, its tickets fresh, not yet launched; None
-    where Staging stages it (CUDA, ``staged``) or it goes through blocking copies."""
+    where Staging stages it (CUDA, ``staged``) or it goes through blocking copies. ``blocks``:
+    where a staged op's buffer comes from first (segment_staging.SegmentStaging)."""
     if t.device.type == "mps":
         from . import metal_tensors  # loads the Metal bridge on first use
 
@@ -201,18 +239,19 @@ def ordered(t: torch.Tensor, name: str) -> tuple[OrderedOp, Any] | None:
     if not t.is_contiguous():
         raise ConfigError(f"[mccl] {name}: the {t.device} tensor is not contiguous; device tensors are "
                           "reduced in place, pass tensor.contiguous() and copy the result back")
-    op = OrderedOp(ops, addr, t.numel() * t.element_size(), f"{name} on {t.device}")
+    op = OrderedOp(ops, addr, t.numel() * t.element_size(), f"{name} on {t.device}", blocks)
     _ledger(ops).add(op)
     return op, stream
 
 
-def staged(t: torch.Tensor, name: str) -> tuple[StagedOp, Any] | None:
+def staged(t: torch.Tensor, name: str, blocks: Any = None) -> tuple[StagedOp, Any] | None:
     """A fresh staged op for a collective with device tensor ``t`` in it (not launched),
-    and the stream its copies go on; None for a tensor no device stream serves."""
+    and the stream its copies go on; None for a tensor no device stream serves. ``blocks``:
+    where its staging blocks come from first (segment_staging.SegmentStaging)."""
     found = ops_for(t)
     if found is None:
         return None
     ops, stream = found
-    op = StagedOp(ops, f"{name} on {t.device}")
+    op = StagedOp(ops, f"{name} on {t.device}", blocks)
     _ledger(ops).add(op)
     return op, stream

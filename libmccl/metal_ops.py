@@ -158,7 +158,6 @@ class _Staging:
         self.host = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
         self.buffer = bridge.wrap_host(self.host, self.nbytes)
         self._bridge = bridge
-        self.source: int | None = None  # the device address of the op using it (MetalOps.on_op)
 
     def free(self) -> None:
         self._bridge.buffer_free(self.buffer)
@@ -170,6 +169,7 @@ class MetalOps(DeviceOps):
 
     def __init__(self, bridge: Bridge, unified: bool) -> None:
         self.unified = unified
+        self.registers_host = not unified  # staged buckets only: wrap_host is in every bridge
         self._bridge = bridge
         self._lock = threading.Lock()
         self._events: dict[int, tuple[Any, int]] = {}   # ticket word address -> (Ticket, event)
@@ -177,6 +177,9 @@ class MetalOps(DeviceOps):
         self._sources: dict[int, list[Any]] = {}       # device address -> [MTLBuffer, offset, live ops]
         self._spare: list[_Staging] = []
         self._live: dict[int, _Staging] = {}          # host address -> staging buffer in use
+        # Host memory of others wrapped as MTLBuffers (register_host): address -> (bytes, MTLBuffer)
+        self._wrapped: dict[int, tuple[int, int]] = {}
+        self._op_source: dict[int, int] = {}          # host address of a live op's buffer -> its device address
         self._wake = _core.Ticket.WAKE_FN
 
     # -- device addresses (staging only) -------------------------------------------------------
@@ -194,7 +197,18 @@ class MetalOps(DeviceOps):
                     raise ConfigError(f"[metal] {op.what}: no MTLBuffer registered for the tensor at "
                                       f"{op.dev_ptr:#x} (metal_tensors registers it before the op)")
                 self._sources[op.dev_ptr][2] += 1
-                self._live[op.buffer].source = op.dev_ptr
+                self._op_source[op.buffer] = op.dev_ptr
+
+    def on_retire(self, op: Any) -> None:
+        if self.unified or not isinstance(op, OrderedOp):
+            return
+        with self._lock:
+            dev = self._op_source.pop(op.buffer, None)
+            src = self._sources.get(dev)
+            if src is not None:
+                src[2] -= 1
+                if src[2] <= 0:
+                    del self._sources[dev]
 
     def _source(self, dev: int) -> tuple[int, int]:
         with self._lock:
@@ -241,13 +255,13 @@ class MetalOps(DeviceOps):
 
     def copy_to_host(self, stream: Any, host: int, dev: int, nbytes: int) -> None:
         buffer, offset = self._source(dev)
-        staging = self._staging_at(host)
-        self._bridge.encode_copy(buffer, offset, staging.buffer, 0, nbytes)
+        staging, at = self._host_buffer(host, nbytes)
+        self._bridge.encode_copy(buffer, offset, staging, at, nbytes)
 
     def copy_to_device(self, stream: Any, dev: int, host: int, nbytes: int) -> None:
         buffer, offset = self._source(dev)
-        staging = self._staging_at(host)
-        self._bridge.encode_copy(staging.buffer, 0, buffer, offset, nbytes)
+        staging, at = self._host_buffer(host, nbytes)
+        self._bridge.encode_copy(staging, at, buffer, offset, nbytes)
 
     def commit(self, stream: Any) -> None:
         self._bridge.commit()
@@ -263,22 +277,48 @@ class MetalOps(DeviceOps):
                 self._spare.remove(s)
             else:
                 s = _Staging(self._bridge, nbytes)
-            s.source = None
             self._live[s.host] = s
         return s.host, s
 
-    def _staging_at(self, host: int) -> _Staging:
+    def _host_buffer(self, host: int, nbytes: int) -> tuple[int, int]:
+        """(MTLBuffer, offset) of host memory a blit writes or reads: a staging buffer of ours,
+        or a block in memory registered with ``register_host`` (mccld's shared buffers)."""
         with self._lock:
-            return self._live[host]
+            own = self._live.get(host)
+            if own is not None:
+                return own.buffer, 0
+            for addr, (length, buffer) in self._wrapped.items():
+                if addr <= host and host + nbytes <= addr + length:
+                    return buffer, host - addr
+        raise ConfigError(f"[metal] {nbytes} bytes at {host:#x} are neither a staging buffer nor inside "
+                          "registered host memory; stage through MetalOps.staging_buffer or register_host")
+
+    # -- host memory of others: mccld's shared buffers, so blits land where mccld reduces ----------
+    def register_host(self, addr: int, nbytes: int) -> None:
+        """Wrap ``nbytes`` at ``addr`` as an MTLBuffer (newBufferWithBytesNoCopy), which wants a
+        page-aligned address and a length in whole pages; ConfigError where Metal refuses."""
+        if self.unified:
+            raise NotImplementedError("[metal] tensors in shared storage are reduced in place, not staged")
+        if addr % _PAGE or nbytes % _PAGE or nbytes <= 0:
+            raise ConfigError(f"[metal] cannot wrap {nbytes} bytes at {addr:#x} as an MTLBuffer: Metal wants a "
+                              f"page-aligned address and a multiple of the page ({_PAGE} bytes)")
+        with self._lock:
+            if any(a < addr + nbytes and addr < a + n for a, (n, _) in self._wrapped.items()):
+                raise ConfigError(f"[metal] {nbytes} bytes at {addr:#x} overlap host memory already wrapped")
+        buffer = self._bridge.wrap_host(addr, nbytes)
+        with self._lock:
+            self._wrapped[addr] = (nbytes, buffer)
+
+    def unregister_host(self, addr: int) -> None:
+        with self._lock:
+            found = self._wrapped.pop(addr, None)
+        if found is None:
+            raise ConfigError(f"[metal] unregister_host({addr:#x}): no host memory wrapped there")
+        self._bridge.buffer_free(found[1])
 
     def release_staging(self, owner: Any) -> None:
         with self._lock:
             self._live.pop(owner.host, None)
-            src = self._sources.get(owner.source)
-            if src is not None:
-                src[2] -= 1
-                if src[2] <= 0:
-                    del self._sources[owner.source]
             self._spare.append(owner)
             stale = self._spare[:-_SPARE_BUFFERS]
             del self._spare[:-_SPARE_BUFFERS]

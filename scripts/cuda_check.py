@@ -22,6 +22,9 @@ Run from the repository root on a machine with a CUDA GPU, after building the en
 4. DDP of a CUDA model (2 ranks, several buckets) over mccl equals DDP over Gloo.
 5. Negative control: with O1 removed (the CPU raises ``ready`` while the copies are queued)
    the results are wrong.
+7. With --daemon: CUDA buckets are staged in mccld's shared buffers registered with the driver
+   (cuMemHostRegister; libmccl/segment_staging.py, issue 27): a 16 MB all-reduce is exact and
+   copies nothing into or out of the client's segment (ProcessGroupMCCL.copy_stats()).
 6. Latency of an 8-byte all-reduce, CUDA tensor vs CPU tensor (2 ranks), and of the
    tickets themselves; whether cuMemHostAlloc waits for queued GPU work (the hidden
    synchronisation the pool avoids).
@@ -129,6 +132,36 @@ def _ddp_rank(rank: int, world: int, port: int, emulated: bool, mode: str, q) ->
         spread = float((replicas[0] - torch.cat([p.reshape(-1) for p in trained[0]])).abs().max())
         dist.destroy_process_group()
         q.put((rank, "ok", [{"ddp_max_diff": diff, "replica_spread": spread}]))
+    except BaseException:  # noqa: BLE001 - reported by the parent
+        q.put((rank, "error", traceback.format_exc()))
+
+
+SEGMENT_MB = 16
+
+
+def _segment_rank(rank: int, world: int, port: int, emulated: bool, mode: str, q) -> None:
+    """Through mccld: three all-reduces of a SEGMENT_MB cuda bucket, exact, and their copies."""
+    try:
+        dist, gloo = _init(rank, world, port, emulated)
+        import torch
+
+        from libmccl.device_check import pattern
+
+        dev = _device(emulated)
+        pg = dist.distributed_c10d._get_default_group()
+        n = SEGMENT_MB << 18
+        want = sum(pattern(n, torch.float32, r) for r in range(world))
+        before, exact = pg.copy_stats(), True
+        for _ in range(3):
+            t = dev.produce(n, torch.float32, rank)
+            dist.all_reduce(t)
+            exact &= torch.equal(dev.read(t), want)
+        after = pg.copy_stats()
+        row = {k: after[k] - before[k] for k in after if k.endswith(("_bytes", "_count", "_s"))}
+        row.update(exact=exact, slabs=pg._segment_staging.slabs(), bytes=3 * n * 4)
+        dev.close()
+        dist.destroy_process_group()
+        q.put((rank, "ok", [row]))
     except BaseException:  # noqa: BLE001 - reported by the parent
         q.put((rank, "error", traceback.format_exc()))
 
@@ -381,6 +414,20 @@ def _checks(args) -> int:
                             f"{len(rows)} case results)" if wrong else
                "negative control: without O1 every result was still right (the checks cannot see a missing O1)")
     guarded("negative control", negative)
+
+    def segment() -> None:
+        rows = [row for rank_rows in _run_world(_segment_rank, 2, args.emulated) for row in rank_rows]
+        report_json["figures"]["segment_staging"] = rows
+        into = max(r["copy_host_to_segment_bytes"] for r in rows)
+        staged = min(r["copy_device_to_host_bytes"] for r in rows)
+        d2h_ms = max(r["copy_device_to_host_s"] for r in rows) * 1e3
+        h2d_ms = max(r["copy_host_to_device_s"] for r in rows) * 1e3
+        ok = all(r["exact"] and r["slabs"] > 0 for r in rows) and into == 0 and staged == rows[0]["bytes"]
+        report(ok, f"through mccld, {SEGMENT_MB} MB cuda buckets are staged in mccld's shared buffers (registered "
+                   f"with the driver): exact, host->segment {into} B, device->host {staged} B in {d2h_ms:.2f} ms, "
+                   f"host->device in {h2d_ms:.2f} ms (3 all-reduces, 2 ranks)")
+    if args.daemon:
+        guarded("segment staging", segment)
 
     def latency() -> None:
         rows = [row for rank_rows in _run_world(_latency_rank, 2, args.emulated) for row in rank_rows]

@@ -14,7 +14,11 @@ With MPS, ranks are processes on one Mac (loopback). Each check prints PASS/FAIL
   2. all_reduce of mps tensors written by GPU kernels just before the call equals Gloo's on CPU copies
      (SUM and AVG, float32/float16/bfloat16, several sizes), in place or staged;
   3. the call returns before the GPU ran the kernels queued in front of the bucket (no hidden sync);
-  4. a DDP step on mps equals the same step with Gloo (parameters allclose).
+  4. a DDP step on mps equals the same step with Gloo (parameters allclose);
+  5. with --daemon (mccld running on the Mac: `mccld &`, MCCL_DAEMON=1 is set for the ranks): the
+     same all-reduce through mccld equals Gloo's, and for private-storage tensors the staging
+     blit wrote straight into mccld's shared buffer (libmccl/segment_staging.py over
+     mccl_metal_wrap_host): no byte copied into or out of the client's segment (copy_stats()).
 """
 
 from __future__ import annotations
@@ -88,6 +92,8 @@ def _rank(rank: int, world: int, port: int, out: "mp.Queue") -> None:
     same = all(torch.allclose(p.detach().cpu(), q.detach(), atol=1e-5)
                for p, q in zip(ddp.parameters(), ddp_ref.parameters()))
     rows.append(("DDP on mps equals DDP with Gloo after 3 steps", same, ""))
+    if os.environ.get("MCCL_DAEMON") == "1":
+        rows.append(_through_mccld(rank, gloo, ops.unified))
     dist.destroy_process_group()
     out.put((rank, rows))
 
@@ -149,6 +155,27 @@ def _report(rows: list[tuple[str, bool, str]]) -> bool:
     return all(ok for _, ok, _ in rows)
 
 
+def _through_mccld(rank: int, gloo, unified: bool) -> tuple[str, bool, str]:
+    pg = dist.distributed_c10d._get_default_group()
+    before = pg.copy_stats()
+    n = 1 << 20
+    src = torch.randint(-50, 50, (n,), generator=torch.Generator().manual_seed(rank)).float()
+    t = src.to("mps").mul_(1)
+    dist.all_reduce(t)
+    want = src.clone()
+    dist.all_reduce(want, group=gloo)
+    equal = torch.equal(t.cpu(), want)
+    after = pg.copy_stats()
+    into = after["copy_host_to_segment_bytes"] - before["copy_host_to_segment_bytes"]
+    out = after["copy_segment_to_host_bytes"] - before["copy_segment_to_host_bytes"]
+    blit = after["copy_device_to_host_bytes"] - before["copy_device_to_host_bytes"]
+    detail = f"device->host {blit} B, host->segment {into} B, segment->host {out} B"
+    if unified:  # shared storage is reduced from unified memory: the client still copies it (not addressed)
+        return (f"through mccld, shared storage: equals Gloo ({detail})", equal, detail)
+    return (f"through mccld, private storage: equals Gloo, blit straight into mccld's buffer ({detail})",
+            equal and blit == n * 4 and into == 0 and out == 0, detail)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=2)
@@ -157,7 +184,10 @@ def main() -> int:
     ap.add_argument("--no-mps-ok", action="store_true",
                     help="without MPS (a hosted runner), pass on the checks that need no GPU")
     ap.add_argument("--summary", help="append the results as Markdown here (a GitHub job summary)")
+    ap.add_argument("--daemon", action="store_true", help="also check through the local mccld (start it first)")
     args = ap.parse_args()
+    if args.daemon:
+        os.environ["MCCL_DAEMON"] = "1"  # the spawned ranks inherit it
     mps, why_not = _mps_usable()
     record = {"platform": sys.platform, "torch": torch.__version__,
               "mps_reported": torch.backends.mps.is_available(), "mps_available": mps, "mps_detail": why_not,

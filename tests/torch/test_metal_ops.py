@@ -61,14 +61,14 @@ def routed(monkeypatch):
     owners: dict[int, _Installed] = {}
     real_ordered = device_tensors.ordered
 
-    def ordered(t, name):
+    def ordered(t, name, blocks=None):
         inst = owners.get(t.data_ptr())
         if inst is None:
-            return real_ordered(t, name)
+            return real_ordered(t, name, blocks)
         # torch's mps data_ptr is the MTLBuffer id plus the byte offset (0 here)
         ops, addr, note = inst.dev.place(t._mccl_buffer, t._mccl_buffer, t.numel() * 4, name)
         inst.placed.append("in place" if ops.unified else "staged")
-        op = OrderedOp(ops, addr, t.numel() * 4, f"{name} on fake mps")
+        op = OrderedOp(ops, addr, t.numel() * 4, f"{name} on fake mps", blocks)
         device_tensors._ledger(ops).add(op)
         return op, None
 
@@ -234,3 +234,55 @@ def test_unified_collective_setting(monkeypatch) -> None:
 
 # The autouse leak check (conftest._no_leaks) is off for this module: the process groups in this module outlive the check in their fixtures, and a shut-down communicator keeps its progress wake pipe until the object is destroyed (its threads and the helper threads' pipes go at shutdown).
 pytestmark = pytest.mark.leaks_ok
+
+
+class _PageBuffer:
+    """Page-aligned host memory standing in for a shared buffer mccld maps (segment_staging)."""
+
+    def __init__(self, nbytes: int) -> None:
+        import mmap
+
+        self._map = mmap.mmap(-1, nbytes)
+        self.addr, self.nbytes, self.released = ctypes.addressof(ctypes.c_char.from_buffer(self._map)), nbytes, False
+
+    def release(self) -> None:
+        self.released = True
+
+
+@pytest.mark.timeout(30)
+def test_private_buckets_blit_straight_into_mccld_shared_memory() -> None:
+    """Through mccld (issue 27): the staging blit of a private-storage bucket writes into a
+    shared buffer wrapped as an MTLBuffer (newBufferWithBytesNoCopy), where mccld reduces,
+    and the result is blitted back from there; the wrap goes when the buffer is released."""
+    from libmccl.segment_staging import SegmentStaging
+
+    bridge = FakeBridge(seed=5)
+    dev = MetalDevice(bridge)
+    ops, bufs = dev.staged, []
+    staging = SegmentStaging(lambda n: bufs.append(_PageBuffer(n)) or bufs[-1], 64 << 20, "MCCL_CUDA_STAGING_BYTES", 0)
+    n = 70_000
+    handle, host = bridge.new_buffer(n * 4, PRIVATE)
+    ops.register_source(handle, handle, 0)
+    grad = np.frombuffer((ctypes.c_char * (n * 4)).from_address(host), dtype=np.float32)
+    values = np.arange(n, dtype=np.float32)
+    bridge.kernel("backward", lambda: grad.__setitem__(slice(None), values))
+    op = OrderedOp(ops, handle, n * 4, "all_reduce on fake mps", staging)
+    assert len(bufs) == 1 and bufs[0].addr <= op.buffer < bufs[0].addr + bufs[0].nbytes
+    op.launch(None)
+    op.ready.wait(op.target, 10.0, "[test] ready")
+    block = np.frombuffer((ctypes.c_char * (n * 4)).from_address(op.buffer), dtype=np.float32)
+    assert np.array_equal(block, values)       # the blit landed in the shared buffer itself
+    block *= 2                                  # what mccld's reduction writes there
+    op.done.signal(op.target)
+    op.finish(None)
+    op.released.wait(TICKET_BASE + 1, 10.0, "[test] released")
+    assert np.array_equal(grad, values * 2)     # and came back from there
+    op.retire()
+    assert ops._sources == {} and ops.copies.snapshot()["copy_device_to_host_bytes"] == n * 4
+    staging.close()
+    assert bufs[0].released and ops._wrapped == {}
+    with pytest.raises(ConfigError, match="page-aligned"):
+        ops.register_host(bufs[0].addr + 64, 4096)
+    with pytest.raises(NotImplementedError):
+        dev.in_place.register_host(bufs[0].addr, 4096)
+    bridge.close()

@@ -11,6 +11,10 @@ link must carry, at the ring ceiling). After the steps every rank's parameters m
 bit-identical (checked through the backend itself): a backend that corrupts gradients
 reports no step time.
 
+With mccl each series also reports the copies a DDP step makes, per direction (device ->
+host staging, host -> mccld's segment, segment -> host, host -> device: libmccl/copy_stats.py),
+their megabytes and the time in them, from the backend's ``copy_stats()`` (none for Gloo).
+
 The rank side (``run``) imports torch; the harness side (``summarize``) does not.
 """
 
@@ -132,7 +136,12 @@ def run(torch, dist, cfg: dict, rank: int) -> dict:
         opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
         _timed(torch, ddp, opt, data, cfg["warmup"], sync)
         dist.barrier()
+        before = _copy_stats(dist)
         out["step_s" if variant == "ddp" else f"{variant}_s"] = _timed(torch, ddp, opt, data, cfg["steps"], sync)
+        if before is not None:
+            from libmccl.copy_stats import per_step
+
+            out.setdefault("copies", {})[variant] = per_step(before, _copy_stats(dist), cfg["steps"])
         if variant != "nocomm":
             _check_replicas(torch, dist, model, cfg, variant)
         if variant == "ddp":
@@ -142,6 +151,13 @@ def run(torch, dist, cfg: dict, rank: int) -> dict:
     if device.type != "cpu":
         out["comm_alone_s"] = _comm_alone(torch, dist, grad_bytes, device, sync)
     return out
+
+
+def _copy_stats(dist) -> dict | None:
+    """The backend's copy counters (mccl's ``copy_stats()``), or None for a backend without them."""
+    pg = dist.distributed_c10d._get_default_group()
+    fn = getattr(pg, "copy_stats", None)
+    return fn() if fn is not None else None
 
 
 def _check_replicas(torch, dist, model, cfg: dict, variant: str) -> None:
@@ -184,7 +200,26 @@ def summarize(docs: list[dict], ceiling: dict | None) -> dict | None:
             out["overlap_ratio"] = max(0.0, 1.0 - exposed / out["comm_alone_ms"])
     if "fingerprint" in docs[0]["ddp"]:
         out["fingerprint"] = docs[0]["ddp"]["fingerprint"]
+    if "copies" in docs[0]["ddp"]:
+        # Copies and bytes are the same on every rank; the time is the slowest rank's.
+        out["copies_per_step"] = {
+            variant: {d: {**c, "ms": max(doc["ddp"]["copies"][variant][d]["ms"] for doc in docs)}
+                      for d, c in per_dir.items()}
+            for variant, per_dir in docs[0]["ddp"]["copies"].items()}
     return out
+
+
+_SHORT = {"device_to_host": "dev->host", "host_to_segment": "host->seg", "segment_to_host": "seg->host",
+          "host_to_device": "host->dev"}
+
+
+def copies_text(series: dict, variant: str = "ddp") -> str | None:
+    """One series' copies a step, for the printed table: count, MB and ms per direction."""
+    per_dir = (series.get("copies_per_step") or {}).get(variant)
+    if not per_dir:
+        return None
+    return ", ".join(f"{_SHORT[d]} {c['copies']:.0f}x {c['mb']:.1f} MB {c['ms']:.1f} ms"
+                     + (f" ({c['untimed']:.0f} untimed)" if c["untimed"] else "") for d, c in per_dir.items())
 
 
 def params_close(a: dict, b: dict, rtol: float = 1e-4, atol: float = 1e-6) -> bool:

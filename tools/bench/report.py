@@ -3,6 +3,7 @@ one column group per series (mccl, mccl-daemon, gloo), then their ratios."""
 
 from __future__ import annotations
 
+from . import ddp
 from .metrics import fmt_bytes
 
 # Ratio columns: (comparison key, heading); shown where the comparison has them.
@@ -64,6 +65,9 @@ def _ddp_lines(result: dict) -> list[str]:
             extra += ", parameters " + ("match" if v["params_match_gloo"] else "DIFFER from") + " gloo's"
         step = f"{v['step_ms']:8.1f} ms a step" if v["step_ms"] else "(plain DDP not timed)"
         out.append(f"#   {name:<12} {step} (compute alone {v['compute_ms']:.1f} ms{extra}){rel}")
+        copies = ddp.copies_text(v)
+        if copies:
+            out.append(f"#   {'':<12} copies a DDP step: {copies}")
     return out
 
 
@@ -131,10 +135,11 @@ def markdown(result: dict) -> str:
         out += ["", "; ".join(lat)]
     steps = result.get("ddp") or {}
     if steps:
-        out += ["", _ddp_lines(result)[0].lstrip("# "), "", "| series | step ms | compute alone ms | vs gloo |",
-                "|---|---|---|---|"]
+        out += ["", _ddp_lines(result)[0].lstrip("# "), "",
+                "| series | step ms | compute alone ms | vs gloo | copies a step |", "|---|---|---|---|---|"]
         out += [f"| {name} | {v['step_ms'] or 0:.1f} | {v['compute_ms']:.1f} | "
-                + (f"{v['step_over_gloo']:.2f}× |" if "step_over_gloo" in v else "- |") for name, v in steps.items()]
+                + (f"{v['step_over_gloo']:.2f}× |" if "step_over_gloo" in v else "- |")
+                + f" {ddp.copies_text(v) or '-'} |" for name, v in steps.items()]
     head = (["op", "size"] + [f"{b} {k}" for b in series for k in ("time µs", "busbw Gbit/s", "% ceil", "CPU s/GB")]
             + [h for _, h in shown])
     if not result["results"]:
