@@ -76,6 +76,10 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
         from . import _core
 
         rank, size, opts = self.rank(), self.size(), self._engine_options()
+        if size == 1:
+            # Nothing to exchange with anyone, with or without mccld (MCCL_DAEMON=1): each op
+            # is done on the caller's thread, with no segment, copy or attach.
+            return SoloCommunicator(self._router.on_complete)
         if self._cfg.daemon:
             try:
                 from .daemon_client import DaemonCommunicator
@@ -87,9 +91,6 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
                                               on_complete=self._router.on_complete,
                                               timeout_s=opts.connect_timeout_s)
             return self._daemon
-        if size == 1:
-            # Nothing to exchange with anyone: each op is done on the caller's thread.
-            return SoloCommunicator(self._router.on_complete)
         # Before the rendezvous: a rank without the job key fails here, not its peers at set-up.
         secret = jobkey.engine_secret(self._cfg.wire_security)
         rv = rendezvous.exchange(store, rank, size, _core.Listener, self._cfg, opts.connect_timeout_s, group_id)

@@ -4,6 +4,7 @@ would, completes before the call returns, and no engine (threads, sockets) is st
 from __future__ import annotations
 
 import datetime
+import sys
 
 import pytest
 import torch
@@ -81,3 +82,23 @@ def test_group_of_one_refuses_after_shutdown(solo_group):
     pg.shutdown()
     with pytest.raises(libmccl.errors.AbortedError):
         pg.allreduce([torch.zeros(1)])
+
+
+def test_group_of_one_under_mccl_daemon_never_attaches(monkeypatch, tmp_path):
+    """MCCL_DAEMON=1 with no mccld anywhere (an empty runtime dir): a group of one still works,
+    on the caller's thread, because it has nothing to hand mccld."""
+    monkeypatch.setenv("MCCL_DAEMON", "1")
+    monkeypatch.setenv("MCCL_RUNTIME_DIR", str(tmp_path))
+    libmccl.register()
+    threads = thread_count()
+    dist.init_process_group("mccl", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        t = torch.arange(1 << 20, dtype=torch.float32)
+        done_now(dist.all_reduce(t, async_op=True))
+        assert torch.equal(t, torch.arange(1 << 20, dtype=torch.float32))
+        assert type(dist.group.WORLD.communicator).__name__ == "SoloCommunicator"
+        assert "libmccl.daemon_client" not in sys.modules or not sys.modules["libmccl.daemon_client"]._live
+        assert thread_count() <= threads
+    finally:
+        dist.destroy_process_group()
