@@ -238,11 +238,7 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
         tensor no device stream serves. ``launch(buffer, ready=, done=, base=)`` enqueues
         the engine op on the buffer the engine works on."""
         if isinstance(self._comm, SoloCommunicator):
-            if not device_tensors.on_a_stream(t):
-                return None
-            # One rank: the all-reduce is the identity, so the tensor stays untouched where it
-            # is and nothing is queued on its stream (the solo communicator ignores the address).
-            return self._submit(name, lambda: launch(t.data_ptr()), [t], B.Staging(), opts)
+            return self._solo(name, [t], launch, opts)
         found = device_tensors.ordered(t, name)
         if found is None:
             return None
@@ -258,6 +254,14 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
             order.abandon()  # the engine's wait for ready, if enqueued, fails instead of timing out
             raise
         return work
+
+    def _solo(self, name: str, outputs: list[torch.Tensor], launch: Callable[..., int], opts: Any) -> MCCLWork:
+        """A collective that is the identity in a group of one (all-reduce, broadcast, reduce):
+        whatever the tensor's device, no staging buffer, gate or helper thread, and the Work is
+        complete before this returns (the solo communicator ignores the address). Out-of-place
+        ones still stage a device tensor: a copy on the device would have to be ordered on its
+        stream, which the staging's tickets do."""
+        return self._submit(name, lambda: launch(0), outputs, B.Staging(), opts)
 
     # -- all-reduce ---------------------------------------------------------------
     def allreduce(self, tensors: Any, opts: Any = None) -> MCCLWork:
@@ -297,6 +301,8 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
         opts = compat.options_or_default(opts, _c10d.BroadcastOptions)
         t = B.check_tensor(B.single(tensors, "broadcast"), "broadcast", "tensor")
         root = B.check_rank(opts.rootRank, self.size(), "broadcast", "root")
+        if isinstance(self._comm, SoloCommunicator):
+            return self._solo("broadcast", [t], lambda _: self._comm.broadcast(0, 0, root), opts)
         st = B.Staging("broadcast", [t])
         buf = st.input(t) if root == self.rank() else st.inout(t)
         return self._submit("broadcast", lambda: self._comm.broadcast(buf.data_ptr(), B.nbytes(buf), root),
@@ -307,6 +313,8 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
         t = B.check_tensor(B.single(tensors, "reduce"), "reduce", "tensor")
         root = B.check_rank(opts.rootRank, self.size(), "reduce", "root")
         dtype, count, op = B.reduce_codes(t, opts.reduceOp, "reduce")
+        if isinstance(self._comm, SoloCommunicator):
+            return self._solo("reduce", [t], lambda _: self._comm.reduce(0, count, dtype, op, root), opts)
         st = B.Staging("reduce", [t])
         # The engine leaves non-root buffers unchanged: only the root needs a copy-back.
         buf = st.inout(t) if root == self.rank() else st.input(t)

@@ -111,16 +111,22 @@ def _offline(cls):
     return Offline
 
 
-def _step_timer(L):
+def _step_timer(L, cpu: bool = False):
+    """A callback timing each training step (wall seconds; with ``cpu``, process CPU seconds too)."""
     class StepTimer(L.Callback):
         def __init__(self):
             self.steps: list[float] = []
-            self._t0 = 0.0
+            self.cpu: list[float] = []
+            self._t0 = self._c0 = 0.0
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
             self._t0 = time.perf_counter()
+            if cpu:
+                self._c0 = time.process_time()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
             self.steps.append(time.perf_counter() - self._t0)
+            if cpu:
+                self.cpu.append(time.process_time() - self._c0)
 
     return StepTimer()
