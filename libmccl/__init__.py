@@ -65,6 +65,14 @@ def ddp_shared_buckets(state, bucket):  # noqa: ANN001,ANN201 - torch types, imp
     return hook(state, bucket)
 
 
+def lightning_callback():  # noqa: ANN201 - a lightning Callback, imported lazily
+    """The Lightning spelling of ``ddp_shared_buckets``: ``Trainer(strategy=DDPStrategy(
+    gradient_as_bucket_view=True), callbacks=[libmccl.lightning_callback()])``."""
+    from .ddp_buckets import lightning_callback as make
+
+    return make()
+
+
 def _autoload() -> None:
     """torch's entry point hook: must be cheap and must never raise (it runs inside ``import torch``)."""
     try:

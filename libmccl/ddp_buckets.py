@@ -27,8 +27,7 @@ run out (attach_protocol.MAX_BUFFERS_PER_RANK) a bucket is reduced where it is, 
 this hook, like torch's own hooks, by the group's size.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations``: DDP checks the hook's annotations as objects.
 import logging
 from typing import Any
 
@@ -42,7 +41,7 @@ log = logging.getLogger(__name__)
 _ATTR = "_mccl_shared"   # on the bucket tensor's Python object: the shared tensor kept with it
 
 
-def ddp_shared_buckets(state: Any, bucket: Any) -> torch.futures.Future:
+def ddp_shared_buckets(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """The comm hook: ``ddp_model.register_comm_hook(group_or_None, libmccl.ddp_shared_buckets)``.
     ``state`` is the DDP model's process group (None: the world), as for torch's own hooks."""
     pg = state if state is not None else dist.group.WORLD
@@ -119,3 +118,22 @@ def _gather_in_place(bucket: Any, buf: torch.Tensor, shared: torch.Tensor, grads
             g.set_(storage, at, view.size(), view.stride())
     if moved:
         buf.set_(storage, base, buf.size(), buf.stride())
+
+
+def lightning_callback() -> Any:
+    """A Lightning ``Callback`` that installs ``ddp_shared_buckets`` on the DDP model Lightning
+    wraps (Lightning's own ``DDPStrategy(ddp_comm_hook=...)`` registers a hook only on CUDA):
+    ``Trainer(strategy=DDPStrategy(gradient_as_bucket_view=True), callbacks=[libmccl.lightning_callback()])``."""
+    try:
+        import lightning.pytorch as pl
+    except ImportError:
+        import pytorch_lightning as pl   # the older package name
+    from torch.nn.parallel import DistributedDataParallel
+
+    class SharedBuckets(pl.Callback):
+        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+            model = trainer.strategy.model
+            if isinstance(model, DistributedDataParallel):
+                model.register_comm_hook(model.process_group, ddp_shared_buckets)
+
+    return SharedBuckets()

@@ -12,8 +12,8 @@ Each rank first times the same model's steps without DDP (the compute alone), th
 variant ``warmup`` + ``steps`` Trainer steps, each timed from Lightning's
 ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward with the bucket
 all-reduces, optimizer step). Variants: ``ddp`` (the strategy's defaults) and ``shared``
-(``gradient_as_bucket_view=True`` with ``ddp_comm_hook=libmccl.ddp_shared_buckets``: no
-copies through mccld). The output has ddp.run's shape, so ddp.summarize reports it; after
+(``gradient_as_bucket_view=True`` and ``libmccl.lightning_callback()``, which installs
+``libmccl.ddp_shared_buckets``: no copies through mccld). The output has ddp.run's shape, so ddp.summarize reports it; after
 the steps the replicas must be bit-identical, as in ddp.py.
 
 Lightning is not a dependency of MCCL: ``pip install lightning`` where this runs.
@@ -36,8 +36,7 @@ def strategy_kwargs(variant: str, backend: str) -> dict:
         raise ValueError(f"[bench] unknown Lightning variant {variant!r}; known: {', '.join(VARIANTS)}")
     kw: dict = {"process_group_backend": backend}
     if variant == "shared":
-        import libmccl
-        kw.update(gradient_as_bucket_view=True, ddp_comm_hook=libmccl.ddp_shared_buckets)
+        kw["gradient_as_bucket_view"] = True   # and libmccl.lightning_callback() installs the hook
     return kw
 
 
@@ -58,6 +57,8 @@ def run(torch, dist, cfg: dict, rank: int) -> dict:
     import lightning.pytorch as L
     from lightning.pytorch.demos import LightningTransformer
     from lightning.pytorch.strategies import DDPStrategy
+
+    import libmccl
 
     cfg = {**DEFAULTS, **cfg}
     unknown = set(cfg["variants"]) - set(VARIANTS)
@@ -89,7 +90,8 @@ def run(torch, dist, cfg: dict, rank: int) -> dict:
         timer = _step_timer(L)
         trainer = L.Trainer(accelerator="cpu", devices=1, num_nodes=world, max_steps=n,
                             strategy=DDPStrategy(**strategy_kwargs(variant, backend)),
-                            callbacks=[timer], logger=False, enable_checkpointing=False,
+                            callbacks=[timer] + ([libmccl.lightning_callback()] if variant == "shared" else []),
+                            logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                             num_sanity_val_steps=0, limit_val_batches=0)
         dist.barrier()
