@@ -79,7 +79,7 @@ def _train(rank, world, hooked, case):
     return params, in_place
 
 
-def _rank(rank: int, world: int) -> list:
+def _rank(rank: int, world: int, cases: list) -> list:
     import torch
     import torch.distributed as dist
 
@@ -88,7 +88,7 @@ def _rank(rank: int, world: int) -> list:
     init_pg(rank, world)
     try:
         report = []
-        for case in _CASES:
+        for case in cases:
             copied, none_in_place = _train(rank, world, False, case)
             shared, in_place = _train(rank, world, True, case)
             for i, (a, b) in enumerate(zip(copied, shared)):
@@ -103,7 +103,12 @@ def _rank(rank: int, world: int) -> list:
         dist.destroy_process_group()
 
 
-def test_ddp_shared_buckets_equal_the_copied_path_and_run_in_place(ranks) -> None:
+@pytest.mark.parametrize("world", [2, 3])
+def test_ddp_shared_buckets_equal_the_copied_path_and_run_in_place(ranks, world: int) -> None:
+    # At 3 ranks x / 3 and x * (1/3) differ in the last bit: DDP divides a gradient already in
+    # its bucket view (gradient_as_bucket_view, set_to_none=False), the hook multiplies
+    # (README); the cases where DDP multiplies too must still be equal.
+    cases = _CASES if world == 2 else [c for c in _CASES if c[1] or not c[0]]
     with MODES["daemon"].setup() as env:
         env = dict(env, MCCL_DAEMON_FAST_BYTES="4096")
-        ranks(_rank, 2, timeout_s=200, env=env)
+        ranks(_rank, world, cases, timeout_s=200, env=env)
