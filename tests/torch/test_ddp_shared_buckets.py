@@ -1,7 +1,7 @@
 """libmccl.ddp_shared_buckets (libmccl/ddp_buckets.py): DDP's buckets reduced in memory mccld
 maps give the copied path's parameters bit for bit, under bucket rebuilds, static_graph,
 find_unused_parameters, no_sync accumulation, set_to_none and a sub-group, and the buckets'
-all-reduces run in place (the daemon client's zero_copy_ops)."""
+all-reduces run in place (the daemon client's zero_copy_ops); groups of one never attach to mccld."""
 
 from __future__ import annotations
 
@@ -79,6 +79,27 @@ def _train(rank, world, hooked, case):
     return params, in_place
 
 
+def _groups_of_one(rank: int, world: int) -> None:
+    """Under MCCL_DAEMON=1, new_group([me]) and a DeviceMesh dimension of size 1 are groups of
+    one: served on the caller's thread, never through mccld."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mine = [dist.new_group([r]) for r in range(world)][rank]
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "one"))
+    for g in (mine, mesh.get_group("one")):
+        assert type(g.communicator).__name__ == "SoloCommunicator", type(g.communicator)
+        t = torch.full((1 << 20,), float(rank))
+        work = dist.all_reduce(t, group=g, async_op=True)
+        assert work.is_completed()
+        assert torch.equal(t, torch.full((1 << 20,), float(rank)))
+    dp = mesh.get_group("dp")
+    t = torch.ones(4)
+    dist.all_reduce(t, group=dp)
+    assert torch.equal(t, torch.full((4,), float(world)))
+
+
 def _rank(rank: int, world: int, cases: list) -> list:
     import torch
     import torch.distributed as dist
@@ -98,6 +119,7 @@ def _rank(rank: int, world: int, cases: list) -> list:
             # first step, both of the rebuilt ones once DDP rebuilt them (static_graph: a step later).
             assert min(in_place) >= 1 and in_place[-1] >= 2, (case, in_place)
             report.append(in_place)
+        _groups_of_one(rank, world)
         return report
     finally:
         dist.destroy_process_group()
