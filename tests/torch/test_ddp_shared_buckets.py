@@ -63,6 +63,7 @@ def _train(rank, world, hooked, case):
     in_place = []
     for step in range(_STEPS):
         before = comm.stats().get("zero_copy_ops", 0)
+        gen = comm._gen   # segments and shared buffers created so far
         for micro in range(accumulate):
             x, y = torch.randn(16, 64, generator=g), torch.randn(16, 8, generator=g)
             ctx = model.no_sync() if micro < accumulate - 1 else torch.enable_grad()
@@ -72,6 +73,9 @@ def _train(rank, world, hooked, case):
         opt.step()
         opt.zero_grad(set_to_none=to_none)
         in_place.append(comm.stats().get("zero_copy_ops", 0) - before)
+    # The buckets keep their shared memory from step to step (a new buffer each step would
+    # also mean a copy into it each step).
+    assert comm._gen == gen, f"{comm._gen - gen} buffers created in the last step"
     params = [p.detach().clone() for p in model.parameters()]
     del model, opt
     if group is not None:
