@@ -94,7 +94,8 @@ def _parser() -> argparse.ArgumentParser:
     what.add_argument("--ddp-variants", type=_csv, default=["ddp"],
                       help="comma list of ddp (plain DDP), nocomm (communication removed: a no-op comm hook), "
                            "staged (a hook staging each bucket through a blocking CPU copy), shared "
-                           "(libmccl.ddp_shared_buckets with gradient_as_bucket_view: no copies through mccld)")
+                           "(libmccl.ddp_shared_buckets with gradient_as_bucket_view: no copies through mccld), sharedcopy "
+                           "(the hook without gradient_as_bucket_view)")
     what.add_argument("--latency-iters", type=int, default=300,
                       help="8-byte all_reduces timed one by one per series for the small-op latency; 0 = none")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per series (a backend in one mode)")

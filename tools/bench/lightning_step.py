@@ -82,6 +82,9 @@ def run(torch, dist, cfg: dict, rank: int) -> dict:
     del alone, opt
 
     os.environ.update(node_env(rank))
+    # Lightning's launcher gives a process all the machine's cores (cpu_count // devices) unless
+    # OMP_NUM_THREADS says otherwise: keep the worker's budget, the same for every backend.
+    os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
     out = {"config": {**cfg, "model": "LightningTransformer"}, "grad_bytes": grad_bytes,
            "compute_s": compute[cfg["warmup"]:]}
     for variant in cfg["variants"]:

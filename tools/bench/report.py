@@ -59,6 +59,7 @@ def _ddp_lines(result: dict) -> list[str]:
         extra = "".join(f", {what} {v[k]:.1f} ms" for k, what in (("nocomm_ms", "communication removed"),
                                                                   ("staged_ms", "staged through CPU copies"),
                                                                   ("shared_ms", "buckets in shared memory"),
+                                                                  ("sharedcopy_ms", "scaled into shared memory"),
                                                                   ("comm_alone_ms", "all-reduce alone")) if k in v)
         if "overlap_ratio" in v:
             extra += f", {v['step_over_nocomm']:.3f}x the step without communication, overlap {v['overlap_ratio']:.2f}"

@@ -59,6 +59,8 @@ def lightning_step_ms(backend: str, steps: int, batch: int = 16) -> tuple[float,
     from .init_scale import free_port
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))  # a fresh store each group
+    # Else Lightning's launcher sets torch's threads to the machine's cores: keep main()'s one.
+    os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
     data = _batches(torch, {**DEFAULTS, "batch": batch}, 0, steps + 3)
     torch.manual_seed(0)
     model = _offline(LightningTransformer)()
