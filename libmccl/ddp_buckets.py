@@ -41,6 +41,7 @@ from mccl_common.errors import ConfigError
 log = logging.getLogger(__name__)
 
 _ATTR = "_mccl_shared"   # on the bucket tensor's Python object: the shared tensor kept with it
+_warned = False          # a bucket left in ordinary memory: said once at WARNING, then at DEBUG
 
 
 def ddp_shared_buckets(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -84,6 +85,8 @@ def _shared_for(pg: Any, buf: torch.Tensor) -> torch.Tensor | None:
     if buf.device.type != "cpu" or buf.layout != torch.strided or not buf.is_contiguous():
         return None
     shared = getattr(buf, _ATTR, None)
+    if shared is False:
+        return None   # refused before (the rank's buffers used up): not asked again each step
     if shared is not None and shared.numel() == buf.numel() and shared.dtype == buf.dtype:
         return shared
     alloc = getattr(pg, "shared_buffer", None)
@@ -92,9 +95,13 @@ def _shared_for(pg: Any, buf: torch.Tensor) -> torch.Tensor | None:
     try:
         mem = alloc(buf.numel() * buf.element_size())
     except ConfigError as e:
-        log.warning("[mccl] DDP bucket of %d bytes stays in ordinary memory (copied through mccld): %s",
-                    buf.numel() * buf.element_size(), e)
-        mem = None
+        global _warned
+        (log.debug if _warned else log.warning)(
+            "[mccl] a DDP bucket of %d bytes stays in ordinary memory and is copied through mccld: %s; "
+            "raise DDP's bucket_cap_mb for fewer, larger buckets", buf.numel() * buf.element_size(), e)
+        _warned = True
+        setattr(buf, _ATTR, False)
+        return None
     if mem is None:
         return None   # in-process: the engine reads the bucket where it is
     shared = torch.frombuffer(mem.view(), dtype=buf.dtype, count=buf.numel())

@@ -123,6 +123,14 @@ def _rank(rank: int, world: int, cases: list) -> list:
             # first step, both of the rebuilt ones once DDP rebuilt them (static_graph: a step later).
             assert min(in_place) >= 1 and in_place[-1] >= 2, (case, in_place)
             report.append(in_place)
+        # A rank out of shared buffers (one allowed here): the buckets beyond it are copied
+        # through mccld as before, with the same results.
+        import libmccl.daemon_buffers as buffers
+        buffers.MAX_BUFFERS_PER_RANK = 1
+        copied, _ = _train(rank, world, False, cases[0])
+        shared, in_place = _train(rank, world, True, cases[0])
+        assert all(torch.equal(a, b) for a, b in zip(copied, shared))
+        assert 1 <= in_place[-1] < report[0][-1], (in_place, report[0])
         _groups_of_one(rank, world)
         return report
     finally:
