@@ -118,19 +118,35 @@ def _gather_in_place(bucket: Any, buf: torch.Tensor, shared: torch.Tensor, grads
     moved = not _same_memory(buf, shared)
     for g, view in zip(grads, bucket.gradients()):
         at = base + view.storage_offset() - buf.storage_offset()
-        slot = shared.as_strided(view.size(), view.stride(), at)
         if g is None:
-            slot.zero_()   # the Reducer zeroed this parameter's place: it took no part locally
+            # The Reducer zeroed this parameter's place: it took no part locally.
+            shared.as_strided((view.numel(),), (1,), at).zero_()
             continue
-        if g.data_ptr() == slot.data_ptr() and g.stride() == slot.stride() and _same_memory(g, shared):
+        # The gradient is DDP's bucket view, laid out as the Reducer laid it (the parameter's
+        # strides where they are dense, channels_last say; GradBucket.gradients() are always
+        # contiguous): the slot takes that layout, which is how the Reducer reads the result.
+        dense = _spans(g) == view.numel()
+        slot = shared.as_strided(g.size(), g.stride(), at) if dense else _view_at(shared, view, at)
+        if dense and g.data_ptr() == slot.data_ptr() and _same_memory(g, shared):
             continue       # already in place: the steady state
         slot.copy_(g)
-        if _same_memory(g, buf) or not moved:
+        if dense and (_same_memory(g, buf) or not moved):
             # One of DDP's bucket views (the Reducer set .grad to it): from now on it, and the
             # Reducer's view behind it, live in shared memory.
-            g.set_(storage, at, view.size(), view.stride())
+            g.set_(storage, at, g.size(), g.stride())
     if moved:
         buf.set_(storage, base, buf.size(), buf.stride())
+
+
+def _view_at(shared: torch.Tensor, view: torch.Tensor, at: int) -> torch.Tensor:
+    return shared.as_strided(view.size(), view.stride(), at)
+
+
+def _spans(t: torch.Tensor) -> int:
+    """How many elements of memory ``t`` reaches from its first (its numel when it is dense)."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((n - 1) * st for n, st in zip(t.size(), t.stride()) if st > 0)
 
 
 def lightning_callback() -> Any:

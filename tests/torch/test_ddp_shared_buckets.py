@@ -33,12 +33,15 @@ def _model():
             self.b = torch.nn.Linear(512, 256)
             self.unused = torch.nn.Linear(256, 256)   # skipped on odd steps (find_unused_parameters)
             self.c = torch.nn.Linear(256, 8)
+            # A channels_last weight: DDP's bucket view of it has its strides, not contiguous ones.
+            self.conv = torch.nn.Conv2d(4, 8, 3).to(memory_format=torch.channels_last)
 
         def forward(self, x, step=0):
             h = torch.tanh(self.b(torch.tanh(self.a(x))))
             if step % 2 == 0:
                 h = h + self.unused(h)
-            return self.c(h)
+            img = x.view(-1, 4, 4, 4).contiguous(memory_format=torch.channels_last)
+            return self.c(h) + self.conv(img).sum(dim=(2, 3))
 
     torch.manual_seed(0)
     return Net()
