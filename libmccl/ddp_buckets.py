@@ -41,6 +41,7 @@ from mccl_common.errors import ConfigError
 log = logging.getLogger(__name__)
 
 _ATTR = "_mccl_shared"   # on the bucket tensor's Python object: the shared tensor kept with it
+_PLACED = "_mccl_placed"  # and where its gradients were after the last gather (data pointers)
 _warned = False          # a bucket left in ordinary memory: said once at WARNING, then at DEBUG
 
 
@@ -63,7 +64,12 @@ def ddp_shared_buckets(state: Any, bucket: dist.GradBucket) -> torch.futures.Fut
             return _reduce(pg, buf)
         grads = [p.grad for p in bucket.parameters()]
         if _same_memory(buf, shared) or any(g is not None and _same_memory(g, buf) for g in grads):
-            _gather_in_place(bucket, buf, shared, grads)
+            # The steady state in one comparison: every gradient where the last step left it (a
+            # missing one's place must be zeroed again, so that is never the steady state).
+            placed = [0 if g is None else g.data_ptr() for g in grads]
+            if 0 in placed or placed != getattr(buf, _PLACED, None):
+                _gather_in_place(bucket, buf, shared, grads)
+                setattr(buf, _PLACED, [0 if g is None else g.data_ptr() for g in grads])
             shared.mul_(scale)
         else:
             torch.mul(buf, scale, out=shared)
