@@ -56,7 +56,8 @@
 #                    1 rank at 10 Gbit/s: mccl in-process, through mccld, Gloo; each with DDP's defaults and with
 #                    libmccl.ddp_shared_buckets (buckets in mccld's shared memory); LIGHTNING_BATCH (16),
 #                    LIGHTNING_STEPS (10). Needs lightning installed (pip install lightning)
-# Step 3 takes DDP_WIDTH, DDP_DEPTH, DDP_VARIANTS (ddp,nocomm: the step with communication removed, for overlap) and
+# Step 3 takes DDP_WIDTH, DDP_DEPTH, DDP_VARIANTS (ddp,nocomm: the step with communication removed, for overlap;
+# shared,sharedcopy: libmccl.ddp_shared_buckets with and without gradient_as_bucket_view) and
 # DDP_BUCKET_MB (DDP's bucket_cap_mb).
 # STEPS picks which run (default "1 2 3 4 5"; e.g. STEPS="1 2 3 6" then STEPS="4 5 7" as
 # two calls of under ten minutes each).
