@@ -56,6 +56,23 @@ def shared_empty(*size, dtype=None, group=None):  # noqa: ANN001,ANN201 - torch 
     return make(*size, dtype=dtype if dtype is not None else torch.float32, group=group)
 
 
+def ddp_shared_buckets(state, bucket):  # noqa: ANN001,ANN201 - torch types, imported lazily
+    """DDP comm hook that reduces gradient buckets in memory mccld maps (no copies through
+    ``MCCL_DAEMON=1``): ``model.register_comm_hook(None, libmccl.ddp_shared_buckets)``.
+    See ``libmccl.ddp_buckets``."""
+    from .ddp_buckets import ddp_shared_buckets as hook
+
+    return hook(state, bucket)
+
+
+def lightning_callback():  # noqa: ANN201 - a lightning Callback, imported lazily
+    """The Lightning spelling of ``ddp_shared_buckets``: ``Trainer(strategy=DDPStrategy(
+    gradient_as_bucket_view=True), callbacks=[libmccl.lightning_callback()])``."""
+    from .ddp_buckets import lightning_callback as make
+
+    return make()
+
+
 def _autoload() -> None:
     """torch's entry point hook: must be cheap and must never raise (it runs inside ``import torch``)."""
     try:

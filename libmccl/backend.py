@@ -82,6 +82,10 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
         from . import _core
 
         rank, size, opts = self.rank(), self.size(), self._engine_options()
+        if size == 1:
+            # Nothing to exchange with anyone, with or without mccld (MCCL_DAEMON=1): each op
+            # is done on the caller's thread, with no segment, copy or attach.
+            return SoloCommunicator(self._router.on_complete)
         if self._cfg.daemon:
             try:
                 from .daemon_client import DaemonCommunicator
@@ -93,9 +97,6 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
                                               on_complete=self._router.on_complete,
                                               timeout_s=opts.connect_timeout_s)
             return self._daemon
-        if size == 1:
-            # Nothing to exchange with anyone: each op is done on the caller's thread.
-            return SoloCommunicator(self._router.on_complete)
         # Before the rendezvous: a rank without the job key fails here, not its peers at set-up.
         secret = jobkey.engine_secret(self._cfg.wire_security)
         rv = rendezvous.exchange(store, rank, size, _core.Listener, self._cfg, opts.connect_timeout_s, group_id)
@@ -256,11 +257,7 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
         tensor no device stream serves. ``launch(buffer, ready=, done=, base=)`` enqueues
         the engine op on the buffer the engine works on."""
         if isinstance(self._comm, SoloCommunicator):
-            if not device_tensors.on_a_stream(t):
-                return None
-            # One rank: the all-reduce is the identity, so the tensor stays untouched where it
-            # is and nothing is queued on its stream (the solo communicator ignores the address).
-            return self._submit(name, lambda: launch(t.data_ptr()), [t], B.Staging(), opts)
+            return self._solo(name, [t], launch, opts)
         found = device_tensors.ordered(t, name, self._segment_staging)
         if found is None:
             return None
@@ -276,6 +273,14 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
             order.abandon()  # the engine's wait for ready, if enqueued, fails instead of timing out
             raise
         return work
+
+    def _solo(self, name: str, outputs: list[torch.Tensor], launch: Callable[..., int], opts: Any) -> MCCLWork:
+        """A collective that is the identity in a group of one (all-reduce, broadcast, reduce):
+        whatever the tensor's device, no staging buffer, gate or helper thread, and the Work is
+        complete before this returns (the solo communicator ignores the address). Out-of-place
+        ones still stage a device tensor: a copy on the device would have to be ordered on its
+        stream, which the staging's tickets do."""
+        return self._submit(name, lambda: launch(0), outputs, B.Staging(), opts)
 
     # -- all-reduce ---------------------------------------------------------------
     def allreduce(self, tensors: Any, opts: Any = None) -> MCCLWork:
@@ -315,6 +320,8 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
         opts = compat.options_or_default(opts, _c10d.BroadcastOptions)
         t = B.check_tensor(B.single(tensors, "broadcast"), "broadcast", "tensor")
         root = B.check_rank(opts.rootRank, self.size(), "broadcast", "root")
+        if isinstance(self._comm, SoloCommunicator):
+            return self._solo("broadcast", [t], lambda _: self._comm.broadcast(0, 0, root), opts)
         st = B.Staging("broadcast", [t])
         buf = st.input(t) if root == self.rank() else st.inout(t)
         return self._submit("broadcast", lambda: self._comm.broadcast(buf.data_ptr(), B.nbytes(buf), root),
@@ -325,6 +332,8 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
         t = B.check_tensor(B.single(tensors, "reduce"), "reduce", "tensor")
         root = B.check_rank(opts.rootRank, self.size(), "reduce", "root")
         dtype, count, op = B.reduce_codes(t, opts.reduceOp, "reduce")
+        if isinstance(self._comm, SoloCommunicator):
+            return self._solo("reduce", [t], lambda _: self._comm.reduce(0, count, dtype, op, root), opts)
         st = B.Staging("reduce", [t])
         # The engine leaves non-root buffers unchanged: only the root needs a copy-back.
         buf = st.inout(t) if root == self.rank() else st.input(t)

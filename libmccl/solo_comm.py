@@ -41,6 +41,10 @@ class SoloCommunicator:
         self._backlog: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
         self._behind = 0
         self._helper: threading.Thread | None = None
+        # What a group of one should never need for an identity op: bytes copied, and ops
+        # handed to the helper thread (behind a device's gate) instead of done on the caller's.
+        self._copied = 0
+        self._deferred = 0
 
     # -- identity --------------------------------------------------------------
     rank = 0
@@ -128,7 +132,8 @@ class SoloCommunicator:
             done = next(self._ids) - 1
             self._ids = itertools.count(done + 1)
         return {"ops_completed": done, "bytes_sent": 0, "bytes_received": 0, "unexpected_messages": 0,
-                "unexpected_bytes": 0, "per_peer": {}}
+                "unexpected_bytes": 0, "per_peer": {}, "bytes_copied": self._copied,
+                "ops_deferred": self._deferred}
 
     def _done(self, name: str, dst: int = 0, src: int = 0, nbytes: int = 0) -> int:
         if self._closed:
@@ -138,8 +143,11 @@ class SoloCommunicator:
             op_id = next(self._ids)
             if self._behind:
                 self._behind += 1
+                self._deferred += 1
                 self._backlog.put(("op", op_id, dst, src, nbytes))
                 return op_id
+            if nbytes and dst != src:
+                self._copied += nbytes
         if nbytes and dst != src:
             ctypes.memmove(dst, src, nbytes)
         self._deliver([(op_id, None, -1)])
@@ -156,6 +164,8 @@ class SoloCommunicator:
             else:
                 _, op_id, dst, src, nbytes = item
                 if error is None and nbytes and dst != src:
+                    with self._lock:
+                        self._copied += nbytes
                     ctypes.memmove(dst, src, nbytes)
                 kind = None if error is None else (2 if isinstance(error, CollectiveTimeout) else 6, str(error))
                 self._deliver([(op_id, kind, -1)])

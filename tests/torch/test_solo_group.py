@@ -4,6 +4,7 @@ would, completes before the call returns, and no engine (threads, sockets) is st
 from __future__ import annotations
 
 import datetime
+import sys
 
 import pytest
 import torch
@@ -81,3 +82,62 @@ def test_group_of_one_refuses_after_shutdown(solo_group):
     pg.shutdown()
     with pytest.raises(libmccl.errors.AbortedError):
         pg.allreduce([torch.zeros(1)])
+
+
+def test_group_of_one_under_mccl_daemon_never_attaches(monkeypatch, tmp_path):
+    """MCCL_DAEMON=1 with no mccld anywhere (an empty runtime dir): a group of one still works,
+    on the caller's thread, because it has nothing to hand mccld."""
+    monkeypatch.setenv("MCCL_DAEMON", "1")
+    monkeypatch.setenv("MCCL_RUNTIME_DIR", str(tmp_path))
+    libmccl.register()
+    threads = thread_count()
+    dist.init_process_group("mccl", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        t = torch.arange(1 << 20, dtype=torch.float32)
+        done_now(dist.all_reduce(t, async_op=True))
+        assert torch.equal(t, torch.arange(1 << 20, dtype=torch.float32))
+        assert type(dist.group.WORLD.communicator).__name__ == "SoloCommunicator"
+        assert "libmccl.daemon_client" not in sys.modules or not sys.modules["libmccl.daemon_client"]._live
+        assert thread_count() <= threads
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_ddp_step_of_one_rank_copies_stages_and_hands_off_nothing(solo_group, monkeypatch):
+    """World size 1: DDP's bucket all-reduces (and a device tensor's identity ops) are done on
+    the caller's thread with no staging buffer, no copy and no helper thread (the solo
+    communicator's stats; Staging's allocating calls counted)."""
+    from libmccl import _buffers, device_check
+
+    staged = []
+    for name in ("input", "inout", "output", "scratch", "packed"):
+        real = getattr(_buffers.Staging, name)
+        monkeypatch.setattr(_buffers.Staging, name,
+                            lambda self, *a, _n=name, _real=real: staged.append(_n) or _real(self, *a))
+    comm = dist.group.WORLD.communicator
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(6)])
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.1)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    staged.clear()   # DDP's set-up all-gathers the parameters' shapes: a staged copy once, not per step
+    before = comm.stats()
+    for _ in range(3):
+        opt.zero_grad()
+        ddp(torch.randn(4, 128)).square().mean().backward()
+        opt.step()
+    after = comm.stats()
+    assert after["ops_completed"] - before["ops_completed"] >= 3 * 2, (before, after)  # buckets were reduced
+    assert after["bytes_copied"] == before["bytes_copied"] and after["ops_deferred"] == 0, after
+    assert staged == [], staged
+
+    dev = device_check.emulated_cuda()
+    try:
+        t = dev.empty(1000, torch.float32)
+        for work in (dist.all_reduce(t, async_op=True), dist.broadcast(t, 0, async_op=True),
+                     dist.reduce(t, 0, async_op=True)):
+            done_now(work)
+    finally:
+        dev.close()
+    assert staged == [] and comm.stats()["ops_deferred"] == 0 and comm._helper is None
+    assert thread_count() <= solo_group

@@ -12,6 +12,7 @@ Examples::
                                                        # + mccl through one mccld per host
     python -m tools.bench --hosts 4 --ops all_reduce --sizes 8    # small-message latency
     python -m tools.bench --hosts 8 --rate 10gbit --mode in-process,daemon --workload ddp   # DDP step times
+    python -m tools.bench --hosts 8 --rate 10gbit --mode in-process,daemon --workload lightning   # Lightning Trainer steps
     python -m tools.bench --hosts 8 --rate 200mbit --switches 2 --uplink-rate 400mbit --rank-order interleaved \\
         --mode in-process,topology,topology-ring --backends mccl --ops all_reduce --sizes 64M
                                                        # by switch (tree, ring) vs a zig-zag flat ring, 2:1 uplinks
@@ -80,7 +81,10 @@ def _parser() -> argparse.ArgumentParser:
     what.add_argument("--ceiling-tool", choices=("auto", "iperf3", "probe", "none"), default="auto")
     what.add_argument("--workload", choices=WORKLOADS, default="collectives",
                       help="collectives: the size sweep (default); ddp: DDP training steps of a fixed MLP "
-                           "with ~50 MB of gradients, timed per series (the sweep options are ignored)")
+                           "with ~50 MB of gradients, timed per series (the sweep options are ignored); "
+                           "lightning: Lightning's LightningTransformer under a Lightning Trainer with DDPStrategy "
+                           "(58.5 MB of gradients; --ddp-steps, --ddp-batch, --ddp-variants ddp,shared apply; "
+                           "needs `pip install lightning`)")
     what.add_argument("--ddp-steps", type=int, default=10, help="timed DDP steps per series (after 3 warm-up)")
     what.add_argument("--ddp-width", type=int, default=2048,
                       help="MLP width; 3 layers of width^2 weights (2048: 50 MB of gradients)")
@@ -92,7 +96,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="where the DDP model lives: cpu, or cuda (every rank on the one GPU, cuda:0)")
     what.add_argument("--ddp-variants", type=_csv, default=["ddp"],
                       help="comma list of ddp (plain DDP), nocomm (communication removed: a no-op comm hook), "
-                           "staged (a hook staging each bucket through a blocking CPU copy)")
+                           "staged (a hook staging each bucket through a blocking CPU copy), shared "
+                           "(libmccl.ddp_shared_buckets with gradient_as_bucket_view: no copies through mccld), sharedcopy "
+                           "(the hook without gradient_as_bucket_view)")
     what.add_argument("--latency-iters", type=int, default=300,
                       help="8-byte all_reduces timed one by one per series for the small-op latency; 0 = none")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per series (a backend in one mode)")

@@ -32,8 +32,12 @@ DEFAULTS = {"width": 2048, "depth": 3, "batch": 32, "warmup": 3, "steps": 10, "d
 #           communication removed, which a fully hidden all-reduce would match;
 #   staged  a comm hook that copies the bucket to the CPU, all-reduces it there and copies it
 #           back, blocking: what staging through copies costs (with Gloo: "Gloo with manual
-#           copies", the baseline for accelerator tensors).
-VARIANTS = ("ddp", "nocomm", "staged")
+#           copies", the baseline for accelerator tensors);
+#   shared  gradient_as_bucket_view=True with libmccl.ddp_shared_buckets: through mccld the
+#           buckets are reduced in shared memory, not copied (on Gloo the hook reduces in place);
+#   sharedcopy  the same hook with DDP's default gradient_as_bucket_view=False: each bucket
+#           scaled into shared memory by the hook (3 passes over it instead of 4).
+VARIANTS = ("ddp", "nocomm", "staged", "shared", "sharedcopy")
 # Parameters compared across series (the first ones of the flattened model, and the sum).
 _FINGERPRINT = 4096
 
@@ -127,9 +131,12 @@ def run(torch, dist, cfg: dict, rank: int) -> dict:
     for variant in cfg["variants"]:
         model = _model(torch, width, cfg["depth"]).to(device)
         # Small buckets leave only the last (the first layer's) exposed after backward.
-        ddp = (DistributedDataParallel(model) if cfg["bucket_mb"] is None
-               else DistributedDataParallel(model, bucket_cap_mb=cfg["bucket_mb"]))
-        if variant == "nocomm":
+        kwargs = {} if cfg["bucket_mb"] is None else {"bucket_cap_mb": cfg["bucket_mb"]}
+        ddp = DistributedDataParallel(model, gradient_as_bucket_view=variant == "shared", **kwargs)
+        if variant in ("shared", "sharedcopy"):
+            import libmccl
+            ddp.register_comm_hook(None, libmccl.ddp_shared_buckets)
+        elif variant == "nocomm":
             ddp.register_comm_hook(None, _noop_hook(torch))
         elif variant == "staged":
             ddp.register_comm_hook(None, _staged_hook(torch, dist))
@@ -188,7 +195,7 @@ def summarize(docs: list[dict], ceiling: dict | None) -> dict | None:
     out = {"grad_bytes": grad, "steps": len(steps), "step_ms": statistics.median(steps) * 1e3 if steps else None,
            "step_ms_all": [s * 1e3 for s in steps], "compute_ms": statistics.median(compute) * 1e3,
            "wire_floor_ms": wire_s * 1e3 if wire_s is not None else None, "config": docs[0]["ddp"]["config"]}
-    for variant in ("nocomm", "staged"):
+    for variant in ("nocomm", "staged", "shared", "sharedcopy"):
         if f"{variant}_s" in docs[0]["ddp"]:
             out[f"{variant}_ms"] = statistics.median(slowest(f"{variant}_s")) * 1e3
     if "comm_alone_s" in docs[0]["ddp"]:

@@ -11,7 +11,8 @@
 #   4-n16-2.5gbit    16 hosts at 2.5 Gbit/s, all_reduce 16/64/256 MB, in-process + Gloo
 #   5-n24-1gbit      24 hosts at 1 Gbit/s, all_reduce 16/64/256 MB, in-process + Gloo
 #   6-n8-recv0       step 1's in-process all_reduce with MCCL_RECV_THREADS=0 (receive threads off)
-#   7-solo-ddp       a world-size-1 DDP step, Gloo against MCCL
+#   7-solo-ddp       a world-size-1 DDP step, Gloo against MCCL (the MLP, and Lightning's LightningTransformer
+#                    under a Lightning Trainer where lightning is installed), medians of 3
 #   8-cuda-ddp-n4    DDP on cuda tensors, 4 hosts x 1 rank sharing the GPU, 10 Gbit/s: step vs the
 #                    step without communication (overlap), staged copies, Gloo; in-process and through mccld
 #   9-campaign       issue 11's fault campaign, 1,000 trials per mode (scripts/faults/campaign.py)
@@ -51,7 +52,12 @@
 #                    ring in switch order, tree
 #   20-init          init_process_group of INIT_RANKS (200) torch ranks on loopback (tools/bench/init_scale.py)
 #   21-scale-k1      step 18 at 64 hosts, 1/4 MB, Rabenseifner and ring with one socket a peer
-# Step 3 takes DDP_WIDTH, DDP_DEPTH, DDP_VARIANTS (ddp,nocomm: the step with communication removed, for overlap) and
+#   22-lightning     issue 27: Lightning's LightningTransformer under a Lightning Trainer (DDPStrategy), 8 hosts x
+#                    1 rank at 10 Gbit/s: mccl in-process, through mccld, Gloo; each with DDP's defaults and with
+#                    libmccl.ddp_shared_buckets (buckets in mccld's shared memory); LIGHTNING_BATCH (16),
+#                    LIGHTNING_STEPS (10). Needs lightning installed (pip install lightning)
+# Step 3 takes DDP_WIDTH, DDP_DEPTH, DDP_VARIANTS (ddp,nocomm: the step with communication removed, for overlap;
+# shared,sharedcopy: libmccl.ddp_shared_buckets with and without gradient_as_bucket_view) and
 # DDP_BUCKET_MB (DDP's bucket_cap_mb).
 # STEPS picks which run (default "1 2 3 4 5"; e.g. STEPS="1 2 3 6" then STEPS="4 5 7" as
 # two calls of under ten minutes each).
@@ -229,6 +235,9 @@ if timeout 45 $PY -m tools.fleet selftest --rate 1gbit > "$RESULTS/fleet-selftes
   # Issue 26's hierarchy: 2 switches x 16 hosts, uplinks 2:1 oversubscribed (16 x TOPO_RATE / 2), ranks
   # placed across the switches in turn (what a placement blind to switches gives), 64 MB: the flat
   # ring against the ring in switch order and the tree (docs/topology.md).
+  want 22 && bench "22-lightning-n$H8-$FAST" 240 --hosts "$H8" --rate "$FAST" --mode "$MODES" --workload lightning \
+    --ddp-variants ddp,shared --ddp-batch "${LIGHTNING_BATCH:-16}" --ddp-steps "${LIGHTNING_STEPS:-10}" \
+    --latency-iters 0 --ceiling-seconds 2
   want 19 && bench "19-topo-2x16" 150 --hosts 32 --rate "${TOPO_RATE:-500mbit}" --switches 2 \
     --uplink-rate "${TOPO_UPLINK:-4gbit}" --rank-order interleaved --mode in-process,topology,topology-ring \
     --backends mccl --ops all_reduce --sizes 64M --ceiling-tool none --latency-iters 0 --target-seconds 0.5
@@ -259,7 +268,7 @@ else
 fi
 if want 7; then
   status "7-solo-ddp start"
-  timeout 90 $PY -m tools.bench.solo_ddp > "$RESULTS/7-solo-ddp.txt" 2>&1; status "7-solo-ddp rc=$?"
+  timeout 150 $PY -m tools.bench.solo_ddp > "$RESULTS/7-solo-ddp.txt" 2>&1; status "7-solo-ddp rc=$?"
   pack
 fi
 

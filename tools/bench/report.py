@@ -50,7 +50,8 @@ def _ddp_lines(result: dict) -> list[str]:
         return []
     first = next(iter(steps.values()))
     floor = first["wire_floor_ms"]
-    out = [f"# DDP step (MLP {first['config']['depth']} x {first['config']['width']}^2, "
+    model = first["config"].get("model") or f"MLP {first['config']['depth']} x {first['config']['width']}^2"
+    out = [f"# DDP step ({model}, "
            f"{first['grad_bytes'] / 1e6:.1f} MB of gradients, median of {first['steps']} steps, slowest rank)"
            + (f"; wire floor {floor:.1f} ms at the ring ceiling" if floor else "")]
     for name, v in steps.items():
@@ -58,6 +59,8 @@ def _ddp_lines(result: dict) -> list[str]:
                                                                ("step_over_in_process", "in-process")) if k in v)
         extra = "".join(f", {what} {v[k]:.1f} ms" for k, what in (("nocomm_ms", "communication removed"),
                                                                   ("staged_ms", "staged through CPU copies"),
+                                                                  ("shared_ms", "buckets in shared memory"),
+                                                                  ("sharedcopy_ms", "scaled into shared memory"),
                                                                   ("comm_alone_ms", "all-reduce alone")) if k in v)
         if "overlap_ratio" in v:
             extra += f", {v['step_over_nocomm']:.3f}x the step without communication, overlap {v['overlap_ratio']:.2f}"

@@ -47,7 +47,8 @@ MODES = ("in-process", "daemon", "daemon-shared", "topology", "topology-ring")
 # so all-reduces from MCCL_HIERARCHY_MIN_BYTES run switch by switch (MCCL_HIERARCHY=tree);
 # topology-ring: the same as one ring in switch order (MCCL_HIERARCHY=ring); beside in-process (flat).
 _VIA_DAEMON = ("daemon", "daemon-shared")
-WORKLOADS = ("collectives", "ddp")   # an nccl-tests sweep, or DDP training steps (ddp.py)
+# An nccl-tests sweep, DDP training steps (ddp.py), or Lightning's Trainer steps (lightning_step.py).
+WORKLOADS = ("collectives", "ddp", "lightning")
 LATENCY_BYTES = 8                    # the small-op latency: an all_reduce of two float32
 _PKG_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -172,10 +172,13 @@ def run(plan: dict) -> dict:
            "via_daemon": "libmccl.daemon_client" in sys.modules}
     if plan.get("latency_iters"):
         out["latency"] = _latency(torch, dist, plan["latency_bytes"], plan["latency_iters"], rank, world)
-    if plan.get("workload") == "ddp":
-        from . import ddp
+    if plan.get("workload") in ("ddp", "lightning"):
+        if plan["workload"] == "ddp":
+            from . import ddp as steps
+        else:
+            from . import lightning_step as steps
 
-        out["ddp"] = ddp.run(torch, dist, plan.get("ddp") or {}, rank)
+        out["ddp"] = steps.run(torch, dist, plan.get("ddp") or {}, rank)
         if rank == 0:
             print(f"[bench] {plan['series']} DDP step: median {statistics.median(out['ddp']['step_s']) * 1e3:.1f} ms "
                   f"(rank 0)", file=sys.stderr, flush=True)
