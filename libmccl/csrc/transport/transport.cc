@@ -53,8 +53,8 @@ void Transport::add_pair(int peer, std::vector<Fd> fds, const std::vector<FrameK
   link_sockets_.fetch_add(n, std::memory_order_relaxed);
 }
 
-void Transport::use_linker(std::unique_ptr<Linker> linker) {
-  linker_ = std::move(linker);
+void Transport::use_linker(std::unique_ptr<LinkSource> source) {
+  linker_ = std::move(source);
   linker_->on_event([this] { wake(); });
   wake();  // links that came up before this call wait in its queue
 }
@@ -88,7 +88,7 @@ void Transport::adopt_links() {
   std::vector<NewLink> links;
   linker_->take_ready(&links);
   for (NewLink& l : links) {
-    if (pairs_[l.peer]) continue;  // cannot happen: the Linker hands each peer over once
+    if (pairs_[l.peer]) continue;  // cannot happen: a source hands each peer over once
     add_pair(l.peer, std::move(l.fds), l.keys);
     wipe(l.keys.data(), l.keys.size() * sizeof(FrameKeys));
     std::deque<RequestPtr> waiting;
