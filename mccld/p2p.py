@@ -23,9 +23,13 @@ life (the "mailbox"), without a deadline: an idle job must not time out, and a m
 is held by the daemon until a local recv takes it, so whether a local rank waits makes
 no difference to the engine. A dead peer host still fails it at once (its sockets end),
 and a failed job's engine abort cancels it. The engine cannot cancel a receive by
-itself, so at close every daemon sends each other host a "closing" header: the peer's
-mailbox receive completes and is not posted again, the data sockets end between
-messages (clean, so pooled for the next job), and closing waits for nothing.
+itself, so at close every daemon sends a "closing" header to the hosts it was linked to
+at set-up (ondemand.setup_hosts: the same relation on both ends, and a link that
+exists from the job's start, so no host is linked just to say goodbye): the mailbox
+receive completes once each of them closed and is not posted again, the data sockets
+end between messages (clean, so pooled for the next job), and closing waits for nothing.
+A host linked later (on demand) sends it no closing header: by then every local rank
+has left and took what it waited for, so nothing more from that host is needed.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ import numpy as np
 
 from mccl_common.errors import AbortedError, CollectiveMismatch, CollectiveTimeout, MCCLError, ProtocolError
 from mccl_common.wire import MAX_TAG
+
+from .ondemand import setup_hosts
 
 if TYPE_CHECKING:
     from .jobs import Job
@@ -280,9 +286,8 @@ class PointToPoint:
         me = self.job.topo.host_rank
         header = np.frombuffer(_HEADER.pack(_CLOSING, me, 0, 0), dtype=np.uint8).copy()
         try:
-            for h in range(len(self.job.topo.hosts)):
-                if h != me:
-                    self._engine("send", header.ctypes.data, header.nbytes, h, _TAG_HEADER)
+            for h in setup_hosts(me, len(self.job.topo.hosts)):
+                self._engine("send", header.ctypes.data, header.nbytes, h, _TAG_HEADER)
         except MCCLError as e:
             log.debug("job %s: closing header not sent: %s", self.job.id, e)
 
@@ -354,7 +359,7 @@ class PointToPoint:
     def _rx_loop(self) -> None:
         header = np.zeros(_HEADER.size, dtype=np.uint8)
         me = self.job.topo.host_rank
-        sending = {h for h in range(len(self.job.topo.hosts)) if h != me}   # hosts not yet closed
+        sending = set(setup_hosts(me, len(self.job.topo.hosts)))   # hosts not yet closed
         try:
             while sending:
                 self._engine("recv", header.ctypes.data, header.nbytes, -1, _TAG_HEADER, deadline=False)

@@ -1,0 +1,230 @@
+"""Data sockets between daemons on demand (mccld/ondemand.py): a job leases only the hosts
+its engine's whole-world algorithms use at set-up, and any other host when its engine
+first sends there. Pools of several "hosts" run in this process (one LinkManager and
+DataLinks each, on loopback) with one engine per host, as mccld builds them."""
+
+from __future__ import annotations
+
+import functools
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from libmccl import _core
+from mccl_common.errors import CollectiveTimeout, MCCLError, PeerLostError
+from mccld.ondemand import _MAX_EARLY, setup_hosts
+from support.datalinks import K, Host
+from support.engine import job_secret, ptr, thread_count
+
+F32, SUM = 0, 0
+
+
+class Engine:
+    """What ondemand.py calls on a job's engine, recorded (a job whose hosts are fake)."""
+
+    def __init__(self):
+        self.calls: list = []
+
+    def hand_in(self, peer, fds):
+        self.calls.append(("hand_in", peer, len(fds)))
+
+    def refuse_link(self, peer, kind, message):
+        self.calls.append(("refuse", peer, message))
+
+
+def run_job(hosts: list[Host], job: str, body, timeout_s: float = 20.0, budget_s: float = 10.0) -> list:
+    """One engine rank per host on set-up leases only, linking the rest on demand; runs
+    ``body(rank, comm)`` on every host, shuts down and gives the sockets back. Returns
+    [(body's result or its error, clean)] by rank."""
+    n = len(hosts)
+    comm_id = random.getrandbits(63)
+    names = [(h.links.host_id, h.links.address) for h in hosts]
+    finished = threading.Barrier(n)
+
+    def side(rank: int):
+        me = hosts[rank]
+        peers = [(p, *names[p]) for p in setup_hosts(rank, n)]
+        leased = me.data.lease(job, peers, time.monotonic() + 20, lambda: None)
+        opts = _core.Options()
+        opts.sockets_per_peer, opts.timeout_s, opts.connect_timeout_s = K, timeout_s, 10.0
+        opts.wire_security = _core.WireSecurity.aead
+        comm = _core.Communicator(rank, n, comm_id, {p: [s.sock.fileno() for s in socks] for p, socks in leased.items()},
+                                  [a for _, a in names], opts, secret=job_secret(),
+                                  want=functools.partial(me.data.on_demand.want, job))
+        me.data.on_demand.attach(job, comm, rank, names, budget_s)
+        try:
+            out = body(rank, comm)
+        except MCCLError as e:
+            out = e.with_traceback(None)     # its frames hold the engine
+        finished.wait(60)
+        clean = comm.shutdown(5.0)
+        me.data.give_back(job, clean)
+        return out, clean
+
+    results: list = [None] * n
+    threads = [threading.Thread(target=lambda r=r: results.__setitem__(r, side(r)), daemon=True) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert None not in results, results
+    return results
+
+
+def hosts_of(n: int, tag: str):
+    # Host ids sort as ranks do, so the lower rank of a pair proposes.
+    return [Host(f"{tag}{i}") for i in range(n)]
+
+
+def whole_world(rank, comm):
+    a = np.full(1000, rank + 1, dtype=np.float32)
+    comm.wait(comm.allreduce(ptr(a), a.size, F32, SUM), 20)
+    out = np.zeros(comm.size * 4, dtype=np.int32)
+    comm.wait(comm.allgather(ptr(np.full(4, rank, np.int32)), ptr(out), 16), 20)
+    comm.wait(comm.broadcast(ptr(a), a.nbytes, 0), 20)
+    comm.wait(comm.barrier(), 20)
+    return float(a[0])
+
+
+@pytest.mark.timeout(120)
+def test_whole_world_ops_lease_only_setup_hosts_then_p2p_and_alltoall_lease_the_rest():
+    n = 6
+    hosts = hosts_of(n, "od")
+    for h in hosts:
+        h.__enter__()
+    try:
+        setup = [setup_hosts(r, n) for r in range(n)]
+        assert 3 not in setup[0]                     # 0 and 3 are linked only on demand
+        seen: list = []
+
+        def job1(rank, comm):
+            total = whole_world(rank, comm)
+            seen.append((rank, hosts[rank].sockets()))
+            return total
+        out = run_job(hosts, "j1", job1)
+        assert [o for o, _ in out] == [n * (n + 1) / 2] * n and all(c for _, c in out), out
+        assert sorted(seen) == [(r, K * len(setup[r])) for r in range(n)], "leased more than the set-up hosts"
+        assert sum(h.data.on_demand.counts["leased"] for h in hosts) == 0
+
+        phases: dict = {}
+        phase = threading.Barrier(n)
+
+        def job2(rank, comm):
+            x = np.arange(64, dtype=np.int32)
+            if rank == 0:
+                comm.wait(comm.send(ptr(x), x.nbytes, 3, 7), 20)
+            elif rank == 3:
+                got = np.zeros(64, dtype=np.int32)
+                comm.wait(comm.recv(ptr(got), got.nbytes, -1, 7), 20)   # any source
+                assert np.array_equal(got, x)
+            phase.wait(20)
+            phases.setdefault("p2p", {})[rank] = hosts[rank].sockets()
+            send = np.arange(n * 4, dtype=np.int32) + 100 * rank
+            recv = np.zeros(n * 4, dtype=np.int32)
+            comm.wait(comm.alltoall(ptr(send), ptr(recv), 16), 20)
+            assert np.array_equal(recv, np.concatenate([np.arange(rank * 4, rank * 4 + 4) + 100 * s for s in range(n)]))
+            phase.wait(20)
+            phases.setdefault("a2a", {})[rank] = hosts[rank].sockets()
+            return "ok"
+        out = run_job(hosts, "j2", job2)
+        assert out == [("ok", True)] * n, out
+        want_p2p = {r: K * (len(setup[r]) + (r in (0, 3))) for r in range(n)}
+        assert phases["p2p"] == want_p2p, "only the sender's and receiver's hosts lease for their p2p"
+        assert phases["a2a"] == {r: K * (n - 1) for r in range(n)}
+        # Every socket, leased at set-up or on demand, went back to the pool clean.
+        for h in hosts:
+            assert all(p["leased"] == 0 and p["discarded"] == 0 for p in h.data.status()), h.data.status()
+        # A third job reuses them: nothing new is dialled.
+        dialled = [sum(p["dialled"] for p in h.data.status()) for h in hosts]
+        assert [o for o, _ in run_job(hosts, "j3", whole_world)] == [n * (n + 1) / 2] * n
+        assert [sum(p["dialled"] for p in h.data.status()) for h in hosts] == dialled
+    finally:
+        for h in hosts:
+            h.__exit__(None, None, None)
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_that_stops_answering_or_dies_fails_the_send_naming_it():
+    n = 5                                            # collective peers of 0: 1, 2, 4 (not 3)
+    hosts = hosts_of(n, "dd")
+    for h in hosts:
+        h.__enter__()
+    try:
+        hosts[3].tap = lambda peer, msg: msg.get("lazy") is True   # stuck mid-job
+
+        def send_to_3(rank, comm):
+            if rank != 0:
+                return None
+            started = time.monotonic()
+            x = np.zeros(8, dtype=np.uint8)
+            try:
+                comm.wait(comm.send(ptr(x), x.nbytes, 3, 1), 30)
+            except MCCLError as e:
+                return e.with_traceback(None), time.monotonic() - started
+            return None
+        out = run_job(hosts, "stuck", send_to_3, timeout_s=2.0)
+        err, took = out[0][0]
+        assert isinstance(err, CollectiveTimeout) and err.peer_addr == hosts[3].links.address, err
+        assert "rank 3" in str(err) and took < 2.0 + 3.0, (err, took)
+        assert hosts[0].peer("dd3")["leased"] == 0      # the half-made lease was closed at the job's end
+
+        hosts[3].tap = None
+        gone = threading.Event()
+
+        def host_3_dies(rank, comm):
+            if rank == 3:
+                hosts[3].links.stop()                    # its daemon is gone: nothing answers a dial
+                gone.set()
+            elif rank == 0:
+                assert gone.wait(20)
+                return send_to_3(rank, comm)
+            return None
+        out = run_job(hosts, "dead", host_3_dies, timeout_s=5.0)
+        err, took = out[0][0]
+        assert isinstance(err, PeerLostError) and err.peer_rank == 3, err
+        assert f"peer={hosts[3].links.address}" in str(err), err
+        assert took < 5.0, took
+    finally:
+        for h in hosts:
+            h.__exit__(None, None, None)
+
+
+@pytest.mark.timeout(60)
+def test_hostile_data_messages_get_a_clear_refusal_and_leak_nothing():
+    with Host("ha") as a, Host("hb") as b:
+        refusals: list = []
+        a.tap = lambda peer, msg: msg.get("type") == "data_refused" and not refusals.append(msg["error"])
+        engine = Engine()
+        b.data.on_demand.attach("jx", engine, 0, [("hb", b.links.address), ("hc", "127.0.0.1:9")], 5.0)
+
+        def send(msg):
+            a.links.send(b.links.address, msg)
+
+        def refused(pattern: str) -> str:
+            deadline = time.monotonic() + 10
+            while not any(pattern in r for r in refusals):
+                assert time.monotonic() < deadline, refusals
+                time.sleep(0.02)
+            return next(r for r in refusals if pattern in r)
+
+        send({"type": "data_want", "job": "jx"})
+        assert "host ha is not one of its hosts" in refused("not one of its hosts")
+        threads = thread_count()                    # the control link's readers are up by now
+        send({"type": "data_lease", "lazy": True, "job": "jx", "round": "0", "ids": ["x", "y"]})
+        assert "malformed data_lease from host ha: round" in refused("round")
+        send({"type": "data_lease", "lazy": True, "job": "jx", "round": 0, "ids": ["x" * 500, "y"]})
+        assert "ids must be 2 socket ids" in refused("ids must be")
+        send({"type": "data_lease", "lazy": True, "job": 7, "round": 0, "ids": ["x", "y"]})   # no reply: no job id
+        b.data.give_back("jx", clean=True)
+        send({"type": "data_want", "job": "jx"})
+        assert "job jx ended on host hb" in refused("ended on host hb")
+        for i in range(_MAX_EARLY + 20):           # a flood of wants for jobs that never run
+            send({"type": "data_want", "job": f"nope{i}"})
+        assert "too many messages wait" in refused("too many messages wait")
+        assert b.data.on_demand.status()["early"] == _MAX_EARLY
+        assert engine.calls == [], "a hostile message reached the engine"
+        assert b.sockets() == 0 and a.sockets() == 0
+        assert thread_count() == threads, "the flood started threads"
