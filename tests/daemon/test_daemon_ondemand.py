@@ -6,18 +6,25 @@ DataLinks each, on loopback) with one engine per host, as mccld builds them."""
 from __future__ import annotations
 
 import functools
+import os
 import random
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from libmccl import _core
+from mccl_common.daemon_settings import load_config
 from mccl_common.errors import CollectiveTimeout, MCCLError, PeerLostError
+from mccl_common.settings import EngineConfig, load
+from mccld.daemon import Daemon
 from mccld.ondemand import _MAX_EARLY, setup_hosts
 from support.datalinks import K, Host
 from support.engine import job_secret, ptr, thread_count
+from support.ranks import run_ranks
 
 F32, SUM = 0, 0
 
@@ -228,3 +235,81 @@ def test_hostile_data_messages_get_a_clear_refusal_and_leak_nothing():
         assert engine.calls == [], "a hostile message reached the engine"
         assert b.sockets() == 0 and a.sockets() == 0
         assert thread_count() == threads, "the flood started threads"
+
+
+# -- real daemons on loopback, one rank process per "host" ---------------------------------------
+N_DAEMONS = 5                                        # host 0's set-up hosts: 1, 2, 4 (not 3)
+
+
+def rank_job(rank: int, world: int, dirs: list[str], comm_id: int, exchanges: bool) -> str:
+    os.environ["MCCL_RUNTIME_DIR"] = dirs[rank]   # rank r attaches to "host" r's daemon
+    import datetime
+    import torch.distributed as dist
+    from libmccl.daemon_client import DaemonCommunicator
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0,
+                          timeout=datetime.timedelta(seconds=60))
+    comm = DaemonCommunicator(rank, world, comm_id, dist.PrefixStore(f"job{comm_id}", store), None, None, 30.0)
+    a = np.full(4096, rank + 1, dtype=np.float32)
+    comm.wait(comm.allreduce(a.ctypes.data, a.size, F32, SUM), 30)
+    assert (a == world * (world + 1) // 2).all()
+    if exchanges:
+        x = np.arange(64, dtype=np.int32) + rank
+        if rank == 0:
+            comm.wait(comm.send(x.ctypes.data, x.nbytes, 3, 9), 30)
+        elif rank == 3:
+            got = np.zeros(64, dtype=np.int32)
+            comm.wait(comm.recv(got.ctypes.data, got.nbytes, -1, 9), 30)      # any source, through the mailbox
+            assert (got == np.arange(64)).all(), got
+        send = np.arange(world * 4, dtype=np.int32) + 100 * rank
+        out = np.zeros(world * 4, dtype=np.int32)
+        comm.wait(comm.alltoall(send.ctypes.data, out.ctypes.data, 16), 30)
+        want = np.concatenate([np.arange(rank * 4, rank * 4 + 4) + 100 * s for s in range(world)])
+        assert (out == want).all(), out
+    comm.shutdown(10)
+    return "ok"
+
+
+@pytest.fixture
+def daemons():
+    dirs = [Path(tempfile.mkdtemp(prefix="mccl-odtest-")) for _ in range(N_DAEMONS)]
+    running = []
+    try:
+        for i, d in enumerate(dirs):
+            env = {"MCCL_RUNTIME_DIR": str(d), "MCCL_FLEET_KEY": "od-test-key-" + "y" * 32,
+                   "MCCL_LISTEN_ADDR": "127.0.0.1", "MCCL_PORT": "0", "MCCL_STATUS_PORT": "0",
+                   "MCCL_METRICS_PORT": "0", "MCCL_HOST_ID": f"od{os.getpid()}h{i}",
+                   "MCCL_CLIENT_CHECK_INTERVAL": "0.1", "MCCL_SOCKETS_PER_PEER": str(K)}
+            running.append(Daemon(load_config(env=env), engine_cfg=load(EngineConfig, env=os.environ)).start())
+        yield running, [str(d) for d in dirs]
+    finally:
+        for d in running:
+            d.stop()
+        for d in dirs:
+            for p in d.iterdir():
+                p.unlink()
+            d.rmdir()
+
+
+def _sockets(d: Daemon) -> int:
+    return sum(p["idle"] + p["leased"] for p in d.status_provider()["data_links"])
+
+
+def _closed(daemons: list[Daemon]) -> None:
+    deadline = time.monotonic() + 20
+    while any(d.status_provider()["jobs"] for d in daemons):
+        assert time.monotonic() < deadline, [d.status_provider()["jobs"] for d in daemons]
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(240)
+def test_through_mccld_an_allreduce_job_leases_setup_hosts_and_p2p_alltoall_the_rest(daemons):
+    running, dirs = daemons
+    assert run_ranks(rank_job, N_DAEMONS, dirs, 0x0d1, False, timeout_s=150) == ["ok"] * N_DAEMONS
+    _closed(running)
+    assert [_sockets(d) for d in running] == [K * len(setup_hosts(r, N_DAEMONS)) for r in range(N_DAEMONS)]
+    assert run_ranks(rank_job, N_DAEMONS, dirs, 0x0d2, True, timeout_s=150) == ["ok"] * N_DAEMONS
+    _closed(running)
+    assert [_sockets(d) for d in running] == [K * (N_DAEMONS - 1)] * N_DAEMONS
+    for d in running:   # every socket, the ones leased mid-job too, went back to the pool clean
+        assert all(p["leased"] == 0 and p["discarded"] == 0 for p in d.status_provider()["data_links"])
+    assert sum(d.datalinks.on_demand.counts["leased"] for d in running) == 2 * 3   # pairs 0-3, 1-4, 2-4; both ends
