@@ -18,6 +18,10 @@ Sockets are dialled the first time a job needs them and reused by later jobs:
   return  A clean engine shutdown (BYE read both ways) puts them back as idle; anything
           else (abort, failure, a late peer) closes them, and the peer, whose own shutdown
           then fails too, closes its end.
+
+At set-up a job leases only the hosts its engine's whole-world algorithms use; any other
+host's sockets are leased mid-job, when the engine first sends there, by the same
+proposal and claim run in the background (ondemand.py); they join the job's lease.
 """
 
 from __future__ import annotations

@@ -5,9 +5,7 @@ DataLinks each, on loopback) with one engine per host, as mccld builds them."""
 
 from __future__ import annotations
 
-import functools
 import os
-import random
 import tempfile
 import threading
 import time
@@ -25,6 +23,7 @@ from mccld.ondemand import _MAX_EARLY, setup_hosts
 from support.datalinks import K, Host
 from support.engine import job_secret, ptr, thread_count
 from support.ranks import run_ranks
+from tools.bench.daemon_sockets import run_job as bench_job
 
 F32, SUM = 0, 0
 
@@ -43,42 +42,9 @@ class Engine:
 
 
 def run_job(hosts: list[Host], job: str, body, timeout_s: float = 20.0, budget_s: float = 10.0) -> list:
-    """One engine rank per host on set-up leases only, linking the rest on demand; runs
-    ``body(rank, comm)`` on every host, shuts down and gives the sockets back. Returns
+    """One engine rank per host on set-up leases only, the rest on demand (mccld's way):
     [(body's result or its error, clean)] by rank."""
-    n = len(hosts)
-    comm_id = random.getrandbits(63)
-    names = [(h.links.host_id, h.links.address) for h in hosts]
-    finished = threading.Barrier(n)
-
-    def side(rank: int):
-        me = hosts[rank]
-        peers = [(p, *names[p]) for p in setup_hosts(rank, n)]
-        leased = me.data.lease(job, peers, time.monotonic() + 20, lambda: None)
-        opts = _core.Options()
-        opts.sockets_per_peer, opts.timeout_s, opts.connect_timeout_s = K, timeout_s, 10.0
-        opts.wire_security = _core.WireSecurity.aead
-        comm = _core.Communicator(rank, n, comm_id, {p: [s.sock.fileno() for s in socks] for p, socks in leased.items()},
-                                  [a for _, a in names], opts, secret=job_secret(),
-                                  want=functools.partial(me.data.on_demand.want, job))
-        me.data.on_demand.attach(job, comm, rank, names, budget_s)
-        try:
-            out = body(rank, comm)
-        except MCCLError as e:
-            out = e.with_traceback(None)     # its frames hold the engine
-        finished.wait(60)
-        clean = comm.shutdown(5.0)
-        me.data.give_back(job, clean)
-        return out, clean
-
-    results: list = [None] * n
-    threads = [threading.Thread(target=lambda r=r: results.__setitem__(r, side(r)), daemon=True) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
-    assert None not in results, results
-    return results
+    return bench_job(hosts, job, body, job_secret(), K, timeout_s=timeout_s, budget_s=budget_s)
 
 
 def hosts_of(n: int, tag: str):

@@ -34,17 +34,6 @@ void HandedLinks::fail_locked(const Error& e) {
   if (!error_) error_ = std::make_shared<const Error>(e);
 }
 
-void HandedLinks::reap(std::list<Worker>* workers, bool all) {
-  for (auto it = workers->begin(); it != workers->end();) {
-    if (all || it->done->load()) {
-      it->thread.join();
-      it = workers->erase(it);
-    } else {
-      ++it;
-    }
-  }
-}
-
 // ---------------------------------------------------------------- asking the owner
 
 void HandedLinks::want(int peer) {
@@ -109,14 +98,8 @@ void HandedLinks::hand_in(int peer, const std::vector<int>& fds) {
                 peer, spec_.peer_addrs[peer]);
   }
   state_[peer] = State::kProving;
-  reap(&provers_, false);
-  provers_.emplace_back();
-  Worker& w = provers_.back();
-  w.thread = std::thread([this, peer, dups = std::move(dups), done = w.done]() mutable {
-    name_this_thread("mccl-handshake");
-    prove(peer, std::move(dups));
-    done->store(true);
-  });
+  start_helper(&provers_, "mccl-handshake",
+               [this, peer, dups = std::move(dups)]() mutable { prove(peer, std::move(dups)); });
 }
 
 void HandedLinks::prove(int peer, std::vector<Fd> fds) {
@@ -187,7 +170,7 @@ void HandedLinks::stop() {
   std::lock_guard<std::mutex> guard(stop_mu_);
   if (stopped_) return;
   stopped_ = true;
-  std::list<Worker> provers;
+  HelperThreads provers;
   {
     std::lock_guard<std::mutex> lk(mu_);
     stop_.store(true);
@@ -196,7 +179,7 @@ void HandedLinks::stop() {
   }
   ask_cv_.notify_all();
   if (asker_.joinable()) asker_.join();  // an ask_ in progress returns at once (its contract)
-  reap(&provers, true);                  // the handshakes look at stop_ every ~0.2 s
+  reap_helpers(&provers, true);                  // the handshakes look at stop_ every ~0.2 s
   std::lock_guard<std::mutex> lk(mu_);
   for (auto& l : ready_) wipe(l.keys.data(), l.keys.size() * sizeof(FrameKeys));
   ready_.clear();

@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "transport/helper_threads.h"
 #include "transport/link_source.h"
 #include "transport/mesh.h"
 
@@ -56,16 +57,10 @@ class HandedLinks : public LinkSource {
 
  private:
   enum class State { kNone, kAsked, kProving, kReady, kUp };
-  struct Worker {
-    std::thread thread;
-    std::shared_ptr<std::atomic<bool>> done = std::make_shared<std::atomic<bool>>(false);
-  };
-
   void ask_main();
   void prove(int peer, std::vector<Fd> fds);
   void fail_locked(const Error& e);
   void fire();
-  static void reap(std::list<Worker>* workers, bool all);
 
   const MeshSpec spec_;
   const Ask ask_;
@@ -78,7 +73,7 @@ class HandedLinks : public LinkSource {
   std::deque<int> asks_;       // peers to pass to ask_
   bool asker_running_ = false;
   std::thread asker_;
-  std::list<Worker> provers_;  // one per link being proved (at most one per peer)
+  HelperThreads provers_;  // one per link being proved (at most one per peer)
   std::deque<NewLink> ready_;
   std::shared_ptr<const Error> error_;
   bool error_taken_ = false;

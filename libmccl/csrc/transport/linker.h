@@ -40,6 +40,7 @@
 
 #include "core/errors.h"
 #include "transport/handshake.h"
+#include "transport/helper_threads.h"
 #include "transport/link_source.h"
 #include "transport/mesh.h"
 #include "transport/rejects.h"
@@ -89,10 +90,6 @@ class Linker : public LinkSource {
     std::vector<FrameKeys> keys;
     std::vector<bool> reserved;  // a proved connection is being answered for that index
   };
-  struct Worker {
-    std::thread thread;
-    std::shared_ptr<std::atomic<bool>> done = std::make_shared<std::atomic<bool>>(false);
-  };
 
   Hello hello(int to_rank, int sock_index) const;
   void accept_main();
@@ -102,7 +99,6 @@ class Linker : public LinkSource {
   void dial_one(int peer);
   void ready_locked(int peer, std::vector<Fd> fds, std::vector<FrameKeys> keys);
   void fire();
-  static void reap(std::list<Worker>* workers, bool all);
 
   const MeshSpec spec_;
   Fd listen_fd_;
@@ -116,13 +112,13 @@ class Linker : public LinkSource {
   std::deque<NewLink> ready_;
   std::deque<int> dial_queue_;
   int dialers_ = 0;  // dialer threads running
-  std::list<Worker> dialer_threads_;
+  HelperThreads dialer_threads_;
   std::shared_ptr<const Error> error_;
   bool error_taken_ = false;
   std::function<void()> on_event_;
 
   std::thread acceptor_;
-  std::list<Worker> handshakes_;  // acceptor thread only
+  HelperThreads handshakes_;  // acceptor thread only
   std::mutex stop_mu_;
   bool stopped_ = false;
 };
