@@ -217,6 +217,10 @@ class OnDemand:
         with self._lock:
             return {"negotiating": self._active(), "early": len(self._early), **self.counts}
 
+    def _count(self, what: str) -> None:
+        with self._lock:
+            self.counts[what] += 1
+
     def _active(self) -> int:
         return sum(p.state not in ("done", "failed") for j in self._jobs.values() for p in j.pairs.values())
 
@@ -231,7 +235,8 @@ class OnDemand:
         why = _malformed(kind, msg, self._pool.k)
         if why:
             self._refuse(peer_host, job, ProtocolError(f"[datalinks] job {job}: malformed {kind} from host "
-                                                       f"{peer_host}: {why}; the daemons run different MCCL versions?"))
+                                                       f"{peer_host}: {why}; the daemons run different MCCL versions?"),
+                         answer=kind != "data_refused")
             return
         with self._lock:
             j = self._jobs.get(job)
@@ -240,8 +245,10 @@ class OnDemand:
                 full = not ended and len(self._early) >= _MAX_EARLY
                 if not ended and not full and kind != "data_refused":
                     self._early[(job, peer_host, kind)] = (msg, time.monotonic())
+        # A refusal is never answered, or two daemons could refuse each other's refusals forever.
+        answer = kind != "data_refused"
         if j is None:
-            if ended or full:
+            if (ended or full) and answer:
                 self._refuse(peer_host, job, PeerLostError(
                     f"[datalinks] job {job} {'ended' if ended else 'is not running'} on host {self.host_id}"
                     f"{'' if ended else ' and too many messages wait for jobs not yet running'}; "
@@ -251,7 +258,7 @@ class OnDemand:
         if rank < 0:
             self._refuse(peer_host, job, ProtocolError(
                 f"[datalinks] job {job}: host {peer_host} is not one of its hosts on {self.host_id}; "
-                "the daemons disagree on the job's host list"))
+                "the daemons disagree on the job's host list"), answer=answer)
             return
         if kind == "data_refused":
             err = from_kind(msg["kind"], f"[datalinks] host {peer_host} refused data sockets for job {job}: "
@@ -276,6 +283,7 @@ class OnDemand:
             p = j.pairs.get(peer)
             if kind == "data_want":
                 if p is not None:
+                    log.debug("job %s: host %s wants a link we %s already", j.id, peer, p.state)
                     return None               # we want it too, or it is done: one proposal is enough
                 p = j.pairs[peer] = _Pair("proposing", time.monotonic() + j.budget_s)
                 return self._propose_msg
@@ -351,7 +359,7 @@ class OnDemand:
             if p.state == "claiming":
                 p.state = "waiting" if missing else "done"
         if not missing:
-            self.counts["leased"] += 1
+            self._count("leased")
             log.debug("job %s: leased data sockets of host %s on demand (acceptor)", j.id, peer)
         self._send_host(peer, ack)
 
@@ -380,7 +388,7 @@ class OnDemand:
             return
         with self._lock:
             p.state = "done"
-        self.counts["leased"] += 1
+        self._count("leased")
         log.debug("job %s: leased data sockets of host %s on demand (proposer)", j.id, peer)
 
     # -- failures ----------------------------------------------------------------------------
@@ -393,7 +401,7 @@ class OnDemand:
                 return
             p.state = "failed"
             loose, p.held = p.held, []
-        self.counts["failed"] += 1
+        self._count("failed")
         self._pool.discard(loose, f"job {j.id}: {exc}", kill=True)
         self._once.warn(f"fail:{j.id}:{peer}", "%s", exc)
         rank = j.rank_of(peer)
@@ -404,10 +412,12 @@ class OnDemand:
         if tell:
             self._send_host(peer, {"type": "data_refused", "job": j.id, "kind": kind_of(exc), "error": str(exc)})
 
-    def _refuse(self, peer: str, job: str, exc: MCCLError) -> None:
-        self.counts["refused"] += 1
+    def _refuse(self, peer: str, job: str, exc: MCCLError, answer: bool = True) -> None:
+        """Logs once per peer why a message was not served; ``answer``: tell the peer too."""
+        self._count("refused")
         self._once.warn(f"refuse:{peer}", "%s", exc)
-        self._send_host(peer, {"type": "data_refused", "job": job, "kind": kind_of(exc), "error": str(exc)})
+        if answer:
+            self._send_host(peer, {"type": "data_refused", "job": job, "kind": kind_of(exc), "error": str(exc)})
 
     def _send_host(self, peer: str, msg: dict[str, Any]) -> None:
         try:

@@ -197,6 +197,11 @@ def test_hostile_data_messages_get_a_clear_refusal_and_leak_nothing():
         for i in range(_MAX_EARLY + 20):           # a flood of wants for jobs that never run
             send({"type": "data_want", "job": f"nope{i}"})
         assert "too many messages wait" in refused("too many messages wait")
+        told = len(refusals)
+        send({"type": "data_refused", "job": "jx", "kind": 1, "error": "no"})   # a refusal is never answered
+        send({"type": "data_refused", "job": "nope0", "kind": "1", "error": "no"})
+        time.sleep(0.3)
+        assert len(refusals) == told, refusals[told:]
         assert b.data.on_demand.status()["early"] == _MAX_EARLY
         assert engine.calls == [], "a hostile message reached the engine"
         assert b.sockets() == 0 and a.sockets() == 0
