@@ -10,7 +10,10 @@ in the same job, an all-to-all; after each, every pool's data sockets are counte
 
     python -m tools.bench.daemon_sockets --hosts 8,16 [--json out.json]
 
-Runs anywhere (no root, no shaping); 16 hosts take a few seconds on 2 cores.
+Runs anywhere (no root, no shaping); 16 hosts take a few seconds on 2 cores, 32 about 25 s.
+Every host of the run is in this one process: N hosts hold ~N^2 control links (two reader
+threads each) and, eager, N(N-1)K data sockets plus the engines' dups, so N much above 32
+needs a high open-file limit.
 """
 
 from __future__ import annotations

@@ -51,6 +51,10 @@
 #                    ring in switch order, tree
 #   20-init          init_process_group of INIT_RANKS (200) torch ranks on loopback (tools/bench/init_scale.py)
 #   21-scale-k1      step 18 at 64 hosts, 1/4 MB, Rabenseifner and ring with one socket a peer
+#   22-daemon-socks  issue 26's links on demand through mccld: data sockets per daemon for an all-reduce-only
+#                    job, then after an all-to-all, leasing every peer at set-up (as before) against the
+#                    set-up hosts only; SOCK_HOSTS (8,16,32) emulated hosts in one process on loopback
+#                    (tools/bench/daemon_sockets.py; no shaping, no root)
 # Step 3 takes DDP_WIDTH, DDP_DEPTH, DDP_VARIANTS (ddp,nocomm: the step with communication removed, for overlap) and
 # DDP_BUCKET_MB (DDP's bucket_cap_mb).
 # STEPS picks which run (default "1 2 3 4 5"; e.g. STEPS="1 2 3 6" then STEPS="4 5 7" as
@@ -260,6 +264,15 @@ fi
 if want 7; then
   status "7-solo-ddp start"
   timeout 90 $PY -m tools.bench.solo_ddp > "$RESULTS/7-solo-ddp.txt" 2>&1; status "7-solo-ddp rc=$?"
+  pack
+fi
+
+if want 22; then
+  status "22-daemon-socks start"
+  timeout --kill-after=20 "$(( $(left) > 200 ? 180 : $(left) - 20 ))" $PY -m tools.bench.daemon_sockets \
+    --hosts "${SOCK_HOSTS:-8,16,32}" --json "$RESULTS/22-daemon-socks.json" > "$RESULTS/22-daemon-socks.txt" 2>&1
+  status "22-daemon-socks rc=$?"
+  cat "$RESULTS/22-daemon-socks.txt"
   pack
 fi
 
