@@ -20,6 +20,7 @@ from mccl_common.errors import CollectiveTimeout, MCCLError, PeerLostError
 from mccl_common.settings import EngineConfig, load
 from mccld.daemon import Daemon
 from mccld.ondemand import _MAX_EARLY, setup_hosts
+from support.borrowed import alltoall_check, send_0_to_3
 from support.datalinks import K, Host
 from support.engine import job_secret, ptr, thread_count
 from support.ranks import run_ranks
@@ -86,19 +87,10 @@ def test_whole_world_ops_lease_only_setup_hosts_then_p2p_and_alltoall_lease_the_
         phase = threading.Barrier(n)
 
         def job2(rank, comm):
-            x = np.arange(64, dtype=np.int32)
-            if rank == 0:
-                comm.wait(comm.send(ptr(x), x.nbytes, 3, 7), 20)
-            elif rank == 3:
-                got = np.zeros(64, dtype=np.int32)
-                comm.wait(comm.recv(ptr(got), got.nbytes, -1, 7), 20)   # any source
-                assert np.array_equal(got, x)
+            send_0_to_3(rank, comm)                  # any-source receive at 3
             phase.wait(20)
             phases.setdefault("p2p", {})[rank] = hosts[rank].sockets()
-            send = np.arange(n * 4, dtype=np.int32) + 100 * rank
-            recv = np.zeros(n * 4, dtype=np.int32)
-            comm.wait(comm.alltoall(ptr(send), ptr(recv), 16), 20)
-            assert np.array_equal(recv, np.concatenate([np.arange(rank * 4, rank * 4 + 4) + 100 * s for s in range(n)]))
+            alltoall_check(rank, comm)
             phase.wait(20)
             phases.setdefault("a2a", {})[rank] = hosts[rank].sockets()
             return "ok"

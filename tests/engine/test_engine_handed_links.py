@@ -15,7 +15,7 @@ import pytest
 from libmccl import _core
 from mccl_common.errors import PeerLostError
 
-from support.borrowed import K, Mesh, allreduce_check
+from support.borrowed import K, Mesh, allreduce_check, alltoall_check, send_0_to_3
 from support.engine import job_secret, make_options, ptr, run_ranks, run_threads
 
 N = 6   # rank 0's collective peers are 1, 2, 4, 5: 0-3 is linked only on demand
@@ -85,24 +85,11 @@ def test_a_send_to_a_non_partner_links_it_on_demand_and_the_sockets_stay_reusabl
         allreduce_check(comms, 1000)
         assert owner.asked == [], "whole-world collectives asked for a link they do not use"
 
-        def p2p(r, c):
-            x = np.arange(64, dtype=np.int32)
-            if r == 0:
-                c.wait(c.send(ptr(x), x.nbytes, 3, 7), 30)
-            elif r == 3:
-                got = np.zeros(64, dtype=np.int32)
-                c.wait(c.recv(ptr(got), got.nbytes, -1, 7), 30)   # any source
-                assert np.array_equal(got, x)
-        run_ranks(comms, p2p)
+        run_ranks(comms, send_0_to_3)
         assert owner.asked == [(0, 3)], "the receiver must not ask; the sender asks once"
         assert comms[0].stats()["linked_peers"] == 5 and comms[3].stats()["linked_peers"] == 4
 
-        def a2a(r, c):
-            send = np.arange(N * 4, dtype=np.int32) + 100 * r
-            out = np.zeros(N * 4, dtype=np.int32)
-            c.wait(c.alltoall(ptr(send), ptr(out), 16), 30)
-            assert np.array_equal(out, np.concatenate([np.arange(r * 4, r * 4 + 4) + 100 * s for s in range(N)]))
-        run_ranks(comms, a2a)
+        run_ranks(comms, alltoall_check)
         owner.join()
         assert all(c.stats()["linked_peers"] == N - 1 for c in comms)
         del comms
