@@ -97,9 +97,11 @@ class DataLinks:
 
     def stop(self) -> None:
         self._links.on_data = None
+        with self._cv:
+            self._running = False   # first: a claim waiting on the pool gives up at once
+            self._cv.notify_all()
         self.on_demand.stop()
         with self._cv:
-            self._running = False
             for s in list(self._socks.values()):
                 self._discard(s, "the daemon is stopping")
             self._leases.clear()
@@ -368,6 +370,9 @@ class DataLinks:
                     else:
                         waiting = True            # a closing job of ours still holds it
                 if not waiting or missing:
+                    break
+                if not self._running:
+                    missing = list(ids)      # stopping: nothing more will arrive or be given back
                     break
                 self._cv.wait(max(0.01, min(0.2, wait_until - time.monotonic())))
             if missing:

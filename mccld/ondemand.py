@@ -416,8 +416,10 @@ class OnDemand:
         """Logs once per peer why a message was not served; ``answer``: tell the peer too."""
         self._count("refused")
         self._once.warn(f"refuse:{peer}", "%s", exc)
-        if answer:
-            self._send_host(peer, {"type": "data_refused", "job": job, "kind": kind_of(exc), "error": str(exc)})
+        # Sent by a worker: the control link's reader must never block on a peer that does not read.
+        if answer and not self._submit(self._send_host, peer, {"type": "data_refused", "job": job,
+                                                                "kind": kind_of(exc), "error": str(exc)}):
+            log.debug("refusal to %s not sent: too many steps queued", peer)
 
     def _send_host(self, peer: str, msg: dict[str, Any]) -> None:
         try:
