@@ -28,8 +28,9 @@ at set-up (ondemand.setup_hosts: the same relation on both ends, and a link that
 exists from the job's start, so no host is linked just to say goodbye): the mailbox
 receive completes once each of them closed and is not posted again, the data sockets
 end between messages (clean, so pooled for the next job), and closing waits for nothing.
-A host linked later (on demand) sends it no closing header: by then every local rank
-has left and took what it waited for, so nothing more from that host is needed.
+The headers go out only after the job's closing barrier (jobs.py), when every host's
+ranks have left: a host that is not a set-up host sends none, so before that barrier a
+late message from it could still be on its way to a rank here that waits for it.
 """
 
 from __future__ import annotations
@@ -273,14 +274,17 @@ class PointToPoint:
             self.job.host.reply_error(p.ident, p.req, exc)
 
     def stop(self) -> None:
-        """Every local rank left: finish the queued sends, then tell each other host that
-        this one sends no more, which ends its mailbox receive for us."""
+        """Every local rank left: finish the queued sends (then ``close_network``)."""
         with self._lock:
             self._stopping = True
             self._box.drain()
         self._tasks.put(None)
         if self._tx is not threading.current_thread():
             self._tx.join(_JOIN_S)
+
+    def close_network(self) -> None:
+        """Past the job's closing barrier (every host's ranks left and its sends are written):
+        tell the set-up hosts this one sends no more, which ends their mailbox receive."""
         if self._engine is None or self.job.failed is not None:
             return  # a failed job's engine is aborted, which ended the mailbox receive already
         me = self.job.topo.host_rank

@@ -216,18 +216,22 @@ def rank_job(rank: int, world: int, dirs: list[str], comm_id: int, exchanges: bo
     comm.wait(comm.allreduce(a.ctypes.data, a.size, F32, SUM), 30)
     assert (a == world * (world + 1) // 2).all()
     if exchanges:
-        x = np.arange(64, dtype=np.int32) + rank
-        if rank == 0:
-            comm.wait(comm.send(x.ctypes.data, x.nbytes, 3, 9), 30)
-        elif rank == 3:
-            got = np.zeros(64, dtype=np.int32)
-            comm.wait(comm.recv(got.ctypes.data, got.nbytes, -1, 9), 30)      # any source, through the mailbox
-            assert (got == np.arange(64)).all(), got
         send = np.arange(world * 4, dtype=np.int32) + 100 * rank
         out = np.zeros(world * 4, dtype=np.int32)
         comm.wait(comm.alltoall(send.ctypes.data, out.ctypes.data, 16), 30)
         want = np.concatenate([np.arange(rank * 4, rank * 4 + 4) + 100 * s for s in range(world)])
         assert (out == want).all(), out
+        x, got = np.arange(64, dtype=np.int32), np.zeros(64, dtype=np.int32)
+        if rank == 0:
+            comm.wait(comm.send(x.ctypes.data, x.nbytes, 3, 9), 30)
+            # Any source, through the mailbox, from host 3 (not a set-up host of 0), long after
+            # 0's set-up hosts (1, 2, 4) left: their closing must not end 0's mailbox early.
+            comm.wait(comm.recv(got.ctypes.data, got.nbytes, -1, 9), 30)
+        elif rank == 3:
+            comm.wait(comm.recv(got.ctypes.data, got.nbytes, -1, 9), 30)
+            time.sleep(1.5)
+            comm.wait(comm.send(x.ctypes.data, x.nbytes, 0, 9), 30)
+        assert rank not in (0, 3) or (got == x).all(), got
     comm.shutdown(10)
     return "ok"
 
