@@ -53,6 +53,9 @@ class HandedLinks : public LinkSource {
   std::shared_ptr<const Error> take_error() override;
   bool linking(int peer) const override;
   bool settled() const override;
+  const char* missing_link() const override {
+    return "whose sockets the owner (mccld) never handed in: that host's daemon did not agree on them";
+  }
   void stop() override;
 
  private:

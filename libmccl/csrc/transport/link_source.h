@@ -36,6 +36,8 @@ class LinkSource {
   virtual std::shared_ptr<const Error> take_error() = 0;
   // Whether a link to `peer` is being made now (for timeout messages).
   virtual bool linking(int peer) const = 0;
+  // How a timeout names a link this rank asked for and never got (after "a link to peer=...").
+  virtual const char* missing_link() const = 0;
   // True when nothing is on its way: every link begun was adopted (or none was begun).
   // Borrowed sockets with a half-made link on them cannot serve another communicator.
   virtual bool settled() const = 0;

@@ -76,6 +76,7 @@ class Linker : public LinkSource {
   void take_ready(std::vector<NewLink>* out) override;
   std::shared_ptr<const Error> take_error() override;
   bool linking(int peer) const override;
+  const char* missing_link() const override { return "which this rank dialed and which never answered"; }
   // Its own listener's links are never reused: always settled.
   bool settled() const override { return true; }
   // Also stops accepting and closes the listening socket.

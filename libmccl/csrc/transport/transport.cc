@@ -314,9 +314,9 @@ std::string Transport::describe_stall(Channel chan, int* peer, bool* sure) const
     if (sure) *sure = true;
     *peer = oldest->peer;
     const bool dialing = oldest->is_send;
-    return "a link to " + who(oldest->peer) +
-           (dialing ? ", which this rank dialed and which never answered"
-                    : ", which never connected to this rank to send its data") +
+    return "a link to " + who(oldest->peer) + ", " +
+           (dialing && linker_ ? linker_->missing_link()
+                               : "which never connected to this rank to send its data") +
            " (" + (chan == Channel::kCollective && tag_namer_ ? tag_namer_(oldest->key.tag)
                                                                : "message tag " +
                                                                      std::to_string(oldest->key.tag)) +
