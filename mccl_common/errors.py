@@ -76,6 +76,12 @@ def from_kind(kind: int, message: str, peer_rank: int = -1, peer_addr: str = "")
     return cls(message, peer_rank=peer_rank, peer_addr=peer_addr)
 
 
+def kind_of(exc: BaseException) -> int:
+    """The engine error kind of an exception (0 for any other class): ``from_kind``'s inverse,
+    for mccld handing a Python error to the engine (not in ``__all__``: no user needs it)."""
+    return next((k for k, cls in _KINDS.items() if type(exc) is cls), 0)
+
+
 __all__ = [
     "MCCLError",
     "PeerLostError",

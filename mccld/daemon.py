@@ -8,6 +8,7 @@ segments and closes everything; both are idempotent.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -36,6 +37,7 @@ from .jobs import Job
 from .launcher import LaunchServer
 from .reclaim import ReclaimWatch
 from .links import LinkManager
+from .ondemand import setup_hosts
 from .topology import SwitchMap, fleet_peers
 from .reduce import ReducePool
 
@@ -519,7 +521,7 @@ class Daemon:
     # -- daemon-to-daemon --------------------------------------------------------------------
     def _on_link_message(self, peer_host: str, msg: dict[str, Any]) -> None:
         kind = msg.get("type")
-        if kind in ("data_lease", "data_ack"):
+        if kind in ("data_lease", "data_ack", "data_want", "data_refused"):
             datalinks = self.datalinks
             if datalinks is not None:
                 datalinks.on_message(peer_host, msg)
@@ -562,14 +564,12 @@ class Daemon:
             raise ConfigError("[daemon] this build's engine has no Communicator, so a job spanning hosts "
                               "cannot run in daemon mode; rebuild MCCL (`make build`)") from None
         me = job.topo.host_rank
-        # Every peer host, not only _core.collective_peers(me, hosts), the links an in-process
-        # engine opens at set-up: this engine runs p2p to any host (and the any-source mailbox
-        # whose close sends a header to every host, p2p.py), and barrier and all-to-all(v),
-        # which message every host (collectives.py). The engine would take a partial set (an op
-        # needing a host outside it fails with a ConfigError naming that host), but leasing a
-        # host's sockets mid-job needs the lease protocol (datalinks.py) on the op's path.
-        # Hosts, not ranks, count here: a job of 200 ranks on 25 hosts leases 24 peers.
-        peers = [(h, host.host_id, host.link_addr) for h, host in enumerate(job.hosts) if h != me]
+        # Only the hosts the engine's whole-world algorithms use (ring neighbours, fold and
+        # hypercube partners: O(log hosts), symmetric) are leased now. The engine asks for any
+        # other host when it first sends there (p2p, all-to-all, gather, scatter, reduce),
+        # and ondemand.py leases it then, in the background; a receiver never asks, its
+        # sender does. Hosts, not ranks, count here: a job of 200 ranks on 25 hosts.
+        peers = [(h, job.hosts[h].host_id, job.hosts[h].link_addr) for h in setup_hosts(me, len(job.hosts))]
         leased = self.datalinks.lease(job.id, peers, time.monotonic() + job.setup_timeout_s, lambda: job.failed)
         # The links are built within the job's set-up time, not its op timeout: hosts reach this
         # point seconds apart on a loaded machine (jobs.py _SETUP_TIMEOUT_FLOOR_S), and one late
@@ -590,9 +590,12 @@ class Daemon:
         try:
             # No completion callback: the job thread waits on each op, and a callback would make
             # the engine take the GIL once per op for nothing.
-            return Communicator(me, len(job.hosts), job.comm_id,
-                                {h: [s.sock.fileno() for s in socks] for h, socks in leased.items()},
-                                addrs, opts, None, secret=secret)
+            on_demand = self.datalinks.on_demand
+            engine = Communicator(me, len(job.hosts), job.comm_id,
+                                  {h: [s.sock.fileno() for s in socks] for h, socks in leased.items()},
+                                  addrs, opts, None, secret=secret, want=functools.partial(on_demand.want, job.id))
+            on_demand.attach(job.id, engine, me, [(h.host_id, h.link_addr) for h in job.hosts], job.setup_timeout_s)
+            return engine
         except BaseException:
             self.datalinks.give_back(job.id, clean=False)
             raise

@@ -18,6 +18,10 @@ Sockets are dialled the first time a job needs them and reused by later jobs:
   return  A clean engine shutdown (BYE read both ways) puts them back as idle; anything
           else (abort, failure, a late peer) closes them, and the peer, whose own shutdown
           then fails too, closes its end.
+
+At set-up a job leases only the hosts its engine's whole-world algorithms use; any other
+host's sockets are leased mid-job, when the engine first sends there, by the same
+proposal and claim run in the background (ondemand.py); they join the job's lease.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import Any, Callable
 from mccl_common.errors import CollectiveTimeout, MCCLError, ProtocolError
 
 from .links import LinkManager, bound_dead_link
+from .ondemand import TYPES as ON_DEMAND_TYPES, OnDemand
 
 log = logging.getLogger(__name__)
 
@@ -76,18 +81,27 @@ class DataLinks:
         self._prefix = secrets.token_hex(4)   # ids stay unique across restarts of this daemon
         self._next = 0
         self._running = False
+        self.on_demand = OnDemand(self, links)
+
+    @property
+    def timeout_s(self) -> float:
+        return self._timeout
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> "DataLinks":
         with self._cv:
             self._running = True
         self._links.on_data = self._adopt_accepted
+        self.on_demand.start()
         return self
 
     def stop(self) -> None:
         self._links.on_data = None
         with self._cv:
-            self._running = False
+            self._running = False   # first: a claim waiting on the pool gives up at once
+            self._cv.notify_all()
+        self.on_demand.stop()
+        with self._cv:
             for s in list(self._socks.values()):
                 self._discard(s, "the daemon is stopping")
             self._leases.clear()
@@ -141,6 +155,7 @@ class DataLinks:
 
     def give_back(self, job: str, clean: bool) -> None:
         """The job's engine is shut down: keep its sockets if they ended clean, else close them."""
+        self.on_demand.detach(job)
         with self._cv:
             socks = self._leases.pop(job, [])
             for s in socks:
@@ -158,6 +173,7 @@ class DataLinks:
     def sweep(self) -> int:
         """Close idle sockets that saw EOF or stray bytes (the daemon's periodic check calls this):
         the peer drops its end after an unclean job end, and only the proposer would otherwise notice."""
+        self.on_demand.sweep()
         with self._cv:
             dead = [s for s in self._socks.values() if s.job is None and not s.silent()]
             for s in dead:
@@ -167,7 +183,11 @@ class DataLinks:
             return len(dead)
 
     def on_message(self, peer_host: str, msg: dict[str, Any]) -> None:
-        """A ``data_lease`` or ``data_ack`` from the control link's reader: filed for the job's thread."""
+        """A ``data_lease`` or ``data_ack`` from the control link's reader: filed for the job's thread
+        (set-up), or the mid-job protocol's (``lazy``, ``data_want``, ``data_refused``: ondemand.py)."""
+        if msg.get("lazy") is True or msg.get("type") in ON_DEMAND_TYPES:
+            self.on_demand.on_message(peer_host, msg)
+            return
         job = msg.get("job")
         if not isinstance(job, str) or not isinstance(msg.get("round"), int):
             raise ProtocolError(f"[datalinks] malformed {msg.get('type')} from {peer_host}: {msg}")
@@ -195,9 +215,7 @@ class DataLinks:
                  failed: Callable[[], MCCLError | None]) -> list[DataSocket]:
         held: list[DataSocket] = []
         for rnd in range(_MAX_ROUNDS):
-            held += self._take_idle(job, peer_host, self.k - len(held))
-            while len(held) < self.k:
-                held.append(self._dial(job, peer_host, addr))
+            held += self.take(job, peer_host, addr, self.k - len(held))
             self._links.send(addr, {"type": "data_lease", "job": job, "round": rnd, "ids": [s.id for s in held]})
             ack = self._wait_mail((job, peer_host, "data_ack"), rnd, deadline, failed)
             missing = set(ack.get("missing") or [])
@@ -243,7 +261,40 @@ class DataLinks:
                         "join, or its daemon is stuck; check that host's mccld log", peer_addr=key[1])
                 self._cv.wait(min(left, 0.2))
 
-    # -- the pool ------------------------------------------------------------------------------
+    # -- the pool (also ondemand.py's) -----------------------------------------------------------
+    def take(self, job: str, peer_host: str, addr: str, n: int) -> list[DataSocket]:
+        """``n`` sockets to ``peer_host`` for ``job``, idle ones first, the rest dialled; we
+        must be the proposer for that host. On a failed dial those taken are closed."""
+        held = self._take_idle(job, peer_host, n)
+        try:
+            while len(held) < n:
+                held.append(self._dial(job, peer_host, addr))
+        except BaseException:
+            self.discard(held, f"job {job}: dialling the rest failed", kill=True)
+            raise
+        return held
+
+    def claim(self, job: str, peer_host: str, ids: list[str], wait_until: float) -> tuple[list[DataSocket], list[str]]:
+        """The proposed ``ids`` leased to ``job`` (waiting until ``wait_until`` for ones not yet
+        accepted or still held), or none and the ids we cannot provide."""
+        return self._claim(job, peer_host, ids, wait_until)
+
+    def add_to_lease(self, job: str, socks: list[DataSocket]) -> bool:
+        """Sockets leased mid-job join the job's lease, so its end gives them back with the
+        rest; False (nothing added) if the job's lease was given back already."""
+        with self._cv:
+            lease = self._leases.get(job)
+            if lease is None:
+                return False
+            lease.extend(socks)
+            return True
+
+    def discard(self, socks: list[DataSocket], why: str, kill: bool = False) -> None:
+        with self._cv:
+            for s in socks:
+                self._discard(s, why, kill=kill)
+            self._cv.notify_all()
+
     def _take_idle(self, job: str, peer_host: str, n: int) -> list[DataSocket]:
         taken: list[DataSocket] = []
         with self._cv:
@@ -319,6 +370,9 @@ class DataLinks:
                     else:
                         waiting = True            # a closing job of ours still holds it
                 if not waiting or missing:
+                    break
+                if not self._running:
+                    missing = list(ids)      # stopping: nothing more will arrive or be given back
                     break
                 self._cv.wait(max(0.01, min(0.2, wait_until - time.monotonic())))
             if missing:

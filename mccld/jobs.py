@@ -641,7 +641,7 @@ class Job:
         self.fast.close()   # every rank left: no small op is in flight
         for op, nbytes, seconds in self.fast.records():
             self.host.record_collective(self, op, nbytes, seconds)
-        self.p2p.stop()     # sends the peers our closing header
+        self.p2p.stop()     # our ranks' last sends are written
         engine = self.engine
         if engine is not None:
             if self.failed is None:
@@ -651,8 +651,10 @@ class Job:
                     engine.wait(engine.barrier(), min(self.timeout_s, _CLOSE_BARRIER_S))
                 except Exception as e:  # noqa: BLE001 - a peer already gone: nothing left to protect
                     log.debug("closing barrier of job %s: %s", self.id, e)
-            # Past the barrier every peer sent its closing header, so the mailbox receive
-            # ends at once; one still pending means a peer is gone: do not wait on it.
+            # Only now, with every host's ranks gone, may the mailboxes end (p2p.py).
+            self.p2p.close_network()
+            # Every set-up host sends its closing header past the barrier too, so the mailbox
+            # receive ends at once; one still pending means a peer is gone: do not wait on it.
             settled = self.p2p.network_done(_MAILBOX_CLOSE_S if self.failed is None else 0.0)
             # The closing headers are the job's last bytes: count them while the engine exists,
             # or one host's sent and the other's received counters differ by them.

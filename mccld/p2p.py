@@ -23,9 +23,14 @@ life (the "mailbox"), without a deadline: an idle job must not time out, and a m
 is held by the daemon until a local recv takes it, so whether a local rank waits makes
 no difference to the engine. A dead peer host still fails it at once (its sockets end),
 and a failed job's engine abort cancels it. The engine cannot cancel a receive by
-itself, so at close every daemon sends each other host a "closing" header: the peer's
-mailbox receive completes and is not posted again, the data sockets end between
-messages (clean, so pooled for the next job), and closing waits for nothing.
+itself, so at close every daemon sends a "closing" header to the hosts it was linked to
+at set-up (ondemand.setup_hosts: the same relation on both ends, and a link that
+exists from the job's start, so no host is linked just to say goodbye): the mailbox
+receive completes once each of them closed and is not posted again, the data sockets
+end between messages (clean, so pooled for the next job), and closing waits for nothing.
+The headers go out only after the job's closing barrier (jobs.py), when every host's
+ranks have left: a host that is not a set-up host sends none, so before that barrier a
+late message from it could still be on its way to a rank here that waits for it.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ import numpy as np
 
 from mccl_common.errors import AbortedError, CollectiveMismatch, CollectiveTimeout, MCCLError, ProtocolError
 from mccl_common.wire import MAX_TAG
+
+from .ondemand import setup_hosts
 
 if TYPE_CHECKING:
     from .jobs import Job
@@ -267,22 +274,24 @@ class PointToPoint:
             self.job.host.reply_error(p.ident, p.req, exc)
 
     def stop(self) -> None:
-        """Every local rank left: finish the queued sends, then tell each other host that
-        this one sends no more, which ends its mailbox receive for us."""
+        """Every local rank left: finish the queued sends (then ``close_network``)."""
         with self._lock:
             self._stopping = True
             self._box.drain()
         self._tasks.put(None)
         if self._tx is not threading.current_thread():
             self._tx.join(_JOIN_S)
+
+    def close_network(self) -> None:
+        """Past the job's closing barrier (every host's ranks left and its sends are written):
+        tell the set-up hosts this one sends no more, which ends their mailbox receive."""
         if self._engine is None or self.job.failed is not None:
             return  # a failed job's engine is aborted, which ended the mailbox receive already
         me = self.job.topo.host_rank
         header = np.frombuffer(_HEADER.pack(_CLOSING, me, 0, 0), dtype=np.uint8).copy()
         try:
-            for h in range(len(self.job.topo.hosts)):
-                if h != me:
-                    self._engine("send", header.ctypes.data, header.nbytes, h, _TAG_HEADER)
+            for h in setup_hosts(me, len(self.job.topo.hosts)):
+                self._engine("send", header.ctypes.data, header.nbytes, h, _TAG_HEADER)
         except MCCLError as e:
             log.debug("job %s: closing header not sent: %s", self.job.id, e)
 
@@ -354,7 +363,7 @@ class PointToPoint:
     def _rx_loop(self) -> None:
         header = np.zeros(_HEADER.size, dtype=np.uint8)
         me = self.job.topo.host_rank
-        sending = {h for h in range(len(self.job.topo.hosts)) if h != me}   # hosts not yet closed
+        sending = set(setup_hosts(me, len(self.job.topo.hosts)))   # hosts not yet closed
         try:
             while sending:
                 self._engine("recv", header.ctypes.data, header.nbytes, -1, _TAG_HEADER, deadline=False)

@@ -32,36 +32,10 @@ from mccld import PROTO_VERSION, auth
 from mccl_common.daemon_settings import load_config
 from mccl_common.settings import EngineConfig, load
 from mccld.daemon import Daemon
-from mccld.datalinks import DataLinks
-from mccld.links import LinkManager
+from support.datalinks import KEY, K, Host
 
 
-KEY = b"d" * 32
-K = 2
 F32, SUM = 0, 0
-
-
-class Host:
-    """A LinkManager plus its data-socket pool, as the daemon wires them."""
-
-    def __init__(self, host_id: str, key: bytes = KEY):
-        self.links = LinkManager(key, "f", host_id, "127.0.0.1", 0, 5.0, self._on_message)
-        self.data = DataLinks(self.links, K, 5.0)
-
-    def _on_message(self, peer: str, msg: dict) -> None:
-        self.data.on_message(peer, msg)
-
-    def __enter__(self) -> "Host":
-        self.data.start()
-        self.links.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.data.stop()
-        self.links.stop()
-
-    def peer(self, name: str) -> dict:
-        return next(p for p in self.data.status() if p["host"] == name)
 
 
 def run_job(hosts: list[Host], job: str, abort: bool = False) -> list[dict[int, list[str]]]:

@@ -75,3 +75,23 @@ def allreduce_check(comms, count: int) -> None:
         assert np.array_equal(out, np.repeat(np.arange(len(comms), dtype=np.int32), 4))
         c.wait(c.barrier(), 30)
     run_ranks(comms, body)
+
+
+def send_0_to_3(rank: int, comm) -> None:
+    """Rank 0 sends 64 int32s to rank 3, which receives them from any source (tag 7)."""
+    x = np.arange(64, dtype=np.int32)
+    if rank == 0:
+        comm.wait(comm.send(ptr(x), x.nbytes, 3, 7), 30)
+    elif rank == 3:
+        got = np.zeros(64, dtype=np.int32)
+        comm.wait(comm.recv(ptr(got), got.nbytes, -1, 7), 30)
+        assert np.array_equal(got, x)
+
+
+def alltoall_check(rank: int, comm) -> None:
+    """An all-to-all of 4 int32s per pair; each block says who sent it to whom."""
+    n = comm.size
+    send = np.arange(n * 4, dtype=np.int32) + 100 * rank
+    out = np.zeros(n * 4, dtype=np.int32)
+    comm.wait(comm.alltoall(ptr(send), ptr(out), 16), 30)
+    assert np.array_equal(out, np.concatenate([np.arange(rank * 4, rank * 4 + 4) + 100 * s for s in range(n)]))

@@ -56,6 +56,10 @@
 #                    1 rank at 10 Gbit/s: mccl in-process, through mccld, Gloo; each with DDP's defaults and with
 #                    libmccl.ddp_shared_buckets (buckets in mccld's shared memory); LIGHTNING_BATCH (16),
 #                    LIGHTNING_STEPS (10). Needs lightning installed (pip install lightning)
+#   23-daemon-socks  issue 26's links on demand through mccld: data sockets per daemon for an all-reduce-only
+#                    job, then after an all-to-all, leasing every peer at set-up (as before) against the
+#                    set-up hosts only; SOCK_HOSTS (8,16,32) emulated hosts in one process on loopback
+#                    (tools/bench/daemon_sockets.py; no shaping, no root)
 # Step 3 takes DDP_WIDTH, DDP_DEPTH, DDP_VARIANTS (ddp,nocomm: the step with communication removed, for overlap;
 # shared,sharedcopy: libmccl.ddp_shared_buckets with and without gradient_as_bucket_view) and
 # DDP_BUCKET_MB (DDP's bucket_cap_mb).
@@ -269,6 +273,15 @@ fi
 if want 7; then
   status "7-solo-ddp start"
   timeout 150 $PY -m tools.bench.solo_ddp > "$RESULTS/7-solo-ddp.txt" 2>&1; status "7-solo-ddp rc=$?"
+  pack
+fi
+
+if want 23; then
+  status "23-daemon-socks start"
+  timeout --kill-after=20 "$(( $(left) > 200 ? 180 : $(left) - 20 ))" $PY -m tools.bench.daemon_sockets \
+    --hosts "${SOCK_HOSTS:-8,16,32}" --json "$RESULTS/23-daemon-socks.json" > "$RESULTS/23-daemon-socks.txt" 2>&1
+  status "23-daemon-socks rc=$?"
+  cat "$RESULTS/23-daemon-socks.txt"
   pack
 fi
 

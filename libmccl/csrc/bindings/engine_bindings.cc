@@ -136,10 +136,14 @@ class PyCommunicator {
   }
 
   // On sockets the caller connected: {peer rank: [fd, ...]}; the caller keeps its fds.
+  // `want` (None or a callable(peer)): links on demand over sockets it hands in later.
   PyCommunicator(int rank, int size, uint64_t comm_id, std::map<int, std::vector<int>> sockets,
                  std::vector<std::string> peer_addrs, const Options& opts, py::object on_complete,
-                 const py::object& secret)
-      : on_complete_(std::move(on_complete)) {
+                 const py::object& secret, py::object want)
+      : on_complete_(std::move(on_complete)), want_(std::move(want)) {
+    if (!want_.is_none() && !PyCallable_Check(want_.ptr())) {
+      throw_error(ErrorKind::kConfig, "[engine] `want` must be callable(peer) or None");
+    }
     std::vector<std::vector<int>> fds(size > 0 ? size : 0);
     for (auto& kv : sockets) {
       if (kv.first < 0 || kv.first >= size) {
@@ -152,9 +156,11 @@ class PyCommunicator {
     std::string key = secret_bytes(secret);
     Communicator::Deliver deliver = make_deliver();
     // The handshakes are bounded by the connect timeout and cannot be cancelled midway.
+    HandedLinks::Ask ask = want_.is_none() ? nullptr : make_ask(want_.ptr());
     build([&](std::atomic<bool>*) {
       return std::make_unique<Communicator>(rank, size, comm_id, std::move(fds),
-                                            std::move(peer_addrs), opts, key, std::move(deliver));
+                                            std::move(peer_addrs), opts, key, std::move(deliver),
+                                            std::move(ask));
     });
     wipe(&key[0], key.size());
   }
@@ -210,6 +216,23 @@ class PyCommunicator {
     done.get();  // rethrows the builder's error
   }
 
+  // Runs on the engine's asking thread, never its worker (handed_links.h); the callable
+  // is kept alive by want_, which outlives core_.
+  static HandedLinks::Ask make_ask(PyObject* cb) {
+    return [cb](int peer) {
+      if (!Py_IsInitialized() || python_finalizing()) return;
+      py::gil_scoped_acquire gil;
+      PyObject* res = PyObject_CallFunction(cb, "i", peer);
+      if (res) {
+        Py_DECREF(res);
+        return;
+      }
+      py::error_already_set e;
+      throw Error(ErrorKind::kGeneric, std::string("[engine] the link request for rank ") +
+                                           std::to_string(peer) + " raised: " + e.what());
+    };
+  }
+
   static void deliver_batch(PyObject* cb, std::vector<Completion>& batch) {
     // Taking the GIL while the interpreter shuts down would hang or kill this thread.
     if (!Py_IsInitialized() || python_finalizing()) return;
@@ -231,6 +254,7 @@ class PyCommunicator {
   }
 
   py::object on_complete_;
+  py::object want_;
   std::unique_ptr<Communicator> core_;
 };
 
@@ -391,10 +415,10 @@ void register_engine_bindings(py::module_& m) {
            py::arg("peer_addrs"), py::arg("opts"), py::arg("on_complete") = py::none(),
            py::kw_only(), py::arg("secret") = py::none())
       .def(py::init<int, int, uint64_t, std::map<int, std::vector<int>>, std::vector<std::string>,
-                    const Options&, py::object, const py::object&>(),
+                    const Options&, py::object, const py::object&, py::object>(),
            py::arg("rank"), py::arg("size"), py::arg("comm_id"), py::arg("sockets"),
            py::arg("peer_addrs"), py::arg("opts"), py::arg("on_complete") = py::none(),
-           py::kw_only(), py::arg("secret") = py::none())
+           py::kw_only(), py::arg("secret") = py::none(), py::arg("want") = py::none())
       .def("link_key_ids", [](PC& c) {
         py::dict out;
         const auto& ids = c.core().link_key_ids();
@@ -487,6 +511,19 @@ void register_engine_bindings(py::module_& m) {
         return c.core().released_clean();
       }, py::arg("timeout_s") = 10.0)
       .def("released_clean", [](PC& c) { return c.core().released_clean(); })
+      // Links on demand over handed-in sockets (built with `want`): K connected sockets to
+      // `peer`; the engine dups and proves them in the background (the caller keeps its fds).
+      .def("hand_in", [](PC& c, int peer, std::vector<int> fds) {
+        py::gil_scoped_release nogil;
+        c.core().hand_in(peer, fds);
+      }, py::arg("peer"), py::arg("fds"))
+      // The caller cannot link `peer`: the communicator fails with this error (an
+      // mccl_common.errors kind and a message naming the peer).
+      .def("refuse_link", [](PC& c, int peer, int kind, const std::string& message) {
+        if (kind < 0 || kind > static_cast<int>(ErrorKind::kAuth)) kind = 0;
+        py::gil_scoped_release nogil;
+        c.core().refuse_link(peer, static_cast<ErrorKind>(kind), message);
+      }, py::arg("peer"), py::arg("kind"), py::arg("message"))
       // The cost model's parameters every rank agreed on at start: (alpha s, beta s/byte).
       .def("alpha_beta", [](PC& c, double timeout_s) {
         py::gil_scoped_release nogil;

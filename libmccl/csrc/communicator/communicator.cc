@@ -100,7 +100,8 @@ Communicator::Communicator(int rank, int size, uint64_t comm_id, int listen_fd,
 
 Communicator::Communicator(int rank, int size, uint64_t comm_id,
                            std::vector<std::vector<int>> fds, std::vector<std::string> peer_addrs,
-                           const Options& opts, const std::string& secret, Deliver deliver)
+                           const Options& opts, const std::string& secret, Deliver deliver,
+                           HandedLinks::Ask ask)
     : rank_(rank),
       size_(size),
       comm_id_(comm_id),
@@ -118,7 +119,31 @@ Communicator::Communicator(int rank, int size, uint64_t comm_id,
     const std::string who = "[engine] rank " + std::to_string(rank_);
     ensure_open_files(need, std::max(open_file_count(), 0) + need + kSpareFiles, who.c_str());
   }
-  start(adopt_mesh(mesh_spec(secret), fds, deadline_after(opts_.connect_timeout_s)));
+  MeshLinks mesh = adopt_mesh(mesh_spec(secret), fds, deadline_after(opts_.connect_timeout_s));
+  if (!ask) {
+    start(std::move(mesh));
+    return;
+  }
+  auto handed = std::make_unique<HandedLinks>(mesh_spec(secret), std::move(ask),
+                                              opts_.connect_timeout_s);
+  for (int peer = 0; peer < size_; ++peer) {
+    if (!mesh.links[peer].empty()) handed->linked(peer);
+  }
+  handed_ = handed.get();
+  start(std::move(mesh), std::move(handed));
+}
+
+void Communicator::hand_in(int peer, const std::vector<int>& fds) {
+  if (!handed_) {
+    throw_error(ErrorKind::kConfig,
+                "[engine] hand_in on a communicator built without `ask`: its links are fixed "
+                "at construction; build it with an ask callback to link peers on demand");
+  }
+  handed_->hand_in(peer, fds);
+}
+
+void Communicator::refuse_link(int peer, ErrorKind kind, const std::string& message) {
+  if (handed_) handed_->refuse(peer, kind, message);
 }
 
 size_t Communicator::allreduce_piece_bytes(const Options& opts, int size, size_t count, DType dt) {
@@ -183,7 +208,7 @@ MeshSpec Communicator::mesh_spec(const std::string& secret) const {
   return spec;
 }
 
-void Communicator::start(MeshLinks mesh, std::unique_ptr<Linker> linker) {
+void Communicator::start(MeshLinks mesh, std::unique_ptr<LinkSource> links) {
   key_ids_.assign(mesh.keys.size(), {});
   for (size_t r = 0; r < mesh.keys.size(); ++r) {
     for (const FrameKeys& k : mesh.keys[r]) key_ids_[r].emplace_back(key_id(k.send), key_id(k.recv));
@@ -194,7 +219,7 @@ void Communicator::start(MeshLinks mesh, std::unique_ptr<Linker> linker) {
                                            // The handshake gives keys exactly when the mode wants them.
                                            mesh.keys.empty() ? WireSecurity::kOff : opts_.wire_security);
   for (auto& per_peer : mesh.keys) wipe(per_peer.data(), per_peer.size() * sizeof(FrameKeys));
-  if (linker) transport_->use_linker(std::move(linker));
+  if (links) transport_->use_linker(std::move(links));
   worker_ = std::thread([this] {
     name_this_thread("mccl-worker");
     worker_main();

@@ -39,6 +39,7 @@
 #include "core/options.h"
 #include "core/ticket.h"
 #include "communicator/op_signature.h"
+#include "transport/handed_links.h"
 #include "transport/mesh.h"
 #include "transport/transport.h"
 
@@ -102,9 +103,13 @@ class Communicator {
   // dup()s and handshakes on (transport/mesh.h adopt_mesh). These borrowed sockets are
   // left reusable by a clean shutdown (see released_clean).
   // The same handshake runs on them, so every job derives fresh frame keys.
+  // With `ask`, the other peers are linked on demand over sockets the caller hands in
+  // (transport/handed_links.h): a send to an unlinked peer calls ask(peer) on a thread of
+  // the engine's (it must return at once), and the caller answers with hand_in or
+  // refuse_link; a peer's own hand_in may come unasked (it sends to us).
   Communicator(int rank, int size, uint64_t comm_id, std::vector<std::vector<int>> fds,
                std::vector<std::string> peer_addrs, const Options& opts,
-               const std::string& secret, Deliver deliver);
+               const std::string& secret, Deliver deliver, HandedLinks::Ask ask = nullptr);
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
@@ -166,6 +171,13 @@ class Communicator {
   // them to the next communicator. False after an abort, a failure or a late peer.
   bool released_clean() const { return released_clean_.load(); }
 
+  // Links on demand over handed-in sockets (the constructor's `ask`): K sockets to `peer`,
+  // which the engine dup()s and proves on a thread of its own; throws a ConfigError on a
+  // communicator without `ask`, or for a peer linked already.
+  void hand_in(int peer, const std::vector<int>& fds);
+  // The caller cannot link `peer`: the communicator fails with this error (naming it).
+  void refuse_link(int peer, ErrorKind kind, const std::string& message);
+
   // Per-operation timeout of ops enqueued from now on (torch's set_timeout); > 0 s.
   void set_timeout(double timeout_s);
 
@@ -193,7 +205,7 @@ class Communicator {
     static const auto r = std::make_shared<const CollectiveRules>();
     return r;
   }
-  void start(MeshLinks mesh, std::unique_ptr<Linker> linker = nullptr);
+  void start(MeshLinks mesh, std::unique_ptr<LinkSource> links = nullptr);
   uint64_t enqueue(Op op);
   void check_root(int root, const char* op) const;
   void check_ptr(const void* p, size_t n, const char* what, const char* op) const;
@@ -227,6 +239,7 @@ class Communicator {
   double release_timeout_s_ = 2.0;  // set by shutdown() before the worker reads it
   std::atomic<bool> released_clean_{false};
   std::unique_ptr<Transport> transport_;
+  HandedLinks* handed_ = nullptr;  // the transport's link source, if built with `ask`
   Scratch scratch_;
   Hierarchy hierarchy_;  // from opts_.switch_of_rank; inactive for one switch
   uint64_t coll_seq_ = 0;  // worker only

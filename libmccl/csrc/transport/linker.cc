@@ -96,14 +96,7 @@ void Linker::want(int peer) {
     dial_queue_.push_back(peer);
     if (dialers_ >= kMaxDialers) return;  // a running dialer takes it up next
     ++dialers_;
-    reap(&dialer_threads_, false);
-    dialer_threads_.emplace_back();
-    Worker& w = dialer_threads_.back();
-    w.thread = std::thread([this, done = w.done] {
-      name_this_thread("mccl-dial");
-      dial_main();
-      done->store(true);
-    });
+    start_helper(&dialer_threads_, "mccl-dial", [this] { dial_main(); });
   }
 }
 
@@ -168,20 +161,9 @@ void Linker::dial_one(int peer) {
 
 // ---------------------------------------------------------------- accepting
 
-void Linker::reap(std::list<Worker>* workers, bool all) {
-  for (auto it = workers->begin(); it != workers->end();) {
-    if (all || it->done->load()) {
-      it->thread.join();
-      it = workers->erase(it);
-    } else {
-      ++it;
-    }
-  }
-}
-
 void Linker::accept_main() {
   while (!stop_.load()) {
-    reap(&handshakes_, false);
+    reap_helpers(&handshakes_, false);
     Fd fd;
     try {
       fd = accept_tcp(listen_fd_.get(), Clock::now() + kSlice);
@@ -200,15 +182,10 @@ void Linker::accept_main() {
                               " handshakes were pending (a flood of connections?)");
       continue;
     }
-    handshakes_.emplace_back();
-    Worker& w = handshakes_.back();
-    w.thread = std::thread([this, fd = std::move(fd), from, done = w.done]() mutable {
-      name_this_thread("mccl-handshake");
-      handshake_one(std::move(fd), from);
-      done->store(true);
-    });
+    start_helper(&handshakes_, "mccl-handshake",
+                 [this, fd = std::move(fd), from]() mutable { handshake_one(std::move(fd), from); });
   }
-  reap(&handshakes_, true);
+  reap_helpers(&handshakes_, true);
 }
 
 int Linker::claim_slot(uint32_t from, uint32_t sock, int* held) {
@@ -379,13 +356,13 @@ void Linker::stop() {
   stopped_ = true;
   stop_.store(true);
   if (acceptor_.joinable()) acceptor_.join();  // joins the handshakes too
-  std::list<Worker> dialers;
+  HelperThreads dialers;
   {
     std::lock_guard<std::mutex> lk(mu_);
     dialers.swap(dialer_threads_);
     dial_queue_.clear();
   }
-  reap(&dialers, true);
+  reap_helpers(&dialers, true);
   listen_fd_.reset();
   std::lock_guard<std::mutex> lk(mu_);
   for (auto& l : ready_) wipe(l.keys.data(), l.keys.size() * sizeof(FrameKeys));

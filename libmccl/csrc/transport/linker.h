@@ -40,6 +40,8 @@
 
 #include "core/errors.h"
 #include "transport/handshake.h"
+#include "transport/helper_threads.h"
+#include "transport/link_source.h"
 #include "transport/mesh.h"
 #include "transport/rejects.h"
 
@@ -47,47 +49,38 @@ namespace mccl {
 
 constexpr int kMaxPendingHandshakes = 32;
 
-// One link, all its sockets proved, configured and nonblocking.
-struct NewLink {
-  int peer = -1;
-  std::vector<Fd> fds;
-  std::vector<FrameKeys> keys;  // one per socket; empty under kOff
-};
-
-class Linker {
+class Linker : public LinkSource {
  public:
   static constexpr int kMaxDialers = 8;
 
   // `listen_fd` is owned from here (closed by stop()). `link_timeout_s` bounds each
   // dial (connect retries and handshakes) started by want().
   Linker(MeshSpec spec, Fd listen_fd, double link_timeout_s);
-  ~Linker();  // stop()
+  ~Linker() override;  // stop()
   Linker(const Linker&) = delete;
   Linker& operator=(const Linker&) = delete;
 
   // The sockets of the link between ranks a and b (see the file comment).
   static int sockets_for(int a, int b, int size, int sockets_per_peer);
 
-  // Called (any thread, without the Linker's lock) whenever a link is ready or a dial
-  // failed; set once, before want() is called.
-  void on_event(std::function<void()> fn);
-  // Dials `peer` unless a link to it is up, being dialed or being accepted. Any thread.
-  void want(int peer);
+  // LinkSource. want(peer) dials `peer` unless a link to it is up, being dialed or being
+  // accepted; take_error gives the first failed dial or refused proved peer.
+  void on_event(std::function<void()> fn) override;
+  void want(int peer) override;
   // Set-up: blocks until the links to every rank of `peers` are ready and takes them out
   // of the queue (others stay there for the transport). Throws a typed Timeout at
   // `deadline` naming the first missing rank (and who failed the proof of the key, if
   // anyone did), a dial's error, or Aborted once `*cancel` is set.
   MeshLinks wait_for(const std::vector<int>& peers, Deadline deadline,
                      const std::atomic<bool>* cancel);
-  // The links that became ready since the last call.
-  void take_ready(std::vector<NewLink>* out);
-  // The first failed dial, once (a typed Error naming the peer), or null.
-  std::shared_ptr<const Error> take_error();
-  // Whether a link to `peer` is being dialed or accepted now (for timeout messages).
-  bool linking(int peer) const;
-  // Stops accepting and dialing, joins every thread, closes the listening socket and
-  // the links nobody took. Idempotent.
-  void stop();
+  void take_ready(std::vector<NewLink>* out) override;
+  std::shared_ptr<const Error> take_error() override;
+  bool linking(int peer) const override;
+  const char* missing_link() const override { return "which this rank dialed and which never answered"; }
+  // Its own listener's links are never reused: always settled.
+  bool settled() const override { return true; }
+  // Also stops accepting and closes the listening socket.
+  void stop() override;
 
  private:
   enum class State { kNone, kDialing, kAccepting, kUp };
@@ -98,10 +91,6 @@ class Linker {
     std::vector<FrameKeys> keys;
     std::vector<bool> reserved;  // a proved connection is being answered for that index
   };
-  struct Worker {
-    std::thread thread;
-    std::shared_ptr<std::atomic<bool>> done = std::make_shared<std::atomic<bool>>(false);
-  };
 
   Hello hello(int to_rank, int sock_index) const;
   void accept_main();
@@ -111,7 +100,6 @@ class Linker {
   void dial_one(int peer);
   void ready_locked(int peer, std::vector<Fd> fds, std::vector<FrameKeys> keys);
   void fire();
-  static void reap(std::list<Worker>* workers, bool all);
 
   const MeshSpec spec_;
   Fd listen_fd_;
@@ -125,13 +113,13 @@ class Linker {
   std::deque<NewLink> ready_;
   std::deque<int> dial_queue_;
   int dialers_ = 0;  // dialer threads running
-  std::list<Worker> dialer_threads_;
+  HelperThreads dialer_threads_;
   std::shared_ptr<const Error> error_;
   bool error_taken_ = false;
   std::function<void()> on_event_;
 
   std::thread acceptor_;
-  std::list<Worker> handshakes_;  // acceptor thread only
+  HelperThreads handshakes_;  // acceptor thread only
   std::mutex stop_mu_;
   bool stopped_ = false;
 };

@@ -16,6 +16,7 @@
 
 #include "integrity/keys.h"
 #include "integrity/link_crypto.h"
+#include "transport/link_source.h"
 #include "transport/signature.h"
 #include "transport/socket.h"
 
@@ -50,5 +51,13 @@ struct MeshLinks {
 MeshLinks adopt_mesh(const MeshSpec& spec,
                                         const std::vector<std::vector<int>>& fds,
                                         Deadline deadline);
+
+// One peer's part of adopt_mesh, for a link handed in later (handed_links.h): dups the
+// caller's K sockets to `peer` (throws a ConfigError for a wrong count or a closed fd) ...
+std::vector<Fd> dup_link(const MeshSpec& spec, int peer, const std::vector<int>& fds);
+// ... then runs the keyed handshake on the dups (the lower rank speaks first) and returns
+// the proved link. `cancel` (may be null) becoming true ends it early with kAborted.
+NewLink prove_link(const MeshSpec& spec, int peer, std::vector<Fd> fds, Deadline deadline,
+                   const std::atomic<bool>* cancel);
 
 }  // namespace mccl

@@ -21,7 +21,8 @@ bool Transport::release(Deadline deadline) {
   // the send queues (checked below) are this thread's alone from here.
   halt_writer();
   halt_readers();  // a socket still lent is mid-payload: Pair::release refuses it
-  bool clean = !failed_;
+  // A link still being handed in has handshake bytes in flight on its sockets.
+  bool clean = !failed_ && (!linker_ || linker_->settled());
   for (auto& p : pairs_) {
     if (!p) continue;
     if (clean) {

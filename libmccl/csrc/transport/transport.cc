@@ -53,8 +53,8 @@ void Transport::add_pair(int peer, std::vector<Fd> fds, const std::vector<FrameK
   link_sockets_.fetch_add(n, std::memory_order_relaxed);
 }
 
-void Transport::use_linker(std::unique_ptr<Linker> linker) {
-  linker_ = std::move(linker);
+void Transport::use_linker(std::unique_ptr<LinkSource> source) {
+  linker_ = std::move(source);
   linker_->on_event([this] { wake(); });
   wake();  // links that came up before this call wait in its queue
 }
@@ -88,7 +88,7 @@ void Transport::adopt_links() {
   std::vector<NewLink> links;
   linker_->take_ready(&links);
   for (NewLink& l : links) {
-    if (pairs_[l.peer]) continue;  // cannot happen: the Linker hands each peer over once
+    if (pairs_[l.peer]) continue;  // cannot happen: a source hands each peer over once
     add_pair(l.peer, std::move(l.fds), l.keys);
     wipe(l.keys.data(), l.keys.size() * sizeof(FrameKeys));
     std::deque<RequestPtr> waiting;
@@ -314,9 +314,9 @@ std::string Transport::describe_stall(Channel chan, int* peer, bool* sure) const
     if (sure) *sure = true;
     *peer = oldest->peer;
     const bool dialing = oldest->is_send;
-    return "a link to " + who(oldest->peer) +
-           (dialing ? ", which this rank dialed and which never answered"
-                    : ", which never connected to this rank to send its data") +
+    return "a link to " + who(oldest->peer) + ", " +
+           (dialing && linker_ ? linker_->missing_link()
+                               : "which never connected to this rank to send its data") +
            " (" + (chan == Channel::kCollective && tag_namer_ ? tag_namer_(oldest->key.tag)
                                                                : "message tag " +
                                                                      std::to_string(oldest->key.tag)) +

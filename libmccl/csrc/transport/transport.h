@@ -12,11 +12,12 @@
 // the original culprit, and all sockets are closed.
 //
 // Links on demand: a peer without a link has no Pair yet. Requests posted to it wait in
-// the transport (unlinked_) in post order; a send asks the Linker (linker.h) to dial it,
-// a receive waits for the sender's dial. Each progress round adopts the links the Linker
+// the transport (unlinked_) in post order; a send asks the link source (link_source.h: the
+// Linker dials it, linker.h; HandedLinks asks the owner for sockets, handed_links.h), a
+// receive waits for the sender's link. Each progress round adopts the links the source
 // finished (a Pair, registered with the send and receive threads) and posts what waited.
-// Without a Linker (links built on borrowed sockets) an op to an unlinked peer fails with
-// a ConfigError naming it.
+// Without a source (links built on borrowed sockets only) an op to an unlinked peer fails
+// with a ConfigError naming it.
 //
 // Thread safety: everything runs on the owning (worker) thread except wake(),
 // request_abort(), the byte and link counters, the send thread's socket writes and the
@@ -66,8 +67,8 @@ class Transport : public PairHost {
   Transport(const Transport&) = delete;
   Transport& operator=(const Transport&) = delete;
 
-  // Links to peers without one are opened by `linker` from now on (woken by it).
-  void use_linker(std::unique_ptr<Linker> linker);
+  // Links to peers without one come from `source` from now on (woken by it).
+  void use_linker(std::unique_ptr<LinkSource> source);
   // Peers linked now, and their sockets (any thread).
   int linked_peers() const { return linked_peers_.load(std::memory_order_relaxed); }
   int link_sockets() const { return link_sockets_.load(std::memory_order_relaxed); }
@@ -152,7 +153,7 @@ class Transport : public PairHost {
   // Posts to the peer's Pair, or queues it until the link is up (see the file comment).
   void post(int peer, const RequestPtr& req);
   void add_pair(int peer, std::vector<Fd> fds, const std::vector<FrameKeys>& keys);
-  // The Linker's finished links become Pairs; a failed dial throws its error.
+  // The source's finished links become Pairs; its failure throws.
   void adopt_links();
   void check_peer(int peer, const char* what) const;
   // Throws CollectiveMismatch if `h` disagrees with `s` (or unconditionally if `finished`).
@@ -246,7 +247,7 @@ class Transport : public PairHost {
   std::vector<std::unique_ptr<RecvThread>> readers_;
   std::vector<RecvThread*> reader_ptrs_;  // handed to every new pair
   // First to stop (destructor, stop_helpers, fail): no link is adopted after that.
-  std::unique_ptr<Linker> linker_;
+  std::unique_ptr<LinkSource> linker_;
 };
 
 }  // namespace mccl
