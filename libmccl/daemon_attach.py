@@ -145,10 +145,12 @@ class Attachment:
         me = json.dumps({"host_id": self.host_id, "link_addr": self.daemon_addr, "switch": self.switch})
         store.set(f"mccld/member/{self.rank}", me)
         keys = [f"mccld/member/{r}" for r in range(self.size)]
+        # The other ranks publish once they reached their own mccld: seconds apart under load.
+        setup_s = protocol.setup_timeout(self.timeout_s)
         try:
-            store.wait(keys, datetime.timedelta(seconds=self.timeout_s))
+            store.wait(keys, datetime.timedelta(seconds=setup_s))
         except Exception as e:  # torch raises DistStoreError (a RuntimeError) on timeout
-            raise CollectiveTimeout(f"[daemon-client] Timed out after {self.timeout_s:.0f}s on rank {self.rank}: "
+            raise CollectiveTimeout(f"[daemon-client] Timed out after {setup_s:.0f}s on rank {self.rank}: "
                                     f"not every rank published its daemon ({e}); a rank did not start or cannot "
                                     "reach its mccld") from None
         members = [json.loads(store.get(k)) for k in keys]
@@ -166,4 +168,4 @@ class Attachment:
             rendezvous.linger(store, "mccld", self.rank, self.size, self.timeout_s)
             raise
         self.call({"type": "join", "job": job, "rank": self.rank, "size": self.size, "hosts": ordered,
-                   "timeout_s": self.timeout_s, "opts": opts or {}}, self.timeout_s + 5.0)
+                   "timeout_s": self.timeout_s, "opts": opts or {}}, setup_s + 5.0)

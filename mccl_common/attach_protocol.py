@@ -60,6 +60,16 @@ _MAX_ID = (1 << 63) - 1               # sequence numbers, request and post ids
 # Buffers a rank may hold registered at once: each costs the daemon a mapping and an fd.
 MAX_BUFFERS_PER_RANK = 64
 
+# A job's set-up (ranks publishing their daemons, joining, the hosts' data sockets) waits at
+# least this long, whatever the collective timeout: ranks and hosts reach each step seconds
+# apart on a loaded machine, and a 2 s op timeout must not fail the set-up.
+SETUP_TIMEOUT_FLOOR_S = 5.0
+
+
+def setup_timeout(timeout_s: float) -> float:
+    """How long a job's set-up may take, given its collective timeout."""
+    return max(timeout_s, SETUP_TIMEOUT_FLOOR_S)
+
 
 @dataclass(frozen=True)
 class Field:

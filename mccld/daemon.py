@@ -572,7 +572,7 @@ class Daemon:
         peers = [(h, job.hosts[h].host_id, job.hosts[h].link_addr) for h in setup_hosts(me, len(job.hosts))]
         leased = self.datalinks.lease(job.id, peers, time.monotonic() + job.setup_timeout_s, lambda: job.failed)
         # The links are built within the job's set-up time, not its op timeout: hosts reach this
-        # point seconds apart on a loaded machine (jobs.py _SETUP_TIMEOUT_FLOOR_S), and one late
+        # point seconds apart on a loaded machine (attach_protocol.SETUP_TIMEOUT_FLOOR_S), and one late
         # host held every lower rank's handshakes past a 2 s op timeout (fault campaign, 6 Dec).
         opts = self.engine_cfg.engine_options(Options(), job.timeout_s, job.setup_timeout_s)
         # The job's host list (every rank built it alike) names each host's switch.

@@ -34,10 +34,6 @@ from .reduce import ReducePool
 
 log = logging.getLogger(__name__)
 
-# Setting a job up waits at least this long (for its local ranks to join, for its peer hosts'
-# data sockets): each host sets up once its own ranks joined, which can trail the others' by
-# seconds on a loaded machine, so a short collective timeout must not fail the setup.
-_SETUP_TIMEOUT_FLOOR_S = 5.0
 _CLOSE_BARRIER_S = 30.0
 _ENGINE_POLL_S = 1.0       # how often a deadline-free engine op looks whether the engine closed
 _ENGINE_CLOSE_S = 10.0     # bound on an op's end once its engine is shutting down
@@ -113,7 +109,7 @@ class Job:
         self.size = size
         self.hosts = hosts
         self.timeout_s = float(timeout_s)
-        self.setup_timeout_s = max(self.timeout_s, _SETUP_TIMEOUT_FLOOR_S)
+        self.setup_timeout_s = protocol.setup_timeout(self.timeout_s)
         self.opts = opts
         ranks = sorted(r for h in hosts for r in h.ranks)
         if ranks != list(range(size)):
