@@ -272,7 +272,7 @@ else
 fi
 if want 7; then
   status "7-solo-ddp start"
-  timeout 150 $PY -m tools.bench.solo_ddp > "$RESULTS/7-solo-ddp.txt" 2>&1; status "7-solo-ddp rc=$?"
+  timeout "${SOLO_LIMIT_S:-240}" $PY -m tools.bench.solo_ddp > "$RESULTS/7-solo-ddp.txt" 2>&1; status "7-solo-ddp rc=$?"
   pack
 fi
 
