@@ -34,6 +34,7 @@ SURFACES: dict[str, type[Surface]] = {"attach": AttachSurface, "link": LinkSurfa
 MAX_RSS_GROWTH_MB = 64.0
 _MINIMIZE_MAX = 400            # single-input replays when looking for a crash's culprit
 _LOG_TAIL = 2000
+_BUDGET_OVERRUN = 4.0          # a surface's budget stretches this far at most to reach its minimum of inputs
 
 
 class _Stop(Exception):
@@ -101,7 +102,10 @@ class Fuzzer:
             return ""
 
     # -- one surface -----------------------------------------------------------------------------
-    def fuzz(self, name: str, inputs: int, seed_value: int, budget_s: float | None = None) -> SurfaceRun:
+    def fuzz(self, name: str, inputs: int, seed_value: int, budget_s: float | None = None,
+             min_inputs: int = 0) -> SurfaceRun:
+        """``inputs`` inputs, or fewer once ``budget_s`` is spent and at least ``min_inputs`` ran;
+        never past ``_BUDGET_OVERRUN`` × the budget (a loaded machine generates inputs slowly)."""
         surface = SURFACES[name](self.daemon)
         surface.capture()
         run = SurfaceRun(name)
@@ -112,7 +116,9 @@ class Fuzzer:
 
         def one(inp: Input) -> None:
             nonlocal stopped
-            if stopped or (budget_s is not None and time.monotonic() - started > budget_s):
+            spent = time.monotonic() - started
+            if stopped or (budget_s is not None and spent > budget_s
+                           and (run.inputs >= min_inputs or spent > budget_s * _BUDGET_OVERRUN)):
                 stopped = True
                 raise _Stop
             batch.append(inp)
@@ -220,9 +226,10 @@ class Fuzzer:
 
 def run(surfaces: list[str] | dict[str, int], inputs: int, seed_value: int = 1, batch: int = 200,
         corpus: Path | None = None, budget_s: float | None = None,
-        log: Callable[[str], None] = print) -> dict[str, Any]:
+        log: Callable[[str], None] = print, min_inputs: int = 0) -> dict[str, Any]:
     """Fuzz each surface with ``inputs`` inputs (a dict: its own count per surface), or for
-    ``budget_s`` seconds each; the JSON summary. Each surface's own resource figures are
+    ``budget_s`` seconds each (longer, up to ``_BUDGET_OVERRUN`` times, until ``min_inputs``
+    ran); the JSON summary. Each surface's own resource figures are
     taken once the daemon settled after it, against the figures before it."""
     counts = surfaces if isinstance(surfaces, dict) else {name: inputs for name in surfaces}
     fz = Fuzzer(corpus, batch, log)
@@ -232,7 +239,7 @@ def run(surfaces: list[str] | dict[str, int], inputs: int, seed_value: int = 1, 
         runs = {}
         for i, (name, n) in enumerate(counts.items()):
             ahead = fz.daemon.measure()
-            r = fz.fuzz(name, n, seed_value + i, budget_s)
+            r = fz.fuzz(name, n, seed_value + i, budget_s, min_inputs)
             r.resources = summary_resources(ahead, fz.daemon.settle(ahead))
             runs[name] = r.as_dict()
             log(f"[fuzz] {name}: {json.dumps(runs[name])[:600]}")
