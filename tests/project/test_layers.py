@@ -167,6 +167,48 @@ def test_engine_includes_point_down_the_layers() -> None:
     assert engine_include_violations(ENGINE) == []
 
 
+# The transport moves bytes: what a receive's bytes mean (dtypes, reductions) is the
+# algorithms' business, handed down as a sink (transport/sink.h). reduce/ sits below the
+# transport in ENGINE_LAYERS only because the folders are drawn in one line.
+TRANSPORT_NEVER = ("reduce/", "core/dtype.h")
+
+
+def transport_dtype_includes(root: Path) -> list[str]:
+    """Files of transport/ that reach reduce/ or core/dtype.h, through any chain of includes."""
+    import re
+    def includes(rel: str) -> list[str]:
+        path = root / rel
+        return re.findall(r'^\s*#include "([^"]+)"', path.read_text(), re.M) if path.is_file() else []
+    bad = []
+    for path in sorted((root / "transport").glob("*")):
+        if path.suffix not in (".h", ".cc"):
+            continue
+        start = str(path.relative_to(root))
+        seen, todo = {start}, [(start, [start])]
+        while todo:
+            rel, chain = todo.pop()
+            for inc in includes(rel):
+                if inc.startswith(TRANSPORT_NEVER):
+                    bad.append(" -> ".join(chain + [inc]))
+                elif inc not in seen:
+                    seen.add(inc)
+                    todo.append((inc, chain + [inc]))
+    return bad
+
+
+def test_the_transport_knows_no_dtypes_or_reductions() -> None:
+    assert transport_dtype_includes(ENGINE) == []
+
+
+def test_the_transport_check_sees_an_indirect_include(tmp_path: Path) -> None:
+    (tmp_path / "transport").mkdir()
+    (tmp_path / "core").mkdir()
+    (tmp_path / "transport" / "landing.h").write_text('#include "core/errors.h"\n')
+    (tmp_path / "core" / "errors.h").write_text('#include "core/dtype.h"\n')
+    (tmp_path / "transport" / "pair.h").write_text('#include "transport/frame.h"\n')
+    assert transport_dtype_includes(tmp_path) == ["transport/landing.h -> core/errors.h -> core/dtype.h"]
+
+
 def test_the_engine_check_sees_an_upward_include(tmp_path: Path) -> None:
     (tmp_path / "transport").mkdir()
     (tmp_path / "transport" / "pair.h").write_text('#include "core/errors.h"\n#include "algorithms/ring.h"\n')

@@ -7,7 +7,9 @@
 #include <memory>
 #include <vector>
 
+#include "algorithms/reduce_sink.h"
 #include "core/options.h"
+#include "reduce/reduce.h"
 #include "transport/transport.h"
 
 namespace mccl {
@@ -63,10 +65,12 @@ struct Collective {
   RequestPtr recv(int peer, void* buf, size_t n, uint32_t tag, uint64_t cookie = 0) {
     return t.irecv(global(peer), buf, n, tag_base + tag, cookie);
   }
-  // buf = fn(what arrives, buf), elements of `elem` bytes.
+  // buf = fn(what arrives, buf), elements of `elem` bytes, done by whichever thread reads
+  // the socket (reduce_sink.h).
   RequestPtr recv_reduce(int peer, void* buf, size_t n, uint32_t tag, ReduceFn fn, size_t elem,
                          uint64_t cookie = 0) {
-    return t.irecv_reduce(global(peer), buf, n, tag_base + tag, fn, elem, cookie);
+    return t.irecv_sink(global(peer), buf, n, tag_base + tag, std::make_shared<const ReduceSink>(fn, elem),
+                        cookie);
   }
   // The next finished request of this op (throws on failure or timeout).
   RequestPtr next() { return t.wait_next(deadline, timeout_s); }

@@ -11,11 +11,11 @@
 
 namespace mccl {
 
-void Landing::start(uint8_t* dst, size_t n, ReduceFn fn, size_t elem) {
+void Landing::start(uint8_t* dst, size_t n, const Sink* sink) {
   dst_ = dst;
   left_ = n;
-  fn_ = fn;
-  elem_ = fn ? elem : 1;
+  sink_ = sink;
+  unit_ = sink ? sink->unit() : 1;
   carry_n_ = 0;
   cipher_ = nullptr;
 }
@@ -30,7 +30,7 @@ void Landing::unseal(RecordCipher* cipher, RecordStream stream, const uint8_t* a
   wire_n_ = sealed_bytes(n_);
   pos_ = 0;
   opened_ = 0;
-  if (fn_ && !slots_) slots_.reset(new uint8_t[kSlots * kRecordBytes]);
+  if (sink_ && !slots_) slots_.reset(new uint8_t[kSlots * kRecordBytes]);
 }
 
 // ---------------------------------------------------------------- plain payloads
@@ -50,24 +50,24 @@ bool Landing::put(const uint8_t* src, size_t n) {
     return true;
   }
   left_ -= n;
-  if (!fn_) {
+  if (!sink_) {
     std::memcpy(dst_, src, n);
     dst_ += n;
     return true;
   }
   if (carry_n_) {
-    const size_t take = std::min(elem_ - carry_n_, n);
+    const size_t take = std::min(unit_ - carry_n_, n);
     std::memcpy(carry_ + carry_n_, src, take);
     carry_n_ += take;
     src += take;
     n -= take;
-    if (carry_n_ < elem_) return true;
-    fn_(carry_, dst_, 1);
-    dst_ += elem_;
+    if (carry_n_ < unit_) return true;
+    sink_->consume(carry_, dst_, unit_);
+    dst_ += unit_;
     carry_n_ = 0;
   }
-  const size_t whole = n - n % elem_;
-  if (whole) fn_(src, dst_, whole / elem_);  // the kernels accept any alignment
+  const size_t whole = n - n % unit_;
+  if (whole) sink_->consume(src, dst_, whole);  // a sink accepts any alignment
   dst_ += whole;
   carry_n_ = n - whole;
   std::memcpy(carry_, src + whole, carry_n_);
@@ -76,7 +76,7 @@ bool Landing::put(const uint8_t* src, size_t n) {
 
 size_t Landing::next_read(size_t cap) const {
   if (cipher_) return room();
-  return fn_ ? std::min(left_, cap - carry_n_) : left_;
+  return sink_ ? std::min(left_, cap - carry_n_) : left_;
 }
 
 ssize_t Landing::recv_from(int fd, int flags, uint8_t* stage, size_t cap) {
@@ -115,7 +115,7 @@ ssize_t Landing::recv_from(int fd, int flags, uint8_t* stage, size_t cap) {
     }
     return r;
   }
-  if (!fn_) {
+  if (!sink_) {
     ssize_t r = ::recv(fd, dst_, left_, flags);
     if (r > 0) {
       dst_ += r;
@@ -123,15 +123,15 @@ ssize_t Landing::recv_from(int fd, int flags, uint8_t* stage, size_t cap) {
     }
     return r;
   }
-  // The split element's first bytes go in front, so the stage holds whole elements from
-  // its start and is reduced in one call.
+  // The split unit's first bytes go in front, so the stage holds whole units from its
+  // start and goes to the sink in one call.
   std::memcpy(stage, carry_, carry_n_);
   ssize_t r = ::recv(fd, stage + carry_n_, next_read(cap), flags);
   if (r <= 0) return r;
   left_ -= static_cast<size_t>(r);
   const size_t have = carry_n_ + static_cast<size_t>(r);
-  const size_t whole = have - have % elem_;
-  if (whole) fn_(stage, dst_, whole / elem_);
+  const size_t whole = have - have % unit_;
+  if (whole) sink_->consume(stage, dst_, whole);
   dst_ += whole;
   carry_n_ = have - whole;
   std::memcpy(carry_, stage + whole, carry_n_);
@@ -146,7 +146,7 @@ uint8_t* Landing::target(size_t* len) {
   const size_t rl = record_len(n_, i);
   if (off < rl) {
     *len = rl - off;
-    return (fn_ ? slots_.get() + (i % kSlots) * kRecordBytes : base_ + i * kRecordBytes) + off;
+    return (sink_ ? slots_.get() + (i % kSlots) * kRecordBytes : base_ + i * kRecordBytes) + off;
   }
   *len = rl + kTagBytes - off;
   return tags_[i % kSlots] + (off - rl);
@@ -166,9 +166,9 @@ bool Landing::open_ready() {
     const size_t i = opened_;
     const size_t rl = record_len(n_, i);
     if (pos_ < i * kWireRecord + rl + kTagBytes) break;
-    uint8_t* data = fn_ ? slots_.get() + (i % kSlots) * kRecordBytes : base_ + i * kRecordBytes;
+    uint8_t* data = sink_ ? slots_.get() + (i % kSlots) * kRecordBytes : base_ + i * kRecordBytes;
     if (!cipher_->open(stream_, aad_, aad_n_, data, rl, tags_[i % kSlots])) return false;
-    if (fn_ && rl) fn_(data, base_ + i * kRecordBytes, rl / elem_);
+    if (sink_ && rl) sink_->consume(data, base_ + i * kRecordBytes, rl);
     ++opened_;
   }
   return true;

@@ -1,19 +1,19 @@
 // Where one frame's payload goes while it is read off a socket: copied into place, or
-// combined into place with a reduction (a reduce-receive). The ring's reduce-scatter
-// uses the latter: what arrives from the left is added into the buffer while it is still
-// hot in cache, instead of landing in scratch memory that the algorithm then reads back,
-// and the thread that reads the socket does that share of the reduction.
+// handed to the receive's sink (sink.h) with its place. The ring's reduce-scatter uses
+// the latter: what arrives from the left is added into the buffer while it is still hot
+// in cache, instead of landing in scratch memory that the algorithm then reads back, and
+// the thread that reads the socket does that share of the work.
 //
-// recv() returns arbitrary byte counts, so an element can be split between two reads;
-// the reduction only ever sees whole elements, and the bytes of a split one wait in a
-// small carry until the rest arrives.
+// recv() returns arbitrary byte counts, so a sink's unit can be split between two reads;
+// the sink only ever sees whole units, and the bytes of a split one wait in a small
+// carry until the rest arrives.
 //
 // Sealed frames (integrity/aead.h) arrive as records, each followed by its tag. A copy
-// reads a record's ciphertext straight into place and opens it there; a reduction reads
-// it into a slot of this landing's own stage, opens it there, and only then folds it into
-// the destination: no byte of a record is reduced (or counted) before its tag matched.
-// Records hold whole elements (kRecordBytes and every frame's range are multiples of
-// the element size), so sealed reductions need no carry.
+// reads a record's ciphertext straight into place and opens it there; for a sink it is
+// read into a slot of this landing's own stage, opened there, and only then handed on:
+// no byte of a record reaches a sink (or is counted) before its tag matched. Records
+// hold whole units (kRecordBytes and every frame's range are multiples of the unit), so
+// sealed payloads need no carry.
 #pragma once
 #include <sys/types.h>
 
@@ -23,27 +23,28 @@
 #include <memory>
 
 #include "integrity/aead.h"
-#include "reduce/reduce.h"
+#include "transport/sink.h"
 
 namespace mccl {
 
 class Landing {
  public:
-  // n payload bytes go to dst; fn null copies, else dst = fn(payload, dst) per element
-  // of `elem` bytes (n and dst's position must then be whole elements).
-  void start(uint8_t* dst, size_t n, ReduceFn fn = nullptr, size_t elem = 1);
+  // n payload bytes go to dst; sink null copies, else the sink consumes them with dst as
+  // their place (n and dst's position must then be whole units of the sink; it must stay
+  // alive until the payload is in).
+  void start(uint8_t* dst, size_t n, const Sink* sink = nullptr);
   // Right after start(): the payload comes sealed, opened with `cipher` as records of
   // `stream` under `aad` (the frame's header; the caller keeps it until the payload is in).
   void unseal(RecordCipher* cipher, RecordStream stream, const uint8_t* aad, size_t aad_n);
   // Wire bytes not yet taken (payload, plus tags when sealed).
   size_t left() const { return cipher_ ? wire_n_ - pos_ : left_; }
-  bool reduces() const { return fn_ != nullptr; }
 
   // Takes n <= left() wire bytes from src (any alignment). False: a record failed
   // authentication (the frame must be dropped with the link).
   bool put(const uint8_t* src, size_t n);
   // One recv(fd, flags) of at most next_read(cap) bytes: a copy reads straight into place,
-  // a reduction reads into `stage` (cap bytes; sealed: its own stage) and folds it in.
+  // a sink's payload is read into `stage` (cap bytes; sealed: its own stage) and handed
+  // to it from there.
   // Returns what recv() returned (bytes taken, 0 at EOF, -1 with errno set; errno
   // EBADMSG: a record failed authentication; EPROTO: it could not be opened here).
   ssize_t recv_from(int fd, int flags, uint8_t* stage, size_t cap);
@@ -59,14 +60,14 @@ class Landing {
   uint8_t* target(size_t* len);
   // Sealed: the most wire bytes that may be taken before the next record is opened.
   size_t room() const;
-  // Sealed: opens (and reduces) every record whose bytes are all in. False: one failed.
+  // Sealed: opens (and hands to the sink) every record whose bytes are all in. False: one failed.
   bool open_ready();
 
-  uint8_t* dst_ = nullptr;  // copy: the next byte; reduce: the next whole element
+  uint8_t* dst_ = nullptr;  // copy: the next byte; sink: the next whole unit's place
   size_t left_ = 0;         // payload bytes not yet taken
-  ReduceFn fn_ = nullptr;
-  size_t elem_ = 1;
-  alignas(16) uint8_t carry_[16];  // the first bytes of a split element
+  const Sink* sink_ = nullptr;
+  size_t unit_ = 1;
+  alignas(16) uint8_t carry_[Sink::kMaxUnit];  // the first bytes of a split unit
   size_t carry_n_ = 0;
 
   RecordCipher* cipher_ = nullptr;  // null: plain payload
@@ -79,7 +80,7 @@ class Landing {
   size_t pos_ = 0;           // wire bytes taken
   size_t opened_ = 0;        // records opened
   uint8_t tags_[kSlots][kTagBytes];
-  std::unique_ptr<uint8_t[]> slots_;  // reductions: kSlots records' ciphertext
+  std::unique_ptr<uint8_t[]> slots_;  // sinks: kSlots records' ciphertext
 };
 
 }  // namespace mccl

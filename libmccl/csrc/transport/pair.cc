@@ -17,7 +17,7 @@ namespace {
 constexpr size_t kStageBytes = 64 << 10;  // per-socket receive staging buffer
 
 // Stripe s of a message of n bytes cut into `stripes` starts here: whole units of
-// kStripeAlign, so a receiver reducing a stripe as it arrives never sees a split element.
+// kStripeAlign, so a receiver's sink that takes a stripe as it arrives never sees a split unit.
 size_t stripe_begin(size_t n, size_t stripes, size_t s) {
   if (s == stripes) return n;
   const size_t units = n / Pair::kStripeAlign;

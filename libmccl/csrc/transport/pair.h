@@ -4,12 +4,12 @@
 // Sends are zero-copy (sendmsg of [header, payload] straight from the caller's buffer);
 // messages of at least kStripeBytes are split into K stripes, one per socket, each
 // with its own header and offset (a multiple of kStripeAlign, so a stripe holds whole
-// elements). Receives read the header, look the key up among the posted receives and
-// then read the payload straight into the posted buffer at the frame's offset, or reduce
-// it into that buffer (a reduce-receive, landing.h); a large payload is read by a
-// receive thread, if any (recv_thread.h). A frame nobody waits for yet is "unexpected":
-// it is read into a buffer of the message's size (bounded by the transport) and copied
-// (or reduced) out when the receive is posted.
+// units of any sink). Receives read the header, look the key up among the posted
+// receives and then read the payload straight into the posted buffer at the frame's
+// offset, or hand it to the receive's sink (sink.h, landing.h); a large payload is read
+// by a receive thread, if any (recv_thread.h). A frame nobody waits for yet is
+// "unexpected": it is read into a buffer of the message's size (bounded by the
+// transport) and copied (or handed to the sink) when the receive is posted.
 //
 // Given keys (one FrameKeys per socket) and a wire security mode, every frame is sealed
 // (integrity/aead.h): its header carries a tag, and its payload goes as records, each with
@@ -17,7 +17,7 @@
 // ahead of the socket, from the caller's buffer into a per-frame stage (kMac: the payload
 // still goes out zero-copy, only the tags are staged). The receiver checks the header's
 // tag before it acts on any field and opens each record before its bytes are copied out,
-// reduced or counted (landing.h); a failed tag fails the communicator with AuthError.
+// handed to a sink or counted (landing.h); a failed tag fails the communicator with AuthError.
 #pragma once
 #include <atomic>
 #include <cstdint>
@@ -94,7 +94,7 @@ struct Unexpected {
 class Pair {
  public:
   static constexpr size_t kStripeBytes = 256 << 10;
-  static constexpr size_t kStripeAlign = 64;  // a multiple of every element size
+  static constexpr size_t kStripeAlign = 64;  // a multiple of every sink unit (sink.h)
   // Frames with less payload are written by the caller when their socket is idle;
   // larger ones go to the send thread, if any. Handing a frame over costs two thread
   // wake-ups: below ~512K that showed as +20-25 % CPU per byte (N=4, 1-4 MB all-reduce).
@@ -244,7 +244,7 @@ class Pair {
     last_write_.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
   }
   void on_header(Conn& c);
-  // Starts landing h's payload in req's buffer (checks a reduce-receive's alignment).
+  // Starts landing h's payload in req's buffer (checks that it holds whole sink units).
   void land_in(Conn& c, const RequestPtr& req, const FrameHeader& h);
   void on_payload_done(Conn& c);  // the frame is whole (and authentic): act on it
   // Wire bytes of a frame's header: with its tag when sealed.

@@ -49,8 +49,8 @@ void Pair::take_unexpected(const MsgKey& key, const RequestPtr& req) {
 
 void Pair::copy_out(Unexpected& u, const RequestPtr& req) {
   size_t n = u.first.total;
-  if (n && req->reduce) {
-    req->reduce(u.data.get(), req->buf, n / req->elem);
+  if (n && req->sink) {
+    req->sink->consume(u.data.get(), req->buf, n);
   } else if (n) {
     std::memcpy(req->buf, u.data.get(), n);
   }
@@ -96,7 +96,7 @@ void Pair::on_readable(size_t conn) {
       ssize_t r;
       bool direct = c.in_payload && c.land.left() >= kDirectReadBytes;
       if (direct) {
-        // Nothing is staged, so a reduction may use the staging buffer as its stage.
+        // Nothing is staged, so a sink's payload may use the staging buffer as its stage.
         r = c.land.recv_from(c.fd.get(), 0, c.rbuf.data(), c.rbuf.size());
       } else {
         r = ::recv(c.fd.get(), c.rbuf.data(), c.rbuf.size(), 0);
@@ -158,16 +158,17 @@ void Pair::on_returned(const RecvDone& d) {
 }
 
 void Pair::land_in(Conn& c, const RequestPtr& req, const FrameHeader& h) {
-  if (req->reduce && (h.offset % req->elem || h.length % req->elem)) {
+  const size_t unit = req->sink ? req->sink->unit() : 1;
+  if (h.offset % unit || h.length % unit) {
     throw_error(ErrorKind::kProtocol,
                 "[transport] " + who() + " sent a frame at byte " + std::to_string(h.offset) +
-                    " (+" + std::to_string(h.length) + ") of a reduction over " +
-                    std::to_string(req->elem) +
-                    "-byte elements, splitting an element; likely cause: ranks run different "
+                    " (+" + std::to_string(h.length) + ") of a receive taken in " +
+                    std::to_string(unit) +
+                    "-byte units, splitting a unit; likely cause: ranks run different "
                     "MCCL versions; run the same one everywhere",
                 peer_rank_, peer_addr_);
   }
-  c.land.start(req->buf + h.offset, h.length, req->reduce, req->elem);
+  c.land.start(req->buf + h.offset, h.length, req->sink.get());
 }
 
 void Pair::open_header(Conn& c) {

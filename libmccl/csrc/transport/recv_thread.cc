@@ -12,8 +12,8 @@ namespace mccl {
 
 namespace {
 
-// Reductions read the socket through a stage this large: small enough to stay in L2
-// between the kernel's copy and the reduction, large enough for few recv() calls.
+// Sinks' payloads are read through a stage this large: small enough to stay in L2
+// between the kernel's copy and the sink (a reduction), large enough for few recv() calls.
 constexpr size_t kStageBytes = 256 << 10;
 // One socket may not starve the thread's others for longer than this many bytes.
 constexpr size_t kReadBudget = 8 << 20;

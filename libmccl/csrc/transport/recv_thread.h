@@ -1,13 +1,13 @@
 // Threads that read bulk payloads off the link sockets, beside the progress thread.
 //
-// Without them the progress thread reads every byte that arrives, and (through
-// reduce-receives, landing.h) does the reductions too: at 8 hosts x 10 Gbit/s that one
-// thread was each rank's busiest. Now the progress thread still parses every frame header
-// and matches it with its receive, but the rest of a large payload it *lends* to a
-// receive thread, with the socket: that thread reads the payload into place (or reduces
-// it in) and hands the socket back. Socket i of every peer link goes to thread
-// i % threads, so each of a link's striped sockets is read (and its stripe reduced) on a
-// thread of its own. Like the send thread, it touches no request:
+// Without them the progress thread reads every byte that arrives, and (through the
+// receives' sinks, landing.h: the algorithms' reduce-receives) does the reductions too: at
+// 8 hosts x 10 Gbit/s that one thread was each rank's busiest. Now the progress thread
+// still parses every frame header and matches it with its receive, but the rest of a
+// large payload it *lends* to a receive thread, with the socket: that thread reads the
+// payload into place (or hands it to the sink) and hands the socket back. Socket i of
+// every peer link goes to thread i % threads, so each of a link's striped sockets is read
+// (and its stripe consumed) on a thread of its own. Like the send thread, it touches no request:
 //   - finished payloads and read errors are handed back through take_done(), and the
 //     owner is woken; the owner completes the frame (or turns the error into the pair's
 //     PeerLost failure) and resumes parsing that socket;
@@ -92,7 +92,7 @@ class RecvThread {
   bool busy_ = false;  // reading or polling without mu_
   std::vector<Job> jobs_;  // lent, not yet picked up by the thread
   std::vector<RecvDone> done_;
-  std::unique_ptr<uint64_t[]> stage_;  // reductions read through it (uint64_t: aligned)
+  std::unique_ptr<uint64_t[]> stage_;  // sinks' payloads are read through it (uint64_t: aligned)
   PollWaker waker_{"receive thread"};
   std::thread thread_;
 };

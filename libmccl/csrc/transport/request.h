@@ -6,8 +6,8 @@
 #include <memory>
 
 #include "core/errors.h"
-#include "reduce/reduce.h"
 #include "transport/frame.h"
+#include "transport/sink.h"
 
 namespace mccl {
 
@@ -41,8 +41,8 @@ struct Request {
   int parts_left = 0;        // send: stripes not yet fully written
   MsgKey key;
   Signature sig{};           // collective: the op's signature (signature.h)
-  ReduceFn reduce = nullptr; // receive: fold the payload into buf instead of storing it
-  size_t elem = 1;           // bytes per element of `reduce`
+  // Receive: the payload goes to this sink (with its place in buf) instead of into buf.
+  std::shared_ptr<const Sink> sink;
   uint64_t cookie = 0;       // the algorithm's own label for this request
   uint64_t post_order = 0;   // for "which request is oldest" in timeout messages
   std::shared_ptr<const Error> error;

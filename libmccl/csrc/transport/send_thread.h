@@ -2,7 +2,7 @@
 // when the link's frames are sealed (pair.h).
 //
 // The progress thread would otherwise copy every byte into the kernel itself, between
-// its receives and reductions: one core's worth for both directions of every link.
+// its receives and their sinks' work: one core's worth for both directions of every link.
 // With this thread, sends run beside them. It only moves bytes from the pairs' send
 // queues into sockets; everything that touches requests (completion, failure, error
 // messages) stays on the owner (progress) thread:

@@ -162,18 +162,23 @@ RequestPtr Transport::isend(int peer, const void* buf, size_t n, uint32_t tag, u
 }
 
 RequestPtr Transport::irecv(int peer, void* buf, size_t n, uint32_t tag, uint64_t cookie) {
-  return irecv_reduce(peer, buf, n, tag, nullptr, 1, cookie);
+  return irecv_sink(peer, buf, n, tag, nullptr, cookie);
 }
 
-RequestPtr Transport::irecv_reduce(int peer, void* buf, size_t n, uint32_t tag, ReduceFn fn,
-                                   size_t elem, uint64_t cookie) {
+RequestPtr Transport::irecv_sink(int peer, void* buf, size_t n, uint32_t tag,
+                                 std::shared_ptr<const Sink> sink, uint64_t cookie) {
   return guarded([&] {
     check_peer(peer, "receive");
+    if (sink && (sink->unit() == 0 || sink->unit() > Sink::kMaxUnit)) {
+      throw_error(ErrorKind::kConfig, "[transport] a receive's sink takes " + std::to_string(sink->unit()) +
+                                          "-byte units, the transport carries 1 to " +
+                                          std::to_string(Sink::kMaxUnit) +
+                                          "; likely cause: a bug in the caller's sink; please report it");
+    }
     auto req = make_request(false, peer, buf, n, {Channel::kCollective, active_seq_, tag});
     req->sig = active_sig_;
     req->cookie = cookie;
-    req->reduce = fn;
-    req->elem = elem;
+    req->sink = std::move(sink);
     post(peer, req);
     return req;
   });

@@ -4,8 +4,8 @@
 // sockets itself while it waits (wait_next/progress): it parses, matches and completes
 // everything. Only the copying of bulk bytes is left to other threads, which hand
 // finished frames and errors back to this one: a send thread writes bulk frames into the
-// sockets (send_thread.h), receive threads read bulk payloads out of them and reduce
-// them in where the receive asks for it (recv_thread.h). Every wait
+// sockets (send_thread.h), receive threads read bulk payloads out of them and hand
+// them to the receive's sink where it has one (recv_thread.h). Every wait
 // polls every peer's sockets, so a peer that dies is noticed at once by every rank, not
 // only by its ring neighbours. A failure (lost peer, timeout, mismatch, local abort) is
 // sticky: every pending request fails with it, live peers get an ABORT frame naming
@@ -81,10 +81,10 @@ class Transport : public PairHost {
   // Collective traffic. Completions are queued for wait_next().
   RequestPtr isend(int peer, const void* buf, size_t n, uint32_t tag, uint64_t cookie = 0);
   RequestPtr irecv(int peer, void* buf, size_t n, uint32_t tag, uint64_t cookie = 0);
-  // A receive whose payload is reduced into buf (buf = fn(payload, buf), elements of
-  // `elem` bytes) as it arrives, on whichever thread reads it.
-  RequestPtr irecv_reduce(int peer, void* buf, size_t n, uint32_t tag, ReduceFn fn, size_t elem,
-                          uint64_t cookie = 0);
+  // A receive whose payload is handed to `sink` (with its place in buf, sink.h) as it
+  // arrives, on whichever thread reads it; null: stored in buf, as irecv does.
+  RequestPtr irecv_sink(int peer, void* buf, size_t n, uint32_t tag, std::shared_ptr<const Sink> sink,
+                        uint64_t cookie = 0);
   // Frames of collective `seq` are checked against `sig` (opaque to the transport, judged
   // by the rules) as they arrive.
   void begin_collective(uint64_t seq, const Signature& sig);
