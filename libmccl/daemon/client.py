@@ -16,7 +16,7 @@ ticket, and results are copied out as the daemon's ``done`` ticket covers them
 carries success or the typed error. A recv is the exception: it is posted at once
 and only its data's way in (``take``) is queued, once a send matched
 (``daemon_p2p.py``). Each call's segment layout is in ``daemon_ops.py``, the start of
-the connection (hello, rendezvous, join) in ``daemon_attach.py``. Small all-reduces and barriers
+the connection (hello, rendezvous, join) in ``attach.py``. Small all-reduces and barriers
 skip ZeroMQ: they go through the rank's small-op queue in shared memory, which a native
 thread of mccld serves (``_core.FastQueue``; docs/daemon-fastpath.md), in the same one-at-a-time
 order and under the same job sequence numbers. A single I/O thread owns the ZeroMQ socket;
@@ -50,12 +50,12 @@ from mccl_common.errors import (AbortedError, CollectiveTimeout, ConfigError, Da
 from mccl_common.settings import EngineConfig, load
 from mccl_common.wire import DTYPE_SIZE
 
-from .copy_stats import CopyStats
-from .daemon_attach import Attachment
-from .daemon_buffers import BufferTable, SharedBuffer
-from .daemon_gates import Gate, GateWatcher, gate_timeout
-from .daemon_ops import OpBuilder, OpSpec
-from .daemon_p2p import PostedRecv, PostedRecvs
+from ..devices.copy_stats import CopyStats
+from .attach import Attachment
+from .buffers import BufferTable, SharedBuffer
+from .gates import Gate, GateWatcher, gate_timeout
+from .ops import OpBuilder, OpSpec
+from .p2p import PostedRecv, PostedRecvs
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +107,8 @@ def _err_tuple(exc: MCCLError) -> tuple[int, str, int, str]:
 
 def _daemon_cut(cfg: Any, told: dict[str, int]) -> Any:
     """The engine Options that say how mccld cuts an all-reduce into pieces: what its hello
-    reply said (checked by daemon_attach), else (an older mccld) our own settings."""
-    from . import _core
+    reply said (checked by attach), else (an older mccld) our own settings."""
+    from .. import _core
     o = _core.Options()
     o.pipeline_bytes = told.get("pipeline_bytes", cfg.pipeline_bytes)
     o.small_allreduce_bytes = told.get("small_allreduce_bytes", cfg.small_allreduce_bytes)
@@ -289,8 +289,8 @@ class DaemonCommunicator:
 
     def alloc_buffer(self, nbytes: int) -> SharedBuffer:
         """``nbytes`` of memory that mccld maps too: an all-reduce of a range inside it is
-        neither copied in nor out (daemon_buffers.py). Registered before any later op."""
-        from . import _core
+        neither copied in nor out (buffers.py). Registered before any later op."""
+        from .. import _core
         with self._lock:
             if self._failed is not None:
                 raise self._failed
@@ -325,7 +325,7 @@ class DaemonCommunicator:
         return self._enqueue(self._ops.barrier())
 
     def gate(self, ready: Any, base: int, nbytes: int) -> None:
-        """Ops issued after this start once ``ready`` >= base + nbytes (daemon_gates.py)."""
+        """Ops issued after this start once ``ready`` >= base + nbytes (gates.py)."""
         if nbytes <= 0:
             raise ConfigError(f"[daemon-client] gate needs nbytes > 0, got {nbytes}")
         gate = Gate(ready, base + nbytes)
@@ -420,7 +420,7 @@ class DaemonCommunicator:
     def _set_verdict_bound(self) -> None:
         """Seconds from an op's start until we stop waiting for mccld's verdict on it (per timeout,
         not per op: the engine's bound is a native call)."""
-        from . import _core
+        from .. import _core
         self._verdict_s = _core.Communicator.own_error_bound_s(self.timeout_s) + _VERDICT_MARGIN_S
 
     def _enqueue(self, spec: OpSpec, done: Any = None, done_target: int = 0,
@@ -498,7 +498,7 @@ class DaemonCommunicator:
             self._gen += 1
             gen = self._gen
         name = shm.segment_name(self._job, self.rank, os.getpid(), gen)
-        from . import _core  # the engine's ticket views over the segment's header
+        from .. import _core  # the engine's ticket views over the segment's header
         new = shm.Segment(name, size, create=True, ticket_at=_core.Ticket.at)
         try:
             self._hand_over(new)
@@ -646,7 +646,7 @@ class DaemonCommunicator:
         """How far ahead of the results a pipelined all-reduce's input is copied in."""
         if not self._copy_ahead:
             return nbytes
-        from . import _core
+        from .. import _core
         # With mccld's settings: the world size bounds its engine's ranks (one per host), and
         # pieces grow with the ranks, so this is the largest piece it can cut. Its local
         # reduction (several ranks on this host) goes in pieces of pipeline_bytes.
