@@ -44,7 +44,7 @@ class _CopyCounter:
 # offset differs): pipelined over many pieces, one piece on the job thread, AVG, odd sizes.
 _OPS = [(1 << 18, F32, SUM), (100_003, F32, AVG), (3000, F32, SUM), (1 << 17, I32, MAX), (70_001, I32, AVG)]
 def rank_in_place(rank: int, world: int) -> str:
-    import libmccl.daemon.client as dc
+    import libmccl.daemon.submit as dc  # where the copies are
     comm, _store = connect(rank, world)
     copies = _CopyCounter()
     dc.ctypes = copies
