@@ -17,7 +17,7 @@ import logging
 import os
 import sys
 
-from .group_options import Options  # noqa: E402,F401 - public: init_process_group(pg_options=Options(...))
+from .torch.options import Options  # noqa: E402,F401 - public: init_process_group(pg_options=Options(...))
 
 _log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from . import _torch_compat as compat  # imports torch.distributed
+    from .torch import compat  # imports torch.distributed
 
     if not compat.is_backend_registered(BACKEND_NAME):
         compat.register_backend(BACKEND_NAME, _create_group, list(DEVICES))
@@ -41,17 +41,17 @@ def register() -> None:
 def _create_group(dist_opts, backend_options=None):  # noqa: ANN001 - torch's creator signature
     """torch's creator hook. The backend (and the engine) load only when a group is
     created, so registering at every `import torch` costs about a millisecond."""
-    from .backend import create
+    from .torch.backend import create
 
     return create(dist_opts, backend_options)
 
 
 def shared_empty(*size, dtype=None, group=None):  # noqa: ANN001,ANN201 - torch types, imported lazily
     """A CPU tensor whose all-reduces through mccld (``MCCL_DAEMON=1``) are not copied; an
-    ordinary tensor in-process. See ``libmccl.shared_tensors``."""
+    ordinary tensor in-process. See ``libmccl.torch.shared_tensors``."""
     import torch
 
-    from .shared_tensors import shared_empty as make
+    from .torch.shared_tensors import shared_empty as make
 
     return make(*size, dtype=dtype if dtype is not None else torch.float32, group=group)
 
@@ -59,8 +59,8 @@ def shared_empty(*size, dtype=None, group=None):  # noqa: ANN001,ANN201 - torch 
 def ddp_shared_buckets(state, bucket):  # noqa: ANN001,ANN201 - torch types, imported lazily
     """DDP comm hook that reduces gradient buckets in memory mccld maps (no copies through
     ``MCCL_DAEMON=1``): ``model.register_comm_hook(None, libmccl.ddp_shared_buckets)``.
-    See ``libmccl.ddp_buckets``."""
-    from .ddp_buckets import ddp_shared_buckets as hook
+    See ``libmccl.torch.ddp_buckets``."""
+    from .torch.ddp_buckets import ddp_shared_buckets as hook
 
     return hook(state, bucket)
 
@@ -68,7 +68,7 @@ def ddp_shared_buckets(state, bucket):  # noqa: ANN001,ANN201 - torch types, imp
 def lightning_callback():  # noqa: ANN201 - a lightning Callback, imported lazily
     """The Lightning spelling of ``ddp_shared_buckets``: ``Trainer(strategy=DDPStrategy(
     gradient_as_bucket_view=True), callbacks=[libmccl.lightning_callback()])``."""
-    from .ddp_buckets import lightning_callback as make
+    from .torch.ddp_buckets import lightning_callback as make
 
     return make()
 
@@ -87,7 +87,7 @@ def _rdzv_handler_creator():  # noqa: ANN202 - returns torch's RendezvousHandler
     imports its rendezvous registry. It returns a creator that imports the handler only when
     torchrun asks for ``--rdzv-backend mccl``: importing it here would re-enter that registry."""
     def create(params):  # noqa: ANN001,ANN202
-        from .elastic_rdzv import create_handler
+        from .elastic.rdzv import create_handler
 
         return create_handler(params)
 

@@ -1,9 +1,9 @@
-"""The one interface the torch glue (backend.py, backend_exchange.py) drives a communicator by.
+"""The one interface the torch glue (torch/backend.py, torch/exchange.py) drives a communicator by.
 
 Three implementations: the in-process engine (``_core.Communicator``, pybind11), the
-world-size-1 group's ``SoloCommunicator`` (solo_comm.py) and ``DaemonCommunicator``
-(daemon_client.py, ``MCCL_DAEMON=1``). Every operation takes raw pointers, byte or
-element counts and the dtype / reduce-op codes of ``_buffers`` (no torch types), enqueues
+world-size-1 group's ``SoloCommunicator`` (torch/solo_comm.py) and ``DaemonCommunicator``
+(daemon/client.py, ``MCCL_DAEMON=1``). Every operation takes raw pointers, byte or
+element counts and the dtype / reduce-op codes of ``devices._buffers`` (no torch types), enqueues
 the op and returns its id at once; completion reaches the backend through the
 ``on_complete`` callback the communicator was built with. tests/torch/test_communicator.py
 checks each implementation against this protocol, parameter by parameter.
@@ -51,7 +51,7 @@ class Communicator(Protocol):
     def barrier(self) -> int: ...
 
     # Holds back the ops issued after it until ``ready`` >= base + nbytes (device staging,
-    # device_order.StagedOp); a local step (through mccld, in the client's queue: daemon_gates.py).
+    # device_order.StagedOp); a local step (through mccld, in the client's queue: daemon/gates.py).
     def gate(self, ready: Any, base: int, nbytes: int) -> None: ...
 
     # -- point to point -----------------------------------------------------------------------

@@ -64,7 +64,7 @@ _KINDS: dict[int, type[MCCLError]] = {
     4: ProtocolError,
     5: CollectiveMismatch,
     6: AbortedError,
-    # 7 only in Python (libmccl/daemon_client.py); 8 also from the engine's link handshake (kAuth).
+    # 7 only in Python (libmccl/daemon/client.py); 8 also from the engine's link handshake (kAuth).
     7: DaemonUnavailableError,
     8: AuthError,
 }

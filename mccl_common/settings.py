@@ -243,7 +243,7 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class RendezvousConfig:
-    """Settings of torchrun's ``--rdzv-backend mccl`` (libmccl/elastic_rdzv.py). Each timeout can
+    """Settings of torchrun's ``--rdzv-backend mccl`` (libmccl/elastic/rdzv.py). Each timeout can
     also be given per run as the ``--rdzv-conf`` key in brackets, which wins over the variable."""
 
     anchor: str = setting(

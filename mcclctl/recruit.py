@@ -1,7 +1,7 @@
 """Growing an elastic run: while ``mcclctl run --min A --max B`` has fewer than B hosts, lease
 hosts that have turned idle (a Mac whose artist went home, a host that left earlier and is idle
 again), so their torchrun joins the rendezvous and the job re-forms with them at its next step
-boundary (libmccl.elastic_rdzv asks the workers to save first).
+boundary (libmccl.elastic.rdzv asks the workers to save first).
 
 The search runs on a thread of its own: fetching every daemon's status takes a round trip per
 host, and the loop streaming the job's output must not stall on it. Leases it opens are handed

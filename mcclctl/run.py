@@ -2,7 +2,7 @@
 
 Find the daemons, fetch their status and capacity, pick harvestable hosts (``select_hosts``,
 pure), serve the rendezvous anchor from this host (``Anchor``: ``python -m
-libmccl.elastic_rdzv`` in a process of its own, so this CLI stays free of torch), lease every
+libmccl.elastic.rdzv`` in a process of its own, so this CLI stays free of torch), lease every
 picked host through its launch endpoint with the submit key, and stream their output with
 a host prefix until every torchrun exits. Ctrl-C, SIGTERM or a lost lease ends every lease,
 and each mccld stops its job. No hostfile and no MASTER_ADDR: addresses come from the fleet.
@@ -134,7 +134,7 @@ class Anchor:
         self._bind = bind
         # --parent: the anchor ends with this process, even after a kill -9 of it. --bind: on the
         # address the hosts dial only, not on every network of this host.
-        self._proc = subprocess.Popen([python, "-m", "libmccl.elastic_rdzv", "--port", str(self.port),
+        self._proc = subprocess.Popen([python, "-m", "libmccl.elastic.rdzv", "--port", str(self.port),
                                        "--parent", str(os.getpid()), *(["--bind", bind] if bind else [])],
                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE, start_new_session=True)

@@ -6,7 +6,7 @@ peer up to MCCL_TOPOLOGY_PROBES, that many beyond), the smallest of a few tries 
 asks the peers it measured for their rows and clusters the union. Its switch is the cluster
 it falls in, named after the cluster's first host, so daemons that saw the same RTTs give
 their switch the same name. Each rank passes its daemon's switch into the job's host list
-(libmccl/daemon_attach.py), which every rank builds alike from the store, so the daemons'
+(libmccl/daemon/attach.py), which every rank builds alike from the store, so the daemons'
 engine groups its ranks by switch the same way everywhere (build_engine).
 
 The echo carries PROBE_BYTES each way, so a round trip is a few packets: an idle RTT on

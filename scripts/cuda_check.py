@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""CUDA tensors through MCCL (libmccl/device_order.py, docs/cuda.md), checked on an NVIDIA
+"""CUDA tensors through MCCL (libmccl/devices/device_order.py, docs/cuda.md), checked on an NVIDIA
 host. Self-checking: one PASS/FAIL line per check, exit status 1 if any fails; with $OUT
 set, every figure also goes to $OUT/cuda_check.json.
 
@@ -11,7 +11,7 @@ Run from the repository root on a machine with a CUDA GPU, after building the en
     python scripts/cuda_check.py --emulated              # no GPU: the emulated driver (a dry run)
     python scripts/cuda_check.py --daemon                # the same through one mccld (MCCL_DAEMON=1; needs pyzmq)
 
-1. Every collective (libmccl.device_check.CASES) with CUDA tensors at 1, 2 and 4 ranks
+1. Every collective (libmccl.devices.device_check.CASES) with CUDA tensors at 1, 2 and 4 ranks
    sharing GPU 0 equals the same case on CPU copies over Gloo (or mccl's CPU path where
    Gloo lacks the op), bit for bit (integer-valued data). Each input is written by a kernel
    queued behind a ~25 ms GPU sleep and the results are read by a kernel queued after
@@ -23,7 +23,7 @@ Run from the repository root on a machine with a CUDA GPU, after building the en
 5. Negative control: with O1 removed (the CPU raises ``ready`` while the copies are queued)
    the results are wrong.
 7. With --daemon: CUDA buckets are staged in mccld's shared buffers registered with the driver
-   (cuMemHostRegister; libmccl/segment_staging.py, issue 27): a 16 MB all-reduce is exact and
+   (cuMemHostRegister; libmccl/devices/segment_staging.py, issue 27): a 16 MB all-reduce is exact and
    copies nothing into or out of the client's segment (ProcessGroupMCCL.copy_stats()).
 6. Latency of an 8-byte all-reduce, CUDA tensor vs CPU tensor (2 ranks), and of the
    tickets themselves; whether cuMemHostAlloc waits for queued GPU work (the hidden
@@ -68,7 +68,7 @@ def _init(rank: int, world: int, port: int, emulated: bool):
 
 
 def _device(emulated: bool, cpu: bool = False):
-    from libmccl import device_check as C
+    from libmccl.devices import device_check as C
 
     if cpu:
         return C.CpuDevice()
@@ -79,7 +79,7 @@ def _cases_rank(rank: int, world: int, port: int, emulated: bool, mode: str, q) 
     """mode: "all" (every case, warm-up then held), "mixed" (rank 0 on the CPU), "broken" (no O1)."""
     try:
         dist, gloo = _init(rank, world, port, emulated)
-        from libmccl import device_check as C
+        from libmccl.devices import device_check as C
 
         dev = _device(emulated, cpu=mode == "mixed" and rank == 0)
         undo = C.without_o1() if mode == "broken" else None
@@ -108,7 +108,7 @@ def _ddp_rank(rank: int, world: int, port: int, emulated: bool, mode: str, q) ->
         import torch
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        from libmccl.device_check import SLEEP_CYCLES
+        from libmccl.devices.device_check import SLEEP_CYCLES
 
         def model():
             torch.manual_seed(0)
@@ -145,7 +145,7 @@ def _segment_rank(rank: int, world: int, port: int, emulated: bool, mode: str, q
         dist, gloo = _init(rank, world, port, emulated)
         import torch
 
-        from libmccl.device_check import pattern
+        from libmccl.devices.device_check import pattern
 
         dev = _device(emulated)
         pg = dist.distributed_c10d._get_default_group()
@@ -226,7 +226,7 @@ def _run_world(target, world: int, emulated: bool, mode: str = "all", timeout_s:
 def _sleep_ms() -> float:
     import torch
 
-    from libmccl.device_check import SLEEP_CYCLES
+    from libmccl.devices.device_check import SLEEP_CYCLES
 
     s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     s0.record()
@@ -243,8 +243,8 @@ def _host_alloc_blocks_ms() -> dict:
 
     import torch
 
-    from libmccl.cuda_ops import _Driver
-    from libmccl.device_check import SLEEP_CYCLES
+    from libmccl.devices.cuda_ops import _Driver
+    from libmccl.devices.device_check import SLEEP_CYCLES
 
     drv = _Driver()
     out = {}
@@ -269,8 +269,8 @@ def _ticket_latency(host_wake: bool, trials: int = 500) -> tuple[list[float], li
     Ticket.wait (the engine's wait)."""
     import torch
 
-    from libmccl.cuda_ops import CudaOps
-    from libmccl.device_order import TICKET_BASE
+    from libmccl.devices.cuda_ops import CudaOps
+    from libmccl.devices.device_order import TICKET_BASE
 
     torch.cuda.set_device(0)
     torch.zeros(1, device="cuda")  # the primary context, current on this thread
@@ -304,7 +304,7 @@ def _pct(xs: list[float], p: float) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--emulated", action="store_true",
-                    help="no GPU: CUDA tensors are host memory behind libmccl.cuda_emulator (a dry run of this script)")
+                    help="no GPU: CUDA tensors are host memory behind libmccl.devices.cuda_emulator (a dry run of this script)")
     ap.add_argument("--daemon", action="store_true",
                     help="every rank through one mccld started by this script (MCCL_DAEMON=1), as on one host")
     args = ap.parse_args()

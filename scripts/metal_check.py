@@ -17,7 +17,7 @@ With MPS, ranks are processes on one Mac (loopback). Each check prints PASS/FAIL
   4. a DDP step on mps equals the same step with Gloo (parameters allclose);
   5. with --daemon (mccld running on the Mac: `mccld &`, MCCL_DAEMON=1 is set for the ranks): the
      same all-reduce through mccld equals Gloo's, and for private-storage tensors the staging
-     blit wrote straight into mccld's shared buffer (libmccl/segment_staging.py over
+     blit wrote straight into mccld's shared buffer (libmccl/devices/segment_staging.py over
      mccl_metal_wrap_host): no byte copied into or out of the client's segment (copy_stats()).
 """
 
@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 def _rank(rank: int, world: int, port: int, out: "mp.Queue") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MCCL_UNIFIED_COLLECTIVE="1")
     import libmccl  # noqa: F401  registers the backend
-    from libmccl import metal_tensors
+    from libmccl.devices import metal_tensors
 
     rows: list[tuple[str, bool, str]] = []
     dist.init_process_group("mccl", rank=rank, world_size=world)
@@ -109,7 +109,7 @@ def _bridge_check() -> tuple[str, bool, str]:
     """Loads the bridge as the backend would; without a Metal GPU its open fails only after the
     torch symbols were found, at MTLCreateSystemDefaultDevice, which still proves the rest."""
     from mccl_common.errors import ConfigError
-    from libmccl import metal_ops, metal_tensors
+    from libmccl.devices import metal_ops, metal_tensors
 
     name = "the Metal bridge loads, matches this mccl's ABI and finds torch::mps in libtorch_cpu"
     if not os.path.exists(metal_ops.bridge_path()):
@@ -123,7 +123,7 @@ def _bridge_check() -> tuple[str, bool, str]:
 
 
 def _metallib_check() -> tuple[str, bool, str]:
-    from libmccl import metal_ops
+    from libmccl.devices import metal_ops
 
     path = os.path.join(os.path.dirname(metal_ops.bridge_path()), "mccl_reduce.metallib")
     name = f"mccl_reduce.metallib holds the {len(KERNELS)} kernels"

@@ -1,7 +1,7 @@
 // The Metal bridge's C ABI: the only code of MCCL that speaks Objective-C, kept to the
 // calls that need Metal. Every decision (which tensors reduce in place, which stage, what
-// a missing piece means, when a ticket is raised) lives in libmccl/metal_ops.py and
-// libmccl/metal_tensors.py, which run on Linux too, against a fake of this ABI.
+// a missing piece means, when a ticket is raised) lives in libmccl/devices/metal_ops.py and
+// libmccl/devices/metal_tensors.py, which run on Linux too, against a fake of this ABI.
 //
 // Threads: the encode_* and commit calls run on the thread torch called us on (O3); they
 // enqueue on torch's own MPS dispatch queue and command buffer, found at run time in

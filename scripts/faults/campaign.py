@@ -3,7 +3,7 @@
 Topology: an emulated fleet (tools.fleet: network namespaces on a bridge) of two hosts
 with two ranks each. ``--mode inproc`` runs the in-process engine (libmccl._core) between
 the hosts' addresses; ``--mode daemon`` attaches every rank to its host's mccld
-(libmccl.daemon_client: shared memory, ZeroMQ, the daemons' TCP links). See rank.py for
+(libmccl.daemon.client: shared memory, ZeroMQ, the daemons' TCP links). See rank.py for
 what a rank does and checks; ranks are forked from this process (numpy and the engine
 imported once), which stays single-threaded so forking it is safe.
 

@@ -6,7 +6,7 @@ communicator a user's process would build under ``init_process_group("mccl")``:
 
 - ``inproc``: ``libmccl._core.Communicator`` over TCP between the hosts' addresses
   (the engine the torch glue drives with MCCL_DAEMON unset);
-- ``daemon``: ``libmccl.daemon_client.DaemonCommunicator`` attached to its host's mccld
+- ``daemon``: ``libmccl.daemon.client.DaemonCommunicator`` attached to its host's mccld
   (shared memory + ZeroMQ, the daemons' links between hosts: what MCCL_DAEMON=1 drives).
 
 Only the torch glue (tensor -> pointer) and torch's TCPStore are left out: a file store
@@ -118,7 +118,7 @@ def _inproc_comm(spec: RankSpec):
 
 def _daemon_comm(spec: RankSpec):
     os.environ.update(spec.env)
-    from libmccl.daemon_client import DaemonCommunicator
+    from libmccl.daemon.client import DaemonCommunicator
     return DaemonCommunicator(spec.rank, spec.world, spec.comm_id, FileStore(spec.workdir), None, None,
                               spec.timeout_s)
 

@@ -216,7 +216,7 @@ def _dedup(msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _real_session(daemon) -> None:
     """Two ranks of this process run one of each collective through the daemon."""
     import threading
-    from libmccl.daemon_client import DaemonCommunicator
+    from libmccl.daemon.client import DaemonCommunicator
     os.environ["MCCL_RUNTIME_DIR"] = str(daemon.rdir)
     store, comm_id, world, n = MemoryStore(), daemon.next_comm_id(), 2, 64
     errors: list[BaseException] = []

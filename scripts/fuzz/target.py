@@ -67,7 +67,7 @@ class Resources:
 
 
 class MemoryStore:
-    """The three calls a daemon-mode rank makes on its c10d store (daemon_attach.join), in memory:
+    """The three calls a daemon-mode rank makes on its c10d store (daemon.attach.join), in memory:
     the health check's two ranks share one, with no torch in the fuzzer."""
 
     def __init__(self) -> None:
@@ -226,7 +226,7 @@ class Daemon:
     def collective(self, world: int = 2, n: int = 4096) -> str | None:
         """A real all_reduce through the daemon: ``world`` ranks of this process attach and
         reduce; None when every rank got the right sum, else what went wrong."""
-        from libmccl.daemon_client import DaemonCommunicator
+        from libmccl.daemon.client import DaemonCommunicator
         os.environ["MCCL_RUNTIME_DIR"] = str(self.rdir)   # the client finds its daemon by it
         store, comm_id = MemoryStore(), self.next_comm_id()
         errors: list[str] = []

@@ -32,7 +32,7 @@ def test_every_collective_two_ranks(daemon):
 
 def rank_callbacks(rank: int, world: int) -> list:
     import threading
-    from libmccl.daemon_client import DaemonCommunicator
+    from libmccl.daemon.client import DaemonCommunicator
     import torch.distributed as dist
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0,
                           timeout=datetime.timedelta(seconds=30))
@@ -71,7 +71,7 @@ def test_queued_ops_complete_in_order_through_callback(daemon):
 
 @pytest.mark.timeout(30)
 def test_no_daemon_raises_daemon_unavailable(tmp_path, monkeypatch):
-    from libmccl.daemon_client import DaemonCommunicator
+    from libmccl.daemon.client import DaemonCommunicator
     monkeypatch.setenv("MCCL_RUNTIME_DIR", str(tmp_path))
     with pytest.raises(DaemonUnavailableError, match="no mccld answers at ipc://.*start it with `mccld`"):
         DaemonCommunicator(0, 1, 1, store=None, opts=None, on_complete=None, timeout_s=5)
@@ -127,14 +127,14 @@ def test_foreign_segment_name_is_refused(daemon):
     [2 << 20, 65536],
 ])
 def test_a_malformed_engine_cut_in_hello_is_refused_naming_the_daemon(cut):
-    from libmccl.daemon_attach import _engine_cut
+    from libmccl.daemon.attach import _engine_cut
     with pytest.raises(ProtocolError, match=r"mccld at ipc:///x answered hello with engine_cut=.*restart mccld"):
         _engine_cut(cut, "ipc:///x")
 
 
 def test_engine_cut_from_hello_sets_the_client_pieces():
-    from libmccl.daemon_attach import _engine_cut
-    from libmccl.daemon_client import _daemon_cut
+    from libmccl.daemon.attach import _engine_cut
+    from libmccl.daemon.client import _daemon_cut
     from mccl_common.settings import EngineConfig, load
     cfg = load(EngineConfig)
     told = _engine_cut({"pipeline_bytes": 4 << 20, "small_allreduce_bytes": 4096}, "ipc:///x")

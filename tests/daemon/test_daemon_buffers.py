@@ -1,4 +1,4 @@
-"""Shared buffers (libmccl/daemon_buffers.py): all-reduces of ranges inside them run in place
+"""Shared buffers (libmccl/daemon/buffers.py): all-reduces of ranges inside them run in place
 through mccld, with no copy by the client; the buffers are released with their last
 reference, capped per rank, and freed with a killed client.
 
@@ -44,7 +44,7 @@ class _CopyCounter:
 # offset differs): pipelined over many pieces, one piece on the job thread, AVG, odd sizes.
 _OPS = [(1 << 18, F32, SUM), (100_003, F32, AVG), (3000, F32, SUM), (1 << 17, I32, MAX), (70_001, I32, AVG)]
 def rank_in_place(rank: int, world: int) -> str:
-    import libmccl.daemon_client as dc
+    import libmccl.daemon.submit as dc  # where the copies are
     comm, _store = connect(rank, world)
     copies = _CopyCounter()
     dc.ctypes = copies
@@ -228,7 +228,7 @@ def test_a_live_buffer_mccld_refuses_fails_the_communicator(jittery_daemon, monk
     d, env = jittery_daemon
     for k, v in {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
         monkeypatch.setenv(k, v)
-    import libmccl.daemon_buffers as client_side
+    import libmccl.daemon.buffers as client_side
     monkeypatch.setattr(protocol, "MAX_BUFFERS_PER_RANK", 1)       # what mccld reads
     monkeypatch.setattr(client_side, "MAX_BUFFERS_PER_RANK", 64)   # the client keeps its own
     comm, _store = connect(0, 1, comm_id=0xb10)

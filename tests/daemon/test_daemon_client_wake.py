@@ -8,7 +8,7 @@ import pytest
 
 zmq = pytest.importorskip("zmq")
 
-from libmccl.daemon_client import DaemonCommunicator  # noqa: E402
+from libmccl.daemon.client import DaemonCommunicator  # noqa: E402
 
 
 def test_wake_without_a_listening_io_thread_does_not_raise():

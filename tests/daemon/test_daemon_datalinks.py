@@ -207,7 +207,7 @@ def rank_jobs(rank: int, world: int, dirs: list[str], comm_ids: list[int], die_i
     os.environ["MCCL_RUNTIME_DIR"] = dirs[rank]   # rank r attaches to "host" r's daemon
     import datetime
     import torch.distributed as dist
-    from libmccl.daemon_client import DaemonCommunicator
+    from libmccl.daemon.client import DaemonCommunicator
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0,
                           timeout=datetime.timedelta(seconds=30))
     for comm_id in comm_ids:
@@ -312,7 +312,7 @@ def rank_idle_job(rank: int, world: int, dirs: list[str], comm_id: int, p2p_only
     os.environ["MCCL_RUNTIME_DIR"] = dirs[rank]
     import datetime
     import torch.distributed as dist
-    from libmccl.daemon_client import DaemonCommunicator
+    from libmccl.daemon.client import DaemonCommunicator
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0,
                           timeout=datetime.timedelta(seconds=30))
     comm = DaemonCommunicator(rank, world, comm_id, dist.PrefixStore(f"job{comm_id}", store), None, None,

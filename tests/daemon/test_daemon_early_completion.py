@@ -1,5 +1,5 @@
 """A pipelined all-reduce through mccld completes when its last result is in place, not when
-mccld's reply arrives (libmccl/daemon_client.py `_pump`): `done` over the whole op means
+mccld's reply arrives (libmccl/daemon/client.py `_pump`): `done` over the whole op means
 nothing of it touches the segment any more. The reply is still awaited beside the next op,
 and an error in it fails the communicator from there on.
 

@@ -215,7 +215,7 @@ def test_daemon_dying_during_join_is_reported_at_once(mccld_proc, monkeypatch):
     import threading
     import torch.distributed as dist
     from support.ranks import free_port
-    from libmccl.daemon_client import DaemonCommunicator
+    from libmccl.daemon.client import DaemonCommunicator
     proc, rdir, host_id = mccld_proc
     store = dist.TCPStore("127.0.0.1", free_port(), 1, True)
     store.set("mccld/member/1", '{"host_id": "%s", "link_addr": "127.0.0.1:1"}' % host_id)

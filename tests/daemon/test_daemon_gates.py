@@ -1,4 +1,4 @@
-"""Device gates through mccld (libmccl/daemon_gates.py): the client's queue holds every op
+"""Device gates through mccld (libmccl/daemon/gates.py): the client's queue holds every op
 behind a gate until its ticket is raised, a unified all-reduce raises ``done`` only with the
 result in place, and a poisoned or never-raised ticket fails the ranks with a named error
 instead of hanging. One mccld in the test process, ranks spawned (test_daemon_attach.py).

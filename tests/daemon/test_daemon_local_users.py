@@ -148,7 +148,7 @@ def test_client_refuses_a_fake_daemon_of_another_user_before_sending_anything():
             os.chown(rdir / protocol.TOKEN_NAME, VICTIM_UID, VICTIM_UID)
 
             def victim():
-                from libmccl.daemon_attach import Attachment
+                from libmccl.daemon.attach import Attachment
                 os.environ["MCCL_RUNTIME_DIR"] = str(rdir)
                 att = Attachment(rdir, 0, 1, 5.0)
                 try:
@@ -329,7 +329,7 @@ def test_a_refused_client_is_told_why_at_once():
         _loosen(rdir)
 
         def client():
-            from libmccl.daemon_attach import Attachment
+            from libmccl.daemon.attach import Attachment
             os.environ["MCCL_RUNTIME_DIR"] = str(rdir)
             att = Attachment(rdir, 0, 1, 30.0)
             started = time.monotonic()

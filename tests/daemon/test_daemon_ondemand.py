@@ -208,7 +208,7 @@ def rank_job(rank: int, world: int, dirs: list[str], comm_id: int, exchanges: bo
     os.environ["MCCL_RUNTIME_DIR"] = dirs[rank]   # rank r attaches to "host" r's daemon
     import datetime
     import torch.distributed as dist
-    from libmccl.daemon_client import DaemonCommunicator
+    from libmccl.daemon.client import DaemonCommunicator
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0,
                           timeout=datetime.timedelta(seconds=60))
     comm = DaemonCommunicator(rank, world, comm_id, dist.PrefixStore(f"job{comm_id}", store), None, None, 30.0)

@@ -58,7 +58,7 @@ def rank_dies_mid_op(rank: int, world: int) -> str:
     a = np.ones(1 << 18, dtype=np.float32)
     comm.wait(comm.allreduce(a.ctypes.data, a.size, F32, SUM), 20)
     if rank == 1:
-        import libmccl.daemon_client as dc
+        import libmccl.daemon.submit as dc  # where the copies are
         calls = []
 
         def memmove_then_die(dst, src, n):

@@ -32,7 +32,7 @@ import json, sys, threading, time
 from pathlib import Path
 import numpy as np
 import torch.distributed as dist
-from libmccl.daemon_client import DaemonCommunicator
+from libmccl.daemon.client import DaemonCommunicator
 from mccl_common.errors import DaemonUnavailableError
 
 work, port = Path(sys.argv[1]), int(sys.argv[2])

@@ -272,7 +272,7 @@ def test_ddp_workload_times_a_step_per_series(tmp_path):
     assert all(v["step_ms"] > 0 and v["compute_ms"] > 0 and v["wire_floor_ms"] > 0 for v in steps.values())
     assert steps["mccl-daemon"]["step_over_in_process"] > 0 and "step_over_gloo" not in steps["gloo"]
     assert "DDP step" in stdout
-    # Copies a step, per direction (libmccl/copy_stats.py): mccl's series only; in process no
+    # Copies a step, per direction (libmccl/devices/copy_stats.py): mccl's series only; in process no
     # copy goes through a segment, and CPU tensors are not staged from a device.
     copies = {k: v["copies_per_step"]["ddp"] for k, v in steps.items() if "copies_per_step" in v}
     assert set(copies) == {"mccl", "mccl-daemon"}

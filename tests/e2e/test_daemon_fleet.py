@@ -384,7 +384,7 @@ def _late_host(rank: int, world: int) -> str:
     machine, a slow import), past the store's rendezvous."""
     import numpy as np
     from support import daemon as t
-    from libmccl.daemon_attach import Attachment
+    from libmccl.daemon.attach import Attachment
     if rank >= 2:
         call = Attachment.call
 

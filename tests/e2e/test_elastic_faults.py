@@ -129,7 +129,7 @@ def test_a_dead_anchor_stops_the_job_everywhere_with_a_clear_error(hosts, tmp_pa
                     cmd = open(f"/proc/{pid}/cmdline").read()
                 except OSError:
                     continue
-                if "libmccl.elastic_rdzv" in cmd and f"--parent\0{run.pid}" in cmd:
+                if "libmccl.elastic.rdzv" in cmd and f"--parent\0{run.pid}" in cmd:
                     os.kill(pid, signal.SIGKILL)
         started = time.monotonic()
         lines, killed = _drive(run, 3, kill_anchor)

@@ -41,7 +41,7 @@ def _rank_main(rank: int, world: int, stop_file: str, max_s: float) -> int:
     import numpy as np
     import torch.distributed as dist
 
-    from libmccl.daemon_client import DaemonCommunicator
+    from libmccl.daemon.client import DaemonCommunicator
 
     done_at: dict[int, float] = {}
 

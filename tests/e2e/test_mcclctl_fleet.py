@@ -35,7 +35,7 @@ def _rank_main(rank: int, world: int, port: int, stop_file: str, max_s: float) -
     import numpy as np
     import torch.distributed as dist
 
-    from libmccl.daemon_client import DaemonCommunicator
+    from libmccl.daemon.client import DaemonCommunicator
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=60))
     comm = DaemonCommunicator(rank, world, 0x0b5, store, None, None, 60.0)
     buf = np.ones(1 << 16, dtype=np.float32)

@@ -118,7 +118,7 @@ def test_ctrl_c_stops_every_hosts_job_and_leaves_nothing_behind(fleet):
     deadline = time.monotonic() + 30
     while _count(str(root / "long.py")) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _count(str(root / "long.py")) == 0 and _count("libmccl.elastic_rdzv") == 0
+    assert _count(str(root / "long.py")) == 0 and _count("libmccl.elastic.rdzv") == 0
 
 
 def _count(pattern: str) -> int:

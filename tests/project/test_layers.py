@@ -90,13 +90,13 @@ def test_the_wheel_holds_the_product_and_no_tools() -> None:
 def test_the_check_sees_an_upward_import(tmp_path: Path) -> None:
     """Negative control: the parser resolves relative, aliased and function-local imports."""
     f = ROOT / "mccl_common" / "_layers_probe.py"
-    f.write_text("def f():\n    from libmccl import backend\n    from . import errors as e\n"
+    f.write_text("def f():\n    from libmccl.torch import backend\n    from . import errors as e\n"
                  "    import mccld.jobs\n")
     try:
         got = [t for _, t in imports_of(f)]
     finally:
         f.unlink()
-    assert got == ["libmccl.backend", "mccl_common.errors", "mccld.jobs"], got
+    assert got == ["libmccl.torch.backend", "mccl_common.errors", "mccld.jobs"], got
 
 
 def test_wire_tables_match_the_engine() -> None:
@@ -119,7 +119,7 @@ def test_wire_tables_match_the_engine() -> None:
 def test_the_torch_glue_maps_onto_the_wire_codes() -> None:
     import torch
 
-    from libmccl import _buffers
+    from libmccl.devices import _buffers
     from mccl_common import wire
     for dtype, code in _buffers.DTYPE_CODES.items():
         assert wire.DTYPE_NAMES[code] == str(dtype).replace("torch.", ""), (dtype, code)

@@ -39,7 +39,7 @@ def test_the_kernel_list_is_the_sources():
 
 
 def test_metallib_check_names_a_missing_kernel(tmp_path, monkeypatch):
-    from libmccl import metal_ops
+    from libmccl.devices import metal_ops
 
     mod = _module()
     monkeypatch.setattr(metal_ops, "bridge_path", lambda: str(tmp_path / "libmccl_metal.dylib"))

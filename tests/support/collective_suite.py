@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from libmccl import _torch_compat as compat
+from libmccl.torch import compat
 
 
 @dataclass(frozen=True)

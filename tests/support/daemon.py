@@ -105,7 +105,7 @@ def daemon():
 
 def connect(rank: int, world: int, comm_id: int = 0x5eed, timeout_s: float = 30.0):
     import torch.distributed as dist
-    from libmccl.daemon_client import DaemonCommunicator
+    from libmccl.daemon.client import DaemonCommunicator
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0,
                           timeout=datetime.timedelta(seconds=timeout_s))
     return DaemonCommunicator(rank, world, comm_id, store, None, None, timeout_s), store

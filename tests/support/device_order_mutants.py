@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from libmccl.device_order import TicketedOp
-from libmccl.work import MCCLWork
+from libmccl.devices.device_order import TicketedOp
+from libmccl.torch.work import MCCLWork
 
 
 def drop_o1(mp: pytest.MonkeyPatch) -> None:

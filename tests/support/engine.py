@@ -49,7 +49,7 @@ def make_options(timeout_s: float = 30.0, **kw) -> "_core.Options":
 
 def job_secret(opts: "_core.Options | None" = None) -> bytes | None:
     """The engine secret the ranks of this test process share (tests/support/jobkey.py's key,
-    derived as libmccl/backend.py does); None for options with MCCL_WIRE_SECURITY=off."""
+    derived as libmccl/torch/backend.py does); None for options with MCCL_WIRE_SECURITY=off."""
     mode = "aead" if opts is None else opts.wire_security.name
     return jobkey.engine_secret(mode)
 

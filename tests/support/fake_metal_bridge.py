@@ -19,8 +19,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from libmccl.device_order import ForeignThreadCommit, UncommittedCommands
-from libmccl.metal_ops import PRIVATE, SHARED
+from libmccl.devices.device_order import ForeignThreadCommit, UncommittedCommands
+from libmccl.devices.metal_ops import PRIVATE, SHARED
 
 _WAKE = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 

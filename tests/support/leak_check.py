@@ -128,7 +128,7 @@ def held_segments() -> set[str]:
 
 
 def _owner_pid(name: str) -> int | None:
-    """mccl-<job>-<rank>-<pid>-<gen> (libmccl/daemon_client.py names them so)."""
+    """mccl-<job>-<rank>-<pid>-<gen> (libmccl/daemon/client.py names them so)."""
     parts = name.split("-")
     return int(parts[3]) if len(parts) >= 4 and parts[3].isdigit() else None
 

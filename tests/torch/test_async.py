@@ -144,7 +144,7 @@ def test_process_groups_as_threads() -> None:
     import torch
     import torch.distributed as dist
 
-    from libmccl.backend import ProcessGroupMCCL
+    from libmccl.torch.backend import ProcessGroupMCCL
 
     world, store = 3, dist.HashStore()
 
@@ -177,7 +177,7 @@ def test_router_early_completion_fail_all_and_guard() -> None:
     import torch
 
     from mccl_common.errors import AbortedError, MCCLError, PeerLostError
-    from libmccl.work import CompletionRouter, MCCLWork
+    from libmccl.torch.work import CompletionRouter, MCCLWork
 
     router = CompletionRouter(rank=0)
     # The engine may report an op before the glue recorded it.
@@ -216,7 +216,7 @@ def test_router_early_completion_fail_all_and_guard() -> None:
 @pytest.mark.timeout(30)
 def test_wait_times_out_in_caller_thread() -> None:
     from mccl_common.errors import CollectiveTimeout
-    from libmccl.work import CompletionRouter, MCCLWork
+    from libmccl.torch.work import CompletionRouter, MCCLWork
 
     router = CompletionRouter(rank=1)
     work = router.track(1, MCCLWork("broadcast", 1, [], (), None, 0.2))

@@ -20,8 +20,8 @@ import pytest
 
 from libmccl import _core
 from libmccl.communicator import Communicator
-from libmccl.daemon_client import DaemonCommunicator
-from libmccl.solo_comm import SoloCommunicator
+from libmccl.daemon.client import DaemonCommunicator
+from libmccl.torch.solo_comm import SoloCommunicator
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -101,7 +101,7 @@ def test_the_protocol_lists_what_the_backend_calls():
     """Every ``self._comm.<name>`` the torch glue calls is in the protocol."""
     root = Path(__file__).resolve().parents[2] / "libmccl"
     called = set()
-    for f in ("backend.py", "backend_exchange.py"):
+    for f in ("torch/backend.py", "torch/exchange.py"):
         called |= set(re.findall(r"self\._comm\.(\w+)", (root / f).read_text()))
     assert called and called <= set(METHODS), sorted(called - set(METHODS))
 

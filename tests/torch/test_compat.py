@@ -1,4 +1,4 @@
-"""Pins every private torch API libmccl relies on (libmccl/_torch_compat.py) against
+"""Pins every private torch API libmccl relies on (libmccl/torch/compat.py) against
 the installed torch, and the registration paths (entry point, import, explicit)."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 import libmccl
-from libmccl import _torch_compat as compat
-from libmccl.backend import ProcessGroupMCCL
+from libmccl.torch import compat
+from libmccl.torch.backend import ProcessGroupMCCL
 
 from support.ranks import run_command
 
@@ -76,7 +76,7 @@ def test_reduce_op_kind_and_timeouts() -> None:
 @pytest.mark.timeout(30)
 def test_work_subclass_keeps_typed_errors() -> None:
     from mccl_common.errors import PeerLostError
-    from libmccl.work import MCCLWork
+    from libmccl.torch.work import MCCLWork
 
     w = MCCLWork("allreduce", 0, [torch.ones(1)], (), None, 5.0)
     assert isinstance(w, dist.Work)

@@ -1,7 +1,7 @@
-"""libmccl.cuda_ops on an emulated CUDA driver, with the real engine: what can be checked of
+"""libmccl.devices.cuda_ops on an emulated CUDA driver, with the real engine: what can be checked of
 the CUDA path without a GPU (scripts/cuda_check.py checks the rest on one).
 
-The emulator (libmccl.cuda_emulator) stands in for libcuda's entry points that CudaOps
+The emulator (libmccl.devices.cuda_emulator) stands in for libcuda's entry points that CudaOps
 calls. Its cuStreamWaitValue64 compares cyclically, as CUDA documents for GEQ
 ((int64_t)(*addr - value) >= 0), so the poison of a failed op must release it through
 device_order.TICKET_BASE.
@@ -14,9 +14,9 @@ import time
 import numpy as np
 import pytest
 
-from libmccl import cuda_ops
-from libmccl.cuda_emulator import Emulator
-from libmccl.device_order import TICKET_BASE, OrderedOp
+from libmccl.devices import cuda_ops
+from libmccl.devices.cuda_emulator import Emulator
+from libmccl.devices.device_order import TICKET_BASE, OrderedOp
 from mccl_common.errors import AbortedError
 from support.engine import DT, SUM, make_options, ranks, run_ranks
 

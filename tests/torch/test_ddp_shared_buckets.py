@@ -1,4 +1,4 @@
-"""libmccl.ddp_shared_buckets (libmccl/ddp_buckets.py): DDP's buckets reduced in memory mccld
+"""libmccl.ddp_shared_buckets (libmccl/torch/ddp_buckets.py): DDP's buckets reduced in memory mccld
 maps give the copied path's parameters bit for bit, under bucket rebuilds, static_graph,
 find_unused_parameters, no_sync accumulation, set_to_none and a sub-group, and the buckets'
 all-reduces run in place (the daemon client's zero_copy_ops); groups of one never attach to mccld."""
@@ -128,7 +128,7 @@ def _rank(rank: int, world: int, cases: list) -> list:
             report.append(in_place)
         # A rank out of shared buffers (one allowed here): the buckets beyond it are copied
         # through mccld as before, with the same results.
-        import libmccl.daemon_buffers as buffers
+        import libmccl.daemon.buffers as buffers
         buffers.MAX_BUFFERS_PER_RANK = 1
         copied, _ = _train(rank, world, False, cases[0])
         shared, in_place = _train(rank, world, True, cases[0])

@@ -1,4 +1,4 @@
-"""Every collective with device tensors (libmccl.device_check's cases) through the backend,
+"""Every collective with device tensors (libmccl.devices.device_check's cases) through the backend,
 ranks as processes: on the emulated CUDA driver (CudaOps, pinned staging, stream memory
 operations), on the fake device (seeded jitter, race detection) and with a CPU rank beside
 device ranks. Each case checks the result against the same case on CPU tensors and that
@@ -16,8 +16,8 @@ from support.ranks import init_pg
 def _rows(rank: int, world: int, kind: str, passes: int = 1, broken: bool = False) -> list[tuple]:
     """Every case ``passes`` times; only the last holds the device back (and, on the
     emulated driver, forbids the calls that wait for it): the ones before warm the pools."""
-    from libmccl import device_check as C
-    from libmccl.cuda_emulator import SYNCHRONISING
+    from libmccl.devices import device_check as C
+    from libmccl.devices.cuda_emulator import SYNCHRONISING
 
     init_pg(rank, world)
     if kind == "mixed":
@@ -47,7 +47,7 @@ def _rows(rank: int, world: int, kind: str, passes: int = 1, broken: bool = Fals
         if hasattr(dev, "emulator"):
             rows.append(("calls", dict(dev.emulator.calls)))
         import sys
-        client = sys.modules.get("libmccl.daemon_client")   # imported only with MCCL_DAEMON=1
+        client = sys.modules.get("libmccl.daemon.client")   # imported only with MCCL_DAEMON=1
         rows.append(("comm", "daemon" if client is not None and client._live else "in-process"))
     finally:
         if undo is not None:
@@ -83,7 +83,7 @@ def test_every_collective_on_the_emulated_cuda_driver(ranks, world: int) -> None
 @pytest.mark.parametrize("kind", ["emulated", "fake-staged", "fake-unified", "mixed"])
 def test_every_collective_through_mccld(ranks, kind: str) -> None:
     """The same cases with MCCL_DAEMON=1: the gates and the unified all-reduce's tickets are
-    kept by the daemon client's queue (libmccl/daemon_gates.py) instead of the engine's."""
+    kept by the daemon client's queue (libmccl/daemon/gates.py) instead of the engine's."""
     with MODES["daemon"].setup() as env:
         per_rank = ranks(_rows, 2 if kind != "mixed" else 3, kind, 2 if kind in ("emulated", "mixed") else 1,
                          timeout_s=250, env=env)

@@ -1,5 +1,5 @@
-"""The device-ordering protocol (libmccl.device_order) through the backend, on the fake
-device (libmccl.fake_device): ranks are threads, each a ProcessGroupMCCL with its own
+"""The device-ordering protocol (libmccl.devices.device_order) through the backend, on the fake
+device (libmccl.devices.fake_device): ranks are threads, each a ProcessGroupMCCL with its own
 fake device whose stream runs every command after a seeded random pause.
 
 A rank's step is what DDP does on an accelerator: a "backward" kernel writes each bucket
@@ -20,12 +20,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from libmccl import device_tensors
-from libmccl.backend import ProcessGroupMCCL
-from libmccl.device_order import (TICKET_BASE, DeviceOrderError, DeviceRace, ForeignThreadCommit, OrderedOp,
+from libmccl.devices import device_tensors
+from libmccl.torch.backend import ProcessGroupMCCL
+from libmccl.devices.device_order import (TICKET_BASE, DeviceOrderError, DeviceRace, ForeignThreadCommit, OrderedOp,
                                   UncommittedCommands)
 from mccl_common.errors import AbortedError, ConfigError, MCCLError
-from libmccl.fake_device import FakeDevice
+from libmccl.devices.fake_device import FakeDevice
 from support.engine import run_threads
 
 from support import device_order_mutants as M
@@ -210,7 +210,7 @@ def test_wake_fn_wakes_a_waiter_after_a_write_that_cannot() -> None:
 
 @pytest.mark.timeout(60)
 def test_cuda_ops_without_a_driver_name_what_is_missing() -> None:
-    from libmccl import cuda_ops
+    from libmccl.devices import cuda_ops
 
     try:
         ctypes.CDLL("libcuda.so.1")

@@ -36,8 +36,8 @@ def _ddp_fake_rank(rank: int, world: int, broken: str = "") -> int:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from libmccl import device_tensors
-    from libmccl.fake_device import FakeDevice
+    from libmccl.devices import device_tensors
+    from libmccl.devices.fake_device import FakeDevice
 
     if broken:
         from support import device_order_mutants

@@ -28,8 +28,8 @@ import pytest
 
 from support import device_order_mutants as M
 
-from libmccl.device_order import DeviceOrderError, DeviceRace, ForeignThreadCommit, OrderedOp, UncommittedCommands
-from libmccl.fake_device import FakeDevice
+from libmccl.devices.device_order import DeviceOrderError, DeviceRace, ForeignThreadCommit, OrderedOp, UncommittedCommands
+from libmccl.devices.fake_device import FakeDevice
 
 N = 4  # float32 elements per bucket: the values matter, not the size
 

@@ -1,10 +1,10 @@
-"""libmccl.device_pool: staging blocks are reused by size class, and the idle ones are capped."""
+"""libmccl.devices.device_pool: staging blocks are reused by size class, and the idle ones are capped."""
 
 from __future__ import annotations
 
 import logging
 
-from libmccl.device_pool import MIN_BLOCK, StagingPool, size_class
+from libmccl.devices.device_pool import MIN_BLOCK, StagingPool, size_class
 
 
 class _Block:
@@ -35,7 +35,7 @@ def test_beyond_the_cap_blocks_are_freed_and_it_warns_once(caplog) -> None:
     freed: list = []
     pool = StagingPool(lambda n: _Block(n, freed), 2 * MIN_BLOCK, "MCCL_X")
     blocks = [pool.take(MIN_BLOCK)[1] for _ in range(4)]
-    with caplog.at_level(logging.DEBUG, logger="libmccl.device_pool"):
+    with caplog.at_level(logging.DEBUG, logger="libmccl.devices.device_pool"):
         for b in blocks:
             pool.give(b)
         del blocks, b

@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from libmccl import device_tensors
-from libmccl.backend import ProcessGroupMCCL
+from libmccl.devices import device_tensors
+from libmccl.torch.backend import ProcessGroupMCCL
 from mccl_common.errors import ConfigError
-from libmccl.fake_device import FakeDevice
+from libmccl.devices.fake_device import FakeDevice
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""torchrun's `--rdzv-backend mccl` handler (libmccl/elastic_rdzv.py) in one process: options,
+"""torchrun's `--rdzv-backend mccl` handler (libmccl/elastic/rdzv.py) in one process: options,
 the anchor, the state backend, and rounds between handlers that stand for hosts (threads
 here; separate torchruns in tests/e2e/test_torchrun_rdzv.py)."""
 
@@ -20,7 +20,7 @@ from torch.distributed.elastic.rendezvous import (RendezvousClosedError, Rendezv
                                                   RendezvousTimeoutError)
 from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as registry
 
-from libmccl import elastic_rdzv as er
+from libmccl.elastic import rdzv as er
 from mccl_common.errors import AbortedError, CollectiveTimeout, ConfigError, PeerLostError
 from mccl_common.launch_protocol import AWARE_SUFFIX, REFORM_ENV
 from mccl_common.settings import RendezvousConfig, load
@@ -47,7 +47,7 @@ def test_options_come_from_the_settings_with_rdzv_conf_keys_on_top(caplog) -> No
     assert (opts.join_timeout_s, opts.heartbeat_s, opts.last_call_s, opts.heartbeat_misses) == (7, 0.5, 3, 4)
     assert (opts.store_timeout_s, opts.close_timeout_s, opts.is_host) == (10, 3, None)
     assert "ignoring" not in caplog.text
-    with caplog.at_level(logging.WARNING, logger="libmccl.elastic_rdzv"):
+    with caplog.at_level(logging.WARNING, logger="libmccl.elastic.rdzv"):
         assert er.RunOptions.parse(_params(store_type="file", is_host="1"), cfg).is_host is True
     assert "ignoring --rdzv-conf store_type" in caplog.text
     with pytest.raises(ConfigError, match="join_timeout='soon' is not a number"):
@@ -293,7 +293,7 @@ def test_the_anchor_outlives_the_others_shutting_down(make_handlers) -> None:
 
 @pytest.fixture
 def standalone_anchor():
-    """`python -m libmccl.elastic_rdzv --port N` in a thread: the store on a host that trains
+    """`python -m libmccl.elastic.rdzv --port N` in a thread: the store on a host that trains
     nothing. Asked for before make_handlers, it stops after their shutdown."""
     port = _free_port()
     stop = threading.Event()

@@ -1,5 +1,5 @@
 """ElasticState(keep_workers=True): when a host leaves, the ranks that stay re-form in place
-(libmccl/elastic_reform.py) instead of restarting. Ranks are spawned processes here, each its
+(libmccl/elastic/reform.py) instead of restarting. Ranks are spawned processes here, each its
 own "host" with its own drain file; the end-to-end runs under torchrun and mccld are
 tests/e2e/test_elastic_drain.py and tools/bench/reform.py."""
 
@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import libmccl  # noqa: F401 - registers the backend
-from libmccl import elastic_reform
-from libmccl.elastic import DRAIN_ENV, REFORM_EXIT, ElasticState
+from libmccl.elastic import reform as elastic_reform
+from libmccl.elastic.state import DRAIN_ENV, REFORM_EXIT, ElasticState
 from support.ranks import init_pg, run_ranks
 
 pytestmark = pytest.mark.timeout(180)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import libmccl  # noqa: F401 - registers the backend
-from libmccl.elastic import AWARE_SUFFIX, DRAIN_ENV, REFORM_ENV, REFORM_EXIT, ElasticState
+from libmccl.elastic.state import AWARE_SUFFIX, DRAIN_ENV, REFORM_ENV, REFORM_EXIT, ElasticState
 from mccl_common.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(120)

@@ -236,7 +236,7 @@ def _bad_args_rank(rank: int, world: int) -> list[str]:
     import torch
     import torch.distributed as dist
 
-    from libmccl import _torch_compat as compat
+    from libmccl.torch import compat
     from mccl_common.errors import ConfigError
 
     init_pg(rank, world)

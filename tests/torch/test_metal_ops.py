@@ -1,4 +1,4 @@
-"""MetalOps (libmccl.metal_ops) on Linux, over a fake of the Metal bridge's C ABI
+"""MetalOps (libmccl.devices.metal_ops) on Linux, over a fake of the Metal bridge's C ABI
 (tests/support/fake_metal_bridge.py): every decision the Objective-C++ bridge does not make —
 placement, tickets, events, listeners, the mirror, staging blits, who commits — runs here
 through the real backend, ranks as threads. The bridge itself is only built on macOS."""
@@ -14,11 +14,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from libmccl import _core, device_tensors, metal_tensors
-from libmccl.backend import ProcessGroupMCCL
-from libmccl.device_order import TICKET_BASE, ForeignThreadCommit, OrderedOp
+from libmccl import _core
+from libmccl.devices import device_tensors, metal_tensors
+from libmccl.torch.backend import ProcessGroupMCCL
+from libmccl.devices.device_order import TICKET_BASE, ForeignThreadCommit, OrderedOp
 from mccl_common.errors import ConfigError
-from libmccl.metal_ops import PRIVATE, SHARED, CBridge, MetalDevice, MetalOps
+from libmccl.devices.metal_ops import PRIVATE, SHARED, CBridge, MetalDevice, MetalOps
 from support.fake_metal_bridge import FakeBridge
 from support.engine import run_threads
 
@@ -254,7 +255,7 @@ def test_private_buckets_blit_straight_into_mccld_shared_memory() -> None:
     """Through mccld (issue 27): the staging blit of a private-storage bucket writes into a
     shared buffer wrapped as an MTLBuffer (newBufferWithBytesNoCopy), where mccld reduces,
     and the result is blitted back from there; the wrap goes when the buffer is released."""
-    from libmccl.segment_staging import SegmentStaging
+    from libmccl.devices.segment_staging import SegmentStaging
 
     bridge = FakeBridge(seed=5)
     dev = MetalDevice(bridge)

@@ -1,4 +1,4 @@
-"""libmccl.unified on Linux: the staging helpers work on CPU tensors, the unified path refuses."""
+"""libmccl.devices.unified on Linux: the staging helpers work on CPU tensors, the unified path refuses."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import platform
 import pytest
 import torch
 
-from libmccl import unified
+from libmccl.devices import unified
 from mccl_common.errors import ConfigError
 
 

@@ -1,4 +1,4 @@
-"""Device buckets staged in mccld's shared buffers (libmccl/segment_staging.py, issue 27), on
+"""Device buckets staged in mccld's shared buffers (libmccl/devices/segment_staging.py, issue 27), on
 the emulated CUDA driver through a real mccld on loopback: the device's copy lands in memory
 mccld reduces in place (no copy into or out of the client's segment), results equal the
 in-process engine's, a refused registration falls back with one warning, and nothing stays
@@ -34,10 +34,10 @@ def _allreduces(rank: int, world: int, register_error: int = 0) -> dict:
     import torch
     import torch.distributed as dist
 
-    from libmccl import device_check as C
+    from libmccl.devices import device_check as C
 
     warned = _Count()
-    logging.getLogger("libmccl.segment_staging").addHandler(warned)
+    logging.getLogger("libmccl.devices.segment_staging").addHandler(warned)
     init_pg(rank, world)
     dev = C.emulated_cuda()
     emu = dev.emulator
@@ -110,7 +110,7 @@ def test_device_buckets_are_reduced_in_mccld_shared_buffers(ranks, inprocess) ->
 
 @pytest.mark.timeout(300)
 def test_a_refused_registration_falls_back_with_one_warning(ranks, inprocess) -> None:
-    from libmccl.cuda_emulator import CUDA_ERROR_NOT_SUPPORTED
+    from libmccl.devices.cuda_emulator import CUDA_ERROR_NOT_SUPPORTED
 
     with MODES["daemon"].setup() as env:
         per_rank = ranks(_allreduces, 2, CUDA_ERROR_NOT_SUPPORTED, timeout_s=200, env={**env, **ENV})
@@ -126,7 +126,7 @@ def test_a_refused_registration_falls_back_with_one_warning(ranks, inprocess) ->
 def _dies_mid_op(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    from libmccl import device_check as C
+    from libmccl.devices import device_check as C
     from mccl_common.errors import MCCLError
 
     init_pg(rank, world, timeout_s=20.0)
@@ -173,8 +173,8 @@ def test_a_rank_dying_mid_op_leaves_nothing_registered() -> None:
 # -- the pieces on their own -------------------------------------------------------------------------
 @pytest.fixture
 def cuda(monkeypatch):
-    from libmccl import cuda_ops
-    from libmccl.cuda_emulator import Emulator
+    from libmccl.devices import cuda_ops
+    from libmccl.devices.cuda_emulator import Emulator
 
     emu = Emulator(alloc_waits=False)
     monkeypatch.setattr(cuda_ops, "_load_driver", emu.library)
@@ -211,7 +211,7 @@ class _Buffer:
 
 
 def test_blocks_are_reused_capped_and_unregistered_once_given_back(cuda) -> None:
-    from libmccl.segment_staging import SLAB_BYTES, SegmentStaging
+    from libmccl.devices.segment_staging import SLAB_BYTES, SegmentStaging
 
     emu, ops = cuda
     bufs: list[_Buffer] = []

@@ -1,4 +1,4 @@
-"""A world-size-1 group (libmccl/solo_comm.py): every collective gives what the engine
+"""A world-size-1 group (libmccl/torch/solo_comm.py): every collective gives what the engine
 would, completes before the call returns, and no engine (threads, sockets) is started."""
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def test_group_of_one_under_mccl_daemon_never_attaches(monkeypatch, tmp_path):
         done_now(dist.all_reduce(t, async_op=True))
         assert torch.equal(t, torch.arange(1 << 20, dtype=torch.float32))
         assert type(dist.group.WORLD.communicator).__name__ == "SoloCommunicator"
-        assert "libmccl.daemon_client" not in sys.modules or not sys.modules["libmccl.daemon_client"]._live
+        assert "libmccl.daemon.client" not in sys.modules or not sys.modules["libmccl.daemon.client"]._live
         assert thread_count() <= threads
     finally:
         dist.destroy_process_group()
@@ -108,7 +108,7 @@ def test_a_ddp_step_of_one_rank_copies_stages_and_hands_off_nothing(solo_group, 
     """World size 1: DDP's bucket all-reduces (and a device tensor's identity ops) are done on
     the caller's thread with no staging buffer, no copy and no helper thread (the solo
     communicator's stats; Staging's allocating calls counted)."""
-    from libmccl import _buffers, device_check
+    from libmccl.devices import _buffers, device_check
 
     staged = []
     for name in ("input", "inout", "output", "scratch", "packed"):

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
-from libmccl import elastic_rdzv as er
+from libmccl.elastic import rdzv as er
 from libmccl import rendezvous
 from mccl_common import store_auth
 from mccl_common.errors import StoreAuthError

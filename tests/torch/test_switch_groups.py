@@ -1,4 +1,4 @@
-"""libmccl/switch_groups.py: rank 0 places the ranks from MCCL_TOPOLOGY, every rank takes its word."""
+"""libmccl/torch/switch_groups.py: rank 0 places the ranks from MCCL_TOPOLOGY, every rank takes its word."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from libmccl import switch_groups
+from libmccl.torch import switch_groups
 from mccl_common.errors import CollectiveTimeout, ConfigError
 from mccl_common.settings import EngineConfig
 

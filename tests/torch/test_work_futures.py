@@ -16,9 +16,9 @@ import re
 import pytest
 import torch
 
-from libmccl._torch_compat import ResultFuture
+from libmccl.torch.compat import ResultFuture
 from mccl_common.errors import AbortedError, CollectiveTimeout, MCCLError, PeerLostError
-from libmccl.work import AllOf, CompletionRouter, MCCLWork, shutdown_error
+from libmccl.torch.work import AllOf, CompletionRouter, MCCLWork, shutdown_error
 from support.futures import cxx_wait
 
 PEER_LOST_KIND = 1  # mccl::ErrorKind::PeerLost (mccl_common/errors.py _KINDS)

@@ -12,7 +12,7 @@ bit-identical (checked through the backend itself): a backend that corrupts grad
 reports no step time.
 
 With mccl each series also reports the copies a DDP step makes, per direction (device ->
-host staging, host -> mccld's segment, segment -> host, host -> device: libmccl/copy_stats.py),
+host staging, host -> mccld's segment, segment -> host, host -> device: libmccl/devices/copy_stats.py),
 their megabytes and the time in them, from the backend's ``copy_stats()`` (none for Gloo).
 
 The rank side (``run``) imports torch; the harness side (``summarize``) does not.
@@ -146,7 +146,7 @@ def run(torch, dist, cfg: dict, rank: int) -> dict:
         before = _copy_stats(dist)
         out["step_s" if variant == "ddp" else f"{variant}_s"] = _timed(torch, ddp, opt, data, cfg["steps"], sync)
         if before is not None:
-            from libmccl.copy_stats import per_step
+            from libmccl.devices.copy_stats import per_step
 
             out.setdefault("copies", {})[variant] = per_step(before, _copy_stats(dist), cfg["steps"])
         if variant != "nocomm":

@@ -169,7 +169,7 @@ def run(plan: dict) -> dict:
            "torch": torch.__version__, "init_s": time.perf_counter() - t_init,
            "engine": _engine_build(plan["backend"]), "results": [],
            # Loaded only when the group went through mccld: proof that a daemon row is one.
-           "via_daemon": "libmccl.daemon_client" in sys.modules}
+           "via_daemon": "libmccl.daemon.client" in sys.modules}
     if plan.get("latency_iters"):
         out["latency"] = _latency(torch, dist, plan["latency_bytes"], plan["latency_iters"], rank, world)
     if plan.get("workload") in ("ddp", "lightning"):
@@ -244,7 +244,7 @@ def _measure(torch, dist, plan: dict, op: str, count: int, rank: int, world: int
 
 
 def _client_phases(dist) -> dict | None:
-    """The mccld client's pipelined-op phase sums (libmccl/daemon_client.py's stats()), or None
+    """The mccld client's pipelined-op phase sums (libmccl/daemon/client.py's stats()), or None
     in-process: where the time of an op through mccld goes, per rank."""
     comm = getattr(dist.distributed_c10d._get_default_group(), "_comm", None)
     stats = comm.stats() if comm is not None and hasattr(comm, "stats") else {}

@@ -2,7 +2,7 @@
 
 With ``MCCL_DAEMON=1`` every all-reduce of an ordinary tensor is copied into the rank's
 shared-memory segment and its result copied back: two passes over the data on the cores the
-links need. A tensor made here lives in a buffer mccld maps as well (daemon_buffers.py), so
+links need. A tensor made here lives in a buffer mccld maps as well (daemon/buffers.py), so
 an all-reduce of it, or of any slice of it, runs in place. Allocate a few large ones (a flat
 gradient or parameter buffer) rather than many small ones: a rank may hold 64 at a time.
 

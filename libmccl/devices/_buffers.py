@@ -16,8 +16,9 @@ import torch
 
 from mccl_common.errors import ConfigError
 
-from . import DEVICES, device_tensors
-from . import _torch_compat as compat
+from .. import DEVICES
+from . import device_tensors
+from ..torch import compat
 
 # Values of mccl::DType (csrc/core/dtype.h): part of the engine ABI, append-only.
 DTYPE_CODES: dict[torch.dtype, int] = {

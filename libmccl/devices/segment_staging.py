@@ -4,7 +4,7 @@
 A device bucket is staged through host memory (device_order.StagedOp). Through mccld the
 daemon client then copied that host block into its data segment and the result back out:
 one copy more each way than in process. Here the blocks are cut from shared buffers
-(daemon_buffers.SharedBuffer, ``DaemonCommunicator.alloc_buffer``) that the device has
+(daemon.buffers.SharedBuffer, ``DaemonCommunicator.alloc_buffer``) that the device has
 registered as its own pinned memory (``DeviceOps.register_host``: ``cuMemHostRegister`` on
 CUDA), so the asynchronous device-to-host copy lands where mccld reduces, the all-reduce runs
 in place (``DaemonCommunicator._start_in_place``) and the result goes straight back to the

@@ -1,7 +1,7 @@
 """MPS tensors staged through CPU copies: the path for mps tensors the Metal bridge does not serve.
 
 On Apple silicon the CPU and GPU share one memory. An mps all-reduce normally goes through
-the Metal bridge (``libmccl.metal_tensors``, ``MCCL_UNIFIED_COLLECTIVE=auto|1``): the engine
+the Metal bridge (``libmccl.devices.metal_tensors``, ``MCCL_UNIFIED_COLLECTIVE=auto|1``): the engine
 reduces in the tensor's shared-storage MTLBuffer, ordered by Metal shared events, without
 blocking the caller. What it does not serve comes here (``MCCL_UNIFIED_COLLECTIVE=0``,
 collectives other than all-reduce, a Mac where the bridge does not load):

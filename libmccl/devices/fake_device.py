@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 from mccl_common.errors import AbortedError, CollectiveTimeout
 
-from . import _core
+from .. import _core
 from .device_order import (TICKET_BASE, DeviceOps, DeviceOrderError, DeviceRace, ForeignThreadCommit,
                            TicketedOp, UncommittedCommands)
 

@@ -23,7 +23,7 @@ also release a device wait, so no GPU wait stays pending after a failure. A pois
 device tensor holds garbage; the error surfaces on the CPU in ``Work.wait()``.
 
 This module is torch-free: implementations see stream handles, addresses and byte counts.
-``libmccl.device_tensors`` is the torch glue; ``fake_device`` (CI) and ``cuda_ops``
+``libmccl.devices.device_tensors`` is the torch glue; ``fake_device`` (CI) and ``cuda_ops``
 implement ``DeviceOps``; the Metal bridge described in metal/README.md is the third.
 """
 

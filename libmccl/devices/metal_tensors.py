@@ -2,7 +2,7 @@
 
 ``MCCL_UNIFIED_COLLECTIVE`` decides whether mps tensors use the bridge at all: ``auto`` (the
 default) where it loads, ``1`` always (a ConfigError names the missing piece), ``0`` never
-(mps tensors then stage through blocking CPU copies, ``libmccl.unified``).
+(mps tensors then stage through blocking CPU copies, ``libmccl.devices.unified``).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from typing import Any
 from mccl_common.errors import ConfigError, MCCLError
 from mccl_common.settings import EngineConfig, load
 
-from . import _core
+from .. import _core
 from .device_order import TICKET_BASE, DeviceOps
 from .device_pool import StagingPool
 
@@ -146,7 +146,7 @@ class CudaOps(DeviceOps):
     host_wake = True
 
     def __init__(self, device_index: int, driver: Any = None) -> None:
-        """``driver``: the library to call instead of libcuda (libmccl.cuda_emulator)."""
+        """``driver``: the library to call instead of libcuda (libmccl.devices.cuda_emulator)."""
         self._drv = _Driver(driver)
         self._index = device_index
         self._lock = threading.Lock()

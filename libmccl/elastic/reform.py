@@ -26,7 +26,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mccl_common.settings import EngineConfig, load
 
-from . import listen_addr, store_server
+from .. import listen_addr
+from . import store_server
 
 _STORE_CONNECT_S = 60.0
 # torchrun's per-worker variables that a re-form changes (LOCAL_* stay: a host keeps its ranks).

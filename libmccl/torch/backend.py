@@ -1,7 +1,7 @@
 """The ``mccl`` torch.distributed backend: a ProcessGroup driving the MCCL engine.
 
 Reductions, broadcast and all-gather live here; the collectives that only move data
-(scatter, gather, all-to-all, point-to-point) are in ``backend_exchange``. Each
+(scatter, gather, all-to-all, point-to-point) are in ``exchange``. Each
 collective validates its tensors, turns them into contiguous CPU buffers
 (``_buffers.Staging``), enqueues one engine operation and returns an ``MCCLWork``
 at once; the engine's completion thread finishes the Work through the
@@ -26,17 +26,17 @@ from mccl_common import jobkey
 from mccl_common.errors import AbortedError, ConfigError, DaemonUnavailableError, MCCLError
 from mccl_common.settings import EngineConfig, load
 
-from . import BACKEND_NAME, DEVICES
-from . import _buffers as B
-from . import device_tensors
-from . import _torch_compat as compat
-from . import rendezvous
+from .. import BACKEND_NAME, DEVICES
+from ..devices import _buffers as B
+from ..devices import device_tensors
+from . import compat
+from .. import rendezvous
 from . import switch_groups
-from .group_options import Options
-from .backend_exchange import ExchangeOps
-from .copy_stats import merged as merged_copies
-from .device_order import TICKET_BASE
-from .segment_staging import SegmentStaging
+from .options import Options
+from .exchange import ExchangeOps
+from ..devices.copy_stats import merged as merged_copies
+from ..devices.device_order import TICKET_BASE
+from ..devices.segment_staging import SegmentStaging
 from .solo_comm import SoloCommunicator
 from .work import AllOf, CompletionRouter, MCCLWork, shutdown_error
 
@@ -73,13 +73,13 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
 
     # -- construction ---------------------------------------------------------
     def _engine_options(self) -> Any:
-        from . import _core
+        from .. import _core
 
         return self._cfg.engine_options(_core.Options(), self._timeout_s,
                                         self._cfg.connect_timeout_s or self._timeout_s)
 
     def _connect(self, store: Any, group_id: str) -> Any:
-        from . import _core
+        from .. import _core
 
         rank, size, opts = self.rank(), self.size(), self._engine_options()
         if size == 1:
@@ -88,7 +88,7 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
             return SoloCommunicator(self._router.on_complete)
         if self._cfg.daemon:
             try:
-                from .daemon_client import DaemonCommunicator
+                from ..daemon.client import DaemonCommunicator
             except ImportError as exc:
                 raise DaemonUnavailableError(f"[mccl] MCCL_DAEMON=1 but the daemon client cannot be imported ({exc}); "
                                              "install MCCL with its daemon, or unset MCCL_DAEMON") from exc
@@ -162,7 +162,7 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
         return self._comm
 
     def shared_buffer(self, nbytes: int) -> Any:
-        """Memory the local mccld maps too (daemon_buffers.SharedBuffer), for shared_tensors;
+        """Memory the local mccld maps too (daemon.buffers.SharedBuffer), for shared_tensors;
         None in-process, where the engine reads tensors in place anyway."""
         if self._closed:
             raise AbortedError(f"[mccl] shared_empty on rank {self.rank()}: the process group was shut down")
@@ -201,7 +201,7 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
             self._segment_staging.close()
 
     def copy_stats(self) -> dict[str, float]:
-        """Bytes, copies and seconds per direction (libmccl/copy_stats.py): the daemon client's
+        """Bytes, copies and seconds per direction (libmccl/devices/copy_stats.py): the daemon client's
         copies into and out of its segment, and the device staging copies of this process."""
         client = self._daemon.stats() if self._daemon is not None else {}
         return merged_copies(client, device_tensors.copy_stats())

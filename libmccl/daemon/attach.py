@@ -24,7 +24,7 @@ from mccl_common.daemon_settings import DaemonConfig, runtime_dir_owners
 from mccl_common.settings import load
 from mccl_common.errors import CollectiveTimeout, ConfigError, DaemonUnavailableError, ProtocolError
 
-from . import listen_addr, rendezvous
+from .. import listen_addr, rendezvous
 
 _HELLO_TIMEOUT_S = 5.0
 _MAX_CUT_BYTES = 1 << 40   # a piece size beyond any buffer: a reply past it is garbage

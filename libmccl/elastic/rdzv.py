@@ -49,8 +49,9 @@ from mccl_common.errors import AbortedError, CollectiveTimeout, ConfigError, Pee
 from mccl_common.launch_protocol import AWARE_SUFFIX, DRAIN_ENV, REFORM_ENV
 from mccl_common.settings import EngineConfig, RendezvousConfig, load
 
-from . import listen_addr, store_server
-from .sealed_store import SealedStore
+from .. import listen_addr
+from . import store_server
+from ..sealed_store import SealedStore
 
 _log = logging.getLogger(__name__)
 
@@ -632,13 +633,13 @@ def serve_anchor(port: int, stop: threading.Event, timeout_s: float, bind: str =
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m libmccl.elastic_rdzv [--port N]``: serve an anchor's store until SIGTERM or ^C."""
+    """``python -m libmccl.elastic.rdzv [--port N]``: serve an anchor's store until SIGTERM or ^C."""
     import argparse
     import signal
 
     cfg = load(RendezvousConfig)
     default_port = anchor_endpoint("", cfg)[1] if cfg.anchor else DEFAULT_PORT
-    ap = argparse.ArgumentParser(prog="python -m libmccl.elastic_rdzv", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m libmccl.elastic.rdzv", description=main.__doc__)
     ap.add_argument("--port", type=int, default=default_port,
                     help=f"TCP port (default: MCCL_RDZV_ANCHOR's, else {DEFAULT_PORT})")
     ap.add_argument("--bind", default="", help="serve on this address only (default: every interface)")

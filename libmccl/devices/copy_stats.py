@@ -4,9 +4,9 @@ wire: bytes, copies and seconds per direction (issue 27: where the time of a ste
 Directions, in the order a device bucket through mccld meets them:
 
 - ``device_to_host``: a device tensor staged into host memory (an asynchronous copy on the
-  device's stream; seconds measured by the device where it can, libmccl/device_order.py);
+  device's stream; seconds measured by the device where it can, libmccl/devices/device_order.py);
 - ``host_to_segment``: the daemon client copying a tensor into its shared segment
-  (libmccl/daemon_client.py), none where the tensor already lies in a shared buffer;
+  (libmccl/daemon/client.py), none where the tensor already lies in a shared buffer;
 - ``segment_to_host``: the result copied back out of the segment;
 - ``host_to_device``: the result copied back to the device tensor.
 

@@ -19,7 +19,7 @@ then loads that step and returns the next, so no step is lost or repeated. Every
 steps it also saves, so a host that dies (kill -9, cable pulled) costs at most that many
 steps: the others fail with PeerLostError, torchrun re-forms, and they resume from there.
 With ``keep_workers=True`` a leave costs no restart: the ranks that stay re-form in place
-(libmccl/elastic_reform.py: a new default group and the DDP wrapper rebuilt, the rest kept in
+(libmccl/elastic/reform.py: a new default group and the DDP wrapper rebuilt, the rest kept in
 memory) and ``step_done`` returns True. It is opt-in because the script must read its rank and
 world size again then; a job whose other process groups or sharded model hold the old world
 (new_group, DeviceMesh, FSDP, a DDP comm hook) restarts its workers as without it.
@@ -54,7 +54,7 @@ from torch.distributed.constants import default_pg_timeout
 from mccl_common.errors import ConfigError
 from mccl_common.launch_protocol import AWARE_SUFFIX, DRAIN_ENV, LEFT_SUFFIX, REFORM_ENV
 
-from . import elastic_reform as reform
+from . import reform
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ import torch
 
 from mccl_common.errors import ConfigError
 
-from . import _buffers as B
-from . import _torch_compat as compat
+from ..devices import _buffers as B
+from . import compat
 from .work import MCCLWork
 
 _c10d = torch.distributed

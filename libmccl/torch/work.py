@@ -20,7 +20,7 @@ import torch
 
 from mccl_common.errors import AbortedError, CollectiveTimeout, MCCLError, from_kind
 
-from . import _torch_compat as compat
+from . import compat
 
 _log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 the local mccld maps, so ``MCCL_DAEMON=1`` does not copy DDP's buckets in and out.
 
 Through mccld an all-reduce of an ordinary tensor is copied into the rank's segment and the
-result copied back (daemon_client.py); a tensor in a shared buffer (daemon_buffers.py) is
+result copied back (daemon/client.py); a tensor in a shared buffer (daemon/buffers.py) is
 reduced where it is. DDP's Reducer allocates its buckets itself, so this hook moves them:
 
 - ``gradient_as_bucket_view=True``: the parameters' ``.grad`` tensors are the Reducer's bucket

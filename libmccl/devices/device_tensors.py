@@ -19,7 +19,7 @@ import torch
 
 from mccl_common.errors import ConfigError, MCCLError
 
-from ._torch_compat import ResultFuture
+from ..torch.compat import ResultFuture
 from .device_order import TICKET_BASE, DeviceOps, OrderedOp, StagedOp, TicketedOp
 
 # Fake devices (CI) whose memory is host memory: a CPU tensor in their memory is theirs.

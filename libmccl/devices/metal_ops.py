@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 from mccl_common.errors import ConfigError
 
-from . import _core
+from .. import _core
 from .device_order import TICKET_BASE, DeviceOps, OrderedOp
 
 BRIDGE_ABI = 1

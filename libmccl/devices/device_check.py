@@ -181,7 +181,7 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 
 
 def emulated_cuda(emu: Any = None, stream: Any = 1) -> HostMemoryDevice:
-    """A HostMemoryDevice on libmccl.cuda_emulator (CudaOps with a driver of host memory)."""
+    """A HostMemoryDevice on libmccl.devices.cuda_emulator (CudaOps with a driver of host memory)."""
     from .cuda_emulator import EmulatedCuda, Emulator
 
     emu = emu or Emulator(kernel_delay_s=0.001)
@@ -193,7 +193,7 @@ def emulated_cuda(emu: Any = None, stream: Any = 1) -> HostMemoryDevice:
 
 
 def fake_device(seed: int, unified: bool) -> HostMemoryDevice:
-    """A HostMemoryDevice on libmccl.fake_device (jittered stream, race detection)."""
+    """A HostMemoryDevice on libmccl.devices.fake_device (jittered stream, race detection)."""
     from .fake_device import FakeDevice
 
     fake = FakeDevice(seed=seed, max_jitter_s=0.001, unified=unified)
