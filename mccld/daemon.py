@@ -30,16 +30,16 @@ from mccl_common.settings import EngineConfig, load
 
 from .attach import AttachServer
 from .fd_inbox import MAX_HELD, FdInbox
-from .datalinks import DataLinks
-from .gate import Gate
-from .harvest import Harvester
-from .jobs import Job
-from .launcher import LaunchServer
-from .reclaim import ReclaimWatch
-from .links import LinkManager
-from .ondemand import setup_hosts
-from .topology import SwitchMap, fleet_peers
-from .reduce import ReducePool
+from .net.datalinks import DataLinks
+from .net.gate import Gate
+from .host.harvest import Harvester
+from .jobs.job import Job
+from .host.launcher import LaunchServer
+from .host.reclaim import ReclaimWatch
+from .net.links import LinkManager
+from .net.ondemand import setup_hosts
+from .net.topology import SwitchMap, fleet_peers
+from .jobs.reduce import ReducePool
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def default_host_id() -> str:
 
 def _optional(module: str):
     """Observability parts and discovery are optional: a daemon without them still serves jobs.
-    ``module`` is a full name (mccld.stats, mccl_common.discovery)."""
+    ``module`` is a full name (mccld.report.stats, mccl_common.discovery)."""
     try:
         return __import__(module, fromlist=["_"])
     except ImportError as e:
@@ -96,7 +96,7 @@ class Daemon:
         self.inbox: FdInbox | None = None
         self.stats = None
         self.fleet = None
-        self.switches: SwitchMap | None = None   # this host's switch (mccld/topology.py)
+        self.switches: SwitchMap | None = None   # this host's switch (mccld/net/topology.py)
         self.advertiser = None
         self.harvester: Harvester | None = None
         self.gossip = None
@@ -136,7 +136,7 @@ class Daemon:
         self._lock_runtime_dir()
         try:
             self._sweep_segments()
-            stats_mod = _optional("mccld.stats")
+            stats_mod = _optional("mccld.report.stats")
             self.stats = stats_mod.DaemonStats() if stats_mod else None
             self._stat("set_state", "idle")
             self.harvester = Harvester(cfg, self.runtime_dir, self._count_running_jobs, self._on_harvest).start()
@@ -285,9 +285,9 @@ class Daemon:
             self.advertiser.set_harvest(self.harvester.snapshot()["state"])
 
     def _start_gossip(self) -> None:
-        """Fleet tables spread over the links (mccld/gossip.py): seeds from MCCL_PEERS, peers from
+        """Fleet tables spread over the links (mccld/net/gossip.py): seeds from MCCL_PEERS, peers from
         mDNS and from gossip itself, so the fleet is one table across subnets."""
-        from .gossip import Gossip
+        from .net.gossip import Gossip
         ports = {type(s).__name__: s.port for s in self._servers}
         fixed = {"proto": PROTO_VERSION, "addresses": [self.addr], "port": int(self.links.address.rpartition(":")[2]),
                  "status_port": ports.get("StatusServer", 0), "metrics_port": ports.get("MetricsServer", 0),
@@ -321,7 +321,7 @@ class Daemon:
         if self.stats is None:
             return
         if self.cfg.metrics_port:
-            metrics = _optional("mccld.metrics")
+            metrics = _optional("mccld.report.metrics")
             if metrics is not None:
                 # Unauthenticated HTTP: on the fleet interface (where the links are) unless told.
                 srv = metrics.MetricsServer(self.stats, self.cfg.metrics_addr or self.addr, self.cfg.metrics_port,
@@ -331,7 +331,7 @@ class Daemon:
                 srv.start()
                 self._servers.append(srv)
         if self.cfg.status_port:
-            status = _optional("mccld.status_server")
+            status = _optional("mccld.report.status_server")
             if status is not None:
                 srv = status.StatusServer(self.status_provider, key, self.addr, self.cfg.status_port,
                                           stats=self.stats, gate=Gate.from_config("status", self.cfg),
