@@ -16,4 +16,4 @@ ops); none of them imports another's modules, and this package imports none of o
 __version__ = "0.1.0"
 
 # Bumped whenever the client<->daemon or daemon<->daemon wire format changes.
-PROTO_VERSION = 2          # 2: daemon-to-daemon link frames AES-256-GCM (mccld/auth.py)
+PROTO_VERSION = 2          # 2: daemon-to-daemon link frames AES-256-GCM (mccld/net/auth.py)

@@ -137,7 +137,7 @@ class Host:
     host_id: str = wire(str, max_len=255)
     link_addr: str = wire(str, max_len=300)
     ranks: tuple[int, ...] = wire(list, max_len=MAX_RANKS, items=_RANK)
-    switch: str = wire(str, max_len=255, default="")  # the daemon's switch (mccld/topology.py); "": unknown
+    switch: str = wire(str, max_len=255, default="")  # the daemon's switch (mccld/net/topology.py); "": unknown
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ranks", tuple(self.ranks))

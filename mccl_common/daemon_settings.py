@@ -246,7 +246,7 @@ class DaemonConfig:
 
 def key_paths(cfg: DaemonConfig) -> tuple[Path, ...]:
     """The key files this daemon reads (fleet and submit key), those that exist: what a job it
-    launches must not be able to read (mccld/launch_identity.py)."""
+    launches must not be able to read (mccld/host/launch_identity.py)."""
     found = []
     for explicit, defaults in ((cfg.key_file, DEFAULT_KEY_FILES), (cfg.submit_key_file, DEFAULT_SUBMIT_KEY_FILES)):
         for raw in [explicit] if explicit else defaults:

@@ -1,7 +1,7 @@
 """What daemons tell each other about the fleet, beyond one subnet: MCCL_PEERS seeds and the
-gossip messages that spread fleet tables over the authenticated daemon links (mccld/gossip.py).
+gossip messages that spread fleet tables over the authenticated daemon links (mccld/net/gossip.py).
 
-Messages (JSON over a link, after the fleet-key handshake; mccld/auth.py)::
+Messages (JSON over a link, after the fleet-key handshake; mccld/net/auth.py)::
 
     {"type": "gossip_digest", "digest": [[host_id, incarnation, counter], ...]}
     {"type": "gossip_entries", "entries": [ENTRY, ...], "want": [host_id, ...]}
@@ -206,7 +206,7 @@ def _valid_seed_host(host: str) -> bool:
 def resolve_seed(host: str, port: int) -> list[str]:
     """The link addresses (ip:port) of a seed; a name may resolve to several (at most
     MAX_SEED_ADDRESSES). OSError when it does not resolve. getaddrinfo blocks: call it off the
-    daemon's critical threads (mccld/gossip.py runs it in its bounded dial pool)."""
+    daemon's critical threads (mccld/net/gossip.py runs it in its bounded dial pool)."""
     infos = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)
     addrs = sorted({info[4][0] for info in infos})
     return [f"{a}:{port}" for a in addrs[:MAX_SEED_ADDRESSES]]

@@ -3,7 +3,7 @@
 Each field of a settings dataclass below *is* the declaration: its environment
 variable, default, unit and help text live in the field's metadata, next to the
 default. ``load(Cls)`` reads the environment (and, for the daemon, an optional TOML
-file) into a frozen instance. ``python -m mccl_common.settings`` prints the table that the
+file) into a frozen instance. ``python -m mccl_common.settings_table`` prints the table that the
 README carries.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping, TypeVar
 
@@ -313,10 +312,3 @@ def markdown_table() -> str:
             rows.append(f"| `{f.metadata['env']}` | `{default!s}` | {unit} | {text} |")
     return "\n".join(rows)
 
-
-if __name__ == "__main__":  # pragma: no cover - a documentation helper
-    # Run as __main__, this file is a second copy of mccl_common.settings; the daemon's
-    # declarations register with the imported one, so print that one's table.
-    import mccl_common.daemon_settings  # noqa: F401
-    from mccl_common import settings as _registry
-    sys.stdout.write(_registry.markdown_table() + "\n")

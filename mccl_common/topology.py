@@ -222,7 +222,7 @@ def rtt_summary(hosts: list[str], rtt: dict[tuple[str, str], float]) -> dict:
 
 
 def fleet_view(reports: dict[str, dict | None]) -> dict:
-    """The fleet's switches from every daemon's report (mccld/topology.py ``status``: its switch,
+    """The fleet's switches from every daemon's report (mccld/net/topology.py ``status``: its switch,
     its source, its RTT row), as ``mcclctl links --topology`` shows them. Inferred from the
     union of the rows when no daemon has MCCL_TOPOLOGY; each daemon's own answer beside it (the
     switch its jobs use), so a daemon that disagrees with the fleet's view stands out."""

@@ -83,7 +83,7 @@ def discover(timeout_s: float, key: bytes | None = None) -> list[Target]:
     """Daemons of this host's fleet (MCCL_FLEET), sorted by host id.
 
     First the table of this host's own daemon, which knows every subnet through gossip
-    (mccld/gossip.py) and answers at once; else the tables of the MCCL_PEERS seeds; else
+    (mccld/net/gossip.py) and answers at once; else the tables of the MCCL_PEERS seeds; else
     whatever answers mDNS on this subnet within ``timeout_s``. ``key`` (the fleet key) lets
     mcclctl ask daemons; without one only mDNS is tried."""
     from mccl_common.daemon_settings import load_config

@@ -7,7 +7,6 @@ segments and closes everything; both are idempotent.
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import hashlib
 import logging
@@ -24,31 +23,28 @@ from mccl_common import jobkey, topology
 from mccl_common.daemon_settings import DaemonConfig, attach_gid, key_paths, runtime_dir
 from mccl_common.errors import AbortedError, ConfigError, MCCLError, ProtocolError
 from mccl_common.fd_limit import ensure_open_files
-from mccl_common.hostinfo import cpu_cores, device_kind, host_facts, memory_bytes
+from mccl_common.hostinfo import host_facts
 from mccl_common.netif import choose_address
 from mccl_common.settings import EngineConfig, load
 
 from .attach import AttachServer
 from .fd_inbox import MAX_HELD, FdInbox
-from .datalinks import DataLinks
-from .gate import Gate
-from .harvest import Harvester
-from .jobs import Job
-from .launcher import LaunchServer
-from .reclaim import ReclaimWatch
-from .links import LinkManager
-from .ondemand import setup_hosts
-from .topology import SwitchMap, fleet_peers
-from .reduce import ReducePool
+from .net.datalinks import DataLinks
+from .net.gate import Gate
+from .host.harvest import Harvester
+from .jobs.job import Job
+from .host.launcher import LaunchServer
+from .host.reclaim import ReclaimWatch
+from .host.runtime_dir import SegmentRecord, lock_runtime_dir
+from .net.fleet import FleetView, carries as fleet_message
+from .net.links import LinkManager
+from .net.ondemand import setup_hosts
+from .jobs.reduce import ReducePool
 
 log = logging.getLogger(__name__)
 
 _SPARE_FILES = 256     # clients, data sockets, segments beyond the inbox's and the gate's caps
 _WANT_FILES = 65536    # the soft limit mccld raises itself to, when the hard limit allows
-
-SEGMENT_RECORD = "segments"
-LOCK_NAME = "mccld.lock"
-_LOCK_PID_WAIT_S = 1.0      # for the winner of a simultaneous start to write its pid
 
 
 def job_switches(hosts) -> list[int]:
@@ -72,7 +68,7 @@ def default_host_id() -> str:
 
 def _optional(module: str):
     """Observability parts and discovery are optional: a daemon without them still serves jobs.
-    ``module`` is a full name (mccld.stats, mccl_common.discovery)."""
+    ``module`` is a full name (mccld.report.stats, mccl_common.discovery)."""
     try:
         return __import__(module, fromlist=["_"])
     except ImportError as e:
@@ -95,12 +91,8 @@ class Daemon:
         self.attach: AttachServer | None = None
         self.inbox: FdInbox | None = None
         self.stats = None
-        self.fleet = None
-        self.switches: SwitchMap | None = None   # this host's switch (mccld/topology.py)
-        self.advertiser = None
+        self.fleet: FleetView | None = None
         self.harvester: Harvester | None = None
-        self.gossip = None
-        self._announced = {"state": "idle", "harvest": ""}   # what our fleet entry says (mDNS, gossip)
         self._running_jobs = 0              # last count the harvester was told about
         self._servers: list[Any] = []
         self.launcher: LaunchServer | None = None
@@ -116,6 +108,7 @@ class Daemon:
         self.last_error = ""
         self.started = False
         self.runtime_dir: Path | None = None
+        self.segments: SegmentRecord | None = None
         self._lock_fd: int | None = None     # flock on the runtime dir's lock file, held while we serve it
         self._fleet_key = b""                # read by start(); the root of every job's engine secret
 
@@ -133,10 +126,11 @@ class Daemon:
         self._fleet_key = key
         self.iface, self.addr = choose_address(cfg.iface, cfg.listen_addr, cfg.allow_wifi)
         self.runtime_dir = runtime_dir(cfg, create=True)
-        self._lock_runtime_dir()
+        self._lock_fd = lock_runtime_dir(self.runtime_dir)
         try:
-            self._sweep_segments()
-            stats_mod = _optional("mccld.stats")
+            self.segments = SegmentRecord(self.runtime_dir)
+            self.segments.sweep()
+            stats_mod = _optional("mccld.report.stats")
             self.stats = stats_mod.DaemonStats() if stats_mod else None
             self._stat("set_state", "idle")
             self.harvester = Harvester(cfg, self.runtime_dir, self._count_running_jobs, self._on_harvest).start()
@@ -149,8 +143,7 @@ class Daemon:
             self._checker.start()
             self._start_servers(key)
             self._start_launcher()
-            self._start_discovery()
-            self._start_gossip()
+            self._start_fleet()
             # Last: the token file it writes is what clients, mcclctl and tests take for
             # "mccld is up", so every service and thread of the daemon runs by then.
             self.inbox = FdInbox(self.runtime_dir, attach_gid(cfg)).start()
@@ -188,15 +181,6 @@ class Daemon:
                 log.debug("stopping %r failed", srv, exc_info=True)
         self._servers.clear()
         self.launcher = None
-        if self.gossip is not None:
-            self.gossip.stop()
-            self.gossip = None
-        if self.switches is not None:
-            self.switches.stop()
-            self.switches = None
-        if self.advertiser is not None:
-            self.advertiser.stop()
-            self.advertiser = None
         if self.fleet is not None:
             self.fleet.stop()
             self.fleet = None
@@ -231,97 +215,26 @@ class Daemon:
         log.error("[daemon] aborting: %s", reason)
         self.stop(reason)
 
-    def _lock_runtime_dir(self) -> None:
-        """Two daemons on one runtime dir would steal each other's clients, and the one that
-        gives up would remove the socket and token the other serves with. An flock taken
-        before anything is written there decides, even for two started at the same moment
-        (asking "does a daemon answer?" does not: both can ask before either listens). The
-        kernel drops it when the process dies, so a crashed daemon never blocks the next.
-        The file is never removed: a daemon unlinking it while another waits would let a
-        third lock a new file of the same name."""
-        path = self.runtime_dir / LOCK_NAME
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            try:
-                other = b""
-                until = time.monotonic() + _LOCK_PID_WAIT_S
-                while not (other := os.pread(fd, 32, 0).strip()) and time.monotonic() < until:
-                    time.sleep(0.02)
-            finally:
-                os.close(fd)
-            raise ConfigError(f"[daemon] another mccld already serves {self.runtime_dir}: pid "
-                              f"{other.decode(errors='replace') or 'unknown'} holds {path}; stop it first "
-                              "(or give this one its own MCCL_RUNTIME_DIR)") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._lock_fd = fd
-
-    def _sweep_segments(self) -> None:
-        record = self.runtime_dir / SEGMENT_RECORD
-        try:
-            names = record.read_text().split()
-        except FileNotFoundError:
-            names = []
-        shm.sweep(names)
-        record.write_text("")
-
-    def _start_discovery(self) -> None:
+    def _start_fleet(self) -> None:
+        """mDNS when zeroconf is there (and the switch map on what it finds), then gossip."""
+        ports = {type(s).__name__: s.port for s in self._servers}
+        self.fleet = FleetView(self.cfg, self.host_id, self.addr, self.engine_cfg.topology)
         disc = _optional("mccl_common.discovery")
-        if disc is None:
-            return
-        self.fleet = disc.FleetTable(self.cfg.fleet, [self.addr], on_change=self._on_mdns_change,
-                                     ttl_s=self.cfg.mdns_ttl_s)
-        self.fleet.start()
-        port = int(self.links.address.rpartition(":")[2])
-        ports = {type(s).__name__: s.port for s in self._servers}
-        self.advertiser = disc.Advertiser(self.fleet.zc, self.cfg.fleet, self.host_id, self.addr, port,
-                                          self.cfg.mdns_ttl_s, status_port=ports.get("StatusServer", 0),
-                                          metrics_port=ports.get("MetricsServer", 0))
-        self.advertiser.start()
-        self._start_switch_map()
-        if self.harvester is not None:
-            self.advertiser.set_harvest(self.harvester.snapshot()["state"])
-
-    def _start_gossip(self) -> None:
-        """Fleet tables spread over the links (mccld/gossip.py): seeds from MCCL_PEERS, peers from
-        mDNS and from gossip itself, so the fleet is one table across subnets."""
-        from .gossip import Gossip
-        ports = {type(s).__name__: s.port for s in self._servers}
-        fixed = {"proto": PROTO_VERSION, "addresses": [self.addr], "port": int(self.links.address.rpartition(":")[2]),
-                 "status_port": ports.get("StatusServer", 0), "metrics_port": ports.get("MetricsServer", 0),
-                 "cores": cpu_cores(), "memory": memory_bytes(), "device": device_kind(), "version": __version__}
-
-        def own() -> dict[str, Any]:
-            return {**fixed, **self._announced}
-
-        def local_peers() -> list[str]:
-            fleet = self.fleet   # read once: stop() may clear it
-            return [f"{e['addresses'][0]}:{e['port']}" for e in (fleet.entries() if fleet else [])
-                    if e.get("addresses") and e["host_id"] != self.host_id]
-
-        self.gossip = Gossip(self.cfg.fleet, self.host_id, self.links, own, self.cfg.seeds(),
-                             self.cfg.gossip_interval_s, self.cfg.gossip_ttl_s, local_peers,
-                             self._on_fleet_change).start()
+        if disc is not None:
+            harvester = self.harvester
+            self.fleet.start_discovery(disc, self.links, ports,
+                                       harvester.snapshot()["state"] if harvester is not None else None)
+        self.fleet.start_gossip(self.links, ports)
 
     def fleet_rows(self) -> list[dict[str, Any]]:
-        """The fleet as this daemon knows it: mDNS (our subnet) first, gossip (every subnet) for the rest."""
-        fleet, gossip = self.fleet, self.gossip   # read once: stop() may clear them
-        rows = {e["host_id"]: {**e, "source": "mdns"} for e in (fleet.entries() if fleet else [])}
-        for row in gossip.rows() if gossip else []:
-            rows.setdefault(row["host_id"], row)
-        return [rows[h] for h in sorted(rows)]
-    def _start_switch_map(self) -> None:
-        self.switches = SwitchMap(self.host_id, self.addr, self.links, lambda: fleet_peers(self.fleet_rows(), self.host_id),
-                                  self.engine_cfg.topology, self.cfg.topology_probes,
-                                  self.cfg.topology_interval_s).start()
+        fleet = self.fleet   # read once: stop() may clear it
+        return fleet.rows() if fleet is not None else []
 
     def _start_servers(self, key: bytes) -> None:
         if self.stats is None:
             return
         if self.cfg.metrics_port:
-            metrics = _optional("mccld.metrics")
+            metrics = _optional("mccld.report.metrics")
             if metrics is not None:
                 # Unauthenticated HTTP: on the fleet interface (where the links are) unless told.
                 srv = metrics.MetricsServer(self.stats, self.cfg.metrics_addr or self.addr, self.cfg.metrics_port,
@@ -331,7 +244,7 @@ class Daemon:
                 srv.start()
                 self._servers.append(srv)
         if self.cfg.status_port:
-            status = _optional("mccld.status_server")
+            status = _optional("mccld.report.status_server")
             if status is not None:
                 srv = status.StatusServer(self.status_provider, key, self.addr, self.cfg.status_port,
                                           stats=self.stats, gate=Gate.from_config("status", self.cfg),
@@ -390,8 +303,8 @@ class Daemon:
                 del self._traffic[key]
             # The record only has to name segments that may outlive us: those of live jobs.
             live = [name for j in self.jobs.values() for m in list(j.members.values()) for name in m.names()]
-            if self.runtime_dir is not None:
-                (self.runtime_dir / SEGMENT_RECORD).write_text("".join(n + "\n" for n in live))
+            if self.segments is not None:
+                self.segments.keep_only(live)
 
     # -- the attach protocol ---------------------------------------------------------------
     def take_segment(self, ident: bytes, name: str) -> int:
@@ -411,7 +324,7 @@ class Daemon:
                    "small_allreduce_bytes": self.engine_cfg.small_allreduce_bytes}
             return {"ok": True, "host_id": self.host_id, "link_addr": self.links.address,
                     "daemon_version": __version__, "proto": PROTO_VERSION, "engine_cut": cut,
-                    "switch": self.switches.switch() if self.switches is not None else ""}
+                    "switch": self.fleet.switch() if self.fleet is not None else ""}
         if kind == "status":
             return {"ok": True, "status": self.status_provider()}
         if kind == "probe":
@@ -425,8 +338,8 @@ class Daemon:
             raise ProtocolError(f"[daemon] unknown job {job_id!r}; join it first")
         if kind == "register":
             job.register(msg.rank, ident, msg.segment, msg.nbytes, msg.buffer)
-            with self._lock, open(self.runtime_dir / SEGMENT_RECORD, "a") as fh:
-                fh.write(msg.segment + "\n")
+            with self._lock:
+                self.segments.add(msg.segment)
             return {"ok": True}
         if kind == "release":
             # A buffer dropped before its register went out was only handed over: its
@@ -525,14 +438,10 @@ class Daemon:
             datalinks = self.datalinks
             if datalinks is not None:
                 datalinks.on_message(peer_host, msg)
-        elif isinstance(kind, str) and kind.startswith("gossip_"):
-            gossip = self.gossip
-            if gossip is not None:
-                gossip.on_message(peer_host, msg)
-        elif kind in ("rtt_ping", "rtt_pong", "topo_row_req", "topo_row"):
-            switches = self.switches
-            if switches is not None:
-                switches.on_message(peer_host, msg)
+        elif isinstance(kind, str) and fleet_message(kind):
+            fleet = self.fleet   # read once: stop() may clear it
+            if fleet is not None:
+                fleet.on_link_message(peer_host, kind, msg)
         elif kind == "job_failed":
             job = self.jobs.get(str(msg.get("job")))
             if job is None or all(h.host_id != peer_host for h in job.hosts):
@@ -544,15 +453,6 @@ class Daemon:
 
     def _on_peer(self, peer_host: str, peer_addr: str, up: bool) -> None:
         self._stat("set_peer_up", peer_addr, up)
-
-    def _on_mdns_change(self, host_id: str, entry: dict | None) -> None:
-        gossip = self.gossip   # read once: stop() may clear it
-        if entry is None and gossip is not None:
-            gossip.forget(host_id)
-        self._on_fleet_change(host_id, entry)
-
-    def _on_fleet_change(self, host_id: str, entry: dict | None) -> None:
-        log.debug("fleet: %s %s", host_id, "left" if entry is None else "seen")
 
     def build_engine(self, job: Job) -> Any:
         """The engine communicator among the job's daemons, one rank per host, built on data
@@ -661,9 +561,9 @@ class Daemon:
         with self._lock:
             busy = any(j.state == "ready" for j in self.jobs.values())
         self._stat("set_state", "training" if busy else "idle")
-        self._announced["state"] = "training" if busy else "idle"
-        if self.advertiser is not None:
-            self.advertiser.set_state("training" if busy else "idle")
+        fleet = self.fleet   # read once: stop() may clear it
+        if fleet is not None:
+            fleet.announce_state("training" if busy else "idle")
         running = self._count_running_jobs()
         if running != self._running_jobs and self.harvester is not None:
             # A lease starts or ends with its jobs: re-evaluate now, not at the next poll.
@@ -682,10 +582,9 @@ class Daemon:
             launcher.drain()
         snapshot = {**snapshot, **self.reclaim.update(snapshot, changed, launcher)}
         self._stat("set_harvest", snapshot)
-        self._announced["harvest"] = snapshot["state"]
-        advertiser = self.advertiser   # read once: stop() may clear it (set_harvest re-announces on change only)
-        if advertiser is not None:
-            advertiser.set_harvest(snapshot["state"])
+        fleet = self.fleet   # read once: stop() may clear it
+        if fleet is not None:
+            fleet.announce_harvest(snapshot["state"])
 
     def poll_traffic(self, job: Job) -> None:
         engine = job.engine
@@ -739,7 +638,7 @@ class Daemon:
             "links": self.links.peers() if self.links else [],
             "data_links": self._data_link_status(),
             "fleet_table": self.fleet_rows(),
-            "topology": self.switches.status() if self.switches is not None else None,
+            "topology": self.fleet.topology_status() if self.fleet is not None else None,
             "last_error": self.last_error or None,
             "launch_port": self.launcher.port if self.launcher is not None else 0,
             "launched": self.launcher.jobs() if self.launcher is not None else [],

@@ -1,11 +1,11 @@
-"""Rewrite the settings table in README.md from the declarations (python -m mccl_common.settings)."""
+"""Rewrite the settings table in README.md from the declarations (python -m mccl_common.settings_table)."""
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 root = Path(__file__).resolve().parent.parent
-table = subprocess.run([sys.executable, "-m", "mccl_common.settings"], check=True, capture_output=True,
+table = subprocess.run([sys.executable, "-m", "mccl_common.settings_table"], check=True, capture_output=True,
                        text=True, cwd=root).stdout.strip()
 readme = root / "README.md"
 text = readme.read_text()

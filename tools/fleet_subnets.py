@@ -1,5 +1,5 @@
 """Emulated hosts on several routed subnets (network namespaces), for discovery beyond one
-broadcast domain: what MCCL_PEERS and gossip are for (mccld/gossip.py).
+broadcast domain: what MCCL_PEERS and gossip are for (mccld/net/gossip.py).
 
 Subnet ``s`` is a bridge ``mccl<id>b<s>`` in the root namespace with hosts ``mccl<id>s<s>h<i>``
 at ``10.<79 + s>.<octet>.<i + 1>/24``; a router namespace ``mccl<id>r`` holds one leg per subnet

@@ -103,7 +103,7 @@ class Attachment:
                           unavailable="it did not answer hello")
         localtrust.check_reply_peer(self._peer, self.daemon_uid, self.endpoint)
         self.host_id, self.daemon_addr = reply["host_id"], reply["link_addr"]
-        self.switch = str(reply.get("switch") or "")  # the daemon's switch (mccld/topology.py)
+        self.switch = str(reply.get("switch") or "")  # the daemon's switch (mccld/net/topology.py)
         self.engine_cut = _engine_cut(reply.get("engine_cut"), self.endpoint)
 
     def call(self, msg: dict[str, Any], timeout_s: float, unavailable: str | None = None) -> dict[str, Any]:

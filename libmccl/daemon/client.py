@@ -12,7 +12,7 @@ input is copied into the segment only when the previous op completed, so the seg
 is never overwritten under the daemon. A large all-reduce is pipelined: its request goes
 first, then the tensor is copied in piece by piece, raising the segment's ``ready``
 ticket, and results are copied out as the daemon's ``done`` ticket covers them
-(mccl_common/shm.py: the layout; mccld/pipelined.py: the daemon's side); the reply still
+(mccl_common/shm.py: the layout; mccld/jobs/pipelined.py: the daemon's side); the reply still
 carries success or the typed error. A recv is the exception: it is posted at once
 and only its data's way in (``take``) is queued, once a send matched
 (``p2p.py``). Each call's segment layout is in ``ops.py``, the start of

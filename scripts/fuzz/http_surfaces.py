@@ -20,7 +20,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from mccld import linktest
+from mccld.net import linktest
 from mccl_common import status_protocol as sp
 
 from .mutate import byte_noise, encode, mutated_json, random_bytes

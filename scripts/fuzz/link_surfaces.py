@@ -1,7 +1,7 @@
 """The link port (daemon-to-daemon TCP) and the data sockets dialled to it.
 
 The fuzzer plays a peer daemon of the fleet (it holds the fleet key), with the code a
-peer runs (``mccld.auth.initiate``), so its seeds are real: the handshake frames that
+peer runs (``mccld.net.auth.initiate``), so its seeds are real: the handshake frames that
 code sends, captured from ``auth.send_plain``, and the link messages a daemon sends
 (``data_lease``, ``data_ack``, ``job_failed``).
 
@@ -36,7 +36,7 @@ from typing import Any
 import zmq
 from hypothesis import strategies as st
 
-from mccld import auth
+from mccld.net import auth
 from mccl_common import attach_protocol as protocol
 
 from .mutate import byte_noise, encode, mutated_json, random_bytes

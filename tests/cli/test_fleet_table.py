@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from mccld.status_server import StatusServer
+from mccld.report.status_server import StatusServer
 from mcclctl import targets
 
 KEY = bytes(range(32))

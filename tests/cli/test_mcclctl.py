@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from mccld.stats import DaemonStats, mccl_version
-from mccld.status_server import StatusServer
+from mccld.report.stats import DaemonStats, mccl_version
+from mccld.report.status_server import StatusServer
 from mcclctl import doctor, formatting as fmt, prometheus_sd
 from mcclctl.__main__ import main
 from mcclctl.targets import Target, from_record
@@ -249,7 +249,7 @@ def test_prometheus_sd_writes_file(tmp_path, capsys):
 
 @pytest.mark.timeout(20)
 def test_port_checks_against_live_endpoints():
-    from mccld.metrics import MetricsServer
+    from mccld.report.metrics import MetricsServer
     stats = DaemonStats()
     metrics = MetricsServer(stats, "127.0.0.1", 0)
     metrics.start()

@@ -246,7 +246,7 @@ def test_a_live_buffer_mccld_refuses_fails_the_communicator(jittery_daemon, monk
 def test_a_refused_data_segment_fails_the_communicator_with_mccld_s_reason(jittery_daemon, monkeypatch):
     """Beside the buffers' refusals (ignored once a buffer is dropped), a refused data segment
     must still fail the communicator with mccld's own reason, not with a later op's complaint."""
-    import mccld.jobs as jobs
+    import mccld.jobs.job as jobs
     d, env = jittery_daemon
     for k, v in {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
         monkeypatch.setenv(k, v)

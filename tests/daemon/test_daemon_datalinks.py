@@ -1,4 +1,4 @@
-"""Daemon data sockets (mccld/datalinks.py): authenticated like the control links, agreed
+"""Daemon data sockets (mccld/net/datalinks.py): authenticated like the control links, agreed
 per job over the control link, handed to the engine, and reused by the next job when the
 engine ended them clean.
 
@@ -28,7 +28,9 @@ from support.ranks import collect, free_port, reap, run_ranks, spawn_ranks
 from libmccl import _core
 from mccl_common.errors import AuthError, PeerLostError
 
-from mccld import PROTO_VERSION, auth
+from mccld import PROTO_VERSION
+
+from mccld.net import auth
 from mccl_common.daemon_settings import load_config
 from mccl_common.settings import EngineConfig, load
 from mccld.daemon import Daemon
@@ -154,7 +156,7 @@ def forged_data_hello(addr: str, sock_id: str) -> dict:
 
 @pytest.mark.timeout(60)
 def test_a_peer_without_the_fleet_key_gets_no_data_socket(caplog):
-    caplog.set_level(logging.DEBUG, logger="mccld.links")
+    caplog.set_level(logging.DEBUG, logger="mccld.net.links")
     with Host("a") as a, Host("b", key=b"x" * 32) as intruder:
         for i in range(3):
             # A daemon holding another key proves first and is refused (it learns no MAC of ours)...
@@ -165,7 +167,7 @@ def test_a_peer_without_the_fleet_key_gets_no_data_socket(caplog):
         time.sleep(0.3)
         assert a.data.status() == []                 # nothing adopted, nothing counted
         assert a.links.peers() == []
-    ours = [r for r in caplog.records if r.name == "mccld.links" and "peer=127.0.0.1:" in r.getMessage()
+    ours = [r for r in caplog.records if r.name == "mccld.net.links" and "peer=127.0.0.1:" in r.getMessage()
             and ("refused peer=" in r.getMessage() or "handshake with" in r.getMessage())]
     refused = [r.levelname for r in ours if "refused peer=" in r.getMessage()]
     dropped = [r.levelname for r in ours if "handshake with" in r.getMessage()]
@@ -215,7 +217,7 @@ def rank_jobs(rank: int, world: int, dirs: list[str], comm_ids: list[int], die_i
         a = np.full(1 << 16, rank + 1, dtype=np.float32)
         comm.wait(comm.allreduce(a.ctypes.data, a.size, F32, SUM), 20)
         assert (a == 3).all()
-        # Idle a while between ops: the daemons' mailbox receives (mccld/p2p.py) stay
+        # Idle a while between ops: the daemons' mailbox receives (mccld/jobs/p2p.py) stay
         # posted meanwhile and must neither fail the job nor make the sockets unclean.
         time.sleep(1.5)
         comm.wait(comm.allreduce(a.ctypes.data, a.size, F32, SUM), 20)

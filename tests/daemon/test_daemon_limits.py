@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 
 from support.daemon import running_daemon
-from mccld import auth
+from mccld.net import auth
 from mccld.daemon import Daemon
 from mccl_common.status_protocol import query
 from support.ports import free_port

@@ -13,7 +13,7 @@ import pytest
 
 from mccl_common.errors import AuthError, PeerLostError
 
-from mccld.links import LinkManager
+from mccld.net.links import LinkManager
 
 KEY = b"k" * 32
 
@@ -49,7 +49,7 @@ def test_authenticated_link_is_reused_and_carries_messages():
 
 @pytest.mark.timeout(30)
 def test_wrong_key_and_wrong_fleet_are_refused_and_logged_once(caplog):
-    caplog.set_level(logging.DEBUG, logger="mccld.links")
+    caplog.set_level(logging.DEBUG, logger="mccld.net.links")
     with Peer("a") as a, Peer("intruder", key=b"x" * 32) as bad, Peer("other", fleet="g") as other:
         for _ in range(3):
             with pytest.raises(AuthError, match="failed fleet-key authentication"):
@@ -58,7 +58,7 @@ def test_wrong_key_and_wrong_fleet_are_refused_and_logged_once(caplog):
             other.links.link_to(a.links.address)
         time.sleep(0.3)
         assert a.links.peers() == []
-    refusals = [r for r in caplog.records if r.name == "mccld.links" and "peer=" in r.getMessage()]
+    refusals = [r for r in caplog.records if r.name == "mccld.net.links" and "peer=" in r.getMessage()]
     levels = sorted(r.levelname for r in refusals)
     # 4 failed handshakes seen from both ends: each (side, peer address) warns once, then DEBUG:
     # "a" refuses 127.0.0.1 four times, the intruder is refused by "a" three times, "other" once.
@@ -183,7 +183,7 @@ def test_a_link_message_crosses_the_path_encrypted():
 
 @pytest.mark.timeout(30)
 def test_a_link_frame_with_a_flipped_ciphertext_bit_is_refused_and_drops_the_link(caplog):
-    caplog.set_level(logging.DEBUG, logger="mccld.links")
+    caplog.set_level(logging.DEBUG, logger="mccld.net.links")
     with Peer("a") as a, Peer("b") as b:
         relay = Relay(b.links.address, flip_frame=3)        # hello, auth, then the first sealed frame
         try:

@@ -1,4 +1,4 @@
-"""Data sockets between daemons on demand (mccld/ondemand.py): a job leases only the hosts
+"""Data sockets between daemons on demand (mccld/net/ondemand.py): a job leases only the hosts
 its engine's whole-world algorithms use at set-up, and any other host when its engine
 first sends there. Pools of several "hosts" run in this process (one LinkManager and
 DataLinks each, on loopback) with one engine per host, as mccld builds them."""
@@ -19,7 +19,7 @@ from mccl_common.daemon_settings import load_config
 from mccl_common.errors import CollectiveTimeout, MCCLError, PeerLostError
 from mccl_common.settings import EngineConfig, load
 from mccld.daemon import Daemon
-from mccld.ondemand import _MAX_EARLY, setup_hosts
+from mccld.net.ondemand import _MAX_EARLY, setup_hosts
 from support.borrowed import alltoall_check, send_0_to_3
 from support.datalinks import K, Host
 from support.engine import job_secret, ptr, thread_count

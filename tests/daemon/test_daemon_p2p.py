@@ -69,7 +69,7 @@ def test_recv_of_another_size_fails_both_ranks_with_mismatch(daemon):  # noqa: F
 
 def test_mailbox_matches_exactly_and_in_order():
     from mccl_common.errors import CollectiveMismatch, ProtocolError
-    from mccld.p2p import Mailbox, Message, Posted
+    from mccld.jobs.p2p import Mailbox, Message, Posted
 
     def msg(src, tag, fill, n=2):
         return Message(src, 0, tag, np.full(n, fill, dtype=np.uint8))
@@ -99,7 +99,7 @@ def test_mailbox_matches_exactly_and_in_order():
 
 def test_mailbox_caps_unreceived_bytes(monkeypatch):
     from mccl_common.errors import CollectiveMismatch
-    from mccld import p2p
+    from mccld.jobs import p2p
     monkeypatch.setattr(p2p, "_HELD_CAP_BYTES", 100)
     box = p2p.Mailbox()
     for i in range(2):

@@ -1,4 +1,4 @@
-"""The pipelined all-reduce through one mccld (mccld/pipelined.py, the client's pump).
+"""The pipelined all-reduce through one mccld (mccld/jobs/pipelined.py, the client's pump).
 
 The daemon runs in the test process with a tiny pipeline (a 1 MB op has 64 pieces);
 the ranks are spawned processes. Random delays are injected on both sides of the tickets:

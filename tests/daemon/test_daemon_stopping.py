@@ -20,7 +20,7 @@ import pytest
 from mccl_common import attach_protocol as protocol
 from mccl_common import shm
 from mccl_common.errors import AbortedError
-from mccld.jobs import Job, Member
+from mccld.jobs.job import Job, Member
 from support.daemon import running_daemon
 from support.job_host import StandInHost
 from support.leak_check import fd_targets

@@ -1,4 +1,4 @@
-"""mccld/topology.py: daemons measuring echo RTTs over their links and agreeing on switches.
+"""mccld/net/topology.py: daemons measuring echo RTTs over their links and agreeing on switches.
 
 The links are a fake that delivers each message on a thread of its own after a delay set per
 pair of hosts (two switches: slow between them), as the link reader threads would."""
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from mccld.topology import SwitchMap, fleet_peers
+from mccld.net.topology import SwitchMap, fleet_peers
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -49,7 +49,7 @@ class FakeLinks:
 
 
 def test_daemons_agree_on_two_switches_and_show_their_rows(monkeypatch):
-    import mccld.topology as topo
+    import mccld.net.topology as topo
     monkeypatch.setattr(topo, "_TICK_S", 0.05)
     monkeypatch.setattr(topo, "_SETTLE_S", 0.1)
     monkeypatch.setattr(topo, "_GATHER_FAST_S", 0.2)

@@ -22,7 +22,7 @@ import pytest
 
 from mccl_common.errors import AbortedError, MCCLError, PeerLostError
 from mccl_common import attach_protocol as protocol
-from mccld.jobs import Job
+from mccld.jobs.job import Job
 from support.job_host import StandInHost
 
 

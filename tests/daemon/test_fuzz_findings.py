@@ -14,7 +14,7 @@ from support.daemon import one_rank_job, refused
 from mccl_common import PROTO_VERSION, fd_handover, shm, status_protocol
 from support.daemon import open_own_memory
 from mccl_common.errors import ProtocolError
-from mccld import auth
+from mccld.net import auth
 
 DEEP = b"[" * 20_000 + b"]" * 20_000        # deeper than json can parse, small enough for a socketpair
 # A handshake frame is capped at 16 KiB (auth.MAX_HANDSHAKE_FRAME): nested as deep as fits in that.

@@ -1,4 +1,4 @@
-"""Fleet-table gossip on loopback (mccld/gossip.py over real authenticated LinkManagers): seeds,
+"""Fleet-table gossip on loopback (mccld/net/gossip.py over real authenticated LinkManagers): seeds,
 convergence, expiry, validation at the boundary, and what a hostile fleet member cannot do."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from mccl_common import gossip_protocol as gp
 from mccl_common.daemon_settings import load_config
 from mccl_common.errors import ConfigError
 
-from mccld import gossip as gossip_mod
-from mccld.gossip import Gossip
-from mccld.links import LinkManager
+from mccld.net import gossip as gossip_mod
+from mccld.net.gossip import Gossip
+from mccld.net.links import LinkManager
 
 KEY = b"g" * 32
 FLEET = "gt"
@@ -155,7 +155,7 @@ def test_a_chain_of_seeds_gives_every_daemon_the_whole_fleet_and_a_dead_one_expi
 
 @pytest.mark.timeout(60)
 def test_a_dead_seed_is_logged_once_at_warning_then_debug_and_retried_with_backoff(nodes, caplog):
-    caplog.set_level(logging.DEBUG, logger="mccld.gossip")
+    caplog.set_level(logging.DEBUG, logger="mccld.net.gossip")
     lone = nodes("lone", seeds=["127.0.0.1:9"]).start()    # port 9 (discard): nothing listens
     wait_for(lambda: sum("seed 127.0.0.1:9" in r.getMessage() for r in caplog.records) >= 3, 20,
              "three attempts on the dead seed")
@@ -197,7 +197,7 @@ class Hostile:
 @pytest.mark.timeout(60)
 def test_a_member_cannot_take_over_another_hosts_entry_fill_the_table_or_refresh_the_dead(nodes, caplog,
                                                                                         monkeypatch):
-    caplog.set_level(logging.DEBUG, logger="mccld.gossip")
+    caplog.set_level(logging.DEBUG, logger="mccld.net.gossip")
     monkeypatch.setattr(gossip_mod, "MAX_NEW_PER_PEER", 20)
     victim = nodes("victim").start()
     witness = nodes("witness", seeds=[victim.addr]).start()

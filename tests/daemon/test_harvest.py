@@ -15,11 +15,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from mccl_common.daemon_settings import load_config
 from mccl_common.errors import ConfigError
 from mccl_common.status_protocol import query
-from mccld.activity import (Activity, ActivityMonitor, linux_on_ac, parse_console, parse_hid_idle_s,
+from mccld.host.activity import (Activity, ActivityMonitor, linux_on_ac, parse_console, parse_hid_idle_s,
                             parse_logind_idle_s, parse_loginctl_sessions, parse_pmset_ac)
-from mccld.harvest import (AWAY_AFTER_S, OFF, Harvester, HarvestHistory, HarvestPolicy, harvestable_per_night,
+from mccld.host.harvest import (AWAY_AFTER_S, OFF, Harvester, HarvestHistory, HarvestPolicy, harvestable_per_night,
                            harvested_seconds, recent_nights)
-from mccld.keepawake import Caffeinate, NoKeepAwake
+from mccld.host.keepawake import Caffeinate, NoKeepAwake
 from support.daemon import one_rank_job, running_daemon, RawClient
 from support.prometheus import free_port
 
@@ -368,8 +368,8 @@ def test_daemon_activity_file_drives_status_exporter_and_capacity(tmp_path):
 @pytest.mark.timeout(10)
 def test_exporter_renders_the_harvest_snapshot():
     from prometheus_client.exposition import generate_latest
-    from mccld.metrics import make_registry
-    from mccld.stats import DaemonStats
+    from mccld.report.metrics import make_registry
+    from mccld.report.stats import DaemonStats
     stats = DaemonStats()
     bare = generate_latest(make_registry(stats)).decode()
     assert "mccl_host_cpu_cores" in bare and "mccl_harvest_state" not in bare   # no monitor, no state

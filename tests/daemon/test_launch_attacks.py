@@ -19,7 +19,7 @@ import pytest
 
 from mccl_common.errors import AuthError
 from mccl_common.launch_protocol import LaunchRequest, Lease
-from mccld.launcher import LaunchServer
+from mccld.host.launcher import LaunchServer
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""Attacker tests for launched jobs (mccld/launch_identity.py): a job that `mcclctl run` starts
+"""Attacker tests for launched jobs (mccld/host/launch_identity.py): a job that `mcclctl run` starts
 runs code its submitter chose, so it must not get mccld's keys through its environment, nor run
 as a user who can read mccld's key files."""
 
@@ -13,8 +13,8 @@ import pytest
 
 from mccl_common.errors import ConfigError
 from mccl_common.launch_protocol import LaunchRequest, Lease
-from mccld import launch_identity
-from mccld.launcher import LaunchServer
+from mccld.host import launch_identity
+from mccld.host.launcher import LaunchServer
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(os.geteuid() != 0, reason="starts jobs as another user: needs root")]

@@ -1,4 +1,4 @@
-"""mccld's launch endpoint (mccld/launcher.py) and its protocol (mccl_common/launch_protocol.py):
+"""mccld's launch endpoint (mccld/host/launcher.py) and its protocol (mccl_common/launch_protocol.py):
 a lease starts a job, streams its output sealed, ends with its exit code, and a client that
 cancels, vanishes or falls silent gets its job stopped; a wrong key, a malformed request, a
 busy host or root without MCCL_LAUNCH_USER starts nothing."""
@@ -16,7 +16,7 @@ import pytest
 
 from mccl_common.errors import AuthError, ConfigError, MCCLError, ProtocolError
 from mccl_common.launch_protocol import LaunchRequest, Lease
-from mccld.launcher import LaunchServer, torchrun_command
+from mccld.host.launcher import LaunchServer, torchrun_command
 
 pytestmark = pytest.mark.timeout(60)
 

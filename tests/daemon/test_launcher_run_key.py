@@ -1,4 +1,4 @@
-"""``mcclctl run``'s per-run key (mccl_common/launch_protocol.run_key, mccld/launcher.py): each
+"""``mcclctl run``'s per-run key (mccl_common/launch_protocol.run_key, mccld/host/launcher.py): each
 leased host derives it from the submit key and the request's run nonce, writes it to a file
 only the job's user can read, points the job's MCCL_JOB_KEY_FILE there and removes it with
 the lease; a request cannot name a key file of its own."""
@@ -13,7 +13,7 @@ import pytest
 
 from mccl_common.errors import ProtocolError
 from mccl_common.launch_protocol import LaunchRequest, Lease, new_run_nonce, run_key
-from mccld.launcher import LaunchServer
+from mccld.host.launcher import LaunchServer
 
 pytestmark = pytest.mark.timeout(60)
 

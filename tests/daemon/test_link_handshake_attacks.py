@@ -12,8 +12,9 @@ import pytest
 
 from mccl_common.daemon_settings import load_config
 from mccl_common.errors import AuthError, ConfigError
-from mccld import PROTO_VERSION, auth
-from mccld.links import LinkManager
+from mccld import PROTO_VERSION
+from mccld.net import auth
+from mccld.net.links import LinkManager
 
 KEY = b"handshake-test-fleet-key-" + b"h" * 16
 FLEET = "hs"

@@ -6,8 +6,8 @@ import pytest
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mccld import stats as st
-from mccld.metrics import MetricsServer, make_registry
+from mccld.report import stats as st
+from mccld.report.metrics import MetricsServer, make_registry
 
 PEER_A, PEER_B = "10.77.0.2:29650", "10.77.0.3:29650"
 

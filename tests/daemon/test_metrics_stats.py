@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from mccld import stats as st
+from mccld.report import stats as st
 
 
 class FakeClock:

@@ -6,9 +6,9 @@ import pytest
 
 from mccl_common.errors import AuthError, ConfigError, DaemonUnavailableError, ProtocolError
 from mccl_common import status_protocol as sp
-from mccld import status_server as ss
-from mccld import tcpinfo
-from mccld.stats import DaemonStats
+from mccld.report import status_server as ss
+from mccld.net import tcpinfo
+from mccld.report.stats import DaemonStats
 
 KEY = b"k" * 32
 

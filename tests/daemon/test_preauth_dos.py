@@ -17,10 +17,10 @@ import pytest
 
 from mccl_common.daemon_settings import load_config
 from mccl_common.status_protocol import Conn, query
-from mccld import auth
-from mccld.gate import Gate
-from mccld.links import LinkManager
-from mccld.status_server import StatusServer
+from mccld.net import auth
+from mccld.net.gate import Gate
+from mccld.net.links import LinkManager
+from mccld.report.status_server import StatusServer
 
 KEY = b"dos-test-fleet-key-" + b"d" * 20
 FLEET = "dos"
@@ -131,7 +131,7 @@ class _FlakyListener:
 def test_accept_errors_do_not_end_the_accept_loop(caplog):
     """On b865314 the first EMFILE or ECONNABORTED from accept() ended the accept loop of the
     link, status and launch ports for good: the port stayed open and answered nobody."""
-    caplog.set_level(logging.DEBUG, logger="mccld.gate")
+    caplog.set_level(logging.DEBUG, logger="mccld.net.gate")
     real = socket.create_server(("127.0.0.1", 0))
     real.settimeout(0.2)
     flaky = _FlakyListener(real, [errno.EMFILE] * 5 + [errno.ECONNABORTED] + [errno.ENFILE])
@@ -150,7 +150,7 @@ def test_accept_errors_do_not_end_the_accept_loop(caplog):
         with socket.create_connection(real.getsockname(), timeout=5.0):
             assert served.wait(20), "the accept loop ended on an accept() error"
         assert loop.is_alive()
-        warnings = [r for r in caplog.records if r.name == "mccld.gate" and r.levelname == "WARNING"]
+        warnings = [r for r in caplog.records if r.name == "mccld.net.gate" and r.levelname == "WARNING"]
         assert len(warnings) == 3, [r.getMessage() for r in warnings]   # once per errno: EMFILE, ECONNABORTED, ENFILE
         assert all(not r.exc_info for r in caplog.records)
     finally:
@@ -239,7 +239,7 @@ def test_conn_reads_no_further_than_its_limit():
 
 _FD_STARVED_DAEMON = r"""
 import os, resource, sys, time
-from mccld.links import LinkManager
+from mccld.net.links import LinkManager
 key = sys.argv[1].encode()
 links = LinkManager(key, "dos", "starved", "127.0.0.1", 0, 5.0, lambda peer, msg: None)
 links.start()
@@ -315,9 +315,9 @@ def test_the_metrics_port_out_of_fds_pauses_instead_of_spinning_and_serves_after
     """Out of fds the pending connection stays queued, so the server's poll says "readable" at
     once, again and again: without a pause its accept loop spins a core until fds come back."""
     import urllib.request
-    from mccld.metrics import MetricsServer
-    from mccld.stats import DaemonStats
-    caplog.set_level(logging.DEBUG, logger="mccld.metrics")
+    from mccld.report.metrics import MetricsServer
+    from mccld.report.stats import DaemonStats
+    caplog.set_level(logging.DEBUG, logger="mccld.report.metrics")
     srv = MetricsServer(DaemonStats(), "127.0.0.1", 0)
     srv.start()
     try:

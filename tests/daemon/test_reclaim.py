@@ -1,4 +1,4 @@
-"""The parts of handing a host back to its user (mccld/reclaim.py, proctree.py, priority.py)
+"""The parts of handing a host back to its user (mccld/host/reclaim.py, proctree.py, priority.py)
 on real processes: the job tree survives its torchrun's death, a removal escalates to SIGKILL,
 background priority reaches every thread, and the watch times each hand-back."""
 
@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from mccld.priority import Background, is_background
-from mccld.proctree import JobTree, descendants, parse_linux_stat, parse_ps
-from mccld.reclaim import ReclaimWatch, Removal
+from mccld.host.priority import Background, is_background
+from mccld.host.proctree import JobTree, descendants, parse_linux_stat, parse_ps
+from mccld.host.reclaim import ReclaimWatch, Removal
 
 pytestmark = pytest.mark.timeout(60)
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -166,8 +166,8 @@ def test_the_watch_yields_arms_the_deadline_and_times_the_hand_back():
 def test_the_exporter_has_the_reclaim_latency_histogram():
     from prometheus_client import generate_latest
 
-    from mccld.metrics import make_registry
-    from mccld.stats import DaemonStats
+    from mccld.report.metrics import make_registry
+    from mccld.report.stats import DaemonStats
     stats = DaemonStats()
     stats.record_reclaim(3.0, "left")
     stats.record_reclaim(64.0, "removed")

@@ -207,10 +207,10 @@ FIGURES = (
 
 def seed_harvest_history(rdir: Path) -> None:
     """Past nights harvested 22:00-07:00, in the history file a daemon keeps in its runtime
-    dir (mccld/harvest.py): what a daemon running for a few days would have, for the panels of
+    dir (mccld/host/harvest.py): what a daemon running for a few days would have, for the panels of
     harvestable hours per night."""
     import datetime
-    from mccld.harvest import HISTORY_NAME
+    from mccld.host.harvest import HISTORY_NAME
     rdir.mkdir(mode=0o700, parents=True, exist_ok=True)
     today = datetime.datetime.now().replace(hour=0, minute=0, second=0, microsecond=0)
     # From a noon on: a night counts once the history covers it from its start (noon to noon).

@@ -22,10 +22,10 @@ import pytest
 
 from support import prometheus as prometheus_util
 from mccl_common.daemon_settings import load_config
-from mccld.harvest import HISTORY_NAME, Harvester, recent_nights
-from mccld.metrics import MetricsServer
-from mccld.stats import DaemonStats
-from mccld.status_server import StatusServer
+from mccld.host.harvest import HISTORY_NAME, Harvester, recent_nights
+from mccld.report.metrics import MetricsServer
+from mccld.report.stats import DaemonStats
+from mccld.report.status_server import StatusServer
 
 
 core = pytest.importorskip("libmccl._core")
@@ -179,7 +179,7 @@ def test_every_dashboard_query_returns_data_and_counters_match_the_workload(tmp_
         ranks[1].stats.record_reclaim(64.0, "removed")
         for s in status + metrics:
             s.start()
-        from mccld.status_server import query
+        from mccld.report.status_server import query
         for a, b in ((0, 1), (1, 0)):
             query(f"127.0.0.1:{status[a].port}", KEY, "linktest",
                   {"target": f"127.0.0.1:{status[b].port}", "seconds": 0.5}, timeout_s=20)

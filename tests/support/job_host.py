@@ -1,4 +1,4 @@
-"""A stand-in for the daemon behind mccld's ``Job`` (the ``JobHost`` seam of mccld/jobs.py):
+"""A stand-in for the daemon behind mccld's ``Job`` (the ``JobHost`` seam of mccld/jobs/job.py):
 it records the peers' notices and does nothing else, so a unit test can drive a Job's
 requests and its thread in a chosen order without links, engines or an attach socket."""
 

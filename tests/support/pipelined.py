@@ -127,7 +127,7 @@ def rank_pipelined(rank: int, world: int) -> str:
 def jittery_daemon(monkeypatch):
     """An mccld in this process with PIPE_ENV's tiny pipeline and random pauses in its
     reductions and copies: (daemon, the ranks' env)."""
-    import mccld.pipelined as pipelined
+    import mccld.jobs.pipelined as pipelined
     from mccld.daemon import Daemon
     monkeypatch.setattr(pipelined, "ctypes", Jittery(ctypes, ("memmove",), 1))
     monkeypatch.setattr(pipelined, "_core", Jittery(pipelined._core, ("reduce_inplace", "finalize_avg"), 2))

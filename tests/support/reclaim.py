@@ -11,7 +11,7 @@ import threading
 import time
 from pathlib import Path
 
-from mccld.priority import is_background
+from mccld.host.priority import is_background
 
 from .elastic import FLEET_KEY, PY, REPO, job_pids
 

@@ -1,7 +1,7 @@
 """How many data sockets each daemon holds for a job (issue 26: links on demand through mccld).
 
 Emulates N hosts in this process on loopback, each a daemon's link manager and data-socket
-pool (mccld/links.py, datalinks.py) with one engine rank, as mccld builds a job's host
+pool (mccld/net/links.py, datalinks.py) with one engine rank, as mccld builds a job's host
 communicator. One all-reduce-only job (all-reduce, all-gather, broadcast, barrier), then,
 in the same job, an all-to-all; after each, every pool's data sockets are counted:
 
@@ -32,9 +32,9 @@ import numpy as np
 
 from libmccl import _core
 from mccl_common.errors import MCCLError
-from mccld.datalinks import DataLinks
-from mccld.links import LinkManager
-from mccld.ondemand import setup_hosts
+from mccld.net.datalinks import DataLinks
+from mccld.net.links import LinkManager
+from mccld.net.ondemand import setup_hosts
 
 F32, SUM = 0, 0
 

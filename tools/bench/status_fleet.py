@@ -1,7 +1,7 @@
 """`mcclctl status` over a synthetic fleet of N status endpoints on loopback, new path against
 the old one in the same run.
 
-The fleet: N real mccld StatusServers (mccld/status_server.py, fleet-key authenticated) spread
+The fleet: N real mccld StatusServers (mccld/report/status_server.py, fleet-key authenticated) spread
 over a few worker processes, each answering as a daemon with its own host id; ``--dead`` of the
 N are ports where nothing listens (refused at once) and ``--hung`` are sockets that accept and
 never answer (a hung daemon, or a black-holed host once connected). One more server plays this
@@ -36,7 +36,7 @@ BASELINE_REV = "760a1f1"        # main before this change: mcclctl/targets.py's 
 
 def serve(count: int, base: int) -> None:
     """A worker: ``count`` status servers answering as hosts base.., ports on stdout, then wait."""
-    from mccld.status_server import StatusServer
+    from mccld.report.status_server import StatusServer
     key = bytes.fromhex(KEY_HEX)
     servers = []
     for i in range(base, base + count):
@@ -125,7 +125,7 @@ def main() -> int:
 
 
 def _measure(args, addrs: list[tuple[str, int]]) -> int:
-    from mccld.status_server import StatusServer
+    from mccld.report.status_server import StatusServer
     from mcclctl import targets as new
     from mccl_common.discovery import browse_fleet
     key = bytes.fromhex(KEY_HEX)

@@ -1,5 +1,5 @@
 // Links on demand over sockets the communicator's owner connects and hands in (mccld's
-// pooled data sockets, mccld/datalinks.py), beside the Linker's own dialing (linker.h).
+// pooled data sockets, mccld/net/datalinks.py), beside the Linker's own dialing (linker.h).
 //
 // The transport's want(peer) is passed on to the owner's `ask` callback on a thread of our
 // own (started at the first want), never on the worker: the callback may take locks of

@@ -38,14 +38,15 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from mccl_common.errors import AbortedError, CollectiveTimeout, MCCLError, PeerLostError, ProtocolError, from_kind, kind_of
 
-from .logutil import OnceLogger
+from ..logutil import OnceLogger
 
 if TYPE_CHECKING:
-    from .datalinks import DataLinks, DataSocket
+    import socket
+
     from .links import LinkManager
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,29 @@ _MAX_ROUNDS = 4              # proposals per pair before giving up (as at set-up
 TYPES = ("data_want", "data_refused")   # plus data_lease / data_ack with lazy: true
 
 
+class PooledSocket(Protocol):
+    """A data socket of the pool (datalinks.DataSocket), as a negotiation holds it."""
+    id: str
+    sock: "socket.socket"
+
+
+class SocketPool(Protocol):
+    """What a negotiation asks of the data-socket pool (datalinks.DataLinks, which owns this
+    negotiator: typed here so that the two modules do not import each other)."""
+    k: int
+
+    @property
+    def timeout_s(self) -> float: ...
+
+    def take(self, job: str, peer_host: str, addr: str, n: int) -> list[Any]: ...
+
+    def claim(self, job: str, peer_host: str, ids: list[str], wait_until: float) -> tuple[list[Any], list[str]]: ...
+
+    def add_to_lease(self, job: str, socks: list[Any]) -> bool: ...
+
+    def discard(self, socks: list[Any], why: str, kill: bool = False) -> None: ...
+
+
 def setup_hosts(me: int, n_hosts: int) -> list[int]:
     """The hosts a job's engine links at set-up: the peers of its whole-world algorithms."""
     from libmccl import _core
@@ -74,7 +98,7 @@ class _Pair:
     state: str                      # asked | proposing | waiting | claiming | done | failed
     deadline: float
     round: int = 0
-    held: list["DataSocket"] = field(default_factory=list)
+    held: list[PooledSocket] = field(default_factory=list)
 
 
 @dataclass
@@ -93,7 +117,7 @@ class _Job:
 class OnDemand:
     """The mid-job leases of one daemon's pool; ``start``/``stop`` with it."""
 
-    def __init__(self, pool: "DataLinks", links: "LinkManager"):
+    def __init__(self, pool: SocketPool, links: "LinkManager"):
         self._pool = pool
         self._links = links
         self.host_id = links.host_id

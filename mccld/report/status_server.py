@@ -21,9 +21,9 @@ from mccl_common.errors import ConfigError, MCCLError, ProtocolError
 from mccl_common.status_protocol import (IO_TIMEOUT_S, MAX_PREAUTH_LINE, PROTO, READ_METHODS, SINK, WRITE_METHODS,
                                          Conn, mac_ok, query, signed_reply, split_addr)
 
-from . import linktest, tcpinfo
-from .gate import REWARN_S, Gate, Ticket
-from .logutil import OnceLogger
+from ..net import linktest, tcpinfo
+from ..net.gate import REWARN_S, Gate, Ticket
+from ..logutil import OnceLogger
 from .stats import DaemonStats, mccl_version
 
 __all__ = ["StatusServer", "merge_status", "query", "split_addr"]
@@ -265,7 +265,7 @@ class StatusServer:
             out = {"host": status.get("host"), "address": status.get("address"),
                    "version": status.get("version"), method: status.get(method, [])}
             if method == "links":
-                out["topology"] = status.get("topology")  # this host's switch and RTT row (mccld/topology.py)
+                out["topology"] = status.get("topology")  # this host's switch and RTT row (mccld/net/topology.py)
             return out
         if method == "fleet":
             # The daemon's fleet table (mDNS and gossip): where mcclctl finds every host at once.

@@ -35,7 +35,7 @@ from mccl_common.status_protocol import HARVESTED_STATES
 
 from .activity import Activity, ActivityMonitor
 from .keepawake import KeepAwake, keep_awake
-from .logutil import OnceLogger
+from ..logutil import OnceLogger
 
 log = logging.getLogger(__name__)
 

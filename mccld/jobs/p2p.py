@@ -42,17 +42,18 @@ import struct
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import numpy as np
 
 from mccl_common.errors import AbortedError, CollectiveMismatch, CollectiveTimeout, MCCLError, ProtocolError
 from mccl_common.wire import MAX_TAG
 
-from .ondemand import setup_hosts
+from ..net.ondemand import setup_hosts
+from .collectives import Topology
 
 if TYPE_CHECKING:
-    from .jobs import Job
+    from mccl_common import shm
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,33 @@ _CLOSING = -2                             # the source rank of a closing header;
 _INLINE_BYTES = 256 << 10                 # same-host copies up to this size run on the attach thread
 _HELD_CAP_BYTES = 1 << 30                 # messages no recv took yet, per job (the engine's own cap)
 _JOIN_S = 5.0
+
+
+class P2PHost(Protocol):
+    """What point-to-point needs of the daemon behind its job (a part of job.JobHost)."""
+
+    def reply(self, ident: bytes, req: int, payload: dict[str, Any]) -> None: ...
+    def reply_error(self, ident: bytes, req: int, exc: BaseException) -> None: ...
+    def record_collective(self, job: Any, op: str, nbytes: int, seconds: float) -> None: ...
+
+
+class P2PJob(Protocol):
+    """What point-to-point needs of its job (job.Job, which owns it: typed here so that
+    the two modules do not import each other)."""
+    id: str
+    size: int
+    timeout_s: float
+    topo: Topology
+    failed: MCCLError | None
+    members: dict[int, Any]
+    segment_lock: Any                     # a threading.RLock
+
+    @property
+    def host(self) -> P2PHost: ...
+    @property
+    def local_ranks(self) -> list[int]: ...
+    def fail(self, exc: MCCLError, local: bool) -> None: ...
+    def segment_of(self, rank: int, name: str, nbytes: int) -> "shm.Segment": ...
 
 
 @dataclass
@@ -174,7 +202,7 @@ class PointToPoint:
     """A job's p2p: requests from the attach thread, copies and engine sends on its own
     thread, engine receives on another (multi-host jobs)."""
 
-    def __init__(self, job: "Job"):
+    def __init__(self, job: P2PJob):
         self.job = job
         self._box = Mailbox()
         self._lock = threading.Lock()

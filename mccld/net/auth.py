@@ -19,7 +19,7 @@ direction as associated data. So what daemons tell each other (job names, hosts,
 unreadable on the path, and no frame can be injected, replayed, reordered or altered.
 
 The hello also names the socket's purpose, covered by both MACs: "control" (a link, as
-above) or "data:<id>" (a data socket of the daemon's pool, mccld/datalinks.py, named
+above) or "data:<id>" (a data socket of the daemon's pool, mccld/net/datalinks.py, named
 <id> on both sides). A data socket carries engine frames after the handshake; the engine opens every job on it
 with its own challenge-response on a per-job secret and derives fresh frame keys from both sides' nonces
 (libmccl/csrc/transport/handshake.h), so no key depends on this session or repeats across jobs.
@@ -39,7 +39,7 @@ from mccl_common import aead
 from mccl_common.daemon_settings import MIN_KEY_BYTES
 from mccl_common.errors import AuthError, ConfigError, ProtocolError
 
-from . import PROTO_VERSION
+from .. import PROTO_VERSION
 
 NONCE_BYTES = 32
 MAC_BYTES = 32

@@ -34,8 +34,8 @@ from mccl_common.errors import ConfigError
 from mccl_common.hostinfo import host_facts
 from mccl_common.status_protocol import HARVEST_STATES
 
-from .gate import REWARN_S, Gate
-from .logutil import OnceLogger
+from ..net.gate import REWARN_S, Gate
+from ..logutil import OnceLogger
 from .stats import STATES, DaemonStats
 
 log = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ from typing import Callable
 
 from mccl_common.daemon_settings import DaemonConfig
 
-from .logutil import OnceLogger
+from ..logutil import OnceLogger
 
 log = logging.getLogger(__name__)
 

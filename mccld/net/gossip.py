@@ -37,7 +37,7 @@ from typing import Any, Callable
 from mccl_common import gossip_protocol as gp
 from mccl_common.errors import MCCLError
 
-from .logutil import OnceLogger
+from ..logutil import OnceLogger
 
 log = logging.getLogger(__name__)
 

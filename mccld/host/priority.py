@@ -24,7 +24,7 @@ import platform
 import subprocess
 import sys
 
-from .logutil import OnceLogger
+from ..logutil import OnceLogger
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 A link is dialled the first time a job needs a peer and kept for later jobs. Links
 carry the daemons' control traffic (which pooled data sockets a job uses; job failure
-notices). Tensor data flows over data sockets (mccld/datalinks.py) that are dialled to
+notices). Tensor data flows over data sockets (mccld/net/datalinks.py) that are dialled to
 the same port and pass the same fleet-key handshake, tagged with their purpose; this
 class authenticates them and hands them to the pool instead of keeping them as links.
 """
@@ -18,7 +18,7 @@ from mccl_common.errors import AuthError, MCCLError, PeerLostError, ProtocolErro
 
 from . import auth
 from .gate import REWARN_S, Gate, Ticket
-from .logutil import OnceLogger
+from ..logutil import OnceLogger
 
 log = logging.getLogger(__name__)
 

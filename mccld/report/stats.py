@@ -17,7 +17,7 @@ from typing import Any
 
 from mccl_common.status_protocol import HARVEST_STATES
 
-from . import __version__
+from .. import __version__
 
 # Upper bounds (seconds) of the collective duration histogram. Fixed, so that
 # histogram_quantile() can aggregate across hosts: 10 us (a loopback barrier) up to a

@@ -44,8 +44,8 @@ from mccl_common.launch_protocol import (BEAT_S, DRAIN_ENV, LEASE_TIMEOUT_S, LEF
 from mccl_common.status_protocol import IO_TIMEOUT_S, MAX_PREAUTH_LINE, Conn, HARVESTED_STATES
 
 from . import launch_identity
-from .gate import REWARN_S, Gate, Ticket
-from .logutil import OnceLogger
+from ..net.gate import REWARN_S, Gate, Ticket
+from ..logutil import OnceLogger
 from .priority import Background
 from .proctree import JobTree
 from .reclaim import Removal
