@@ -42,6 +42,15 @@ def _rows(rank: int, world: int, kind: str, passes: int = 1, broken: bool = Fals
                 except Exception as exc:  # noqa: BLE001 - the negative control's DeviceRace, reported
                     if not broken:
                         raise
+                    # The device's own error is the root cause. The op may surface only the engine's
+                    # "the producer poisoned its ready ticket" when the poison won the race to the
+                    # caller (seen once beside two busy loops).
+                    check = getattr(getattr(dev, "ops", None), "check", None)
+                    try:
+                        if check is not None:
+                            check()
+                    except Exception as cause:  # noqa: BLE001 - reported as the row's detail
+                        exc = cause
                     rows.append((p, name, False, True, f"{type(exc).__name__}: {exc}"))
                     break
         if hasattr(dev, "emulator"):
