@@ -22,6 +22,7 @@ import pytest
 from libmccl import _core
 from mccl_common.errors import AuthError, ConfigError, MCCLError
 
+from support import link_peer
 from support.borrowed import K, Mesh
 from support.engine import AVG, DT, SUM, make_options, ptr, run_ranks, run_threads
 from support.mitm import KIND_ABORT, KIND_COLLECTIVE, RECORD, TAG, Frame, Mitm, abort_payload, header
@@ -216,6 +217,18 @@ def test_bare_frames_let_the_same_flip_through_silently():
     outcome, buf, _ = attacked_allreduce(W.off, on_first_big_frame(flip), sealed=False)
     assert outcome[1] is False or outcome[0] is False, outcome
     assert not np.isin(buf, [OWN, OWN + PEER]).all()
+
+
+@pytest.mark.timeout(30)
+def test_the_attacker_relays_a_hello_whose_nonce_ends_like_a_frame_at_once():
+    # A random nonce ends in the frame magic's first byte once in 256 hellos; the relay once
+    # held that byte back for the frame it might begin, and the handshake timed out.
+    hello = link_peer.hello(1, 0, 1, 2, nonce=os.urandom(31) + b"M")
+    with Mitm(True) as mitm:
+        a, b = mitm.ends[0]
+        a.sendall(hello)
+        b.settimeout(5)
+        assert link_peer.recv_exact(b, len(hello)) == hello
 
 
 def inject_abort(cid_of, sealed: bool):

@@ -5,7 +5,10 @@ support/borrowed.py) and may rewrite the rank-0-to-1 stream of socket 0 frame by
 It knows only what a stranger on the LAN knows: the wire format (a 72-byte header in
 clear, then, with wire security on, the header's 16-byte tag and the payload as records
 of at most 64 KiB each followed by a 16-byte tag) and the communicator id it reads off
-the wire. Everything before the first frame (the link handshake) is relayed untouched.
+the wire. Everything before the first frame (the link handshake, transport/handshake.cc)
+is relayed untouched and at once: its end is known from its messages' lengths, never
+guessed from bytes that look like a frame (a random nonce ending in the magic's first
+byte once held the dialer's hello back until the handshake timed out).
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ import threading
 from typing import Callable
 
 from .borrowed import K, tcp_pair
+from .link_peer import HELLO, PROOF, REPLY, VERSION
 
-MAGIC = struct.pack("<IH", 0x4C43434D, 2)
 HEADER = 72
 TAG = 16
 RECORD = 64 << 10
@@ -54,6 +57,23 @@ def abort_payload(message: str, kind: int = 1) -> bytes:
     return struct.pack("<iiiII", 0, 0, kind, 0, len(m)) + m
 
 
+def handshake_end(head: bytes) -> int | None:
+    """How many of a stream's first bytes are the link handshake, or None while too few
+    have arrived to tell (every byte so far is then part of it)."""
+    # The dialer sends its hello, then its proof; the acceptor answers each with a reply
+    # and as many bytes of reason as the reply says.
+    if len(head) < 8:
+        return None
+    if struct.unpack_from("<I", head, 4)[0] == VERSION:
+        return HELLO.size + PROOF.size          # the dialer's side
+    if len(head) < 12:
+        return None
+    first = REPLY.size + struct.unpack_from("<I", head, 8)[0]
+    if len(head) < first + 12:
+        return None
+    return first + REPLY.size + struct.unpack_from("<I", head, first + 8)[0]
+
+
 # An attack sees each complete frame of the attacked stream, with its number among the
 # frames, and returns the bytes to forward instead.
 Attack = Callable[[int, Frame], bytes]
@@ -81,7 +101,8 @@ class Mitm:
         return {1 - r: [pair[r].fileno() for pair in self.ends]}
 
     def _pump(self, src: socket.socket, dst: socket.socket, attacked: bool) -> None:
-        buf = bytearray()
+        head = bytearray()   # the stream's handshake bytes, until their end is known
+        buf = bytearray()    # frame bytes not yet forwarded
         in_frames = False
         n = 0
         try:
@@ -90,19 +111,17 @@ class Mitm:
                     dst.sendall(chunk)
                     continue
                 self.captured += chunk
-                buf += chunk
                 if not in_frames:
-                    at = self._first_frame(buf)
-                    if at < 0:
-                        # The handshake passes on at once; only a possible magic's first
-                        # bytes wait for the next chunk.
-                        keep = len(buf) - self._magic_tail(buf)
-                        dst.sendall(bytes(buf[:keep]))
-                        del buf[:keep]
+                    sent = len(head)
+                    head += chunk
+                    end = handshake_end(head)
+                    if end is None or len(head) < end:
+                        dst.sendall(chunk)
                         continue
-                    dst.sendall(bytes(buf[:at]))
-                    del buf[:at]
+                    dst.sendall(bytes(head[sent:end]))
+                    chunk = bytes(head[end:])
                     in_frames = True
+                buf += chunk
                 while (frame := self._take_frame(buf)) is not None:
                     dst.sendall(self.attack(n, frame) if self.attack else frame.wire())
                     n += 1
@@ -113,26 +132,6 @@ class Mitm:
                 dst.shutdown(socket.SHUT_WR)
             except OSError:
                 pass
-
-    @staticmethod
-    def _first_frame(buf: bytearray) -> int:
-        # The handshake's hello also starts with the magic and version, but its next two
-        # bytes are zero where a frame names its kind.
-        at = buf.find(MAGIC)
-        while at >= 0 and len(buf) >= at + 8:
-            if 1 <= struct.unpack_from("<H", buf, at + 6)[0] <= 4:
-                return at
-            at = buf.find(MAGIC, at + 1)
-        return -1
-
-    @staticmethod
-    def _magic_tail(buf: bytearray) -> int:
-        """How many of buf's last bytes could begin a frame header (the magic, version
-        and a kind byte) whose rest is still to come."""
-        for k in range(min(7, len(buf)), 0, -1):
-            if bytes(buf[-k:]) == (MAGIC + b"\x00")[:k] or (k == 7 and bytes(buf[-7:-1]) == MAGIC):
-                return k
-        return 0
 
     def _take_frame(self, buf: bytearray) -> Frame | None:
         hlen = HEADER + (TAG if self.sealed else 0)
