@@ -126,9 +126,13 @@ def test_dribbling_peers_are_capped_and_dropped_at_the_deadline(limited_daemon, 
         started = time.monotonic()
         honest_request(d, env, kind, port)
         took = time.monotonic() - started
-        assert took < 1.0, f"an honest request to the {kind} port took {took:.2f} s beside {DRIBBLERS} dribblers"
-
         gate = server(d, kind).gate
+        # Answered while every dribbler it lets in is still held: it did not queue behind them
+        # (a wall-clock bound here failed once in CI under load, at well under the deadline).
+        assert gate.expired == 0 and gate.unauthenticated() == PER_PEER, \
+            f"an honest request to the {kind} port was answered only after {gate.expired} dribblers " \
+            f"were dropped at the {DEADLINE_S} s deadline (it took {took:.2f} s)"
+
         assert gate.refused == DRIBBLERS - PER_PEER, "the per-peer cap did not close the extra connections"
         for s in socks:
             s.settimeout(0.05)
@@ -148,7 +152,9 @@ def test_dribbling_peers_are_capped_and_dropped_at_the_deadline(limited_daemon, 
         t.join()
         for s in socks:
             s.close()
-    assert settles_to(baseline, 5.0) <= baseline, "fds or threads of the daemon stayed above the baseline"
+    # Generous: the link port's handshake threads notice their closed sockets on their own
+    # schedule, and in CI beside the e2e half 5 s once left two of them running.
+    assert settles_to(baseline, 30.0) <= baseline, "fds or threads of the daemon stayed above the baseline"
 
 
 @pytest.mark.timeout(60)
