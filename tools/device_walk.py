@@ -1,12 +1,19 @@
 """The walk of an all-reduce's tensors through libmccl (issue 28): which of our modules one
-``dist.all_reduce`` call passes through on the calling thread, in order, from torch's entry into
+``dist.all_reduce`` call passes through on the calling thread, from torch's entry into
 ``ProcessGroupMCCL.allreduce`` until it returns the Work. Two ranks as processes, one on CPU
 tensors and one on the fake device (libmccl.devices.fake_device), each after a warm-up call.
 
     .venv/bin/python -m tools.device_walk            # prints each walk and its counts
 
-A stop is a run of calls inside one module; a return is a stop in a module the walk had
-already left. The target (issue 28, deliverable 2) is no returns.
+What is counted, per walk (``Walk``):
+  stops     runs of calls inside one module, in the order the thread ran them (the path printed);
+  entries   calls from a module A into another module B (per B): how often B is entered;
+  callers   for each module, the modules that call it;
+  up-calls  calls into a module that is already on the call stack below the caller: B calls
+            back into A while A's frame is still active, the bouncing issue 28 complains about.
+The target (issue 28, deliverable 2; tests/torch/test_device_walk.py holds it): no up-calls; the
+backend enters libmccl.devices through one module, at most twice per collective (prepare, then
+launch); every other devices module is called from one devices module only (a tree).
 """
 
 from __future__ import annotations
@@ -14,11 +21,14 @@ from __future__ import annotations
 import datetime
 import os
 import sys
-from typing import Any
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
 N = 5003
+OUTSIDE = "<outside>"  # a caller that is none of our modules (torch's dist.all_reduce)
 
 
 def _module(frame: Any) -> str | None:
@@ -26,23 +36,68 @@ def _module(frame: Any) -> str | None:
     return name if name.startswith("libmccl") else None
 
 
-def walk(fn: Any) -> list[str]:
-    """The libmccl modules ``fn()`` runs through on this thread, consecutive repeats merged."""
-    seq: list[str] = []
+def _stack(frame: Any) -> list[str]:
+    """Our modules on the call stack below ``frame``, innermost first."""
+    out = []
+    f = frame.f_back
+    while f is not None:
+        mod = _module(f)
+        if mod is not None:
+            out.append(mod)
+        f = f.f_back
+    return out
 
-    def note(mod: str | None) -> None:
-        if mod is not None and (not seq or seq[-1] != mod):
-            seq.append(mod)
+
+@dataclass
+class Walk:
+    path: list[str] = field(default_factory=list)            # the stops
+    entries: Counter = field(default_factory=Counter)        # module -> calls into it from another module
+    callers: dict[str, set[str]] = field(default_factory=dict)
+    up_calls: list[tuple[str, str]] = field(default_factory=list)  # (caller, callee already below it)
+    calls: list[tuple[int, str, str]] = field(default_factory=list)  # (depth, caller, callee) per entry
+
+    def note(self, mod: str) -> None:
+        if not self.path or self.path[-1] != mod:
+            self.path.append(mod)
+
+    def enter(self, frame: Any, mod: str) -> None:
+        below = _stack(frame)
+        caller = below[0] if below else OUTSIDE
+        if caller == mod:
+            return
+        self.entries[mod] += 1
+        self.callers.setdefault(mod, set()).add(caller)
+        self.calls.append((len([m for i, m in enumerate(below) if i == 0 or below[i - 1] != m]), caller, mod))
+        if mod in below[1:]:
+            self.up_calls.append((caller, mod))
+
+    def counts(self) -> dict[str, int]:
+        return {"modules": len(set(self.path)), "stops": len(self.path), "entries": sum(self.entries.values()),
+                "up_calls": len(self.up_calls)}
+
+    def entries_from(self, caller: str, package: str) -> Counter:
+        """Calls from ``caller`` into each module of ``package``."""
+        return Counter(m for _, c, m in self.calls if c == caller and m.startswith(package + "."))
+
+
+def walk(fn: Callable[[], Any]) -> Walk:
+    """What ``fn()`` runs through of libmccl on this thread."""
+    w = Walk()
 
     def tracer(frame: Any, event: str, arg: Any) -> Any:
         if event == "call":
-            note(_module(frame))
+            mod = _module(frame)
+            if mod is not None:
+                w.note(mod)
+                w.enter(frame, mod)
             return local
         return None
 
     def local(frame: Any, event: str, arg: Any) -> Any:
         if event == "return" and frame.f_back is not None:
-            note(_module(frame.f_back))
+            mod = _module(frame.f_back)
+            if mod is not None:
+                w.note(mod)
         return local
 
     sys.settrace(tracer)
@@ -50,73 +105,111 @@ def walk(fn: Any) -> list[str]:
         fn()
     finally:
         sys.settrace(None)
-    return seq
+    return w
 
 
-def counts(seq: list[str]) -> dict[str, int]:
-    seen: set[str] = set()
-    returns = 0
-    for mod in seq:
-        returns += mod in seen
-        seen.add(mod)
-    return {"modules": len(seen), "stops": len(seq), "returns": returns}
+def tree_violations(w: Walk, backend: str = "libmccl.torch.backend", package: str = "libmccl.devices",
+                    max_entries: int = 2) -> list[str]:
+    """How ``w`` misses issue 28's target for the device path (empty: it meets it)."""
+    bad = [f"up-call {c} -> {m}" for c, m in w.up_calls]
+    into = w.entries_from(backend, package)
+    if len(into) > 1:
+        bad.append(f"{backend} enters {package} through {len(into)} modules: {dict(into)}")
+    bad += [f"{backend} enters {m} {n} times (at most {max_entries})" for m, n in into.items() if n > max_entries]
+    for mod, callers in sorted(w.callers.items()):
+        if mod.startswith(package + ".") and mod not in into:
+            if len(callers) > 1 or not all(c.startswith(package + ".") for c in callers):
+                bad.append(f"{mod} is called from {sorted(callers)}, not from one {package} module")
+    return bad
 
 
-def _rank(rank: int, world: int, port: int, kind: str, out: Any) -> None:
+def report(kind: str, w: Walk) -> str:
+    short = lambda m: m.removeprefix("libmccl.")   # noqa: E731
+    lines = [f"{kind}: {w.counts()}", "  path: " + " -> ".join(short(m) for m in w.path), "  entries (callers):"]
+    for mod, n in w.entries.most_common():
+        lines.append(f"    {short(mod):28s} {n:3d}  <- {', '.join(sorted(short(c) for c in w.callers[mod]))}")
+    for c, m in w.up_calls:
+        lines.append(f"  up-call: {short(c)} -> {short(m)}")
+    lines += [f"  off target: {v}" for v in tree_violations(w)]
+    return "\n".join(lines)
+
+
+KINDS = ("cpu", "fake")
+
+
+def _rank(rank: int, world: int, port: int, kinds: tuple[str, ...], out: Any) -> None:
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("mccl", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    dev = None
     try:
-        if kind == "fake":
-            from libmccl.devices import device_check
+        for kind in kinds:
+            dev = None
+            try:
+                if kind == "fake":
+                    from libmccl.devices import device_check
 
-            dev = device_check.fake_device(seed=rank, unified=False)
-            make = lambda: dev.produce(N, torch.float32, rank)   # noqa: E731
-        else:
-            make = lambda: torch.ones(N)                          # noqa: E731
-        dist.all_reduce(make(), async_op=True).wait()            # warm: pools, links, lazy imports
-        t = make()
-        works: list[Any] = []
-        seq = walk(lambda: works.append(dist.all_reduce(t, async_op=True)))
-        works[0].wait()
-        if rank == 0:
-            out.put((kind, seq))
+                    dev = device_check.fake_device(seed=rank, unified=False)
+                    make = lambda: dev.produce(N, torch.float32, rank)   # noqa: E731
+                else:
+                    make = lambda: torch.ones(N)                          # noqa: E731
+                dist.all_reduce(make(), async_op=True).wait()            # warm: pools, links, lazy imports
+                t = make()
+                works: list[Any] = []
+                w = walk(lambda: works.append(dist.all_reduce(t, async_op=True)))
+                works[0].wait()
+                if rank == 0:
+                    out.put((kind, w))
+            finally:
+                if dev is not None:
+                    dev.close()
     finally:
-        if dev is not None:
-            dev.close()
         dist.destroy_process_group()
 
 
-def main() -> None:
+def walks(kinds: tuple[str, ...] = KINDS, timeout_s: float = 120.0) -> dict[str, Walk]:
+    """Rank 0's walk of one all-reduce per kind, two ranks as processes on loopback."""
     import tempfile
 
     from mccl_common.daemon_settings import write_key_file
     from tools.bench.init_scale import free_port
 
     ctx = mp.get_context("spawn")
-    keys = tempfile.TemporaryDirectory(prefix="mccl-walk-")
-    os.environ["MCCL_JOB_KEY_FILE"] = str(write_key_file(os.path.join(keys.name, "job.key")))
-    for kind in ("cpu", "fake"):
+    got: dict[str, Walk] = {}
+    with tempfile.TemporaryDirectory(prefix="mccl-walk-") as keys:
+        env = {"MCCL_JOB_KEY_FILE": str(write_key_file(os.path.join(keys, "job.key")))}
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         out = ctx.Queue()
         port = free_port()
-        procs = [ctx.Process(target=_rank, args=(r, 2, port, kind, out), daemon=True) for r in range(2)]
-        for p in procs:
-            p.start()
+        procs = [ctx.Process(target=_rank, args=(r, 2, port, kinds, out), daemon=True) for r in range(2)]
         try:
-            got, seq = out.get(timeout=120)
+            for p in procs:
+                p.start()
+            for _ in kinds:
+                kind, w = out.get(timeout=timeout_s)
+                got[kind] = w
         finally:
             for p in procs:
                 p.join(30)
                 if p.is_alive():
                     p.kill()
                     p.join(5)
-        short = [m.removeprefix("libmccl.") for m in seq]
-        print(f"{got}: {counts(seq)}\n  " + " -> ".join(short))
-    keys.cleanup()
+            out.close()
+            out.join_thread()
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    return got
+
+
+def main() -> None:
+    for kind, w in walks().items():
+        print(report(kind, w))
 
 
 if __name__ == "__main__":
