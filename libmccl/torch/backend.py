@@ -5,8 +5,8 @@ Reductions, broadcast and all-gather live here; the collectives that only move d
 collective checks its arguments (``args``), asks the device layer for a plan of its
 tensors (``libmccl.devices.plan``: host buffers, a device's staging and tickets), lets
 the plan launch one engine operation and returns an ``MCCLWork`` at once; the engine's
-completion thread finishes the Work through the ``CompletionRouter``. Coalesced variants are flattened into one buffer, so they
-cost one engine operation.
+completion thread finishes the Work through the ``CompletionRouter``. Coalesced variants
+are flattened into one buffer, so they cost one engine operation.
 
 Every collective torch offers is overridden, under both of its spellings where
 torch renamed it: a method left to the C++ base class fails with "No backend type
@@ -258,7 +258,8 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
             st.copy_back(t, part)
             offset += t.numel()
         dtype, count, op = args.reduce_codes(flat, opts.reduceOp, "allreduce_coalesced")
-        return self._submit("allreduce_coalesced", st, ts, opts, self._comm.allreduce, flat.data_ptr(), count, dtype, op)
+        return self._submit("allreduce_coalesced", st, ts, opts, self._comm.allreduce, flat.data_ptr(), count, dtype,
+                            op)
 
     # -- broadcast / reduce -----------------------------------------------------------
     def broadcast(self, tensors: Any, opts: Any = None) -> MCCLWork:
@@ -356,7 +357,8 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
     # -- reduce-scatter ----------------------------------------------------------------
     def reduce_scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> MCCLWork:
         opts = compat.options_or_default(opts, _c10d.ReduceScatterOptions)
-        out = args.check_tensor(args.single(output_tensors, "reduce_scatter", "output_tensors"), "reduce_scatter", "output")
+        out = args.check_tensor(args.single(output_tensors, "reduce_scatter", "output_tensors"), "reduce_scatter",
+                                "output")
         ins = args.tensor_list(args.single(input_tensors, "reduce_scatter", "input_tensors"), "reduce_scatter",
                             "input_list", self.size())
         for r, x in enumerate(ins):

@@ -1,6 +1,7 @@
 """The data-movement half of the ``mccl`` process group: scatter, gather, all-to-all(v)
 and point-to-point. Nothing here reduces; ``ProcessGroupMCCL`` mixes these in and
-provides ``_plan`` (the device layer's plan of a call's tensors), ``_submit`` (one engine op -> one Work), ``_comm`` and the rank/size."""
+provides ``_plan`` (the device layer's plan of a call's tensors), ``_submit`` (one engine op ->
+one Work), ``_comm`` and the rank/size."""
 
 from __future__ import annotations
 
