@@ -5,8 +5,8 @@ the op finishes. The backend (libmccl.torch.backend) calls it twice per collecti
     plan.launch(work, track, gate, engine_call, *engine_args)             # O1, the gate, the engine op
 
 and hands the Work what it needs to finish: ``plan.keep`` (every buffer whose address the engine
-holds), ``plan.finish`` (the copy-backs, run on completion) and ``plan.waiter`` (the device's
-side of O2, or None). ``prepare`` decides the path: solo (a group of one: nothing staged),
+holds), ``plan.finish`` (the copy-backs, run on completion; None where there are none) and
+``plan.waiter`` (the device's side of O2, or None). ``prepare`` decides the path: solo (a group of one: nothing staged),
 ordered (an all-reduce reduced in place on a device's memory or the Metal bridge's buffer,
 device_tensors.ordered), staged (device tensors through host blocks behind a gate on ``ready``)
 or plain host buffers (CPU tensors, non-contiguous ones and mps tensors through blocking copies,
@@ -93,6 +93,8 @@ class Plan:
         self.device: Any = None   # the DeviceSide, if a tensor is on a device stream
         self.waiter: Any = None   # what Work.wait()/get_future() order the waiter after (O2)
         self.ordered = False
+        # The Work's step on completion, once there is one (none for an in-place CPU buffer).
+        self.finish: Callable[[], None] | None = None
         self._unpack: list[Callable[[], None]] = []
         self._copy_back: list[Callable[[], None]] = []
         self._name = name
@@ -140,7 +142,7 @@ class Plan:
         if self.device is not None:
             self.device.abandon()
 
-    def finish(self) -> None:
+    def _finish(self) -> None:
         """The op completed (completion thread): unpack, copy back, and let a staged device op's
         result go to the device."""
         steps = self._unpack + self._copy_back
@@ -158,6 +160,7 @@ class Plan:
         if self.device is None:
             self.device = self.waiter = device_tensors.staged(t, self._name, self._blocks, self._on_lost)
             self.keep.append(self.device)
+            self.finish = self._finish
         elif not self.device.add(t):
             self._refuse(f"[mccl] {self._name}: tensors on {self.device.device} and {t.device} in one "
                          "call; mccl runs one device per process, move them to one device")
@@ -258,12 +261,15 @@ class Plan:
             self.device.copy_out(dst.data_ptr(), src.data_ptr(), _nbytes(dst))
         elif dst.device.type == "mps":
             self._copy_back.append(lambda: _unified().copy_back(dst, src.view(dst.shape)))
+            self.finish = self._finish
         else:
             self._copy_back.append(lambda: dst.copy_(src.view(dst.shape)))
+            self.finish = self._finish
 
     def unpack(self, dst: torch.Tensor, src_bytes: torch.Tensor) -> None:
         """On completion, copy a slice of a flat byte buffer into contiguous ``dst``."""
         self._unpack.append(lambda: as_bytes(dst).copy_(src_bytes))
+        self.finish = self._finish
 
 
 def _flat(xs: Any) -> list[Any]:
