@@ -54,7 +54,7 @@ class Walk:
     entries: Counter = field(default_factory=Counter)        # module -> calls into it from another module
     callers: dict[str, set[str]] = field(default_factory=dict)
     up_calls: list[tuple[str, str]] = field(default_factory=list)  # (caller, callee already below it)
-    calls: list[tuple[int, str, str]] = field(default_factory=list)  # (depth, caller, callee) per entry
+    calls: list[tuple[str, str]] = field(default_factory=list)  # (caller, callee) per entry, in order
 
     def note(self, mod: str) -> None:
         if not self.path or self.path[-1] != mod:
@@ -67,7 +67,7 @@ class Walk:
             return
         self.entries[mod] += 1
         self.callers.setdefault(mod, set()).add(caller)
-        self.calls.append((len([m for i, m in enumerate(below) if i == 0 or below[i - 1] != m]), caller, mod))
+        self.calls.append((caller, mod))
         if mod in below[1:]:
             self.up_calls.append((caller, mod))
 
@@ -77,7 +77,7 @@ class Walk:
 
     def entries_from(self, caller: str, package: str) -> Counter:
         """Calls from ``caller`` into each module of ``package``."""
-        return Counter(m for _, c, m in self.calls if c == caller and m.startswith(package + "."))
+        return Counter(m for c, m in self.calls if c == caller and m.startswith(package + "."))
 
 
 def walk(fn: Callable[[], Any]) -> Walk:

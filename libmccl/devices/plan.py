@@ -50,8 +50,10 @@ def prepare(name: str, tensors: Sequence[Any] = (), blocks: Any = None,
     the op, so that scratch buffers are staging blocks too when a device is involved).
 
     ``in_place``: the tensor an all-reduce reduces in place; its buffer's address is ``buffer``.
-    ``solo``: a group of one, where that collective is the identity: nothing is staged and
-    ``buffer`` is 0 (the solo communicator ignores it). ``blocks``: where device staging blocks
+    ``solo``: a group of one, where the collective (all-reduce, broadcast, reduce) is the identity:
+    whatever the tensor's device, no staging buffer, gate or helper thread, and ``buffer`` is 0
+    (the solo communicator ignores it). Out-of-place ones in a group of one are planned as
+    usual: a copy on the device would have to be ordered on its stream, which the tickets do. ``blocks``: where device staging blocks
     come from first (segment_staging.SegmentStaging). ``on_lost``: told of a device op's failure
     found after its future was handed out."""
     if solo:

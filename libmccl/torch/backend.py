@@ -211,8 +211,8 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
         return prepare(name, tensors, blocks, self._lose_result)
 
     def _submit(self, name: str, plan: Plan, outputs: Sequence[Any], opts: Any, call: Callable[..., int],
-                *args: Any) -> MCCLWork:
-        """One engine op, ``call(*args)``, on the buffers ``plan`` staged; its Work, at once."""
+                *engine_args: Any) -> MCCLWork:
+        """One engine op, ``call(*engine_args)``, on the buffers ``plan`` staged; its Work, at once."""
         if self._closed or self._lost_result is not None:
             plan.abandon()  # never launched: a device op's blocks and words go back at once
         if self._closed:
@@ -224,7 +224,7 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
                             "Create a new process group") from self._lost_result
         timeout = compat.options_timeout(opts) if opts is not None else None
         work = MCCLWork(name, self.rank(), outputs, plan.keep, plan.finish, timeout or self._timeout_s, plan.waiter)
-        plan.launch(work, self._router.track, self._comm.gate, call, *args)
+        plan.launch(work, self._router.track, self._comm.gate, call, *engine_args)
         if self._coalescing is not None:
             self._coalescing.append(work)
         return work
