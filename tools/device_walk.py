@@ -3,7 +3,8 @@
 ``ProcessGroupMCCL.allreduce`` until it returns the Work. Two ranks as processes, one on CPU
 tensors and one on the fake device (libmccl.devices.fake_device), each after a warm-up call.
 
-    .venv/bin/python -m tools.device_walk            # prints each walk and its counts
+    .venv/bin/python -m tools.device_walk                 # prints each walk and its counts
+    python -m tools.device_walk --kinds cpu,fake,cuda      # on a machine with a GPU
 
 What is counted, per walk (``Walk``):
   stops     runs of calls inside one module, in the order the thread ran them (the path printed);
@@ -153,6 +154,8 @@ def _rank(rank: int, world: int, port: int, kinds: tuple[str, ...], out: Any) ->
 
                     dev = device_check.fake_device(seed=rank, unified=False)
                     make = lambda: dev.produce(N, torch.float32, rank)   # noqa: E731
+                elif kind == "cuda":  # both ranks on the first GPU, as tools/bench/device_run.sh step 8
+                    make = lambda: torch.ones(N, device="cuda")           # noqa: E731
                 else:
                     make = lambda: torch.ones(N)                          # noqa: E731
                 dist.all_reduce(make(), async_op=True).wait()            # warm: pools, links, lazy imports
@@ -208,7 +211,21 @@ def walks(kinds: tuple[str, ...] = KINDS, timeout_s: float = 120.0) -> dict[str,
 
 
 def main() -> None:
-    for kind, w in walks().items():
+    import argparse
+
+    ap = argparse.ArgumentParser(description="the walk of one all_reduce's tensors through libmccl")
+    ap.add_argument("--kinds", default=",".join(KINDS),
+                    help="comma-separated: cpu, fake (the fake device), cuda (needs a GPU; default: %(default)s)")
+    kinds = tuple(k for k in ap.parse_args().kinds.split(",") if k)
+    bad = [k for k in kinds if k not in (*KINDS, "cuda")]
+    if bad:
+        ap.error(f"unknown kind(s) {bad}; choose from cpu, fake, cuda")
+    if "cuda" in kinds:
+        import torch
+
+        if not torch.cuda.is_available():
+            ap.error("--kinds cuda: torch sees no CUDA device here")
+    for kind, w in walks(kinds).items():
         print(report(kind, w))
 
 
