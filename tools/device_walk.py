@@ -5,6 +5,7 @@ tensors and one on the fake device (libmccl.devices.fake_device), each after a w
 
     .venv/bin/python -m tools.device_walk                 # prints each walk and its counts
     python -m tools.device_walk --kinds cpu,fake,cuda      # on a machine with a GPU
+    .venv/bin/python -m tools.device_walk --all-gather    # an all_gather's walk too
 
 What is counted, per walk (``Walk``):
   stops     runs of calls inside one module, in the order the thread ran them (the path printed);
@@ -14,7 +15,9 @@ What is counted, per walk (``Walk``):
             back into A while A's frame is still active, the bouncing issue 28 complains about.
 The target (issue 28, deliverable 2; tests/torch/test_device_walk.py holds it): no up-calls; the
 backend enters libmccl.devices through one module, at most twice per collective (prepare, then
-launch); every other devices module is called from one devices module only (a tree).
+launch); every other devices module is called from one devices module only (a tree). A
+collective with several buffers (--all-gather) builds them on the plan between the two calls:
+the same tree, more entries into the plan.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -110,13 +114,14 @@ def walk(fn: Callable[[], Any]) -> Walk:
 
 
 def tree_violations(w: Walk, backend: str = "libmccl.torch.backend", package: str = "libmccl.devices",
-                    max_entries: int = 2) -> list[str]:
+                    max_entries: int | None = 2) -> list[str]:
     """How ``w`` misses issue 28's target for the device path (empty: it meets it)."""
     bad = [f"up-call {c} -> {m}" for c, m in w.up_calls]
     into = w.entries_from(backend, package)
     if len(into) > 1:
         bad.append(f"{backend} enters {package} through {len(into)} modules: {dict(into)}")
-    bad += [f"{backend} enters {m} {n} times (at most {max_entries})" for m, n in into.items() if n > max_entries]
+    if max_entries is not None:
+        bad += [f"{backend} enters {m} {n} times (at most {max_entries})" for m, n in into.items() if n > max_entries]
     for mod, callers in sorted(w.callers.items()):
         if mod.startswith(package + ".") and mod not in into:
             if len(callers) > 1 or not all(c.startswith(package + ".") for c in callers):
@@ -124,21 +129,33 @@ def tree_violations(w: Walk, backend: str = "libmccl.torch.backend", package: st
     return bad
 
 
-def report(kind: str, w: Walk) -> str:
+def report(kind: str, w: Walk, max_entries: int | None = 2) -> str:
     short = lambda m: m.removeprefix("libmccl.")   # noqa: E731
     lines = [f"{kind}: {w.counts()}", "  path: " + " -> ".join(short(m) for m in w.path), "  entries (callers):"]
     for mod, n in w.entries.most_common():
         lines.append(f"    {short(mod):28s} {n:3d}  <- {', '.join(sorted(short(c) for c in w.callers[mod]))}")
     for c, m in w.up_calls:
         lines.append(f"  up-call: {short(c)} -> {short(m)}")
-    lines += [f"  off target: {v}" for v in tree_violations(w)]
+    lines += [f"  off target: {v}" for v in tree_violations(w, max_entries=max_entries)]
     return "\n".join(lines)
 
 
 KINDS = ("cpu", "fake")
+# What is walked: one all-reduce (the target's walk), and an all-gather, a collective whose
+# several buffers the backend builds on the plan between prepare and launch (--all-gather).
 
 
-def _rank(rank: int, world: int, port: int, kinds: tuple[str, ...], out: Any) -> None:
+def _issue(collective: str, t: Any, make: Callable[[], Any]) -> Callable[[], Any]:
+    import torch.distributed as dist
+
+    if collective == "all_gather":
+        outs = [make() for _ in range(dist.get_world_size())]
+        return lambda: dist.all_gather(outs, t, async_op=True)
+    return lambda: dist.all_reduce(t, async_op=True)
+
+
+def _rank(rank: int, world: int, port: int, kinds: tuple[str, ...], collectives: tuple[str, ...],
+          out: Any) -> None:
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     import torch
     import torch.distributed as dist
@@ -158,13 +175,14 @@ def _rank(rank: int, world: int, port: int, kinds: tuple[str, ...], out: Any) ->
                     make = lambda: torch.ones(N, device="cuda")           # noqa: E731
                 else:
                     make = lambda: torch.ones(N)                          # noqa: E731
-                dist.all_reduce(make(), async_op=True).wait()            # warm: pools, links, lazy imports
-                t = make()
-                works: list[Any] = []
-                w = walk(lambda: works.append(dist.all_reduce(t, async_op=True)))
-                works[0].wait()
-                if rank == 0:
-                    out.put((kind, w))
+                for collective in collectives:
+                    _issue(collective, make(), make)().wait()            # warm: pools, links, lazy imports
+                    call = _issue(collective, make(), make)
+                    works: list[Any] = []
+                    w = walk(lambda: works.append(call()))
+                    works[0].wait()
+                    if rank == 0:
+                        out.send((kind if collective == "all_reduce" else f"{kind} {collective}", w))
             finally:
                 if dev is not None:
                     dev.close()
@@ -172,8 +190,10 @@ def _rank(rank: int, world: int, port: int, kinds: tuple[str, ...], out: Any) ->
         dist.destroy_process_group()
 
 
-def walks(kinds: tuple[str, ...] = KINDS, timeout_s: float = 120.0) -> dict[str, Walk]:
-    """Rank 0's walk of one all-reduce per kind, two ranks as processes on loopback."""
+def walks(kinds: tuple[str, ...] = KINDS, collectives: tuple[str, ...] = ("all_reduce",),
+          timeout_s: float = 120.0) -> dict[str, Walk]:
+    """Rank 0's walk of one call of each collective per kind, two ranks as processes on loopback;
+    keyed by the kind for all_reduce, else by "kind collective"."""
     import tempfile
 
     from mccl_common.daemon_settings import write_key_file
@@ -185,14 +205,27 @@ def walks(kinds: tuple[str, ...] = KINDS, timeout_s: float = 120.0) -> dict[str,
         env = {"MCCL_JOB_KEY_FILE": str(write_key_file(os.path.join(keys, "job.key")))}
         old = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
-        out = ctx.Queue()
+        recv, send = ctx.Pipe(duplex=False)
         port = free_port()
-        procs = [ctx.Process(target=_rank, args=(r, 2, port, kinds, out), daemon=True) for r in range(2)]
+        procs = [ctx.Process(target=_rank, args=(r, 2, port, kinds, collectives, send), daemon=True)
+                 for r in range(2)]
         try:
             for p in procs:
                 p.start()
-            for _ in kinds:
-                kind, w = out.get(timeout=timeout_s)
+            send.close()  # the ranks hold it now: once both are gone, recv sees the end
+            deadline = time.monotonic() + timeout_s
+            while len(got) < len(kinds) * len(collectives):
+                if not recv.poll(max(0.0, deadline - time.monotonic())):
+                    raise TimeoutError(f"[device_walk] no walk from rank 0 within {timeout_s:.0f} s; "
+                                       f"got {sorted(got)}")
+                try:
+                    kind, w = recv.recv()
+                except EOFError:
+                    for p in procs:
+                        p.join(5)
+                    codes = [p.exitcode for p in procs]
+                    raise RuntimeError(f"[device_walk] the ranks exited ({codes}) after {sorted(got)}; "
+                                       "their stderr says why") from None
                 got[kind] = w
         finally:
             for p in procs:
@@ -200,8 +233,9 @@ def walks(kinds: tuple[str, ...] = KINDS, timeout_s: float = 120.0) -> dict[str,
                 if p.is_alive():
                     p.kill()
                     p.join(5)
-            out.close()
-            out.join_thread()
+                p.close()
+            recv.close()
+            send.close()
             for k, v in old.items():
                 if v is None:
                     os.environ.pop(k, None)
@@ -216,7 +250,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description="the walk of one all_reduce's tensors through libmccl")
     ap.add_argument("--kinds", default=",".join(KINDS),
                     help="comma-separated: cpu, fake (the fake device), cuda (needs a GPU; default: %(default)s)")
-    kinds = tuple(k for k in ap.parse_args().kinds.split(",") if k)
+    ap.add_argument("--all-gather", action="store_true",
+                    help="walk an all_gather too (its buffers are built on the plan: more than two entries)")
+    opts = ap.parse_args()
+    kinds = tuple(k for k in opts.kinds.split(",") if k)
     bad = [k for k in kinds if k not in (*KINDS, "cuda")]
     if bad:
         ap.error(f"unknown kind(s) {bad}; choose from cpu, fake, cuda")
@@ -225,8 +262,9 @@ def main() -> None:
 
         if not torch.cuda.is_available():
             ap.error("--kinds cuda: torch sees no CUDA device here")
-    for kind, w in walks(kinds).items():
-        print(report(kind, w))
+    collectives = ("all_reduce", "all_gather") if opts.all_gather else ("all_reduce",)
+    for kind, w in walks(kinds, collectives).items():
+        print(report(kind, w, max_entries=None if kind.endswith("all_gather") else 2))
 
 
 if __name__ == "__main__":

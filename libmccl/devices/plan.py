@@ -113,7 +113,9 @@ class Plan:
         by its tickets: an ordered all-reduce's engine op waits for ``ready`` itself, then O1 is
         queued on this (torch's) thread; a staged one queues O1 first and enqueues the engine op
         behind a gate on ``ready``. Either way the call returns once the copies are queued,
-        whatever the device still has to run."""
+        whatever the device still has to run. ``work`` (torch/work.py MCCLWork) is asked only
+        ``is_completed`` (when the engine let go of a device op's words) and ``on_failure``;
+        ``gate`` is the communicator's (``Communicator.gate``)."""
         side = self.device
         if side is None:
             track(call(*args), work)

@@ -1,7 +1,8 @@
 """The device path reads top-down (issue 28, deliverable 2): one all-reduce on CPU tensors and one
 on the fake device, traced on the calling thread by tools/device_walk.py, call nothing back that
 is still below them on the stack, enter libmccl.devices through one module at most twice
-(prepare, then launch), and every other devices module is called from one devices module only."""
+(prepare, then launch), and every other devices module is called from one devices module only;
+an all-gather keeps the same tree."""
 
 from __future__ import annotations
 
@@ -13,12 +14,16 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def test_an_all_reduce_walks_the_device_layer_as_a_tree() -> None:
-    walks = device_walk.walks()
-    assert set(walks) == {"cpu", "fake"}
-    for kind, w in walks.items():
+    walks = device_walk.walks(collectives=("all_reduce", "all_gather"))
+    assert set(walks) == {"cpu", "fake", "cpu all_gather", "fake all_gather"}
+    for kind in ("cpu", "fake"):
+        w = walks[kind]
         assert device_walk.tree_violations(w) == [], device_walk.report(kind, w)
         into = w.entries_from("libmccl.torch.backend", "libmccl.devices")
         assert into == {"libmccl.devices.plan": 2}, device_walk.report(kind, w)
+        # A collective whose buffers the backend builds on the plan: more calls, the same tree.
+        w = walks[f"{kind} all_gather"]
+        assert device_walk.tree_violations(w, max_entries=None) == [], device_walk.report(kind, w, None)
     # The fake device's op took the device path: its kind was reached, from the ordering alone.
     fake = walks["fake"]
     assert fake.callers.get("libmccl.devices.fake_device") == {"libmccl.devices.device_order"}, \
