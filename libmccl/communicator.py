@@ -3,7 +3,7 @@
 Three implementations: the in-process engine (``_core.Communicator``, pybind11), the
 world-size-1 group's ``SoloCommunicator`` (torch/solo_comm.py) and ``DaemonCommunicator``
 (daemon/client.py, ``MCCL_DAEMON=1``). Every operation takes raw pointers, byte or
-element counts and the dtype / reduce-op codes of ``devices._buffers`` (no torch types), enqueues
+element counts and the dtype / reduce-op codes of ``torch.args`` (no torch types), enqueues
 the op and returns its id at once; completion reaches the backend through the
 ``on_complete`` callback the communicator was built with. tests/torch/test_communicator.py
 checks each implementation against this protocol, parameter by parameter.

@@ -120,6 +120,11 @@ class DeviceOps(abc.ABC):
     def unregister_host(self, addr: int) -> None:
         """Undo ``register_host``; before the memory is unmapped."""
 
+    def owns(self, addr: int, nbytes: int) -> bool:
+        """Whether these host bytes are this device's memory: devices whose memory torch sees as
+        CPU memory (the fake device, the CUDA emulator), installed with device_tensors.install."""
+        return False
+
     def mark(self, stream: Any) -> Any:
         """Queue a time stamp; None where the device cannot time its work."""
         return None
@@ -133,6 +138,14 @@ class DeviceOps(abc.ABC):
         """This device's staging copies, for every communicator of the process (copy_stats.py)."""
         found = self.__dict__.get("_copy_stats")
         return found if found is not None else self.__dict__.setdefault("_copy_stats", CopyStats())
+
+
+def owner_of(devices: list[DeviceOps], addr: int, nbytes: int) -> DeviceOps | None:
+    """The one of ``devices`` whose memory holds these bytes, if any."""
+    for dev in devices:
+        if dev.owns(addr, nbytes):
+            return dev
+    return None
 
 
 class TicketedOp:

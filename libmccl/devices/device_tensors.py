@@ -1,11 +1,12 @@
 """torch glue of the device-ordering protocol (device_order): which ``DeviceOps`` serve a
-tensor, its address and torch's current stream, the waiter's side of an op (O2:
-``WaiterSide``), and the per-device list of ops whose staging buffers and tickets are
-still in use.
+tensor, its address and torch's current stream, one op's device side (``DeviceSide``: its
+staging copies, O1 at launch, O2 for the waiter), and the per-device list of ops whose staging
+buffers and tickets are still in use.
 
-Only this module and the backend look at torch types; ``DeviceOps`` implementations see
-addresses and stream handles. Everything here runs on a thread torch called us on, except
-the failure callback ``WaiterSide.future`` leaves on the op, which touches no device.
+The device layer's entry (plan.py) reaches device_order only through here; ``DeviceOps``
+implementations see addresses and stream handles. Everything here runs on a thread torch
+called us on, except the failure callbacks (``DeviceSide.settle``, the one ``future`` leaves on
+the op), which touch no device.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from mccl_common.errors import ConfigError, MCCLError
 
 from ..torch.compat import ResultFuture
-from .device_order import TICKET_BASE, DeviceOps, OrderedOp, StagedOp, TicketedOp
+from .device_order import TICKET_BASE, DeviceOps, OrderedOp, StagedOp, TicketedOp, owner_of
 
 # Fake devices (CI) whose memory is host memory: a CPU tensor in their memory is theirs.
 _installed: list[Any] = []
@@ -116,7 +117,7 @@ def _ledger(ops: DeviceOps) -> _Ledger:
 
 def ops_for(t: torch.Tensor) -> tuple[DeviceOps, Any] | None:
     """(ops, stream) for a tensor whose collective is ordered on a device stream, else None
-    (CPU tensors, and mps tensors, which stage through blocking copies in _buffers)."""
+    (CPU tensors, and mps tensors, which stage through blocking copies in plan.py)."""
     # Cheapest tests first: this runs in every CPU all-reduce.
     if t.is_cuda:
         index = t.device.index if t.device.index is not None else torch.cuda.current_device()
@@ -131,22 +132,22 @@ def on_a_stream(t: torch.Tensor) -> bool:
 
 
 def stages(t: torch.Tensor) -> bool:
-    """Whether ``_buffers.Staging`` stages ``t`` through a ``StagedOp`` (host blocks, tickets):
+    """Whether the plan (plan.py) stages ``t`` through a ``StagedOp`` (host blocks, tickets):
     CUDA tensors and those of a fake device; mps tensors are the Metal bridge's or copied."""
     return t.is_cuda or _fake_owner(t) is not None
 
 
 def _fake_owner(t: torch.Tensor) -> Any:
     if _installed and t.device.type == "cpu":
-        nbytes = t.numel() * t.element_size()
-        for dev in _installed:
-            if dev.owns(t.data_ptr(), nbytes):
-                return dev
+        return owner_of(_installed, t.data_ptr(), t.numel() * t.element_size())
     return None
 
 
-class WaiterSide:
-    """O2 for one op, run by Work.wait() and Work.get_future() on the waiter's thread.
+class DeviceSide:
+    """One op's device tensors as torch sees them: the op's tickets (device_order), the stream
+    its copies and orderings go on, and both halves of the protocol around it. The device layer
+    (plan.py) stages through it and launches it (O1, on torch's thread); the Work runs O2
+    (``wait``, ``future``) on the waiter's thread.
 
     On a device with one queue (the fake device, Metal) the waiter's stream itself waits
     for ``done``. On CUDA the wait and the copies back go on a side stream, and consumers
@@ -159,32 +160,73 @@ class WaiterSide:
     ``stream`` is the device's own stream handle.
     """
 
-    def __init__(self, order: TicketedOp, tensors: list[torch.Tensor],
-                 on_lost: Callable[[BaseException], None], stream: Any = None) -> None:
-        self._order, self._tensors, self._on_lost = order, tensors, on_lost
-        self._stream = stream  # where O2 goes on a device other than CUDA
-        self._device = tensors[0].device
+    def __init__(self, order: TicketedOp, stream: Any, tensors: list[torch.Tensor],
+                 on_lost: Callable[[BaseException], None]) -> None:
+        self._order, self._stream, self._tensors, self._on_lost = order, stream, tensors, on_lost
+        self.what = order.what
+        self.ready, self.done = order.ready, order.done
+        self.buffer: int = getattr(order, "buffer", 0)  # where an ordered op's engine works
+        self.device = tensors[0].device
         self._event: Any = None
         self._future: Any = None
         self._lock = threading.RLock()
 
+    # -- the caller's thread: staging and O1 ---------------------------------------------------
+    def add(self, t: torch.Tensor) -> bool:
+        """Take ``t`` into the op (once); False if another device serves it."""
+        if any(t is d for d in self._tensors):
+            return True
+        found = ops_for(t)
+        if found is None or found[0] is not self._order.ops:
+            return False
+        self._tensors.append(t)
+        return True
+
+    def block(self, nbytes: int) -> int:
+        return self._order.block(nbytes)
+
+    def copy_in(self, host: int, dev: int, nbytes: int) -> None:
+        self._order.copy_in(host, dev, nbytes)
+
+    def copy_out(self, dev: int, host: int, nbytes: int) -> None:
+        self._order.copy_out(dev, host, nbytes)
+
+    def launch(self, engine_finished: Callable[[], bool]) -> None:
+        """O1, on this (torch's) thread; ``engine_finished`` tells the ledger when the engine
+        let go of the op's words and buffers."""
+        self._order.engine_finished = engine_finished
+        self._order.launch(self._stream)
+
+    def cancel(self) -> None:
+        """Launched, but the engine never took the op."""
+        self._order.cancel(self._stream)
+
+    def abandon(self) -> None:
+        """Never launched: its blocks and words go back at once."""
+        self._order.abandon()
+
+    def settle(self, error: BaseException | None) -> None:
+        """The engine's op and its host-side steps ended (completion thread; StagedOp.settle)."""
+        self._order.settle(error)
+
+    # -- the waiter's thread: O2 -------------------------------------------------------------------
     def wait(self) -> None:
-        if self._device.type != "cuda":
+        if self.device.type != "cuda":
             self._order.finish(self._stream)
             return
-        torch.cuda.current_stream(self._device).wait_event(self._on_side())
+        torch.cuda.current_stream(self.device).wait_event(self._on_side())
 
     def future(self, result: ResultFuture, value: Any) -> Any:
         """The future to hand out for the op whose outcome ``result`` will hold; it completes
         with ``value`` (the op's outputs)."""
-        if self._device.type != "cuda":
+        if self.device.type != "cuda":
             self._order.finish(self._stream)
             return result.future
         with self._lock:
             if self._future is None:
                 self._on_side()
-                with torch.cuda.stream(_side_stream(self._device)):
-                    fut = torch.futures.Future(devices=[self._device])
+                with torch.cuda.stream(_side_stream(self.device)):
+                    fut = torch.futures.Future(devices=[self.device])
                     fut.set_result(value)  # records its event on the side stream
                 # Complete before the engine is done, as NCCL's: a failure found later cannot
                 # fail it, so the process group learns of it instead (no silent garbage).
@@ -195,7 +237,7 @@ class WaiterSide:
     def _on_side(self) -> Any:
         with self._lock:
             if self._event is None:
-                side = _side_stream(self._device)
+                side = _side_stream(self.device)
                 for t in self._tensors:
                     t.record_stream(side)  # the allocator keeps the memory until the copy back ran
                 self._order.finish(side.cuda_stream)
@@ -215,11 +257,12 @@ def _side_stream(device: torch.device) -> Any:
         return _side[index]
 
 
-def ordered(t: torch.Tensor, name: str, blocks: Any = None) -> tuple[OrderedOp, Any] | None:
+def ordered(t: torch.Tensor, name: str, blocks: Any, on_lost: Callable[[BaseException], None]) -> DeviceSide | None:
     """The device side of an all-reduce on ``t`` reduced in place (unified memory: the fake
     device, Metal) or staged by the Metal bridge, its tickets fresh, not yet launched; None
-    where Staging stages it (CUDA, ``staged``) or it goes through blocking copies. ``blocks``:
-    where a staged op's buffer comes from first (segment_staging.SegmentStaging)."""
+    where the plan stages it (CUDA, ``staged``) or it goes through blocking copies. ``blocks``:
+    where a staged op's buffer comes from first (segment_staging.SegmentStaging); ``on_lost``:
+    told of a failure found after the op's future was handed out."""
     if t.device.type == "mps":
         from . import metal_tensors  # loads the Metal bridge on first use
 
@@ -241,17 +284,17 @@ def ordered(t: torch.Tensor, name: str, blocks: Any = None) -> tuple[OrderedOp, 
                           "reduced in place, pass tensor.contiguous() and copy the result back")
     op = OrderedOp(ops, addr, t.numel() * t.element_size(), f"{name} on {t.device}", blocks)
     _ledger(ops).add(op)
-    return op, stream
+    return DeviceSide(op, stream, [t], on_lost)
 
 
-def staged(t: torch.Tensor, name: str, blocks: Any = None) -> tuple[StagedOp, Any] | None:
-    """A fresh staged op for a collective with device tensor ``t`` in it (not launched),
-    and the stream its copies go on; None for a tensor no device stream serves. ``blocks``:
-    where its staging blocks come from first (segment_staging.SegmentStaging)."""
+def staged(t: torch.Tensor, name: str, blocks: Any, on_lost: Callable[[BaseException], None]) -> DeviceSide | None:
+    """A fresh staged op for a collective with device tensor ``t`` in it (not launched); None
+    for a tensor no device stream serves. ``blocks``: where its staging blocks come from first
+    (segment_staging.SegmentStaging)."""
     found = ops_for(t)
     if found is None:
         return None
     ops, stream = found
     op = StagedOp(ops, f"{name} on {t.device}", blocks)
     _ledger(ops).add(op)
-    return op, stream
+    return DeviceSide(op, stream, [t], on_lost)

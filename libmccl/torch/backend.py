@@ -2,11 +2,11 @@
 
 Reductions, broadcast and all-gather live here; the collectives that only move data
 (scatter, gather, all-to-all, point-to-point) are in ``exchange``. Each
-collective validates its tensors, turns them into contiguous CPU buffers
-(``_buffers.Staging``), enqueues one engine operation and returns an ``MCCLWork``
-at once; the engine's completion thread finishes the Work through the
-``CompletionRouter``. Coalesced variants are flattened into one buffer, so they
-cost one engine operation.
+collective checks its arguments (``args``), asks the device layer for a plan of its
+tensors (``libmccl.devices.plan``: host buffers, a device's staging and tickets), lets
+the plan launch one engine operation and returns an ``MCCLWork`` at once; the engine's
+completion thread finishes the Work through the ``CompletionRouter``. Coalesced variants
+are flattened into one buffer, so they cost one engine operation.
 
 Every collective torch offers is overridden, under both of its spellings where
 torch renamed it: a method left to the C++ base class fails with "No backend type
@@ -27,15 +27,14 @@ from mccl_common.errors import AbortedError, ConfigError, DaemonUnavailableError
 from mccl_common.settings import EngineConfig, load
 
 from .. import BACKEND_NAME, DEVICES
-from ..devices import _buffers as B
 from ..devices import device_tensors
-from . import compat
+from ..devices.plan import Plan, prepare
+from . import args, compat
 from .. import rendezvous
 from . import switch_groups
 from .options import Options
 from .exchange import ExchangeOps
 from ..devices.copy_stats import merged as merged_copies
-from ..devices.device_order import TICKET_BASE
 from ..devices.segment_staging import SegmentStaging
 from .solo_comm import SoloCommunicator
 from .work import AllOf, CompletionRouter, MCCLWork, shutdown_error
@@ -63,6 +62,7 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
         self._lost_result: BaseException | None = None
         self._daemon: Any = None    # the DaemonCommunicator, when self._comm is one (shared buffers)
         self._comm = self._connect(store, group_id)
+        self._solo = isinstance(self._comm, SoloCommunicator)
         # Through mccld, device buckets are staged in memory mccld reduces in (segment_staging.py).
         self._segment_staging = (SegmentStaging(self._daemon.alloc_buffer, self._cfg.cuda_staging_bytes,
                                                 "MCCL_CUDA_STAGING_BYTES", rank)
@@ -207,10 +207,14 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
         return merged_copies(client, device_tensors.copy_stats())
 
     # -- submission --------------------------------------------------------------
-    def _submit(self, name: str, launch: Callable[[], int], outputs: Sequence[torch.Tensor], st: B.Staging,
-                opts: Any = None, keep: Sequence[Any] = (), device: Any = None) -> MCCLWork:
-        if (self._closed or self._lost_result is not None) and st.device is not None:
-            st.device.abandon()  # never launched: its blocks and words go back at once
+    def _plan(self, name: str, tensors: Sequence[Any] = (), blocks: Any = None) -> Plan:
+        return prepare(name, tensors, blocks, self._lose_result)
+
+    def _submit(self, name: str, plan: Plan, outputs: Sequence[Any], opts: Any, call: Callable[..., int],
+                *engine_args: Any) -> MCCLWork:
+        """One engine op, ``call(*engine_args)``, on the buffers ``plan`` staged; its Work, at once."""
+        if self._closed or self._lost_result is not None:
+            plan.abandon()  # never launched: a device op's blocks and words go back at once
         if self._closed:
             raise AbortedError(f"[mccl] {name} on rank {self.rank()}: the process group was shut down or aborted; "
                                "create a new one with init_process_group()/new_group()")
@@ -219,91 +223,33 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
                             f"future was handed out ({self._lost_result}); the tensor it wrote holds garbage. "
                             "Create a new process group") from self._lost_result
         timeout = compat.options_timeout(opts) if opts is not None else None
-        staged = st.device
-        if staged is not None:
-            device = device_tensors.WaiterSide(staged, st.device_tensors, self._lose_result, st.stream)
-        work = MCCLWork(name, self.rank(), outputs, [*st.keep, *keep], st.post(), timeout or self._timeout_s,
-                        device)
-        op_id = launch() if staged is None else self._launch_staged(staged, st.stream, work, launch)
-        self._router.track(op_id, work)
+        work = MCCLWork(name, self.rank(), outputs, plan.keep, plan.finish, timeout or self._timeout_s, plan.waiter)
+        plan.launch(work, self._router.track, self._comm.gate, call, *engine_args)
         if self._coalescing is not None:
             self._coalescing.append(work)
         return work
 
-    def _launch_staged(self, staged: Any, stream: Any, work: MCCLWork, launch: Callable[[], int]) -> int:
-        """O1 on this (torch's) thread, then the engine op behind a gate on its ``ready``:
-        the call returns once the copies are queued, whatever the device still has to run."""
-        staged.engine_finished = work.is_completed
-        work._result.on_failure(staged.settle)  # on the completion thread: a ticket store, no device call
-        try:
-            staged.launch(stream)
-        except BaseException:
-            staged.abandon()  # nothing reached the engine
-            raise
-        try:
-            self._comm.gate(staged.ready, TICKET_BASE, 1)
-            return launch()
-        except BaseException:
-            staged.cancel(stream)  # the queued gate passes once the stream raises ready
-            raise
-
     def _lose_result(self, error: BaseException) -> None:
-        """A device op failed after its future completed (device_tensors.WaiterSide)."""
+        """A device op failed after its future completed (device_tensors.DeviceSide)."""
         if self._lost_result is None:
             self._lost_result = error
 
-    def _submit_ordered(self, name: str, t: torch.Tensor, launch: Callable[..., int], opts: Any) -> MCCLWork | None:
-        """A collective on a device tensor ordered by tickets (device_order), or None for a
-        tensor no device stream serves. ``launch(buffer, ready=, done=, base=)`` enqueues
-        the engine op on the buffer the engine works on."""
-        if isinstance(self._comm, SoloCommunicator):
-            return self._solo(name, [t], launch, opts)
-        found = device_tensors.ordered(t, name, self._segment_staging)
-        if found is None:
-            return None
-        order, stream = found
-        try:
-            work = self._submit(name, lambda: launch(order.buffer, ready=order.ready, done=order.done,
-                                                     base=TICKET_BASE),
-                                [t], B.Staging(), opts, keep=[order],
-                                device=device_tensors.WaiterSide(order, [t], self._lose_result, stream))
-            order.engine_finished = work.is_completed
-            order.launch(stream)  # O1, on this (torch's) thread; the engine waits for it
-        except BaseException:
-            order.abandon()  # the engine's wait for ready, if enqueued, fails instead of timing out
-            raise
-        return work
-
-    def _solo(self, name: str, outputs: list[torch.Tensor], launch: Callable[..., int], opts: Any) -> MCCLWork:
-        """A collective that is the identity in a group of one (all-reduce, broadcast, reduce):
-        whatever the tensor's device, no staging buffer, gate or helper thread, and the Work is
-        complete before this returns (the solo communicator ignores the address). Out-of-place
-        ones still stage a device tensor: a copy on the device would have to be ordered on its
-        stream, which the staging's tickets do."""
-        return self._submit(name, lambda: launch(0), outputs, B.Staging(), opts)
-
     # -- all-reduce ---------------------------------------------------------------
     def allreduce(self, tensors: Any, opts: Any = None) -> MCCLWork:
-        opts = compat.options_or_default(opts, _c10d.AllreduceOptions)
-        t = B.check_tensor(B.single(tensors, "allreduce"), "allreduce", "tensor")
-        dtype, count, op = B.reduce_codes(t, opts.reduceOp, "allreduce")
-        work = self._submit_ordered("allreduce", t, lambda buf, **tk: self._comm.allreduce(
-            buf, count, dtype, op, **tk), opts)
-        if work is not None:
-            return work
-        st = B.Staging("allreduce", [t], self._segment_staging)
-        buf = st.inout(t)
-        return self._submit("allreduce", lambda: self._comm.allreduce(buf.data_ptr(), count, dtype, op),
-                            [t], st, opts)
+        t, opts, dtype, count, op = args.reduction(tensors, opts, _c10d.AllreduceOptions, "allreduce")
+        # In a group of one the identity: no staging buffer, gate or helper thread, and the
+        # Work is complete before this returns.
+        plan = prepare("allreduce", [t], self._segment_staging, self._lose_result, in_place=t, solo=self._solo)
+        return self._submit("allreduce", plan, [t], opts, self._comm.allreduce, plan.buffer, count, dtype, op)
 
     def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> MCCLWork:
         opts = compat.options_or_default(opts, _c10d.AllreduceCoalescedOptions)
-        ts = B.tensor_list(tensors, "allreduce_coalesced", "tensors", min_len=1)
+        ts = args.tensor_list(tensors, "allreduce_coalesced", "tensors", min_len=1)
         for i, t in enumerate(ts[1:], 1):
             if t.dtype != ts[0].dtype:
                 raise ConfigError(f"[mccl] allreduce_coalesced: tensors[{i}] has dtype {t.dtype} but tensors[0] "
                                   f"has {ts[0].dtype}; coalesced all-reduce needs one dtype")
-        st = B.Staging("allreduce_coalesced", ts, self._segment_staging)
+        st = self._plan("allreduce_coalesced", ts, self._segment_staging)
         flat = st.scratch(sum(t.numel() for t in ts), ts[0].dtype)
         offset = 0
         for t in ts:
@@ -311,98 +257,93 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
             st.input_into(t, part)
             st.copy_back(t, part)
             offset += t.numel()
-        dtype, count, op = B.reduce_codes(flat, opts.reduceOp, "allreduce_coalesced")
-        return self._submit("allreduce_coalesced",
-                            lambda: self._comm.allreduce(flat.data_ptr(), count, dtype, op), ts, st, opts)
+        dtype, count, op = args.reduce_codes(flat, opts.reduceOp, "allreduce_coalesced")
+        return self._submit("allreduce_coalesced", st, ts, opts, self._comm.allreduce, flat.data_ptr(), count, dtype,
+                            op)
 
     # -- broadcast / reduce -----------------------------------------------------------
     def broadcast(self, tensors: Any, opts: Any = None) -> MCCLWork:
         opts = compat.options_or_default(opts, _c10d.BroadcastOptions)
-        t = B.check_tensor(B.single(tensors, "broadcast"), "broadcast", "tensor")
-        root = B.check_rank(opts.rootRank, self.size(), "broadcast", "root")
-        if isinstance(self._comm, SoloCommunicator):
-            return self._solo("broadcast", [t], lambda _: self._comm.broadcast(0, 0, root), opts)
-        st = B.Staging("broadcast", [t])
+        t = args.check_tensor(args.single(tensors, "broadcast"), "broadcast", "tensor")
+        root = args.check_rank(opts.rootRank, self.size(), "broadcast", "root")
+        if self._solo:
+            return self._submit("broadcast", self._plan("broadcast"), [t], opts, self._comm.broadcast, 0, 0, root)
+        st = self._plan("broadcast", [t])
         buf = st.input(t) if root == self.rank() else st.inout(t)
-        return self._submit("broadcast", lambda: self._comm.broadcast(buf.data_ptr(), B.nbytes(buf), root),
-                            [t], st, opts)
+        return self._submit("broadcast", st, [t], opts, self._comm.broadcast, buf.data_ptr(), args.nbytes(buf), root)
 
     def reduce(self, tensors: Any, opts: Any = None) -> MCCLWork:
-        opts = compat.options_or_default(opts, _c10d.ReduceOptions)
-        t = B.check_tensor(B.single(tensors, "reduce"), "reduce", "tensor")
-        root = B.check_rank(opts.rootRank, self.size(), "reduce", "root")
-        dtype, count, op = B.reduce_codes(t, opts.reduceOp, "reduce")
-        if isinstance(self._comm, SoloCommunicator):
-            return self._solo("reduce", [t], lambda _: self._comm.reduce(0, count, dtype, op, root), opts)
-        st = B.Staging("reduce", [t])
+        t, opts, dtype, count, op = args.reduction(tensors, opts, _c10d.ReduceOptions, "reduce")
+        root = args.check_rank(opts.rootRank, self.size(), "reduce", "root")
+        if self._solo:
+            return self._submit("reduce", self._plan("reduce"), [t], opts, self._comm.reduce, 0, count, dtype, op, root)
+        st = self._plan("reduce", [t])
         # The engine leaves non-root buffers unchanged: only the root needs a copy-back.
         buf = st.inout(t) if root == self.rank() else st.input(t)
-        return self._submit("reduce", lambda: self._comm.reduce(buf.data_ptr(), count, dtype, op, root),
-                            [t], st, opts)
+        return self._submit("reduce", st, [t], opts, self._comm.reduce, buf.data_ptr(), count, dtype, op, root)
 
     # -- all-gather --------------------------------------------------------------------
     def allgather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> MCCLWork:
-        inp = B.check_tensor(B.single(input_tensors, "allgather", "input_tensors"), "allgather", "input")
-        outs = B.tensor_list(B.single(output_tensors, "allgather", "output_tensors"), "allgather",
+        inp = args.check_tensor(args.single(input_tensors, "allgather", "input_tensors"), "allgather", "input")
+        outs = args.tensor_list(args.single(output_tensors, "allgather", "output_tensors"), "allgather",
                              "output_tensors", self.size())
         for r, o in enumerate(outs):
-            B.check_like(o, inp, "allgather", f"output_tensors[{r}]", "the input")
-        n = B.nbytes(inp)
-        st = B.Staging("allgather", [inp, outs])
+            args.check_like(o, inp, "allgather", f"output_tensors[{r}]", "the input")
+        n = args.nbytes(inp)
+        st = self._plan("allgather", [inp, outs])
         src = st.input(inp)
         recv = st.scratch(self.size() * inp.numel(), inp.dtype)
         for r, o in enumerate(outs):
             st.copy_back(o, recv[r * inp.numel():(r + 1) * inp.numel()])
-        return self._submit("allgather", lambda: self._comm.allgather(src.data_ptr(), recv.data_ptr(), n),
-                            [outs], st, opts)
+        return self._submit("allgather", st, [outs], opts, self._comm.allgather, src.data_ptr(), recv.data_ptr(), n)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> MCCLWork:
-        B.check_tensor(input, "all_gather_into_tensor", "input")
-        B.check_tensor(output, "all_gather_into_tensor", "output")
-        B.check_like(output, input, "all_gather_into_tensor", "output", "input", self.size() * input.numel())
-        n = B.nbytes(input)
-        st = B.Staging("all_gather_into_tensor", [output, input])
+        args.check_tensor(input, "all_gather_into_tensor", "input")
+        args.check_tensor(output, "all_gather_into_tensor", "output")
+        args.check_like(output, input, "all_gather_into_tensor", "output", "input", self.size() * input.numel())
+        n = args.nbytes(input)
+        st = self._plan("all_gather_into_tensor", [output, input])
         dst = st.output(output)
         # In-place gathers (FSDP passes this rank's block of the output as input) would
         # hand the engine overlapping send/recv buffers.
-        src = st.input(input.clone() if B.overlaps(input, dst) else input)
-        return self._submit("all_gather_into_tensor",
-                            lambda: self._comm.allgather(src.data_ptr(), dst.data_ptr(), n), [output], st, opts)
+        src = st.input(input.clone() if args.overlaps(input, dst) else input)
+        return self._submit("all_gather_into_tensor", st, [output], opts, self._comm.allgather, src.data_ptr(),
+                            dst.data_ptr(), n)
 
     _allgather_base = all_gather_single
 
     def allgather_coalesced(self, output_lists: Any, input_list: Any, opts: Any = None) -> MCCLWork:
         name = "allgather_coalesced"
-        ins = B.tensor_list(input_list, name, "input_list")
+        ins = args.tensor_list(input_list, name, "input_list")
         if not isinstance(output_lists, (list, tuple)) or len(output_lists) != self.size():
             raise ConfigError(f"[mccl] {name}: output_lists must hold one list per rank ({self.size()})")
-        outs = [B.tensor_list(lst, name, f"output_lists[{r}]", len(ins)) for r, lst in enumerate(output_lists)]
+        outs = [args.tensor_list(lst, name, f"output_lists[{r}]", len(ins)) for r, lst in enumerate(output_lists)]
         for r, lst in enumerate(outs):
             for i, o in enumerate(lst):
-                B.check_like(o, ins[i], name, f"output_lists[{r}][{i}]", f"input_list[{i}]")
-        st = B.Staging(name, [ins, outs])
+                args.check_like(o, ins[i], name, f"output_lists[{r}][{i}]", f"input_list[{i}]")
+        st = self._plan(name, [ins, outs])
         bufs = [[st.output(o) for o in lst] for lst in outs]
         return self._gather_packed(name, st, ins, lambda r, i: bufs[r][i], [t for lst in outs for t in lst], opts)
 
     def all_gather_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> MCCLWork:
         name = "all_gather_into_tensor_coalesced"
-        ins = B.tensor_list(inputs, name, "inputs")
-        outs = B.tensor_list(outputs, name, "outputs", len(ins))
+        ins = args.tensor_list(inputs, name, "inputs")
+        outs = args.tensor_list(outputs, name, "outputs", len(ins))
         for i, (o, x) in enumerate(zip(outs, ins)):
-            B.check_like(o, x, name, f"outputs[{i}]", f"inputs[{i}]", self.size() * x.numel())
-        st = B.Staging(name, [ins, outs])
+            args.check_like(o, x, name, f"outputs[{i}]", f"inputs[{i}]", self.size() * x.numel())
+        st = self._plan(name, [ins, outs])
         # Rank r's block of outputs[i] is row r of a (size, numel) view.
         blocks = [st.output(o).view(self.size(), x.numel()) for o, x in zip(outs, ins)]
         return self._gather_packed(name, st, ins, lambda r, i: blocks[i][r], outs, opts)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
-    def _gather_packed(self, name: str, st: B.Staging, ins: list[torch.Tensor],
+    def _gather_packed(self, name: str, st: Plan, ins: list[torch.Tensor],
                        out_block: Callable[[int, int], torch.Tensor], outputs: list[torch.Tensor],
                        opts: Any) -> MCCLWork:
         """All-gather several tensors (any dtypes) as one packed byte buffer per rank;
         ``out_block(r, i)`` is the contiguous CPU buffer for rank r's tensor i."""
-        sizes = [B.nbytes(x) for x in ins]
+        sizes = [args.nbytes(x) for x in ins]
         total = sum(sizes)
         send = st.packed(ins)
         recv = st.scratch(self.size() * total, torch.uint8)
@@ -411,53 +352,53 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
             for i, nb in enumerate(sizes):
                 st.unpack(out_block(r, i), recv[offset:offset + nb])
                 offset += nb
-        return self._submit(name, lambda: self._comm.allgather(send.data_ptr(), recv.data_ptr(), total),
-                            outputs, st, opts)
+        return self._submit(name, st, outputs, opts, self._comm.allgather, send.data_ptr(), recv.data_ptr(), total)
 
     # -- reduce-scatter ----------------------------------------------------------------
     def reduce_scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> MCCLWork:
         opts = compat.options_or_default(opts, _c10d.ReduceScatterOptions)
-        out = B.check_tensor(B.single(output_tensors, "reduce_scatter", "output_tensors"), "reduce_scatter", "output")
-        ins = B.tensor_list(B.single(input_tensors, "reduce_scatter", "input_tensors"), "reduce_scatter",
+        out = args.check_tensor(args.single(output_tensors, "reduce_scatter", "output_tensors"), "reduce_scatter",
+                                "output")
+        ins = args.tensor_list(args.single(input_tensors, "reduce_scatter", "input_tensors"), "reduce_scatter",
                             "input_list", self.size())
         for r, x in enumerate(ins):
-            B.check_like(x, out, "reduce_scatter", f"input_list[{r}]", "the output")
-        dtype, count, op = B.reduce_codes(out, opts.reduceOp, "reduce_scatter")
-        st = B.Staging("reduce_scatter", [out, ins])
+            args.check_like(x, out, "reduce_scatter", f"input_list[{r}]", "the output")
+        dtype, count, op = args.reduce_codes(out, opts.reduceOp, "reduce_scatter")
+        st = self._plan("reduce_scatter", [out, ins])
         send = st.scratch(self.size() * out.numel(), out.dtype)
         for r, x in enumerate(ins):
             st.input_into(x, send[r * out.numel():(r + 1) * out.numel()])
         dst = st.output(out)
-        return self._submit("reduce_scatter", lambda: self._comm.reduce_scatter(
-            send.data_ptr(), dst.data_ptr(), count, dtype, op), [out], st, opts)
+        return self._submit("reduce_scatter", st, [out], opts, self._comm.reduce_scatter, send.data_ptr(),
+                            dst.data_ptr(), count, dtype, op)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> MCCLWork:
         opts = compat.options_or_default(opts, _c10d.ReduceScatterOptions)
         name = "reduce_scatter_tensor"
-        B.check_tensor(input, name, "input")
-        B.check_tensor(output, name, "output")
-        B.check_like(input, output, name, "input", "output", self.size() * output.numel())
-        dtype, count, op = B.reduce_codes(output, opts.reduceOp, name)
-        st = B.Staging(name, [output, input])
+        args.check_tensor(input, name, "input")
+        args.check_tensor(output, name, "output")
+        args.check_like(input, output, name, "input", "output", self.size() * output.numel())
+        dtype, count, op = args.reduce_codes(output, opts.reduceOp, name)
+        st = self._plan(name, [output, input])
         dst = st.output(output)
-        src = st.input(input.clone() if B.overlaps(input, dst) else input)
-        return self._submit(name, lambda: self._comm.reduce_scatter(src.data_ptr(), dst.data_ptr(), count, dtype, op),
-                            [output], st, opts)
+        src = st.input(input.clone() if args.overlaps(input, dst) else input)
+        return self._submit(name, st, [output], opts, self._comm.reduce_scatter, src.data_ptr(), dst.data_ptr(),
+                            count, dtype, op)
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> MCCLWork:
         opts = compat.options_or_default(opts, _c10d.ReduceScatterOptions)
         name = "reduce_scatter_tensor_coalesced"
-        outs = B.tensor_list(outputs, name, "outputs", min_len=1)
-        ins = B.tensor_list(inputs, name, "inputs", len(outs))
+        outs = args.tensor_list(outputs, name, "outputs", min_len=1)
+        ins = args.tensor_list(inputs, name, "inputs", len(outs))
         for i, (o, x) in enumerate(zip(outs, ins)):
-            B.check_like(o, outs[0], name, f"outputs[{i}]", "outputs[0]", o.numel())
-            B.check_like(x, o, name, f"inputs[{i}]", f"outputs[{i}]", self.size() * o.numel())
+            args.check_like(o, outs[0], name, f"outputs[{i}]", "outputs[0]", o.numel())
+            args.check_like(x, o, name, f"inputs[{i}]", f"outputs[{i}]", self.size() * o.numel())
         counts = [o.numel() for o in outs]
         chunk = sum(counts)
-        dtype, count, op = B.reduce_codes(outs[0].new_empty(chunk), opts.reduceOp, name)
-        st = B.Staging(name, [outs, ins])
+        dtype, count, op = args.reduce_codes(outs[0].new_empty(chunk), opts.reduceOp, name)
+        st = self._plan(name, [outs, ins])
         # Rank-major layout: block r holds every input's r-th slice, so one
         # reduce-scatter hands rank r all of its outputs at once.
         send = st.scratch(self.size() * chunk, outs[0].dtype).view(self.size(), chunk)
@@ -467,8 +408,8 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
             st.input_into(x, send[:, offset:offset + n])
             st.copy_back(o, recv[offset:offset + n])
             offset += n
-        return self._submit(name, lambda: self._comm.reduce_scatter(send.data_ptr(), recv.data_ptr(), count, dtype, op),
-                            outs, st, opts)
+        return self._submit(name, st, outs, opts, self._comm.reduce_scatter, send.data_ptr(), recv.data_ptr(),
+                            count, dtype, op)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 

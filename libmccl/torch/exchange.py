@@ -1,6 +1,7 @@
 """The data-movement half of the ``mccl`` process group: scatter, gather, all-to-all(v)
 and point-to-point. Nothing here reduces; ``ProcessGroupMCCL`` mixes these in and
-provides ``_submit`` (one engine op -> one Work), ``_comm`` and the rank/size."""
+provides ``_plan`` (the device layer's plan of a call's tensors), ``_submit`` (one engine op ->
+one Work), ``_comm`` and the rank/size."""
 
 from __future__ import annotations
 
@@ -10,51 +11,50 @@ import torch
 
 from mccl_common.errors import ConfigError
 
-from ..devices import _buffers as B
-from . import compat
+from . import args, compat
 from .work import MCCLWork
 
 _c10d = torch.distributed
 
 
 class ExchangeOps:
-    """Mixin for ProcessGroupMCCL (see its ``_submit``)."""
+    """Mixin for ProcessGroupMCCL (see its ``_plan`` and ``_submit``)."""
 
     # -- rooted data movement -----------------------------------------------------------
     def scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> MCCLWork:
         opts = compat.options_or_default(opts, _c10d.ScatterOptions)
-        out = B.check_tensor(B.single(output_tensors, "scatter", "output_tensors"), "scatter", "output")
-        root = B.check_rank(opts.rootRank, self.size(), "scatter", "root")
-        n = B.nbytes(out)
+        out = args.check_tensor(args.single(output_tensors, "scatter", "output_tensors"), "scatter", "output")
+        root = args.check_rank(opts.rootRank, self.size(), "scatter", "root")
+        n = args.nbytes(out)
         ins: list[torch.Tensor] = []
         if self.rank() == root:
-            ins = B.tensor_list(B.single(input_tensors, "scatter", "input_tensors"), "scatter", "scatter_list",
+            ins = args.tensor_list(args.single(input_tensors, "scatter", "input_tensors"), "scatter", "scatter_list",
                                 self.size())
             for r, x in enumerate(ins):
-                B.check_like(x, out, "scatter", f"scatter_list[{r}]", "the output")
+                args.check_like(x, out, "scatter", f"scatter_list[{r}]", "the output")
         elif input_tensors and any(len(lst) for lst in input_tensors):
             raise ConfigError(f"[mccl] scatter: rank {self.rank()} passed a scatter_list but is not the root ({root}); "
                               "only the root may")
-        st = B.Staging("scatter", [out, ins])
+        st = self._plan("scatter", [out, ins])
         send_ptr = st.packed(ins).data_ptr() if ins else 0
         dst = st.output(out)
-        return self._submit("scatter", lambda: self._comm.scatter(send_ptr, dst.data_ptr(), n, root), [out], st, opts)
+        return self._submit("scatter", st, [out], opts, self._comm.scatter, send_ptr, dst.data_ptr(), n, root)
 
     def gather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> MCCLWork:
         opts = compat.options_or_default(opts, _c10d.GatherOptions)
-        inp = B.check_tensor(B.single(input_tensors, "gather", "input_tensors"), "gather", "input")
-        root = B.check_rank(opts.rootRank, self.size(), "gather", "root")
-        n = B.nbytes(inp)
+        inp = args.check_tensor(args.single(input_tensors, "gather", "input_tensors"), "gather", "input")
+        root = args.check_rank(opts.rootRank, self.size(), "gather", "root")
+        n = args.nbytes(inp)
         outs: list[torch.Tensor] = []
         if self.rank() == root:
-            outs = B.tensor_list(B.single(output_tensors, "gather", "output_tensors"), "gather", "gather_list",
+            outs = args.tensor_list(args.single(output_tensors, "gather", "output_tensors"), "gather", "gather_list",
                                  self.size())
             for r, o in enumerate(outs):
-                B.check_like(o, inp, "gather", f"gather_list[{r}]", "the input")
+                args.check_like(o, inp, "gather", f"gather_list[{r}]", "the input")
         elif output_tensors and any(len(lst) for lst in output_tensors):
             raise ConfigError(f"[mccl] gather: rank {self.rank()} passed a gather_list but is not the root ({root}); "
                               "only the root may")
-        st = B.Staging("gather", [inp, outs])
+        st = self._plan("gather", [inp, outs])
         recv_ptr = 0
         if outs:
             recv = st.scratch(self.size() * inp.numel(), inp.dtype)
@@ -62,27 +62,26 @@ class ExchangeOps:
                 st.copy_back(o, recv[r * inp.numel():(r + 1) * inp.numel()])
             recv_ptr = recv.data_ptr()
         src = st.input(inp)
-        return self._submit("gather", lambda: self._comm.gather(src.data_ptr(), recv_ptr, n, root),
-                            [outs] if outs else [], st, opts)
+        return self._submit("gather", st, [outs] if outs else [], opts, self._comm.gather, src.data_ptr(), recv_ptr,
+                            n, root)
 
     # -- all-to-all ---------------------------------------------------------------------
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int],
                           input_split_sizes: Sequence[int], opts: Any = None) -> MCCLWork:
         name = "all_to_all_single"
-        B.check_tensor(input, name, "input")
-        B.check_tensor(output, name, "output")
+        args.check_tensor(input, name, "input")
+        args.check_tensor(output, name, "output")
         if output.dtype != input.dtype:
             raise ConfigError(f"[mccl] {name}: output dtype {output.dtype} differs from input dtype {input.dtype}")
-        st = B.Staging(name, [output, input])
+        st = self._plan(name, [output, input])
         dst = st.output(output)
-        src = st.input(input.clone() if B.overlaps(input, dst) else input)
+        src = st.input(input.clone() if args.overlaps(input, dst) else input)
         if not output_split_sizes and not input_split_sizes:
             if input.numel() != output.numel() or input.numel() % self.size():
                 raise ConfigError(f"[mccl] {name}: without split sizes input ({input.numel()} elements) and output "
                                   f"({output.numel()}) must be equal and divisible by the group size {self.size()}")
-            n = B.nbytes(input) // self.size()
-            return self._submit(name, lambda: self._comm.alltoall(src.data_ptr(), dst.data_ptr(), n),
-                                [output], st, opts)
+            n = args.nbytes(input) // self.size()
+            return self._submit(name, st, [output], opts, self._comm.alltoall, src.data_ptr(), dst.data_ptr(), n)
         send_sizes = self._split_bytes(input, input_split_sizes, name, "input")
         recv_sizes = self._split_bytes(output, output_split_sizes, name, "output")
         return self._alltoallv(name, src, send_sizes, dst, recv_sizes, [output], st, opts)
@@ -91,25 +90,25 @@ class ExchangeOps:
 
     def alltoall(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> MCCLWork:
         name = "alltoall"
-        ins = B.tensor_list(input_tensors, name, "input_tensor_list", self.size())
-        outs = B.tensor_list(output_tensors, name, "output_tensor_list", self.size())
+        ins = args.tensor_list(input_tensors, name, "input_tensor_list", self.size())
+        outs = args.tensor_list(output_tensors, name, "output_tensor_list", self.size())
         for r, (o, x) in enumerate(zip(outs, ins)):
             if o.dtype != x.dtype:
                 raise ConfigError(f"[mccl] {name}: output_tensor_list[{r}] dtype {o.dtype} differs from "
                                   f"input_tensor_list[{r}] dtype {x.dtype}")
-        st = B.Staging(name, [outs, ins])
+        st = self._plan(name, [outs, ins])
         send = st.packed(ins)
-        recv_sizes = [B.nbytes(o) for o in outs]
+        recv_sizes = [args.nbytes(o) for o in outs]
         recv = st.scratch(sum(recv_sizes), torch.uint8)
         offset = 0
         for o, nb in zip(outs, recv_sizes):
             st.unpack(st.output(o), recv[offset:offset + nb])
             offset += nb
-        return self._alltoallv(name, send, [B.nbytes(x) for x in ins], recv, recv_sizes, outs, st, opts)
+        return self._alltoallv(name, send, [args.nbytes(x) for x in ins], recv, recv_sizes, outs, st, opts)
 
     def _split_bytes(self, t: torch.Tensor, splits: Sequence[int], name: str, what: str) -> list[int]:
         rows = t.shape[0] if t.dim() else 1
-        row_bytes = B.nbytes(t) // rows if rows else 0
+        row_bytes = args.nbytes(t) // rows if rows else 0
         if not splits:
             if rows % self.size():
                 raise ConfigError(f"[mccl] {name}: {what} has {rows} rows, not divisible by the group size "
@@ -121,40 +120,39 @@ class ExchangeOps:
         return [int(s) * row_bytes for s in splits]
 
     def _alltoallv(self, name: str, send: torch.Tensor, send_sizes: list[int], recv: torch.Tensor,
-                   recv_sizes: list[int], outputs: list[torch.Tensor], st: B.Staging, opts: Any) -> MCCLWork:
+                   recv_sizes: list[int], outputs: list[torch.Tensor], st: Any, opts: Any) -> MCCLWork:
         send_offsets = _offsets(send_sizes)
         recv_offsets = _offsets(recv_sizes)
-        return self._submit(name, lambda: self._comm.alltoallv(send.data_ptr(), send_sizes, send_offsets,
-                                                               recv.data_ptr(), recv_sizes, recv_offsets),
-                            outputs, st, opts)
+        return self._submit(name, st, outputs, opts, self._comm.alltoallv, send.data_ptr(), send_sizes, send_offsets,
+                            recv.data_ptr(), recv_sizes, recv_offsets)
 
     # -- barrier and point-to-point ---------------------------------------------------------
     def barrier(self, opts: Any = None) -> MCCLWork:
-        return self._submit("barrier", self._comm.barrier, [], B.Staging(), opts)
+        return self._submit("barrier", self._plan("barrier"), [], opts, self._comm.barrier)
 
     def send(self, tensors: Any, dstRank: int, tag: int = 0) -> MCCLWork:
-        t = B.check_tensor(B.single(tensors, "send"), "send", "tensor")
+        t = args.check_tensor(args.single(tensors, "send"), "send", "tensor")
         dst = self._peer(dstRank, "send", "dst")
-        st = B.Staging("send", [t])
+        st = self._plan("send", [t])
         buf = st.input(t)
-        return self._submit("send", lambda: self._comm.send(buf.data_ptr(), B.nbytes(buf), dst, int(tag)), [t], st)
+        return self._submit("send", st, [t], None, self._comm.send, buf.data_ptr(), args.nbytes(buf), dst, int(tag))
 
     def recv(self, tensors: Any, srcRank: int, tag: int = 0) -> MCCLWork:
-        t = B.check_tensor(B.single(tensors, "recv"), "recv", "tensor")
+        t = args.check_tensor(args.single(tensors, "recv"), "recv", "tensor")
         src = self._peer(srcRank, "recv", "src")
         return self._recv(t, src, int(tag))
 
     def recv_anysource(self, tensors: Any, tag: int = 0) -> MCCLWork:
-        t = B.check_tensor(B.single(tensors, "recv"), "recv", "tensor")
+        t = args.check_tensor(args.single(tensors, "recv"), "recv", "tensor")
         return self._recv(t, -1, int(tag))
 
     def _recv(self, t: torch.Tensor, src: int, tag: int) -> MCCLWork:
-        st = B.Staging("recv", [t])
+        st = self._plan("recv", [t])
         buf = st.output(t)
-        return self._submit("recv", lambda: self._comm.recv(buf.data_ptr(), B.nbytes(buf), src, tag), [t], st)
+        return self._submit("recv", st, [t], None, self._comm.recv, buf.data_ptr(), args.nbytes(buf), src, tag)
 
     def _peer(self, r: int, op: str, what: str) -> int:
-        r = B.check_rank(r, self.size(), op, what)
+        r = args.check_rank(r, self.size(), op, what)
         if r == self.rank():
             raise ConfigError(f"[mccl] {op}: {what}={r} is this rank itself; point-to-point needs another rank")
         return r

@@ -22,7 +22,7 @@ import torch
 
 from mccl_common.errors import AbortedError, CollectiveTimeout, ConfigError, MCCLError
 
-from ..devices._buffers import DTYPE_CODES
+from .args import DTYPE_CODES
 
 _ELEMENT_BYTES = {code: torch.empty(0, dtype=dt).element_size() for dt, code in DTYPE_CODES.items()}
 

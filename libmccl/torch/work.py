@@ -50,7 +50,7 @@ class MCCLWork(compat.WorkBase):
         self._error: BaseException | None = None
         self._source_rank_value = -1
         self._router: CompletionRouter | None = None
-        # Device tensors (device_tensors.WaiterSide): orders the waiter's stream after the
+        # Device tensors (devices.device_tensors.DeviceSide): orders the waiter's stream after the
         # result (O2) on the waiter's thread, never on the completion thread.
         self._device = device
 
@@ -113,6 +113,10 @@ class MCCLWork(compat.WorkBase):
 
     def is_completed(self) -> bool:
         return self._done.is_set()
+
+    def on_failure(self, fn: Callable[[BaseException], None]) -> None:
+        """``fn(error)`` on the completion thread if the op fails (a device op's tickets)."""
+        self._result.on_failure(fn)
 
     def is_success(self) -> bool:
         return self._done.is_set() and self._error is None

@@ -253,9 +253,9 @@ def test_wire_tables_match_the_engine() -> None:
 def test_the_torch_glue_maps_onto_the_wire_codes() -> None:
     import torch
 
-    from libmccl.devices import _buffers
+    from libmccl.torch import args
     from mccl_common import wire
-    for dtype, code in _buffers.DTYPE_CODES.items():
+    for dtype, code in args.DTYPE_CODES.items():
         assert wire.DTYPE_NAMES[code] == str(dtype).replace("torch.", ""), (dtype, code)
         assert torch.empty(0, dtype=dtype).element_size() == wire.DTYPE_SIZE[code], (dtype, code)
 

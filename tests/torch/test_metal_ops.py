@@ -62,16 +62,16 @@ def routed(monkeypatch):
     owners: dict[int, _Installed] = {}
     real_ordered = device_tensors.ordered
 
-    def ordered(t, name, blocks=None):
+    def ordered(t, name, blocks, on_lost):
         inst = owners.get(t.data_ptr())
         if inst is None:
-            return real_ordered(t, name, blocks)
+            return real_ordered(t, name, blocks, on_lost)
         # torch's mps data_ptr is the MTLBuffer id plus the byte offset (0 here)
         ops, addr, note = inst.dev.place(t._mccl_buffer, t._mccl_buffer, t.numel() * 4, name)
         inst.placed.append("in place" if ops.unified else "staged")
         op = OrderedOp(ops, addr, t.numel() * 4, f"{name} on fake mps", blocks)
         device_tensors._ledger(ops).add(op)
-        return op, None
+        return device_tensors.DeviceSide(op, None, [t], on_lost)
 
     monkeypatch.setattr(device_tensors, "ordered", ordered)
     monkeypatch.setattr(device_tensors, "on_a_stream", lambda t: t.data_ptr() in owners)

@@ -107,13 +107,13 @@ def test_group_of_one_under_mccl_daemon_never_attaches(monkeypatch, tmp_path):
 def test_a_ddp_step_of_one_rank_copies_stages_and_hands_off_nothing(solo_group, monkeypatch):
     """World size 1: DDP's bucket all-reduces (and a device tensor's identity ops) are done on
     the caller's thread with no staging buffer, no copy and no helper thread (the solo
-    communicator's stats; Staging's allocating calls counted)."""
-    from libmccl.devices import _buffers, device_check
+    communicator's stats; the plan's allocating calls counted)."""
+    from libmccl.devices import device_check, plan
 
     staged = []
     for name in ("input", "inout", "output", "scratch", "packed"):
-        real = getattr(_buffers.Staging, name)
-        monkeypatch.setattr(_buffers.Staging, name,
+        real = getattr(plan.Plan, name)
+        monkeypatch.setattr(plan.Plan, name,
                             lambda self, *a, _n=name, _real=real: staged.append(_n) or _real(self, *a))
     comm = dist.group.WORLD.communicator
     torch.manual_seed(0)

@@ -125,7 +125,7 @@ def test_wait_timeout_says_timed_out_and_the_op_can_still_finish() -> None:
 @pytest.mark.timeout(30)
 def test_on_failure_gets_the_typed_error_and_nothing_on_success() -> None:
     """A CUDA-aware future is handed out done before the engine finishes
-    (device_tensors.WaiterSide); the process group learns a later failure through
+    (device_tensors.DeviceSide); the process group learns a later failure through
     on_failure, typed, not as torch's RuntimeError rewrap."""
     seen: list[BaseException] = []
     ok, failed = ResultFuture(), ResultFuture()
