@@ -323,7 +323,17 @@ def main() -> int:
     args = ap.parse_args()
     if args.daemon:
         return _with_daemon(lambda: _checks(args))
-    return _checks(args)
+    if os.environ.get("MCCL_JOB_KEY_FILE") or os.environ.get("MCCL_WIRE_SECURITY") == "off":
+        return _checks(args)
+    # In-process the ranks need a job key (through mccld the daemon's fleet key serves): a
+    # throwaway one, as a check on one machine needs nothing more.
+    import tempfile
+
+    from mccl_common.daemon_settings import write_key_file
+
+    with tempfile.TemporaryDirectory(prefix="mccl-cudacheck-") as keys:
+        os.environ["MCCL_JOB_KEY_FILE"] = str(write_key_file(os.path.join(keys, "job.key")))
+        return _checks(args)
 
 
 def _with_daemon(run) -> int:
