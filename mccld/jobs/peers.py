@@ -12,7 +12,7 @@ from typing import Any
 
 from mccl_common import attach_protocol as protocol
 from mccl_common import jobkey, topology
-from mccl_common.errors import ConfigError, MCCLError
+from mccl_common.errors import AbortedError, ConfigError, MCCLError
 from mccl_common.settings import EngineConfig
 
 from ..net.datalinks import DataLinks
@@ -54,8 +54,8 @@ class JobPeers:
                               "cannot run in daemon mode; rebuild MCCL (`make build`)") from None
         datalinks = self._datalinks
         if datalinks is None:
-            raise ConfigError(f"[daemon] job {job.id}: mccld is stopping, no data sockets to build its engine on; "
-                              "restart the job once mccld is back")
+            raise AbortedError(f"[daemon] job {job.id}: mccld is stopping, no data sockets to build its engine "
+                               "on; restart the job once mccld is back")
         me = job.topo.host_rank
         # Only the hosts the engine's whole-world algorithms use (ring neighbours, fold and
         # hypercube partners: O(log hosts), symmetric) are leased now. The engine asks for any

@@ -26,6 +26,7 @@ from ..net.links import LinkManager
 from .job import Job
 from .peers import JobPeers
 from .reduce import ReducePool
+from .traffic import PeerTraffic
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +76,7 @@ class JobService:
         self._stopping = threading.Event()
         self._poke = threading.Event()      # a client disconnected: check clients now
         self._checker: threading.Thread | None = None
-        self._traffic: dict[tuple[str, int], tuple[int, int]] = {}
-        self._traffic_lock = threading.Lock()   # job threads and the checker both poll
+        self._traffic = PeerTraffic(stat)
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> "JobService":
@@ -167,30 +167,13 @@ class JobService:
         self.poll_traffic(job)
 
     def poll_traffic(self, job: Job) -> None:
-        engine = job.engine
-        if engine is None:
-            return
-        try:
-            per_peer = engine.stats().get("per_peer", {})
-        except Exception:  # noqa: BLE001 - stats are best effort
-            return
-        for rank, counters in per_peer.items():
-            rank = int(rank)
-            sent, recv = int(counters.get("sent", 0)), int(counters.get("received", 0))
-            with self._traffic_lock:
-                last = self._traffic.get((job.id, rank), (0, 0))
-                self._traffic[(job.id, rank)] = (sent, recv)
-            if (sent, recv) != last and 0 <= rank < len(job.hosts):
-                self._stat("record_peer_traffic", job.hosts[rank].link_addr,
-                           max(0, sent - last[0]), max(0, recv - last[1]))
+        self._traffic.poll(job)
 
     def job_closed(self, job: Job) -> None:
         with self._lock:
             if self.table.get(job.id) is job:
                 del self.table[job.id]
-            with self._traffic_lock:
-                for key in [k for k in self._traffic if k[0] == job.id]:
-                    del self._traffic[key]
+            self._traffic.forget(job.id)
             # The record only has to name segments that may outlive us: those of live jobs.
             live = [name for j in self.table.values() for m in list(j.members.values()) for name in m.names()]
             self._segments.keep_only(live)
