@@ -48,7 +48,7 @@ _PEER_VERDICT_CUT_S = 2.0
 
 
 class JobHost(Protocol):
-    """What a job needs from its daemon."""
+    """What a job needs from its daemon (service.JobService serves it)."""
     host_id: str
     pool: ReducePool
     engine_cfg: EngineConfig                  # the engine's settings (pipeline_bytes, ...)

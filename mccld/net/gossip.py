@@ -38,13 +38,14 @@ from mccl_common import gossip_protocol as gp
 from mccl_common.errors import MCCLError
 
 from ..logutil import OnceLogger
+from .workers import WorkerPool
 
 log = logging.getLogger(__name__)
 
 FANOUT = 3                    # random peers per round, besides due seeds
 MAX_DIALS = 4                 # dials / sends in flight at once
 _STOP_JOIN_S = 15.0           # stop() waits this long for a dial in flight (MCCL_LINK_TIMEOUT is 10 s)
-MAX_QUEUED = 64               # work waiting for the pool; past it a round sends less
+MAX_QUEUED = 64               # dials and sends accepted, queued or running; past it a round sends less
 # Messages taken from one peer per interval: a whole table is MAX_TABLE / MAX_ENTRIES_PER_MESSAGE
 # of them, and a peer may answer our digest while sending its own.
 MAX_MESSAGES_PER_ROUND = 4 * gp.MAX_TABLE // gp.MAX_ENTRIES_PER_MESSAGE
@@ -93,12 +94,8 @@ class Gossip:
         self._shunned: dict[str, tuple[float, float]] = {}             # addr -> (retry at, backoff) after a failure
         self._lock = threading.Lock()
         self._inbox: queue.Queue = queue.Queue(maxsize=_INBOX)
-        self._queued = 0
-        # The dial workers: a fixed pool started with the rest, so the daemon's threads are all
-        # up when its token appears (the fuzzer and the fault campaign count them before and
-        # after; a ThreadPoolExecutor starting its workers at the first dials read as growth).
-        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
-        self._workers: list[threading.Thread] = []
+        self._dials = WorkerPool("mccld-gossip-dial", MAX_DIALS, MAX_QUEUED,
+                                 lambda: log.debug("gossip: a dial task failed", exc_info=True), _STOP_JOIN_S)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._once = OnceLogger(log, rewarn_s=None)
@@ -107,10 +104,7 @@ class Gossip:
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> "Gossip":
         self._heartbeat()
-        self._workers = [threading.Thread(target=self._work, name=f"mccld-gossip-dial-{i}", daemon=True)
-                         for i in range(MAX_DIALS)]
-        for w in self._workers:
-            w.start()
+        self._dials.start()
         self._thread = threading.Thread(target=self._loop, name="mccld-gossip", daemon=True)
         self._thread.start()
         if self._seeds:
@@ -122,23 +116,7 @@ class Gossip:
         if self._thread is not None:
             self._thread.join(timeout=5.0)
             self._thread = None
-        while True:   # what has not started will not
-            try:
-                self._jobs.get_nowait()
-            except queue.Empty:
-                break
-        for _ in self._workers:
-            self._jobs.put(None)
-        for w in self._workers:
-            w.join(_STOP_JOIN_S)   # a dial in flight ends by MCCL_LINK_TIMEOUT
-        self._workers = []
-
-    def _work(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            job()
+        self._dials.stop()   # a dial in flight ends by MCCL_LINK_TIMEOUT
 
     # -- what the daemon reads ---------------------------------------------------------------
     def rows(self) -> list[dict[str, Any]]:
@@ -217,21 +195,7 @@ class Gossip:
 
     def _submit(self, fn: Callable, a: Any, b: Any) -> bool:
         """Run fn(a, b) on a dial worker; False when too much is queued (or we stop) and it will not run."""
-        with self._lock:
-            if not self._workers or self._stop.is_set() or self._queued >= MAX_QUEUED:
-                return False
-            self._queued += 1
-
-        def run() -> None:
-            try:
-                fn(a, b)
-            except Exception:  # noqa: BLE001 - a worker must outlive any one dial
-                log.debug("gossip: a dial task failed", exc_info=True)
-            finally:
-                with self._lock:
-                    self._queued -= 1
-        self._jobs.put(run)
-        return True
+        return not self._stop.is_set() and self._dials.submit(fn, a, b)
 
     def _digest(self) -> dict[str, Any]:
         with self._lock:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -43,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 from mccl_common.errors import AbortedError, CollectiveTimeout, MCCLError, PeerLostError, ProtocolError, from_kind, kind_of
 
 from ..logutil import OnceLogger
+from .workers import WorkerPool
 
 if TYPE_CHECKING:
     import socket
@@ -126,52 +126,22 @@ class OnDemand:
         self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._early: collections.OrderedDict[tuple[str, str, str], tuple[dict[str, Any], float]] = \
             collections.OrderedDict()
-        self._tasks: queue.Queue = queue.Queue(_MAX_QUEUED)
-        self._workers: list[threading.Thread] = []
+        # _MAX_QUEUED steps wait besides the WORKERS running.
+        self._steps = WorkerPool("mccld-ondemand", WORKERS, _MAX_QUEUED + WORKERS,
+                                 lambda: log.exception("[datalinks] an on-demand lease step failed"))
         self._once = OnceLogger(log, rewarn_s=60.0)
         self.counts: collections.Counter = collections.Counter()   # leased, refused, failed (tests, status)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
-        self._workers = [threading.Thread(target=self._work, name="mccld-ondemand", daemon=True)
-                         for _ in range(WORKERS)]
-        for t in self._workers:
-            t.start()
+        self._steps.start()
 
     def stop(self) -> None:
         with self._lock:
             jobs = list(self._jobs)
         for job in jobs:
             self.detach(job)
-        while True:   # queued steps are moot now; make room for the stop marks
-            try:
-                self._tasks.get_nowait()
-            except queue.Empty:
-                break
-        for _ in self._workers:
-            self._tasks.put(None)
-        for t in self._workers:
-            t.join(10.0)
-        self._workers = []
-
-    def _work(self) -> None:
-        while True:
-            # No timeout: stop() always queues the None that ends this loop.
-            task = self._tasks.get()
-            if task is None:
-                return
-            fn, args = task
-            try:
-                fn(*args)
-            except Exception:  # noqa: BLE001 - one step's bug must not end the worker
-                log.exception("[datalinks] an on-demand lease step failed")
-
-    def _submit(self, fn: Callable[..., None], *args: Any) -> bool:
-        try:
-            self._tasks.put_nowait((fn, args))
-            return True
-        except queue.Full:
-            return False
+        self._steps.stop()   # queued steps are moot now
 
     # -- jobs --------------------------------------------------------------------------------
     def attach(self, job: str, engine: Any, me: int, hosts: list[tuple[str, str]], budget_s: float) -> None:
@@ -215,7 +185,7 @@ class OnDemand:
             p = _Pair("proposing" if propose else "asked", time.monotonic() + j.budget_s)
             j.pairs[peer] = p
             busy = self._active() > _MAX_ACTIVE
-        if busy or not self._submit(self._propose if propose else self._ask, j, peer, 0):
+        if busy or not self._steps.submit(self._propose if propose else self._ask, j, peer, 0):
             self._fail(j, peer, ProtocolError(
                 f"[datalinks] job {job}: too many data-socket leases in flight on host {self.host_id}; "
                 f"host {peer} was not linked; retry the job, or run fewer jobs at once"))
@@ -296,7 +266,7 @@ class OnDemand:
                 f"{'proposer' if not propose else 'acceptor'} of that pair; the daemons run different MCCL versions?"))
             return
         step = self._accepts(j, peer_host, kind, msg)
-        if step is not None and not self._submit(step, j, peer_host, msg):
+        if step is not None and not self._steps.submit(step, j, peer_host, msg):
             self._fail(j, peer_host, ProtocolError(
                 f"[datalinks] job {job}: too many data-socket leases queued on host {self.host_id}; "
                 f"host {peer_host} was not linked; retry the job, or run fewer jobs at once"))
@@ -441,7 +411,7 @@ class OnDemand:
         self._count("refused")
         self._once.warn(f"refuse:{peer}", "%s", exc)
         # Sent by a worker: the control link's reader must never block on a peer that does not read.
-        if answer and not self._submit(self._send_host, peer, {"type": "data_refused", "job": job,
+        if answer and not self._steps.submit(self._send_host, peer, {"type": "data_refused", "job": job,
                                                                 "kind": kind_of(exc), "error": str(exc)}):
             log.debug("refusal to %s not sent: too many steps queued", peer)
 

@@ -131,7 +131,7 @@ def test_buffers_are_released_with_their_last_reference_and_capped(jittery_daemo
         monkeypatch.setenv(k, v)
     comm, _store = connect(0, 1, comm_id=0xb0f)
     try:
-        job = d.jobs[f"{0xb0f:08x}"]
+        job = d.jobs.table[f"{0xb0f:08x}"]
 
         def registered() -> set[str]:
             member = job.members.get(0)
@@ -197,7 +197,7 @@ def test_mccld_stopping_amid_a_closing_clients_releases_leaves_nothing_mapped(ji
     monkeypatch.setattr(shm.Segment, "unlink", slow_on_the_attach_thread)
     comm, _store = connect(0, 1, comm_id=0xb11)
     held = [comm.alloc_buffer(4096) for _ in range(16)]
-    members = d.jobs[f"{0xb11:08x}"].members
+    members = d.jobs.table[f"{0xb11:08x}"].members
     assert _until(lambda: len(members[0].buffers) == len(held)), "mccld never mapped the buffers"
     comm.shutdown(5)
     d.stop()   # the fixture's stop finds nothing left to do

@@ -31,7 +31,7 @@ def _op_reply(payload: dict) -> bool:
 
 
 def _delay_op_replies(d, timers: list) -> None:
-    send = d.reply
+    send = d.jobs.reply
 
     def late(ident, req, payload):
         if not _op_reply(payload):
@@ -39,7 +39,7 @@ def _delay_op_replies(d, timers: list) -> None:
         t = threading.Timer(DELAY_S, send, (ident, req, payload))
         timers.append(t)
         t.start()
-    d.reply = late
+    d.jobs.reply = late
 
 
 def rank_times_three_ops(rank: int, world: int) -> dict:
@@ -92,7 +92,7 @@ def rank_error_after_results(rank: int, world: int) -> str:
 
 def test_an_error_in_the_late_reply_fails_the_next_op(daemon):
     d, env = daemon
-    send, sent = d.reply, []
+    send, sent = d.jobs.reply, []
 
     def failing(ident, req, payload):
         if _op_reply(payload) and len(sent) < 2:   # the first op's replies, one per rank
@@ -100,6 +100,6 @@ def test_an_error_in_the_late_reply_fails_the_next_op(daemon):
             err = PeerLostError("[daemon] job 0000ea72: injected after the op's last result", peer_rank=1)
             payload = {"ok": False, "error": protocol.error_payload(err)}
         return send(ident, req, payload)
-    d.reply = failing
+    d.jobs.reply = failing
     for msg in run_ranks(rank_error_after_results, 2, env=env, timeout_s=60):
         assert "injected after the op's last result" in msg, msg

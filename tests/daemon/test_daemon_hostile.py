@@ -52,7 +52,7 @@ def test_hello_with_a_pid_out_of_range_is_refused_and_checks_keep_running(raw):
     d, c = raw
     for pid in (1 << 31, 0, -5):
         assert refused(c.hello(pid=pid), "'pid'"), pid
-    d._check_once()   # raised OverflowError on every pass once such a pid was attached
+    d.jobs.check_once()   # raised OverflowError on every pass once such a pid was attached
 
 
 @pytest.mark.timeout(60)
@@ -81,9 +81,9 @@ def test_refused_join_leaves_no_job_and_no_thread_behind(raw):
                     "opts": {}})
     assert refused(reply, "rank 1", "not placed on this host"), reply
     deadline = time.monotonic() + 5
-    while (_job_threads("b22") or "b22" in d.jobs) and time.monotonic() < deadline:
+    while (_job_threads("b22") or "b22" in d.jobs.table) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert "b22" not in d.jobs and _job_threads("b22") == []
+    assert "b22" not in d.jobs.table and _job_threads("b22") == []
 
 
 @pytest.mark.timeout(60)

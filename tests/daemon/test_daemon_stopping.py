@@ -115,12 +115,12 @@ def test_an_unmap_queued_behind_the_jobs_stop_is_done_before_its_thread_ends(job
 def test_a_join_that_arrives_while_mccld_stops_starts_no_job():
     with running_daemon() as (d, _env):
         hello = protocol.build_request({"type": "hello", "req": 1, "token": "", "pid": os.getpid()})
-        d._handle(b"c0", hello)
+        d.jobs.handle(b"c0", hello)
         d.stop()
         join = protocol.build_request({"type": "join", "req": 2, "job": "ac", "rank": 0, "size": 1,
                                        "timeout_s": 5, "opts": {},
                                        "hosts": [{"host_id": d.host_id, "link_addr": "h:1", "ranks": [0]}]})
         with pytest.raises(AbortedError, match="mccld is stopping, join refused"):
-            d._handle(b"c0", join)
-        assert d.jobs == {}
+            d.jobs.handle(b"c0", join)
+        assert d.jobs.table == {}
         assert not [t.name for t in threading.enumerate() if t.name.startswith("mccld-job-")]

@@ -31,7 +31,7 @@ void HandedLinks::fire() {
 }
 
 void HandedLinks::fail_locked(const Error& e) {
-  if (!error_) error_ = std::make_shared<const Error>(e);
+  error_.set(e);
 }
 
 // ---------------------------------------------------------------- asking the owner
@@ -147,9 +147,7 @@ void HandedLinks::take_ready(std::vector<NewLink>* out) {
 
 std::shared_ptr<const Error> HandedLinks::take_error() {
   std::lock_guard<std::mutex> lk(mu_);
-  if (!error_ || error_taken_) return nullptr;
-  error_taken_ = true;
-  return error_;
+  return error_.take();
 }
 
 bool HandedLinks::linking(int peer) const {
@@ -163,7 +161,7 @@ bool HandedLinks::settled() const {
   for (State s : state_) {
     if (s == State::kProving || s == State::kReady) return false;
   }
-  return !error_;
+  return !error_.failed();
 }
 
 void HandedLinks::stop() {

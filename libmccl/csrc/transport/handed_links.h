@@ -78,8 +78,7 @@ class HandedLinks : public LinkSource {
   std::thread asker_;
   HelperThreads provers_;  // one per link being proved (at most one per peer)
   std::deque<NewLink> ready_;
-  std::shared_ptr<const Error> error_;
-  bool error_taken_ = false;
+  FirstError error_;
   std::function<void()> on_event_;
   std::mutex stop_mu_;
   bool stopped_ = false;

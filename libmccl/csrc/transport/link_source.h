@@ -21,6 +21,32 @@ struct NewLink {
   std::vector<FrameKeys> keys;  // one per socket; empty under kOff
 };
 
+// A source's first failure, kept until the transport takes it, once: later failures are
+// consequences of the first (the job is failing) and would only hide its cause. Not locked:
+// its owner guards it with its own mutex.
+class FirstError {
+ public:
+  void set(const Error& e) {
+    if (!error_) error_ = std::make_shared<const Error>(e);
+  }
+  bool failed() const { return error_ != nullptr; }
+  // The failure, or null once it was taken (or there is none).
+  std::shared_ptr<const Error> take() {
+    if (!error_ || taken_) return nullptr;
+    taken_ = true;
+    return error_;
+  }
+  // Throws the failure, which counts as taking it. Only when failed().
+  [[noreturn]] void throw_taken() {
+    taken_ = true;
+    throw *error_;
+  }
+
+ private:
+  std::shared_ptr<const Error> error_;
+  bool taken_ = false;
+};
+
 class LinkSource {
  public:
   virtual ~LinkSource() = default;

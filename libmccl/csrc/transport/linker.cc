@@ -118,9 +118,7 @@ void Linker::dial_main() {
       {
         std::lock_guard<std::mutex> lk(mu_);
         // The peer's own dial may have won meanwhile: then ours failing does not matter.
-        if (peers_[peer].state == State::kDialing && !error_) {
-          error_ = std::make_shared<const Error>(e);
-        }
+        if (peers_[peer].state == State::kDialing) error_.set(e);
       }
       fire();
     }
@@ -170,7 +168,7 @@ void Linker::accept_main() {
     } catch (const Error& e) {
       {
         std::lock_guard<std::mutex> lk(mu_);
-        if (!error_) error_ = std::make_shared<const Error>(e);
+        error_.set(e);
       }
       fire();
       break;  // out of file descriptors: no later link could be accepted either
@@ -262,7 +260,7 @@ void Linker::handshake_one(Fd fd, const std::string& from) {
     {
       std::lock_guard<std::mutex> lk(mu_);
       if (held >= 0) peers_[held_from].reserved[held] = false;
-      if (!error_) error_ = std::make_shared<const Error>(e);
+      error_.set(e);
     }
     fire();
   }
@@ -294,10 +292,7 @@ MeshLinks Linker::wait_for(const std::vector<int>& peers, Deadline deadline,
       }
     }
     if (missing == 0) return mesh;
-    if (error_) {
-      error_taken_ = true;
-      throw *error_;
-    }
+    if (error_.failed()) error_.throw_taken();
     if (cancel && cancel->load()) {
       throw_error(ErrorKind::kAborted, "[transport] building the links of rank " +
                                            std::to_string(spec_.rank) + " was interrupted");
@@ -340,9 +335,7 @@ void Linker::take_ready(std::vector<NewLink>* out) {
 
 std::shared_ptr<const Error> Linker::take_error() {
   std::lock_guard<std::mutex> lk(mu_);
-  if (!error_ || error_taken_) return nullptr;
-  error_taken_ = true;
-  return error_;
+  return error_.take();
 }
 
 bool Linker::linking(int peer) const {

@@ -114,8 +114,7 @@ class Linker : public LinkSource {
   std::deque<int> dial_queue_;
   int dialers_ = 0;  // dialer threads running
   HelperThreads dialer_threads_;
-  std::shared_ptr<const Error> error_;
-  bool error_taken_ = false;
+  FirstError error_;
   std::function<void()> on_event_;
 
   std::thread acceptor_;
