@@ -145,8 +145,13 @@ class OnDemand:
 
     # -- jobs --------------------------------------------------------------------------------
     def attach(self, job: str, engine: Any, me: int, hosts: list[tuple[str, str]], budget_s: float) -> None:
-        """The job's engine is built: serve its wants and its peers' leases from now on."""
+        """The job's engine is built: serve its wants and its peers' leases from now on. A job
+        that ended while its engine was being built (a peer dropped the sockets mid set-up) is
+        not taken: its detach already ran, and nothing would drop the engine (and its pipes)
+        again — a fuzz run once found one kept for good."""
         with self._lock:
+            if job in self._ended:
+                return
             self._jobs[job] = _Job(job, engine, me, hosts, budget_s)
             early = [(key[1], msg) for key, (msg, _) in self._early.items() if key[0] == job]
             for key in [k for k in self._early if k[0] == job]:

@@ -280,3 +280,38 @@ def test_through_mccld_an_allreduce_job_leases_setup_hosts_and_p2p_alltoall_the_
     for d in running:   # every socket, the ones leased mid-job too, went back to the pool clean
         assert all(p["leased"] == 0 and p["discarded"] == 0 for p in d.status_provider()["data_links"])
     assert sum(d.datalinks.on_demand.counts["leased"] for d in running) == 2 * 3   # pairs 0-3, 1-4, 2-4; both ends
+
+
+def test_an_engine_built_after_its_job_ended_is_not_kept():
+    # A peer that drops its data sockets mid set-up ends the job (detach) while this host is
+    # still building the engine; attaching it afterwards kept it, and its progress thread's
+    # pipe, for the daemon's lifetime (found by the fuzz run's no-cyclic-GC check).
+    import gc
+    import weakref
+    from types import SimpleNamespace
+
+    from mccld.net.ondemand import OnDemand
+
+    class Engine:
+        pass
+
+    od = OnDemand(SimpleNamespace(discard=lambda *a, **k: None), SimpleNamespace(host_id="hosta"))
+    hosts = [("hosta", "127.0.0.1:1"), ("hostb", "127.0.0.1:2")]
+    gc.disable()
+    try:
+        live = Engine()
+        od.attach("live", live, 0, hosts, 5.0)
+        kept = weakref.ref(live)
+        del live
+        assert kept() is not None, "a running job's engine must be served"
+        od.detach("live")
+        assert kept() is None
+
+        od.detach("ended")                 # the job failed while its engine was being built
+        late = Engine()
+        od.attach("ended", late, 0, hosts, 5.0)
+        gone = weakref.ref(late)
+        del late
+        assert gone() is None, "the engine of a job that had ended is still held"
+    finally:
+        gc.enable()
