@@ -183,7 +183,8 @@ def test_every_daemon_thread_runs_when_its_token_appears_and_first_connections_a
         before = threading.active_count()
         for kind in ("StatusServer", "link", "MetricsServer"):
             honest_request(d, env, kind, port_of(d, kind))
-        assert settles_to((len(os.listdir("/proc/self/fd")), before), 5.0)[1] <= before
+        # Generous, as above: CI's load once left three threads running past 5 s.
+        assert settles_to((len(os.listdir("/proc/self/fd")), before), 30.0)[1] <= before
     finally:
         starter.join(30)
         d.stop()
