@@ -95,6 +95,21 @@ def check_rank(r: int, size: int, op: str, what: str) -> int:
     return r
 
 
+def root_list(name: str, lists: Any, lists_what: str, what: str, ref: torch.Tensor, ref_what: str, rank: int,
+              size: int, root: int) -> list[torch.Tensor]:
+    """The per-rank list of a rooted op (scatter's scatter_list, gather's gather_list): on the
+    root one tensor like ``ref`` per rank, elsewhere nothing (a list there is refused)."""
+    if rank != root:
+        if lists and any(len(lst) for lst in lists):
+            raise ConfigError(f"[mccl] {name}: rank {rank} passed a {what} but is not the root ({root}); "
+                              "only the root may")
+        return []
+    ts = tensor_list(single(lists, name, lists_what), name, what, size)
+    for r, t in enumerate(ts):
+        check_like(t, ref, name, f"{what}[{r}]", ref_what)
+    return ts
+
+
 def reduce_codes(t: torch.Tensor, op: Any, name: str) -> tuple[int, int, int]:
     """(dtype code, element count, op code) for a reduction over ``t``."""
     try:

@@ -26,15 +26,8 @@ class ExchangeOps:
         out = args.check_tensor(args.single(output_tensors, "scatter", "output_tensors"), "scatter", "output")
         root = args.check_rank(opts.rootRank, self.size(), "scatter", "root")
         n = args.nbytes(out)
-        ins: list[torch.Tensor] = []
-        if self.rank() == root:
-            ins = args.tensor_list(args.single(input_tensors, "scatter", "input_tensors"), "scatter", "scatter_list",
-                                self.size())
-            for r, x in enumerate(ins):
-                args.check_like(x, out, "scatter", f"scatter_list[{r}]", "the output")
-        elif input_tensors and any(len(lst) for lst in input_tensors):
-            raise ConfigError(f"[mccl] scatter: rank {self.rank()} passed a scatter_list but is not the root ({root}); "
-                              "only the root may")
+        ins = args.root_list("scatter", input_tensors, "input_tensors", "scatter_list", out, "the output",
+                             self.rank(), self.size(), root)
         st = self._plan("scatter", [out, ins])
         send_ptr = st.packed(ins).data_ptr() if ins else 0
         dst = st.output(out)
@@ -45,15 +38,8 @@ class ExchangeOps:
         inp = args.check_tensor(args.single(input_tensors, "gather", "input_tensors"), "gather", "input")
         root = args.check_rank(opts.rootRank, self.size(), "gather", "root")
         n = args.nbytes(inp)
-        outs: list[torch.Tensor] = []
-        if self.rank() == root:
-            outs = args.tensor_list(args.single(output_tensors, "gather", "output_tensors"), "gather", "gather_list",
-                                 self.size())
-            for r, o in enumerate(outs):
-                args.check_like(o, inp, "gather", f"gather_list[{r}]", "the input")
-        elif output_tensors and any(len(lst) for lst in output_tensors):
-            raise ConfigError(f"[mccl] gather: rank {self.rank()} passed a gather_list but is not the root ({root}); "
-                              "only the root may")
+        outs = args.root_list("gather", output_tensors, "output_tensors", "gather_list", inp, "the input",
+                              self.rank(), self.size(), root)
         st = self._plan("gather", [inp, outs])
         recv_ptr = 0
         if outs:
