@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from mccl_common.errors import ConfigError
-from tools.bench.lm import data, model, runner, variants
+from mccl_common.errors import MCCLError
+from tools.bench.lm import data, model, runner, train, variants
 
 
 def _tree(root: Path) -> Path:
@@ -134,3 +135,10 @@ def test_rate_time_to_loss_and_summary_arithmetic():
     assert s["target_loss"] == 2.0 and set(s["variants"]) == {"gloo", "int8"}
     assert s["variants"]["int8"]["time_to_ref_loss_over_ref"] == pytest.approx(0.25)
     assert s["variants"]["gloo"]["val_loss_at_ref_samples_pct"] == pytest.approx(0.0)
+
+
+def test_wire_bytes_come_from_this_namespaces_interface():
+    assert train.tx_bytes(None) is None
+    assert train.tx_bytes("lo") >= 0
+    with pytest.raises(MCCLError, match="no interface 'nope0'"):
+        train.tx_bytes("nope0")

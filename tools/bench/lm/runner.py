@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from mccl_common.errors import ConfigError, MCCLError
 
+from ..daemons import HostDaemons
 from ..launch import FleetLauncher, LocalLauncher, first_failure, run_group
 from . import data as lmdata
 from .model import ModelConfig
@@ -132,15 +133,26 @@ def _run_ranks(launcher, cfg: LMConfig, plan: dict, variant: Variant, tmp: str, 
     plan = {**plan, "variant": variant.to_dict(), "out_dir": out_dir}
     argv = [sys.executable, "-m", "tools.bench.lm.train", json.dumps(plan)]
     n = launcher.n
-    done = run_group(launcher, [argv] * n, _envs(launcher, n, launcher.free_port(29500), variant), tmp,
-                     cfg.timeout_s, what, stream_first=cfg.verbose)
+    daemons = None
+    with contextlib.ExitStack() as stack:
+        runner = launcher
+        if variant.daemon:
+            daemons = HostDaemons(launcher, out_dir, extra_env=variant.env).start()
+            stack.callback(daemons.stop)
+            runner = daemons    # its ranks attach to their host's mccld (MCCL_DAEMON=1)
+        done = run_group(runner, [argv] * n, _envs(launcher, n, launcher.free_port(29500), variant), tmp,
+                         cfg.timeout_s, what, stream_first=cfg.verbose)
     why = first_failure(done)
     if why:
-        raise MCCLError(f"[bench] lm {what} failed: {why}")
+        said = f"; mccld on host 0 logged: {daemons.tail(0)}" if daemons is not None else ""
+        raise MCCLError(f"[bench] lm {what} failed: {why}{said}")
     docs = []
     for r in range(n):
         with open(os.path.join(out_dir, f"{variant.name}-rank{r}.json")) as f:
             docs.append(json.load(f))
+    if not plan.get("calibrate") and any(d["via_daemon"] != variant.daemon for d in docs):
+        raise MCCLError(f"[bench] lm {variant.name}: some ranks ran {'without' if variant.daemon else 'through'} "
+                        "mccld, so the curve is not this variant's; likely cause: the backend ignores MCCL_DAEMON")
     return docs
 
 

@@ -152,7 +152,9 @@ def run(plan: dict) -> dict:
         if (step + 1) % plan["eval_every"] == 0 or step + 1 == plan["steps"]:
             point(step + 1, wall, tx0)
     out.update(curve=curve, step_s=step_s, grad_bytes=grad_bytes, samples_per_step=samples_per_step,
-               replicas=_replica_spread(torch, dist, model))
+               replicas=_replica_spread(torch, dist, model),
+               # loaded only when the group went through mccld: proof that a daemon variant ran as one
+               via_daemon="libmccl.daemon.client" in sys.modules)
     return out
 
 

@@ -7,7 +7,8 @@ mccl that does not know MCCL_COMPRESSION would otherwise run ``int8`` uncompress
 fp32's curve under int8's name. ``off`` requires nothing: uncompressed is what an mccl without
 compression does anyway, so it is set when known and honest when not. After a run on an
 emulated fleet the harness also checks that a compressed variant put fewer bytes on the wire
-than ``off`` (runner.check_wire).
+than fp32 would (runner.check_wire). A ``daemon`` variant runs its ranks through one mccld per
+host, started for it with the same settings.
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ class Variant:
     requires: tuple = ()                            # MCCL_* settings the installed mccl must declare
     wire_factor: float = 1.0                        # expected wire bytes relative to fp32 (for check_wire)
     label: str = ""
+    daemon: bool = False                            # through one mccld per host (MCCL_DAEMON=1)
 
     def to_dict(self) -> dict:
         return {"name": self.name, "backend": self.backend, "env": dict(self.env), "label": self.label or self.name,
-                "requires": list(self.requires), "wire_factor": self.wire_factor}
+                "requires": list(self.requires), "wire_factor": self.wire_factor, "daemon": self.daemon}
 
 
 _COMP, _EF = "MCCL_COMPRESSION", "MCCL_COMPRESSION_ERROR_FEEDBACK"
@@ -40,6 +42,10 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("fp16", "mccl", {_COMP: "fp16"}, (_COMP,), 0.5, "mccl, fp16"),
     Variant("int8", "mccl", {_COMP: "int8", _EF: "1"}, (_COMP, _EF), 0.25, "mccl, int8 + error feedback"),
     Variant("int8-nofb", "mccl", {_COMP: "int8", _EF: "0"}, (_COMP, _EF), 0.25, "mccl, int8, no error feedback"),
+    # Through mccld: the harness starts one daemon per host for the variant, with the same settings.
+    Variant("off-daemon", "mccl", {_COMP: "off"}, label="mccl through mccld, fp32", daemon=True),
+    Variant("int8-daemon", "mccl", {_COMP: "int8", _EF: "1"}, (_COMP, _EF), 0.25,
+            "mccl through mccld, int8 + error feedback", daemon=True),
 )}
 DEFAULT = ("gloo", "off", "bf16", "int8", "int8-nofb")
 
