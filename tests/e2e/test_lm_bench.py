@@ -68,3 +68,13 @@ def test_a_compressed_variant_without_compression_in_mccl_fails_loudly(tmp_path)
     assert res.returncode == 2
     assert "'int8' needs MCCL_COMPRESSION" in res.stderr and "does not declare" in res.stderr
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.timeout(60)
+def test_the_lm_harness_imports_neither_torch_nor_the_daemons_deps():
+    # Only the ranks need torch; the harness checks the variants against mccl_common's declarations.
+    code = ("import sys, tools.bench.lm.cli, tools.bench.lm.runner, tools.bench.lm.report; "
+            "from tools.bench.lm.variants import resolve; resolve(['gloo', 'off']); "
+            "bad = {'zmq', 'zeroconf', 'torch', 'libmccl'} & set(sys.modules); assert not bad, bad")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-1000:]

@@ -54,10 +54,8 @@ def declared_settings() -> dict[str, tuple[type, dataclasses.Field]]:
     """Every MCCL_* variable the installed mccl declares: env name -> (settings class, field)."""
     from mccl_common import settings
 
-    try:   # mccld and others register their own settings classes on import
-        import libmccl  # noqa: F401
-    except ImportError:
-        pass
+    # The engine's settings (MCCL_COMPRESSION among them) are declared in mccl_common itself; the
+    # harness stays free of torch and of the daemon's dependencies.
     return {f.metadata["env"]: (cls, f) for cls in settings.ALL_SETTINGS for f in dataclasses.fields(cls)}
 
 
