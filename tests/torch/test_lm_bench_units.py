@@ -134,6 +134,11 @@ def test_rate_time_to_loss_and_summary_arithmetic():
     s = runner.summarize({"gloo": ref, "int8": fast, "bad": {"ok": False}}, "gloo")
     assert s["target_loss"] == 2.0 and set(s["variants"]) == {"gloo", "int8"}
     assert s["variants"]["int8"]["time_to_ref_loss_over_ref"] == pytest.approx(0.25)
+    assert s["variants"]["gloo"]["time_to_ref_loss_over_ref"] == 1.0
+    # within the tolerance (fp32 sums in another order) counts as reached; beyond it does not
+    slower = {**ref, "curve": [dict(p, val_loss=p["val_loss"] * 1.0005) for p in curve]}
+    assert runner.summarize({"gloo": ref, "off": slower}, "gloo")["variants"]["off"]["time_to_ref_loss_s"]
+    assert runner.summarize({"gloo": ref, "off": slower}, "gloo", 0.0)["variants"]["off"]["time_to_ref_loss_s"] is None
     assert s["variants"]["gloo"]["val_loss_at_ref_samples_pct"] == pytest.approx(0.0)
 
 

@@ -24,7 +24,7 @@ import sys
 from mccl_common.errors import MCCLError
 
 from .model import ModelConfig
-from .runner import LMConfig, run_lm
+from .runner import LMConfig, run_lm, summarize
 from .variants import DEFAULT, VARIANTS
 
 
@@ -50,6 +50,9 @@ def parser() -> argparse.ArgumentParser:
                          "setting the installed mccl does not declare stops the run")
     ap.add_argument("--reference", default=None, help="the fp32 DDP variant others are compared with "
                                                       "(default gloo, else off)")
+    ap.add_argument("--loss-tolerance", type=float, default=d.loss_tolerance,
+                    help="relative margin within which a variant counts as having reached the reference's final "
+                         f"loss (default {d.loss_tolerance}: fp32 sums in another order differ by ~1e-5)")
     ap.add_argument("--steps", type=int, default=d.steps)
     ap.add_argument("--batch", type=int, default=d.batch, help="sequences per rank per step")
     ap.add_argument("--eval-every", type=int, default=d.eval_every)
@@ -91,6 +94,8 @@ def main(argv: list[str]) -> int:
             return 2
         with open(args.redraw) as f:
             result = json.load(f)
+        ref = (result.get("summary") or {}).get("reference")
+        result["summary"] = summarize(result["results"], ref, args.loss_tolerance)
         print("\n".join(write_outputs(result, args.out_dir)))
         return 0
     from ..__main__ import _ensure_job_key
@@ -103,6 +108,7 @@ def main(argv: list[str]) -> int:
                    variants=args.variants, reference=args.reference, steps=args.steps, batch=args.batch,
                    eval_every=args.eval_every, val_windows=args.val_windows, lr=args.lr,
                    warmup_steps=args.warmup_steps, seed=args.seed, bucket_mb=args.bucket_mb,
+                   loss_tolerance=args.loss_tolerance,
                    calibrate_steps=args.calibrate_steps, timeout_s=args.timeout, log_dir=args.log_dir,
                    verbose=args.verbose,
                    model=ModelConfig(layers=args.layers, d_model=args.d_model, heads=args.heads,

@@ -34,8 +34,9 @@ def table(result: dict) -> str:
     summ = result.get("summary") or {}
     ref = summ.get("reference")
     rows = summ.get("variants") or {}
+    tol = f" (+{summ['tolerance'] * 100:g} %)" if summ.get("tolerance") else ""
     head = (f"| variant | final val loss (nats/byte) | vs {ref or 'reference'} at equal samples | wall time, s | "
-            f"time to {ref or 'reference'}'s final loss, s (× its wall time) | samples/s | wire bytes/sample "
+            f"time to {ref or 'reference'}'s final loss{tol}, s (× {ref or 'reference'}'s) | samples/s | wire bytes/sample "
             "(× fp32 ring) | step, ms (median) |")
     lines = [head, "|" + "---|" * 8]
     for name, r in result["results"].items():
@@ -50,7 +51,7 @@ def table(result: dict) -> str:
         pct = s.get("val_loss_at_ref_samples_pct")
         wire = r["wire_bytes_per_sample"]
         wire_txt = _bytes(wire) + (f" ({r['wire_over_fp32_ring']:.2f}×)" if wire is not None else "")
-        lines.append(f"| {label} | {r['final_val_loss']:.4f} | {_fmt(pct, '+.2f')} % | {r['wall_s']:.1f} | {ttl_txt} | "
+        lines.append(f"| {label} | {r['final_val_loss']:.4f} | {_fmt(pct, '+.3f')} % | {r['wall_s']:.1f} | {ttl_txt} | "
                      f"{r['samples_per_s']:.1f} | {wire_txt} | {r['step_ms_median']:.0f} |")
     return "\n".join(lines)
 

@@ -67,10 +67,10 @@ def _evaluate(torch, dist, model, val, mcfg, plan, rank, world) -> float:
     return float(total[0] / total[1])
 
 
-def _calibrate(torch, plan: dict, mcfg, train) -> dict:
+def _calibrate(torch, plan: dict, mcfg, train, rank: int) -> dict:
     model = lmmodel.build(torch, mcfg)
     opt = torch.optim.AdamW(model.parameters(), lr=plan["lr"], weight_decay=0.1)
-    it = lmdata.batches(torch, train, mcfg.context, plan["batch"], plan["seed"], int(os.environ.get("RANK", 0)))
+    it = lmdata.batches(torch, train, mcfg.context, plan["batch"], plan["seed"], rank)
     times = []
     for _ in range(plan["steps"]):
         x, y = next(it)
@@ -94,7 +94,7 @@ def run(plan: dict) -> dict:
     out = {"rank": rank, "world": world, "pid": os.getpid(), "variant": plan["variant"]["name"],
            "backend": plan["variant"]["backend"], "torch": torch.__version__}
     if plan.get("calibrate"):
-        out["calibrate"] = _calibrate(torch, plan, mcfg, train)
+        out["calibrate"] = _calibrate(torch, plan, mcfg, train, rank)
         return out
 
     import torch.distributed as dist
