@@ -83,8 +83,9 @@ def _parser() -> argparse.ArgumentParser:
     what.add_argument("--ceiling-seconds", type=float, default=3.0, help="duration of the ring ceiling measurement")
     what.add_argument("--ceiling-tool", choices=("auto", "iperf3", "probe", "none"), default="auto")
     what.add_argument("--workload", choices=(*WORKLOADS, "lm"), default="collectives",
-                      help="lm: time to loss of a byte-level language model per compression variant, with "
-                           "options of its own (python -m tools.bench --workload lm --help); collectives: the size sweep (default); ddp: DDP training steps of a fixed MLP "
+                      help="collectives: the size sweep (default); lm: time to loss of a byte-level language "
+                           "model per compression variant, with options of its own (python -m tools.bench "
+                           "--workload lm --help); ddp: DDP training steps of a fixed MLP "
                            "with ~50 MB of gradients, timed per series (the sweep options are ignored); "
                            "lightning: Lightning's LightningTransformer under a Lightning Trainer with DDPStrategy "
                            "(58.5 MB of gradients; --ddp-steps, --ddp-batch, --ddp-variants ddp,shared apply; "
