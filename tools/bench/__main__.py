@@ -20,6 +20,9 @@ Examples::
     python -m tools.bench plot                                    # README.md's table, docs/img/performance.png
     python -m tools.bench table n4.json
     python -m tools.bench scale --hosts 8,64,200 --rate 10gbit --delay 30us --out-dir docs/results/x
+    python -m tools.bench --workload lm --hosts 2 --variants gloo,off --out-dir /tmp/lm
+                                                       # time to loss of a byte-level LM (tools/bench/lm; its own
+                                                       # options: python -m tools.bench --workload lm --help)
 """
 
 from __future__ import annotations
@@ -79,8 +82,10 @@ def _parser() -> argparse.ArgumentParser:
     what.add_argument("--repeats", type=int, default=3, help="timed loops per size; the median is reported (>= 3)")
     what.add_argument("--ceiling-seconds", type=float, default=3.0, help="duration of the ring ceiling measurement")
     what.add_argument("--ceiling-tool", choices=("auto", "iperf3", "probe", "none"), default="auto")
-    what.add_argument("--workload", choices=WORKLOADS, default="collectives",
-                      help="collectives: the size sweep (default); ddp: DDP training steps of a fixed MLP "
+    what.add_argument("--workload", choices=(*WORKLOADS, "lm"), default="collectives",
+                      help="collectives: the size sweep (default); lm: time to loss of a byte-level language "
+                           "model per compression variant, with options of its own (python -m tools.bench "
+                           "--workload lm --help); ddp: DDP training steps of a fixed MLP "
                            "with ~50 MB of gradients, timed per series (the sweep options are ignored); "
                            "lightning: Lightning's LightningTransformer under a Lightning Trainer with DDPStrategy "
                            "(58.5 MB of gradients; --ddp-steps, --ddp-batch, --ddp-variants ddp,shared apply; "
@@ -123,6 +128,12 @@ def _ensure_job_key() -> None:
     root = tempfile.mkdtemp(prefix="mccl-bench-key-")
     atexit.register(shutil.rmtree, root, True)
     os.environ["MCCL_JOB_KEY_FILE"] = str(write_key_file(os.path.join(root, "job.key")))
+
+
+def _workload(argv: list[str]) -> str | None:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--workload")
+    return pre.parse_known_args(argv)[0].workload
 
 
 def _write_json(path: str | None, result: dict) -> None:
@@ -181,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
             with open(path) as f:
                 print(markdown(json.load(f)) + "\n")
         return 0
+    if _workload(argv) == "lm":   # its own options (tools/bench/lm/cli.py)
+        from .lm.cli import main as lm_main
+
+        return lm_main(argv)
     args = _parser().parse_args(argv)
     _ensure_job_key()
     # Let SIGTERM (timeout(1), a CI cancel) unwind like an exception, so the ranks are killed

@@ -45,8 +45,9 @@ _SHM_DIR = "/dev/shm"
 class HostDaemons:
     """One mccld per host of ``launcher``, under ``run_dir`` (which the caller owns)."""
 
-    def __init__(self, launcher, run_dir: str):
+    def __init__(self, launcher, run_dir: str, extra_env: dict[str, str] | None = None):
         self.launcher = launcher
+        self.extra_env = dict(extra_env or {})   # e.g. an lm variant's settings, for the daemons as for the ranks
         self.log_dir = os.path.join(run_dir, "daemons")
         # Runtime dirs and key live apart from the logs: the attach socket's path must stay
         # under the 107 characters of a Unix socket address, whatever --log-dir is.
@@ -65,7 +66,7 @@ class HostDaemons:
         return {"MCCL_HOST_ID": f"{self.fleet}-h{host}", "MCCL_RUNTIME_DIR": self.runtime_dir(host),
                 "MCCL_KEY_FILE": self.key_file, "MCCL_FLEET_KEY": "", "MCCL_FLEET": self.fleet,
                 "MCCL_LISTEN_ADDR": self.launcher.addr(host), "MCCL_PORT": "0",
-                "MCCL_STATUS_PORT": "0", "MCCL_METRICS_PORT": "0"}
+                "MCCL_STATUS_PORT": "0", "MCCL_METRICS_PORT": "0", **self.extra_env}
 
     def rank_env(self, host: int) -> dict[str, str]:
         return {"MCCL_DAEMON": "1", "MCCL_RUNTIME_DIR": self.runtime_dir(host)}

@@ -1,0 +1,149 @@
+"""The lm workload's pieces without a fleet (tools/bench/lm): the corpus and its split, the data
+order, the model, the variants' check against the installed mccl, and the harness's arithmetic."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from mccl_common.errors import ConfigError
+from mccl_common.errors import MCCLError
+from tools.bench.lm import data, model, runner, train, variants
+
+
+def _tree(root: Path) -> Path:
+    for rel, text in {"a.py": "x = 1\n", "pkg/b.py": "def f():\n    return 2\n", "pkg/c.py": "y = 'c'\n",
+                      "site-packages/third.py": "no\n", "test/test_a.py": "no\n", "pkg/tests/t.py": "no\n",
+                      "notes.txt": "no\n"}.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+def test_corpus_lists_own_sources_sorted_and_splits_by_path_hash(tmp_path):
+    root = _tree(tmp_path / "lib")
+    assert [p.as_posix() for p in data.source_files(root)] == ["a.py", "pkg/b.py", "pkg/c.py"]
+    c1 = data.build(str(tmp_path / "o1"), root)
+    c2 = data.build(str(tmp_path / "o2"), root)
+    assert c1.sha256 == c2.sha256 and c1.files == 3
+    val = [r for r in data.source_files(root) if data.is_val(r)]
+    assert c1.val_files == len(val)
+    pieces = [x for p in (c1.train_path, c1.val_path) for x in Path(p).read_bytes().split(b"\0")[:-1]]
+    assert sorted(pieces) == sorted((root / r).read_bytes() for r in data.source_files(root))
+    # the real standard library: a fixed list with a held-out share of about 1/VAL_EVERY
+    files = data.source_files()
+    assert len(files) > 200 and files == sorted(files, key=lambda r: r.as_posix())
+    share = sum(map(data.is_val, files)) / len(files)
+    assert 0.5 / data.VAL_EVERY < share < 2 / data.VAL_EVERY
+
+
+def test_batches_are_deterministic_per_rank_and_shifted_by_one():
+    import torch
+
+    buf = torch.arange(1000, dtype=torch.int64).to(torch.uint8)
+    a = data.batches(torch, buf, 16, 4, seed=7, rank=0)
+    b = data.batches(torch, buf, 16, 4, seed=7, rank=0)
+    c = data.batches(torch, buf, 16, 4, seed=7, rank=1)
+    (xa, ya), (xb, yb), (xc, _) = next(a), next(b), next(c)
+    assert torch.equal(xa, xb) and torch.equal(ya, yb) and not torch.equal(xa, xc)
+    assert torch.equal(xa[:, 1:], ya[:, :-1]) and xa.shape == (4, 16)
+    x0, _ = data.val_windows(torch, buf, 16, 6, rank=0, world=2)
+    x1, _ = data.val_windows(torch, buf, 16, 6, rank=1, world=2)
+    assert len(x0) == len(x1) == 3 and not torch.equal(x0, x1)
+
+
+def test_model_is_the_same_from_the_same_seed_and_learns():
+    import torch
+
+    torch.set_num_threads(1)
+    cfg = model.ModelConfig(layers=1, d_model=32, heads=2, context=16, seed=3)
+    m1, m2 = model.build(torch, cfg), model.build(torch, cfg)
+    assert all(torch.equal(p, q) for p, q in zip(m1.parameters(), m2.parameters()))
+    assert sum(p.numel() for p in m1.parameters()) == cfg.params()
+    x = torch.randint(0, 256, (4, 16))
+    logits = m1(x)
+    assert logits.shape == (4, 16, model.VOCAB)
+    # causal: the first position's output ignores the rest of the window
+    y = x.clone()
+    y[:, 1:] = (y[:, 1:] + 1) % 256
+    assert torch.allclose(m1(y)[:, 0], logits[:, 0], atol=1e-5)
+    opt = torch.optim.AdamW(m1.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(15):
+        opt.zero_grad()
+        loss = model.loss_fn(torch, m1(x[:, :-1]), x[:, 1:])
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_a_variant_the_installed_mccl_does_not_know_stops_the_run():
+    declared = variants.declared_settings()
+    assert "MCCL_ALGO" in declared
+    without = {k: v for k, v in declared.items() if not k.startswith("MCCL_COMPRESSION")}
+    # off needs nothing: uncompressed is what an mccl without compression does
+    assert [v.name for v in variants.resolve(["gloo", "off"], without)] == ["gloo", "off"]
+    for name in ("bf16", "int8", "int8-nofb"):
+        with pytest.raises(ConfigError, match="MCCL_COMPRESSION.*does not declare"):
+            variants.resolve(["off", name], without)
+    with pytest.raises(ConfigError, match="unknown lm variant"):
+        variants.resolve(["gloo", "int4"], declared)
+
+
+def test_a_value_the_installed_mccl_refuses_stops_the_run():
+    @dataclasses.dataclass(frozen=True)
+    class Fake:
+        compression: str = dataclasses.field(default="off", metadata={"env": "MCCL_COMPRESSION", "unit": "",
+                                                                        "help": ""})
+        ef: bool = dataclasses.field(default=True, metadata={"env": "MCCL_COMPRESSION_ERROR_FEEDBACK",
+                                                             "unit": "bool", "help": ""})
+
+        def validate(self):
+            if self.compression not in ("off", "bf16"):
+                raise ConfigError(f"[config] MCCL_COMPRESSION={self.compression!r} is out of range")
+
+    declared = {f.metadata["env"]: (Fake, f) for f in dataclasses.fields(Fake)}
+    assert variants.resolve(["bf16"], declared)[0].env == {"MCCL_COMPRESSION": "bf16"}
+    with pytest.raises(ConfigError, match="'int8'.*refuses.*MCCL_COMPRESSION='int8'"):
+        variants.resolve(["int8"], declared)
+
+
+def test_wire_check_flags_a_compressed_variant_that_sent_fp32():
+    res = {"variant": variants.VARIANTS["int8"].to_dict(), "wire_over_fp32_ring": 1.04}
+    assert "did not compress" in runner.check_wire(res)
+    assert runner.check_wire({**res, "wire_over_fp32_ring": 0.27}) is None
+    assert runner.check_wire({"variant": variants.VARIANTS["off"].to_dict(), "wire_over_fp32_ring": 1.04}) is None
+    assert runner.check_wire({**res, "wire_over_fp32_ring": None}) is None   # loopback: nothing measured
+
+
+def test_rate_time_to_loss_and_summary_arithmetic():
+    # 1 MB of gradients, 2 hosts: 1 MB per host per all-reduce; at R=2 over 0.1 s it must take 0.2 s
+    bps = runner.rate_for(1_000_000, 2, 0.1, 2.0)
+    assert runner.fp32_ring_bytes(1_000_000, 2) * 8 / (bps * runner.WIRE_EFFICIENCY) == pytest.approx(0.2, rel=1e-3)
+    assert runner.STUDIO["comm_s"] == pytest.approx(6.8, abs=0.1)
+    curve = [{"wall_s": 0.0, "val_loss": 5.5, "samples": 0}, {"wall_s": 10.0, "val_loss": 3.0, "samples": 8},
+             {"wall_s": 20.0, "val_loss": 2.0, "samples": 16}]
+    assert runner.time_to_loss(curve, 2.5) == pytest.approx(15.0)
+    assert runner.time_to_loss(curve, 1.0) is None
+    ref = {"ok": True, "curve": curve, "final_val_loss": 2.0, "wall_s": 20.0, "samples": 16}
+    fast = {"ok": True, "curve": [dict(p, wall_s=p["wall_s"] / 4) for p in curve], "final_val_loss": 2.0,
+            "wall_s": 5.0, "samples": 16}
+    s = runner.summarize({"gloo": ref, "int8": fast, "bad": {"ok": False}}, "gloo")
+    assert s["target_loss"] == 2.0 and set(s["variants"]) == {"gloo", "int8"}
+    assert s["variants"]["int8"]["time_to_ref_loss_over_ref"] == pytest.approx(0.25)
+    assert s["variants"]["gloo"]["time_to_ref_loss_over_ref"] == 1.0
+    # within the tolerance (fp32 sums in another order) counts as reached; beyond it does not
+    slower = {**ref, "curve": [dict(p, val_loss=p["val_loss"] * 1.0005) for p in curve]}
+    assert runner.summarize({"gloo": ref, "off": slower}, "gloo")["variants"]["off"]["time_to_ref_loss_s"]
+    assert runner.summarize({"gloo": ref, "off": slower}, "gloo", 0.0)["variants"]["off"]["time_to_ref_loss_s"] is None
+    assert s["variants"]["gloo"]["val_loss_at_ref_samples_pct"] == pytest.approx(0.0)
+
+
+def test_wire_bytes_come_from_this_namespaces_interface():
+    assert train.tx_bytes(None) is None
+    assert train.tx_bytes("lo") >= 0
+    with pytest.raises(MCCLError, match="no interface 'nope0'"):
+        train.tx_bytes("nope0")

@@ -1,0 +1,128 @@
+"""``python -m tools.bench --workload lm [options]``: validation loss against wall time and samples
+for each variant (variants.py) on the same hosts, written as results.json, lm-loss.png and
+README.md into ``--out-dir``.
+
+Examples::
+
+    python -m tools.bench --workload lm --ranks 2 --variants gloo,off --steps 40    # loopback, unshaped
+    python -m tools.bench --workload lm --hosts 2 --variants gloo,off,bf16,int8,int8-nofb \\
+        --out-dir docs/results/2core-issue38-lm           # emulated hosts (root), link rate from calibration
+    python -m tools.bench --workload lm --redraw docs/results/2core-issue38-lm/results.json \\
+        --out-dir docs/results/2core-issue38-lm           # the plot and table again from saved curves
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shlex
+import signal
+import sys
+
+from mccl_common.errors import MCCLError
+
+from .model import ModelConfig
+from .runner import LMConfig, run_lm, summarize
+from .variants import DEFAULT, VARIANTS
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def parser() -> argparse.ArgumentParser:
+    d, m = LMConfig(), ModelConfig()
+    ap = argparse.ArgumentParser(prog="python -m tools.bench --workload lm", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", choices=("lm",), default="lm")
+    ap.add_argument("--hosts", type=int, default=0, help="emulated hosts (needs root); 0 = loopback (default)")
+    ap.add_argument("--ranks", type=int, default=2, help="ranks on loopback (with --hosts 0)")
+    ap.add_argument("--rate", default="auto",
+                    help="link rate per emulated host (tc syntax), 'none', or 'auto' (default): from this model's "
+                         "measured compute per step, so one fp32 all-reduce takes --comm-ratio x it")
+    ap.add_argument("--comm-ratio", type=float, default=d.comm_ratio,
+                    help=f"fp32 all-reduce time over compute time for --rate auto (default {d.comm_ratio}: a 1B "
+                         "model's step on an M4 Max against 10 GbE, runner.STUDIO)")
+    ap.add_argument("--variants", type=_csv, default=list(DEFAULT),
+                    help=f"comma list of {', '.join(VARIANTS)} (default {','.join(DEFAULT)}); a variant whose "
+                         "setting the installed mccl does not declare stops the run")
+    ap.add_argument("--reference", default=None, help="the fp32 DDP variant others are compared with "
+                                                      "(default gloo, else off)")
+    ap.add_argument("--loss-tolerance", type=float, default=d.loss_tolerance,
+                    help="relative margin within which a variant counts as having reached the reference's final "
+                         f"loss (default {d.loss_tolerance}: fp32 sums in another order differ by ~1e-5)")
+    ap.add_argument("--steps", type=int, default=d.steps)
+    ap.add_argument("--batch", type=int, default=d.batch, help="sequences per rank per step")
+    ap.add_argument("--eval-every", type=int, default=d.eval_every)
+    ap.add_argument("--val-windows", type=int, default=d.val_windows)
+    ap.add_argument("--lr", type=float, default=d.lr)
+    ap.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    ap.add_argument("--seed", type=int, default=d.seed, help="data order (the weights: --model-seed)")
+    ap.add_argument("--layers", type=int, default=m.layers)
+    ap.add_argument("--d-model", type=int, default=m.d_model)
+    ap.add_argument("--heads", type=int, default=m.heads)
+    ap.add_argument("--context", type=int, default=m.context)
+    ap.add_argument("--model-seed", type=int, default=m.seed)
+    ap.add_argument("--bucket-mb", type=float, default=None, help="DDP's bucket_cap_mb (default DDP's 25)")
+    ap.add_argument("--calibrate-steps", type=int, default=d.calibrate_steps)
+    ap.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds allowed per variant")
+    ap.add_argument("--out-dir", help="write results.json, lm-loss.png and README.md here")
+    ap.add_argument("--json", dest="json_out", help="also write the result JSON here (updated after each variant)")
+    ap.add_argument("--redraw", metavar="RESULTS.json", help="only redraw --out-dir's plot and table from saved results")
+    ap.add_argument("--log-dir", help="keep every rank's log here")
+    ap.add_argument("-v", "--verbose", action="store_true", help="show rank 0's progress")
+    return ap
+
+
+def _write_json(path: str | None, doc: dict) -> None:
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump(doc, f, indent=1)
+        os.replace(path + ".tmp", path)
+
+
+def main(argv: list[str]) -> int:
+    from .report import table, write_outputs
+
+    args = parser().parse_args(argv)
+    if args.redraw:
+        if not args.out_dir:
+            print("--redraw needs --out-dir", file=sys.stderr)
+            return 2
+        with open(args.redraw) as f:
+            result = json.load(f)
+        ref = (result.get("summary") or {}).get("reference")
+        result["summary"] = summarize(result["results"], ref, args.loss_tolerance)
+        print("\n".join(write_outputs(result, args.out_dir)))
+        return 0
+    from ..__main__ import _ensure_job_key
+
+    _ensure_job_key()
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    cfg = LMConfig(hosts=args.hosts, ranks=args.ranks, rate=args.rate, comm_ratio=args.comm_ratio,
+                   variants=args.variants, reference=args.reference, steps=args.steps, batch=args.batch,
+                   eval_every=args.eval_every, val_windows=args.val_windows, lr=args.lr,
+                   warmup_steps=args.warmup_steps, seed=args.seed, bucket_mb=args.bucket_mb,
+                   loss_tolerance=args.loss_tolerance,
+                   calibrate_steps=args.calibrate_steps, timeout_s=args.timeout, log_dir=args.log_dir,
+                   verbose=args.verbose,
+                   model=ModelConfig(layers=args.layers, d_model=args.d_model, heads=args.heads,
+                                     context=args.context, seed=args.model_seed))
+    try:
+        result = run_lm(cfg, checkpoint=lambda partial: _write_json(args.json_out, partial))
+    except (MCCLError, ValueError, FileNotFoundError) as e:
+        print(e, file=sys.stderr)
+        return 2
+    result["meta"]["command"] = "python -m tools.bench " + shlex.join(argv)
+    _write_json(args.json_out, result)
+    if args.out_dir:
+        for p in write_outputs(result, args.out_dir):
+            print(f"wrote {p}")
+    print(table(result))
+    # A variant that failed is in the table, never papered over.
+    return 0 if all(r.get("ok") for r in result["results"].values()) else 1

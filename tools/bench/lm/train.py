@@ -1,0 +1,190 @@
+"""One rank of the lm workload: ``python -m tools.bench.lm.train '<json plan>'``.
+
+Reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT like any torch.distributed program. With
+``calibrate`` it times ``steps`` training steps of the model alone (no process group, no
+communication: the compute a step costs on this host while the others do the same), else it
+trains the model under DistributedDataParallel for ``steps`` steps (AdamW, linear warm-up then
+cosine decay, gradient clipping), evaluating the validation loss every ``eval_every`` steps.
+
+The training clock runs only during steps: evaluation (every rank its share of the fixed
+validation windows, then one 16-byte all-reduce of float64 sums) is excluded, so the curve's
+wall time is what training alone took. On an emulated host (``wire_iface``) each point also
+carries the bytes this host's interface sent since training began (/proc/net/dev, which shows
+this process's network namespace): what compression actually saves, measured, not computed.
+
+Writes ``<out_dir>/<variant>-rank<r>.json``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+from mccl_common.errors import MCCLError
+
+from . import data as lmdata
+from . import model as lmmodel
+
+
+def tx_bytes(iface: str | None) -> int | None:
+    """Bytes ``iface`` has sent, in this process's network namespace; None when not asked."""
+    if not iface:
+        return None
+    with open("/proc/self/net/dev") as f:
+        for line in f.readlines()[2:]:
+            name, _, rest = line.partition(":")
+            if name.strip() == iface:
+                return int(rest.split()[8])
+    raise MCCLError(f"[bench] no interface {iface!r} in this network namespace's /proc/net/dev")
+
+
+def lr_at(step: int, plan: dict) -> float:
+    warm, total, peak = plan["warmup_steps"], plan["steps"], plan["lr"]
+    if step < warm:
+        return peak * (step + 1) / warm
+    frac = (step - warm) / max(1, total - warm)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+def _evaluate(torch, dist, model, val, mcfg, plan, rank, world) -> float:
+    x, y = lmdata.val_windows(torch, val, mcfg.context, plan["val_windows"], rank, world)
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64)
+    with torch.no_grad():
+        for i in range(0, len(x), plan["batch"]):
+            logits = model(x[i:i + plan["batch"]])
+            total[0] += float(torch.nn.functional.cross_entropy(
+                logits.reshape(-1, lmmodel.VOCAB), y[i:i + plan["batch"]].reshape(-1), reduction="sum"))
+            total[1] += y[i:i + plan["batch"]].numel()
+    model.train()
+    if dist is not None:
+        dist.all_reduce(total)   # 16 bytes of float64: below any compression threshold, exact
+    return float(total[0] / total[1])
+
+
+def _calibrate(torch, plan: dict, mcfg, train, rank: int) -> dict:
+    model = lmmodel.build(torch, mcfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=plan["lr"], weight_decay=0.1)
+    it = lmdata.batches(torch, train, mcfg.context, plan["batch"], plan["seed"], rank)
+    times = []
+    for _ in range(plan["steps"]):
+        x, y = next(it)
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        lmmodel.loss_fn(torch, model(x), y).backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"compute_s": times, "grad_bytes": grad_bytes}
+
+
+def run(plan: dict) -> dict:
+    import torch
+
+    torch.set_num_threads(1)   # the emulated hosts share the machine's cores: one thread each, every variant
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    mcfg = lmmodel.ModelConfig(**plan["model"])
+    train = lmdata.load_split(torch, plan["corpus"]["train_path"])
+    val = lmdata.load_split(torch, plan["corpus"]["val_path"])
+    out = {"rank": rank, "world": world, "pid": os.getpid(), "variant": plan["variant"]["name"],
+           "backend": plan["variant"]["backend"], "torch": torch.__version__}
+    if plan.get("calibrate"):
+        out["calibrate"] = _calibrate(torch, plan, mcfg, train, rank)
+        return out
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    if plan["variant"]["backend"] == "mccl":
+        import libmccl
+
+        libmccl.register()
+    t0 = time.perf_counter()
+    dist.init_process_group(plan["variant"]["backend"], rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=plan["op_timeout_s"]))
+    out["init_s"] = time.perf_counter() - t0
+    model = lmmodel.build(torch, mcfg)
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kwargs = {} if plan.get("bucket_mb") is None else {"bucket_cap_mb": plan["bucket_mb"]}
+    ddp = DistributedDataParallel(model, **kwargs)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=plan["lr"], weight_decay=0.1)
+    it = lmdata.batches(torch, train, mcfg.context, plan["batch"], plan["seed"], rank)
+    iface = plan.get("wire_iface")
+    samples_per_step = plan["batch"] * world
+    curve, step_s, losses = [], [], []
+
+    def point(step: int, wall: float, tx0: int | None) -> None:
+        loss = _evaluate(torch, dist, model, val, mcfg, plan, rank, world)
+        tx = tx_bytes(iface)
+        curve.append({"step": step, "samples": step * samples_per_step, "wall_s": wall, "val_loss": loss,
+                      "train_loss": statistics.fmean(losses[-plan["eval_every"]:]) if losses else None,
+                      "tx_bytes": None if tx is None else tx - tx0})
+        if rank == 0:
+            print(f"[bench] {plan['variant']['name']} step {step}: val loss {loss:.4f} at {wall:.1f} s",
+                  file=sys.stderr, flush=True)
+
+    dist.barrier()
+    tx0 = tx_bytes(iface)
+    point(0, 0.0, tx0)
+    wall = 0.0
+    for step in range(plan["steps"]):
+        x, y = next(it)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, plan)
+        t = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = lmmodel.loss_fn(torch, ddp(x), y)
+        loss.backward()              # DDP's bucket all-reduces overlap this
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
+        opt.step()
+        dt = time.perf_counter() - t
+        step_s.append(dt)
+        wall += dt
+        losses.append(float(loss.detach()))
+        if not math.isfinite(losses[-1]):
+            raise MCCLError(f"[bench] {plan['variant']['name']}: training loss is {losses[-1]} at step {step} "
+                            f"on rank {rank}; the gradients are corrupt or the learning rate too high")
+        if (step + 1) % plan["eval_every"] == 0 or step + 1 == plan["steps"]:
+            point(step + 1, wall, tx0)
+    out.update(curve=curve, step_s=step_s, grad_bytes=grad_bytes, samples_per_step=samples_per_step,
+               replicas=_replica_spread(torch, dist, model),
+               # loaded only when the group went through mccld: proof that a daemon variant ran as one
+               via_daemon="libmccl.daemon.client" in sys.modules)
+    return out
+
+
+def _replica_spread(torch, dist, model) -> dict:
+    """Min and max over ranks of the parameters' float64 sum: equal when the replicas are bit-identical,
+    as they must be after DDP (compressed or not: every rank ends with the same all-reduce result)."""
+    total = torch.tensor([sum(float(p.detach().double().sum()) for p in model.parameters())], dtype=torch.float64)
+    lo, hi = total.clone(), total.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    return {"min": float(lo[0]), "max": float(hi[0]), "identical": float(lo[0]) == float(hi[0])}
+
+
+def main() -> int:
+    from ..worker import die_with_parent
+
+    die_with_parent()
+    plan = json.loads(sys.argv[1])
+    result = run(plan)
+    path = os.path.join(plan["out_dir"], f"{plan['variant']['name']}-rank{result['rank']}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(path + ".tmp", path)
+    if not plan.get("calibrate"):
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
