@@ -100,6 +100,11 @@ class DaemonConfig:
     mdns_ttl_s: int = setting(
         "MCCL_MDNS_TTL", 60, "seconds",
         "TTL of the mDNS records; a host that vanishes without goodbye expires after it")
+    discovery: str = setting(
+        "MCCL_DISCOVERY", "mdns", "mdns|off",
+        "mdns: announce this daemon and find the fleet's daemons by multicast DNS (beside MCCL_PEERS and "
+        "gossip); off: no multicast at all, for a daemon on loopback or a network that drops multicast "
+        "(mcclctl then reads the fleet from this host's mccld, the MCCL_PEERS seeds, or --host)")
     peers: str = setting(
         "MCCL_PEERS", "", "list",
         "seed daemons beside mDNS, comma-separated host[:port] (port: their MCCL_PORT, default this one's); a DNS "
@@ -188,6 +193,7 @@ class DaemonConfig:
         for env, port in (("MCCL_PORT", self.port), ("MCCL_STATUS_PORT", self.status_port),
                           ("MCCL_METRICS_PORT", self.metrics_port), ("MCCL_LAUNCH_PORT", self.launch_port)):
             _require(0 <= port <= 65535, env, port, "must be a TCP port (0-65535)")
+        _require(self.discovery in ("mdns", "off"), "MCCL_DISCOVERY", self.discovery, "must be mdns or off")
         _require(self.mdns_ttl_s >= 1, "MCCL_MDNS_TTL", self.mdns_ttl_s, "must be at least 1")
         _require(self.gossip_interval_s >= 0.1, "MCCL_GOSSIP_INTERVAL", self.gossip_interval_s,
                  "must be at least 0.1")
