@@ -128,7 +128,7 @@ def test_status_lists_three_hosts_with_their_states():
             table = _mcclctl(fleet, 0, base, "status")
             assert table.returncode == 0, table.stderr
             lines = table.stdout.splitlines()
-            assert lines[0].startswith("fleet default: 3 daemons (from "), table.stdout
+            assert lines[0] == f"fleet {fleet_name}: 3 daemons (from this host's mccld)", table.stdout
             rows = {line.split()[0]: line.split() for line in lines[2:] if line.strip()}
             assert set(rows) == {"host0", "host1", "host2"}, table.stdout
             assert rows["host1"][3] == "training" and rows["host1"][5] == "1/2", table.stdout
