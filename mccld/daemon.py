@@ -25,7 +25,8 @@ from mccl_common.settings import EngineConfig, load
 
 from .attach import AttachServer
 from .fd_inbox import MAX_HELD, FdInbox
-from .host.launcher import LaunchServer
+from .host import job_unit
+from .host.launcher import LaunchServer, torchrun_command
 from .host.lending import Lending
 from .host.runtime_dir import SegmentRecord, lock_runtime_dir
 from .jobs.peers import JobPeers
@@ -223,8 +224,13 @@ class Daemon:
         if self.cfg.launch_user == "root":
             log.warning("MCCL_LAUNCH_USER=root: jobs that `mcclctl run` starts here run as root")
         harvester = self.lending.harvester
+        via = job_unit.choose(self.cfg.launch_via)
+        log.info("launched jobs run %s", "as systemd units of their own, outside mccld's sandbox"
+                 if via == "systemd" else "as mccld's children")
+        command = (functools.partial(torchrun_command, python=self.cfg.launch_python) if self.cfg.launch_python
+                   else torchrun_command)
         srv = LaunchServer(submit_key, self.host_id, self.runtime_dir, self.addr, self.cfg.launch_port,
-                           launch_user=self.cfg.launch_user,
+                           launch_user=self.cfg.launch_user, via=via, command=command,
                            harvest_state=(lambda: harvester.snapshot()["state"]) if harvester else None,
                            on_change=self.jobs.poke, gate=Gate.from_config("launch", self.cfg),
                            secret_files=key_paths(self.cfg))
