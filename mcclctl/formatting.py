@@ -70,6 +70,20 @@ def to_json(data: Any) -> str:
     return json.dumps(data, indent=2, sort_keys=True, default=str)
 
 
+# ---- which fleet -----------------------------------------------------------------------
+
+def fleet_line(fleet: dict) -> str:
+    """The first line of every view: "fleet lab: 3 daemons (from this host's mccld)", from the
+    ``fleet`` object of the JSON output (its name, else the fleets the daemons reported)."""
+    name = fleet.get("name") or ", ".join(fleet.get("reported") or []) or "?"
+    n = fleet.get("daemons", 0)
+    text = f"fleet {name}: {n} daemon{'s' if n != 1 else ''} (from {fleet.get('source', '?')})"
+    others = fleet.get("other_fleets") or {}
+    if others:
+        text += "; other fleets seen: " + ", ".join(f"{f} ({k})" for f, k in sorted(others.items()))
+    return text
+
+
 # ---- status --------------------------------------------------------------------------
 
 # One meaning per word: HARVEST says whether the host's user is at it ("busy") or left it to the

@@ -89,13 +89,9 @@ class Fleet:
 
     def describe(self, reported: Iterable[str | None] = ()) -> str:
         """"fleet lab: 3 daemons (from ...)"; ``reported``: the fleets the daemons answered with."""
-        seen = sorted({f for f in reported if f})
-        name = self.name or (", ".join(seen) if seen else "?")
-        n = len(self.targets)
-        text = f"fleet {name}: {n} daemon{'s' if n != 1 else ''} (from {self.source})"
-        if self.others:
-            text += "; other fleets seen: " + ", ".join(f"{f} ({k})" for f, k in sorted(self.others.items()))
-        return text
+        from .formatting import fleet_line
+        return fleet_line({"name": self.name, "source": self.source, "daemons": len(self.targets),
+                           "reported": sorted({f for f in reported if f}), "other_fleets": self.others})
 
     def strays(self, replies: list[Reply]) -> list[str]:
         """Warnings for daemons that answered with another fleet than the one asked for."""
@@ -138,7 +134,10 @@ def find_fleet(timeout_s: float, key: bytes | None = None, fleet: str | None = N
     cfg = load_config()
     name = fleet or cfg.fleet
     ports = (cfg.status_port or DEFAULT_STATUS_PORT, cfg.metrics_port or DEFAULT_METRICS_PORT)
-    others: dict[str, int] = {}
+    seen: dict[str, set[str]] = {}     # other fleets -> their hosts (a host seen twice counts once)
+
+    def others() -> dict[str, int]:
+        return {f: len(hosts) for f, hosts in sorted(seen.items())}
 
     def split(rows: list, label: str) -> Fleet | None:
         mine = []
@@ -147,10 +146,10 @@ def find_fleet(timeout_s: float, key: bytes | None = None, fleet: str | None = N
             if theirs is None or theirs == name:
                 mine.append(r)
             else:
-                others[str(theirs)] = others.get(str(theirs), 0) + 1
+                seen.setdefault(str(theirs), set()).add(str(_field(r, "host_id", "host", "name", default="?")))
         if not mine:
             return None
-        return Fleet(name, label, sorted((from_record(r, *ports) for r in mine), key=lambda t: t.host), others)
+        return Fleet(name, label, sorted((from_record(r, *ports) for r in mine), key=lambda t: t.host), others())
 
     if key is not None and cfg.status_port:
         for label, addrs in (("this host's mccld", _own_daemon(cfg)),
@@ -159,13 +158,13 @@ def find_fleet(timeout_s: float, key: bytes | None = None, fleet: str | None = N
             if found:
                 return found
     if cfg.discovery == "off":
-        return Fleet(name, "nowhere: MCCL_DISCOVERY=off and no daemon's fleet table could be read", [], others)
+        return Fleet(name, "nowhere: MCCL_DISCOVERY=off and no daemon's fleet table could be read", [], others())
     try:
         from mccl_common.discovery import browse_fleet
     except ImportError as e:
         raise ConfigError(f"[mcclctl] mDNS discovery is unavailable ({e}) and no daemon's fleet table could be "
                           "read; name daemons with --host, or set MCCL_PEERS") from None
-    return split(browse_fleet(timeout_s, fleet=None), "mDNS") or Fleet(name, "mDNS", [], others)
+    return split(browse_fleet(timeout_s, fleet=None), "mDNS") or Fleet(name, "mDNS", [], others())
 
 
 def _own_daemon(cfg) -> list[str]:
