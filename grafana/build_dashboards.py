@@ -82,7 +82,9 @@ def fleet() -> dict:
             description="Daemons Prometheus scraped successfully / all scrape targets"),
         panel("stat", "Hosts training", [
             (f'sum(mccl_host_state{{state="training", {INST}}})', "training"),
-            (f'sum(mccl_host_state{{state="idle", {INST}}})', "idle")], w=4, h=5, instant=True),
+            # mccl_host_state's "idle" is a daemon without a job: shown as "ready", as mcclctl does,
+            # since "idle" in the harvest panels means the host's user left it.
+            (f'sum(mccl_host_state{{state="idle", {INST}}})', "ready")], w=4, h=5, instant=True),
         panel("stat", "Peer links down", [
             (f"sum(1 - mccl_peer_up{{{INST}}})", "down")], w=4, h=5, instant=True,
             description="Links a daemon reports down; 0 is healthy").thresholds(links_down),
@@ -100,7 +102,7 @@ def fleet() -> dict:
             w=24, h=6, instant=True).with_transformation(model.DataTransformerConfig(id_val="merge", options={})),
         panel("state-timeline", "Host state", [
             (f'max by (instance) (mccl_host_state{{state="training", {INST}}}) {HOSTNAME}',
-             "{{hostname}}")], w=24, h=5).mappings(value_names({0: ("idle", "blue"), 1: ("training", "green")})),
+             "{{hostname}}")], w=24, h=5).mappings(value_names({0: ("ready", "blue"), 1: ("training", "green")})),
         panel("timeseries", "Fleet bandwidth (all links)", [
             (f"sum(rate(mccl_peer_sent_bytes_total{{{INST}}}[{RATE}]))", "tx"),
             (f"sum(rate(mccl_peer_received_bytes_total{{{INST}}}[{RATE}]))", "rx")], unit="Bps"),

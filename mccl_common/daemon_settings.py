@@ -68,6 +68,15 @@ class DaemonConfig:
         "user the jobs `mcclctl run` starts run as, never one that can read mccld's key files; empty: none "
         "(mccld's own user could read its keys): name mccld's own user, or root, here to accept that (e.g. in "
         "a container)")
+    launch_via: str = setting(
+        "MCCL_LAUNCH_VIA", "auto", "auto|direct|systemd",
+        "how launched jobs start: systemd runs each as a transient unit of its own (systemd-run), outside "
+        "mccld's service sandbox, so it can write its working directory and home; direct runs it as mccld's "
+        "child; auto: systemd when mccld runs as a systemd service, else direct")
+    launch_python: str = setting(
+        "MCCL_LAUNCH_PYTHON", "", "path",
+        "interpreter (with torch and MCCL) that launched jobs' torchrun and `python` commands run in; empty: "
+        "mccld's own (the service's venv has no torch: packaging/linux/install.sh --job-python sets it)")
     metrics_port: int = setting(
         "MCCL_METRICS_PORT", 29652, "port",
         "Prometheus /metrics port; 0 disables it")
@@ -100,6 +109,11 @@ class DaemonConfig:
     mdns_ttl_s: int = setting(
         "MCCL_MDNS_TTL", 60, "seconds",
         "TTL of the mDNS records; a host that vanishes without goodbye expires after it")
+    discovery: str = setting(
+        "MCCL_DISCOVERY", "mdns", "mdns|off",
+        "mdns: announce this daemon and find the fleet's daemons by multicast DNS (beside MCCL_PEERS and "
+        "gossip); off: no multicast at all, for a daemon on loopback or a network that drops multicast "
+        "(mcclctl then reads the fleet from this host's mccld, the MCCL_PEERS seeds, or --host)")
     peers: str = setting(
         "MCCL_PEERS", "", "list",
         "seed daemons beside mDNS, comma-separated host[:port] (port: their MCCL_PORT, default this one's); a DNS "
@@ -188,6 +202,9 @@ class DaemonConfig:
         for env, port in (("MCCL_PORT", self.port), ("MCCL_STATUS_PORT", self.status_port),
                           ("MCCL_METRICS_PORT", self.metrics_port), ("MCCL_LAUNCH_PORT", self.launch_port)):
             _require(0 <= port <= 65535, env, port, "must be a TCP port (0-65535)")
+        _require(self.launch_via in ("auto", "direct", "systemd"), "MCCL_LAUNCH_VIA", self.launch_via,
+                 "must be auto, direct or systemd")
+        _require(self.discovery in ("mdns", "off"), "MCCL_DISCOVERY", self.discovery, "must be mdns or off")
         _require(self.mdns_ttl_s >= 1, "MCCL_MDNS_TTL", self.mdns_ttl_s, "must be at least 1")
         _require(self.gossip_interval_s >= 0.1, "MCCL_GOSSIP_INTERVAL", self.gossip_interval_s,
                  "must be at least 0.1")

@@ -64,6 +64,16 @@ def ipv4_of(ifname: str) -> str | None:
     return socket.inet_ntoa(raw[20:24])
 
 
+def interface_of(addr: str) -> str:
+    """The name of the interface holding IPv4 ``addr`` ("" if none does): what an address given
+    by MCCL_LISTEN_ADDR is on, for checks and messages that name the interface."""
+    try:
+        names = [n for _, n in socket.if_nameindex()]
+    except OSError:
+        return ""
+    return next((n for n in names if ipv4_of(n) == addr), "")
+
+
 # Never links: tunnels, Apple peer-to-peer Wi-Fi, bridges and container plumbing.
 _VIRTUAL = ("lo", "utun", "awdl", "llw", "gif", "stf", "anpi", "ap", "bridge", "docker", "veth", "virbr",
             "tun", "tap", "br-", "ifb")

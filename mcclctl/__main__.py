@@ -12,8 +12,10 @@ from .recruit import RECRUIT_EVERY_S
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mccl_common import __version__
     p = argparse.ArgumentParser(prog="mcclctl", description="Inspect and diagnose an MCCL fleet.")
     p.add_argument("-v", "--verbose", action="store_true", help="log debug output to stderr")
+    p.add_argument("--version", action="version", version=f"mcclctl {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     def common(sp, hosts=True, requests=True):
@@ -21,7 +23,12 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--host", action="append", metavar="H[:PORT]",
                             help="daemon status endpoint (repeatable); default: the local mccld's fleet table "
                                  "(mDNS and gossip), else the MCCL_PEERS seeds', else mDNS")
+        sp.add_argument("--fleet", metavar="NAME",
+                        help="the fleet to show (default: MCCL_FLEET, else 'default'); daemons of other "
+                             "fleets are left out, and every view names the fleet it shows")
         sp.add_argument("--json", action="store_true", help="machine-readable output")
+        sp.add_argument("-w", "--wide", action="store_true",
+                        help="do not cut long fields (errors, reasons) to fit the table")
         if requests:  # only commands that talk to daemons need the key and a request timeout
             sp.add_argument("--key-file", help="fleet key file (default: MCCL_KEY_FILE or the standard paths)")
             sp.add_argument("--timeout", type=float, default=5.0,
@@ -49,7 +56,6 @@ def build_parser() -> argparse.ArgumentParser:
     sd = common(sub.add_parser("prometheus-sd", help="write a Prometheus file_sd target list from mDNS"),
                requests=False)
     sd.add_argument("-o", "--output", help="file to write atomically (default: stdout)")
-    sd.add_argument("--fleet", help="value of the fleet label (default: MCCL_FLEET)")
     sd.add_argument("--metrics-port", type=int, help="metrics port of --host targets (default 29652)")
     rn = common(sub.add_parser("run", help="lease harvestable hosts and run one torchrun on each "
                                            "(mcclctl run -n N -- python train.py ARGS)"))
@@ -86,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
                 "linktest": commands.cmd_linktest, "doctor": doctor.cmd_doctor,
                 "prometheus-sd": prometheus_sd.cmd_prometheus_sd}
     if args.command == "prometheus-sd" and args.fleet is None:
-        from mccl_common.daemon_settings import load_config
-        args.fleet = load_config().fleet
+        from .targets import wanted_fleet
+        args.fleet = wanted_fleet(None)   # the label needs a name even with --host
     try:
         return handlers[args.command](args)
     except MCCLError as e:

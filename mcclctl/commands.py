@@ -12,22 +12,43 @@ from mccl_common import topology
 from mccl_common.errors import ConfigError, MCCLError
 
 from . import formatting as fmt
-from .targets import Target, discover, fetch, from_hosts, load_key, version_mismatches
+from .targets import Fleet, Reply, Target, discover, fetch, find_fleet, from_hosts, load_key, version_mismatches
+
+
+def find_fleet_of(args, key: bytes | None = None) -> Fleet:
+    """--host, else the fleet (--fleet, else MCCL_FLEET) as this host's daemon (or a seed, or
+    mDNS) knows it; ConfigError naming the fleet looked for, and the others seen, if it is empty."""
+    fleet = getattr(args, "fleet", None)
+    if args.host:
+        return Fleet(fleet, "--host", from_hosts(args.host))
+    found = find_fleet(args.discover_timeout, key, fleet)
+    if not found.targets:
+        others = ""
+        if found.others:
+            others = ("; daemons of other fleets answered: "
+                      + ", ".join(f"{f} ({n})" for f, n in sorted(found.others.items()))
+                      + ": pass --fleet NAME or set MCCL_FLEET")
+        raise ConfigError(f"[mcclctl] no daemon of fleet {found.name!r} found: no fleet table from this host's "
+                          f"mccld or the MCCL_PEERS seeds lists one, and "
+                          + ("mDNS is off (MCCL_DISCOVERY=off)" if found.source.startswith("nowhere")
+                             else f"none answered mDNS within {args.discover_timeout:.1f} s")
+                          + f"{others}; start mccld, check that multicast reaches this host, set MCCL_PEERS, "
+                          f"or use --host H[:port]")
+    return found
 
 
 def find_targets(args, key: bytes | None = None) -> list[Target]:
-    """--host, else the fleet as this host's daemon (or a seed, or mDNS) knows it."""
-    if args.host:
-        return from_hosts(args.host)
-    targets = discover(args.discover_timeout, key)
-    if not targets:
-        raise ConfigError(f"[mcclctl] no fleet table from this host's mccld or the MCCL_PEERS seeds, and no "
-                          f"mccld answered mDNS within {args.discover_timeout:.1f} s; start mccld, check that "
-                          f"multicast reaches this host, set MCCL_PEERS, or use --host H[:port]")
-    return targets
+    return find_fleet_of(args, key).targets
 
 
-def resolve(names: list[str], discover_timeout: float, key: bytes | None = None) -> list[Target]:
+def fleet_lines(fleet: Fleet, replies: list[Reply]) -> str:
+    """The line that says which fleet a view shows, and warnings for daemons of another one."""
+    reported = [r.result.get("fleet") for r in replies if isinstance(r.result, dict)]
+    return "\n".join([fleet.describe(reported)] + [f"warning: {w}" for w in fleet.strays(replies)])
+
+
+def resolve(names: list[str], discover_timeout: float, key: bytes | None = None,
+            fleet: str | None = None) -> list[Target]:
     """Targets for names that are host[:port] or mDNS host ids (looked up only if needed)."""
     found: dict[str, Target] | None = None
     out = []
@@ -37,7 +58,7 @@ def resolve(names: list[str], discover_timeout: float, key: bytes | None = None)
             continue
         if found is None:
             try:
-                found = {t.host: t for t in discover(discover_timeout, key)}
+                found = {t.host: t for t in discover(discover_timeout, key, fleet)}
             except ConfigError:
                 found = {}
         out.append(found.get(name) or from_hosts([name])[0])
@@ -53,14 +74,16 @@ def _is_ip(name: str) -> bool:
 
 
 def _render_status(args, key: bytes) -> tuple[str, int]:
-    replies = fetch(find_targets(args, key), key, "status", timeout_s=args.timeout)
+    fleet = find_fleet_of(args, key)
+    replies = fetch(fleet.targets, key, "status", timeout_s=args.timeout)
     if args.json:
         data = [{"target": r.target.status_addr, "host": r.target.host, "status": r.result,
                  "error": r.error} for r in replies]
-        return fmt.to_json({"mcclctl_version": MCCL_VERSION, "daemons": data,
-                            "warnings": version_mismatches(replies)}), _rc(replies)
+        return fmt.to_json({"mcclctl_version": MCCL_VERSION, "fleet": fleet.to_json(replies), "daemons": data,
+                            "warnings": version_mismatches(replies) + fleet.strays(replies)}), _rc(replies)
     rows = [(r.target.host, r.result, r.error) for r in replies]
-    return fmt.status_table(rows, MCCL_VERSION, version_mismatches(replies)), _rc(replies)
+    return (fleet_lines(fleet, replies) + "\n"
+            + fmt.status_table(rows, MCCL_VERSION, version_mismatches(replies), wide=args.wide)), _rc(replies)
 
 
 def _rc(replies) -> int:
@@ -89,13 +112,16 @@ def cmd_status(args) -> int:
 
 def _per_host(args, method: str, section: str, table: Callable) -> int:
     key = load_key(args.key_file)
-    replies = fetch(find_targets(args, key), key, method, timeout_s=args.timeout)
+    fleet = find_fleet_of(args, key)
+    replies = fetch(fleet.targets, key, method, timeout_s=args.timeout)
     if args.json:
-        print(fmt.to_json([{"host": r.target.host, section: (r.result or {}).get(section),
-                            "error": r.error} for r in replies]))
+        # One entry per daemon, each naming the fleet it answered for.
+        print(fmt.to_json([{"host": r.target.host, "fleet": (r.result or {}).get("fleet") or fleet.name,
+                            section: (r.result or {}).get(section), "error": r.error} for r in replies]))
     else:
+        print(fleet_lines(fleet, replies))
         print(table([(r.target.host, None if r.result is None else r.result.get(section) or [],
-                      r.error) for r in replies]))
+                      r.error) for r in replies], wide=args.wide))
         for w in version_mismatches(replies):
             print(f"warning: {w}")
     return _rc(replies)
@@ -108,11 +134,16 @@ def cmd_links(args) -> int:
 
 
 def _topology(args) -> int:
-    replies = fetch(find_targets(args), load_key(args.key_file), "links", timeout_s=args.timeout)
+    key = load_key(args.key_file)
+    fleet = find_fleet_of(args, key)
+    replies = fetch(fleet.targets, key, "links", timeout_s=args.timeout)
     view = topology.fleet_view({(r.result or {}).get("host") or r.target.host: (r.result or {}).get("topology")
                                 for r in replies if r.error is None})
     view["errors"] = {r.target.host: r.error for r in replies if r.error is not None}
-    print(fmt.to_json(view) if args.json else fmt.topology_text(view))
+    if args.json:
+        print(fmt.to_json({**view, "fleet": fleet.to_json(replies)}))
+    else:
+        print(fleet_lines(fleet, replies) + "\n" + fmt.topology_text(view, wide=args.wide))
     return _rc(replies)
 
 
@@ -122,22 +153,25 @@ def cmd_jobs(args) -> int:
 
 def cmd_capacity(args) -> int:
     key = load_key(args.key_file)
-    replies = fetch(find_targets(args, key), key, "capacity", timeout_s=args.timeout)
+    fleet = find_fleet_of(args, key)
+    replies = fetch(fleet.targets, key, "capacity", timeout_s=args.timeout)
     if args.json:
         caps = [r.result for r in replies if r.result is not None]
-        print(fmt.to_json({"mcclctl_version": MCCL_VERSION, "harvestable": fmt.harvestable_totals(caps),
+        print(fmt.to_json({"mcclctl_version": MCCL_VERSION, "fleet": fleet.to_json(replies),
+                           "harvestable": fmt.harvestable_totals(caps),
                            "daemons": [{"target": r.target.status_addr, "host": r.target.host,
                                         "capacity": r.result, "error": r.error} for r in replies],
-                           "warnings": version_mismatches(replies)}))
+                           "warnings": version_mismatches(replies) + fleet.strays(replies)}))
     else:
+        print(fleet_lines(fleet, replies))
         print(fmt.capacity_table([(r.target.host, r.result, r.error) for r in replies], time.time(),
-                                 version_mismatches(replies)))
+                                 version_mismatches(replies), wide=args.wide))
     return _rc(replies)
 
 
 def cmd_linktest(args) -> int:
     key = load_key(args.key_file)
-    a, b = resolve([args.a, args.b], args.discover_timeout, key)
+    a, b = resolve([args.a, args.b], args.discover_timeout, key, getattr(args, "fleet", None))
     # The measurement runs on A; our request waits for it, plus connection set-up.
     (reply,) = fetch([a], key, "linktest",
                      {"target": b.status_addr, "seconds": args.seconds, "streams": args.streams},

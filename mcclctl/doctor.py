@@ -36,7 +36,7 @@ def read_sys(path: Path) -> str | None:
 
 
 def interface_checks(ifname: str, addr: str, sys_root: Path = Path("/sys/class/net")) -> list[dict]:
-    out = [check("interface", "ok", f"{ifname or '?'} with address {addr}")]
+    out = [check("interface", "ok", f"{ifname} with address {addr}")]
     if sys.platform == "darwin":
         speed, mtu = _macos_media(ifname)
     else:
@@ -164,18 +164,20 @@ def fetch_metrics(addr: str, port: int, timeout_s: float = CONNECT_TIMEOUT_S) ->
 
 
 def port_checks(addr: str, ports: dict[str, int], peers: list[tuple[str, str, int]],
-                status_ok: str | None = None, metrics_addr: str = "") -> list[dict]:
+                status_ok: str | None = None, metrics_addr: str = "", ports_from: str = "") -> list[dict]:
     """Local endpoints of mccld, then the peers' status endpoints.
 
     ``status_ok``: None if our own status endpoint answered an authenticated query,
-    else why it did not (the caller asked it with the fleet key).
+    else why it did not (the caller asked it with the fleet key). ``ports_from``: where the
+    ports came from (the daemon's own report, or this shell's settings), said in each check.
     """
+    said = f" ({ports_from})" if ports_from else ""
     fix_local = ("start mccld on this host, or check that the MCCL_*_PORT settings of mccld and "
                  "mcclctl agree and that no firewall blocks the port")
     out = []
     for name, port in ports.items():
         if port == 0:
-            out.append(check(f"{name} port", "skip", f"{name} endpoint disabled (port 0)"))
+            out.append(check(f"{name} port", "skip", f"{name} endpoint disabled (port 0){said}"))
             continue
         where = addr
         if name == "metrics":
@@ -187,9 +189,9 @@ def port_checks(addr: str, ports: dict[str, int], peers: list[tuple[str, str, in
         else:
             why = None if is_listening(addr, port) else "nothing listens there"
         if why is None:
-            out.append(check(f"{name} port", "ok", f"{where}:{port} answers"))
+            out.append(check(f"{name} port", "ok", f"{where}:{port} answers{said}"))
         else:
-            out.append(check(f"{name} port", "fail", f"{where}:{port}: {why}", fix_local))
+            out.append(check(f"{name} port", "fail", f"{where}:{port}: {why}{said}", fix_local))
     for host, peer_addr, port in peers:
         why = can_connect(peer_addr, port)
         if why is None:
@@ -242,23 +244,30 @@ def engine_socket_buffer() -> int:
     return load(EngineConfig).socket_buffer_bytes
 
 
+def daemon_endpoints(status: dict | None) -> dict | None:
+    """The interface and ports the local daemon says it listens on (None: it did not say: an
+    older mccld, or none answered)."""
+    ends = (status or {}).get("endpoints")
+    if not isinstance(ends, dict) or not ends.get("addr"):
+        return None
+    return ends
+
+
 def cmd_doctor(args) -> int:
     from mccl_common.daemon_settings import load_config
-    from mccl_common.netif import choose_address
+    from mccl_common.netif import choose_address, interface_of
 
     from . import formatting as fmt
-    from .targets import discover, fetch, from_hosts
+    from .targets import Fleet, fetch, find_fleet, from_hosts, wanted_fleet
 
     cfg = load_config()
     checks: list[dict] = []
     try:
         ifname, addr = choose_address(cfg.iface, cfg.listen_addr, cfg.allow_wifi)
-        checks += interface_checks(ifname, addr)
+        ifname = ifname or interface_of(addr)
+        iface_error = None
     except ConfigError as e:
-        ifname, addr = "", "127.0.0.1"
-        checks.append(check("interface", "fail", str(e),
-                            "set MCCL_IFACE to the 10 GbE interface or MCCL_LISTEN_ADDR to its address"))
-    checks += buffer_checks(engine_socket_buffer(), read_sysctl)
+        ifname, addr, iface_error = "", "127.0.0.1", e
     key_file = cfg.key_file if args.key_file is None else args.key_file
     key = None
 
@@ -268,21 +277,47 @@ def cmd_doctor(args) -> int:
         key = load_key(args.key_file)
         return key
 
-    checks += key_checks(read_key, key_file or "")
-    try:
-        targets = from_hosts(args.host) if args.host else discover(args.discover_timeout, key)
-    except ConfigError as e:
-        targets = []
-        checks.append(check("discovery", "warn", str(e), "name peers with --host H[:port]"))
-    peers = [t for t in targets if not t.status_addr.startswith(f"{addr}:")]
+    key_results = key_checks(read_key, key_file or "")
+    # The local daemon, asked first: its own interface and ports are what to check, not this
+    # shell's settings (mccld may run with another environment or mccld.toml).
     status_ok = "no usable fleet key" if key is None else None
+    ends = None
     if key is not None and cfg.status_port:
         (own,) = fetch(from_hosts([f"{addr}:{cfg.status_port}"]), key, "status", timeout_s=args.timeout)
         status_ok = own.error
-    checks += port_checks(addr, {"link": cfg.port, "status": cfg.status_port,
-                                 "metrics": cfg.metrics_port},
+        ends = daemon_endpoints(own.result)
+    if ends is not None:
+        addr, ifname = ends["addr"], ends.get("iface") or interface_of(ends["addr"])
+        ports = {"link": int(ends.get("link_port") or 0), "status": int(ends.get("status_port") or 0),
+                 "metrics": int(ends.get("metrics_port") or 0)}
+        metrics_addr, ports_from = str(ends.get("metrics_addr") or ""), "as the local mccld reports them"
+    else:
+        ports = {"link": cfg.port, "status": cfg.status_port, "metrics": cfg.metrics_port}
+        metrics_addr, ports_from = cfg.metrics_addr, "from this shell's settings: the local mccld did not say"
+    if iface_error is not None and ends is None:
+        checks.append(check("interface", "fail", str(iface_error),
+                            "set MCCL_IFACE to the 10 GbE interface or MCCL_LISTEN_ADDR to its address"))
+    elif ifname:
+        checks += interface_checks(ifname, addr)
+    else:
+        checks.append(check("interface", "warn", f"no interface holds {addr}",
+                            "set MCCL_IFACE to the 10 GbE interface or MCCL_LISTEN_ADDR to one of its addresses"))
+    checks += buffer_checks(engine_socket_buffer(), read_sysctl)
+    checks += key_results
+    fleet_name = wanted_fleet(getattr(args, "fleet", None))
+    try:
+        fleet = (Fleet(getattr(args, "fleet", None), "--host", from_hosts(args.host)) if args.host
+                 else find_fleet(args.discover_timeout, key, fleet_name))
+    except ConfigError as e:
+        fleet = Fleet(fleet_name, "nowhere", [])
+        checks.append(check("discovery", "warn", str(e), "name peers with --host H[:port]"))
+    reported = [(own.result or {}).get("fleet")] if ends is not None else []
+    checks.append(check("fleet", "ok" if fleet.targets or args.host else "warn", fleet.describe(reported),
+                        "start mccld on the fleet's hosts, set MCCL_FLEET or pass --fleet"))
+    peers = [t for t in fleet.targets if not t.status_addr.startswith(f"{addr}:")]
+    checks += port_checks(addr, ports,
                           [(t.host, t.status_addr.rsplit(":", 1)[0], int(t.status_addr.rsplit(":", 1)[1]))
-                           for t in peers], status_ok, cfg.metrics_addr)
+                           for t in peers], status_ok, metrics_addr, ports_from)
     if key is not None and peers:
         replies = fetch(peers, key, "status", timeout_s=args.timeout)
         checks += skew_checks([(r.target.host, r.clock_offset_s, r.rtt_s) for r in replies])

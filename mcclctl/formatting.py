@@ -46,11 +46,16 @@ def human_duration(seconds: float | None) -> str:
     return f"{s}s"
 
 
-def truncate(text: str | None, width: int) -> str:
+def truncate(text: str | None, width: int | None) -> str:
+    """One line of ``text`` cut to ``width`` characters; ``width`` None (``--wide``): not cut."""
     if not text:
         return NA
     text = " ".join(str(text).split())
-    return text if len(text) <= width else text[: width - 1] + "…"
+    return text if width is None or len(text) <= width else text[: width - 1] + "…"
+
+
+def _w(width: int, wide: bool) -> int | None:
+    return None if wide else width
 
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
@@ -65,17 +70,46 @@ def to_json(data: Any) -> str:
     return json.dumps(data, indent=2, sort_keys=True, default=str)
 
 
+# ---- which fleet -----------------------------------------------------------------------
+
+def fleet_line(fleet: dict) -> str:
+    """The first line of every view: "fleet lab: 3 daemons (from this host's mccld)", from the
+    ``fleet`` object of the JSON output (its name, else the fleets the daemons reported)."""
+    name = fleet.get("name") or ", ".join(fleet.get("reported") or []) or "?"
+    n = fleet.get("daemons", 0)
+    text = f"fleet {name}: {n} daemon{'s' if n != 1 else ''} (from {fleet.get('source', '?')})"
+    others = fleet.get("other_fleets") or {}
+    if others:
+        text += "; other fleets seen: " + ", ".join(f"{f} ({k})" for f, k in sorted(others.items()))
+    return text
+
+
 # ---- status --------------------------------------------------------------------------
 
-STATUS_HEADERS = ("HOST", "ADDRESS", "VERSION", "STATE", "HARVEST", "JOBS/RANKS", "LINKS", "TX", "RX",
+# One meaning per word: HARVEST says whether the host's user is at it ("busy") or left it to the
+# fleet ("idle", "leased", "draining"; docs/harvesting.md); ACTIVITY says whether the daemon runs
+# a job ("training") or none ("ready"). The daemon reports that as state "idle" on the wire and
+# in mccl_host_state (kept for older peers and dashboards); mcclctl never shows that "idle".
+STATUS_HEADERS = ("HOST", "ADDRESS", "VERSION", "ACTIVITY", "HARVEST", "JOBS/RANKS", "LINKS", "TX", "RX",
                   "LAST ERROR", "UPTIME")
+ACTIVITY = {"idle": "ready", "training": "training"}
 
 
-def status_row(host: str, status: dict | None, error: str | None, our_version: str) -> list[str]:
+def activity(state: str | None) -> str:
+    return ACTIVITY.get(state, state) if state else NA
+
+
+def live_jobs(jobs: list[dict]) -> list[dict]:
+    """The jobs a daemon still runs (ended ones stay listed a while, for ``mcclctl jobs``)."""
+    return [j for j in jobs if j.get("state") != "ended"]
+
+
+def status_row(host: str, status: dict | None, error: str | None, our_version: str,
+               wide: bool = False) -> list[str]:
     """One row of ``mcclctl status``; an unreachable daemon still gets its row."""
     if status is None:
-        return [host, NA, NA, "unreachable", NA, NA, NA, NA, NA, truncate(error, 60), NA]
-    jobs = status.get("jobs") or []
+        return [host, NA, NA, "unreachable", NA, NA, NA, NA, NA, truncate(error, _w(60, wide)), NA]
+    jobs = live_jobs(status.get("jobs") or [])
     ranks = sum(len(j.get("ranks") or []) for j in jobs)
     version = status.get("version") or NA
     if version not in (NA, our_version):
@@ -84,13 +118,13 @@ def status_row(host: str, status: dict | None, error: str | None, our_version: s
         status.get("host") or host,
         status.get("address") or NA,
         version,
-        status.get("state") or NA,
+        activity(status.get("state")),
         harvest_state(status.get("harvest")),
         f"{len(jobs)}/{ranks}",
         f"{status.get('links_up', 0)}/{status.get('links_total', 0)}",
         human_bits_rate(_bits(status.get("tx_bytes_per_s"))),
         human_bits_rate(_bits(status.get("rx_bytes_per_s"))),
-        truncate(status.get("last_error"), 40),
+        truncate(status.get("last_error"), _w(40, wide)),
         human_duration(status.get("uptime_s")),
     ]
 
@@ -125,8 +159,8 @@ def reclaim_notes(hosts: Iterable[tuple[str, dict | None]], now: float | None = 
 
 
 def status_table(rows: list[tuple[str, dict | None, str | None]], our_version: str,
-                 warnings: Sequence[str] = ()) -> str:
-    text = table(STATUS_HEADERS, [status_row(h, s, e, our_version) for h, s, e in rows])
+                 warnings: Sequence[str] = (), wide: bool = False) -> str:
+    text = table(STATUS_HEADERS, [status_row(h, s, e, our_version, wide) for h, s, e in rows])
     notes = reclaim_notes([(s.get("host") or h, s.get("harvest")) for h, s, _ in rows if s is not None])
     if notes:
         text += "\n" + "\n".join(notes)
@@ -170,7 +204,7 @@ def link_rows(host: str, links: list[dict]) -> list[list[str]]:
 
 
 def _per_host_table(headers, per_host: list[tuple[str, list[dict] | None, str | None]],
-                    rows_of: Callable[[str, list[dict]], list[list[str]]], empty: str) -> str:
+                    rows_of: Callable[[str, list[dict]], list[list[str]]], empty: str, wide: bool = False) -> str:
     """One table over every daemon's items; daemons that did not answer are listed below it."""
     rows, errors = [], []
     for host, items, error in per_host:
@@ -182,11 +216,11 @@ def _per_host_table(headers, per_host: list[tuple[str, list[dict] | None, str | 
     return text + "".join(f"\nunreachable: {e}" for e in errors)
 
 
-def links_table(per_host: list[tuple[str, list[dict] | None, str | None]]) -> str:
-    return _per_host_table(LINK_HEADERS, per_host, link_rows, "no links")
+def links_table(per_host: list[tuple[str, list[dict] | None, str | None]], wide: bool = False) -> str:
+    return _per_host_table(LINK_HEADERS, per_host, link_rows, "no links", wide)
 
 
-def topology_text(view: dict) -> str:
+def topology_text(view: dict, wide: bool = False) -> str:
     """``mcclctl links --topology``: one row per switch, then what the inference saw."""
     source = {"file": "MCCL_TOPOLOGY", "rtt": "inferred from RTTs", "mixed": "MCCL_TOPOLOGY on some daemons only"}
     rows = [[name, str(len(hosts)), " ".join(hosts)] for name, hosts in sorted(view["switches"].items())]
@@ -202,30 +236,42 @@ def topology_text(view: dict) -> str:
     if unknown:
         out.append("no switch yet (jobs run flat): " + " ".join(unknown))
     for host, err in sorted((view.get("errors") or {}).items()):
-        out.append(f"{host}: unreachable: {truncate(err, 80)}")
+        out.append(f"{host}: unreachable: {truncate(err, _w(80, wide))}")
     return "\n".join(out)
 
 
 # ---- jobs ----------------------------------------------------------------------------
 
-JOB_HEADERS = ("HOST", "JOB", "RANKS", "WORLD", "COLLECTIVES", "BYTES", "OVERLAP")
+JOB_HEADERS = ("HOST", "JOB", "STATUS", "AGE", "RANKS", "WORLD", "COLLECTIVES", "BYTES", "OVERLAP")
+# The daemon's job states (mccld/jobs/job.py, and "ended" once it left the table) as shown.
+JOB_STATUS = {"joining": "starting", "ready": "running", "failed": "failed", "closed": "ending", "ended": "ended"}
+
+
+def job_status(job: dict) -> str:
+    """STATUS of a job: "running", "failed", or "ended (5m ago)" / "failed (5m ago)" once over."""
+    state = job.get("state")
+    if state != "ended":
+        return JOB_STATUS.get(state, state) if state else NA
+    word = "failed" if job.get("outcome") == "failed" else "ended"
+    ago = job.get("ended_s_ago")
+    return word if ago is None else f"{word} ({human_duration(max(0.0, ago))} ago)"
 
 
 def job_rows(host: str, jobs: list[dict]) -> list[list[str]]:
     rows = []
-    for job in sorted(jobs, key=lambda j: str(j.get("job"))):
+    for job in sorted(jobs, key=lambda j: (j.get("state") == "ended", str(j.get("job")))):
         overlap = job.get("overlap") or {}
         ov = NA if not overlap else f"{sum(overlap.values()) / len(overlap):.2f}"
         ranks = job.get("ranks")
-        rows.append([host, job.get("job") or NA,
+        rows.append([host, job.get("job") or NA, job_status(job), human_duration(job.get("age_s")),
                      NA if ranks is None else ",".join(str(r) for r in ranks),
                      NA if job.get("world") is None else str(job["world"]),
                      str(job.get("collectives", NA)), human_bytes(job.get("bytes")), ov])
     return rows
 
 
-def jobs_table(per_host: list[tuple[str, list[dict] | None, str | None]]) -> str:
-    return _per_host_table(JOB_HEADERS, per_host, job_rows, "no jobs")
+def jobs_table(per_host: list[tuple[str, list[dict] | None, str | None]], wide: bool = False) -> str:
+    return _per_host_table(JOB_HEADERS, per_host, job_rows, "no jobs", wide)
 
 
 # ---- capacity --------------------------------------------------------------------------
@@ -234,10 +280,10 @@ CAPACITY_HEADERS = ("HOST", "HARVEST", "FOR", "USER IDLE", "CORES", "MEMORY", "D
                     "NIGHTS", "WHY")
 
 
-def capacity_row(host: str, cap: dict | None, error: str | None, now: float) -> list[str]:
+def capacity_row(host: str, cap: dict | None, error: str | None, now: float, wide: bool = False) -> list[str]:
     """One row of ``mcclctl capacity``; ``now`` (epoch s) dates the state's start."""
     if cap is None:
-        return [host, "unreachable", NA, NA, NA, NA, NA, NA, NA, truncate(error, 60)]
+        return [host, "unreachable", NA, NA, NA, NA, NA, NA, NA, truncate(error, _w(60, wide))]
     h = cap.get("harvest") or {}
     per_night = h.get("harvestable_s_per_night")
     since = h.get("since")
@@ -251,7 +297,7 @@ def capacity_row(host: str, cap: dict | None, error: str | None, now: float) -> 
         cap.get("device") or NA,
         NA if per_night is None else f"{per_night / 3600:.1f}",
         str(h.get("nights", 0)),
-        truncate(h.get("reason"), 50),
+        truncate(h.get("reason"), _w(50, wide)),
     ]
 
 
@@ -270,8 +316,8 @@ def harvestable_totals(caps: Iterable[dict]) -> dict:
 
 
 def capacity_table(rows: list[tuple[str, dict | None, str | None]], now: float,
-                   warnings: Sequence[str] = ()) -> str:
-    text = table(CAPACITY_HEADERS, [capacity_row(h, c, e, now) for h, c, e in rows])
+                   warnings: Sequence[str] = (), wide: bool = False) -> str:
+    text = table(CAPACITY_HEADERS, [capacity_row(h, c, e, now, wide) for h, c, e in rows])
     notes = reclaim_notes([(c.get("host") or h, c.get("harvest")) for h, c, _ in rows if c is not None], now)
     if notes:
         text += "\n" + "\n".join(notes)
@@ -323,6 +369,8 @@ def run_event(kind: str, data: dict) -> str:
     if kind == "plan":
         lines = [f"mcclctl run: job {data['job']} on {len(data['hosts'])} host(s): {', '.join(data['hosts'])} "
                  f"(nnodes {data['nnodes']}, anchor {data['anchor']})"]
+        if data.get("fleet"):
+            lines.append(f"  {data['fleet']}")
         lines += [f"  left out {h}: {why}" for h, why in sorted(data.get("left_out", {}).items())]
         return "\n".join(lines)
     if kind == "exit":

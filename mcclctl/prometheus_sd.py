@@ -30,7 +30,7 @@ def write_atomically(path: str, text: str) -> None:
 
 
 def cmd_prometheus_sd(args) -> int:
-    targets = from_hosts(args.host) if args.host else discover(args.discover_timeout)
+    targets = from_hosts(args.host) if args.host else discover(args.discover_timeout, fleet=args.fleet)
     if args.host and args.metrics_port:
         targets = [Target(t.host, t.status_addr, f"{t.host}:{args.metrics_port}") for t in targets]
     text = json.dumps(file_sd(targets, args.fleet), indent=2) + "\n"
@@ -38,6 +38,6 @@ def cmd_prometheus_sd(args) -> int:
         print(text, end="")
     else:
         write_atomically(args.output, text)
-        print(json.dumps({"output": args.output, "targets": len(targets)}) if args.json
-              else f"wrote {len(targets)} target(s) to {args.output}")
+        print(json.dumps({"output": args.output, "fleet": args.fleet, "targets": len(targets)}) if args.json
+              else f"wrote {len(targets)} target(s) of fleet {args.fleet} to {args.output}")
     return 0 if targets else 1

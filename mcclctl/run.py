@@ -29,9 +29,9 @@ from mccl_common.launch_protocol import BEAT_S, LEASE_TIMEOUT_S, LaunchRequest, 
 from mccl_common.status_protocol import split_addr
 
 from . import formatting as fmt
-from .commands import find_targets
+from .commands import find_fleet_of
 from .recruit import Recruiter
-from .targets import fetch, load_key
+from .targets import Fleet, fetch, load_key
 
 ANCHOR_START_S = 15.0       # the anchor's python imports torch before it listens
 ELASTIC_RESTARTS = 100     # --max-restarts of an elastic run (--min < --max): one per re-form
@@ -102,9 +102,10 @@ def select_hosts(hosts: list[Host], n_min: int, n_max: int, where: list[str]) ->
     return chosen, left_out
 
 
-def fleet_hosts(args, key: bytes) -> tuple[list[Host], list[str]]:
+def fleet_hosts(args, key: bytes, fleet: Fleet | None = None) -> tuple[list[Host], list[str]]:
     """Every daemon that answered both its status and its capacity, and the errors of the others."""
-    targets = find_targets(args, key)   # the local daemon's table: hosts of every subnet, not only mDNS
+    # The local daemon's table: hosts of every subnet, not only mDNS.
+    targets = (fleet or find_fleet_of(args, key)).targets
     status = fetch(targets, key, "status", timeout_s=args.timeout)
     capacity = {r.target: r for r in fetch(targets, key, "capacity", timeout_s=args.timeout)}
     hosts, errors = [], []
@@ -384,7 +385,8 @@ def cmd_run(args) -> int:
     if submit_key is None:
         raise ConfigError("[mcclctl] no submit key: pass --submit-key-file or set MCCL_SUBMIT_KEY_FILE "
                           "(the key the fleet's daemons accept launches with, not the fleet key)")
-    hosts, errors = fleet_hosts(args, key)
+    fleet = find_fleet_of(args, key)
+    hosts, errors = fleet_hosts(args, key, fleet)
     chosen, left_out = select_hosts(hosts, n_min, n_max, args.where or [])
     job = args.job or f"mccl-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     env = dict(_env_pair(e) for e in args.env or [])
@@ -394,7 +396,7 @@ def cmd_run(args) -> int:
     for e in errors:
         say("warning", {"message": f"left out, no answer: {e}"})
     anchor = Anchor(args.rdzv_port, bind=anchor_ip)
-    say("plan", {"job": job, "hosts": [h.name for h in chosen], "nnodes": nnodes,
+    say("plan", {"job": job, "fleet": fleet.describe(), "hosts": [h.name for h in chosen], "nnodes": nnodes,
                  "left_out": left_out, "anchor": f"{anchor_ip}:{anchor.port}"})
     stop_on_term = signal.signal(signal.SIGTERM, _raise_stop)
     width = max(len(h.name) for h in chosen)

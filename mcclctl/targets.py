@@ -7,7 +7,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from mccl_common import __version__ as MCCL_VERSION
@@ -79,28 +79,92 @@ def from_record(rec: Any, status_port: int = DEFAULT_STATUS_PORT,
     return Target(host=host, status_addr=f"{ip}:{status_port}", metrics_addr=f"{ip}:{metrics_port}")
 
 
-def discover(timeout_s: float, key: bytes | None = None) -> list[Target]:
-    """Daemons of this host's fleet (MCCL_FLEET), sorted by host id.
+@dataclass
+class Fleet:
+    """The daemons mcclctl shows, and which fleet they are: every view names it."""
+    name: str | None          # the fleet asked for (None: --host without --fleet; the daemons say)
+    source: str               # where the daemons came from, in words
+    targets: list[Target]
+    others: dict[str, int] = field(default_factory=dict)   # other fleets seen on the way: daemons each
+
+    def describe(self, reported: Iterable[str | None] = ()) -> str:
+        """"fleet lab: 3 daemons (from ...)"; ``reported``: the fleets the daemons answered with."""
+        from .formatting import fleet_line
+        return fleet_line({"name": self.name, "source": self.source, "daemons": len(self.targets),
+                           "reported": sorted({f for f in reported if f}), "other_fleets": self.others})
+
+    def strays(self, replies: list[Reply]) -> list[str]:
+        """Warnings for daemons that answered with another fleet than the one asked for."""
+        out = []
+        for r in replies:
+            theirs = r.result.get("fleet") if isinstance(r.result, dict) else None
+            if self.name and theirs and theirs != self.name:
+                host = r.result.get("host") or r.target.host
+                out.append(f"{host} belongs to fleet {theirs}, not {self.name}")
+        return out
+
+    def to_json(self, replies: list[Reply] = ()) -> dict:
+        reported = sorted({r.result.get("fleet") for r in replies if isinstance(r.result, dict)
+                           and r.result.get("fleet")})
+        return {"name": self.name, "source": self.source, "daemons": len(self.targets),
+                "reported": reported, "other_fleets": dict(self.others)}
+
+
+def wanted_fleet(fleet: str | None) -> str:
+    """--fleet, else MCCL_FLEET (mccld.toml / environment), else "default"."""
+    if fleet:
+        return fleet
+    from mccl_common.daemon_settings import load_config
+    return load_config().fleet
+
+
+def discover(timeout_s: float, key: bytes | None = None, fleet: str | None = None) -> list[Target]:
+    return find_fleet(timeout_s, key, fleet).targets
+
+
+def find_fleet(timeout_s: float, key: bytes | None = None, fleet: str | None = None) -> Fleet:
+    """Daemons of ``fleet`` (default MCCL_FLEET), sorted by host id.
 
     First the table of this host's own daemon, which knows every subnet through gossip
     (mccld/net/gossip.py) and answers at once; else the tables of the MCCL_PEERS seeds; else
-    whatever answers mDNS on this subnet within ``timeout_s``. ``key`` (the fleet key) lets
-    mcclctl ask daemons; without one only mDNS is tried."""
+    whatever answers mDNS on this subnet within ``timeout_s`` (unless MCCL_DISCOVERY=off).
+    ``key`` (the fleet key) lets mcclctl ask daemons; without one only mDNS is tried. Daemons
+    of other fleets are left out and counted in ``others``, so an empty answer can say why."""
     from mccl_common.daemon_settings import load_config
     cfg = load_config()
+    name = fleet or cfg.fleet
     ports = (cfg.status_port or DEFAULT_STATUS_PORT, cfg.metrics_port or DEFAULT_METRICS_PORT)
+    seen: dict[str, set[str]] = {}     # other fleets -> their hosts (a host seen twice counts once)
+
+    def others() -> dict[str, int]:
+        return {f: len(hosts) for f, hosts in sorted(seen.items())}
+
+    def split(rows: list, label: str) -> Fleet | None:
+        mine = []
+        for r in rows:
+            theirs = _field(r, "fleet", default=None)
+            if theirs is None or theirs == name:
+                mine.append(r)
+            else:
+                seen.setdefault(str(theirs), set()).add(str(_field(r, "host_id", "host", "name", default="?")))
+        if not mine:
+            return None
+        return Fleet(name, label, sorted((from_record(r, *ports) for r in mine), key=lambda t: t.host), others())
+
     if key is not None and cfg.status_port:
-        for addrs in (_own_daemon(cfg), [f"{h}:{cfg.status_port}" for h, _ in cfg.seeds()]):
-            rows = _tables(addrs, key)
-            if rows:
-                return sorted((from_record(r, *ports) for r in rows), key=lambda t: t.host)
+        for label, addrs in (("this host's mccld", _own_daemon(cfg)),
+                             ("the MCCL_PEERS seeds", [f"{h}:{cfg.status_port}" for h, _ in cfg.seeds()])):
+            found = split(_tables(addrs, key), label)
+            if found:
+                return found
+    if cfg.discovery == "off":
+        return Fleet(name, "nowhere: MCCL_DISCOVERY=off and no daemon's fleet table could be read", [], others())
     try:
         from mccl_common.discovery import browse_fleet
     except ImportError as e:
         raise ConfigError(f"[mcclctl] mDNS discovery is unavailable ({e}) and no daemon's fleet table could be "
                           "read; name daemons with --host, or set MCCL_PEERS") from None
-    records = browse_fleet(timeout_s, fleet=cfg.fleet)
-    return sorted((from_record(r, *ports) for r in records), key=lambda t: t.host)
+    return split(browse_fleet(timeout_s, fleet=None), "mDNS") or Fleet(name, "mDNS", [], others())
 
 
 def _own_daemon(cfg) -> list[str]:
@@ -120,8 +184,11 @@ def _tables(addrs: list[str], key: bytes) -> list[dict]:
         if r.error:
             log.debug("fleet table of %s: %s", r.target.status_addr, r.error)
             continue
+        theirs = (r.result or {}).get("fleet")
         for row in (r.result or {}).get("fleet_table") or []:
             if isinstance(row, dict) and isinstance(row.get("host_id"), str):
+                if theirs and not row.get("fleet"):
+                    row = {**row, "fleet": theirs}
                 rows.setdefault(row["host_id"], row)
     return list(rows.values())
 

@@ -20,12 +20,13 @@ from mccl_common import __version__
 from mccl_common.daemon_settings import DaemonConfig, attach_gid, key_paths, runtime_dir
 from mccl_common.errors import ProtocolError
 from mccl_common.fd_limit import ensure_open_files
-from mccl_common.netif import choose_address
+from mccl_common.netif import choose_address, interface_of
 from mccl_common.settings import EngineConfig, load
 
 from .attach import AttachServer
 from .fd_inbox import MAX_HELD, FdInbox
-from .host.launcher import LaunchServer
+from .host import job_unit
+from .host.launcher import LaunchServer, torchrun_command
 from .host.lending import Lending
 from .host.runtime_dir import SegmentRecord, lock_runtime_dir
 from .jobs.peers import JobPeers
@@ -74,6 +75,7 @@ class Daemon:
         self.host_id = cfg.host_id or default_host_id()
         self.addr = ""
         self.iface = ""
+        self._iface_shown = ""
         self.pool: ReducePool | None = None
         self.links: LinkManager | None = None
         self.datalinks: DataLinks | None = None
@@ -101,6 +103,8 @@ class Daemon:
         ensure_open_files(MAX_HELD + cfg.max_unauth_connections + _SPARE_FILES, _WANT_FILES, "[daemon] mccld")
         key = cfg.read_key()   # the root of every job's engine secret too
         self.iface, self.addr = choose_address(cfg.iface, cfg.listen_addr, cfg.allow_wifi)
+        # An address given by MCCL_LISTEN_ADDR still lies on some interface: status names it.
+        self._iface_shown = self.iface or interface_of(self.addr)
         self.runtime_dir = runtime_dir(cfg, create=True)
         self._lock_fd = lock_runtime_dir(self.runtime_dir)
         try:
@@ -176,10 +180,13 @@ class Daemon:
         self.stop(reason)
 
     def _start_fleet(self) -> None:
-        """mDNS when zeroconf is there (and the switch map on what it finds), then gossip."""
+        """mDNS when zeroconf is there and MCCL_DISCOVERY allows it (and the switch map on what it
+        finds), then gossip."""
         ports = {type(s).__name__: s.port for s in self._servers}
         self.fleet = FleetView(self.cfg, self.host_id, self.addr, self.engine_cfg.topology)
-        disc = _optional("mccl_common.discovery")
+        disc = _optional("mccl_common.discovery") if self.cfg.discovery == "mdns" else None
+        if disc is None and self.cfg.discovery == "off":
+            log.info("mDNS off (MCCL_DISCOVERY=off): the fleet is found through MCCL_PEERS and gossip only")
         if disc is not None:
             self.fleet.start_discovery(disc, self.links, ports, self.lending.state())
         self.fleet.start_gossip(self.links, ports)
@@ -217,8 +224,13 @@ class Daemon:
         if self.cfg.launch_user == "root":
             log.warning("MCCL_LAUNCH_USER=root: jobs that `mcclctl run` starts here run as root")
         harvester = self.lending.harvester
+        via = job_unit.choose(self.cfg.launch_via)
+        log.info("launched jobs run %s", "as systemd units of their own, outside mccld's sandbox"
+                 if via == "systemd" else "as mccld's children")
+        command = (functools.partial(torchrun_command, python=self.cfg.launch_python) if self.cfg.launch_python
+                   else torchrun_command)
         srv = LaunchServer(submit_key, self.host_id, self.runtime_dir, self.addr, self.cfg.launch_port,
-                           launch_user=self.cfg.launch_user,
+                           launch_user=self.cfg.launch_user, via=via, command=command,
                            harvest_state=(lambda: harvester.snapshot()["state"]) if harvester else None,
                            on_change=self.jobs.poke, gate=Gate.from_config("launch", self.cfg),
                            secret_files=key_paths(self.cfg))
@@ -281,4 +293,17 @@ class Daemon:
     def status_provider(self) -> dict[str, Any]:
         """What only the daemon knows (docs/dev/interfaces.md §4); the status server adds stats."""
         return daemon_status(self.host_id, self.cfg.fleet, self.jobs, self.links, self.datalinks, self.fleet,
-                             self.launcher)
+                             self.launcher, self.endpoints())
+
+    def endpoints(self) -> dict[str, Any]:
+        """The interface and ports this daemon listens on, as bound (0: that endpoint is off)."""
+        links = self.links   # read once: stop() may clear it
+        servers = {type(s).__name__: s for s in list(self._servers)}
+        metrics = servers.get("MetricsServer")
+        return {"iface": self._iface_shown, "addr": self.addr,
+                "link_port": int(links.address.rsplit(":", 1)[1]) if links and links.address else 0,
+                "status_port": servers["StatusServer"].port if "StatusServer" in servers else 0,
+                "metrics_port": metrics.port if metrics is not None else 0,
+                "metrics_addr": metrics.address.rsplit(":", 1)[0] if metrics is not None else "",
+                "launch_port": self.launcher.port if self.launcher is not None else 0,
+                "discovery": self.cfg.discovery}

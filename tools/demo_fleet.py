@@ -226,7 +226,7 @@ class FleetDemo:
             self.print_figures(title, self.metrics())
 
     def wait_for_fleet(self) -> None:
-        from mcclctl.formatting import status_table
+        from mcclctl.formatting import fleet_line, status_table
         from mccl_common import __version__
 
         deadline = time.monotonic() + DISCOVER_S
@@ -244,6 +244,7 @@ class FleetDemo:
         say(f"[demo] host0 found all {HOSTS} daemons over mDNS")
         # The table `mcclctl status` prints, from the answer just polled: one mDNS wait less.
         say("\n[demo] $ mcclctl status   (before the job; run on host0)")
+        say(fleet_line(status.get("fleet") or {}))
         say(status_table([(d["host"], d["status"], d["error"]) for d in status["daemons"]], __version__,
                          status.get("warnings", [])))
 

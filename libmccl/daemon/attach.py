@@ -28,6 +28,7 @@ from .. import listen_addr, rendezvous
 
 _HELLO_TIMEOUT_S = 5.0
 _MAX_CUT_BYTES = 1 << 40   # a piece size beyond any buffer: a reply past it is garbage
+LAUNCHD_SERVICE = "system/com.mccl.mccld"   # the domain and label packaging/macos/install.sh installs
 # pyzmq names a monitor's inproc endpoint after the socket's fd unless told otherwise; a
 # closed socket's endpoint is released later by ZeroMQ's reaper, so a new socket that got
 # the same fd number failed with "Address already in use" (seen in the fuzz replay).
@@ -73,9 +74,11 @@ class Attachment:
         self.monitor = self.sock = None
 
     def unavailable(self, why: str) -> DaemonUnavailableError:
+        # packaging/macos installs mccld as a system daemon (LaunchDaemons), not a per-user agent.
         return DaemonUnavailableError(
             f"[daemon] no mccld answers at {self.endpoint} ({why}); start it with `mccld` "
-            "(or `systemctl start mccld` / `launchctl kickstart gui/$UID/com.mccl.mccld`), check "
+            "(the installed service: `sudo systemctl start mccld` on Linux, "
+            f"`sudo launchctl kickstart {LAUNCHD_SERVICE}` on macOS), check "
             "MCCL_RUNTIME_DIR matches the daemon's, or unset MCCL_DAEMON to run in-process")
 
     def connect(self) -> None:

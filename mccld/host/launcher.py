@@ -21,6 +21,7 @@ priority (``background``).
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -43,7 +44,7 @@ from mccl_common.launch_protocol import (BEAT_S, DRAIN_ENV, LEASE_TIMEOUT_S, LEF
                                          accept_request, run_key)
 from mccl_common.status_protocol import IO_TIMEOUT_S, MAX_PREAUTH_LINE, Conn, HARVESTED_STATES
 
-from . import launch_identity
+from . import job_unit, launch_identity
 from ..net.gate import REWARN_S, Gate, Ticket
 from ..logutil import OnceLogger
 from .priority import Background
@@ -85,7 +86,8 @@ class LaunchServer:
                  launch_user: str = "", harvest_state: Callable[[], str] | None = None,
                  on_change: Callable[[], None] | None = None, gate: Gate | None = None,
                  command: Callable[[LaunchRequest], list[str]] = torchrun_command,
-                 lease_timeout_s: float = LEASE_TIMEOUT_S, secret_files: tuple[Path, ...] = ()):
+                 lease_timeout_s: float = LEASE_TIMEOUT_S, secret_files: tuple[Path, ...] = (),
+                 via: str = "direct"):
         if not key:
             raise ConfigError("[launch] no submit key; set MCCL_SUBMIT_KEY_FILE (a key that is not the fleet key)")
         self._key = key
@@ -100,11 +102,15 @@ class LaunchServer:
         self._gate = gate or Gate.from_config("launch")
         self._command = command
         self._lease_timeout_s = lease_timeout_s
+        # "systemd": each job a transient unit of its own, outside mccld's sandbox (job_unit.py).
+        self._via = via
+        self._leases = itertools.count(1)
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._jobs: dict[str, subprocess.Popen] = {}    # lease id -> its torchrun
+        self._jobs: dict[str, subprocess.Popen] = {}    # lease id -> its torchrun (or its systemd-run)
+        self._units: dict[str, str] = {}                # lease id -> its job's unit (via systemd)
         self._drain_files: dict[str, Path] = {}         # lease id -> the file that tells its job to leave
         self._conns: set[threading.Thread] = set()
         self._once = OnceLogger(log, rewarn_s=REWARN_S)   # keyed by peer address, not connection
@@ -146,8 +152,13 @@ class LaunchServer:
     def background(self) -> int:
         """The host's user is here: every job's processes to background priority; how many."""
         with self._lock:
-            roots = [p.pid for p in self._jobs.values() if p.poll() is None]
-        return self._background.lower([pid for root in roots for pid in JobTree(root).scan()])
+            trees = [self._tree(lease, p) for lease, p in self._jobs.items() if p.poll() is None]
+        return self._background.lower([pid for tree in trees for pid in tree.scan()])
+
+    def _tree(self, lease: str, proc: subprocess.Popen):
+        """The job's processes: its unit's cgroup (via systemd), else the tree under its torchrun."""
+        unit = self._units.get(lease)
+        return job_unit.UnitTree(unit, job_unit.user_manager()) if unit else JobTree(proc.pid)
 
     def reclaim_after(self, grace_s: float) -> int:
         """Every running job that has not left ``grace_s`` from now is removed (its lease
@@ -171,7 +182,8 @@ class LaunchServer:
         if due is None or time.monotonic() < due:
             return False
         log.warning("[launch] job %s did not leave within MCCL_RECLAIM_GRACE: removing it from this host", name)
-        job.removal = Removal(JobTree(job.proc.pid))
+        job.removal = Removal(job_unit.UnitTree(job.unit, job_unit.user_manager()) if job.unit
+                              else JobTree(job.proc.pid))
         with self._lock:
             self.removed += 1
         if not announced:
@@ -265,9 +277,16 @@ class LaunchServer:
         except ProtocolError as e:
             return None, e
         try:
-            launch_identity.launch_user(self._user, self._secret_files, self._host_id)
+            pw = launch_identity.launch_user(self._user, self._secret_files, self._host_id)
         except ConfigError as e:
             return req, e
+        me = os.geteuid()
+        if me != 0 and pw.pw_uid != me:
+            # Only root switches users: a service-account mccld (and its own systemd manager) starts
+            # jobs as itself, whatever MCCL_LAUNCH_USER says.
+            return req, ConfigError(f"[launch] {self._host_id}: mccld runs as uid {me}, not root, so it can start "
+                                    f"jobs only as itself, not as {pw.pw_name} (MCCL_LAUNCH_USER); set "
+                                    f"MCCL_LAUNCH_USER to mccld's own user, or run mccld as root")
         if not Path(req.cwd).is_dir():
             return req, ConfigError(f"[launch] working directory {req.cwd} does not exist on {self._host_id}; "
                                     "give every host the same checkout path, or pass --cwd")
@@ -293,8 +312,9 @@ class LaunchServer:
         lease_id = f"{req.job}@{peer}"
         drain_file = self._runtime_dir / f"drain-{req.job}-{os.getpid()}-{threading.get_ident()}"
         _remove(drain_file)
+        unit = job_unit.unit_name(req.job, next(self._leases)) if self._via == "systemd" else None
         try:
-            job = _Job(self._spawn(req, drain_file))
+            job = _Job(self._spawn(req, drain_file, unit), unit)
         except (OSError, subprocess.SubprocessError, KeyError) as e:
             shutil.rmtree(_job_dir(drain_file), ignore_errors=True)
             msg = f"[launch] {self._host_id} could not start the job: {e}"
@@ -303,6 +323,8 @@ class LaunchServer:
             return
         with self._lock:
             self._jobs[lease_id] = job.proc
+            if unit:
+                self._units[lease_id] = unit
             self._drain_files[lease_id] = drain_file
         self._on_change()
         log.info("[launch] job %s for peer=%s started (pid %d): %s", req.job, peer, job.proc.pid,
@@ -314,6 +336,7 @@ class LaunchServer:
             job.stop()
             with self._lock:
                 self._jobs.pop(lease_id, None)
+                self._units.pop(lease_id, None)
                 self._drain_files.pop(lease_id, None)
                 self._reclaim_due.pop(str(drain_file), None)
             _remove(drain_file)
@@ -324,7 +347,9 @@ class LaunchServer:
             log.info("[launch] job %s for peer=%s exited with %d", req.job, peer, code)
             send("exit", {"code": code})
 
-    def _spawn(self, req: LaunchRequest, drain_file: Path) -> subprocess.Popen:
+    def _spawn(self, req: LaunchRequest, drain_file: Path, unit: str | None = None) -> subprocess.Popen:
+        """Start the job: mccld's child in a session of its own, or (``unit``) a transient systemd
+        unit of its own, outside mccld's sandbox, whose systemd-run is our child (job_unit.py)."""
         pw = launch_identity.launch_user(self._user, self._secret_files, self._host_id)
         env = launch_identity.job_environment(os.environ, dict(req.env), pw, {
             "MCCL_HOST_ID": self._host_id, "MCCL_RUNTIME_DIR": str(self._runtime_dir),
@@ -332,25 +357,42 @@ class LaunchServer:
         kwargs = {}
         if pw.pw_uid != os.geteuid():
             kwargs = {"user": pw.pw_uid, "group": pw.pw_gid, "extra_groups": os.getgrouplist(pw.pw_name, pw.pw_gid)}
+        job_dir = _job_dir(drain_file)
+        if req.run_nonce or unit:
+            self._make_job_dir(job_dir, kwargs.get("user"), kwargs.get("group"))
         if req.run_nonce:
-            env[RUN_KEY_ENV] = str(self._write_run_key(req, _job_dir(drain_file), kwargs.get("user"),
-                                                       kwargs.get("group")))
-        return subprocess.Popen(self._command(req), cwd=req.cwd, env=env, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, **kwargs)
+            env[RUN_KEY_ENV] = str(self._write_run_key(req, job_dir, kwargs.get("user"), kwargs.get("group")))
+        if unit is None:
+            return subprocess.Popen(self._command(req), cwd=req.cwd, env=env, stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                                    **kwargs)
+        env_file = job_unit.write_env(job_dir, env, kwargs.get("user"), kwargs.get("group"))
+        cmd = job_unit.systemd_run_command(unit, self._command(req), req.cwd, env_file,
+                                           user=job_unit.user_manager(), uid=pw.pw_uid, gid=pw.pw_gid,
+                                           groups=os.getgrouplist(pw.pw_name, pw.pw_gid), stop_grace_s=STOP_GRACE_S)
+        log.info("[launch] job %s runs as unit %s (outside mccld's sandbox)", req.job, unit)
+        # systemd-run itself runs as mccld, in mccld's sandbox; the job it asks for does not.
+        return subprocess.Popen(cmd, env=job_unit.manager_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True)
+
+    @staticmethod
+    def _make_job_dir(job_dir: Path, uid: int | None, gid: int | None) -> None:
+        """The lease's private directory (its run key, its environment file), the job user's own."""
+        shutil.rmtree(job_dir, ignore_errors=True)     # a stale one of a killed mccld
+        os.mkdir(job_dir, 0o700)
+        if uid is not None:
+            os.chown(job_dir, uid, gid if gid is not None else -1)
 
     def _write_run_key(self, req: LaunchRequest, job_dir: Path, uid: int | None, gid: int | None) -> Path:
         """The run key (launch_protocol.run_key) in a file only the job's user can read, in a
         directory of the job's own; the job finds it through MCCL_JOB_KEY_FILE. Every host of
         the run derives the same key from the request, so it never crosses the network."""
-        shutil.rmtree(job_dir, ignore_errors=True)     # a stale one of a killed mccld
-        os.mkdir(job_dir, 0o700)
         path = job_dir / "run.key"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as fh:
             fh.write(run_key(self._key, req.job, req.run_nonce).hex() + "\n")
         if uid is not None:
             os.chown(path, uid, gid if gid is not None else -1)
-            os.chown(job_dir, uid, gid if gid is not None else -1)
         return path
 
     def _pump(self, conn: Conn, job: "_Job", send, name: str, peer: str, drain_file: Path,
@@ -439,8 +481,9 @@ class LaunchServer:
 class _Job:
     """A started torchrun, the threads reading its output, and its one-time stop."""
 
-    def __init__(self, proc: subprocess.Popen):
+    def __init__(self, proc: subprocess.Popen, unit: str | None = None):
         self.proc = proc
+        self.unit = unit          # its systemd unit, when it runs as one (proc is then its systemd-run)
         self.lines: queue.Queue = queue.Queue(maxsize=1024)  # full: the job's pipe stalls, not our memory
         self.closed = threading.Event()
         self.readers = [threading.Thread(target=_read_lines, args=(stream, name, self.lines, self.closed),
@@ -459,6 +502,10 @@ class _Job:
             return
         self._stopped = True
         proc = self.proc
+        if self.unit is not None:
+            # Its processes are not ours: the unit's stop signals its whole cgroup, SIGKILL after
+            # the grace; then systemd-run, waiting on it, exits with it.
+            job_unit.stop(self.unit, job_unit.user_manager())
         if proc.poll() is None:
             _signal_group(proc.pid, signal.SIGTERM)
             try:

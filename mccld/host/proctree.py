@@ -5,81 +5,36 @@ job: once torchrun is gone its workers are orphans no group signal reaches. The 
 tree under torchrun, walked by parent pid, and remembered with each process's start time so a
 pid the kernel reused for someone else's process is never signalled.
 
-Linux reads /proc; macOS asks ``ps`` (NOT VERIFIED ON A MAC: the ``ps -A -o pid=,ppid=,lstart=``
-parser is tested on captured text only; ``pytest tests/daemon/test_reclaim.py -k macos`` on a
-Mac runs it on real processes).
+The process table comes from psutil, which reads /proc on Linux and asks the kernel (sysctl,
+libproc) on macOS: one code path for both (the macOS side is psutil's, NOT VERIFIED HERE ON A
+MAC: ``pytest tests/daemon/test_reclaim.py`` on a Mac runs it on real processes).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 from typing import Callable
 
-log = logging.getLogger(__name__)
+import psutil
 
-PS_TIMEOUT_S = 3.0          # a hung ps must not stall the lease it runs for
+log = logging.getLogger(__name__)
 
 # pid -> (parent pid, start identity): what one scan of the process table says
 Table = dict[int, tuple[int, str]]
 
 
-def _linux_table(proc: Path = Path("/proc")) -> Table:
-    table: Table = {}
-    for d in proc.iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue        # exited between the listing and the read
-        parsed = parse_linux_stat(stat)
-        if parsed is not None:
-            table[int(d.name)] = parsed
-    return table
-
-
-def parse_linux_stat(text: str) -> tuple[int, str] | None:
-    """(ppid, starttime) of a /proc/PID/stat line; the command name may hold spaces and parens,
-    so the fields are counted after its last ')'."""
-    rest = text.rpartition(")")[2].split()
-    if len(rest) < 20:
-        return None
-    try:
-        return int(rest[1]), rest[19]
-    except ValueError:
-        return None
-
-
-def parse_ps(text: str) -> Table:
-    """``ps -A -o pid=,ppid=,lstart=`` (macOS): pid, ppid, then the start date as words."""
-    table: Table = {}
-    for line in text.splitlines():
-        parts = line.split(None, 2)
-        if len(parts) < 2 or not parts[0].isdigit() or not parts[1].isdigit():
-            continue
-        table[int(parts[0])] = (int(parts[1]), parts[2].strip() if len(parts) > 2 else "")
-    return table
-
-
-def _ps_table() -> Table:
-    out = subprocess.run(["ps", "-A", "-o", "pid=,ppid=,lstart="], capture_output=True, text=True,
-                         timeout=PS_TIMEOUT_S, check=False)
-    return parse_ps(out.stdout)
-
-
 def process_table() -> Table:
-    if sys.platform.startswith("linux"):
-        return _linux_table()
-    try:
-        return _ps_table()
-    except (OSError, subprocess.SubprocessError) as e:
-        log.debug("ps failed: %s", e)
-        return {}
+    """Every process now: pid -> (ppid, start time as text). A process that exits during the
+    scan is simply missing; one whose details we may not read still counts, by pid and parent."""
+    table: Table = {}
+    for p in psutil.process_iter(["ppid", "create_time"]):
+        ppid, start = p.info.get("ppid"), p.info.get("create_time")
+        if ppid is None:
+            continue     # gone between the listing and the read
+        # repr of the float: the same process gives the same text scan after scan.
+        table[p.pid] = (int(ppid), repr(start) if start is not None else "")
+    return table
 
 
 def descendants(root: int, table: Table) -> dict[int, str]:
@@ -137,14 +92,13 @@ class JobTree:
 
 
 def _zombie(pid: int) -> bool:
-    if not sys.platform.startswith("linux"):
-        return False
+    """Exited but not yet reaped (or gone altogether)."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        return psutil.Process(pid).status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.NoSuchProcess:
         return True
-    rest = stat.rpartition(")")[2].split()
-    return bool(rest) and rest[0] in ("Z", "X")
+    except psutil.Error:
+        return False     # not ours to inspect: it runs, as far as we can tell
 
 
-__all__ = ["JobTree", "descendants", "parse_linux_stat", "parse_ps", "process_table"]
+__all__ = ["JobTree", "descendants", "process_table"]

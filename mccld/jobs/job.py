@@ -123,6 +123,7 @@ class Job:
         self.pending: dict[int, dict[int, _Pending]] = {}   # seq -> rank -> request
         self.failed: MCCLError | None = None
         self.state = "joining"
+        self.created = time.monotonic()   # `mcclctl jobs` shows its AGE
         self.engine = None
         self.hierarchy: Hierarchy | None = None
         self.aborting = False        # we aborted the engine ourselves (vs. a peer aborting it)

@@ -122,8 +122,10 @@ class JobService:
     def rows(self) -> tuple[list[dict[str, Any]], int]:
         """Each job as ``status`` shows it, and how many clients are attached."""
         with self._lock:
+            now = time.monotonic()
             return ([{"job": j.id, "ranks": j.local_ranks, "world": j.size, "state": j.state,
-                      "hosts": len(j.hosts), "attached": sorted(j.members)} for j in self.table.values()],
+                      "hosts": len(j.hosts), "attached": sorted(j.members), "age_s": now - j.created}
+                     for j in self.table.values()],
                     len(self.clients))
 
     # -- what a Job needs (job.JobHost) ----------------------------------------------------
@@ -170,6 +172,7 @@ class JobService:
         self._traffic.poll(job)
 
     def job_closed(self, job: Job) -> None:
+        self._stat("end_job", job.id, job.size, job.failed is not None, time.monotonic() - job.created)
         with self._lock:
             if self.table.get(job.id) is job:
                 del self.table[job.id]

@@ -28,8 +28,11 @@ def fleet_rows(fleet: FleetView | None) -> list[dict[str, Any]]:
 
 def daemon_status(host_id: str, fleet_name: str, jobs: JobService | None, links: LinkManager | None,
                   datalinks: DataLinks | None, fleet: FleetView | None,
-                  launcher: LaunchServer | None) -> dict[str, Any]:
-    """What only the daemon knows; the status server completes it from the stats."""
+                  launcher: LaunchServer | None, endpoints: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What only the daemon knows; the status server completes it from the stats.
+
+    ``endpoints``: the interface and the ports this daemon listens on (0: off), so that
+    ``mcclctl doctor`` checks those and not the caller's settings."""
     rows, attached = jobs.rows() if jobs is not None else ([], 0)
     return {
         "host": host_id, "fleet": fleet_name, "address": links.address if links else "",
@@ -41,6 +44,7 @@ def daemon_status(host_id: str, fleet_name: str, jobs: JobService | None, links:
         "last_error": (jobs.last_error if jobs is not None else "") or None,
         "launch_port": launcher.port if launcher is not None else 0,
         "launched": launcher.jobs() if launcher is not None else [],
+        "endpoints": dict(endpoints or {}),
     }
 
 

@@ -129,13 +129,16 @@ class _Overlap:
 
 
 class _Job:
-    __slots__ = ("world", "ops", "bytes", "seen")
+    __slots__ = ("world", "ops", "bytes", "seen", "first", "ended", "failed")
 
-    def __init__(self) -> None:
+    def __init__(self, now: float) -> None:
         self.world = 0
         self.ops = 0
         self.bytes = 0
-        self.seen = 0.0
+        self.seen = now
+        self.first = now                 # its first collective (or its end, if it ran none)
+        self.ended: float | None = None  # when the daemon closed it
+        self.failed = False
 
 
 class DaemonStats:
@@ -204,11 +207,24 @@ class DaemonStats:
                 # Pruned here too, not only when read: with nobody scraping, one entry per job
                 # would pile up for as long as the daemon runs.
                 self._prune(self._jobs, now)
-                j = self._jobs[job] = _Job()
+                j = self._jobs[job] = _Job(now)
             j.world = world
             j.ops += 1
             j.bytes += nbytes
             j.seen = now
+
+    def end_job(self, job: str, world: int, failed: bool, age_s: float = 0.0) -> None:
+        """The daemon closed ``job`` (``failed``: with an error) after ``age_s`` seconds; it
+        stays listed as ended for JOB_STALE_AFTER_S, so ``mcclctl jobs`` says how it ended."""
+        now = self._clock()
+        with self._lock:
+            j = self._jobs.get(job)
+            if j is None:
+                self._prune(self._jobs, now)
+                j = self._jobs[job] = _Job(now)
+                j.world = world
+            j.first = min(j.first, now - max(0.0, age_s))
+            j.ended, j.failed, j.seen = now, bool(failed), now
 
     def record_peer_traffic(self, peer: str, sent: int, received: int) -> None:
         """Byte deltas on the link to ``peer`` (host:port) since the previous call."""
@@ -336,8 +352,11 @@ class DaemonStats:
                         "mean": v.total / v.samples, "samples": v.samples}
                        for (job, rank), v in self._overlap.items()]
             self._prune(self._jobs, now)
-            jobs = {job: {"world": j.world, "ops": j.ops, "bytes": j.bytes,
-                          "idle_s": now - j.seen} for job, j in self._jobs.items()}
+            jobs = {job: {"world": j.world, "ops": j.ops, "bytes": j.bytes, "idle_s": now - j.seen,
+                          "age_s": now - j.first,
+                          "ended_s_ago": None if j.ended is None else now - j.ended,
+                          "outcome": None if j.ended is None else ("failed" if j.failed else "ok")}
+                    for job, j in self._jobs.items()}
             return {
                 "version": self._version,
                 "start_time": self._start_wall,

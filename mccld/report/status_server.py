@@ -96,8 +96,20 @@ def merge_status(daemon: dict, snap: dict | None, tcp_text: str | None = None,
             out.setdefault(key, snap[skey])
     out.setdefault("version", mccl_version())
     out.setdefault("last_error", None)
-    jobs = [dict(j) for j in out.get("jobs") or
-            [{"job": name, "world": j["world"]} for name, j in snap.get("jobs", {}).items()]]
+    listed = out.get("jobs")
+    jobs = [dict(j) for j in listed or
+            [{"job": name, "world": j["world"]} for name, j in snap.get("jobs", {}).items()
+             if "jobs" not in out]]
+    if "jobs" in out:
+        # Jobs the daemon no longer holds: ended (or failed) a while ago, listed as such with
+        # their age until the stats forget them, not as live jobs with no ranks.
+        live = {j.get("job") for j in jobs}
+        for name, js in sorted(snap.get("jobs", {}).items()):
+            if name not in live:
+                jobs.append({"job": name, "state": "ended", "ranks": [], "world": js.get("world"),
+                             "age_s": js.get("age_s"), "outcome": js.get("outcome") or "ok",
+                             "ended_s_ago": js["ended_s_ago"] if js.get("ended_s_ago") is not None
+                             else js.get("idle_s")})
     for job in jobs:
         job.setdefault("ranks", job.get("local_ranks"))
         js = snap.get("jobs", {}).get(job.get("job"), {})
@@ -262,7 +274,7 @@ class StatusServer:
             status["linktests"] = self.linktest_results()
             if method == "status":
                 return status
-            out = {"host": status.get("host"), "address": status.get("address"),
+            out = {"host": status.get("host"), "address": status.get("address"), "fleet": status.get("fleet"),
                    "version": status.get("version"), method: status.get(method, [])}
             if method == "links":
                 out["topology"] = status.get("topology")  # this host's switch and RTT row (mccld/net/topology.py)
@@ -270,7 +282,7 @@ class StatusServer:
         if method == "fleet":
             # The daemon's fleet table (mDNS and gossip): where mcclctl finds every host at once.
             status = self._provider()
-            return {"host": status.get("host"), "address": status.get("address"),
+            return {"host": status.get("host"), "address": status.get("address"), "fleet": status.get("fleet"),
                     "fleet_table": status.get("fleet_table") or []}
         if method == "linktest_result":
             return self.linktest_results()
@@ -278,7 +290,7 @@ class StatusServer:
             if self._capacity is None:
                 raise ConfigError("[status] this daemon keeps no harvest state; capacity is unavailable here")
             status = self._provider()
-            return {"host": status.get("host"), "address": status.get("address"),
+            return {"host": status.get("host"), "address": status.get("address"), "fleet": status.get("fleet"),
                     "version": status.get("version") or mccl_version(), **self._capacity()}
         if method == "linktest":
             return self._run_linktest(args)

@@ -14,6 +14,16 @@ usage: sudo packaging/linux/install.sh [options]
                   generating a new one; ignored when /etc/mccl/fleet.key exists
   --fleet NAME    MCCL_FLEET for a new /etc/mccl/mccld.env (default: default)
   --member USER   add USER (who runs training) to the group mccl; repeatable
+  --submit-key FILE|new
+                  let `mcclctl run` start jobs here: copy this submit key (not the fleet key) to
+                  /etc/mccl/submit.key, or generate one with `new` (copy it to the other hosts
+                  and to the people who submit jobs); kept when /etc/mccl/submit.key exists
+  --launch-user USER
+                  MCCL_LAUNCH_USER, who launched jobs run as (default: the service user mccl, the
+                  only user a non-root mccld can start jobs as; they can read its keys)
+  --job-python PATH
+                  MCCL_LAUNCH_PYTHON: an interpreter with torch and MCCL for launched jobs (the
+                  service's venv has no torch); needed with --submit-key unless --venv has torch
   --no-start      install and enable, but do not start now
   --dry-run       print the commands instead of running them
 USAGE
@@ -30,6 +40,9 @@ VENV=""
 KEY=""
 FLEET=default
 MEMBERS=()
+SUBMIT_KEY=""
+LAUNCH_USER=""
+JOB_PYTHON=""
 START=1
 DRY=0
 
@@ -40,6 +53,9 @@ while [[ $# -gt 0 ]]; do
     --key) KEY=${2:?--key needs a file}; shift 2 ;;
     --fleet) FLEET=${2:?--fleet needs a name}; shift 2 ;;
     --member) MEMBERS+=("${2:?--member needs a user}"); shift 2 ;;
+    --submit-key) SUBMIT_KEY=${2:?--submit-key needs a file or new}; shift 2 ;;
+    --launch-user) LAUNCH_USER=${2:?--launch-user needs a user}; shift 2 ;;
+    --job-python) JOB_PYTHON=${2:?--job-python needs a path}; shift 2 ;;
     --no-start) START=0; shift ;;
     --dry-run) DRY=1; shift ;;
     -h|--help) usage; exit 0 ;;
@@ -63,6 +79,21 @@ if [[ ! "$FLEET" =~ ^[A-Za-z0-9._-]+$ ]]; then
   echo "install.sh: --fleet $FLEET: use letters, digits, '-', '_' or '.'" >&2
   exit 2
 fi
+
+LAUNCH=0
+if [[ -n "$SUBMIT_KEY" || -e "$ETC/submit.key" ]]; then
+  LAUNCH=1
+fi
+if [[ $LAUNCH -eq 0 && ( -n "$LAUNCH_USER" || -n "$JOB_PYTHON" ) ]]; then
+  echo "install.sh: --launch-user and --job-python only apply with a submit key (--submit-key FILE|new)" >&2
+  exit 2
+fi
+if [[ $LAUNCH -eq 1 && -z "$JOB_PYTHON" && -z "$VENV" ]]; then
+  echo "install.sh: jobs need an interpreter with torch and MCCL, and the service's venv has none:" \
+       "pass --job-python PATH (or --venv DIR, a venv with torch)" >&2
+  exit 2
+fi
+LAUNCH_USER=${LAUNCH_USER:-$SVC_USER}
 
 run() {
   if [[ $DRY -eq 1 ]]; then
@@ -100,6 +131,7 @@ for m in ${MEMBERS[@]+"${MEMBERS[@]}"}; do
 done
 
 # 2. The package: a venv of its own, owned by root so the service user cannot alter its code.
+# No torch in it: mccld never imports torch (--no-deps, then the daemon's own requirements).
 if [[ -n "$VENV" ]]; then
   PY="$VENV/bin/python"
   if [[ $DRY -eq 0 ]] && ! "$PY" -c 'import mccld' 2>/dev/null; then
@@ -112,7 +144,8 @@ else
   if [[ ! -x "$PY" ]]; then
     run python3 -m venv "$PREFIX/venv"
   fi
-  run "$PY" -m pip install --quiet --upgrade "$SOURCE"
+  run "$PY" -m pip install --quiet --upgrade -r "$HERE/../daemon-requirements.txt"
+  run "$PY" -m pip install --quiet --upgrade --no-deps "$SOURCE"
 fi
 run install -d -m 0755 -o root -g root "$PREFIX/doc"
 run install -m 0644 -o root -g root "$SOURCE/docs/service.md" "$PREFIX/doc/service.md"
@@ -124,10 +157,22 @@ if [[ ! -e "$ETC/fleet.key" ]]; then
   if [[ -n "$KEY" ]]; then
     run install -m 0600 -o "$SVC_USER" -g "$SVC_USER" "$KEY" "$ETC/fleet.key"
   else
-    run "$PY" -m mccld keygen "$ETC/fleet.key"
+    run "$PY" -m mccld keygen --kind fleet "$ETC/fleet.key"
     run chown "$SVC_USER:$SVC_USER" "$ETC/fleet.key"
     run chmod 0600 "$ETC/fleet.key"
     echo "install.sh: generated a new fleet key $ETC/fleet.key; copy it to every other host (--key FILE)" >&2
+  fi
+fi
+# The submit key: `mcclctl run` proves it to start jobs here (not the fleet key).
+if [[ $LAUNCH -eq 1 && ! -e "$ETC/submit.key" ]]; then
+  if [[ "$SUBMIT_KEY" == new ]]; then
+    run "$PY" -m mccld keygen --kind submit "$ETC/submit.key"
+    run chown "$SVC_USER:$SVC_USER" "$ETC/submit.key"
+    run chmod 0600 "$ETC/submit.key"
+    echo "install.sh: generated a new submit key $ETC/submit.key; copy it to the other hosts that take jobs" \
+         "(--submit-key FILE) and to the people who submit them" >&2
+  else
+    run install -m 0600 -o "$SVC_USER" -g "$SVC_USER" "$SUBMIT_KEY" "$ETC/submit.key"
   fi
 fi
 if [[ ! -e "$ETC/mccld.env" ]]; then
@@ -151,6 +196,22 @@ CONF
 elif [[ -e "$DROPIN/python.conf" ]]; then
   run rm -f "$DROPIN/python.conf"
 fi
+# Launching: who jobs run as and in which interpreter. Each job runs as a transient unit of its
+# own (mccld/host/job_unit.py), outside this unit's sandbox, so it can write its working
+# directory; a non-root mccld starts them in its user's own systemd manager, which lingering
+# keeps running without a login.
+if [[ $LAUNCH -eq 1 ]]; then
+  run loginctl enable-linger "$SVC_USER"
+  run install -d -m 0755 -o root -g root "$DROPIN"
+  put "$DROPIN/launch.conf" 0644 root:root <<CONF
+[Service]
+Environment=MCCL_SUBMIT_KEY_FILE=$ETC/submit.key
+Environment=MCCL_LAUNCH_USER=$LAUNCH_USER
+${JOB_PYTHON:+Environment=MCCL_LAUNCH_PYTHON=$JOB_PYTHON}
+CONF
+elif [[ -e "$DROPIN/launch.conf" ]]; then
+  run rm -f "$DROPIN/launch.conf"
+fi
 run systemctl daemon-reload
 run systemctl enable mccld
 if [[ $START -eq 1 ]]; then
@@ -158,6 +219,12 @@ if [[ $START -eq 1 ]]; then
   run systemctl restart mccld
 fi
 echo "install.sh: done. Check: systemctl status mccld; journalctl -u mccld; mcclctl status" >&2
+if [[ $LAUNCH -eq 1 ]]; then
+  echo "install.sh: \`mcclctl run\` jobs start here as $LAUNCH_USER, each in a unit of its own; their" \
+       "working directory must be writable by $LAUNCH_USER" >&2
+else
+  echo "install.sh: no submit key: this host takes no \`mcclctl run\` jobs (--submit-key FILE|new to allow it)" >&2
+fi
 if [[ ${#MEMBERS[@]} -gt 0 ]]; then
   echo "install.sh: ${MEMBERS[*]} must log in again for the group mccl to take effect" >&2
 fi

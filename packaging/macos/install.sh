@@ -16,6 +16,16 @@ usage: sudo packaging/macos/install.sh [options]
                   generating a new one; ignored when /etc/mccl/fleet.key exists
   --fleet NAME    fleet name for a new /etc/mccl/mccld.toml (default: default)
   --member USER   add USER (who runs training) to the group _mccl; repeatable
+  --submit-key FILE|new
+                  let `mcclctl run` start jobs here: copy this submit key (not the fleet key) to
+                  /etc/mccl/submit.key, or generate one with `new` (copy it to the other hosts
+                  and to the people who submit jobs); kept when /etc/mccl/submit.key exists
+  --launch-user USER
+                  MCCL_LAUNCH_USER, who launched jobs run as (default: the service user _mccl, the
+                  only user a non-root mccld can start jobs as; they can read its keys)
+  --job-python PATH
+                  MCCL_LAUNCH_PYTHON: an interpreter with torch and MCCL for launched jobs (the
+                  service's venv has no torch); needed with --submit-key unless --python has torch
   --dry-run       print the commands instead of running them (also off a Mac, for review)
 USAGE
 }
@@ -33,6 +43,9 @@ PY=""
 KEY=""
 FLEET=default
 MEMBERS=""
+SUBMIT_KEY=""
+LAUNCH_USER=""
+JOB_PYTHON=""
 DRY=0
 
 while [ $# -gt 0 ]; do
@@ -42,6 +55,9 @@ while [ $# -gt 0 ]; do
     --key) KEY=${2:?--key needs a file}; shift 2 ;;
     --fleet) FLEET=${2:?--fleet needs a name}; shift 2 ;;
     --member) MEMBERS="$MEMBERS ${2:?--member needs a user}"; shift 2 ;;
+    --submit-key) SUBMIT_KEY=${2:?--submit-key needs a file or new}; shift 2 ;;
+    --launch-user) LAUNCH_USER=${2:?--launch-user needs a user}; shift 2 ;;
+    --job-python) JOB_PYTHON=${2:?--job-python needs a path}; shift 2 ;;
     --dry-run) DRY=1; shift ;;
     -h|--help) usage; exit 0 ;;
     *) echo "install.sh: unknown option $1" >&2; usage >&2; exit 2 ;;
@@ -60,6 +76,21 @@ if [[ ! "$FLEET" =~ ^[A-Za-z0-9._-]+$ ]]; then
   echo "install.sh: --fleet $FLEET: use letters, digits, '-', '_' or '.'" >&2
   exit 2
 fi
+
+LAUNCH=0
+if [ -n "$SUBMIT_KEY" ] || [ -e "$ETC/submit.key" ]; then
+  LAUNCH=1
+fi
+if [ $LAUNCH -eq 0 ] && { [ -n "$LAUNCH_USER" ] || [ -n "$JOB_PYTHON" ]; }; then
+  echo "install.sh: --launch-user and --job-python only apply with a submit key (--submit-key FILE|new)" >&2
+  exit 2
+fi
+if [ $LAUNCH -eq 1 ] && [ -z "$JOB_PYTHON" ] && [ -z "$PY" ]; then
+  echo "install.sh: jobs need an interpreter with torch and MCCL, and the service's venv has none:" \
+       "pass --job-python PATH (or --python PATH, one with torch)" >&2
+  exit 2
+fi
+LAUNCH_USER=${LAUNCH_USER:-$SVC}
 
 run() {
   if [ $DRY -eq 1 ]; then
@@ -136,7 +167,8 @@ for m in $MEMBERS; do
   run dseditgroup -o edit -a "$m" -t user "$SVC"
 done
 
-# 2. The package, owned by root so the service user cannot alter its code.
+# 2. The package, owned by root so the service user cannot alter its code. No torch in its venv:
+# mccld never imports torch (--no-deps, then the daemon's own requirements).
 if [ -n "$PY" ]; then
   if [ $DRY -eq 0 ] && ! sudo -u "$SVC" "$PY" -c 'import mccld' 2>/dev/null; then
     echo "install.sh: $SVC cannot run $PY -c 'import mccld'; install MCCL there and make it readable by $SVC" >&2
@@ -148,7 +180,8 @@ else
   if [ ! -x "$PY" ]; then
     run /usr/bin/python3 -m venv "$PREFIX/venv"
   fi
-  run "$PY" -m pip install --quiet --upgrade "$SOURCE"
+  run "$PY" -m pip install --quiet --upgrade -r "$HERE/../daemon-requirements.txt"
+  run "$PY" -m pip install --quiet --upgrade --no-deps "$SOURCE"
 fi
 
 # 3. Directories. The runtime dir lives outside /var/run: macOS empties that at boot and
@@ -163,10 +196,22 @@ if [ ! -e "$ETC/fleet.key" ]; then
   if [ -n "$KEY" ]; then
     run install -m 0600 -o "$SVC" -g "$SVC" "$KEY" "$ETC/fleet.key"
   else
-    run "$PY" -m mccld keygen "$ETC/fleet.key"
+    run "$PY" -m mccld keygen --kind fleet "$ETC/fleet.key"
     run chown "$SVC:$SVC" "$ETC/fleet.key"
     run chmod 0600 "$ETC/fleet.key"
     echo "install.sh: generated a new fleet key $ETC/fleet.key; copy it to every other host (--key FILE)" >&2
+  fi
+fi
+# The submit key: `mcclctl run` proves it to start jobs here (not the fleet key).
+if [ $LAUNCH -eq 1 ] && [ ! -e "$ETC/submit.key" ]; then
+  if [ "$SUBMIT_KEY" = new ]; then
+    run "$PY" -m mccld keygen --kind submit "$ETC/submit.key"
+    run chown "$SVC:$SVC" "$ETC/submit.key"
+    run chmod 0600 "$ETC/submit.key"
+    echo "install.sh: generated a new submit key $ETC/submit.key; copy it to the other hosts that take jobs" \
+         "(--submit-key FILE) and to the people who submit them" >&2
+  else
+    run install -m 0600 -o "$SVC" -g "$SVC" "$SUBMIT_KEY" "$ETC/submit.key"
   fi
 fi
 if [ ! -e "$ETC/mccld.toml" ]; then
@@ -185,6 +230,15 @@ run install -m 0644 -o root -g wheel "$HERE/$LABEL.plist" "$PLIST"
 if [ "$PY" != "$PREFIX/venv/bin/python" ]; then
   run plutil -replace ProgramArguments.0 -string "$PY" "$PLIST"
 fi
+# Launching: who jobs run as and in which interpreter (launchd runs mccld unsandboxed: jobs are
+# its children and write where their user may).
+if [ $LAUNCH -eq 1 ]; then
+  run plutil -replace EnvironmentVariables.MCCL_SUBMIT_KEY_FILE -string "$ETC/submit.key" "$PLIST"
+  run plutil -replace EnvironmentVariables.MCCL_LAUNCH_USER -string "$LAUNCH_USER" "$PLIST"
+  if [ -n "$JOB_PYTHON" ]; then
+    run plutil -replace EnvironmentVariables.MCCL_LAUNCH_PYTHON -string "$JOB_PYTHON" "$PLIST"
+  fi
+fi
 run plutil -lint "$PLIST"
 if [ $DRY -eq 1 ] || launchctl print "system/$LABEL" >/dev/null 2>&1; then
   run launchctl bootout "system/$LABEL" || true
@@ -192,6 +246,11 @@ fi
 run launchctl enable "system/$LABEL"
 run launchctl bootstrap system "$PLIST"
 echo "install.sh: done. Check: sudo launchctl print system/$LABEL; tail $LOGDIR/mccld.log; mcclctl status" >&2
+if [ $LAUNCH -eq 1 ]; then
+  echo "install.sh: \`mcclctl run\` jobs start here as $LAUNCH_USER; their working directory must be writable by it" >&2
+else
+  echo "install.sh: no submit key: this host takes no \`mcclctl run\` jobs (--submit-key FILE|new to allow it)" >&2
+fi
 if [ -n "$MEMBERS" ]; then
   echo "install.sh:$MEMBERS must log out and in again for the group $SVC to take effect" >&2
 fi

@@ -65,3 +65,46 @@ def test_without_a_key_or_a_local_daemon_discovery_falls_back_to_mdns(monkeypatc
     monkeypatch.setenv("MCCL_STATUS_PORT", "9")          # nothing answers there
     assert [t.host for t in targets.discover(0.5, None)] == ["lan1"] and seen == [0.5]
     assert [t.host for t in targets.discover(0.5, KEY)] == ["lan1"] and seen == [0.5, 0.5]
+
+
+def _row(host: str, fleet: str, port: int) -> dict:
+    return {"host_id": host, "fleet": fleet, "addresses": ["127.0.0.1"], "port": 29650, "status_port": port,
+            "metrics_port": 0, "source": "gossip"}
+
+
+@pytest.mark.timeout(60)
+def test_only_the_asked_fleet_is_shown_and_an_empty_one_names_the_others(monkeypatch, capsys, tmp_path):
+    lab, studio = _server("lab1"), _server("studio1")
+    local = _server("local", [_row("lab1", "lab", lab.port), _row("studio1", "studio", studio.port)])
+    key_file = tmp_path / "fleet.key"
+    key_file.write_bytes(KEY)
+    key_file.chmod(0o600)
+    # mDNS must not even be tried here: MCCL_DISCOVERY=off.
+    monkeypatch.setattr("mccl_common.discovery.browse_fleet", lambda *a, **k: pytest.fail("mDNS browsed"))
+    for name, value in (("MCCL_LISTEN_ADDR", "127.0.0.1"), ("MCCL_STATUS_PORT", str(local.port)),
+                        ("MCCL_KEY_FILE", str(key_file)), ("MCCL_DISCOVERY", "off"), ("MCCL_FLEET", "lab")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("MCCL_FLEET_KEY", raising=False)
+    try:
+        found = targets.find_fleet(30.0, KEY)
+        assert (found.name, [t.host for t in found.targets], found.others) == ("lab", ["lab1"], {"studio": 1})
+        assert [t.host for t in targets.discover(30.0, KEY, "studio")] == ["studio1"]
+
+        from mcclctl.__main__ import main
+        assert main(["status", "--fleet", "studio", "--json"]) == 0
+        import json
+        data = json.loads(capsys.readouterr().out)
+        assert [d["host"] for d in data["daemons"]] == ["studio1"]
+        assert data["fleet"] == {"name": "studio", "source": "this host's mccld", "daemons": 1, "reported": [],
+                                 "other_fleets": {"lab": 1}}
+        assert main(["jobs"]) == 0          # MCCL_FLEET=lab
+        assert capsys.readouterr().out.splitlines()[0] == \
+            "fleet lab: 1 daemon (from this host's mccld); other fleets seen: studio (1)"
+        # A fleet nobody is in: exit 2 with an error naming it, and the fleets that are there.
+        assert main(["status", "--fleet", "nope"]) == 2
+        err = capsys.readouterr().err
+        assert "no daemon of fleet 'nope' found" in err and "mDNS is off (MCCL_DISCOVERY=off)" in err
+        assert "other fleets answered: lab (1), studio (1): pass --fleet NAME" in err
+    finally:
+        for s in (lab, studio, local):
+            s.stop()

@@ -62,8 +62,16 @@ def test_links_and_jobs_tables():
     text = fmt.links_table([("mac1", links, None), ("mac3", None, "AuthError: bad key")])
     assert "unreachable: mac3: AuthError: bad key" in text
     jobs = [{"job": "train", "ranks": [0, 1], "world": 4, "collectives": 10, "bytes": 1 << 20,
-             "overlap": {"0": 0.5, "1": 0.7}}]
-    assert fmt.job_rows("mac1", jobs) == [["mac1", "train", "0,1", "4", "10", "1.0 MiB", "0.60"]]
+             "overlap": {"0": 0.5, "1": 0.7}, "state": "ready", "age_s": 125},
+            {"job": "old", "state": "ended", "ranks": [], "world": 2, "age_s": 4000, "ended_s_ago": 90,
+             "outcome": "ok", "collectives": 3, "bytes": 0},
+            {"job": "bad", "state": "ended", "ranks": [], "world": 2, "age_s": 30, "ended_s_ago": 5,
+             "outcome": "failed", "collectives": 0, "bytes": 0}]
+    # Running jobs first, then the ended ones, each with how it ended and when.
+    assert fmt.job_rows("mac1", jobs) == [
+        ["mac1", "train", "running", "2m 5s", "0,1", "4", "10", "1.0 MiB", "0.60"],
+        ["mac1", "bad", "failed (5s ago)", "30s", "", "2", "0", "0 B", "-"],
+        ["mac1", "old", "ended (1m 30s ago)", "1h 6m", "", "2", "3", "0 B", "-"]]
     assert fmt.jobs_table([]) == "no jobs"
 
 
@@ -178,7 +186,7 @@ def fleet_of_two(tmp_path, monkeypatch):
         stats.set_peer_up(f"127.0.0.{3 - i}:29650", True)
 
         def provider(i=i):
-            return {"host": f"mac{i}", "address": f"127.0.0.{i}:29650", "last_error": None,
+            return {"host": f"mac{i}", "fleet": "default", "address": f"127.0.0.{i}:29650", "last_error": None,
                     "jobs": [{"job": "j", "ranks": [i], "world": 2}] if i == 1 else []}
         srv = StatusServer(provider, KEY, "127.0.0.1", 0, stats=stats)
         srv.start()
@@ -196,10 +204,21 @@ def test_status_command_json_and_table(fleet_of_two, capsys):
     states = {d["status"]["host"]: d["status"]["state"] for d in data["daemons"]}
     assert states == {"mac1": "training", "mac2": "idle"}
     assert data["mcclctl_version"] == mccl_version() and data["warnings"] == []
+    assert data["fleet"] == {"name": None, "source": "--host", "daemons": 2, "reported": ["default"],
+                             "other_fleets": {}}
     assert main(["status", *hosts]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[1].split()[:5] == ["mac1", "127.0.0.1:29650", mccl_version(), "training", "-"]
-    assert out[2].split()[3] == "idle"
+    # The first line names the fleet shown; ACTIVITY says "ready" for a daemon without a job,
+    # so "idle" only ever means the harvest state (the host's user left it).
+    assert out[0] == "fleet default: 2 daemons (from --host)"
+    assert out[1].split()[3:5] == ["ACTIVITY", "HARVEST"]
+    assert out[2].split()[:5] == ["mac1", "127.0.0.1:29650", mccl_version(), "training", "-"]
+    assert out[3].split()[3] == "ready"
+    assert main(["status", "--fleet", "lab", *hosts]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "fleet lab: 2 daemons (from --host)"
+    assert out[1:3] == ["warning: mac1 belongs to fleet default, not lab",
+                        "warning: mac2 belongs to fleet default, not lab"]
 
 
 @pytest.mark.timeout(30)
@@ -323,7 +342,8 @@ def test_capacity_command_json_and_table(fleet_of_two, tmp_path, capsys):
         assert ok["error"] is None and "no harvest state" in bad["error"]
         assert main(["capacity", *hosts]) == 1
         out = capsys.readouterr().out.splitlines()
-        assert out[1].split()[:2] == ["mac5", "leased"] and out[2].split()[1] == "unreachable"
+        assert out[0].startswith("fleet ") and out[1].split()[:2] == ["HOST", "HARVEST"]
+        assert out[2].split()[:2] == ["mac5", "leased"] and out[3].split()[1] == "unreachable"
         assert out[-1].startswith("harvestable now: 1 of 2 hosts, 8 cores")
     finally:
         srv.stop()
@@ -343,3 +363,64 @@ def test_a_draining_host_says_when_it_leaves_why_and_how_long_the_last_hand_back
     assert fmt.status_row("pc1", status, None, "0.1.0")[4] == "draining (leaves in 42 s)"
     assert "pc1: handed back to its user in 66.2 s" in fmt.status_table([("pc1", status, None)], "0.1.0")
     assert fmt.harvest_state({"state": "leased", "leaves_in_s": None}) == "leased"
+
+
+@pytest.mark.timeout(10)
+def test_version_flag(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"mcclctl {mccl_version()}"
+
+
+@pytest.mark.timeout(30)
+def test_wide_output_does_not_cut_long_errors():
+    error = "DaemonUnavailableError: " + "x" * 150 + " the end"
+    assert "the end" not in fmt.status_table([("mac9", None, error)], "0.1.0")
+    assert "the end" in fmt.status_table([("mac9", None, error)], "0.1.0", wide=True)
+    assert main(["status", "--wide", "--host", "127.0.0.1:1", "--timeout", "1", "--key-file", "/nonexistent"]) == 2
+
+
+@pytest.mark.timeout(60)
+def test_doctor_checks_the_ports_the_daemon_reports(tmp_path, monkeypatch, capsys):
+    """The shell's MCCL_PORT / MCCL_METRICS_PORT point nowhere; the daemon says where it listens."""
+    import socket
+    from mccld.report.metrics import MetricsServer
+    from mccl_common.netif import interface_of
+    key_file = tmp_path / "fleet.key"
+    key_file.write_bytes(KEY)
+    key_file.chmod(0o600)
+    metrics = MetricsServer(DaemonStats(), "127.0.0.1", 0)
+    metrics.start()
+    link = socket.socket()
+    link.bind(("127.0.0.1", 0))
+    link.listen(1)
+    nowhere = socket.socket()
+    nowhere.bind(("127.0.0.1", 0))        # held, never listening: nothing answers there
+    ends = {"iface": "", "addr": "127.0.0.1", "link_port": link.getsockname()[1], "metrics_port": metrics.port,
+            "metrics_addr": "127.0.0.1", "launch_port": 0, "discovery": "off"}
+    srv = StatusServer(lambda: {"host": "me", "fleet": "default", "address": "127.0.0.1:1", "jobs": [],
+                                "links": [], "fleet_table": [], "endpoints": {**ends, "status_port": srv.port}},
+                       KEY, "127.0.0.1", 0)
+    srv.start()
+    status_port, metrics_port = srv.port, metrics.port
+    for name, value in (("MCCL_LISTEN_ADDR", "127.0.0.1"), ("MCCL_STATUS_PORT", str(srv.port)),
+                        ("MCCL_PORT", str(nowhere.getsockname()[1])),
+                        ("MCCL_METRICS_PORT", str(nowhere.getsockname()[1])),
+                        ("MCCL_KEY_FILE", str(key_file)), ("MCCL_DISCOVERY", "off")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("MCCL_FLEET_KEY", raising=False)
+    try:
+        main(["doctor", "--json"])
+        checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)}
+    finally:
+        srv.stop()
+        metrics.stop()
+        link.close()
+        nowhere.close()
+    for name, port in (("link port", ends["link_port"]), ("status port", status_port),
+                       ("metrics port", metrics_port)):
+        assert checks[name]["status"] == "ok", checks[name]
+        assert checks[name]["detail"] == f"127.0.0.1:{port} answers (as the local mccld reports them)"
+    # The interface holding the address is named, never left empty.
+    assert checks["interface"]["detail"] == f"{interface_of('127.0.0.1')} with address 127.0.0.1"
+    assert checks["fleet"]["detail"].startswith("fleet default: 0 daemons")

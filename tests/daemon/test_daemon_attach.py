@@ -19,6 +19,7 @@ from mccl_common.errors import DaemonUnavailableError, ProtocolError
 
 from mccl_common import attach_protocol as protocol
 from mccld.attach import local_request
+from mccld.report.status_server import merge_status
 from support.daemon import F32, SUM, our_segments, rank_all_collectives
 @pytest.mark.timeout(180)
 def test_every_collective_two_ranks(daemon):
@@ -28,6 +29,10 @@ def test_every_collective_two_ranks(daemon):
     assert overlap == {0: 0.25, 1: 0.75}
     assert not [s for s in our_segments() if s.split("-")[1] == "00005eed"]
     assert d.status_provider()["attached"] == 0
+    # Once over, the job is listed as ended (with its age), not as a live job without ranks.
+    status = merge_status(d.status_provider(), d.stats.snapshot(), tcp_text="")
+    (job,) = [j for j in status["jobs"] if j["job"] == "00005eed"]
+    assert job["state"] == "ended" and job["outcome"] == "ok" and job["age_s"] >= job["ended_s_ago"] >= 0
 
 
 def rank_callbacks(rank: int, world: int) -> list:
@@ -73,8 +78,10 @@ def test_queued_ops_complete_in_order_through_callback(daemon):
 def test_no_daemon_raises_daemon_unavailable(tmp_path, monkeypatch):
     from libmccl.daemon.client import DaemonCommunicator
     monkeypatch.setenv("MCCL_RUNTIME_DIR", str(tmp_path))
-    with pytest.raises(DaemonUnavailableError, match="no mccld answers at ipc://.*start it with `mccld`"):
+    with pytest.raises(DaemonUnavailableError, match="no mccld answers at ipc://.*start it with `mccld`") as e:
         DaemonCommunicator(0, 1, 1, store=None, opts=None, on_complete=None, timeout_s=5)
+    # The hint names the launchd domain the macOS package installs into (a system daemon).
+    assert "launchctl kickstart system/com.mccl.mccld" in str(e.value) and "gui/" not in str(e.value)
 
 
 @pytest.mark.timeout(60)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -153,6 +154,16 @@ def test_cli_status_and_keygen(tmp_path):
     res = subprocess.run([sys.executable, "-m", "mccld", "keygen", str(tmp_path / "k")], env=env,
                          capture_output=True, text=True, timeout=30)
     assert res.returncode == 0 and stat.S_IMODE((tmp_path / "k").stat().st_mode) == 0o600
+    assert res.stdout.startswith(f"wrote fleet key {tmp_path / 'k'} ")
+    # keygen says which key it wrote, from --kind or the file's name, and never prints the key.
+    for args, kind, var in ((["--kind", "submit", str(tmp_path / "a")], "submit", "MCCL_SUBMIT_KEY_FILE"),
+                            ([str(tmp_path / "submit.key")], "submit", "MCCL_SUBMIT_KEY_FILE"),
+                            (["--kind", "job", str(tmp_path / "j")], "job", "MCCL_JOB_KEY_FILE")):
+        res = subprocess.run([sys.executable, "-m", "mccld", "keygen", *args], env=env, capture_output=True,
+                             text=True, timeout=30)
+        written = Path(args[-1]).read_text().strip()
+        assert res.returncode == 0 and res.stdout.startswith(f"wrote {kind} key {args[-1]} "), res.stdout
+        assert var in res.stdout and written not in res.stdout + res.stderr
     res = subprocess.run([sys.executable, "-m", "mccld"], env={**env, "MCCL_KEY_FILE": str(tmp_path / "nokey")},
                          capture_output=True, text=True, timeout=30)
     assert res.returncode == 2 and "does not exist" in res.stderr

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from mccld.host.priority import Background, is_background
-from mccld.host.proctree import JobTree, descendants, parse_linux_stat, parse_ps
+from mccld.host.proctree import JobTree, descendants, process_table
 from mccld.host.reclaim import ReclaimWatch, Removal
 
 pytestmark = pytest.mark.timeout(60)
@@ -49,15 +49,27 @@ def _gone(pid: int, within_s: float = 10.0) -> bool:
     return False
 
 
-def test_parsers_take_the_fields_after_the_command_name():
-    stat = "42 (a) (b c) S 7 42 42 0 -1 4194560 1 0 0 0 0 0 0 0 20 0 1 0 12345 0 0"
-    assert parse_linux_stat(stat) == (7, "12345")
-    table = parse_ps("  1     0 Mon Dec  1 10:00:00 2026\n 50     1 Mon Dec  1 10:00:01 2026\nbad line\n")
-    assert table == {1: (0, "Mon Dec  1 10:00:00 2026"), 50: (1, "Mon Dec  1 10:00:01 2026")}
+def test_the_process_table_and_the_tree_walk():
+    table = process_table()                       # psutil, on Linux and macOS alike
+    assert table[os.getpid()][0] == os.getppid()
+    assert process_table()[os.getpid()][1] == table[os.getpid()][1] != ""   # a stable start identity
     assert descendants(1, {1: (0, "a"), 2: (1, "b"), 3: (2, "c"), 4: (0, "d")}) == {1: "a", 2: "b", 3: "c"}
 
 
-@linux
+def test_an_unreaped_child_is_in_the_tree_but_not_alive():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        tree = JobTree(proc.pid)
+        assert tree.scan() == [proc.pid]
+        deadline = time.monotonic() + 30
+        while tree.alive():          # exits by itself; unreaped, it is a zombie holding no CPU
+            assert time.monotonic() < deadline, "the child never exited"
+            time.sleep(0.05)
+        assert tree.scan() == [proc.pid]
+    finally:
+        proc.wait(timeout=10)
+
+
 def test_the_job_tree_keeps_a_worker_orphaned_by_its_torchruns_death():
     proc, worker = _job()
     try:

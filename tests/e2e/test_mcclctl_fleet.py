@@ -127,10 +127,12 @@ def test_status_lists_three_hosts_with_their_states():
 
             table = _mcclctl(fleet, 0, base, "status")
             assert table.returncode == 0, table.stderr
-            rows = {line.split()[0]: line.split() for line in table.stdout.splitlines()[1:] if line.strip()}
+            lines = table.stdout.splitlines()
+            assert lines[0] == f"fleet {fleet_name}: 3 daemons (from this host's mccld)", table.stdout
+            rows = {line.split()[0]: line.split() for line in lines[2:] if line.strip()}
             assert set(rows) == {"host0", "host1", "host2"}, table.stdout
             assert rows["host1"][3] == "training" and rows["host1"][5] == "1/2", table.stdout
-            assert rows["host0"][3] == "idle" and rows["host2"][3] == "idle"
+            assert rows["host0"][3] == "ready" and rows["host2"][3] == "ready"   # ACTIVITY: no job
             assert rows["host1"][1] == f"{fleet.hosts[1].addr}:29650"
 
             jobs = _mcclctl(fleet, 2, base, "jobs", "--json", "--host", fleet.hosts[1].addr)

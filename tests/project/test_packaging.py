@@ -5,6 +5,7 @@ syntax-checked and their --dry-run read; none of them is run for real here."""
 from __future__ import annotations
 
 import plistlib
+import re
 import shutil
 import subprocess
 import sys
@@ -103,6 +104,57 @@ def _dry(script: str, *args: str) -> str:
                          timeout=30)
     assert res.returncode == 0, res.stderr
     return res.stdout
+
+
+def _requirements(text: str) -> dict[str, str]:
+    import re
+    out = {}
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip().strip('",')
+        m = re.match(r"^([A-Za-z0-9_.-]+)", line)
+        if m:
+            out[m.group(1).lower()] = line
+    return out
+
+
+def test_the_service_venv_gets_the_daemons_requirements_and_no_torch():
+    """Both installers put MCCL into the service's venv with --no-deps, then
+    packaging/daemon-requirements.txt: pyproject's dependencies less torch (mccld never imports it)."""
+    import tomllib
+    declared = _requirements("\n".join(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]))
+    service = _requirements((ROOT / "packaging/daemon-requirements.txt").read_text())
+    assert "torch" in declared and "torch" not in service
+    assert {k: v for k, v in declared.items() if k != "torch"}.items() <= service.items()
+    for script in ("packaging/linux/install.sh", "packaging/macos/install.sh"):
+        text = (ROOT / script).read_text()
+        assert 'pip install --quiet --upgrade -r "$HERE/../daemon-requirements.txt"' in text, script
+        assert 'pip install --quiet --upgrade --no-deps "$SOURCE"' in text, script
+        assert 'pip install --quiet --upgrade "$SOURCE"' not in text, script
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the Linux installer refuses other systems")
+def test_linux_install_sets_up_launching_like_the_macos_one():
+    options = ("--submit-key", "--launch-user", "--job-python")
+    for script in ("packaging/linux/install.sh", "packaging/macos/install.sh"):
+        usage = subprocess.run(["bash", str(ROOT / script), "--help"], capture_output=True, text=True,
+                               timeout=10).stdout
+        assert all(o in usage for o in options), (script, usage)
+    out = _dry("packaging/linux/install.sh", "--submit-key", "new", "--job-python", "/srv/train/bin/python")
+    if "mccld keygen --kind submit" in out:                       # no submit key on this host yet
+        assert ("+ /opt/mccl/venv/bin/python -m mccld keygen --kind submit /etc/mccl/submit.key\n"
+                "+ chown mccl:mccl /etc/mccl/submit.key\n+ chmod 0600 /etc/mccl/submit.key") in out
+    # Jobs run in units of their own, in mccld's user's own systemd manager: it must keep running.
+    assert "+ loginctl enable-linger mccl" in out
+    assert ("Environment=MCCL_SUBMIT_KEY_FILE=/etc/mccl/submit.key\n    Environment=MCCL_LAUNCH_USER=mccl\n"
+            "    Environment=MCCL_LAUNCH_PYTHON=/srv/train/bin/python") in out
+    assert set(re.findall(r"Environment=(MCCL_\w+)=", out)) <= SETTINGS
+    # Launching needs an interpreter with torch: the service's venv has none.
+    res = subprocess.run(["bash", str(ROOT / "packaging/linux/install.sh"), "--dry-run", "--submit-key", "new"],
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 2 and "--job-python PATH" in res.stderr
+    res = subprocess.run(["bash", str(ROOT / "packaging/linux/install.sh"), "--dry-run", "--launch-user", "bob"],
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 2 and "only apply with a submit key" in res.stderr
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the Linux installer refuses other systems")
