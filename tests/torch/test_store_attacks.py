@@ -256,3 +256,51 @@ def test_an_earlier_state_of_the_same_run_written_back_is_refused() -> None:
     # A host that joins later reads whatever is newest when it comes: versions only rise for it.
     b = er.AnchorStoreBackend(store, "run", "anchor:1")
     assert b.get_state()[0] == b"round 1"
+
+
+def _run_exchange(port: int, size: int, factory) -> list:
+    """Every rank's exchange() on a thread and store client of its own, as one run of a job does."""
+    import threading
+
+    out: list = [None] * size
+    clients = [_attacker(port) for _ in range(size)]
+
+    def rank_fn(rank: int) -> None:
+        try:
+            out[rank] = rendezvous.exchange(clients[rank], rank, size, factory, EngineConfig(bind_addr="127.0.0.1"),
+                                            10.0, "g")
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            out[rank] = exc
+    threads = [threading.Thread(target=rank_fn, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["in-process", "daemon"])
+def test_a_value_recorded_in_an_earlier_run_is_refused_by_a_non_zero_rank(mode) -> None:
+    """Run 1 and run 2 of a job under the same long-lived key (the fleet key): the store's key
+    names repeat. An attacker who watched run 1's store writes its comm id and address table
+    into run 2's before rank 1 reads them; rank 0 is slow (or the attacker overwrites the id
+    after rank 0 read it back). Rank 1 must not take run 1's comm id or peers."""
+    factory = _Listener if mode == "in-process" else None
+    first, port1 = _c10d_store()
+    run1 = _run_exchange(port1, 2, factory)
+    assert all(isinstance(r, rendezvous.Rendezvous) for r in run1), run1
+    names = [n for n in ("mccl/1/comm_id", "mccl/1/addr_table", "mccl/1/addr/0", "mccl/1/addr/1")
+             if first.check([n])]
+    recorded = {n: first.get(n) for n in names}
+    assert "mccl/1/comm_id" in recorded
+
+    second, port2 = _c10d_store()
+    attacker = _attacker(port2)
+    for name, blob in recorded.items():
+        if name != "mccl/1/addr/1":   # rank 1 writes its own
+            attacker.set(name, blob)
+    with pytest.raises(StoreAuthError, match=r"earlier run") as info:
+        rendezvous.exchange(second, 1, 2, factory, EngineConfig(bind_addr="127.0.0.1"), 3.0, "g")
+    assert f"peer=127.0.0.1:{port2}" in str(info.value)
+    del attacker, second, first
+    gc.collect()
