@@ -54,5 +54,7 @@ def test_the_engine_python_and_the_control_links_share_one_openssl():
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["cryptography"] == [], got
     assert len(got["python"]) == 1, got
+    if "libcrypto" not in next(iter(got["python"])):
+        pytest.skip(f"this Python links its own OpenSSL into {next(iter(got['python']))}: the engine cannot share it")
     assert got["all"] == got["python"], (
         f"importing MCCL added OpenSSL copies beside Python's own {got['python']}: {got['all']}")
