@@ -36,6 +36,7 @@ _KEY_ROOT = "mccl"
 # waiting for it at once; no "host:port" starts with it.
 _FAILED = "!"
 _LINGER_S = 10.0  # at most this long a failing rank waits for its peers to read why
+_NONCE_BYTES = 16  # each rank's per-run nonce, repeated in rank 0's table (hex in the store)
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,13 @@ def exchange(store: Any, rank: int, size: int, listener_factory: Callable[[str],
     address under a key scoped to that comm id, so an address from another job or an earlier
     incarnation cannot be replayed into this one. So rank 0 publishes the comm id first and the
     others publish their addresses once they read it.
+
+    A sealed comm id stays valid under a long-lived key (the fleet key), and the store's key
+    names repeat every run: rank 0 knows the id it drew, but another rank cannot tell run 1's
+    id, written back into run 2's store, from the one rank 0 drew now. So every rank publishes
+    a fresh nonce beside its address (in mccld's mode, alone), and rank 0's table, sealed under
+    the comm id's key, repeats each rank's nonce: a rank that finds its own nonce in the table
+    knows the table, and the comm id it is sealed under, were written in this run.
     """
     started = time.monotonic()
     generation = int(store.add(f"{_KEY_ROOT}/incarnation/{rank}", 1))
@@ -100,16 +108,17 @@ def exchange(store: Any, rank: int, size: int, listener_factory: Callable[[str],
     comm_id = _read_comm_id(store, id_key, group_key, peer, drawn)
     addr_key = store_auth.scoped_key(group_key, "comm", comm_id)
 
-    addr_keys = [f"{prefix}/addr/{r}" for r in range(size)] if listener_factory is not None else []
+    addr_keys = [f"{prefix}/addr/{r}" for r in range(size)]
     table_key = f"{prefix}/addr_table"
+    nonce = secrets.token_hex(_NONCE_BYTES)
     listener = None
     if listener_factory is not None:
         try:
             listener = listener_factory(listen_addr.choose_bind_address(cfg, os.environ.get("MASTER_ADDR"), store))
         except Exception as exc:
             try:
-                store.set(addr_keys[rank], store_auth.seal(addr_key, addr_keys[rank],
-                                                           f"{_FAILED}{type(exc).__name__}: {exc}".encode()))
+                store.set(addr_keys[rank], store_auth.seal(
+                    addr_key, addr_keys[rank], f"{nonce} {_FAILED}{type(exc).__name__}: {exc}".encode()))
             except Exception:  # noqa: BLE001 - the store failing too must not hide why we stop
                 _log.debug("[rendezvous] rank %d could not publish its failure", rank, exc_info=True)
             else:
@@ -120,16 +129,18 @@ def exchange(store: Any, rank: int, size: int, listener_factory: Callable[[str],
                         _log.debug("[rendezvous] rank 0 could not publish the table", exc_info=True)
                 linger(store, prefix, rank, size, timeout_s)
             raise
-        store.set(addr_keys[rank], store_auth.seal(addr_key, addr_keys[rank], listener.address.encode()))
+    # No engine listens in mccld's mode: the nonce goes alone, the table carries no addresses.
+    mine = f"{nonce} {listener.address if listener is not None else ''}"
+    store.set(addr_keys[rank], store_auth.seal(addr_key, addr_keys[rank], mine.encode()))
 
     try:
-        if not addr_keys:
-            peers = []  # no engine listens here (mccld's mode): no addresses, no table
-        elif rank == 0:
-            peers = _publish_table(store, addr_keys, table_key, addr_key, peer, timeout_s, missing_what)
+        if rank == 0:
+            rows = _publish_table(store, addr_keys, table_key, addr_key, peer, timeout_s, missing_what)
         else:
             _wait_keys(store, [table_key], timeout_s, missing_what)
-            peers = _open_table(store_auth.open(addr_key, table_key, store.get(table_key), peer), size, peer)
+            rows = _open_table(store_auth.open(addr_key, table_key, store.get(table_key), peer), size, peer)
+        _check_fresh(rows, rank, nonce, table_key, peer)
+        peers = [addr for _, addr in rows] if listener_factory is not None else []
         _check_peers(peers, rank, label)
     except BaseException as exc:
         if listener is not None:
@@ -150,25 +161,40 @@ def exchange(store: Any, rank: int, size: int, listener_factory: Callable[[str],
 
 
 def _publish_table(store: Any, addr_keys: list[str], table_key: str, addr_key: bytes | None, peer: str,
-                   timeout_s: float, missing_what: Callable[[list[str]], str]) -> list[str]:
-    """Rank 0: reads every rank's sealed address (each checked under the comm's key) and
-    publishes them as one sealed table; returns them."""
+                   timeout_s: float, missing_what: Callable[[list[str]], str]) -> list[tuple[str, str]]:
+    """Rank 0: reads every rank's sealed "nonce address" (each checked under the comm's key)
+    and publishes them as one sealed table; returns them as (nonce, address) rows."""
     _wait_keys(store, addr_keys, timeout_s, missing_what)
     blobs = store.multi_get(addr_keys) if hasattr(store, "multi_get") else [store.get(k) for k in addr_keys]
-    peers = [store_auth.open(addr_key, k, b, peer).decode(errors="replace") for k, b in zip(addr_keys, blobs)]
+    rows = [store_auth.open(addr_key, k, b, peer).decode(errors="replace") for k, b in zip(addr_keys, blobs)]
     # Newline-separated: no "host:port" (nor a failure text, which we flatten) holds one.
-    body = "\n".join(p.replace("\n", " ") for p in peers)
+    body = "\n".join(r.replace("\n", " ") for r in rows)
     store.set(table_key, store_auth.seal(addr_key, table_key, body.encode()))
-    return peers
+    return _open_table(body.encode(), len(addr_keys), peer)
 
 
-def _open_table(raw: bytes, size: int, peer: str) -> list[str]:
-    peers = raw.decode(errors="replace").split("\n")
-    if len(peers) != size:
-        raise StoreAuthError(f"[rendezvous] the address table from rank 0 lists {len(peers)} ranks, not {size}, "
+def _open_table(raw: bytes, size: int, peer: str) -> list[tuple[str, str]]:
+    lines = raw.decode(errors="replace").split("\n")
+    if len(lines) != size:
+        raise StoreAuthError(f"[rendezvous] the address table from rank 0 lists {len(lines)} ranks, not {size}, "
                              f"peer={peer}: a writer holding the job's key wrote something else there; check which "
                              "programs use this job key", peer_addr=peer)
-    return peers
+    rows = []
+    for line in lines:
+        nonce, _, addr = line.partition(" ")
+        rows.append((nonce, addr))
+    return rows
+
+
+def _check_fresh(rows: list[tuple[str, str]], rank: int, nonce: str, table_key: str, peer: str) -> None:
+    """The table must repeat the nonce this rank drew for this run: a table (and the comm id
+    it is sealed under) recorded in an earlier run under the same key cannot."""
+    if rows[rank][0] != nonce:
+        raise StoreAuthError(f"[rendezvous] the address table under {table_key!r} does not carry the nonce rank "
+                             f"{rank} published in this run, peer={peer}: it (or the comm id it is sealed under) "
+                             "was recorded in an earlier run under the same key and written back by someone who "
+                             "can reach the store, and was not used; restart the job, give each run its own key "
+                             "(mcclctl run does) and keep the store's port off untrusted networks", peer_addr=peer)
 
 
 def _read_comm_id(store: Any, id_key: str, group_key: bytes | None, peer: str, drawn: int | None) -> int:

@@ -31,8 +31,16 @@ class SealedStore(dist.Store):
         self._component = component
         self._error = error
 
+    # Hooks for a store whose key and namespace are known only later (the anchor's store takes
+    # them from the run's epoch, libmccl/elastic/rdzv.py).
+    def _mac_key(self) -> bytes | None:
+        return self._key
+
+    def _store(self) -> Any:
+        return self.inner
+
     def _open(self, name: str, blob: bytes) -> bytes:
-        return store_auth.open(self._key, name, blob, self._peer, self._component, self._error)
+        return store_auth.open(self._mac_key(), name, blob, self._peer, self._component, self._error)
 
     @staticmethod
     def _bytes(value: Any) -> bytes:
@@ -41,42 +49,43 @@ class SealedStore(dist.Store):
         return bytes(value)
 
     def set(self, key: str, value: Any) -> None:
-        self.inner.set(key, store_auth.seal(self._key, key, self._bytes(value)))
+        self._store().set(key, store_auth.seal(self._mac_key(), key, self._bytes(value)))
 
     def get(self, key: str) -> bytes:
-        return self._open(key, self.inner.get(key))
+        return self._open(key, self._store().get(key))
 
     def multi_set(self, keys: list[str], values: list[Any]) -> None:
-        self.inner.multi_set(keys, [store_auth.seal(self._key, k, self._bytes(v)) for k, v in zip(keys, values)])
+        key = self._mac_key()
+        self._store().multi_set(keys, [store_auth.seal(key, k, self._bytes(v)) for k, v in zip(keys, values)])
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        return [self._open(k, v) for k, v in zip(keys, self.inner.multi_get(keys))]
+        return [self._open(k, v) for k, v in zip(keys, self._store().multi_get(keys))]
 
     def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
         # A compare-and-set over a sealed value needs the sealed bytes it replaces: only the
         # empty "create if missing" form can be expressed without them.
         if self._bytes(expected):
             raise NotImplementedError("SealedStore.compare_set: only the create-if-missing form (expected '')")
-        sealed = store_auth.seal(self._key, key, self._bytes(desired))
-        return self._open(key, self.inner.compare_set(key, "", sealed))
+        sealed = store_auth.seal(self._mac_key(), key, self._bytes(desired))
+        return self._open(key, self._store().compare_set(key, "", sealed))
 
     def add(self, key: str, amount: int) -> int:
-        return self.inner.add(key, amount)
+        return self._store().add(key, amount)
 
     def check(self, keys: list[str]) -> bool:
-        return self.inner.check(keys)
+        return self._store().check(keys)
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
         if timeout is None:
-            self.inner.wait(keys)
+            self._store().wait(keys)
         else:
-            self.inner.wait(keys, timeout)
+            self._store().wait(keys, timeout)
 
     def delete_key(self, key: str) -> bool:
-        return self.inner.delete_key(key)
+        return self._store().delete_key(key)
 
     def num_keys(self) -> int:
-        return self.inner.num_keys()
+        return self._store().num_keys()
 
     def set_timeout(self, timeout: datetime.timedelta) -> None:
         self.inner.set_timeout(timeout)

@@ -1,5 +1,6 @@
-"""One direction of an encrypted channel: AES-256-GCM (the ``cryptography`` package, i.e.
-OpenSSL) under a key used by this direction of this connection alone.
+"""One direction of an encrypted channel: AES-256-GCM (OpenSSL's EVP, from the libcrypto
+Python's hashlib uses: mccl_common/libcrypto.py) under a key used by this direction of this
+connection alone.
 
 GCM loses both secrecy and integrity if a (key, nonce) pair ever repeats, so the nonce is
 not random but the message's number in its direction: a ``Box`` counts its own messages,
@@ -12,10 +13,9 @@ from __future__ import annotations
 
 import struct
 
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from . import libcrypto
 
-TAG_BYTES = 16
+TAG_BYTES = libcrypto.TAG_BYTES
 _NONCE = struct.Struct("!4xQ")       # 96 bits: 32 zero bits, then the 64-bit message number
 _MAX_SEQ = (1 << 64) - 1
 
@@ -26,22 +26,22 @@ class Box:
     def __init__(self, key: bytes):
         if len(key) != 32:
             raise ValueError("an AES-256-GCM key is 32 bytes")
-        self._aead = AESGCM(key)
+        self._key = bytes(key)
+        libcrypto.lib()         # a missing libcrypto fails here, where the channel is made
         self.seq = 0
 
     def seal(self, plaintext: bytes, aad: bytes = b"") -> tuple[int, bytes]:
         """(number, ciphertext with its tag) of the next message."""
         seq = self._take()
-        return seq, self._aead.encrypt(_NONCE.pack(seq), plaintext, aad)
+        return seq, libcrypto.gcm_seal(self._key, _NONCE.pack(seq), bytes(plaintext), bytes(aad))
 
     def open(self, ciphertext: bytes, aad: bytes = b"") -> bytes | None:
         """The plaintext of the next message, or None when it is not the next message sealed
         under this key with this ``aad``. A failed message does not use up its number."""
         if self.seq > _MAX_SEQ or len(ciphertext) < TAG_BYTES:
             return None
-        try:
-            plain = self._aead.decrypt(_NONCE.pack(self.seq), ciphertext, aad)
-        except InvalidTag:
+        plain = libcrypto.gcm_open(self._key, _NONCE.pack(self.seq), bytes(ciphertext), bytes(aad))
+        if plain is None:
             return None
         self.seq += 1
         return plain

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import localtrust
+from . import key_file_trust, localtrust
 from .attach_protocol import SOCKET_NAME
 from .errors import ConfigError
 from .settings import _require, load, register, setting
@@ -274,10 +274,11 @@ def key_paths(cfg: DaemonConfig) -> tuple[Path, ...]:
     return tuple(found)
 
 
-def read_key_file(explicit: str, defaults: tuple[str, ...], env: str) -> bytes | None:
+def read_key_file(explicit: str, defaults: tuple[str, ...], env: str,
+                  extra_owners: tuple[int, ...] = ()) -> bytes | None:
     """A key from ``explicit`` (must exist) or the first of ``defaults`` that exists and this
-    user can read; None if none exists. A file readable by group or others, or a short key, is
-    refused. A default this user may not read (the service's own /etc/mccl, mode 0750) is
+    user can read; None if none exists. A file others could read or swap (mode, ACL, the
+    folders above it: mccl_common/key_file_trust.py), or a short key, is refused. A default this user may not read (the service's own /etc/mccl, mode 0750) is
     skipped for the next one, and named if no other is found."""
     candidates = [explicit] if explicit else list(defaults)
     denied: list[Path] = []
@@ -289,10 +290,7 @@ def read_key_file(explicit: str, defaults: tuple[str, ...], env: str) -> bytes |
                     raise ConfigError(f"[config] {env}={raw!r} does not exist; "
                                       f"create it with `mccld keygen {raw}` and copy it where it is needed")
                 continue
-            mode = stat.S_IMODE(path.stat().st_mode)
-            if mode & 0o077:
-                raise ConfigError(f"[config] key file {path} has mode {mode:04o}; it must not be readable "
-                                  f"by group or others: run `chmod 600 {path}`")
+            key_file_trust.check(path, extra_owners)
             raw_key = path.read_bytes()
         except PermissionError:
             if explicit:

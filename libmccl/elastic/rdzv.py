@@ -26,6 +26,8 @@ import errno
 import inspect
 import logging
 import os
+import pickle
+import secrets
 import socket
 import struct
 import tempfile
@@ -45,6 +47,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (DynamicRend
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from mccl_common import store_auth
+from mccl_common.jobkey import derive
 from mccl_common.errors import AbortedError, CollectiveTimeout, ConfigError, PeerLostError, StoreAuthError
 from mccl_common.launch_protocol import AWARE_SUFFIX, DRAIN_ENV, REFORM_ENV
 from mccl_common.settings import EngineConfig, RendezvousConfig, load
@@ -64,6 +67,10 @@ _LINGER_POLL_S = 0.05
 _PARENT_POLL_S = 0.5
 _WORKERS_STORE_TIMEOUT = timedelta(seconds=300)  # torch's TCPStore default, as its own server has
 _VERSION = struct.Struct("!Q")     # the state's version, sealed with it (AnchorStoreBackend)
+_COUNT = struct.Struct("!H")       # how many acknowledged hello nonces follow the epoch
+_NONCE_BYTES = 16                  # a run's epoch, a host's hello nonce
+_MAX_ACKS = 64                     # acknowledged nonces a state keeps (newest): enough for a round's joins
+_VOUCH_POLL_S = 0.1
 _EMPTY = "mccl-rdzv-empty"  # stored until the first host writes a state; never a sealed value
 # torchrun always passes "timeout" (the legacy etcd rendezvous's); the timeouts here have their own keys.
 _IGNORED_KEYS = frozenset({"timeout"})
@@ -310,53 +317,197 @@ def _first_line(exc: BaseException) -> str:
 
 class AnchorStoreBackend(RendezvousBackend):
     """The rendezvous state as one compare-and-set key in the anchor's store; a store failure
-    becomes RendezvousUnreachable naming the anchor."""
+    becomes RendezvousUnreachable naming the anchor.
 
-    def __init__(self, store: Any, run_id: str, anchor: str, key: bytes | None | str = "from-env") -> None:
+    Replays across runs. A state is sealed under the run's key, which under a long-lived key
+    (the fleet key) and a reused --rdzv-id is the same in every run, and the store's key names
+    repeat: a state recorded from an earlier run's store verifies in this one. So each run has
+    an *epoch*, 16 random bytes drawn by the host that writes the first state into an empty
+    store, carried in every state; a host refuses a state of any other epoch once it holds one.
+    A host that joins a run already under way cannot tell this run's epoch from an earlier
+    run's by looking: it posts a fresh nonce (a "hello"), and takes the epoch only from a state
+    that lists its nonce among the acknowledged ones. Hosts already in the run acknowledge
+    the hellos they find each time they read or write the state (at least every keep-alive),
+    so a state that lists the nonce was written in this run by a host of this run. Nobody
+    acknowledging within ``vouch_s`` (a replayed state, or a run whose every host is gone) is
+    a RendezvousForged error. A state that says the run is closed is believed without this:
+    a replayed one can only stop the run, which anyone who reaches the store can do anyway.
+    The values torch keeps in the store beside the state (MASTER_ADDR/PORT, the agents'
+    ranks) are sealed under a key of the epoch and kept under its own prefix (EpochStore).
+    """
+
+    def __init__(self, store: Any, run_id: str, anchor: str, key: bytes | None | str = "from-env",
+                 vouch_s: float = 10.0) -> None:
         if not run_id:
             raise ConfigError("[rendezvous] the run id is empty; pass --rdzv-id (the same on every host)")
         self._store = store
         self._anchor = anchor
+        self._run_id = run_id
         self._key = f"mccl/rdzv/{run_id}/state"
+        self._hello_key = f"mccl/rdzv/{run_id}/hello"
         # torch unpickles the state it is handed: it is sealed under the run's key, and checked
         # before torch sees a byte of it.
         self._mac_key = run_store_key(run_id) if isinstance(key, str) else key
+        self._vouch_s = vouch_s
         # Each write carries a version one above the newest this host read: a sealed state of
         # this very run written back later (a rollback) is older than one already seen.
         self._seen = 0
+        self._nonce = secrets.token_bytes(_NONCE_BYTES)
+        self._epoch: bytes | None = None
+        self._acks: list[bytes] = []
+        self._posted = False
+        self._next_hello = 1        # the first hello this host has not acknowledged yet
         self._call("compare_set", self._key, "", _EMPTY)  # creates the key unless a host already did
 
     @property
     def name(self) -> str:
         return BACKEND_NAME
 
+    @property
+    def epoch(self) -> bytes | None:
+        """This run's epoch once this host holds it (None before its first state)."""
+        return self._epoch
+
     def get_state(self) -> tuple[bytes, Any] | None:
-        return self._decode(self._call("get", self._key))
+        decoded = self._decode(self._call("get", self._key))
+        if decoded is None or self._epoch is None:
+            return decoded
+        return self._acknowledge(decoded)
 
     def set_state(self, state: bytes, token: Any | None = None) -> tuple[bytes, Any, bool] | None:
         # The store holds text, and the token is the encoded value itself: a write succeeds only
         # over the exact value this host last read.
         expected = token.decode() if isinstance(token, bytes) else _EMPTY
-        desired = store_auth.seal(self._mac_key, self._key, _VERSION.pack(self._seen + 1) + state).decode()
+        genesis = self._epoch is None
+        if genesis and isinstance(token, bytes):
+            # Over a state this host read without holding the epoch (a closed one): vouched for first.
+            decoded = self._decode(token)
+            genesis = self._epoch is None
+            if genesis:
+                return None if decoded is None else (decoded[0], decoded[1], False)
+        if genesis:
+            self._epoch, self._acks = secrets.token_bytes(_NONCE_BYTES), [self._nonce]
+        acks, upto = self._with_hellos(self._acks)
+        desired = self._seal(self._seen + 1, acks, state)
         current = self._call("compare_set", self._key, expected, desired)
+        if current != desired.encode() and genesis:
+            self._epoch = None      # another host began the run first: vouched for by it
+        elif current == desired.encode():
+            self._next_hello = upto
         decoded = self._decode(current)
         if decoded is None:
             return None
         return decoded[0], decoded[1], current == desired.encode()
 
+    def _seal(self, version: int, acks: list[bytes], state: bytes) -> str:
+        assert self._epoch is not None
+        head = _VERSION.pack(version) + self._epoch + _COUNT.pack(len(acks)) + b"".join(acks)
+        return store_auth.seal(self._mac_key, self._key, head + state).decode()
+
+    def _parse(self, value: bytes) -> tuple[int, bytes, list[bytes], bytes]:
+        fixed = _VERSION.size + _NONCE_BYTES + _COUNT.size
+        if len(value) >= fixed:
+            version = _VERSION.unpack_from(value)[0]
+            epoch = value[_VERSION.size:_VERSION.size + _NONCE_BYTES]
+            n = _COUNT.unpack_from(value, _VERSION.size + _NONCE_BYTES)[0]
+            end = fixed + n * _NONCE_BYTES
+            if version > 0 and len(value) >= end:
+                acks = [value[i:i + _NONCE_BYTES] for i in range(fixed, end, _NONCE_BYTES)]
+                return version, epoch, acks, value[end:]
+        raise RendezvousForged(
+            f"[rendezvous] the state under {self._key!r} in the anchor's store is malformed, peer={self._anchor}: "
+            "written by a host holding the job's key but another MCCL version; run one version on every host",
+            peer_addr=self._anchor)
+
     def _decode(self, raw: bytes) -> tuple[bytes, Any] | None:
         if raw == _EMPTY.encode():
             return None
         value = store_auth.open(self._mac_key, self._key, raw, self._anchor, error=RendezvousForged)
-        version = _VERSION.unpack_from(value)[0] if len(value) >= _VERSION.size else 0
-        if version <= 0 or version < self._seen:
+        version, epoch, acks, state = self._parse(value)
+        if self._epoch is None:
+            if self._mac_key is not None and self._nonce not in acks:
+                if _says_closed(state):
+                    return state, raw
+                return self._wait_for_vouch()
+            self._epoch = epoch
+        if epoch != self._epoch:
+            raise RendezvousForged(
+                f"[rendezvous] the state under {self._key!r} in the anchor's store belongs to another run of "
+                f"{self._run_id!r} (another epoch), peer={self._anchor}: a state recorded in an earlier run under "
+                "the same key and written back by someone who can reach the store (a replay), or a second run "
+                "started with the same --rdzv-id; nothing of it was used. Restart the run with a new --rdzv-id "
+                "(mcclctl run gives each run its own key) and keep the anchor's port on the training network",
+                peer_addr=self._anchor)
+        if version < self._seen:
             raise RendezvousForged(
                 f"[rendezvous] the state under {self._key!r} in the anchor's store is version {version}, older than "
                 f"version {self._seen} this host already read, peer={self._anchor}: an earlier state of this run "
                 "written back by someone who can reach the store (a replay); the run cannot trust the store any "
                 "more: restart it, and keep the anchor's port on the training network", peer_addr=self._anchor)
-        self._seen = version
-        return value[_VERSION.size:], raw
+        self._seen, self._acks = version, acks
+        return state, raw
+
+    def _wait_for_vouch(self) -> tuple[bytes, Any] | None:
+        """A host new to the run: post this host's nonce, then wait for a state that lists it."""
+        if not self._posted:
+            index = int(self._call("add", self._hello_key, 1))
+            self._call("set", f"{self._hello_key}/{index}", self._nonce.hex())
+            self._posted = True
+        deadline = time.monotonic() + self._vouch_s
+        while True:
+            raw = self._call("get", self._key)
+            if raw == _EMPTY.encode():
+                return None     # emptied: this host may begin the run itself (set_state)
+            value = store_auth.open(self._mac_key, self._key, raw, self._anchor, error=RendezvousForged)
+            version, epoch, acks, state = self._parse(value)
+            if self._nonce in acks:
+                self._epoch = epoch
+                self._seen, self._acks = version, acks
+                return state, raw
+            if time.monotonic() >= deadline:
+                raise RendezvousForged(
+                    f"[rendezvous] no host of run {self._run_id!r} vouched for the state in the anchor's store within "
+                    f"{self._vouch_s:g}s, peer={self._anchor}: either it was recorded in an earlier run under the "
+                    "same key and written back (a replay; nothing of it was used), or every host of this run is "
+                    "gone. Start the run again with a new --rdzv-id (or restart the anchor), and keep the "
+                    "anchor's port on the training network", peer_addr=self._anchor)
+            time.sleep(_VOUCH_POLL_S)
+
+    def _with_hellos(self, acks: list[bytes]) -> tuple[list[bytes], int]:
+        """``acks`` plus the nonces of hellos posted since this host last acknowledged (at most
+        _MAX_ACKS kept, newest last), and the index after the last hello read."""
+        posted = int(self._call("add", self._hello_key, 0))
+        upto = self._next_hello
+        out = list(acks)
+        while upto <= posted and upto < self._next_hello + _MAX_ACKS:
+            name = f"{self._hello_key}/{upto}"
+            if not self._call("check", [name]):
+                break           # counted, not written yet: next time
+            try:
+                nonce = bytes.fromhex(self._call("get", name).decode("ascii"))
+            except (UnicodeDecodeError, ValueError):
+                nonce = b""     # junk from someone without the key: nothing to acknowledge
+            if len(nonce) == _NONCE_BYTES and nonce not in out:
+                out.append(nonce)
+            upto += 1
+        return out[-_MAX_ACKS:], upto
+
+    def _acknowledge(self, decoded: tuple[bytes, Any]) -> tuple[bytes, Any]:
+        """As a host of the run: write the state back with the hellos posted since, if any."""
+        state, raw = decoded
+        acks, upto = self._with_hellos(self._acks)
+        if upto == self._next_hello:
+            return decoded
+        if acks == self._acks:
+            self._next_hello = upto
+            return decoded
+        desired = self._seal(self._seen + 1, acks, state)
+        current = self._call("compare_set", self._key, raw.decode(), desired)
+        if current != desired.encode():
+            return decoded      # someone wrote first: acknowledged at the next read or write
+        self._next_hello = upto
+        self._seen, self._acks = self._seen + 1, acks
+        return state, current
 
     def _call(self, op: str, *args: Any) -> Any:
         try:
@@ -367,6 +518,43 @@ class AnchorStoreBackend(RendezvousBackend):
                 f"{_first_line(exc)}); likely cause: the torchrun (or host) serving it exited or the network "
                 "to it failed; the run cannot continue without it: restart it with the anchor on a host "
                 "that stays up", peer_addr=self._anchor) from exc
+
+
+def _says_closed(state: bytes) -> bool:
+    """Whether torch's (sealed, so written by a key holder) state says the run is closed."""
+    try:
+        return bool(getattr(pickle.loads(state), "closed", False))
+    except Exception:  # noqa: BLE001 - a state torch cannot read is not a closed one
+        return False
+
+
+class EpochStore(SealedStore):
+    """The anchor's store as torch's rounds use it (MASTER_ADDR/PORT, the agents' ranks): values
+    sealed under a key of the run's epoch, under a prefix of their own, so that nothing an
+    earlier run left or recorded under the same names is read."""
+
+    def __init__(self, inner: Any, backend: AnchorStoreBackend, run_key: bytes | None, anchor: str) -> None:
+        super().__init__(inner, run_key, anchor, error=RendezvousForged)
+        self._backend = backend
+        self._bound: tuple[bytes, Any, bytes | None] | None = None
+
+    def _scope(self) -> tuple[Any, bytes | None]:
+        epoch = self._backend.epoch
+        if epoch is None:
+            raise RendezvousForged(f"[rendezvous] the run's store was used before this host read the run's state, "
+                                   f"peer={self._peer}; this is a bug in libmccl/elastic/rdzv.py",
+                                   peer_addr=self._peer)
+        if self._bound is None or self._bound[0] != epoch:
+            from torch.distributed import PrefixStore
+            key = None if self._key is None else derive(self._key, "epoch", epoch)
+            self._bound = (epoch, PrefixStore(f"mccl/rdzv/epoch/{epoch.hex()}", self.inner), key)
+        return self._bound[1], self._bound[2]
+
+    def _store(self) -> Any:
+        return self._scope()[0]
+
+    def _mac_key(self) -> bytes | None:
+        return self._scope()[1]
 
 
 class MCCLRendezvousHandler(DynamicRendezvousHandler):
@@ -579,9 +767,13 @@ def create_handler(params: RendezvousParameters) -> MCCLRendezvousHandler:
     store, serving = open_anchor_store(host, port, opts.is_host, opts.store_timeout_s)
     anchor = f"{host}:{port}"
     mac_key = run_store_key(params.run_id)
-    backend = AnchorStoreBackend(store, params.run_id, anchor, mac_key)
-    # torch's rounds read MASTER_ADDR/PORT and the agents their ranks from this store: sealed too.
-    sealed = SealedStore(store, mac_key, anchor, error=RendezvousForged)
+    # A host of the run acknowledges a newcomer at its next read or keep-alive: the newcomer
+    # waits that long, and at most a keep-alive window, after which a silent host is dead too.
+    vouch_s = max(opts.heartbeat_s * opts.heartbeat_misses, _MIN_KEEP_ALIVE_WINDOW_S) + 1.0
+    backend = AnchorStoreBackend(store, params.run_id, anchor, mac_key, vouch_s=vouch_s)
+    # torch's rounds read MASTER_ADDR/PORT and the agents their ranks from this store: sealed
+    # too, under the run's epoch.
+    sealed = EpochStore(store, backend, mac_key, anchor)
     local_addr = params.local_addr or listen_addr.choose_bind_address(load(EngineConfig), host)
     timeout = RendezvousTimeout(join=timedelta(seconds=opts.join_timeout_s),
                                 last_call=timedelta(seconds=opts.last_call_s),
@@ -667,7 +859,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["AnchorStoreBackend", "MCCLRendezvousHandler", "RendezvousClosed", "RendezvousJoinTimeout",
+__all__ = ["AnchorStoreBackend", "EpochStore", "MCCLRendezvousHandler", "RendezvousClosed", "RendezvousJoinTimeout",
            "RendezvousForged", "RendezvousUnreachable", "RunOptions", "anchor_endpoint", "create_handler",
            "open_anchor_store", "serve_anchor"]
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 import logging
 import os
 import pwd
-import stat
 from pathlib import Path
 from typing import Iterable, Mapping
 
+from mccl_common import key_file_trust
 from mccl_common.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -42,20 +42,9 @@ def _engine_settings() -> frozenset[str]:
 
 
 def readable_by(path: Path, pw: pwd.struct_passwd) -> bool:
-    """Whether user ``pw`` may read ``path`` by its mode bits (root may read anything)."""
-    if pw.pw_uid == 0:
-        return True
-    try:
-        st = os.stat(path)
-    except OSError:
-        return False
-    mode = stat.S_IMODE(st.st_mode)
-    if st.st_uid == pw.pw_uid:
-        return bool(mode & 0o400)
-    groups = set(os.getgrouplist(pw.pw_name, pw.pw_gid))
-    if st.st_gid in groups:
-        return bool(mode & 0o040)
-    return bool(mode & 0o004)
+    """Whether user ``pw`` may read ``path``: by its mode bits or an ACL entry naming the user,
+    one of its groups or everyone (mccl_common/key_file_trust.py); root may read anything."""
+    return key_file_trust.readable_by(path, pw.pw_uid, set(os.getgrouplist(pw.pw_name, pw.pw_gid)))
 
 
 def launch_user(setting: str, secret_files: Iterable[Path], host_id: str) -> pwd.struct_passwd:

@@ -35,3 +35,18 @@ def test_the_same_plaintext_never_gives_the_same_ciphertext_and_labels_are_bound
 def test_a_key_that_is_not_256_bits_is_refused():
     with pytest.raises(ValueError):
         aead.Box(b"short")
+
+
+def test_the_gcm_is_openssls_and_answers_the_standards_vector():
+    """NIST SP 800-38D (GCM spec) test case 14: AES-256, zero key, 96-bit zero IV, one zero block;
+    and the same call from the library hashlib uses, not a copy (mccl_common/libcrypto.py)."""
+    from mccl_common import libcrypto
+    sealed = libcrypto.gcm_seal(bytes(32), bytes(12), bytes(16), b"")
+    assert sealed.hex() == "cea7403d4d606b6e074ec5d3baf39d18" "d0d1c8a799996bf0265b98b5d48ab919"
+    assert libcrypto.gcm_open(bytes(32), bytes(12), sealed, b"") == bytes(16)
+    assert libcrypto.gcm_open(bytes(32), bytes(12), sealed[:-1] + b"\0", b"") is None
+    big = bytes(range(256)) * 4096 + b"tail"
+    assert libcrypto.gcm_open(KEY, bytes(12), libcrypto.gcm_seal(KEY, bytes(12), big, b"a"), b"a") == big
+    assert libcrypto.gcm_seal(KEY, bytes(12), b"", b"only aad")[:0] == b""
+    with pytest.raises(ValueError):
+        libcrypto.gcm_seal(KEY, bytes(8), b"x", b"")

@@ -105,8 +105,12 @@ def test_a_forged_master_addr_is_refused(handlers) -> None:
     later = next(i for i in infos if i.rank == 1)
     attacker = _attacker(port)
     round_prefix = f"torch.rendezvous.m.{a._state_holder.state.round}/"
-    attacker.set(round_prefix + RendezvousStoreInfo.MASTER_ADDR_KEY, b"203.0.113.66")
-    attacker.set(round_prefix + RendezvousStoreInfo.MASTER_PORT_KEY, b"6666")
+    # The round's values live under the run's epoch, which the attacker reads in the state.
+    epoch = a._state_holder._backend.epoch
+    for name, value in ((RendezvousStoreInfo.MASTER_ADDR_KEY, b"203.0.113.66"),
+                        (RendezvousStoreInfo.MASTER_PORT_KEY, b"6666")):
+        attacker.set(round_prefix + name, value)
+        attacker.set(f"mccl/rdzv/epoch/{epoch.hex()}/{round_prefix}{name}", value)
     with pytest.raises(StoreAuthError, match=rf"'{re.escape(round_prefix)}MASTER_ADDR'.*peer=127\.0\.0\.1:{port}"):
         RendezvousStoreInfo.build(1, later.store, None)
     # rank 0's republish is what a later joiner reads: sealed, it verifies; the forgery did not.
@@ -253,6 +257,124 @@ def test_an_earlier_state_of_the_same_run_written_back_is_refused() -> None:
     store.set("mccl/rdzv/run/state", recorded)
     with pytest.raises(StoreAuthError, match=r"'mccl/rdzv/run/state'.*version 1, older than version 2.*peer=anchor:1"):
         a.get_state()
-    # A host that joins later reads whatever is newest when it comes: versions only rise for it.
+    # A host that joins later is vouched for by a host of the run and reads the newest state.
+    store.set("mccl/rdzv/run/state", token)
     b = er.AnchorStoreBackend(store, "run", "anchor:1")
-    assert b.get_state()[0] == b"round 1"
+    with _vouching(a):
+        assert b.get_state()[0] == b"round 2"
+
+
+class _vouching:
+    """A host of the run reading the state now and then, as torch's join loop and keep-alives
+    do: it acknowledges the hellos of hosts that join (AnchorStoreBackend)."""
+
+    def __init__(self, backend) -> None:
+        import threading
+        self._backend, self._stop = backend, threading.Event()
+        self._thread = threading.Thread(target=self._run, name="vouching-host")
+        self.error: Exception | None = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            try:
+                self._backend.get_state()
+            except Exception as exc:  # noqa: BLE001 - the test inspects it
+                self.error = exc
+                return
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+def test_a_state_recorded_in_an_earlier_run_is_refused_by_joining_hosts_and_the_runs_own() -> None:
+    """Runs 1 and 2 under the same long-lived key and --rdzv-id: the state's key name and MAC
+    key are the same in both. An attacker who recorded run 1's last state (a high version)
+    writes it into run 2's store. Neither a host that joins now (nothing seen yet) nor a host
+    already in run 2 may take it."""
+    first = dist.HashStore()
+    run1 = er.AnchorStoreBackend(first, "run", "anchor:1")
+    token = None
+    for step in range(5):
+        _, token, ok = run1.set_state(f"run 1 step {step}".encode(), token)
+        assert ok
+    recorded = first.get("mccl/rdzv/run/state")
+
+    # A fresh store holding only the replayed state: the first host of run 2 must not take it.
+    fresh = dist.HashStore()
+    fresh.set("mccl/rdzv/run/state", recorded)
+    joiner = er.AnchorStoreBackend(fresh, "run", "anchor:1")
+    joiner._vouch_s = 1.0
+    with pytest.raises(StoreAuthError, match=r"no host of run 'run' vouched.*peer=anchor:1.*earlier run"):
+        joiner.get_state()
+
+    # Run 2 under way, the replay written over its state.
+    second = dist.HashStore()
+    host = er.AnchorStoreBackend(second, "run", "anchor:1")
+    _, token2, ok = host.set_state(b"run 2 round 0")
+    assert ok and host.get_state()[0] == b"run 2 round 0"
+    second.set("mccl/rdzv/run/state", recorded)
+    late = er.AnchorStoreBackend(second, "run", "anchor:1")
+    late._vouch_s = 1.0
+    with pytest.raises(StoreAuthError, match=r"no host of run 'run' vouched"):
+        late.get_state()
+    with pytest.raises(StoreAuthError, match=r"another run of 'run'.*peer=anchor:1.*earlier run"):
+        host.get_state()
+    # And the run's own state written back: a host joining is vouched for and reads it.
+    second.set("mccl/rdzv/run/state", token2)
+    newcomer = er.AnchorStoreBackend(second, "run", "anchor:1")
+    with _vouching(host) as v:
+        assert newcomer.get_state()[0] == b"run 2 round 0"
+    assert v.error is None, v.error
+
+
+def _run_exchange(port: int, size: int, factory) -> list:
+    """Every rank's exchange() on a thread and store client of its own, as one run of a job does."""
+    import threading
+
+    out: list = [None] * size
+    clients = [_attacker(port) for _ in range(size)]
+
+    def rank_fn(rank: int) -> None:
+        try:
+            out[rank] = rendezvous.exchange(clients[rank], rank, size, factory, EngineConfig(bind_addr="127.0.0.1"),
+                                            10.0, "g")
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            out[rank] = exc
+    threads = [threading.Thread(target=rank_fn, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["in-process", "daemon"])
+def test_a_value_recorded_in_an_earlier_run_is_refused_by_a_non_zero_rank(mode) -> None:
+    """Run 1 and run 2 of a job under the same long-lived key (the fleet key): the store's key
+    names repeat. An attacker who watched run 1's store writes its comm id and address table
+    into run 2's before rank 1 reads them; rank 0 is slow (or the attacker overwrites the id
+    after rank 0 read it back). Rank 1 must not take run 1's comm id or peers."""
+    factory = _Listener if mode == "in-process" else None
+    first, port1 = _c10d_store()
+    run1 = _run_exchange(port1, 2, factory)
+    assert all(isinstance(r, rendezvous.Rendezvous) for r in run1), run1
+    names = [n for n in ("mccl/1/comm_id", "mccl/1/addr_table", "mccl/1/addr/0", "mccl/1/addr/1")
+             if first.check([n])]
+    recorded = {n: first.get(n) for n in names}
+    assert "mccl/1/comm_id" in recorded
+
+    second, port2 = _c10d_store()
+    attacker = _attacker(port2)
+    for name, blob in recorded.items():
+        if name != "mccl/1/addr/1":   # rank 1 writes its own
+            attacker.set(name, blob)
+    with pytest.raises(StoreAuthError, match=r"earlier run") as info:
+        rendezvous.exchange(second, 1, 2, factory, EngineConfig(bind_addr="127.0.0.1"), 3.0, "g")
+    assert f"peer=127.0.0.1:{port2}" in str(info.value)
+    del attacker, second, first
+    gc.collect()

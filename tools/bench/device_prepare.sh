@@ -1,7 +1,7 @@
 # Sourced by the device scripts (device_run.sh, reform_device.sh), from the repository root,
 # with PY, RESULTS and a status() function set: makes a machine without MCCL installed able to
 # run it. The 16-core accelerator machine brings no ip/tc/iperf3 (carry ../shared/device-fleet
-# as .fleet-tools/), no pyzmq/zeroconf/cryptography (carry their wheels in .whl/), torch, pybind11, cmake and
+# as .fleet-tools/), no pyzmq/zeroconf (carry their wheels in .whl/), torch, pybind11, cmake and
 # ninja. Sets BUILD_OK=1 when the engine was built (or SKIP_BUILD=1 says it already is).
 
 if [ -d .fleet-tools ]; then
@@ -16,8 +16,8 @@ SITE=${SITE:-/tmp/mccl-site}
 mkdir -p "$SITE"
 export PYTHONPATH=$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}
 if [ -d .whl ]; then
-  # cryptography (AES-GCM of the daemon links, mccl_common/aead.py) needs cffi, which needs pycparser.
-  for pkg_mod in pyzmq:zmq numpy:numpy pycparser:pycparser cffi:cffi cryptography:cryptography ifaddr:ifaddr zeroconf:zeroconf; do
+  # (The daemon links' AES-GCM is the libcrypto Python's hashlib uses: mccl_common/libcrypto.py.)
+  for pkg_mod in pyzmq:zmq numpy:numpy ifaddr:ifaddr zeroconf:zeroconf; do
     pkg=${pkg_mod%%:*} mod=${pkg_mod#*:}
     if $PY -c "import $mod" 2>/dev/null; then continue; fi
     # pip picks the wheel that fits this Python, if .whl/ has one.
