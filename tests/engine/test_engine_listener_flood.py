@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from libmccl import _core
+from mccl_common.errors import CollectiveTimeout
 from support.engine import SUM, job_secret, make_options, ptr, ranks, run_ranks, run_threads
 
 pytestmark = pytest.mark.timeout(120)
@@ -140,3 +141,38 @@ def test_a_link_opened_mid_job_to_a_flooded_rank_carries_the_first_send():
             assert run_ranks(cs, after) == [n * (n + 1) / 2] * n
         finally:
             flood.close()
+
+
+def test_a_peer_whose_listener_closes_every_dial_is_named_at_the_set_up_timeout():
+    """A listener that closes each connection at once (as a full one of the old kind did):
+    the dialer tries again until its set-up timeout, then says which peer and why, instead
+    of failing at the first close (or waiting past its timeout)."""
+    lst = _core.Listener("127.0.0.1", 0)
+    closes = 0
+    stop = threading.Event()
+    with socket.create_server(("127.0.0.1", 0)) as full:
+        full.settimeout(0.1)
+
+        def close_all():
+            nonlocal closes
+            while not stop.is_set():
+                try:
+                    conn, _ = full.accept()
+                except socket.timeout:
+                    continue
+                conn.close()
+                closes += 1
+        t = threading.Thread(target=close_all, daemon=True)
+        t.start()
+        addr = "127.0.0.1:%d" % full.getsockname()[1]
+        opts = make_options(connect_timeout_s=2.0)
+        try:
+            with pytest.raises(CollectiveTimeout) as info:
+                _core.Communicator(0, 2, 11, lst, [lst.address, addr], opts, secret=job_secret(opts))
+        finally:
+            stop.set()
+            t.join(10)
+    text = str(info.value)
+    assert f"peer={addr}" in text and "closed our handshake" in text and "flood" in text, text
+    assert info.value.peer_rank == 1
+    assert closes >= 2, closes     # dialed again after the first close
