@@ -260,16 +260,19 @@ bool Linker::make_room(std::list<Unproved>* unproved, const std::string& host, b
   auto droppable = [&](const Unproved& u) {
     return !u.done && (!u.proving || now - u.since >= kProofGrace);
   };
+  // The busiest host first; then one that never sent a hello before one that did (a real
+  // peer sends its hello at once); then the oldest (the list is in order of arrival).
   std::list<Unproved>::iterator victim = unproved->end();
   int victim_load = -1;
+  bool victim_proving = true;
   for (auto it = unproved->begin(); it != unproved->end(); ++it) {
     if (!droppable(*it)) continue;
     if (!any_host && it->host != host) continue;
     const int load = any_host ? per_host[it->host] : 0;
-    // Oldest first within the busiest host; the list is in order of arrival.
-    if (load > victim_load) {
+    if (load > victim_load || (load == victim_load && victim_proving && !it->proving)) {
       victim = it;
       victim_load = load;
+      victim_proving = it->proving;
     }
   }
   if (victim == unproved->end()) return false;

@@ -13,14 +13,15 @@
 // nonblocking reads, so a connection that stays silent costs a file descriptor and a
 // hundred bytes, never a thread. Unproved connections are capped per source host
 // (kMaxUnprovedPerHost) and in all (kMaxUnproved); a new connection beyond a cap makes
-// room by dropping the oldest of the busiest host, so a flood from one host never keeps
-// out another's, and on one host (loopback) the newest connection, the one a real peer
-// just dialed and on which its hello is already on the way, is the one that stays. A
-// stranger's hello is due within kHelloBudget and its proof soon after the challenge; a
-// real peer sends both at once. A connection whose proof is due but still young is never
-// dropped for room (its dialer would read the drop as a refused key): when only those
-// remain, new connections wait in the kernel's backlog. A failed or dropped connection
-// is logged once per host (rejects.h).
+// room by dropping the oldest of the busiest host (one that sent no hello before one
+// that did), so a flood from one host never keeps out another's, and on one host
+// (loopback) the newest connection, the one a real peer just dialed and on which its
+// hello is already on the way, is the one that stays. A stranger's hello is due within
+// kHelloBudget and its proof soon after the challenge; a real peer sends both at once. A
+// connection whose proof is due but still young is never dropped for room (its dialer
+// would read the drop as a refused key): when only those remain, new connections wait in
+// the kernel's backlog. A failed or dropped connection is logged once per host
+// (rejects.h).
 //
 // A dialer whose connection the peer closed before its challenge (dropped for room) dials
 // again with backoff until its deadline; if that passes, the error names the peer and
