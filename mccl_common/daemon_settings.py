@@ -143,10 +143,10 @@ class DaemonConfig:
         "as a whole (a per-read timeout would let a peer dribbling bytes hold it forever)")
     max_unauth_connections: int = setting(
         "MCCL_MAX_UNAUTH_CONNECTIONS", 32, "count",
-        "concurrent connections not yet authenticated per port (link, status, metrics); more are closed at once")
+        "concurrent connections not yet authenticated per port (link, status, metrics); past it the busiest address's oldest is closed to make room")
     max_unauth_per_peer: int = setting(
         "MCCL_MAX_UNAUTH_PER_PEER", 8, "count",
-        "concurrent connections not yet authenticated from one peer address per port; more are closed at once")
+        "concurrent connections not yet authenticated from one peer address per port; past it that address's oldest is closed to make room")
     unauth_reserved: int = setting(
         "MCCL_UNAUTH_RESERVED", 16, "count",
         "of MCCL_MAX_UNAUTH_CONNECTIONS, slots only addresses that authenticated on that port before may use "

@@ -150,14 +150,26 @@ def _hex(msg: dict[str, Any], field: str, n: int) -> bytes:
     return bytes.fromhex(raw)
 
 
+class ClosedBeforeAnswer(ConnectionError):
+    """The peer closed or reset our connection before its first answer: its port's gate made
+    room for newer connections (a flood, mccld/net/gate.py) or it is stopping. Unlike a drop
+    after our proof (another fleet key), dialing again may succeed."""
+
+
 def initiate(sock: socket.socket, key: bytes, fleet: str, host_id: str, listen: str,
              peer: str, purpose: str = CONTROL) -> tuple[str, str, Session]:
-    """Client side of the handshake; returns the peer's host id, its link address and the session."""
+    """Client side of the handshake; returns the peer's host id, its link address and the session.
+    Raises ClosedBeforeAnswer when the peer hung up before answering our hello."""
     _check_key(key)
     na = secrets.token_bytes(NONCE_BYTES)
-    send_plain(sock, {"type": "hello", "proto": PROTO_VERSION, "fleet": fleet, "host_id": host_id,
-                      "listen": listen, "nonce": na.hex(), "purpose": purpose})
-    msg = recv_plain(sock, peer)
+    try:
+        send_plain(sock, {"type": "hello", "proto": PROTO_VERSION, "fleet": fleet, "host_id": host_id,
+                          "listen": listen, "nonce": na.hex(), "purpose": purpose})
+        msg = recv_plain(sock, peer)
+    except ClosedBeforeAnswer:
+        raise
+    except ConnectionError as e:     # EOF, reset, broken pipe: not a timeout
+        raise ClosedBeforeAnswer(str(e)) from None
     if msg.get("type") == "refused":
         raise AuthError(f"[link] peer={peer} refused our link: {str(msg.get('reason'))[:200]}; check that both "
                         "hosts use the same MCCL_FLEET and fleet key")

@@ -4,11 +4,18 @@ Every TCP port of mccld (links, status, metrics) accepts anyone on the LAN. Unti
 connection has proven it holds the fleet key it may cost us only a bounded share of
 threads and fds, for a bounded time:
 
-* ``admit`` refuses (closes at once, never blocks the accept loop) past a cap per port
-  and per peer address, so one noisy host cannot take every slot from the others; and
-  ``reserved`` of the port's slots are kept for addresses that authenticated here before
-  (the fleet's daemons, the operator's mcclctl), so a few hostile addresses together
-  cannot take every slot either: a known peer still gets in;
+* ``admit`` never blocks the accept loop; past a cap per port and per peer address it
+  makes room by closing the OLDEST unauthenticated connection of the busiest address
+  (of the new connection's own address when that one is over its cap), so one noisy host
+  cannot take every slot from the others, and a flood from the address a real peer dials
+  from too (a shared host, NAT, loopback) cannot keep that peer out: its connection is
+  the newest and it authenticates at once. Refusing the newest instead, as this gate once
+  did, let 8 idle connections from a daemon's own address turn every later dial of it
+  away (issue 34). ``reserved`` of the port's slots are kept for addresses that
+  authenticated here before (the fleet's daemons, the operator's mcclctl), so a few
+  hostile addresses together cannot take every slot either: a known peer still gets in.
+  A connection younger than ``GRACE_S`` is not closed for room (when only such remain,
+  the new one is refused): a flood faster than a real handshake cannot churn it away;
 * the accept loop outlives accept() errors (out of fds, a connection reset before it was
   accepted): it backs off and logs once, where a dead loop would close the port for good;
 * each admitted connection has one deadline for its whole handshake / request. A
@@ -41,6 +48,7 @@ log = logging.getLogger(__name__)
 
 REWARN_S = 60.0            # a refusal of one peer is logged at WARNING at most once a minute
 MAX_KNOWN = 1024           # addresses remembered as having authenticated (oldest forgotten first)
+GRACE_S = 0.5              # a connection this young is never closed to make room (a real peer's handshake)
 _ACCEPT_BACKOFF_S = (0.05, 1.0)   # first and longest pause after a failed accept()
 # accept() errors that say the listener itself is gone: the loop ends. Any other (EMFILE,
 # ENFILE, ENOBUFS, ENOMEM, ECONNABORTED, EPROTO, ...) is about one connection or a passing
@@ -58,6 +66,7 @@ class Ticket:
         self.deadline = deadline
         self.counted = True       # holds a slot of the gate
         self.stranger = stranger  # counted among the addresses not known to the gate
+        self.admitted = time.monotonic()
 
     def passed(self) -> None:
         """The peer authenticated: no deadline and no slot among the unauthenticated any more;
@@ -84,6 +93,7 @@ class Gate:
         self.refused = 0          # closed at accept: over a cap
         self.expired = 0          # shut down at their deadline
         self._per_peer: dict[str, int] = {}
+        self._live: dict[Ticket, None] = {}   # counted tickets, oldest first
         self._total = 0
         self._heap: list[tuple[float, int, Ticket]] = []
         self._seq = itertools.count()
@@ -127,13 +137,15 @@ class Gate:
         with self._cv:
             n = self._per_peer.get(peer_ip, 0)
             stranger = peer_ip not in self._known
-            full = (self._total >= self.max_total or n >= self.max_per_peer
-                    or (stranger and self._strangers >= self.max_total - self.reserved))
+            full = self._full(peer_ip, stranger)
+            if full and self._make_room(peer_ip, stranger):
+                full = self._full(peer_ip, stranger)
             if not full:
-                self._per_peer[peer_ip] = n + 1
+                self._per_peer[peer_ip] = self._per_peer.get(peer_ip, 0) + 1
                 self._total += 1
                 self._strangers += stranger
                 ticket = Ticket(self, sock, peer_ip, time.monotonic() + self.deadline_s, stranger)
+                self._live[ticket] = None
                 heapq.heappush(self._heap, (ticket.deadline, next(self._seq), ticket))
                 self._cv.notify()
                 return ticket
@@ -149,6 +161,42 @@ class Gate:
         except OSError:
             pass
         return None
+
+    def _full(self, peer_ip: str, stranger: bool) -> bool:
+        return (self._total >= self.max_total or self._per_peer.get(peer_ip, 0) >= self.max_per_peer
+                or (stranger and self._strangers >= self.max_total - self.reserved))
+
+    def _make_room(self, peer_ip: str, stranger: bool) -> bool:
+        """Under the lock: close the oldest connection (past GRACE_S) of the address whose cap
+        the new one hits: its own address, else the busiest stranger (the strangers' share is
+        full), else the busiest address. False when none can go."""
+        if self._per_peer.get(peer_ip, 0) >= self.max_per_peer:
+            pool = [t for t in self._live if t.peer_ip == peer_ip]
+        elif stranger and self._strangers >= self.max_total - self.reserved:
+            pool = [t for t in self._live if t.stranger]
+        else:
+            pool = list(self._live)
+        young = time.monotonic() - GRACE_S
+        pool = [t for t in pool if t.admitted <= young]
+        if not pool:
+            return False
+        load = max(self._per_peer[t.peer_ip] for t in pool)
+        victim = next(t for t in pool if self._per_peer[t.peer_ip] == load)   # the oldest of the busiest
+        self.refused += 1
+        # Under the lock, as the watchdog does: the serving thread drops its ticket (same lock)
+        # before it closes the socket, so this never shuts down a reused fd.
+        try:
+            victim.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._drop_locked(victim)
+        self._once.warn(f"full:{victim.peer_ip}", "[%s] closed an unauthenticated connection from peer=%s to "
+                        "make room: the port's caps (%d from one address, %d in all, %d for addresses that "
+                        "never authenticated here: MCCL_MAX_UNAUTH_PER_PEER, MCCL_MAX_UNAUTH_CONNECTIONS, "
+                        "MCCL_UNAUTH_RESERVED) were reached; a scanner or a flood of connections",
+                        self.name, victim.peer_ip, self.max_per_peer, self.max_total,
+                        self.max_total - self.reserved)
+        return True
 
     def unauthenticated(self) -> int:
         with self._cv:
@@ -197,17 +245,21 @@ class Gate:
 
     def _drop(self, ticket: Ticket) -> None:
         with self._cv:
-            if not ticket.counted:
-                return
-            ticket.counted = False
-            self._total -= 1
-            self._strangers -= ticket.stranger
-            left = self._per_peer[ticket.peer_ip] - 1
-            if left:
-                self._per_peer[ticket.peer_ip] = left
-            else:
-                del self._per_peer[ticket.peer_ip]
-            # Its heap entry stays until its deadline; the watchdog skips uncounted tickets.
+            self._drop_locked(ticket)
+
+    def _drop_locked(self, ticket: Ticket) -> None:
+        if not ticket.counted:
+            return
+        ticket.counted = False
+        self._live.pop(ticket, None)
+        self._total -= 1
+        self._strangers -= ticket.stranger
+        left = self._per_peer[ticket.peer_ip] - 1
+        if left:
+            self._per_peer[ticket.peer_ip] = left
+        else:
+            del self._per_peer[ticket.peer_ip]
+        # Its heap entry stays until its deadline; the watchdog skips uncounted tickets.
 
     def _watch(self) -> None:
         with self._cv:

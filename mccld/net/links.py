@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from typing import Any, Callable
 
 from mccl_common.errors import AuthError, MCCLError, PeerLostError, ProtocolError
@@ -31,6 +32,7 @@ DataHandler = Callable[[socket.socket, str, str, auth.Session], None]  # (socket
 # idle link within ~25 s, and TCP_USER_TIMEOUT fails a send stuck on unacknowledged data.
 _KEEPIDLE_S, _KEEPINTVL_S, _KEEPCNT = 10, 5, 3
 _USER_TIMEOUT_MS = 30_000
+_REDIAL_S = (0.01, 0.5)   # first and longest pause before dialing a peer that closed our handshake again
 
 
 def bound_dead_link(sock: socket.socket) -> None:
@@ -183,23 +185,41 @@ class LinkManager:
     def _connect(self, addr: str, purpose: str, quiet: bool = False) -> tuple[socket.socket, str, str, auth.Session]:
         host, _, port = addr.rpartition(":")
         warn = (lambda key, msg, *a: log.debug(msg, *a)) if quiet else self._once.warn
-        try:
-            sock = socket.create_connection((host, int(port)), timeout=self._timeout)
-        except (OSError, ValueError) as e:
-            warn(f"dial:{addr}", "[link] cannot connect to peer=%s: %s", addr, e)
-            raise PeerLostError(f"[link] cannot connect to peer={addr}: {e}; is mccld running there "
-                                "and reachable on MCCL_PORT?") from None
-        try:
-            peer_host, peer_listen, session = auth.initiate(sock, self._key, self._fleet, self.host_id,
-                                                            self.address, addr, purpose)
-        except (AuthError, ProtocolError) as e:
-            sock.close()
-            warn(f"auth:{addr}", "%s", e)
-            raise
-        except OSError as e:
-            sock.close()
-            raise PeerLostError(f"[link] handshake with peer={addr} failed: {e}; the peer daemon "
-                                "closed the link (wrong fleet key on one side?)") from None
+        # A peer whose port's gate is full of strangers' connections closes its oldest to make
+        # room (gate.py): ours may be one. Dial again, with backoff, for up to the timeout.
+        until = time.monotonic() + self._timeout
+        pause, closed = _REDIAL_S[0], 0
+        while True:
+            try:
+                sock = socket.create_connection((host, int(port)), timeout=self._timeout)
+            except (OSError, ValueError) as e:
+                warn(f"dial:{addr}", "[link] cannot connect to peer=%s: %s", addr, e)
+                raise PeerLostError(f"[link] cannot connect to peer={addr}: {e}; is mccld running there "
+                                    "and reachable on MCCL_PORT?") from None
+            try:
+                peer_host, peer_listen, session = auth.initiate(sock, self._key, self._fleet, self.host_id,
+                                                                self.address, addr, purpose)
+                break
+            except auth.ClosedBeforeAnswer as e:
+                sock.close()
+                closed += 1
+                if time.monotonic() + pause < until and not self._stopping.wait(pause):
+                    pause = min(pause * 2, _REDIAL_S[1])
+                    continue
+                warn(f"flood:{addr}", "[link] peer=%s closed our handshake %d time(s) before answering",
+                     addr, closed)
+                raise PeerLostError(f"[link] peer={addr} closed our handshake {closed} time(s) before "
+                                    f"answering ({e}) within {self._timeout:.0f} s; likely cause: its port is "
+                                    "flooded by connections from a host without the fleet key (see that "
+                                    "daemon's log), or it is stopping") from None
+            except (AuthError, ProtocolError) as e:
+                sock.close()
+                warn(f"auth:{addr}", "%s", e)
+                raise
+            except OSError as e:
+                sock.close()
+                raise PeerLostError(f"[link] handshake with peer={addr} failed: {e}; the peer daemon "
+                                    "closed the link (wrong fleet key on one side?)") from None
         self._once.forget(f"dial:{addr}")
         # A daemon that proved the fleet key to us is a fleet peer: its own dials (data sockets,
         # a relink after a restart) get the handshake slots kept for known addresses.

@@ -185,7 +185,8 @@ bool send_reply(int fd, uint32_t status, const uint8_t* tail32, const std::strin
 
 bool handshake_dial(int fd, const Hello& hello, const LinkSecret& secret,
                     const std::string& peer_addr, Deadline deadline,
-                    const std::atomic<bool>* cancel, FrameKeys* keys, bool* declined) {
+                    const std::atomic<bool>* cancel, FrameKeys* keys, bool* declined,
+                    bool* closed_early) {
   const int peer = static_cast<int>(hello.to_rank);
   const std::string who = "peer=" + peer_addr + " (rank " + std::to_string(peer) + ")";
   const bool with_key = keyed(hello.wire_security);
@@ -220,6 +221,12 @@ bool handshake_dial(int fd, const Hello& hello, const LinkSecret& secret,
   if (!write_all(fd, hello_buf, sizeof(hello_buf), deadline, cancel) ||
       !read_all(fd, reply, sizeof(reply), deadline, cancel)) {
     if (cancel && cancel->load()) return false;
+    if (closed_early && Clock::now() < deadline) {
+      // Closed or reset before its challenge, not silent until the deadline: a listener
+      // full of strangers' connections drops its oldest; the caller dials again.
+      *closed_early = true;
+      return false;
+    }
     throw_error(ErrorKind::kPeerLost,
                 "[transport] handshake with " + who +
                     " got no answer; likely cause: that rank exited, or the address belongs to "
@@ -294,67 +301,76 @@ bool handshake_dial(int fd, const Hello& hello, const LinkSecret& secret,
   return true;
 }
 
-std::optional<Accepted> handshake_accept_impl(int fd, const Hello& mine, const LinkSecret& secret,
-                                              const SignatureRules& rules, Deadline deadline,
-                                              int (*slot)(void*, uint32_t, uint32_t),
-                                              void* ctx, std::string* dropped_why,
+AcceptSteps::~AcceptSteps() {
+  wipe(na_, sizeof(na_));
+}
+
+std::string AcceptSteps::on_hello(const uint8_t* hello, std::string* dropped_why) {
+  static_assert(kHelloBytes == mccl::kHelloBytes && kProofBytes == kProofMsgBytes, "sizes");
+  auto reply = [](uint32_t status, const uint8_t* tail32, const std::string& reason) {
+    std::string msg(kReplyBytes + reason.size(), '\0');
+    encode_reply(reinterpret_cast<uint8_t*>(&msg[0]), status,
+                 static_cast<uint32_t>(reason.size()), tail32);
+    std::memcpy(&msg[kReplyBytes], reason.data(), reason.size());
+    return msg;
+  };
+  std::memcpy(hello_, hello, kHelloBytes);
+  if (get32(hello_) != kFrameMagic) {
+    *dropped_why = "is not an MCCL link (no MCCL hello)";
+    return {};
+  }
+  const uint8_t zeros[32] = {};
+  if (get32(hello_ + 4) != kLinkVersion) {
+    // Facts about this build only: nothing a stranger could use.
+    *dropped_why = "speaks another link handshake version (another MCCL build)";
+    return reply(static_cast<uint32_t>(ErrorKind::kProtocol), zeros,
+                 "link handshake version mismatch (this rank speaks v" +
+                     std::to_string(kLinkVersion) + "); run the same MCCL build on every rank");
+  }
+  theirs_ = decode_hello(hello_);
+  if (keyed(theirs_.wire_security) != keyed(mine_.wire_security)) {
+    // Without a key on both sides there is nothing to prove: say why instead of a silent drop.
+    *dropped_why = std::string("asked for MCCL_WIRE_SECURITY=") +
+                   mode_name(theirs_.wire_security) + " (this rank: " +
+                   mode_name(mine_.wire_security) + ")";
+    return reply(static_cast<uint32_t>(ErrorKind::kConfig), zeros,
+                 std::string("wire security mismatch: this rank runs MCCL_WIRE_SECURITY=") +
+                     mode_name(mine_.wire_security) +
+                     "; set MCCL_WIRE_SECURITY the same on every rank and mccld");
+  }
+  dropped_why->clear();
+  random_bytes(na_, sizeof(na_));
+  return reply(0, na_, "");
+}
+
+std::optional<Accepted> AcceptSteps::on_proof(int fd, const uint8_t* proof, Deadline deadline,
+                                              int (*slot)(void*, uint32_t, uint32_t), void* ctx,
+                                              std::string* dropped_why,
                                               const std::atomic<bool>* cancel) {
   auto drop = [&](const std::string& why) -> std::optional<Accepted> {
     if (dropped_why) *dropped_why = why;
     return std::nullopt;
   };
-  uint8_t hello_buf[kHelloBytes];
-  if (!read_all(fd, hello_buf, sizeof(hello_buf), deadline, cancel)) {
-    return drop("sent no complete MCCL hello in time");
-  }
-  if (get32(hello_buf) != kFrameMagic) return drop("is not an MCCL link (no MCCL hello)");
-  const uint8_t zeros[32] = {};
-  if (get32(hello_buf + 4) != kLinkVersion) {
-    // Facts about this build only: nothing a stranger could use.
-    send_reply(fd, static_cast<uint32_t>(ErrorKind::kProtocol), zeros,
-               "link handshake version mismatch (this rank speaks v" +
-                   std::to_string(kLinkVersion) + "); run the same MCCL build on every rank",
-               deadline, cancel);
-    return drop("speaks another link handshake version (another MCCL build)");
-  }
-  Hello theirs = decode_hello(hello_buf);
-  const bool with_key = keyed(mine.wire_security);
-  if (keyed(theirs.wire_security) != with_key) {
-    // Without a key on both sides there is nothing to prove: say why instead of a silent drop.
-    send_reply(fd, static_cast<uint32_t>(ErrorKind::kConfig), zeros,
-               std::string("wire security mismatch: this rank runs MCCL_WIRE_SECURITY=") +
-                   mode_name(mine.wire_security) +
-                   "; set MCCL_WIRE_SECURITY the same on every rank and mccld",
-               deadline, cancel);
-    return drop(std::string("asked for MCCL_WIRE_SECURITY=") + mode_name(theirs.wire_security) +
-                " (this rank: " + mode_name(mine.wire_security) + ")");
-  }
-
-  uint8_t na[kLinkNonceBytes];
-  random_bytes(na, sizeof(na));
-  if (!send_reply(fd, 0, na, "", deadline, cancel)) return drop("closed the link before the challenge");
-  uint8_t proof[kProofMsgBytes];
-  if (!read_all(fd, proof, sizeof(proof), deadline, cancel) || get32(proof) != kFrameMagic) {
-    return drop("sent no proof of the job key");
-  }
+  if (get32(proof) != kFrameMagic) return drop("sent no proof of the job key");
+  const bool with_key = keyed(mine_.wire_security);
   if (with_key) {
     uint8_t want[kLinkProofBytes];
-    dialer_proof(secret, hello_buf, na, want);
+    dialer_proof(secret_, hello_, na_, want);
     const bool ok = equal_secret(want, proof + 4, kLinkProofBytes);
     wipe(want, sizeof(want));
     if (!ok) return drop(kFailedProofWhy);
   }
 
   // From here the peer holds the key: a disagreement is a misconfigured job, told in words.
-  Verdict v = judge(theirs, mine, rules);
+  Verdict v = judge(theirs_, mine_, rules_);
   bool decline = false;
   if (v.reason.empty()) {
-    const int taken = slot(ctx, theirs.from_rank, theirs.sock_index);
+    const int taken = slot(ctx, theirs_.from_rank, theirs_.sock_index);
     if (taken == kSlotDecline) {
       decline = true;
       v.reason = "declined: this rank dials the link itself";
     } else if (taken != kSlotTake) {
-      v = {ErrorKind::kConfig, "two processes claim rank " + std::to_string(theirs.from_rank) +
+      v = {ErrorKind::kConfig, "two processes claim rank " + std::to_string(theirs_.from_rank) +
                                    "; a stale process from an earlier job or a misnumbered rank"};
     }
   }
@@ -365,21 +381,49 @@ std::optional<Accepted> handshake_accept_impl(int fd, const Hello& mine, const L
   put32(status_and_len, status);
   put32(status_and_len + 4, static_cast<uint32_t>(v.reason.size()));
   uint8_t tag[kLinkProofBytes] = {};
-  if (with_key) acceptor_proof(secret, hello_buf, na, status_and_len, v.reason, tag);
+  if (with_key) acceptor_proof(secret_, hello_, na_, status_and_len, v.reason, tag);
   bool sent = send_reply(fd, status, tag, v.reason, deadline, cancel);
   if (decline) return drop(kDeclinedWhy);
   if (!v.reason.empty()) {
     std::string addr = remote_address(fd);
     throw_error(v.kind,
                 "[transport] refused a handshake from peer=" + addr + " (rank " +
-                    std::to_string(theirs.from_rank) + ", proved the job key): " + v.reason,
-                static_cast<int>(theirs.from_rank), addr);
+                    std::to_string(theirs_.from_rank) + ", proved the job key): " + v.reason,
+                static_cast<int>(theirs_.from_rank), addr);
   }
   if (!sent) return drop("closed the link before the verdict");
   Accepted out;
-  out.hello = theirs;
-  if (with_key) out.keys = derive_keys(secret, hello_buf, na, /*dialer=*/false);
+  out.hello = theirs_;
+  if (with_key) out.keys = derive_keys(secret_, hello_, na_, /*dialer=*/false);
   return out;
+}
+
+std::optional<Accepted> handshake_accept_impl(int fd, const Hello& mine, const LinkSecret& secret,
+                                              const SignatureRules& rules, Deadline deadline,
+                                              int (*slot)(void*, uint32_t, uint32_t),
+                                              void* ctx, std::string* dropped_why,
+                                              const std::atomic<bool>* cancel) {
+  auto drop = [&](const std::string& why) -> std::optional<Accepted> {
+    if (dropped_why) *dropped_why = why;
+    return std::nullopt;
+  };
+  AcceptSteps steps(mine, secret, rules);
+  uint8_t hello_buf[kHelloBytes];
+  if (!read_all(fd, hello_buf, sizeof(hello_buf), deadline, cancel)) {
+    return drop("sent no complete MCCL hello in time");
+  }
+  std::string why;
+  const std::string answer = steps.on_hello(hello_buf, &why);
+  if (!answer.empty() && !write_all(fd, answer.data(), answer.size(), deadline, cancel) &&
+      why.empty()) {
+    return drop("closed the link before the challenge");
+  }
+  if (!why.empty()) return drop(why);
+  uint8_t proof[kProofMsgBytes];
+  if (!read_all(fd, proof, sizeof(proof), deadline, cancel)) {
+    return drop("sent no proof of the job key");
+  }
+  return steps.on_proof(fd, proof, deadline, slot, ctx, dropped_why, cancel);
 }
 
 }  // namespace mccl

@@ -52,10 +52,13 @@ constexpr uint32_t kDeclinedStatus = 0xDEC1;
 // ProtocolError/ConfigError on a refusal (with the acceptor's reason), PeerLost when
 // there is no answer at all. Returns false (nothing thrown) if `cancel` became true, or
 // if the acceptor declined (it dials us itself) and `declined` is given: then *declined.
+// With `closed_early` given, an acceptor that closed or reset the connection before its
+// challenge (a listener full of strangers' connections drops its oldest, linker.h) also
+// returns false, with *closed_early set: the caller dials again.
 bool handshake_dial(int fd, const Hello& hello, const LinkSecret& secret,
                     const std::string& peer_addr, Deadline deadline,
                     const std::atomic<bool>* cancel, FrameKeys* keys,
-                    bool* declined = nullptr);
+                    bool* declined = nullptr, bool* closed_early = nullptr);
 
 // What handshake_accept reports for a connection whose proof did not check out.
 constexpr char kFailedProofWhy[] = "failed the proof of the job key";
@@ -86,6 +89,41 @@ std::optional<Accepted> handshake_accept(int fd, const Hello& mine, const LinkSe
                                          const SignatureRules& rules, Deadline deadline,
                                          Seen seen, std::string* dropped_why,
                                          const std::atomic<bool>* cancel = nullptr);
+
+// The acceptor's side in steps, for a caller that drives many connections from one
+// thread with nonblocking reads (the Linker's acceptor): feed it the dialer's hello, send
+// what it returns, then feed it the proof. handshake_accept below is the same steps with
+// blocking reads.
+class AcceptSteps {
+ public:
+  static constexpr size_t kHelloBytes = 88;
+  static constexpr size_t kProofBytes = 36;
+
+  AcceptSteps(const Hello& mine, const LinkSecret& secret, const SignatureRules& rules)
+      : mine_(mine), secret_(secret), rules_(rules) {}
+  ~AcceptSteps();
+  AcceptSteps(const AcceptSteps&) = delete;
+  AcceptSteps& operator=(const AcceptSteps&) = delete;
+
+  // `hello` holds kHelloBytes. Returns the bytes to send: the challenge, or a refusal in
+  // words (another build, an off/on mode) after which the connection is dropped with
+  // *dropped_why set; empty with *dropped_why set: drop without a word.
+  std::string on_hello(const uint8_t* hello, std::string* dropped_why);
+  // `proof` holds kProofBytes. A failed proof returns nullopt with *dropped_why; a proved
+  // peer is judged, its slot claimed, and the verdict written to `fd` before `deadline`
+  // (a proved disagreement is thrown after the verdict went out), as handshake_accept.
+  std::optional<Accepted> on_proof(int fd, const uint8_t* proof, Deadline deadline,
+                                   int (*slot)(void*, uint32_t, uint32_t), void* ctx,
+                                   std::string* dropped_why, const std::atomic<bool>* cancel);
+
+ private:
+  const Hello mine_;
+  const LinkSecret& secret_;
+  const SignatureRules& rules_;
+  uint8_t hello_[kHelloBytes] = {};
+  uint8_t na_[kLinkNonceBytes] = {};
+  Hello theirs_{};
+};
 
 std::optional<Accepted> handshake_accept_impl(int fd, const Hello& mine, const LinkSecret& secret,
                                               const SignatureRules& rules, Deadline deadline,

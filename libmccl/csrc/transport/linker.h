@@ -3,11 +3,29 @@
 // connections in all; a rank of 200 would hold 398 sockets).
 //
 // The Linker owns the communicator's listening socket for its whole life. Its acceptor
-// thread proves every connection with the keyed handshake (handshake.h) on a short-lived
-// thread each (at most kMaxPendingHandshakes at once; a stranger that fails the proof is
-// dropped and logged once per host, rejects.h), so a peer may dial in at any time, not
-// only during set-up. `want(peer)` dials a peer on a dialer thread (at most kMaxDialers at
-// once). Finished links wait in a queue for the transport, which is woken to adopt them.
+// thread proves every connection with the keyed handshake (handshake.h), so a peer may
+// dial in at any time, not only during set-up. `want(peer)` dials a peer on a dialer
+// thread (at most kMaxDialers at once). Finished links wait in a queue for the transport,
+// which is woken to adopt them.
+//
+// Strangers (anyone on the LAN can connect; only a holder of the job key can prove it):
+// the acceptor drives every unproved connection itself, from one poll loop and with
+// nonblocking reads, so a connection that stays silent costs a file descriptor and a
+// hundred bytes, never a thread. Unproved connections are capped per source host
+// (kMaxUnprovedPerHost) and in all (kMaxUnproved); a new connection beyond a cap makes
+// room by dropping the oldest of the busiest host (one that sent no hello before one
+// that did), so a flood from one host never keeps out another's, and on one host
+// (loopback) the newest connection, the one a real peer just dialed and on which its
+// hello is already on the way, is the one that stays. A stranger's hello is due within
+// kHelloBudget and its proof soon after the challenge; a real peer sends both at once. A
+// connection whose proof is due but still young is never dropped for room (its dialer
+// would read the drop as a refused key): when only those remain, new connections wait in
+// the kernel's backlog. A failed or dropped connection is logged once per host
+// (rejects.h).
+//
+// A dialer whose connection the peer closed before its challenge (dropped for room) dials
+// again with backoff until its deadline; if that passes, the error names the peer and
+// how often its listener closed our handshake.
 //
 // Who dials: the rank that needs the link (the sender of the first message; at set-up, the
 // lower rank of each pair of collective partners). A receiver never dials: the message it
@@ -32,6 +50,7 @@
 #include <deque>
 #include <functional>
 #include <list>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -47,7 +66,9 @@
 
 namespace mccl {
 
-constexpr int kMaxPendingHandshakes = 32;
+// Unproved connections the acceptor holds at once, from one source host and in all.
+constexpr int kMaxUnprovedPerHost = 32;
+constexpr int kMaxUnproved = 128;
 
 class Linker : public LinkSource {
  public:
@@ -90,11 +111,17 @@ class Linker : public LinkSource {
     std::vector<Fd> fds;  // accepted sockets, by index (kAccepting)
     std::vector<FrameKeys> keys;
     std::vector<bool> reserved;  // a proved connection is being answered for that index
+    int closed_early = 0;        // our dials it closed before its challenge (a full listener?)
   };
+  struct Unproved;  // a connection the acceptor holds before its proof (linker.cc)
 
   Hello hello(int to_rank, int sock_index) const;
   void accept_main();
-  void handshake_one(Fd fd, const std::string& from);
+  void accept_new(std::list<Unproved>* unproved);
+  bool make_room(std::list<Unproved>* unproved, const std::string& host, bool any_host);
+  void read_some(Unproved* u);
+  void finish(Unproved* u);
+  void drop_for_room(const std::string& host, const std::string& from);
   int claim_slot(uint32_t from, uint32_t sock, int* held);  // kSlot*, under mu_
   void dial_main();
   void dial_one(int peer);
@@ -118,7 +145,8 @@ class Linker : public LinkSource {
   std::function<void()> on_event_;
 
   std::thread acceptor_;
-  HelperThreads handshakes_;  // acceptor thread only
+  std::map<std::string, uint64_t> dropped_for_room_;  // by host; acceptor thread only
+  uint64_t dropped_for_room_total_ = 0;                // under mu_
   std::mutex stop_mu_;
   bool stopped_ = false;
 };
