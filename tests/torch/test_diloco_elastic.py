@@ -1,0 +1,91 @@
+"""DiLoCo under ElasticState(keep_workers=True): a host that leaves mid-round re-forms the
+world in place, DiLoCo (group=None) continues on the new default group at its next sync, and
+that round's average is over the ranks that finished it (the leaving rank's inner steps are
+not counted). Ranks are spawned processes, each its own "host" with its own drain file, as in
+test_elastic_reform.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from support.ranks import init_pg, run_ranks
+
+pytestmark = pytest.mark.timeout(150)
+
+H = 4
+STEPS = 12
+LEAVES_AT = 6       # the inner step (1-based) after which rank 2's host leaves: mid-round 2
+
+
+def _train(rank: int, world: int, ckpt: str) -> dict:
+    import torch.distributed as dist
+    import libmccl
+    from libmccl.elastic.state import DRAIN_ENV, ElasticState
+    from support.diloco_ref import inner_step, make_model, optimizers
+
+    os.environ[DRAIN_ENV] = os.path.join(ckpt, f"drain-{rank}")
+    os.environ["GROUP_RANK"] = str(rank)
+    init_pg(rank, world)
+    model = make_model()
+    inner, outer = optimizers(model)
+    state = ElasticState(ckpt, model=model, optimizer=inner, every=100, keep_workers=True)
+    worlds = []
+    try:
+        with libmccl.DiLoCo(model, inner, outer, sync_every=H) as d:
+            for step in range(state.resume(), STEPS):
+                inner_step(model, inner, rank, step + 1)    # data by the original rank: the "host"
+                if step + 1 == LEAVES_AT and rank == 2:
+                    open(os.environ[DRAIN_ENV], "w").close()
+                if state.step_done(step):
+                    worlds.append((step + 1, dist.get_world_size()))
+    except SystemExit as exc:
+        return {"exit": exc.code}
+    glob = [g.tolist() for f in d.state_dict()["fragment_state"] for g in f["global"].values()]
+    dist.destroy_process_group()
+    return {"exit": None, "worlds": worlds, "global": glob, "syncs": d.syncs}
+
+
+def _reference() -> list:
+    """Three ranks until step LEAVES_AT, then two; every sync averages the ranks present."""
+    import torch
+    from support.diloco_ref import inner_step, make_model, optimizers
+
+    models = [make_model() for _ in range(3)]
+    opts = [optimizers(m) for m in models]
+    glob = [p.detach().clone() for p in models[0].parameters()]
+    outer = opts[0][1]
+    for t in range(1, STEPS + 1):
+        members = [0, 1, 2] if t <= LEAVES_AT else [0, 1]
+        for r in members:
+            inner_step(models[r], opts[r][0], r, t)
+        if t % H:
+            continue
+        with torch.no_grad():
+            params = [list(models[r].parameters()) for r in members]
+            avg = [sum(g - ps[i].detach() for ps in params) / len(members) for i, g in enumerate(glob)]
+            for p, g, a in zip(params[0], glob, avg):
+                p.copy_(g)
+                p.grad = a
+            outer.step()
+            for i, p in enumerate(params[0]):
+                glob[i].copy_(p)
+            for ps in params:
+                for p, g in zip(ps, glob):
+                    p.copy_(g)
+    return glob
+
+
+def test_a_host_leaving_mid_round_leaves_the_average_to_the_ranks_that_finish(tmp_path) -> None:
+    import torch
+
+    out = run_ranks(_train, 3, str(tmp_path), timeout_s=130)
+    assert out[2] == {"exit": 0}
+    want = _reference()
+    for r in (0, 1):
+        assert out[r]["exit"] is None
+        assert out[r]["worlds"] == [(LEAVES_AT, 2)]      # one re-form in place, into a world of 2
+        assert out[r]["syncs"] == STEPS // H
+        for got, ref in zip(out[r]["global"], want, strict=True):
+            torch.testing.assert_close(torch.tensor(got), ref, rtol=1e-5, atol=1e-6)
