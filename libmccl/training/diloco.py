@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,8 +30,9 @@ from mccl_common.errors import ConfigError
 
 from . import reduce_group, state_transfer
 
-# Column of the per-sync table every rank contributes (one small all_gather per fragment sync).
-_HAS_STATE, _WEIGHT, _STEP, _FRAGMENT = range(4)
+# Columns of the per-sync table every rank contributes (one small all_gather per fragment sync).
+# int64 throughout: MPS has no float64, and a weight sent as a fraction is exact on every rank.
+_HAS_STATE, _NUM, _DEN, _STEP, _FRAGMENT = range(5)
 _STATE_VERSION = 1
 
 
@@ -254,14 +255,6 @@ class DiLoCo:
                     frag.pending = None
         return False
 
-    def sync_steps(self, fragment: int = 0) -> Iterable[int]:
-        """The inner steps (1-based counts) at which ``fragment`` starts its all-reduce, forever."""
-        frag = self._fragments[fragment]
-        t = frag.offset if frag.offset > 0 else self.sync_every
-        while True:
-            yield t
-            t += self.sync_every
-
     @property
     def fragments(self) -> int:
         return len(self._fragments)
@@ -281,25 +274,30 @@ class DiLoCo:
                 if self.delay == 0:
                     self._complete(frag)
 
-    def _weight(self, frag: _Fragment) -> float:
-        """This rank's share of the round: 1 for a rank that made every inner step of it; the
-        fraction it made for one that joined during it; 0 for one that has no state yet."""
+    def _weight(self, frag: _Fragment) -> tuple[int, int]:
+        """This rank's share of the round as a fraction: 1 for a rank that made every inner step
+        of it; the share it made for one that joined during it; 0 for one that has no state yet."""
         if not self._has_state:
-            return 0.0
+            return 0, 1
         if self._since_state is None:
-            return 1.0
+            return 1, 1
         expected = self.step - frag.last_send if frag.last_send is not None else self.step
-        return 1.0 if expected <= 0 else min(1.0, self._since_state / expected)
+        return (1, 1) if expected <= 0 else (min(self._since_state, expected), expected)
 
-    def _table(self, pg: Any, frag_index: int, weight: float) -> torch.Tensor:
-        """Every rank's [has state, weight, step, fragment]: who needs the state, the divisor of
-        the average, and a check that every rank is at the same point of the schedule."""
+    def _table(self, pg: Any, frag_index: int, weight: tuple[int, int]) -> torch.Tensor:
+        """Every rank's [has state, weight numerator, denominator, step, fragment]: who needs the
+        state, the divisor of the average, and a check that every rank is at the same point of
+        the schedule."""
         dev = self._fragments[0].params[0].device
-        mine = torch.tensor([1.0 if self._has_state else 0.0, weight, float(self.step if self._has_state else -1),
-                             float(frag_index)], dtype=torch.float64, device=dev)
+        mine = torch.tensor([int(self._has_state), weight[0], weight[1], self.step if self._has_state else -1,
+                             frag_index], dtype=torch.int64, device=dev)
         rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(pg))]
         dist.all_gather(rows, mine, group=pg)
-        return torch.stack(rows).cpu()
+        table = torch.stack(rows).cpu()
+        if bool((table[:, _DEN] <= 0).any()) or bool((table[:, _NUM] < 0).any()) or \
+                bool((table[:, _NUM] > table[:, _DEN]).any()):
+            raise ConfigError(f"[diloco] a rank sent a weight outside [0, 1] in the sync table {table.tolist()}")
+        return table
 
     def _send(self, frag: _Fragment, table: torch.Tensor | None = None) -> None:
         pg = reduce_group.resolve_group(self.group)
@@ -310,7 +308,7 @@ class DiLoCo:
             self._check_table(table, frag.index)
             if not bool(table[:, _HAS_STATE].all()):
                 state_transfer.exchange(self, pg, table)
-        total = float(table[:, _WEIGHT].sum())
+        total = sum(n / d for n, d in table[:, [_NUM, _DEN]].tolist())
         if total <= 0:
             raise ConfigError("[diloco] no rank has made an inner step with the state: nothing to average")
         works, buffers = [], []
@@ -318,8 +316,8 @@ class DiLoCo:
             for bucket in frag.buckets:
                 parts = [(frag.globals[j] - frag.params[j].detach()).reshape(-1) for j in bucket]
                 buf = torch.cat(parts)
-                if weight != 1.0:
-                    buf.mul_(weight)
+                if weight[0] != weight[1]:
+                    buf.mul_(weight[0] / weight[1])
                 works.append(dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=pg, async_op=True))
                 buffers.append(buf)
                 self.payload_bytes += buf.numel() * buf.element_size()
@@ -336,7 +334,7 @@ class DiLoCo:
         frags = {int(f) for f in table[have, _FRAGMENT].tolist()}
         if len(steps) > 1 or len(frags) > 1:
             at = ", ".join(f"rank {r} at step {int(s)} fragment {int(f)}"
-                           for r, (h, _, s, f) in enumerate(table.tolist()) if h > 0)
+                           for r, (h, _, _, s, f) in enumerate(table.tolist()) if h > 0)
             raise ConfigError(f"[diloco] the ranks are at different points of the schedule ({at}): every rank "
                               "must run the same number of inner steps between syncs (same sync_every, "
                               "fragments, and batches per rank), and resume from the same checkpoint")
@@ -392,7 +390,7 @@ class DiLoCo:
         """Meet the running ranks at their next sync: its table, the state from one of them,
         and that fragment's all-reduce (with weight 0: nothing of this rank is in the round)."""
         pg = reduce_group.resolve_group(self.group)
-        table = self._table(pg, -1, 0.0)
+        table = self._table(pg, -1, (0, 1))
         self._check_table(table, -1)
         state_transfer.exchange(self, pg, table)
         frag_index = int(table[int(torch.nonzero(table[:, _HAS_STATE] > 0)[0]), _FRAGMENT])
