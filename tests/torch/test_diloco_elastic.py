@@ -12,7 +12,7 @@ import pytest
 
 from support.ranks import init_pg, run_ranks
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = pytest.mark.timeout(200)
 
 H = 4
 STEPS = 12
@@ -80,7 +80,7 @@ def _reference() -> list:
 def test_a_host_leaving_mid_round_leaves_the_average_to_the_ranks_that_finish(tmp_path) -> None:
     import torch
 
-    out = run_ranks(_train, 3, str(tmp_path), timeout_s=130)
+    out = run_ranks(_train, 3, str(tmp_path), timeout_s=170)
     assert out[2] == {"exit": 0}
     want = _reference()
     for r in (0, 1):
@@ -89,3 +89,49 @@ def test_a_host_leaving_mid_round_leaves_the_average_to_the_ranks_that_finish(tm
         assert out[r]["syncs"] == STEPS // H
         for got, ref in zip(out[r]["global"], want, strict=True):
             torch.testing.assert_close(torch.tensor(got), ref, rtol=1e-5, atol=1e-6)
+
+
+def _restart(rank: int, world: int, ckpt: str) -> list:
+    """A run that stops after step 6 and resumes in new objects (as torchrun's restart after a
+    host joins) through ElasticState(replicated={"diloco": ...}) ends on the theta_global of a
+    run that never stopped: theta_global, the outer momentum and the counters came back."""
+    import torch
+    import torch.distributed as dist
+    import libmccl
+    from libmccl.elastic.state import ElasticState
+    from support.diloco_ref import batch, make_model
+
+    init_pg(rank, world)
+
+    def run(start_seed: int, stop: int, directory: str) -> tuple[list, int]:
+        model = make_model(start_seed)
+        # Plain SGD inside: ElasticState keeps one copy of the model and optimizer (rank 0's), which
+        # is exact only for state every rank shares; theta_local equals theta_global right after a sync.
+        inner = torch.optim.SGD(model.parameters(), lr=0.05)
+        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        d = libmccl.DiLoCo(model, inner, outer, sync_every=3)
+        state = ElasticState(directory, model=model, optimizer=inner, every=3, replicated={"diloco": d})
+        first = state.resume()
+        with d:
+            for step in range(first, stop):
+                x, y = batch(rank, step + 1)
+                inner.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                inner.step()
+                state.step_done(step)
+        return [g.clone() for f in d.state_dict()["fragment_state"] for g in f["global"].values()], first
+
+    try:
+        straight, _ = run(0, 12, os.path.join(ckpt, "straight"))
+        run(0, 6, os.path.join(ckpt, "stopped"))
+        dist.barrier()      # rank 0 marks the last checkpoint complete after the save's own barrier
+        resumed, first = run(9, 12, os.path.join(ckpt, "stopped"))   # other start values, all replaced
+        assert first == 6
+        return [float((a - b).abs().max()) for a, b in zip(resumed, straight)]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_elastic_checkpoint_carries_diloco_state(tmp_path) -> None:
+    out = run_ranks(_restart, 2, str(tmp_path), timeout_s=170)
+    assert out == [[0.0] * 4, [0.0] * 4]
