@@ -17,6 +17,7 @@ import torch.distributed as dist
 from mccl_common.errors import ConfigError
 
 MAX_MANIFEST_BYTES = 16 << 20
+MAX_STATE_PER_PARAM = 8         # optimizer state entries per parameter (Adam has 3, SGD 1)
 _DTYPES = {str(t): t for t in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
                                torch.int32)}
 _SCALARS = (int, float, bool, str, type(None))
@@ -82,14 +83,14 @@ def _check(d: Any, m: Any, src: int) -> list[tuple[list[int], torch.dtype, torch
         return ConfigError(f"[diloco] the state from rank {src} does not fit this rank: {what}; every rank "
                            "must build the same model and optimizers")
 
-    if not isinstance(m, dict) or not isinstance(m.get("step"), int) or m["step"] < 0:
+    if not isinstance(m, dict) or not _count(m.get("step")):
         raise bad("no step counter")
     frags = m.get("fragments")
     if not isinstance(frags, list) or len(frags) != len(d._fragments):
         raise bad("a different number of fragments")
     for f in frags:
-        if not isinstance(f, dict) or not isinstance(f.get("rounds"), int) or \
-                not (f.get("last_send") is None or isinstance(f.get("last_send"), int)):
+        if not isinstance(f, dict) or not _count(f.get("rounds")) or \
+                not (f.get("last_send") is None or _count(f.get("last_send"))):
             raise bad("malformed fragment counters")
     specs = [(list(g.shape), g.dtype, g.device) for f in d._fragments for g in f.globals]
     outers = distinct(d._outer)
@@ -98,15 +99,23 @@ def _check(d: Any, m: Any, src: int) -> list[tuple[list[int], torch.dtype, torch
     for o, om in zip(outers, m["outer"]):
         params = [p for g in o.param_groups for p in g["params"]]
         if not isinstance(om, dict) or not isinstance(om.get("groups"), list) or \
-                len(om["groups"]) != len(o.param_groups) or not isinstance(om.get("state"), list):
+                len(om["groups"]) != len(o.param_groups) or not isinstance(om.get("state"), list) or \
+                not all(isinstance(g, dict) for g in om["groups"]):
             raise bad("a different outer optimizer")
+        if len(om["state"]) > MAX_STATE_PER_PARAM * len(params):
+            raise bad(f"{len(om['state'])} optimizer state entries for {len(params)} parameters")
+        seen = set()
         for entry in om["state"]:
-            if not isinstance(entry, list) or len(entry) < 4 or not isinstance(entry[0], int) or \
-                    not 0 <= entry[0] < len(params) or not isinstance(entry[1], str):
+            if not isinstance(entry, list) or len(entry) < 4 or not _count(entry[0]) or \
+                    not entry[0] < len(params) or not isinstance(entry[1], str) or len(entry[1]) > 64:
                 raise bad("a malformed optimizer state entry")
+            if (entry[0], entry[1]) in seen:
+                raise bad(f"optimizer state {entry[1]!r} of parameter {entry[0]} twice")
+            seen.add((entry[0], entry[1]))
             if entry[2] == "tensor":
                 if len(entry) != 6 or entry[3] not in _DTYPES or not isinstance(entry[4], list) or \
-                        not all(isinstance(s, int) and s >= 0 for s in entry[4]):
+                        len(entry[4]) > 8 or not all(_count(s) for s in entry[4]) or \
+                        not isinstance(entry[5], bool):
                     raise bad(f"a malformed optimizer tensor {entry[1]!r}")
                 p = params[entry[0]]
                 if math_prod(entry[4]) > max(1, p.numel()):
@@ -135,6 +144,11 @@ def _install(d: Any, m: dict, tensors: list[torch.Tensor]) -> None:
                 if isinstance(k, str) and k in g and isinstance(v, _SCALARS) and type(v) is type(g[k]):
                     g[k] = v
     d._adopt(m["step"], [f["last_send"] for f in m["fragments"]], [f["rounds"] for f in m["fragments"]])
+
+
+def _count(x: Any) -> bool:
+    """A non-negative int that is not a bool (JSON true would pass isinstance(x, int))."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 def distinct(opts: list) -> list:
