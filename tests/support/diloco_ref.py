@@ -90,3 +90,58 @@ def reference(model, inner, outer, rank: int, steps: int, sync_every: int, fragm
     for f in list(pending):
         complete(f)
     return [g for frag in glob for g in frag]
+
+
+def simulate(n_ranks: int, steps: int, sync_every: int, split: bool, delay: int, alpha: float,
+             members_at: Callable[[int], list[int]]) -> list:
+    """The schedule in one process for ranks that come and go without joining: ``members_at(t)``
+    are the ranks that make inner step t; a sync averages the ranks present when it is sent and
+    merges into those present when it completes. Returns theta_global."""
+    import torch
+
+    models = [make_model() for _ in range(n_ranks)]
+    opts = [optimizers(m) for m in models]
+    frags = [[list(m[0].parameters()), list(m[2].parameters())] if split else [list(m.parameters())]
+             for m in models]
+    n_frag = len(frags[0])
+    span = sync_every // n_frag
+    glob = [[p.detach().clone() for p in frags[0][f]] for f in range(n_frag)]
+    carrier = make_model()                  # stands for theta_global under the outer optimizer
+    cfr = [list(carrier[0].parameters()), list(carrier[2].parameters())] if split else [list(carrier.parameters())]
+    outer = torch.optim.SGD(carrier.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    pending: dict[int, tuple[list, int]] = {}
+
+    def complete(f: int, members: list[int]) -> None:
+        avg, _ = pending.pop(f)
+        with torch.no_grad():
+            for p in carrier.parameters():
+                p.grad = None
+            for p, g, a in zip(cfr[f], glob[f], avg):
+                p.copy_(g)
+                p.grad = a
+            outer.step()
+            for g, p in zip(glob[f], cfr[f]):
+                g.copy_(p)
+            for r in members:
+                for p, g in zip(frags[r][f], glob[f]):
+                    p.copy_(g + alpha * (p - g))
+
+    members = members_at(1)
+    for t in range(1, steps + 1):
+        members = members_at(t)
+        for r in members:
+            inner_step(models[r], opts[r][0], r, t)
+        for f in list(pending):
+            if pending[f][1] <= t:
+                complete(f, members)
+        for f in range(n_frag):
+            if t >= f * span and (t - f * span) % sync_every == 0:
+                with torch.no_grad():
+                    avg = [sum(g - frags[r][f][i].detach() for r in members) / len(members)
+                           for i, g in enumerate(glob[f])]
+                pending[f] = (avg, t + delay)
+                if delay == 0:
+                    complete(f, members)
+    for f in list(pending):
+        complete(f, members)
+    return [g for frag in glob for g in frag]

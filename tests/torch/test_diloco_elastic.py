@@ -19,7 +19,7 @@ STEPS = 12
 LEAVES_AT = 6       # the inner step (1-based) after which rank 2's host leaves: mid-round 2
 
 
-def _train(rank: int, world: int, ckpt: str) -> dict:
+def _train(rank: int, world: int, ckpt: str, split: bool, delay: int, alpha: float) -> dict:
     import torch.distributed as dist
     import libmccl
     from libmccl.elastic.state import DRAIN_ENV, ElasticState
@@ -31,9 +31,10 @@ def _train(rank: int, world: int, ckpt: str) -> dict:
     model = make_model()
     inner, outer = optimizers(model)
     state = ElasticState(ckpt, model=model, optimizer=inner, every=100, keep_workers=True)
+    frags = [model[0], model[2]] if split else 1
     worlds = []
     try:
-        with libmccl.DiLoCo(model, inner, outer, sync_every=H) as d:
+        with libmccl.DiLoCo(model, inner, outer, sync_every=H, fragments=frags, delay=delay, alpha=alpha) as d:
             for step in range(state.resume(), STEPS):
                 inner_step(model, inner, rank, step + 1)    # data by the original rank: the "host"
                 if step + 1 == LEAVES_AT and rank == 2:
@@ -47,46 +48,22 @@ def _train(rank: int, world: int, ckpt: str) -> dict:
     return {"exit": None, "worlds": worlds, "global": glob, "syncs": d.syncs}
 
 
-def _reference() -> list:
-    """Three ranks until step LEAVES_AT, then two; every sync averages the ranks present."""
+@pytest.mark.parametrize(("split", "delay", "alpha"), [(False, 0, 0.0), (True, 1, 0.5)],
+                         ids=["diloco", "streaming-in-flight"])
+def test_a_host_leaving_mid_round_leaves_the_average_to_the_ranks_that_finish(tmp_path, split, delay,
+                                                                            alpha) -> None:
+    """Streaming: fragment 1 is sent at step 6 by all three ranks, the host leaves after that
+    step and the all-reduce, started on the old group, completes at step 7 in the new world."""
     import torch
-    from support.diloco_ref import inner_step, make_model, optimizers
+    from support.diloco_ref import simulate
 
-    models = [make_model() for _ in range(3)]
-    opts = [optimizers(m) for m in models]
-    glob = [p.detach().clone() for p in models[0].parameters()]
-    outer = opts[0][1]
-    for t in range(1, STEPS + 1):
-        members = [0, 1, 2] if t <= LEAVES_AT else [0, 1]
-        for r in members:
-            inner_step(models[r], opts[r][0], r, t)
-        if t % H:
-            continue
-        with torch.no_grad():
-            params = [list(models[r].parameters()) for r in members]
-            avg = [sum(g - ps[i].detach() for ps in params) / len(members) for i, g in enumerate(glob)]
-            for p, g, a in zip(params[0], glob, avg):
-                p.copy_(g)
-                p.grad = a
-            outer.step()
-            for i, p in enumerate(params[0]):
-                glob[i].copy_(p)
-            for ps in params:
-                for p, g in zip(ps, glob):
-                    p.copy_(g)
-    return glob
-
-
-def test_a_host_leaving_mid_round_leaves_the_average_to_the_ranks_that_finish(tmp_path) -> None:
-    import torch
-
-    out = run_ranks(_train, 3, str(tmp_path), timeout_s=170)
+    out = run_ranks(_train, 3, str(tmp_path), split, delay, alpha, timeout_s=170)
     assert out[2] == {"exit": 0}
-    want = _reference()
+    want = simulate(3, STEPS, H, split, delay, alpha, lambda t: [0, 1, 2] if t <= LEAVES_AT else [0, 1])
     for r in (0, 1):
         assert out[r]["exit"] is None
         assert out[r]["worlds"] == [(LEAVES_AT, 2)]      # one re-form in place, into a world of 2
-        assert out[r]["syncs"] == STEPS // H
+        assert out[r]["syncs"] == (STEPS // H) * (2 if split else 1)
         for got, ref in zip(out[r]["global"], want, strict=True):
             torch.testing.assert_close(torch.tensor(got), ref, rtol=1e-5, atol=1e-6)
 
