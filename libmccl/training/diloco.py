@@ -54,6 +54,10 @@ class _Fragment:
     params: list[torch.nn.Parameter]
     globals: list[torch.Tensor]                     # theta_global of each parameter
     buckets: list[list[int]] = field(default_factory=list)  # indices into params, by (device, dtype)
+    # One flat buffer per bucket, the same tensor at every sync: a compressing engine keeps its
+    # error feedback per buffer address (as for DDP's buckets), so each fragment's residual
+    # goes into that fragment's next round, never into another fragment's.
+    sendbufs: list[torch.Tensor] = field(default_factory=list)
     last_send: int | None = None                    # the inner step of the previous sync
     rounds: int = 0                                  # completed outer steps
     pending: _Pending | None = None
@@ -313,9 +317,10 @@ class DiLoCo:
             raise ConfigError("[diloco] no rank has made an inner step with the state: nothing to average")
         works, buffers = [], []
         with torch.no_grad():
-            for bucket in frag.buckets:
+            for k, bucket in enumerate(frag.buckets):
                 parts = [(frag.globals[j] - frag.params[j].detach()).reshape(-1) for j in bucket]
-                buf = torch.cat(parts)
+                buf = self._sendbuf(frag, k)
+                torch.cat(parts, out=buf)
                 if weight[0] != weight[1]:
                     buf.mul_(weight[0] / weight[1])
                 works.append(dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=pg, async_op=True))
@@ -324,6 +329,15 @@ class DiLoCo:
         self.syncs += 1
         frag.pending = _Pending(works, buffers, self.step + self.delay, total)
         frag.last_send = self.step
+
+    @staticmethod
+    def _sendbuf(frag: _Fragment, k: int) -> torch.Tensor:
+        if not frag.sendbufs:
+            for bucket in frag.buckets:
+                first = frag.params[bucket[0]]
+                n = sum(frag.params[j].numel() for j in bucket)
+                frag.sendbufs.append(torch.empty(n, dtype=first.dtype, device=first.device))
+        return frag.sendbufs[k]
 
     def _check_table(self, table: torch.Tensor, frag_index: int) -> None:
         have = table[:, _HAS_STATE] > 0
@@ -470,8 +484,12 @@ class DiLoCo:
                 if pend is None:
                     frag.pending = None
                 else:
-                    bufs = [b.to(device=frag.params[bk[0]].device, dtype=frag.params[bk[0]].dtype).clone()
-                            for b, bk in zip(pend["buffers"], frag.buckets)]
+                    sizes = [self._sendbuf(frag, k).numel() for k in range(len(frag.buckets))]
+                    if [int(b.numel()) for b in pend["buffers"]] != sizes:
+                        raise ConfigError(f"[diloco] fragment {frag.index}'s all-reduce in flight in the state "
+                                          f"has buffers of {[int(b.numel()) for b in pend['buffers']]} elements, "
+                                          f"this model's {sizes}")
+                    bufs = [self._sendbuf(frag, k).copy_(b) for k, b in enumerate(pend["buffers"])]
                     frag.pending = _Pending([], bufs, int(pend["complete_at"]), float(pend["total_weight"]),
                                             waited=True)
         for o, sd in zip(outers, state["outer"]):

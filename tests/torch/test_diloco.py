@@ -301,6 +301,29 @@ def _misuse_rank(rank: int, world: int) -> None:
         finally:
             ProcessGroupMCCL.compression = real
 
+        # Each fragment's outer gradient goes out in the same buffer every round, and no other
+        # fragment's: the engine's error feedback for compressed all-reduces is kept per buffer.
+        sent: list = []
+        real_all_reduce = dist.all_reduce
+
+        def recording(tensor, *args, **kw):
+            sent.append((tensor.numel(), tensor.data_ptr()))
+            return real_all_reduce(tensor, *args, **kw)
+
+        dist.all_reduce = recording
+        try:
+            twins = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))   # fragments of one size
+            inner, outer = optimizers(twins)
+            with libmccl.DiLoCo(twins, inner, outer, sync_every=2, fragments=[twins[0], twins[1]]):
+                for t in range(1, 9):
+                    inner.zero_grad()
+                    twins(torch.randn(3, 4)).square().mean().backward()
+                    inner.step()
+        finally:
+            dist.all_reduce = real_all_reduce
+        frag0, frag1 = sent[1::2], sent[0::2]          # fragment 1 syncs first (steps 1, 3, ...)
+        assert len(sent) == 8 and len(set(frag0)) == 1 and len(set(frag1)) == 1 and set(frag0) != set(frag1)
+
         # A parameter replaced by one of another shape is refused at the next sync.
         model = make_model()
         inner, outer = optimizers(model)
