@@ -73,6 +73,15 @@ def lightning_callback():  # noqa: ANN201 - a lightning Callback, imported lazil
     return make()
 
 
+def __getattr__(name: str):  # noqa: ANN202 - torch types, imported lazily
+    """``libmccl.DiLoCo`` (libmccl/training/diloco.py) imports torch only when asked for."""
+    if name == "DiLoCo":
+        from .training import DiLoCo
+
+        return DiLoCo
+    raise AttributeError(f"module 'libmccl' has no attribute {name!r}")
+
+
 def _autoload() -> None:
     """torch's entry point hook: must be cheap and must never raise (it runs inside ``import torch``)."""
     try:

@@ -68,7 +68,8 @@ class ElasticState:
 
     def __init__(self, directory: str | os.PathLike, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
-                 every: int = 100, extra: dict | None = None, keep_workers: bool = False):
+                 every: int = 100, extra: dict | None = None, keep_workers: bool = False,
+                 replicated: dict[str, Any] | None = None):
         if every < 1:
             raise ConfigError(f"[elastic] every={every}: checkpoint at least every step (every >= 1)")
         if not dist.is_initialized():
@@ -80,6 +81,9 @@ class ElasticState:
         self.every = every
         self.extra: dict = dict(extra or {})
         self.keep_workers = keep_workers
+        # Objects with state_dict()/load_state_dict() whose state is the same on every rank (a
+        # DiLoCo's theta_global and outer optimizer): rank 0 saves them, every rank loads them.
+        self.replicated: dict[str, Any] = dict(replicated or {})
         self._rngs: list = []           # every rank's RNG states at the last save
         self._drain_file = os.environ.get(DRAIN_ENV, "")
         self._reform_file = os.environ.get(REFORM_ENV, "")
@@ -111,6 +115,10 @@ class ElasticState:
         if self.scheduler is not None and meta.get("scheduler") is not None:
             self.scheduler.load_state_dict(meta["scheduler"])
         self.extra = meta.get("extra", {})
+        if self.replicated:
+            saved = torch.load(path / "replicated.pt", map_location="cpu", weights_only=True)
+            for name, obj in self.replicated.items():
+                obj.load_state_dict(saved[name])
         rngs = meta.get("rng", [])
         if rngs:
             # A smaller world takes the states of its ranks; a larger one reuses them round robin,
@@ -199,6 +207,10 @@ class ElasticState:
         path = self.directory / f"step-{step:09d}"
         rank = dist.get_rank()
         dcp.save(self._tensors(), checkpoint_id=str(path / "dcp"))
+        if self.replicated and rank == 0:
+            tmp = path / "replicated.pt.tmp"
+            torch.save({name: obj.state_dict() for name, obj in self.replicated.items()}, tmp)
+            tmp.replace(path / "replicated.pt")
         rngs: list = [None] * dist.get_world_size()
         dist.all_gather_object(rngs, _get_rng())
         self._rngs = rngs

@@ -157,6 +157,13 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
         return self._options
 
     @property
+    def compression(self) -> str:
+        """The compression this group's all-reduces apply (MCCL_COMPRESSION or Options(compression=));
+        "off" where the engine has no such setting. Callers that must not send fp32 in place of a
+        compressed payload (DiLoCo's compression=) check it."""
+        return str(getattr(self._cfg, "compression", "off"))
+
+    @property
     def communicator(self) -> Any:
         """The engine communicator (stats(), peer_address()); for tools and tests."""
         return self._comm
