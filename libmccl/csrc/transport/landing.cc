@@ -79,6 +79,12 @@ size_t Landing::next_read(size_t cap) const {
   return sink_ ? std::min(left_, cap - carry_n_) : left_;
 }
 
+size_t Landing::wake_bytes(size_t batch) const {
+  if (!cipher_) return std::min(left_, batch);
+  const size_t last = records_of(n_) > 0 ? (records_of(n_) - 1) * kWireRecord : 0;  // its first wire byte
+  return std::min(pos_ < last ? last - pos_ : wire_n_ - pos_, batch);
+}
+
 ssize_t Landing::recv_from(int fd, int flags, uint8_t* stage, size_t cap) {
   if (cipher_) {
     // One read scatters up to kSlots records' ciphertext and tags into their places.

@@ -51,6 +51,11 @@ class Landing {
   ssize_t recv_from(int fd, int flags, uint8_t* stage, size_t cap);
   // The most bytes the next recv_from(..., cap) asks for: a shorter read drained the socket.
   size_t next_read(size_t cap) const;
+  // How many bytes a reader waiting for this payload should let arrive before it wakes,
+  // given it would like at most `batch`: sealed, the last record is left for a wake of its
+  // own, so the records before it are opened while it arrives and only its own opening
+  // follows the payload's last byte.
+  size_t wake_bytes(size_t batch) const;
 
  private:
   // Sealed records in flight at once: a read may take this many records' bytes.
