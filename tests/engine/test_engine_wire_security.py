@@ -25,7 +25,7 @@ from mccl_common.errors import AuthError, ConfigError, MCCLError
 from support import link_peer
 from support.borrowed import K, Mesh
 from support.engine import AVG, DT, SUM, make_options, ptr, run_ranks, run_threads
-from support.mitm import KIND_ABORT, KIND_COLLECTIVE, RECORD, TAG, Frame, Mitm, abort_payload, header
+from support.mitm import KIND_ABORT, KIND_COLLECTIVE, KIND_P2P, RECORD, TAG, Frame, Mitm, abort_payload, header
 
 W = _core.WireSecurity
 SEALED = [W.aead, W.mac]
@@ -217,6 +217,64 @@ def test_bare_frames_let_the_same_flip_through_silently():
     outcome, buf, _ = attacked_allreduce(W.off, on_first_big_frame(flip), sealed=False)
     assert outcome[1] is False or outcome[0] is False, outcome
     assert not np.isin(buf, [OWN, OWN + PEER]).all()
+
+
+# Copy-receives (a p2p recv here; also a broadcast's or all-gather's blocks) land records
+# in the caller's buffer: a forged record must leave no byte there (issue 34).
+SENT, BEFORE = 0x11, 0xEE       # a flipped bit in SENT gives neither
+P2P_BYTES = 4 << 20             # stripes of 2 MB: frames of 32 records
+
+
+def attacked_recv(mode, threads):
+    """Rank 0 sends P2P_BYTES of SENT to rank 1, whose receive buffer holds BEFORE; the
+    attacker flips a bit of record 1 of the first p2p frame once rank 1's recv is posted.
+    Returns (rank 1's error or True, rank 1's buffer afterwards)."""
+    send_thread, recv_threads = threads
+    done = []
+
+    def attack(i: int, f: Frame) -> bytes:
+        if not done and f.kind == KIND_P2P and f.length >= 3 * RECORD:
+            done.append(i)
+            time.sleep(0.5)
+            return flip(f)
+        return f.wire()
+    mitm = Mitm(True, attack)
+    got = np.full(P2P_BYTES, BEFORE, dtype=np.uint8)
+    try:
+        comms = build(2, mitm.fds, new_secret(), mode, timeout_s=20.0, send_thread=send_thread,
+                      recv_threads=recv_threads)
+
+        def body(r, c):
+            try:
+                if r == 0:
+                    x = np.full(P2P_BYTES, SENT, dtype=np.uint8)
+                    c.wait(c.send(ptr(x), x.nbytes, 1, 3), 25)
+                else:
+                    c.wait(c.recv(ptr(got), got.nbytes, 0, 3), 25)
+            except MCCLError as e:
+                return e
+            return True
+        outcome = run_ranks(comms, body)
+        shutdown(comms, 1.0)
+    finally:
+        mitm.close()
+    assert done, "the attacker saw no p2p frame to alter"
+    return outcome[1], got
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", SEALED, ids=["aead", "mac"])
+@pytest.mark.parametrize("threads", [(True, 2), (False, 0)], ids=["helper-threads", "progress-thread-only"])
+def test_a_forged_record_of_a_copy_receive_leaves_no_byte_in_the_buffer(mode, threads):
+    err, got = attacked_recv(mode, threads)
+    assert isinstance(err, AuthError), err
+    assert err.peer_rank == 0
+    # Each byte holds what it held before or what rank 0 sent; none the forged byte.
+    values = np.unique(got)
+    assert set(values.tolist()) <= {SENT, BEFORE}, values[:10]
+    # The records after the forged one never landed either (the frame stopped at it).
+    assert (got == BEFORE).any()
+    assert "no byte that failed its tag was written to the destination" in str(err), str(err)
 
 
 @pytest.mark.timeout(30)

@@ -30,7 +30,7 @@ void Landing::unseal(RecordCipher* cipher, RecordStream stream, const uint8_t* a
   wire_n_ = sealed_bytes(n_);
   pos_ = 0;
   opened_ = 0;
-  if (sink_ && !slots_) slots_.reset(new uint8_t[kSlots * kRecordBytes]);
+  if (!slots_) slots_.reset(new uint8_t[kSlots * kRecordBytes]);
 }
 
 // ---------------------------------------------------------------- plain payloads
@@ -77,6 +77,12 @@ bool Landing::put(const uint8_t* src, size_t n) {
 size_t Landing::next_read(size_t cap) const {
   if (cipher_) return room();
   return sink_ ? std::min(left_, cap - carry_n_) : left_;
+}
+
+size_t Landing::wake_bytes(size_t batch) const {
+  if (!cipher_) return std::min(left_, batch);
+  const size_t last = records_of(n_) > 0 ? (records_of(n_) - 1) * kWireRecord : 0;  // its first wire byte
+  return std::min(pos_ < last ? last - pos_ : wire_n_ - pos_, batch);
 }
 
 ssize_t Landing::recv_from(int fd, int flags, uint8_t* stage, size_t cap) {
@@ -146,7 +152,7 @@ uint8_t* Landing::target(size_t* len) {
   const size_t rl = record_len(n_, i);
   if (off < rl) {
     *len = rl - off;
-    return (sink_ ? slots_.get() + (i % kSlots) * kRecordBytes : base_ + i * kRecordBytes) + off;
+    return slots_.get() + (i % kSlots) * kRecordBytes + off;
   }
   *len = rl + kTagBytes - off;
   return tags_[i % kSlots] + (off - rl);
@@ -166,9 +172,15 @@ bool Landing::open_ready() {
     const size_t i = opened_;
     const size_t rl = record_len(n_, i);
     if (pos_ < i * kWireRecord + rl + kTagBytes) break;
-    uint8_t* data = sink_ ? slots_.get() + (i % kSlots) * kRecordBytes : base_ + i * kRecordBytes;
+    // Opened in its slot, so a forged record's bytes (kAead: decrypted under a wrong tag;
+    // kMac: as sent) never reach the destination, which holds what it held before.
+    uint8_t* data = slots_.get() + (i % kSlots) * kRecordBytes;
     if (!cipher_->open(stream_, aad_, aad_n_, data, rl, tags_[i % kSlots])) return false;
-    if (sink_ && rl) sink_->consume(data, base_ + i * kRecordBytes, rl);
+    if (sink_ && rl) {
+      sink_->consume(data, base_ + i * kRecordBytes, rl);
+    } else if (rl) {
+      std::memcpy(base_ + i * kRecordBytes, data, rl);
+    }
     ++opened_;
   }
   return true;

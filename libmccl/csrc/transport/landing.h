@@ -8,12 +8,13 @@
 // the sink only ever sees whole units, and the bytes of a split one wait in a small
 // carry until the rest arrives.
 //
-// Sealed frames (integrity/aead.h) arrive as records, each followed by its tag. A copy
-// reads a record's ciphertext straight into place and opens it there; for a sink it is
-// read into a slot of this landing's own stage, opened there, and only then handed on:
-// no byte of a record reaches a sink (or is counted) before its tag matched. Records
-// hold whole units (kRecordBytes and every frame's range are multiples of the unit), so
-// sealed payloads need no carry.
+// Sealed frames (integrity/aead.h) arrive as records, each followed by its tag. A record
+// is read into a slot of this landing's own stage, opened there, and only then copied
+// into place or handed to the sink: no byte of a record reaches the destination (a
+// user's tensor, or the shared segment a daemon's client reads) or is counted before its
+// tag matched, so a forged record leaves the destination as it was. The extra copy is
+// from a slot still hot in cache. Records hold whole units (kRecordBytes and every
+// frame's range are multiples of the unit), so sealed payloads need no carry.
 #pragma once
 #include <sys/types.h>
 
@@ -50,6 +51,11 @@ class Landing {
   ssize_t recv_from(int fd, int flags, uint8_t* stage, size_t cap);
   // The most bytes the next recv_from(..., cap) asks for: a shorter read drained the socket.
   size_t next_read(size_t cap) const;
+  // How many bytes a reader waiting for this payload should let arrive before it wakes,
+  // given it would like at most `batch`: sealed, the last record is left for a wake of its
+  // own, so the records before it are opened while it arrives and only its own opening
+  // follows the payload's last byte.
+  size_t wake_bytes(size_t batch) const;
 
  private:
   // Sealed records in flight at once: a read may take this many records' bytes.
@@ -80,7 +86,7 @@ class Landing {
   size_t pos_ = 0;           // wire bytes taken
   size_t opened_ = 0;        // records opened
   uint8_t tags_[kSlots][kTagBytes];
-  std::unique_ptr<uint8_t[]> slots_;  // sinks: kSlots records' ciphertext
+  std::unique_ptr<uint8_t[]> slots_;  // kSlots records' ciphertext, opened in place
 };
 
 }  // namespace mccl

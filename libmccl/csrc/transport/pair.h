@@ -96,7 +96,7 @@ class Pair {
   static constexpr size_t kStripeBytes = 256 << 10;
   static constexpr size_t kStripeAlign = 64;  // a multiple of every sink unit (sink.h)
   // Frames with less payload are written by the caller when their socket is idle;
-  // larger ones go to the send thread, if any. Handing a frame over costs two thread
+  // larger ones (sealed: more than one record) go to the send thread, if any. Handing a frame over costs two thread
   // wake-ups: below ~512K that showed as +20-25 % CPU per byte (N=4, 1-4 MB all-reduce).
   static constexpr size_t kInlineBytes = 512 << 10;
   static constexpr int kMaxIov = 64;  // frames gathered into one sendmsg()
@@ -231,7 +231,8 @@ class Pair {
     std::unique_ptr<RecordCipher> sealer, opener;
   };
 
-  void enqueue(size_t conn, SendItem&& item);
+  // may_inline false: the send thread (if any) writes it, even when small.
+  void enqueue(size_t conn, SendItem&& item, bool may_inline = true);
   // Writes what the socket takes now; finished frames go to *sent. Returns the errno of
   // a failed write, else 0.
   int write_queued(size_t conn, std::vector<SentFrame>* sent);

@@ -186,8 +186,10 @@ void Pair::auth_failed() {
   throw_error(ErrorKind::kAuth,
               "[engine] frame from " + who() +
                   " failed authentication (altered or injected on the way, or a different job "
-                  "key); the communicator is failed; check the network path between the hosts "
-                  "and that every rank uses the same job key (MCCL_JOB_KEY_FILE)",
+                  "key); no byte that failed its tag was written to the destination buffer (it "
+                  "holds what it held before wherever no authentic record landed), but the op's "
+                  "output is incomplete; the communicator is failed; check the network path "
+                  "between the hosts and that every rank uses the same job key (MCCL_JOB_KEY_FILE)",
               peer_rank_, peer_addr_);
 }
 

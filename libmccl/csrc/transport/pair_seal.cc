@@ -20,7 +20,15 @@ int Pair::claim_seal(size_t conn, SealJob* jobs) {
     const size_t units = records_of(it->length) + 1;
     // Record i may be sealed once record i - kSealAhead has gone out (its slot is free).
     const size_t records_out = it->sent / (kRecordBytes + kTagBytes);
-    const size_t limit = std::min(units, records_out + kSealAhead + 1);
+    size_t limit = std::min(units, records_out + kSealAhead + 1);
+    // The queue's first frame with nothing sealed left to write: the socket may idle until
+    // this pass's records are sealed, so seal one record and write it first (a ring step's
+    // first bytes wait for 64 KiB of sealing, not kSealAhead x 64 KiB), then twice as many
+    // as went out so far, up to kSealAhead, while the kernel sends them. Frames behind it
+    // are sealed while it goes out.
+    if (it == c.sendq.begin() && it->sealed <= records_out + 1) {
+      limit = std::min(limit, std::max<size_t>(it->sealed, 1) + std::max<size_t>(records_out, 1));
+    }
     if (it->sealed < limit) {
       if (!it->stage && it->length && c.sealer->encrypts()) {
         if (records_of(it->length) == 1) {

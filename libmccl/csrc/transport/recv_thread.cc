@@ -144,7 +144,7 @@ void RecvThread::main() {
     // Every lent socket is drained: wait for data, or for another socket to be lent.
     fds.clear();
     for (Job& j : mine) {
-      set_lowat(j, static_cast<int>(std::min(j.land->left(), kWakeBytes)));
+      set_lowat(j, static_cast<int>(j.land->wake_bytes(kWakeBytes)));
       fds.push_back({j.fd, POLLIN, 0});
     }
     waker_.poll(lk, fds, &busy_, cv_);
