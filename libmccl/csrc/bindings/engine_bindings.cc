@@ -333,7 +333,18 @@ void register_engine_bindings(py::module_& m) {
       .def_readwrite("wire_security", &Options::wire_security)
       .def_readwrite("algo", &Options::algo)
       .def_readwrite("alpha_us", &Options::alpha_us)
-      .def_readwrite("beta_gbps", &Options::beta_gbps);
+      .def_readwrite("beta_gbps", &Options::beta_gbps)
+      .def_property(
+          "compression", [](const Options& o) { return std::string(codec_name(static_cast<Codec>(o.compression))); },
+          [](Options& o, const std::string& s) {
+            Codec k;
+            if (!parse_codec(s, &k)) {
+              throw_error(ErrorKind::kConfig, "[engine] MCCL_COMPRESSION=" + s + ": use off, bf16, fp16 or int8");
+            }
+            o.compression = static_cast<int>(k);
+          })
+      .def_readwrite("compression_min_bytes", &Options::compression_min_bytes)
+      .def_readwrite("compression_feedback", &Options::compression_feedback);
 
   // The cost model (algorithms/cost_model.h), for benchmarks that print and plot it beside
   // what they measure. Seconds; beta in seconds per byte; `nbytes` as nccl-tests count
