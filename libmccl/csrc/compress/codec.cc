@@ -105,9 +105,10 @@ void encode_16(const float* v, size_t n, uint8_t* out, float* residual) {
     for (size_t i = 0; i < n; ++i) {
       const float x = v[i] + residual[i];
       const uint16_t h = To(x);
-      const float back = From(h);
-      // An overflow to infinity (fp16 past 65504) or a NaN carries nothing forward.
-      residual[i] = std::fabs(back) <= std::numeric_limits<float>::max() ? x - back : 0.f;
+      const uint32_t d = float_bits(x - From(h));
+      // An overflow to infinity (fp16 past 65504) or a NaN carries nothing forward. A bit
+      // select, not a branch, so the loop vectorises (core/half.h says why).
+      residual[i] = bits_float(pick((d & 0x7fffffffu) < 0x7f800000u, d, 0u));
       o[i] = h;
     }
   } else {
