@@ -53,8 +53,8 @@ def _close(a: list, b: list) -> float:
     return (num / den) ** 0.5
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_unchanged_ddp_script_and_the_hook_train_compressed(ranks, world: int) -> None:
+def test_unchanged_ddp_script_and_the_hook_train_compressed(ranks) -> None:
+    world = 3   # not a power of two; the engine's tests cover 2-9 ranks
     exact = ranks(_ddp_rank, world, None, timeout_s=150, env={"MCCL_COMPRESSION": "off"})
     by_env = ranks(_ddp_rank, world, None, timeout_s=150, env={"MCCL_COMPRESSION": "int8"})
     by_hook = ranks(_ddp_rank, world, "int8", timeout_s=150, env={"MCCL_COMPRESSION": "off"})

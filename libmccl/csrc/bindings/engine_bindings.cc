@@ -51,7 +51,10 @@ AlgoOp to_algo_op(const std::string& s) {
 
 Algo to_algo(AlgoOp op, const std::string& s) {
   Algo a;
-  if (!parse_algo_for(op, s, &a) || a == Algo::kAuto) {
+  // The compressed algorithms are never chosen or pinned, but the model predicts them.
+  const bool compressed = (op == AlgoOp::kAllreduce || op == AlgoOp::kReduceScatter) && parse_algo(s, &a) &&
+                          codec_of(a) != Codec::kOff;
+  if (!compressed && (!parse_algo_for(op, s, &a) || a == Algo::kAuto)) {
     std::string names;
     for (Algo x : algos_of(op)) names += std::string(names.empty() ? "" : ", ") + algo_name(x);
     throw_error(ErrorKind::kConfig, "[engine] " + std::string(algo_op_name(op)) +
