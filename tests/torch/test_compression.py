@@ -11,7 +11,7 @@ pytestmark = pytest.mark.timeout(180)
 _STEPS = 6
 
 
-def _train(rank: int, hook: str | None) -> list:
+def _train(rank: int, group, hook: str | None) -> list:
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -20,9 +20,9 @@ def _train(rank: int, hook: str | None) -> list:
     torch.manual_seed(0)
     # 64x1024 + 1024x256 float32 weights: buckets well above MCCL_COMPRESSION_MIN_BYTES.
     net = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 256))
-    model = DDP(net, bucket_cap_mb=0.5)
+    model = DDP(net, process_group=group, bucket_cap_mb=0.5)
     if hook:
-        model.register_comm_hook(libmccl.CompressionState(hook), libmccl.compressed_allreduce_hook)
+        model.register_comm_hook(libmccl.CompressionState(hook, group), libmccl.compressed_allreduce_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(11 + rank)
     for _ in range(_STEPS):
@@ -30,17 +30,22 @@ def _train(rank: int, hook: str | None) -> list:
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
-    return [p.detach().clone() for p in model.parameters()]
+    return [p.detach().numpy().tobytes() for p in model.parameters()]
 
 
-def _ddp_rank(rank: int, world: int, hook: str | None) -> list:
+def _ddp_rank(rank: int, world: int) -> dict:
+    """Under MCCL_COMPRESSION=int8 the default group compresses (the unchanged script); a group
+    with Options(compression="off") is exact, and the hook compresses over it."""
     import torch.distributed as dist
 
+    import libmccl
     from support.ranks import init_pg
 
     init_pg(rank, world)
     try:
-        return [p.numpy().tobytes() for p in _train(rank, hook)]
+        exact_group = dist.new_group(list(range(world)), pg_options=libmccl.Options(compression="off"))
+        return {"by_env": _train(rank, None, None), "exact": _train(rank, exact_group, None),
+                "by_hook": _train(rank, exact_group, "int8")}
     finally:
         dist.destroy_process_group()
 
@@ -55,18 +60,17 @@ def _close(a: list, b: list) -> float:
 
 def test_unchanged_ddp_script_and_the_hook_train_compressed(ranks) -> None:
     world = 3   # not a power of two; the engine's tests cover 2-9 ranks
-    exact = ranks(_ddp_rank, world, None, timeout_s=150, env={"MCCL_COMPRESSION": "off"})
-    by_env = ranks(_ddp_rank, world, None, timeout_s=150, env={"MCCL_COMPRESSION": "int8"})
-    by_hook = ranks(_ddp_rank, world, "int8", timeout_s=150, env={"MCCL_COMPRESSION": "off"})
-    for run in (exact, by_env, by_hook):
+    out = ranks(_ddp_rank, world, timeout_s=150, env={"MCCL_COMPRESSION": "int8"})
+    for key in ("exact", "by_env", "by_hook"):
         for r in range(1, world):
-            assert run[r] == run[0], "ranks' parameters differ"   # every rank decodes the same bits
-    for run in (by_env, by_hook):
-        assert run[0] != exact[0], "the gradients were not compressed"
-        assert _close(run[0], exact[0]) < 1e-3   # int8 gradients, fed back: parameters stay close
-    # The hook and the environment run the same engine path: the same AVG of the same buckets
-    # (DDP's default divides, then sums; so the last bits may differ, nothing more).
-    assert _close(by_env[0], by_hook[0]) < 1e-4
+            assert out[r][key] == out[0][key], f"{key}: ranks' parameters differ"   # the same decoded bits
+    exact = out[0]["exact"]
+    for key in ("by_env", "by_hook"):
+        assert out[0][key] != exact, f"{key}: the gradients were not compressed"
+        assert _close(out[0][key], exact) < 1e-3, key   # int8 gradients, fed back: parameters stay close
+    # The hook and the environment run the same engine path (DDP's default divides, then sums;
+    # the hook averages in the engine: the last bits may differ, nothing more).
+    assert _close(out[0]["by_env"], out[0]["by_hook"]) < 1e-4
 
 
 def _daemon_refused(rank: int, world: int) -> str:
