@@ -238,3 +238,45 @@ def test_codec_round_trip_and_non_finite_blocks():
     assert (out[:500] == 0).all()
     with pytest.raises(Exception, match="does not encode"):
         _core.compress_encode("bf16", DT[np.dtype(np.float64)], ptr(z), 1, ptr(enc))
+
+
+def test_a_ticketed_op_waits_for_all_of_its_input_then_announces_it_done():
+    """Device buffers (in-process CUDA/MPS staging) come with tickets: a compressed op encodes
+    every contribution before any result arrives, so it waits for the whole input, then
+    raises `done` over all of it, with the same bits on both ranks."""
+    n, count = 2, 1 << 18
+    xs = inputs(n, count, "float32", seed=4)
+    with ranks(n, opts=make_options(compression="int8", pipeline_bytes=64 << 10)) as comms:
+        def body(r, c):
+            ready, done = _core.Ticket(), _core.Ticket()
+            buf = np.zeros(count, np.float32)
+            op = c.allreduce(ptr(buf), count, DT[buf.dtype], SUM, ready=ready, done=done)
+            buf[: count // 2] = xs[r][: count // 2]
+            ready.signal(buf.nbytes // 2)
+            assert done.value == 0
+            buf[count // 2:] = xs[r][count // 2:]
+            ready.signal(buf.nbytes)
+            c.wait(op, 30.0)
+            assert done.value == buf.nbytes
+            return buf
+        outs = run_ranks(comms, body)
+    assert outs[0].tobytes() == outs[1].tobytes()
+    ref = np.sum([x.astype(np.float64) for x in xs], axis=0)
+    assert 1e-6 < rel_err(outs[0].astype(np.float64), ref) <= BOUND["int8"]
+
+
+def test_the_cost_model_counts_the_codecs_time():
+    alpha, beta, gamma = 50e-6, 1 / 0.125e9, 0.0   # 1 Gbit/s
+    nbytes = 64 << 20
+    ring = _core.predict("allreduce", "ring", 8, nbytes, alpha, beta, gamma)
+    int8 = _core.predict("allreduce", "compressed-int8", 8, nbytes, alpha, beta, gamma)
+    bf16 = _core.predict("allreduce", "compressed-bf16", 8, nbytes, alpha, beta, gamma)
+    # Fewer bytes on a slow link: faster, but not by the whole byte ratio (the codec's CPU time).
+    assert int8 < bf16 < ring
+    assert int8 > ring * 1.0625 / 4 and bf16 > ring / 2
+    # On a link faster than the codec, compression would cost more than it saves.
+    fast = 1 / 100e9
+    assert (_core.predict("allreduce", "compressed-int8", 8, nbytes, alpha, fast, gamma)
+            > _core.predict("allreduce", "ring", 8, nbytes, alpha, fast, gamma))
+    with pytest.raises(Exception, match="no algorithm"):
+        _core.predict("broadcast", "compressed-int8", 8, nbytes, alpha, beta, gamma)
