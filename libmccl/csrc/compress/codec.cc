@@ -36,14 +36,14 @@ void load_block(DType dt, const void* in, size_t begin, size_t n, float* v) {
 }
 
 // One int8 block of n <= kInt8Block values `v` (already plus the residual): its scale and codes.
+// Loops without a float reduction or a data-dependent branch, so they vectorise without
+// -ffast-math: the largest magnitude is an integer max over the bits with the sign cleared
+// (ordered as the floats are, and above every finite value for an infinity or a NaN).
 inline void quantize_block(const float* v, size_t n, float* scale_out, int8_t* q, float* residual) {
-  float amax = 0.f;
-  bool finite = true;
-  for (size_t i = 0; i < n; ++i) {
-    const float a = std::fabs(v[i]);
-    amax = std::max(amax, a);
-    finite &= a <= std::numeric_limits<float>::max();
-  }
+  uint32_t top = 0;
+  for (size_t i = 0; i < n; ++i) top = std::max(top, float_bits(v[i]) & 0x7fffffffu);
+  const bool finite = top < 0x7f800000u;
+  const float amax = bits_float(top);
   const float scale = finite ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();
   const float inv = finite && amax > 0.f ? 127.f / amax : 0.f;
   for (size_t i = 0; i < n; ++i) {
@@ -52,11 +52,14 @@ inline void quantize_block(const float* v, size_t n, float* scale_out, int8_t* q
     q[i] = static_cast<int8_t>(static_cast<int>(r));
   }
   std::memcpy(scale_out, &scale, sizeof scale);
-  if (residual) {
+  if (!residual) return;
+  if (!finite) {
     // A non-finite block carries nothing forward: a NaN kept in the residual would poison
     // every later op of the buffer.
-    for (size_t i = 0; i < n; ++i) residual[i] = finite ? v[i] - static_cast<float>(q[i]) * scale : 0.f;
+    std::memset(residual, 0, n * sizeof(float));
+    return;
   }
+  for (size_t i = 0; i < n; ++i) residual[i] = v[i] - static_cast<float>(q[i]) * scale;
 }
 
 void encode_int8(DType dt, const void* in, bool f32_in, size_t n, uint8_t* out, float* residual) {
