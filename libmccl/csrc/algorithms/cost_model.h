@@ -48,9 +48,9 @@ Codec codec_of(Algo a);
 Algo compressed_algo(Codec k);
 // A codec's CPU seconds per GB of float32 (1e9 bytes) on one core, encoding and decoding
 // with error feedback, measured with `python -m tools.bench --codecs` (index: Codec).
-// (2-core x86 VM, 7 Dec: bf16 0.19 / 0.05, fp16 0.60 / 0.13, int8 0.39 / 0.06 s/GB.)
-constexpr double kCodecEncodeSPerGB[kNumCodecs] = {0, 0.19, 0.60, 0.39};
-constexpr double kCodecDecodeSPerGB[kNumCodecs] = {0, 0.05, 0.13, 0.06};
+// (2-core x86 VM, 7 Dec: bf16 0.19 / 0.05, fp16 0.60 / 0.13, int8 0.34 / 0.05 s/GB.)
+constexpr double kCodecEncodeSPerGB[kNumCodecs] = {0, 0.19, 0.60, 0.34};
+constexpr double kCodecDecodeSPerGB[kNumCodecs] = {0, 0.05, 0.13, 0.05};
 double codec_encode_s_per_byte(Codec k);
 double codec_decode_s_per_byte(Codec k);
 
