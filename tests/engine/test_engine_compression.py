@@ -280,3 +280,30 @@ def test_the_cost_model_counts_the_codecs_time():
             > _core.predict("allreduce", "ring", 8, nbytes, alpha, fast, gamma))
     with pytest.raises(Exception, match="no algorithm"):
         _core.predict("broadcast", "compressed-int8", 8, nbytes, alpha, beta, gamma)
+
+
+def test_a_buffer_left_unused_for_two_rounds_loses_its_residual():
+    """A freed bucket's residual is not kept for ever: once the other buffers have been reduced
+    twice over (2 x entries + 16 compressed ops) without it, it is dropped, and the buffer's
+    next op is what an op without feedback gives, bit for bit."""
+    n, count = 2, 1 << 15   # 128 KB: compressed
+    xs = inputs(n, count, "float32", seed=12)
+    with ranks(n, opts=make_options(compression="int8", compression_feedback=False)) as comms:
+        fresh = allreduce_all(comms, xs, "float32")[0]
+    with ranks(n, opts=make_options(compression="int8")) as comms:
+        def body(r, c):
+            a, b = np.empty(count, np.float32), np.empty(count, np.float32)
+            outs = []
+            for others in (2, 40):   # a few ops on another buffer, then more than two rounds' worth
+                a[:] = xs[r]
+                c.wait(c.allreduce(ptr(a), count, DT[a.dtype], SUM), 60.0)   # leaves a residual
+                for _ in range(others):
+                    b[:] = xs[r]
+                    c.wait(c.allreduce(ptr(b), count, DT[b.dtype], SUM), 60.0)
+                a[:] = xs[r]
+                c.wait(c.allreduce(ptr(a), count, DT[a.dtype], SUM), 60.0)
+                outs.append(a.copy())
+            return outs
+        kept, dropped = run_ranks(comms, body)[0]
+    assert kept.tobytes() != fresh.tobytes()      # the residual of the op before was added
+    assert dropped.tobytes() == fresh.tobytes()   # gone after 40 ops on another buffer
