@@ -73,6 +73,29 @@ def lightning_callback():  # noqa: ANN201 - a lightning Callback, imported lazil
     return make()
 
 
+def CompressionState(codec: str = "int8", process_group=None, error_feedback: bool = True,  # noqa: ANN001,ANN201,N802
+                     min_bytes=None):
+    """State of ``compressed_allreduce_hook``: ``model.register_comm_hook(libmccl.CompressionState("int8"),
+    libmccl.compressed_allreduce_hook)``. See ``libmccl.torch.compression``."""
+    from .torch.compression import CompressionState as State
+
+    return State(codec, process_group, error_feedback, min_bytes)
+
+
+def compressed_allreduce_hook(state, bucket):  # noqa: ANN001,ANN201 - torch types, imported lazily
+    """DDP comm hook averaging each bucket compressed (MCCL_COMPRESSION's engine path, for one model)."""
+    from .torch.compression import compressed_allreduce_hook as hook
+
+    return hook(state, bucket)
+
+
+def lightning_compression_callback(codec: str = "int8", error_feedback: bool = True):  # noqa: ANN201
+    """``Trainer(strategy="ddp", callbacks=[libmccl.lightning_compression_callback("int8")])``."""
+    from .torch.compression import lightning_compression_callback as make
+
+    return make(codec, error_feedback)
+
+
 def __getattr__(name: str):  # noqa: ANN202 - torch types, imported lazily
     """``libmccl.DiLoCo`` (libmccl/training/diloco.py) imports torch only when asked for."""
     if name == "DiLoCo":

@@ -113,6 +113,21 @@ class EngineConfig:
         "MCCL_BETA_GBPS", 0.0, "Gbit/s",
         "the cost model's link speed (10 for 10 GbE); 0 measures it when a communicator starts, as "
         "MCCL_ALPHA_US; every rank must use the same value")
+    compression: str = setting(
+        "MCCL_COMPRESSION", "off", "off|bf16|fp16|int8",
+        "SUM/AVG all-reduces and reduce-scatters of at least MCCL_COMPRESSION_MIN_BYTES travel compressed: "
+        "bf16/fp16 round float32 to 16 bits, int8 sends one byte per element and a scale per 64 (float32, "
+        "bfloat16, float16); each contribution is encoded once and summed in float32, and every rank ends with "
+        "the same bits (docs/compression.md gives the errors). Other dtypes and ops stay exact. In-process only "
+        "(MCCL_DAEMON=1 refuses it); every rank must use the same value")
+    compression_min_bytes: int = setting(
+        "MCCL_COMPRESSION_MIN_BYTES", 64 << 10, "bytes",
+        "MCCL_COMPRESSION: smaller ops (metrics, loss sums) stay exact; every rank must use the same value")
+    compression_error_feedback: bool = setting(
+        "MCCL_COMPRESSION_ERROR_FEEDBACK", True, "bool",
+        "MCCL_COMPRESSION: what the codec dropped of a buffer's contribution is added to the same buffer's next "
+        "compressed op (kept per buffer address and size, as DDP's buckets are; a rebuilt bucket starts "
+        "afresh), so over steps nothing is lost; costs 4 bytes of memory per compressed element")
     pipeline_bytes: int = setting(
         "MCCL_PIPELINE_BYTES", 2 << 20, "bytes",
         "smallest piece of an all-reduce handed over by segment tickets (mccld's shared-memory path, "
@@ -203,6 +218,9 @@ class EngineConfig:
         opts.algo = self.algo
         opts.alpha_us = self.alpha_us
         opts.beta_gbps = self.beta_gbps
+        opts.compression = self.compression
+        opts.compression_min_bytes = self.compression_min_bytes
+        opts.compression_feedback = self.compression_error_feedback
         opts.send_thread = self.send_thread
         opts.recv_threads = self.recv_threads
         opts.timeout_s = timeout_s
@@ -235,6 +253,10 @@ class EngineConfig:
         _require(self.daemon_copy_ahead_bytes >= 0, "MCCL_DAEMON_COPY_AHEAD_BYTES", self.daemon_copy_ahead_bytes,
                  "must not be negative")
         _require(self.connect_timeout_s >= 0, "MCCL_CONNECT_TIMEOUT", self.connect_timeout_s,
+                 "must not be negative")
+        _require(self.compression in ("off", "bf16", "fp16", "int8"), "MCCL_COMPRESSION", self.compression,
+                 "must be off, bf16, fp16 or int8")
+        _require(self.compression_min_bytes >= 0, "MCCL_COMPRESSION_MIN_BYTES", self.compression_min_bytes,
                  "must not be negative")
         _require(self.wire_security in ("aead", "mac", "off"), "MCCL_WIRE_SECURITY", self.wire_security,
                  "must be aead, mac or off")

@@ -18,7 +18,7 @@ from typing import Any
 
 from mccl_common import __version__
 from mccl_common.daemon_settings import DaemonConfig, attach_gid, key_paths, runtime_dir
-from mccl_common.errors import ProtocolError
+from mccl_common.errors import ConfigError, ProtocolError
 from mccl_common.fd_limit import ensure_open_files
 from mccl_common.netif import choose_address, interface_of
 from mccl_common.settings import EngineConfig, load
@@ -72,6 +72,10 @@ class Daemon:
     def __init__(self, cfg: DaemonConfig, engine_cfg: EngineConfig | None = None):
         self.cfg = cfg
         self.engine_cfg = engine_cfg or load(EngineConfig)
+        if self.engine_cfg.compression != "off":
+            raise ConfigError(f"[mccld] MCCL_COMPRESSION={self.engine_cfg.compression} is not supported by mccld "
+                              "yet (its ring runs uncompressed); unset it in mccld's environment and compress "
+                              "in-process (MCCL_DAEMON=0)")
         self.host_id = cfg.host_id or default_host_id()
         self.addr = ""
         self.iface = ""

@@ -272,7 +272,7 @@ def test_libmccl_errors_is_the_public_name_of_the_same_classes() -> None:
 # The engine's folders, lowest first (libmccl/csrc/README.md draws them). A file may include
 # its own folder and any folder listed before it; the top-level Metal bridge is its own.
 ENGINE = ROOT / "libmccl" / "csrc"
-ENGINE_LAYERS = ("core", "reduce", "integrity", "transport", "algorithms", "communicator",
+ENGINE_LAYERS = ("core", "reduce", "compress", "integrity", "transport", "algorithms", "communicator",
                  "opqueue", "bindings")
 
 

@@ -16,6 +16,9 @@ Examples::
     python -m tools.bench --hosts 8 --rate 200mbit --switches 2 --uplink-rate 400mbit --rank-order interleaved \\
         --mode in-process,topology,topology-ring --backends mccl --ops all_reduce --sizes 64M
                                                        # by switch (tree, ring) vs a zig-zag flat ring, 2:1 uplinks
+    python -m tools.bench --hosts 2 --rate 1gbit --backends mccl --ops all_reduce --sizes 16M,64M \
+        --compression off,bf16,int8                            # compressed all-reduce (effective busbw)
+    python -m tools.bench codecs                                  # CPU seconds per float32 GB of each codec
     python -m tools.bench plot n4.json docs/img/n4-1gbit.png
     python -m tools.bench plot                                    # README.md's table, docs/img/performance.png
     python -m tools.bench table n4.json
@@ -36,7 +39,7 @@ import sys
 
 from mccl_common.errors import MCCLError
 from .metrics import OPS, parse_bytes, sweep_sizes
-from .sweep import BACKENDS, MODES, WORKLOADS, BenchConfig, run_bench
+from .sweep import BACKENDS, COMPRESSION, MODES, WORKLOADS, BenchConfig, run_bench
 
 
 def _csv(text: str) -> list[str]:
@@ -68,6 +71,10 @@ def _parser() -> argparse.ArgumentParser:
                       help=f"how mccl runs, comma list of {', '.join(MODES)} (default in-process); daemon "
                            "starts one mccld per host for the run and attaches the ranks with MCCL_DAEMON=1; "
                            "daemon-shared does too, with the all_reduce buffers from libmccl.shared_empty")
+    what.add_argument("--compression", type=_csv, default=["off"],
+                      help=f"MCCL_COMPRESSION of the mccl series, comma list of {', '.join(COMPRESSION)} "
+                           "(default off); each mode runs once per value, named e.g. mccl-int8, and the report "
+                           "gives each over off (busbw counts float32 bytes)")
     what.add_argument("--ops", type=_csv, default=list(OPS), help=f"comma list of {', '.join(OPS)}")
     what.add_argument("--min-bytes", type=parse_bytes, default=4 << 10, help="default 4K")
     what.add_argument("--max-bytes", type=parse_bytes, default=256 << 20, help="default 256M")
@@ -185,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
             write_outputs(json.load(f), argv[2])
         print(f"wrote {argv[2]}/README.md")
         return 0
+    if argv[:1] == ["codecs"]:
+        from .codecs import main as codecs_main
+
+        return codecs_main(argv[1:])
     if argv[:1] == ["table"]:
         from .report import markdown
 
@@ -209,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                           rate=None if args.rate == "none" else args.rate, switches=args.switches,
                           uplink_rate=args.uplink_rate, uplink_delay=args.uplink_delay,
                           rank_order=args.rank_order, backends=args.backends,
-                          modes=args.modes, ops=args.ops, latency_iters=args.latency_iters, sizes=sizes,
+                          modes=args.modes, compression=args.compression, ops=args.ops, latency_iters=args.latency_iters, sizes=sizes,
                           workload=args.workload,
                           ddp={"steps": args.ddp_steps, "width": args.ddp_width, "depth": args.ddp_depth,
                                "batch": args.ddp_batch, "device": args.ddp_device, "variants": args.ddp_variants,

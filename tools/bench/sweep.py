@@ -47,6 +47,7 @@ MODES = ("in-process", "daemon", "daemon-shared", "topology", "topology-ring")
 # so all-reduces from MCCL_HIERARCHY_MIN_BYTES run switch by switch (MCCL_HIERARCHY=tree);
 # topology-ring: the same as one ring in switch order (MCCL_HIERARCHY=ring); beside in-process (flat).
 _VIA_DAEMON = ("daemon", "daemon-shared")
+COMPRESSION = ("off", "bf16", "fp16", "int8")   # MCCL_COMPRESSION of the mccl series (--compression)
 # An nccl-tests sweep, DDP training steps (ddp.py), or Lightning's Trainer steps (lightning_step.py).
 WORKLOADS = ("collectives", "ddp", "lightning")
 LATENCY_BYTES = 8                    # the small-op latency: an all_reduce of two float32
@@ -58,6 +59,7 @@ class Series:
     name: str                      # the label of its rows and table columns
     backend: str                   # torch.distributed backend
     mode: str | None               # MODES for mccl, None for gloo
+    compression: str = "off"       # MCCL_COMPRESSION of an mccl series
 
 
 @dataclass
@@ -72,6 +74,7 @@ class BenchConfig:
     rank_order: str = "hosts"      # hosts: rank r on host r; interleaved: consecutive ranks on other switches
     backends: list[str] = field(default_factory=lambda: list(BACKENDS))
     modes: list[str] = field(default_factory=lambda: ["in-process"])   # of the mccl backend
+    compression: list[str] = field(default_factory=lambda: ["off"])    # MCCL_COMPRESSION per mccl series
     ops: list[str] = field(default_factory=lambda: list(OPS))
     sizes: list[int] = field(default_factory=list)
     warmup: int = 1
@@ -100,7 +103,8 @@ class BenchConfig:
         out = []
         for b in self.backends:
             if b == "mccl":
-                out += [Series("mccl" if m == "in-process" else f"mccl-{m}", b, m) for m in self.modes]
+                out += [Series(("mccl" if m == "in-process" else f"mccl-{m}") + ("" if c == "off" else f"-{c}"), b, m, c)
+                        for m in self.modes for c in self.compression]
             else:
                 out.append(Series(b, b, None))
         return out
@@ -117,6 +121,11 @@ class BenchConfig:
         bad = [m for m in self.modes if m not in MODES]
         if bad or not self.modes:
             raise ConfigError(f"[bench] unknown or no --mode {bad or ''}; choose from {', '.join(MODES)}")
+        bad = [c for c in self.compression if c not in COMPRESSION]
+        if bad or not self.compression:
+            raise ConfigError(f"[bench] unknown or no --compression {bad or ''}; choose from {', '.join(COMPRESSION)}")
+        if set(self.compression) - {"off"} and set(self.modes) & set(_VIA_DAEMON):
+            raise ConfigError("[bench] --compression runs in-process only (mccld's ring runs uncompressed)")
         bad = [o for o in self.ops if o not in OPS]
         if bad:
             raise ConfigError(f"[bench] unknown op(s) {bad}; choose from {', '.join(OPS)}")
@@ -181,7 +190,8 @@ def _run_series(launcher, cfg: BenchConfig, series: Series, tmp: str) -> SeriesR
     pypath = os.pathsep.join(p for p in (_PKG_ROOT, os.environ.get("PYTHONPATH")) if p)
     envs = [{"RANK": str(r), "LOCAL_RANK": str(r % per_host), "LOCAL_WORLD_SIZE": str(per_host),
              "WORLD_SIZE": str(n), "MASTER_ADDR": launcher.addr(0), "MASTER_PORT": str(port), "PYTHONPATH": pypath,
-             "OMP_NUM_THREADS": "1", "MCCL_DAEMON": "0", **launcher.rank_env(placement[r])} for r in range(n)]
+             "OMP_NUM_THREADS": "1", "MCCL_DAEMON": "0", "MCCL_COMPRESSION": series.compression,
+             **launcher.rank_env(placement[r])} for r in range(n)]
     if series.mode in ("topology", "topology-ring"):
         topo = os.path.join(out_dir, "topology.txt")
         with open(topo, "w") as f:
@@ -259,7 +269,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 # (numerator series, denominator series, key prefix) of every comparison the report shows.
 _PAIRS = (("mccl", "gloo", "mccl_over_gloo"), ("mccl-topology", "mccl", "topology_over_flat"),
           ("mccl-topology-ring", "mccl", "switch_ring_over_flat"), ("mccl-daemon", "mccl", "daemon_over_in_process"),
-          ("mccl-daemon", "gloo", "daemon_over_gloo"), ("mccl-daemon-shared", "mccl", "shared_over_in_process"))
+          ("mccl-daemon", "gloo", "daemon_over_gloo"), ("mccl-daemon-shared", "mccl", "shared_over_in_process"),
+          ("mccl-bf16", "mccl", "bf16_over_off"), ("mccl-fp16", "mccl", "fp16_over_off"),
+          ("mccl-int8", "mccl", "int8_over_off"))
 
 
 def compare(rows: list[dict], ceiling: dict | None) -> list[dict]:

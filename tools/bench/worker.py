@@ -102,7 +102,16 @@ class _Op:
             self.inp.mul_(r + 1)
             self.run()
             got, want = self.out, torch.full((blk,), (r + 1) * n * (n + 1) / 2)
-        bad = (got != want).nonzero()
+        if self.op in ("all_reduce", "reduce_scatter") and os.environ.get("MCCL_COMPRESSION", "off") != "off":
+            # Compressed (--compression): within the codec's error, not bit-exact (docs/compression.md).
+            err = float((got - want).norm() / want.norm())
+            if not err <= 0.02:
+                raise MCCLError(f"[bench] {self.op} of {self.count} float32 under MCCL_COMPRESSION="
+                                f"{os.environ['MCCL_COMPRESSION']} is {err:.2%} off the exact sum on rank {r} "
+                                "(more than 2 %); do not trust its timings")
+            bad = []
+        else:
+            bad = (got != want).nonzero()
         if len(bad):
             i = int(bad[0])
             raise MCCLError(f"[bench] {self.op} of {self.count} float32 returned a wrong result on rank "

@@ -10,6 +10,7 @@
 #include "algorithms/collective.h"
 #include "algorithms/cost_model.h"
 #include "algorithms/pieces.h"
+#include "compress/codec.h"
 #include "core/dtype.h"
 #include "reduce/reduce.h"
 
@@ -87,5 +88,14 @@ void alltoallv(Collective& c, const void* send, const std::vector<size_t>& send_
                const std::vector<size_t>& send_offsets, void* recv,
                const std::vector<size_t>& recv_sizes, const std::vector<size_t>& recv_offsets);
 void barrier(Collective& c);
+
+// Compressed (compressed.cc, compress/codec.h): each contribution encoded once and reduced
+// in float32 by the rank owning its part; all-reduce's results bitwise identical on every
+// rank. `residual` (may be null): the buffer's error feedback, `count` floats for the
+// all-reduce, count x size() for the reduce-scatter (its input's elements).
+void allreduce_compressed(Collective& c, Codec k, void* buf, size_t count, const Reduction& red,
+                          float* residual);
+void reduce_scatter_compressed(Collective& c, Codec k, const void* send, void* recv, size_t count,
+                               const Reduction& red, float* residual);
 
 }  // namespace mccl

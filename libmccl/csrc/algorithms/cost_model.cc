@@ -30,6 +30,7 @@ Shape shape(int n) {
 // the large-message choice even where its 2(N-1) steps and Rabenseifner's bytes agree.
 struct Cost {
   double steps, bytes, reduced;
+  double encoded = 0, decoded = 0;  // float32 bytes through a codec's encoder and decoder
 };
 
 // The lock-step algorithms (hypercube exchanges, trees) move their bytes more slowly than
@@ -55,6 +56,12 @@ Cost chain_cost(int n, double bytes) {
   return {segs + n - 2, (segs + n - 2) * per, 0};
 }
 
+// Encoded bytes per float32 byte.
+double wire_ratio(Algo a) {
+  const Codec k = codec_of(a);
+  return k == Codec::kOff ? 1.0 : double(encoded_bytes(k, 1 << 20)) / double(4 << 20);
+}
+
 Cost cost(AlgoOp op, Algo a, int n, double b) {
   const Shape s = shape(n);
   const double N = s.n, P = s.p, L = s.steps, F = s.fold;
@@ -66,6 +73,12 @@ Cost cost(AlgoOp op, Algo a, int n, double b) {
         case Algo::kRecursiveDoubling: return lockstep({L + 2 * F, (L + 2 * F) * b, (L + F) * b});
         case Algo::kRabenseifner:
           return lockstep({2 * L + 2 * F, 2 * (P - 1) / P * b + 2 * F * b, (P - 1) / P * b + F * b});
+        case Algo::kCompressedBf16:
+        case Algo::kCompressedFp16:
+        case Algo::kCompressedInt8:
+          // compressed.cc: (N-1)/N of the buffer encoded and sent, as much decoded and added
+          // by the owners, each owner's sum encoded (b/N) and every result decoded (b).
+          return {2 * (N - 1), 2 * (N - 1) / N * b * wire_ratio(a), (N - 1) / N * b, b, b * (2 * N - 1) / N};
         default: break;
       }
       break;
@@ -82,6 +95,10 @@ Cost cost(AlgoOp op, Algo a, int n, double b) {
         case Algo::kRing: return {N - 1, (N - 1) * b, 0};
         case Algo::kRecursiveHalving:
           return lockstep({L + 2 * F, F * N * b + (P - 1) / P * N * b + F * b, (P - 1) / P * N * b + F * N * b});
+        case Algo::kCompressedBf16:
+        case Algo::kCompressedFp16:
+        case Algo::kCompressedInt8:
+          return {N - 1, (N - 1) * b * wire_ratio(a), (N - 1) * b, (N - 1) * b, (N - 1) * b};
         default: break;
       }
       break;
@@ -120,8 +137,49 @@ const char* algo_name(Algo a) {
     case Algo::kFanout: return "fanout";
     case Algo::kBinomial: return "binomial";
     case Algo::kScatterAllgather: return "scatter_allgather";
+    case Algo::kCompressedBf16: return "compressed-bf16";
+    case Algo::kCompressedFp16: return "compressed-fp16";
+    case Algo::kCompressedInt8: return "compressed-int8";
   }
   return "unknown";
+}
+
+Codec codec_of(Algo a) {
+  switch (a) {
+    case Algo::kCompressedBf16: return Codec::kBf16;
+    case Algo::kCompressedFp16: return Codec::kFp16;
+    case Algo::kCompressedInt8: return Codec::kInt8;
+    default: return Codec::kOff;
+  }
+}
+
+Algo compressed_algo(Codec k) {
+  switch (k) {
+    case Codec::kBf16: return Algo::kCompressedBf16;
+    case Codec::kFp16: return Algo::kCompressedFp16;
+    case Codec::kInt8: return Algo::kCompressedInt8;
+    default: return Algo::kAuto;
+  }
+}
+
+// CPU seconds per float32 byte of one core (tools/bench codec microbenchmark, `python -m
+// tools.bench --codecs`; docs/compression.md): the worker encodes and decodes on its own thread.
+double codec_encode_s_per_byte(Codec k) {
+  switch (k) {
+    case Codec::kBf16: return kCodecEncodeSPerGB[1] * 1e-9;
+    case Codec::kFp16: return kCodecEncodeSPerGB[2] * 1e-9;
+    case Codec::kInt8: return kCodecEncodeSPerGB[3] * 1e-9;
+    default: return 0;
+  }
+}
+
+double codec_decode_s_per_byte(Codec k) {
+  switch (k) {
+    case Codec::kBf16: return kCodecDecodeSPerGB[1] * 1e-9;
+    case Codec::kFp16: return kCodecDecodeSPerGB[2] * 1e-9;
+    case Codec::kInt8: return kCodecDecodeSPerGB[3] * 1e-9;
+    default: return 0;
+  }
 }
 
 const char* algo_op_name(AlgoOp o) {
@@ -222,7 +280,9 @@ AlgoPins AlgoPins::parse(const std::string& spec) {
 double predict(AlgoOp op, Algo a, int n, size_t bytes, const CostParams& p) {
   if (n <= 1) return 0;
   const Cost k = cost(op, a, n, double(bytes));
-  return k.steps * p.alpha_s + k.bytes * p.beta_s_per_byte + k.reduced * p.gamma_s_per_byte;
+  const Codec codec = codec_of(a);
+  return k.steps * p.alpha_s + k.bytes * p.beta_s_per_byte + k.reduced * p.gamma_s_per_byte +
+         k.encoded * codec_encode_s_per_byte(codec) + k.decoded * codec_decode_s_per_byte(codec);
 }
 
 bool auto_eligible(AlgoOp op, Algo a, int n, size_t bytes, const Options& opts) {

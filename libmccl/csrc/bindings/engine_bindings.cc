@@ -51,7 +51,10 @@ AlgoOp to_algo_op(const std::string& s) {
 
 Algo to_algo(AlgoOp op, const std::string& s) {
   Algo a;
-  if (!parse_algo_for(op, s, &a) || a == Algo::kAuto) {
+  // The compressed algorithms are never chosen or pinned, but the model predicts them.
+  const bool compressed = (op == AlgoOp::kAllreduce || op == AlgoOp::kReduceScatter) && parse_algo(s, &a) &&
+                          codec_of(a) != Codec::kOff;
+  if (!compressed && (!parse_algo_for(op, s, &a) || a == Algo::kAuto)) {
     std::string names;
     for (Algo x : algos_of(op)) names += std::string(names.empty() ? "" : ", ") + algo_name(x);
     throw_error(ErrorKind::kConfig, "[engine] " + std::string(algo_op_name(op)) +
@@ -333,7 +336,18 @@ void register_engine_bindings(py::module_& m) {
       .def_readwrite("wire_security", &Options::wire_security)
       .def_readwrite("algo", &Options::algo)
       .def_readwrite("alpha_us", &Options::alpha_us)
-      .def_readwrite("beta_gbps", &Options::beta_gbps);
+      .def_readwrite("beta_gbps", &Options::beta_gbps)
+      .def_property(
+          "compression", [](const Options& o) { return std::string(codec_name(static_cast<Codec>(o.compression))); },
+          [](Options& o, const std::string& s) {
+            Codec k;
+            if (!parse_codec(s, &k)) {
+              throw_error(ErrorKind::kConfig, "[engine] MCCL_COMPRESSION=" + s + ": use off, bf16, fp16 or int8");
+            }
+            o.compression = static_cast<int>(k);
+          })
+      .def_readwrite("compression_min_bytes", &Options::compression_min_bytes)
+      .def_readwrite("compression_feedback", &Options::compression_feedback);
 
   // The cost model (algorithms/cost_model.h), for benchmarks that print and plot it beside
   // what they measure. Seconds; beta in seconds per byte; `nbytes` as nccl-tests count

@@ -5,6 +5,7 @@
 #include "bindings/engine_bindings.h"
 #include "bindings/opqueue_bindings.h"
 #include "bindings/integrity_bindings.h"
+#include "bindings/compress_bindings.h"
 #include "reduce_bindings.h"
 
 namespace py = pybind11;
@@ -12,6 +13,7 @@ namespace py = pybind11;
 PYBIND11_MODULE(_core, m) {
   m.doc() = "MCCL engine: communicators over TCP, dtypes and reduce ops; no torch.";
   mccl::register_reduce_bindings(m);
+  mccl::register_compress_bindings(m);
   mccl::register_engine_bindings(m);
   mccl::register_opqueue_bindings(m);
   mccl::register_integrity_bindings(m);

@@ -178,6 +178,16 @@ bool Communicator::hierarchical(const Op& op) const {
          op.count >= static_cast<size_t>(size_);
 }
 
+Codec Communicator::compression(const Op& op) const {
+  const Codec k = static_cast<Codec>(opts_.compression);
+  const bool reduces = op.kind == OpKind::kAllreduce || op.kind == OpKind::kReduceScatter;
+  const bool sums = op.op == ReduceOp::kSum || op.op == ReduceOp::kAvg;
+  if (k == Codec::kOff || !reduces || !sums || size_ == 1 || !codec_applies(k, op.dtype)) return Codec::kOff;
+  // A reduce-scatter's size: the whole input, as an all-reduce of the same gradients.
+  const size_t bytes = op.count * dtype_size(op.dtype) * (op.kind == OpKind::kReduceScatter ? size_ : 1);
+  return bytes >= opts_.compression_min_bytes ? k : Codec::kOff;
+}
+
 MeshSpec Communicator::mesh_spec(const std::string& secret) const {
   const bool keyed = opts_.wire_security != WireSecurity::kOff;
   if (keyed && secret.size() < kMinSecretBytes) {
@@ -456,13 +466,26 @@ void Communicator::run_collective(Op& op) {
     case OpKind::kBroadcast: algo = choose_algo(aop = AlgoOp::kBroadcast, op.count); break;
     default: break;
   }
+  // Compression was asked for and changes the results, so it is not the model's to decline;
+  // it runs instead of the switch hierarchy and the tickets' pipeline (compressed.cc).
+  const Codec codec = compression(op);
+  if (codec != Codec::kOff) {
+    algo = compressed_algo(codec);
+    sig.pieces = 0;
+  }
   if (algo != Algo::kAuto) last_algo_[static_cast<int>(aop)].store(algo);
   sig.algo = static_cast<uint8_t>(algo);
-  const bool by_switch = hierarchical(op);
+  const bool by_switch = codec == Codec::kOff && hierarchical(op);
   // Ranks grouped differently, or by the other algorithm, fail at once (a topology mismatch).
   if (by_switch) sig.root = (hierarchy_.fingerprint & 0x3fffffff) | (opts_.hierarchy_ring ? 1 << 30 : 0);
   transport_->begin_collective(coll_seq_++, encode_signature(sig));
   Collective c{*transport_, deadline_after(op.timeout_s), op.timeout_s, opts_, scratch_};
+  if (codec != Codec::kOff) {
+    run_compressed(c, op, codec);
+    transport_->end_collective();
+    scratch_.trim(kKeepScratchBytes);
+    return;
+  }
   switch (op.kind) {
     case OpKind::kAllreduce:
       if (by_switch && opts_.hierarchy_ring) {
@@ -496,6 +519,25 @@ void Communicator::run_collective(Op& op) {
   }
   transport_->end_collective();
   scratch_.trim(kKeepScratchBytes);
+}
+
+void Communicator::run_compressed(Collective& c, Op& op, Codec codec) {
+  const Reduction red = Reduction::of(op.dtype, op.op);
+  const size_t elems = op.count * (op.kind == OpKind::kReduceScatter ? size_t(size_) : 1);
+  float* residual = opts_.compression_feedback ? residuals_.get(op.buf, op.count, op.dtype, op.op, elems) : nullptr;
+  if (op.kind == OpKind::kReduceScatter) {
+    reduce_scatter_compressed(c, codec, op.buf, op.out, op.count, red, residual);
+    return;
+  }
+  // Every contribution is encoded before any result arrives, so the input must be all there:
+  // a ticketed op waits for all of it (the op's deadline bounds the wait), then announces it
+  // done at once.
+  const Pieces whole = Pieces::cut(op.count, red.elem, op.count * red.elem, 1);
+  PieceGate gate(c, op.tickets, whole, "allreduce");
+  if (whole.n == 0) return;
+  gate.wait_ready(0);
+  allreduce_compressed(c, codec, op.buf, op.count, red, residual);
+  gate.finished(0);
 }
 
 void Communicator::post_p2p(const Op& op) {

@@ -39,6 +39,7 @@
 #include "core/options.h"
 #include "core/ticket.h"
 #include "communicator/op_signature.h"
+#include "compress/feedback.h"
 #include "transport/handed_links.h"
 #include "transport/mesh.h"
 #include "transport/transport.h"
@@ -218,7 +219,10 @@ class Communicator {
   void run(Op& op);
   void run_gate(Op& op);
   void run_collective(Op& op);
-  bool hierarchical(const Op& op) const;  // run this all-reduce switch by switch
+  bool hierarchical(const Op& op) const;
+  // The codec `op` runs compressed with (MCCL_COMPRESSION), kOff if it runs exact.
+  Codec compression(const Op& op) const;
+  void run_compressed(Collective& c, Op& op, Codec codec);  // run this all-reduce switch by switch
   void post_p2p(const Op& op);
   void idle_progress();
   void on_error(const Error& e);
@@ -242,6 +246,7 @@ class Communicator {
   HandedLinks* handed_ = nullptr;  // the transport's link source, if built with `ask`
   Scratch scratch_;
   Hierarchy hierarchy_;  // from opts_.switch_of_rank; inactive for one switch
+  Residuals residuals_;  // error feedback of compressed ops, per buffer (worker thread only)
   uint64_t coll_seq_ = 0;  // worker only
 
   // The algorithm choice (cost_model.h): pins from MCCL_ALGO; parameters written once by

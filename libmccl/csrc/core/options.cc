@@ -32,6 +32,9 @@ void Options::validate() const {
   }
   if (!(alpha_us >= 0)) bad("alpha_us=" + format_seconds(alpha_us) + ": must be >= 0 (MCCL_ALPHA_US)");
   if (!(beta_gbps >= 0)) bad("beta_gbps=" + format_seconds(beta_gbps) + ": must be >= 0 (MCCL_BETA_GBPS)");
+  if (compression < 0 || compression > 3) {
+    bad("compression=" + std::to_string(compression) + ": must be 0..3 (off, bf16, fp16, int8; MCCL_COMPRESSION)");
+  }
   if (!(timeout_s > 0)) bad("timeout_s=" + format_seconds(timeout_s) + ": must be positive");
   if (!(connect_timeout_s > 0)) {
     bad("connect_timeout_s=" + format_seconds(connect_timeout_s) + ": must be positive");

@@ -33,6 +33,12 @@ struct Options {
   std::string algo = "auto";            // MCCL_ALGO: algorithm pins (algorithms/cost_model.h)
   double alpha_us = 0;                  // MCCL_ALPHA_US: the model's step latency, us; 0 = measure
   double beta_gbps = 0;                 // MCCL_BETA_GBPS: the model's link speed, Gbit/s; 0 = measure
+  // MCCL_COMPRESSION (compress/codec.h Codec: 0 off, 1 bf16, 2 fp16, 3 int8): SUM and AVG
+  // all-reduces and reduce-scatters of at least compression_min_bytes whose dtype the codec
+  // encodes run compressed (algorithms/compressed.cc).
+  int compression = 0;
+  size_t compression_min_bytes = 64 << 10;  // MCCL_COMPRESSION_MIN_BYTES, bytes
+  bool compression_feedback = true;          // MCCL_COMPRESSION_ERROR_FEEDBACK
 
   // Throws ConfigError naming the bad field.
   void validate() const;
