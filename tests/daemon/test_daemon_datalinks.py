@@ -178,7 +178,9 @@ def test_a_peer_without_the_fleet_key_gets_no_data_socket(caplog):
 
 # -- two real daemons on loopback -------------------------------------------------------------
 def _env(rdir: Path, host: str, metrics_port: int = 0) -> dict[str, str]:
-    return {"MCCL_RUNTIME_DIR": str(rdir), "MCCL_FLEET_KEY": "dl-test-key-" + "y" * 32,
+    # Its own fleet (as support/daemon.py's): another test process's daemons, found by mDNS on
+    # the default fleet, dialled these while a job ran.
+    return {"MCCL_RUNTIME_DIR": str(rdir), "MCCL_FLEET_KEY": "dl-test-key-" + "y" * 32, "MCCL_FLEET": f"dl{os.getpid()}",
             "MCCL_LISTEN_ADDR": "127.0.0.1", "MCCL_PORT": "0", "MCCL_STATUS_PORT": "0",
             "MCCL_METRICS_PORT": str(metrics_port), "MCCL_METRICS_ADDR": "127.0.0.1",
             "MCCL_HOST_ID": host, "MCCL_CLIENT_CHECK_INTERVAL": "0.1", "MCCL_SOCKETS_PER_PEER": str(K)}
