@@ -176,9 +176,11 @@ def _publish_table(store: Any, addr_keys: list[str], table_key: str, addr_key: b
 def _open_table(raw: bytes, size: int, peer: str) -> list[tuple[str, str]]:
     lines = raw.decode(errors="replace").split("\n")
     if len(lines) != size:
-        raise StoreAuthError(f"[rendezvous] the address table from rank 0 lists {len(lines)} ranks, not {size}, "
-                             f"peer={peer}: a writer holding the job's key wrote something else there; check which "
-                             "programs use this job key", peer_addr=peer)
+        # The table passed its MAC: rank 0 of this job wrote it, for a world of another size.
+        raise ConfigError(f"[rendezvous] world size mismatch: rank 0 started a world of {len(lines)} ranks, this "
+                          f"rank one of {size} (store peer={peer}); every rank must be started with the same world "
+                          "size (WORLD_SIZE, torchrun's --nnodes x --nproc-per-node): fix the launch on the hosts "
+                          "that differ and restart every rank", peer_addr=peer)
     rows = []
     for line in lines:
         nonce, _, addr = line.partition(" ")

@@ -12,13 +12,14 @@ import os
 import secrets
 import stat
 import sys
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import key_file_trust, localtrust
 from .attach_protocol import SOCKET_NAME
 from .errors import ConfigError
-from .settings import _require, load, register, setting
+from .settings import _require, closest_name, load, register, setting
 
 DEFAULT_KEY_FILES = ("/etc/mccl/fleet.key", "~/.config/mccl/fleet.key")
 DEFAULT_SUBMIT_KEY_FILES = ("/etc/mccl/submit.key", "~/.config/mccl/submit.key")
@@ -337,8 +338,22 @@ def load_config(path: str | None = None, env: dict | None = None) -> DaemonConfi
         known = set(DaemonConfig.__dataclass_fields__)
         unknown = sorted(set(overrides) - known)
         if unknown:
-            raise ConfigError(f"[config] unknown key(s) {unknown} in {path}; valid keys: {sorted(known)}")
+            raise ConfigError(f"[config] unknown key(s) {unknown} in {path} ({_toml_hints(unknown, known)}); "
+                              f"valid keys: {sorted(known)}")
     return load(DaemonConfig, env=env, overrides=overrides)
+
+
+def _toml_hints(unknown: list[str], known: set[str]) -> str:
+    """For each unknown key of mccld.toml, the field it most likely means: the keys are field
+    names, so a variable's name (MCCL_PORT) is answered with its field (port)."""
+    by_env = {f.metadata["env"]: f.name for f in dataclasses.fields(DaemonConfig)}
+    hints = []
+    for key in unknown:
+        upper = key.upper() if key.upper().startswith("MCCL_") else "MCCL_" + key.upper()
+        env = upper if upper in by_env else closest_name(upper, set(by_env))
+        guess = by_env[env] if env else closest_name(key, known)
+        hints.append(f"{key}: did you mean {guess}?" if guess else f"{key}: no such setting")
+    return "; ".join(hints)
 
 
 def attach_gid(cfg: DaemonConfig) -> int | None:

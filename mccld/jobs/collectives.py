@@ -20,12 +20,11 @@ from itertools import accumulate
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import numpy as np
-
 from mccl_common.errors import CollectiveMismatch, ConfigError, ProtocolError
 from mccl_common.wire import AVG, DTYPE_SIZE, SUM
 
 from .pipelined import Pipeline, Region
+from .rawbuf import RawBuffer
 from .reduce import ReducePool, check
 
 # Runs one engine op: (method name, *args) -> None once done, raises its typed error.
@@ -79,7 +78,7 @@ class Hierarchy:
         self.pool = pool
         self.engine = engine  # None: single-host job
         self.pipeline = Pipeline(pool, pipeline_bytes, timeout_s)
-        self._scratch = np.empty(0, dtype=np.uint8)
+        self._scratch = RawBuffer(0)
 
     def close(self) -> None:
         self.pipeline.close()
@@ -116,8 +115,8 @@ class Hierarchy:
 
     def _scratch_addr(self, nbytes: int) -> int:
         if self._scratch.nbytes < max(nbytes, 1):  # never empty: the engine refuses null pointers
-            self._scratch = np.empty(max(nbytes, 1), dtype=np.uint8)
-        return self._scratch.ctypes.data
+            self._scratch = RawBuffer(max(nbytes, 1))
+        return self._scratch.addr
 
     def _gather_all(self, bases: dict[int, int], send_off: int, nbytes: int) -> int:
         """Every rank's ``nbytes`` block in global rank order; returns the scratch address."""

@@ -44,13 +44,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-import numpy as np
-
 from mccl_common.errors import AbortedError, CollectiveMismatch, CollectiveTimeout, MCCLError, ProtocolError
 from mccl_common.wire import MAX_TAG
 
 from ..net.ondemand import setup_hosts
 from .collectives import Topology
+from .rawbuf import RawBuffer
 
 if TYPE_CHECKING:
     from mccl_common import shm
@@ -113,7 +112,7 @@ class Message:
     src: int
     dst: int
     tag: int
-    data: np.ndarray   # uint8, owned by the daemon until taken
+    data: RawBuffer   # owned by the daemon until taken
 
 
 class Mailbox:
@@ -316,10 +315,10 @@ class PointToPoint:
         if self._engine is None or self.job.failed is not None:
             return  # a failed job's engine is aborted, which ended the mailbox receive already
         me = self.job.topo.host_rank
-        header = np.frombuffer(_HEADER.pack(_CLOSING, me, 0, 0), dtype=np.uint8).copy()
+        header = RawBuffer.of(_HEADER.pack(_CLOSING, me, 0, 0))
         try:
             for h in setup_hosts(me, len(self.job.topo.hosts)):
-                self._engine("send", header.ctypes.data, header.nbytes, h, _TAG_HEADER)
+                self._engine("send", header.addr, header.nbytes, h, _TAG_HEADER)
         except MCCLError as e:
             log.debug("job %s: closing header not sent: %s", self.job.id, e)
 
@@ -359,13 +358,13 @@ class PointToPoint:
         with self.job.segment_lock:
             addr = self.job.segment_of(rank, args.get("segment", ""), nbytes).addr if nbytes else 0
             if dst in self.job.local_ranks:
-                data = np.empty(nbytes, dtype=np.uint8)
-                _copy(data.ctypes.data, addr, nbytes)
+                data = RawBuffer(nbytes)
+                _copy(data.addr, addr, nbytes)
                 self._deliver(Message(rank, dst, tag, data))
                 return nbytes
             host = self.job.topo.host_of(dst)
-            header = np.frombuffer(_HEADER.pack(rank, dst, tag, nbytes), dtype=np.uint8).copy()
-            self._engine("send", header.ctypes.data, header.nbytes, host, _TAG_HEADER)
+            header = RawBuffer.of(_HEADER.pack(rank, dst, tag, nbytes))
+            self._engine("send", header.addr, header.nbytes, host, _TAG_HEADER)
             if nbytes:
                 self._engine("send", addr, nbytes, host, _TAG_DATA)
         return nbytes
@@ -376,7 +375,7 @@ class PointToPoint:
         if m.data.nbytes:
             with self.job.segment_lock:
                 seg = self.job.segment_of(rank, args.get("segment", ""), m.data.nbytes)
-                _copy(seg.addr, m.data.ctypes.data, m.data.nbytes)
+                _copy(seg.addr, m.data.addr, m.data.nbytes)
         return m.data.nbytes
 
     def _deliver(self, m: Message) -> None:
@@ -389,12 +388,12 @@ class PointToPoint:
 
     # -- receives from other hosts (the rx thread) -------------------------------------------------
     def _rx_loop(self) -> None:
-        header = np.zeros(_HEADER.size, dtype=np.uint8)
+        header = RawBuffer(_HEADER.size)
         me = self.job.topo.host_rank
         sending = set(setup_hosts(me, len(self.job.topo.hosts)))   # hosts not yet closed
         try:
             while sending:
-                self._engine("recv", header.ctypes.data, header.nbytes, -1, _TAG_HEADER, deadline=False)
+                self._engine("recv", header.addr, header.nbytes, -1, _TAG_HEADER, deadline=False)
                 src, dst, tag, nbytes = _HEADER.unpack(header.tobytes())
                 if src == _CLOSING:
                     sending.discard(dst)
@@ -402,9 +401,9 @@ class PointToPoint:
                 if not (0 <= src < self.job.size and dst in self.job.local_ranks):
                     raise ProtocolError(f"[daemon] job {self.job.id}: p2p header for rank {dst} from rank {src}; "
                                         "that rank is not placed on this host; the daemons disagree on the job")
-                data = np.empty(nbytes, dtype=np.uint8)
+                data = RawBuffer(nbytes)
                 if nbytes:
-                    self._engine("recv", data.ctypes.data, nbytes, self.job.topo.host_of(src), _TAG_DATA)
+                    self._engine("recv", data.addr, nbytes, self.job.topo.host_of(src), _TAG_DATA)
                 self._deliver(Message(src, dst, tag, data))
         except MCCLError as e:
             if not self._stopping:

@@ -178,7 +178,9 @@ def test_a_peer_without_the_fleet_key_gets_no_data_socket(caplog):
 
 # -- two real daemons on loopback -------------------------------------------------------------
 def _env(rdir: Path, host: str, metrics_port: int = 0) -> dict[str, str]:
-    return {"MCCL_RUNTIME_DIR": str(rdir), "MCCL_FLEET_KEY": "dl-test-key-" + "y" * 32,
+    # Its own fleet (as support/daemon.py's): another test process's daemons, found by mDNS on
+    # the default fleet, dialled these while a job ran.
+    return {"MCCL_RUNTIME_DIR": str(rdir), "MCCL_FLEET_KEY": "dl-test-key-" + "y" * 32, "MCCL_FLEET": f"dl{os.getpid()}",
             "MCCL_LISTEN_ADDR": "127.0.0.1", "MCCL_PORT": "0", "MCCL_STATUS_PORT": "0",
             "MCCL_METRICS_PORT": str(metrics_port), "MCCL_METRICS_ADDR": "127.0.0.1",
             "MCCL_HOST_ID": host, "MCCL_CLIENT_CHECK_INTERVAL": "0.1", "MCCL_SOCKETS_PER_PEER": str(K)}
@@ -362,12 +364,15 @@ def test_idle_jobs_outlive_their_timeout_close_at_once_and_leave_the_sockets_cle
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
         try:
-            ended = max(run_ranks(rank_idle_job, 2, dirs, 0x3c0 + i, p2p_only, timeout_s=100))
+            run_ranks(rank_idle_job, 2, dirs, 0x3c0 + i, p2p_only, timeout_s=100)
             watcher.join(10)
         finally:
             stop.set()
+        # Closed on the ranks' leave, by events rather than a < 1 s bound: every close was clean
+        # (below: nothing discarded; a mailbox wait that ran out, 2 s, ends unclean), and the
+        # sockets were back within the watcher's 10 s (a hang's bound, which a closing barrier
+        # waiting out its 30 s would miss).
         assert pooled_at, f"job {i}: data sockets not back in the pool: {[_data_links(d) for d in daemons]}"
-        assert pooled_at[0] - ended < 1.0, f"job {i} took {pooled_at[0] - ended:.2f}s to close after its ranks left"
     for d in daemons:
         st = _data_links(d)[0]
         # dialled once, each socket reused by all three jobs: every close was clean

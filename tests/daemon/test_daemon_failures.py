@@ -55,8 +55,9 @@ def test_client_killed_frees_its_segment_and_fails_the_others(daemon):  # noqa: 
     finally:
         reap(procs)
     status, value = out[0]
-    assert status == "ok", value
-    assert float(value.split()[-1][:-1]) < 5.0, value    # noticed by the pid check, not a timeout
+    # Noticed by the pid check: its PeerLostError says rank 1 died (rank_one_dies checks it);
+    # the op's 30 s timeout would have raised CollectiveTimeout. A < 5 s bound stood here.
+    assert status == "ok" and value.startswith("PeerLostError after"), value
     deadline = time.monotonic() + 5
     while job_segments(0xdead01) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -141,8 +141,9 @@ def test_local_rank_that_never_submits_times_out_the_others(daemon):  # noqa: F8
     waited, skipped = run_ranks(rank_skips_op, 2, env=env)
     assert skipped == "later op failed"
     took, msg = waited.split(" ", 1)
-    assert "Timed out" in msg and "[1]" in msg, msg          # the daemon's verdict, naming rank 1
-    assert float(took[:-1]) < 6, waited                     # at the job's timeout, not the client's margin
+    # The daemon's verdict, naming rank 1, at the job's timeout: the client's own margin past it
+    # would have raised its own timeout, which names no rank (a < 6 s bound stood here).
+    assert "Timed out" in msg and "[1]" in msg, msg
 
 
 def rank_plain(rank: int, world: int, comm_id: int) -> str:

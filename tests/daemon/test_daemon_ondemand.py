@@ -242,7 +242,7 @@ def daemons():
     running = []
     try:
         for i, d in enumerate(dirs):
-            env = {"MCCL_RUNTIME_DIR": str(d), "MCCL_FLEET_KEY": "od-test-key-" + "y" * 32,
+            env = {"MCCL_RUNTIME_DIR": str(d), "MCCL_FLEET_KEY": "od-test-key-" + "y" * 32, "MCCL_FLEET": f"od{os.getpid()}",
                    "MCCL_LISTEN_ADDR": "127.0.0.1", "MCCL_PORT": "0", "MCCL_STATUS_PORT": "0",
                    "MCCL_METRICS_PORT": "0", "MCCL_HOST_ID": f"od{os.getpid()}h{i}",
                    "MCCL_CLIENT_CHECK_INTERVAL": "0.1", "MCCL_SOCKETS_PER_PEER": str(K)}

@@ -144,3 +144,48 @@ def test_a_job_closed_before_the_cut_cuts_at_once_and_never_after(job):
     assert engine.aborted == [str(_VERDICT)] and job.fast.written is _VERDICT
     job.check_timeouts(time.monotonic() + 60)
     assert engine.aborted == [str(_VERDICT)] and job.engine is None
+
+
+class _AbortedEngine(_Engine):
+    """An engine whose ops end in its abort, as a failed job's do."""
+
+    def barrier(self) -> int:
+        return 1
+
+    @staticmethod
+    def wait(op_id, timeout_s) -> None:
+        # Static: the native engine's frames hold no reference to it either.
+        raise AbortedError("[engine] communicator aborted by rank 1: the job failed", peer_rank=1)
+
+    def own_error_bound_s(self, timeout_s: float) -> float:
+        return timeout_s
+
+
+def test_a_verdict_raised_by_an_engine_op_keeps_no_engine_alive(job):
+    """The p2p mailbox receive raises the job's verdict from _engine_run when the aborted
+    engine ends it, and on a loaded host it does so after the job closed (a failed job's
+    close does not wait for it), so past _drop_frames: the verdict's traceback, and the
+    engine error it was raised over (its __context__), held _engine_run's frame, whose
+    ``engine`` local kept the shut-down engine and its progress pipe until a cyclic GC (the
+    fuzz test's no-GC check failed 2 in 17 under load)."""
+    import gc
+    import weakref
+
+    engine = _AbortedEngine()
+    gone = weakref.ref(engine)
+    job.engine = engine
+    verdict = PeerLostError("[daemon] job 00000000000000aa: rank 1 aborted the communicator: test", peer_rank=1)
+    job.fail(verdict, local=True)
+    assert engine.aborted == [str(verdict)]
+    gc.disable()
+    try:
+        try:
+            job._engine_run("barrier")
+        except MCCLError as e:
+            raised = e
+        assert raised is verdict
+        job.engine = None      # the job closed
+        del engine
+        assert gone() is None, "the raised verdict's frames keep the job's engine alive"
+    finally:
+        gc.enable()

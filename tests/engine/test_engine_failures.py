@@ -377,7 +377,9 @@ def test_wait_is_interruptible_and_times_out_in_caller(ctrl_c):
         t0 = time.monotonic()
         with pytest.raises(KeyboardInterrupt):
             comms[0].wait(op, 30)
-        assert time.monotonic() - t0 < 2.0
+        # Not a latency bound: only that the wait did not run to its 30 s (a 2 s bound here
+        # had 1.7 s of slack for a loaded machine's scheduling).
+        assert time.monotonic() - t0 < 15.0
         with pytest.raises(CollectiveTimeout, match=r"^\[engine\] Timed out after 0\.2 s"):
             comms[0].wait(op, 0.2)
         comms[0].abort("test over")
@@ -396,7 +398,7 @@ def test_building_the_mesh_is_interruptible(ctrl_c):
     with pytest.raises(KeyboardInterrupt):
         _core.Communicator(0, 2, 1, lst, [lst.address, silent.address], make_options(connect_timeout_s=30.0),
                            secret=job_secret())
-    assert time.monotonic() - t0 < 3.0
+    assert time.monotonic() - t0 < 15.0   # interrupted, not run to the 30 s connect timeout
     assert thread_count() <= threads0  # the builder thread is gone (others may end too)
 
 

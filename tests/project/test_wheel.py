@@ -1,6 +1,7 @@
 """The wheel as a user gets it: built from this checkout, installed into a fresh venv with the
 pinned torch, and run from there (scripts/wheel_check.py: the console scripts and a two-rank
-all-reduce through the backend "mccl"). pip finds torch as it did for scripts/setup.sh (its
+all-reduce through the backend "mccl", in-process and through mccld started from the wheel, so
+that the wheel's declared dependencies are all mccld needs). pip finds torch as it did for scripts/setup.sh (its
 cache, or the configured wheel directory), so nothing large is downloaded twice."""
 
 from __future__ import annotations
@@ -50,7 +51,10 @@ def _check_contents(wheel: Path) -> None:
     assert re.search(r"^\[torch.backends\]\nmccl = libmccl:_autoload$", entry, re.M)
 
 
-@pytest.mark.timeout(300)
+# Hard bounds of a hang, not the expected time: on 2 loaded cores installing torch into the venv
+# alone took 188 s and 310 s (the step's bound was 240 s), and the check's four ranks import
+# torch without .pyc files.
+@pytest.mark.timeout(840)
 def test_wheel_installs_into_a_fresh_venv_and_all_reduces():
     tmp = Path(tempfile.mkdtemp(prefix="mccl-wheel-"))
     try:
@@ -64,10 +68,10 @@ def test_wheel_installs_into_a_fresh_venv_and_all_reduces():
         py = str(venv / "bin" / "python")
         # --no-compile: byte-compiling torch would take longer than installing it.
         _run([py, "-m", "pip", "install", "-q", "--no-compile", "--disable-pip-version-check", str(wheel),
-              f"torch=={_torch_pin()}"], timeout=240)
+              f"torch=={_torch_pin()}"], timeout=480)
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         # Run from elsewhere, so no package can come from the checkout.
-        res = _run([py, str(ROOT / "scripts/wheel_check.py")], timeout=180, cwd=str(tmp), env=env)
-        assert res.stdout.count("PASS ") == 5, res.stdout
+        res = _run([py, str(ROOT / "scripts/wheel_check.py")], timeout=330, cwd=str(tmp), env=env)
+        assert res.stdout.count("PASS ") == 7, res.stdout
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -29,7 +29,9 @@ from mccld.daemon import Daemon
 
 
 def daemon_env(rdir: Path) -> dict[str, str]:
-    return {"MCCL_RUNTIME_DIR": str(rdir), "MCCL_FLEET_KEY": "test-key-" + "x" * 32,
+    # A fleet of this process's own: mDNS finds every daemon of a fleet on the machine, and the
+    # daemons of test processes running side by side dialled each other (refused: other keys).
+    return {"MCCL_RUNTIME_DIR": str(rdir), "MCCL_FLEET_KEY": "test-key-" + "x" * 32, "MCCL_FLEET": f"t{os.getpid()}",
             "MCCL_LISTEN_ADDR": "127.0.0.1", "MCCL_PORT": "0", "MCCL_STATUS_PORT": "0",
             "MCCL_METRICS_PORT": "0", "MCCL_HOST_ID": f"t{os.getpid()}", "MCCL_CLIENT_CHECK_INTERVAL": "0.1"}
 

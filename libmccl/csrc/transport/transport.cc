@@ -75,7 +75,7 @@ void Transport::post(int peer, const RequestPtr& req) {
                     "none were handed in for that rank, which only the collectives' own peers "
                     "get; likely cause: an op that needs every peer (gather, scatter, "
                     "all-to-all, send/recv) on a communicator built that way; run it over the "
-                    "engine's own links (MCCL_USE_DAEMON=0)",
+                    "engine's own links (MCCL_DAEMON=0)",
                 peer, addrs_[peer]);
   }
   unlinked_[peer].push_back(req);
