@@ -357,6 +357,7 @@ class AnchorStoreBackend(RendezvousBackend):
         self._acks: list[bytes] = []
         self._posted = False
         self._next_hello = 1        # the first hello this host has not acknowledged yet
+        self.saw_open = False       # whether this host read a state of this run that was not closed
         self._call("compare_set", self._key, "", _EMPTY)  # creates the key unless a host already did
 
     @property
@@ -445,6 +446,7 @@ class AnchorStoreBackend(RendezvousBackend):
                 "written back by someone who can reach the store (a replay); the run cannot trust the store any "
                 "more: restart it, and keep the anchor's port on the training network", peer_addr=self._anchor)
         self._seen, self._acks = version, acks
+        self._note_open(state)
         return state, raw
 
     def _wait_for_vouch(self) -> tuple[bytes, Any] | None:
@@ -463,6 +465,7 @@ class AnchorStoreBackend(RendezvousBackend):
             if self._nonce in acks:
                 self._epoch = epoch
                 self._seen, self._acks = version, acks
+                self._note_open(state)
                 return state, raw
             if time.monotonic() >= deadline:
                 raise RendezvousForged(
@@ -472,6 +475,11 @@ class AnchorStoreBackend(RendezvousBackend):
                     "gone. Start the run again with a new --rdzv-id (or restart the anchor), and keep the "
                     "anchor's port on the training network", peer_addr=self._anchor)
             time.sleep(_VOUCH_POLL_S)
+
+    def _note_open(self, state: bytes) -> None:
+        """Remembers that the run was open when this host read it (one unpickle, until it was)."""
+        if not self.saw_open and not _says_closed(state):
+            self.saw_open = True
 
     def _with_hellos(self, acks: list[bytes]) -> tuple[list[bytes], int]:
         """``acks`` plus the nonces of hellos posted since this host last acknowledged (at most
@@ -563,6 +571,7 @@ class MCCLRendezvousHandler(DynamicRendezvousHandler):
     anchor: str = ""
     serves_anchor: bool = False
     anchor_store: Any = None
+    anchor_backend: "AnchorStoreBackend | None" = None
     _last_world = 0  # hosts in the last round this one joined
     _left = False    # left the run after a drain (leave_if_drained)
     reform_file = ""         # MCCL_REFORM_FILE of this torchrun's workers
@@ -638,6 +647,15 @@ class MCCLRendezvousHandler(DynamicRendezvousHandler):
                 "--rdzv-endpoint or --rdzv-id, or lower --nnodes; start them with the same arguments, or raise "
                 "MCCL_RDZV_JOIN_TIMEOUT (join_timeout)", peer_addr=self.anchor) from exc
         except RendezvousClosedError as exc:
+            if self._ended_before_taken_in():
+                # mcclctl run recruited this host during the run's last steps: it waited for the
+                # next round, and the run finished first. Nothing failed here; exiting 1 made
+                # mcclctl report a job that ran every step as failed (torch's own graceful exit,
+                # RendezvousGracefulExitError, ends torchrun with an AttributeError in 2.13).
+                _log.warning("[rendezvous] run %r ended before this host was taken in (it waited for the next "
+                             "round, the run's hosts finished or gave up first, peer=%s); nothing ran here, so "
+                             "this torchrun exits 0", self.settings.run_id, self.anchor)
+                raise SystemExit(0) from None
             raise RendezvousClosed(
                 f"[rendezvous] run {self.settings.run_id!r} is closed, peer={self.anchor} (the anchor): a torchrun "
                 "of this run finished or gave up, which ends the run for every host; start a new run with a "
@@ -651,6 +669,11 @@ class MCCLRendezvousHandler(DynamicRendezvousHandler):
                   self.settings.run_id, info.rank, info.world_size, self._this_node.addr,
                   time.monotonic() - started, self.anchor, ", served here" if self.serves_anchor else "")
         return info
+
+    def _ended_before_taken_in(self) -> bool:
+        """This torchrun never joined a round, yet found the run open at first: it closed while
+        this host waited (a run closed before the host came is a reused --rdzv-id: an error)."""
+        return self._last_world == 0 and self.anchor_backend is not None and self.anchor_backend.saw_open
 
     def _forget_workers_store(self) -> None:
         """torch keeps the workers' store address of this handler's first round: a host that
@@ -724,6 +747,8 @@ class MCCLRendezvousHandler(DynamicRendezvousHandler):
         waits (at most the close timeout) for the others of the last round, since its store
         ends with its process and a host still closing would get a broken pipe and a stack
         dump at the end of a run that went fine. A dead host costs that wait."""
+        if self._last_world == 0:
+            return      # in no round (it ended before this host was taken in): not one the anchor waits for
         key = f"mccl/rdzv/{self.settings.run_id}/shut_down"
         try:
             done = int(self.anchor_store.add(key, 1))
@@ -790,6 +815,7 @@ def create_handler(params: RendezvousParameters) -> MCCLRendezvousHandler:
     handler.anchor = anchor
     handler.serves_anchor = serving
     handler.anchor_store = store
+    handler.anchor_backend = backend
     handler.join_at_step_s = opts.join_at_step_s
     # The workers torchrun starts inherit this environment: the file they watch for a joining host.
     handler.reform_file = os.environ.setdefault(

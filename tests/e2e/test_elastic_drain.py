@@ -4,31 +4,84 @@ activity file is touched): its mccld drains it, the job saves at the next step b
 leaves, the world re-forms on h1 alone and resumes from that step. The user goes again: h2 turns
 idle (MCCL_IDLE_AFTER), mcclctl leases it again, and the job takes it in after its current step.
 The loss curve must be the one of an uninterrupted run with the same global batch: every step
-once, none repeated or skipped, the same losses."""
+once, none repeated or skipped, the same losses.
+
+The rejoin races the run's end: h2 comes back only after MCCL_IDLE_AFTER, a recruit and a
+torchrun start-up (importing torch: seconds, over 10 s on a loaded 2-core box), while h1 alone
+runs the remaining steps in about as long. So the test holds h1's training process (SIGSTOP)
+from the moment it runs alone until h1's torchrun says the joining host is waiting, instead of
+hoping the last step comes late enough."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import threading
 import time
 
 import pytest
 
 from support.daemon import stop_process
-from support.elastic import reference_losses, run_elastic, start_hosts, steps_of
+from support.elastic import job_pids, reference_losses, run_elastic, start_hosts, steps_of
 
 pytestmark = pytest.mark.timeout(240)
 
 STEPS = 80
 IDLE_AFTER_S = 3
+HOLD_LIMIT_S = 150      # a held h1 is let go after this even if h2 never shows up: the asserts then say why
+
+
+def _workers(host: str) -> list[int]:
+    """The training processes on ``host``, not its torchrun (python -m torch.distributed.run)."""
+    found = []
+    for pid in job_pids(host, "elastic_train.py"):
+        try:
+            cmd = open(f"/proc/{pid}/cmdline").read().replace("\0", " ")
+        except OSError:
+            continue
+        if "torch.distributed.run" not in cmd:
+            found.append(pid)
+    return found
+
+
+class _Hold:
+    """SIGSTOP of a host's training processes until ``release`` (or HOLD_LIMIT_S)."""
+
+    def __init__(self) -> None:
+        self.pids: list[int] = []
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+
+    def stop(self, host: str) -> None:
+        with self._lock:
+            self.pids = _workers(host)
+            for pid in self.pids:
+                os.kill(pid, signal.SIGSTOP)
+        self._timer = threading.Timer(HOLD_LIMIT_S, self.release)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def release(self) -> None:
+        with self._lock:
+            for pid in self.pids:
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+            self.pids = []
+        if self._timer is not None:
+            self._timer.cancel()
 
 
 def test_a_host_whose_user_returns_leaves_and_rejoins_when_idle_again(tmp_path):
     hosts = start_hosts(tmp_path, ["h1", "h2"], idle_after_s=IDLE_AFTER_S)
-    run = None
+    run, hold = None, _Hold()
     try:
         reference = reference_losses(STEPS)
         run = run_elastic(hosts, tmp_path / "ckpt", STEPS, 1, 2, ctl_args=("--recruit-every", "1"))
         lines, touched, left_at, resumed_at, joined_at, regrown_at = [], None, None, None, None, None
+        held, waiting = False, False
         for line in run.stdout:
             lines.append(line.rstrip())
             m = re.search(r"step (\d+) loss [0-9.]+ world 2", line)
@@ -37,8 +90,14 @@ def test_a_host_whose_user_returns_leaves_and_rejoins_when_idle_again(tmp_path):
                 touched = time.monotonic()
             if "left after step" in line and left_at is None:
                 left_at = time.monotonic()
+            if "[h1]" in line and "host(s) waiting to join; the workers save after this step" in line:
+                waiting = True
+                hold.release()                      # h2 is in the rendezvous: h1 may reach its step boundary
             if "world 1 on h1: resumed" in line and resumed_at is None:
                 resumed_at = time.monotonic()
+                if not waiting:
+                    hold.stop("h1")                 # h1 alone must not finish the run before h2 is back
+                    held = bool(hold.pids)
             if "[mcclctl] joined" in line and joined_at is None:
                 joined_at = time.monotonic()
             if joined_at and re.search(r"world 2 on h\d: resumed", line) and regrown_at is None:
@@ -47,6 +106,7 @@ def test_a_host_whose_user_returns_leaves_and_rejoins_when_idle_again(tmp_path):
         text = "\n".join(lines)
         assert rc == 0, text
         assert touched and left_at and resumed_at and joined_at and regrown_at, text
+        assert held and waiting, text      # h1 was held alone, and let go once h2 waited to join
         steps = steps_of(text)
         assert [s for s, _, _ in steps] == list(range(STEPS)), text       # each step once, in order
         worlds = [w for i, (_, _, w) in enumerate(steps) if i == 0 or steps[i - 1][2] != w]
@@ -60,6 +120,7 @@ def test_a_host_whose_user_returns_leaves_and_rejoins_when_idle_again(tmp_path):
               f"leased again {joined_at - touched:.2f} s after the activity; resumed with it "
               f"{regrown_at - joined_at:.2f} s after that")
     finally:
+        hold.release()
         if run is not None:
             stop_process(run)
             run.stdout.close()

@@ -226,6 +226,38 @@ def test_a_closed_run_says_so(make_handlers) -> None:
         b.next_rendezvous()
 
 
+def test_a_host_still_waiting_when_the_run_ends_exits_0(make_handlers, caplog) -> None:
+    """mcclctl run recruits an idle host during a run's last steps: its torchrun waits for the
+    next round, and the run finishes and closes first. Nothing failed there: it exits 0 (torchrun
+    ends cleanly on SystemExit(0)), not with RendezvousClosed, which made mcclctl report a job
+    that ran every step as failed. A run closed before the host came still says so (above)."""
+    port = _free_port()
+    a = make_handlers(port, 1, 2, is_host="1")
+    a.reform_file = ""          # the waiting host is reported as is, no workers to ask
+    assert a.next_rendezvous().world_size == 1
+    b = make_handlers(port, 1, 2)
+    out: list = []
+
+    def join():
+        try:
+            out.append(b.next_rendezvous())
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out.append(exc)
+
+    t = threading.Thread(target=join)
+    t.start()
+    deadline = time.monotonic() + 10
+    while a.num_nodes_waiting() == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert a.num_nodes_waiting() == 1, "the late host never reached the wait list"
+    with caplog.at_level(logging.WARNING, logger="libmccl.elastic.rdzv"):
+        a.set_closed()          # the run's last host finished
+        t.join(15)
+    assert not t.is_alive()
+    assert len(out) == 1 and isinstance(out[0], SystemExit) and out[0].code == 0, out
+    assert "ended before this host was taken in" in caplog.text
+
+
 def test_a_silent_host_is_dropped_and_the_next_round_forms_without_it(make_handlers) -> None:
     """The elastic case: min 1, max 2; a host that stops its keep-alives (dead, as far as the
     store can tell) no longer counts, and the survivor completes a round alone."""
