@@ -1,0 +1,206 @@
+"""Speed-aware batch shares (libmccl/training): the plan's arithmetic, re-planning when hosts
+leave and join or slow down, and the weighted DDP update's exactness against one process
+training on the whole global batch."""
+
+from __future__ import annotations
+
+import pytest
+
+from mccl_common.errors import ConfigError
+from libmccl.training.shares import SharePlanner, floor_share, plan_shares
+
+GLOBAL = 24
+STEPS = 4
+
+
+# -- the plan -----------------------------------------------------------------------------------
+def test_shares_proportional_integral_and_summing() -> None:
+    assert plan_shares(24, [1.0, 1.0, 1.0, 1.0]) == [6, 6, 6, 6]
+    assert plan_shares(24, [2.0, 1.0, 1.0]) == [12, 6, 6]
+    # 4 hosts, 2 at half speed: 1 : 1 : 0.5 : 0.5 of 30 -> 10, 10, 5, 5.
+    assert plan_shares(30, [2.0, 2.0, 1.0, 1.0]) == [10, 10, 5, 5]
+    for speeds in ([3.3, 1.7, 0.9], [5, 5, 5, 5, 5, 5, 5], [1e-3, 7.0, 2.5, 2.5]):
+        s = plan_shares(101, speeds)
+        assert sum(s) == 101 and all(isinstance(x, int) for x in s)
+    # Rounding is deterministic: leftovers to the largest remainders, ties to the lower rank.
+    assert plan_shares(10, [1.0, 1.0, 1.0]) == [4, 3, 3]
+
+
+def test_floor_keeps_a_stalled_rank_computing() -> None:
+    s = plan_shares(40, [100.0, 100.0, 100.0, 0.001], floor=0.25)
+    assert s[3] == floor_share(40, 4, 0.25) == 3 and sum(s) == 40
+    assert s[0] == s[1] == s[2] - 1 or s[0] >= s[2]       # the rest split proportionally
+    assert min(plan_shares(8, [1e6, 1e-6, 1e-6, 1e-6], floor=0.0)) == 1   # never an empty batch
+
+
+def test_unmeasured_ranks_get_the_mean_speed() -> None:
+    assert plan_shares(24, [None, None, None]) == [8, 8, 8]
+    # A joiner (None) is planned at the mean of the measured speeds (2 and 4 -> 3).
+    assert plan_shares(27, [2.0, 4.0, None]) == [6, 12, 9]
+
+
+def test_bad_plans_are_refused_with_the_cause() -> None:
+    with pytest.raises(ConfigError, match="smaller than the world"):
+        plan_shares(3, [1.0] * 4)
+    with pytest.raises(ConfigError, match="floor"):
+        plan_shares(8, [1.0, 1.0], floor=1.5)
+    with pytest.raises(ConfigError, match="speeds for a world of 3"):
+        SharePlanner(12, 3, 0).adopt([1.0, 2.0])
+
+
+# -- the planner: smoothing, step changes, leave and join ----------------------------------------
+def _feed(p: SharePlanner, samples_per_s: float, steps: int) -> None:
+    for _ in range(steps):
+        p.observe(p.share, p.share / samples_per_s)
+
+
+def test_step_change_replaces_the_speed_after_two_steps_but_noise_does_not() -> None:
+    p = SharePlanner(32, 4, 3, warmup=0)
+    _feed(p, 100.0, 5)
+    assert p.speed == pytest.approx(100.0)
+    _feed(p, 300.0, 1)                                  # one outlier: the EMA holds
+    assert p.speed == pytest.approx(100.0)
+    _feed(p, 100.0, 1)
+    _feed(p, 50.0, 2)                                   # slowed to half: replaced after 2 steps
+    assert p.speed == pytest.approx(50.0)
+
+
+def test_shares_replanned_when_hosts_leave_and_join() -> None:
+    # Four ranks, rank 3 at half speed; every rank runs its own planner on the same gathered speeds.
+    speeds = [100.0, 100.0, 100.0, 50.0]
+    planners = [SharePlanner(28, 4, r, warmup=0, every=2) for r in range(4)]
+    assert [p.share for p in planners] == [7, 7, 7, 7]
+    for p, s in zip(planners, speeds):
+        _feed(p, s, 2)
+    assert all(p.due() for p in planners)
+    for p in planners:
+        p.adopt([q.speed for q in planners])
+    assert [p.share for p in planners] == [8, 8, 8, 4]
+    assert all(p.shares == planners[0].shares for p in planners)
+
+    # Rank 1 leaves: the survivors are renumbered 0, 1, 2 (old 0, 2, 3) and keep their own speeds.
+    left = [planners[0], planners[2], planners[3]]
+    for new_rank, p in enumerate(left):
+        p.new_world(3, new_rank)
+    assert [p.share for p in left] == [10, 9, 9]        # equal until measured on the new world
+    assert [p.speed for p in left] == pytest.approx([100.0, 100.0, 50.0])
+    for p, s in zip(left, (100.0, 100.0, 50.0)):
+        _feed(p, s, 1)
+    assert all(p.due() for p in left)                   # the first step of a new world exchanges
+    for p in left:
+        p.adopt([q.speed for q in left])
+    assert [p.share for p in left] == [11, 11, 6] and sum(left[0].shares) == 28
+
+    # A fresh host joins as rank 3: unmeasured, it is planned at the mean until it reports.
+    joiner = SharePlanner(28, 4, 3, warmup=0)
+    world = left + [joiner]
+    for r, p in enumerate(world):
+        p.new_world(4, r)
+    for p, s in zip(world, (100.0, 100.0, 50.0, 200.0)):
+        _feed(p, s, 1)
+    gathered = [p.speed for p in world[:3]] + [None]    # the joiner's first step was its warm-up
+    for p in world:
+        p.adopt(gathered)
+    assert world[0].shares == plan_shares(28, [100.0, 100.0, 50.0, None])
+    assert world[0].shares == plan_shares(28, [100.0, 100.0, 50.0, 250.0 / 3])   # the mean of the others
+
+
+def test_exchange_schedule_is_the_same_on_every_rank() -> None:
+    a, b = SharePlanner(16, 2, 0, warmup=1, every=3), SharePlanner(16, 2, 1, warmup=1, every=3)
+    seen = []
+    for step in range(10):
+        a.observe(8, 0.1 if step != 4 else 1.0)         # a local jump on one rank only
+        b.observe(8, 0.2)
+        seen.append((a.due(), b.due()))
+        if a.due():
+            a.adopt([a.speed, b.speed])
+            b.adopt([a.speed, b.speed])
+    assert all(x == y for x, y in seen) and any(x for x, _ in seen)
+
+
+# -- exactness against one process on the whole global batch ------------------------------------
+def _model():
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+
+
+def _batches():
+    import torch
+
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(GLOBAL, 16, generator=g), torch.randn(GLOBAL, 4, generator=g)) for _ in range(STEPS)]
+
+
+def _reference():
+    import torch
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in _batches():
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _balanced_rank(rank: int, world: int, backend: str, fixed: list[int] | None) -> dict:
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from libmccl.training import SpeedBalancer
+    from support.ranks import init_pg
+
+    if backend == "mccl":
+        import libmccl
+
+        libmccl.register()
+    init_pg(rank, world, backend=backend)
+    try:
+        # fixed shares: no exchange ever; else every step exchanges (warm-up 0) and re-plans.
+        bal = SpeedBalancer(GLOBAL, every=1, warmup=10**6 if fixed else 0, hysteresis=0.0)
+        if fixed:
+            bal.planner.shares = list(fixed)
+        model = DDP(_model())
+        model.register_comm_hook(bal.state, bal.hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        used = []
+        for x, y in _batches():
+            b = bal.batch_size()
+            shares = bal.shares
+            assert sum(shares) == GLOBAL and shares[rank] == b
+            lo = sum(shares[:rank])
+            used.append(shares)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x[lo:lo + b]), y[lo:lo + b]).backward()
+            if rank == world - 1 and not fixed:
+                time.sleep(0.002 * b)          # a slower host: the plan may move, exactness must not
+            opt.step()
+        ref = _reference()
+        for p, r in zip(model.module.parameters(), ref):
+            torch.testing.assert_close(p.detach(), r, rtol=1e-5, atol=1e-6)
+        moved = not torch.allclose(next(model.module.parameters()), next(_model().parameters()))
+        return {"used": used, "moved": moved, "exchanges": bal.planner.steps, "history": bal.history}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("backend", ["gloo", "mccl"])
+def test_weighted_update_equals_large_batch_with_unequal_shares(backend: str, ranks) -> None:
+    fixed = [3, 13, 8]
+    out = ranks(_balanced_rank, 3, backend, fixed, timeout_s=150)
+    assert all(o["moved"] for o in out)
+    assert all(u == fixed for o in out for u in o["used"])
+
+
+@pytest.mark.timeout(180)
+def test_weighted_update_exact_while_replanning(ranks) -> None:
+    out = ranks(_balanced_rank, 3, "mccl", None, timeout_s=150)
+    # Every rank followed the same plans (they are computed, never sent), and they re-planned.
+    assert out[0]["used"] == out[1]["used"] == out[2]["used"]
+    assert out[0]["history"], "no re-plan happened: the exchange path was not exercised"
