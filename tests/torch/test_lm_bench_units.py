@@ -188,3 +188,15 @@ def test_slow_host_sleeps_in_proportion_to_its_samples(monkeypatch):
     assert len(slept) == 2
     with pytest.raises(MCCLError, match="sample_compute_s"):
         train.SlowHost.from_plan({"slow": {"0": [2.0, 0]}}, 0)
+
+
+def test_global_sampler_gives_every_split_the_same_samples():
+    import torch
+
+    split = (torch.arange(5000, dtype=torch.int64) * 7).to(torch.uint8)
+    equal = [data.global_sampler(torch, split, 16, 5) for _ in range(4)]
+    skewed = [data.global_sampler(torch, split, 16, 5) for _ in range(4)]
+    for shares in ([3, 13, 8, 8], [11, 11, 5, 5]):
+        a = torch.cat([equal[r]([8, 8, 8, 8], r)[0] for r in range(4)])
+        b = torch.cat([skewed[r](shares, r)[0] for r in range(4)])
+        assert a.shape == (32, 16) and torch.equal(a, b)

@@ -274,6 +274,10 @@ def run_lm(cfg: LMConfig, checkpoint=None) -> dict:
         corpus = lmdata.build(os.path.join(tmp, "corpus")).to_dict()
         meta["corpus"] = {k: v for k, v in corpus.items() if not k.endswith("_path")}
         plan = {**cfg.plan(), "corpus": corpus}
+        # With a balanced variant in the run, every variant takes its ranks' slices of one global
+        # batch per step (data.global_sampler): the curves then differ by the update alone.
+        plan["global_data"] = any(v.balanced for v in variants)
+        meta["global_data"] = plan["global_data"]
         rate = None if cfg.rate in (None, "none") else cfg.rate
         if cfg.rate == "auto" or cfg.slow:   # a slow host's stand-in needs the per-sample compute
             cal = calibrate(cfg, corpus, tmp)

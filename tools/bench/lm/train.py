@@ -114,6 +114,7 @@ def run(plan: dict) -> dict:
     ddp = DistributedDataParallel(model, **kwargs)
     opt = torch.optim.AdamW(ddp.parameters(), lr=plan["lr"], weight_decay=0.1)
     draw = lmdata.sampler(torch, train, mcfg.context, plan["seed"], rank)
+    draw_global = lmdata.global_sampler(torch, train, mcfg.context, plan["seed"]) if plan.get("global_data") else None
     balancer = None
     if plan["variant"].get("balanced"):
         from libmccl.training import SpeedBalancer
@@ -145,7 +146,10 @@ def run(plan: dict) -> dict:
         t = time.perf_counter()
         b = balancer.batch_size() if balancer is not None else plan["batch"]   # exchanges speeds every few steps
         shares.append(balancer.shares if balancer is not None else None)
-        x, y = draw(b)
+        if draw_global is not None:
+            x, y = draw_global(balancer.shares if balancer is not None else [plan["batch"]] * world, rank)
+        else:
+            x, y = draw(b)
         opt.zero_grad(set_to_none=True)
         loss = lmmodel.loss_fn(torch, ddp(x), y)
         slow.compute(step, b)        # a slow host's extra compute, before backward: inside what the balancer times
