@@ -204,3 +204,65 @@ def test_weighted_update_exact_while_replanning(ranks) -> None:
     # Every rank followed the same plans (they are computed, never sent), and they re-planned.
     assert out[0]["used"] == out[1]["used"] == out[2]["used"]
     assert out[0]["history"], "no re-plan happened: the exchange path was not exercised"
+
+
+def _leave_rank(rank: int, world: int, port: int) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import libmccl
+    from libmccl.training import SpeedBalancer
+    from support.ranks import init_pg
+
+    libmccl.register()
+    init_pg(rank, world)
+    bal = SpeedBalancer(GLOBAL, every=1, warmup=0, hysteresis=0.0)
+    net = _model()
+    model = DDP(net)
+    model.register_comm_hook(bal.state, bal.hook)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    seen = []
+
+    def step(x, y, world_now: int, rank_now: int) -> None:
+        b = bal.batch_size()
+        shares = bal.shares
+        assert len(shares) == world_now and sum(shares) == GLOBAL and shares[rank_now] == b
+        seen.append(shares)
+        lo = sum(shares[:rank_now])
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x[lo:lo + b]), y[lo:lo + b]).backward()
+        opt.step()
+
+    batches = _batches()
+    for x, y in batches[:2]:
+        step(x, y, world, rank)
+    dist.destroy_process_group()
+    if rank == world - 1:
+        return {"left": True, "seen": seen}
+    # The others re-form without the last rank (as a script re-forming its own group would).
+    init_pg(rank, world - 1, port=port)
+    try:
+        speed = bal.speed
+        bal.new_world()
+        assert bal.speed == speed and bal.shares == [GLOBAL // (world - 1)] * (world - 1)
+        model = DDP(net)
+        model.register_comm_hook(bal.state, bal.hook)
+        for x, y in batches[2:]:
+            step(x, y, world - 1, rank)
+        for p, r in zip(net.parameters(), _reference()):
+            torch.testing.assert_close(p.detach(), r, rtol=1e-5, atol=1e-6)
+        return {"left": False, "seen": seen, "replans": len(bal.history)}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_leaves_the_survivors_replan_and_stay_exact(ranks) -> None:
+    from support.ranks import free_port
+
+    out = ranks(_leave_rank, 3, free_port(), timeout_s=150)
+    assert out[2]["left"] and not out[0]["left"]
+    assert out[0]["seen"] == out[1]["seen"]
+    assert [len(s) for s in out[0]["seen"]] == [3, 3, 2, 2]
+    assert out[0]["seen"][2] == [12, 12]            # equal on the new world until measured there
