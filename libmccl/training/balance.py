@@ -112,6 +112,21 @@ class SpeedBalancer:
             if self.planner.rank == 0:
                 log.info("[balance] step %d: speeds %s samples/s -> shares %s", self.planner.steps,
                          [None if s is None else round(s, 1) for s in speeds], self.shares)
+        self._report()
+
+    def _report(self) -> None:
+        """Speed and share to this host's mccld (``mcclctl jobs``, the exporter) when the group runs
+        through one; a group without a daemon client has nothing to report to."""
+        pg = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
+        report = getattr(getattr(pg, "communicator", None), "report_balance", None)
+        if report is None:
+            try:
+                backend = pg._get_backend(torch.device("cpu"))
+            except (RuntimeError, AttributeError):
+                return
+            report = getattr(getattr(backend, "communicator", None), "report_balance", None)
+        if report is not None:
+            report(self.planner.speed or 0.0, self.planner.share)
 
     def weight(self) -> float:
         """This rank's factor on its mean gradient: its samples over the global batch."""

@@ -63,7 +63,9 @@ def test_links_and_jobs_tables():
     assert "unreachable: mac3: AuthError: bad key" in text
     jobs = [{"job": "train", "ranks": [0, 1], "world": 4, "collectives": 10, "bytes": 1 << 20,
              "overlap": {"0": 0.5, "1": 0.7}}]
-    assert fmt.job_rows("mac1", jobs) == [["mac1", "train", "0,1", "4", "10", "1.0 MiB", "0.60"]]
+    assert fmt.job_rows("mac1", jobs) == [["mac1", "train", "0,1", "4", "10", "1.0 MiB", "0.60", "-"]]
+    jobs[0]["balance"] = {"1": {"speed": 6.14, "share": 5}, "0": {"speed": 12.3, "share": 11}}
+    assert fmt.job_rows("mac1", jobs)[0][7] == "0:11@12.3 1:5@6.1"
     assert fmt.jobs_table([]) == "no jobs"
 
 

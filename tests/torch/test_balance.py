@@ -266,3 +266,20 @@ def test_a_rank_leaves_the_survivors_replan_and_stay_exact(ranks) -> None:
     assert out[0]["seen"] == out[1]["seen"]
     assert [len(s) for s in out[0]["seen"]] == [3, 3, 2, 2]
     assert out[0]["seen"][2] == [12, 12]            # equal on the new world until measured there
+
+
+@pytest.mark.timeout(180)
+def test_through_mccld_exact_and_speeds_and_shares_reach_the_daemon(daemon, ranks) -> None:
+    d, env = daemon
+    out = ranks(_balanced_rank, 3, "mccl", None, env=dict(env, MCCL_DAEMON="1"), timeout_s=150)
+    last = out[0]["used"][-1]
+    got = {b["rank"]: b for b in d.stats.snapshot()["balance"]}
+    assert sorted(got) == [0, 1, 2], d.stats.snapshot()["balance"]
+    # Reported after the last exchange, which planned the last step's shares.
+    assert [got[r]["share"] for r in range(3)] == last and all(got[r]["speed"] > 0 for r in range(3))
+    # What `mcclctl jobs` gets from this daemon's status for the job (it ended: from the stats' jobs).
+    from mccld.report.status_server import merge_status
+
+    (job,) = {b["job"] for b in d.stats.snapshot()["balance"]}
+    rows = merge_status({"jobs": [{"job": job, "world": 3}]}, d.stats.snapshot())["jobs"]
+    assert rows[0]["balance"] == {str(r): {"speed": got[r]["speed"], "share": got[r]["share"]} for r in range(3)}
