@@ -21,6 +21,7 @@ Request types and their fields:
            (p2p ops carry seq 0: they are not part of the job's collective order)
   status                                 -> the daemon's status snapshot
   overlap  job, rank, ratio              -> ok (compute/communication overlap, for the exporter)
+  balance  job, rank, speed, share       -> ok (a rank's samples/s and batch share, SpeedBalancer)
   leave    job, rank [, abort]           -> ok; the daemon frees the rank's segments
                                             (``abort``: a reason; fails the job for every rank)
   probe    addr                          -> link to the daemon at addr (dial + authenticate)
@@ -250,6 +251,16 @@ class Overlap(Request):
 
 
 @dataclass(frozen=True)
+class Balance(Request):
+    """A rank's measured speed and its share of the global batch (libmccl.training.SpeedBalancer)."""
+    type: ClassVar[str] = "balance"
+    job: str = _job()
+    rank: int = _rank()
+    speed: float = wire((int, float), 0.0, 1e12)      # samples/s; 0 = not measured yet
+    share: int = wire(int, 0, 1 << 40)                 # samples of the global batch per step
+
+
+@dataclass(frozen=True)
 class Leave(Request):
     type: ClassVar[str] = "leave"
     job: str = _job()
@@ -267,7 +278,7 @@ class Probe(Request):
 
 
 REQUESTS: dict[str, type[Request]] = {cls.type: cls for cls in (Hello, Join, Register, Release, Op, Status,
-                                                                  Overlap, Leave, Probe)}
+                                                                  Overlap, Balance, Leave, Probe)}
 
 # An op's arguments, exactly: the job's thread calls its algorithm with them, so a key
 # unknown to this daemon (or a missing one) is refused here rather than failing there.

@@ -242,7 +242,7 @@ def topology_text(view: dict, wide: bool = False) -> str:
 
 # ---- jobs ----------------------------------------------------------------------------
 
-JOB_HEADERS = ("HOST", "JOB", "STATUS", "AGE", "RANKS", "WORLD", "COLLECTIVES", "BYTES", "OVERLAP")
+JOB_HEADERS = ("HOST", "JOB", "STATUS", "AGE", "RANKS", "WORLD", "COLLECTIVES", "BYTES", "OVERLAP", "SHARE@SAMPLES/S")
 # The daemon's job states (mccld/jobs/job.py, and "ended" once it left the table) as shown.
 JOB_STATUS = {"joining": "starting", "ready": "running", "failed": "failed", "closed": "ending", "ended": "ended"}
 
@@ -266,8 +266,16 @@ def job_rows(host: str, jobs: list[dict]) -> list[list[str]]:
         rows.append([host, job.get("job") or NA, job_status(job), human_duration(job.get("age_s")),
                      NA if ranks is None else ",".join(str(r) for r in ranks),
                      NA if job.get("world") is None else str(job["world"]),
-                     str(job.get("collectives", NA)), human_bytes(job.get("bytes")), ov])
+                     str(job.get("collectives", NA)), human_bytes(job.get("bytes")), ov, _balance_text(job)])
     return rows
+
+
+def _balance_text(job: dict) -> str:
+    """Each local rank's batch share and measured speed (SpeedBalancer), e.g. ``0:11@12.3 1:5@6.1``."""
+    bal = job.get("balance") or {}
+    if not bal:
+        return NA
+    return " ".join(f"{r}:{b['share']}@{b['speed']:.1f}" for r, b in sorted(bal.items(), key=lambda kv: int(kv[0])))
 
 
 def jobs_table(per_host: list[tuple[str, list[dict] | None, str | None]], wide: bool = False) -> str:

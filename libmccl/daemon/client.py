@@ -340,6 +340,17 @@ class DaemonCommunicator(Submitter, IOLoop):
         self.timeout_s = float(timeout_s)
         self._set_verdict_bound()
 
+    def report_balance(self, speed: float, share: int) -> None:
+        """This rank's measured samples/s and batch share, for ``mcclctl jobs`` and the exporter; never blocks."""
+        if not 0.0 <= float(speed) < 1e12 or int(share) < 0:
+            raise ConfigError(f"[daemon-client] balance report speed={speed} share={share}: both must be >= 0")
+        with self._lock:
+            if self._closed:
+                return
+            self._outbox.append({"type": "balance", "job": self._job, "rank": self.rank, "speed": float(speed),
+                                 "share": int(share)})
+        self._wake()
+
     def report_overlap(self, ratio: float) -> None:
         """Share of communication hidden behind compute (0..1) for the daemon's exporter; never blocks."""
         if not 0.0 <= float(ratio) <= 1.0:

@@ -221,6 +221,9 @@ class JobService:
             msg.check_world(job.size)
             job.submit(ident, msg.req, msg)
             return None
+        if kind == "balance":
+            self._stat("record_balance", job_id, msg.rank, float(msg.speed), int(msg.share))
+            return {"ok": True}
         if kind == "overlap":
             self._stat("record_overlap", job_id, msg.rank, float(msg.ratio))
             return {"ok": True}

@@ -231,6 +231,15 @@ class StatsCollector(Collector):
             labels = [ov["job"], str(ov["rank"])]
             latest.add_metric(labels, ov["latest"])
             mean.add_metric(labels, ov["mean"])
+        speed = GaugeMetricFamily("mccl_rank_speed_samples_per_second", "A training rank's measured compute "
+                                  "speed (SpeedBalancer; 0 before its first measurement)", labels=["job_id", "rank"])
+        share = GaugeMetricFamily("mccl_rank_batch_share", "Samples of the global batch a rank computes per "
+                                  "step (SpeedBalancer's plan)", labels=["job_id", "rank"])
+        for b in sorted(snap.get("balance", []), key=lambda o: (o["job"], o["rank"])):
+            labels = [b["job"], str(b["rank"])]
+            speed.add_metric(labels, b["speed"])
+            share.add_metric(labels, b["share"])
+        yield from (speed, share)
         world = GaugeMetricFamily("mccl_job_world_size", "Ranks of a job active in the last 5 minutes",
                                   labels=["job_id"])
         ops = CounterMetricFamily("mccl_job_collectives", "Collectives this daemon completed for a job",

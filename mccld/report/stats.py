@@ -118,6 +118,13 @@ class _Peer:
         self.ceiling_at = 0.0
 
 
+class _Balance:
+    __slots__ = ("speed", "share", "seen")
+
+    def __init__(self, speed: float, share: int, seen: float) -> None:
+        self.speed, self.share, self.seen = speed, share, seen
+
+
 class _Overlap:
     __slots__ = ("latest", "total", "samples", "seen")
 
@@ -155,6 +162,7 @@ class DaemonStats:
         self._peers: dict[str, _Peer] = {}
         self._errors: dict[str, int] = {}
         self._overlap: dict[tuple[str, int], _Overlap] = {}
+        self._balance: dict[tuple[str, int], _Balance] = {}
         self._jobs: dict[str, _Job] = {}
         self._attached = 0
         self._state = "idle"
@@ -257,6 +265,18 @@ class DaemonStats:
         with self._lock:
             self._errors[kind] = self._errors.get(kind, 0) + 1
 
+    def record_balance(self, job: str, rank: int, speed: float, share: int) -> None:
+        """A rank's measured speed (samples/s, 0 before its first measurement) and batch share."""
+        if not speed >= 0.0 or share < 0:
+            raise ValueError(f"[stats] balance report speed={speed} share={share} from job={job} rank={rank}: "
+                             "both must be >= 0")
+        now = self._clock()
+        with self._lock:
+            key = (job, int(rank))
+            if key not in self._balance:
+                self._prune(self._balance, now)
+            self._balance[key] = _Balance(float(speed), int(share), now)
+
     def record_overlap(self, job: str, rank: int, ratio: float) -> None:
         """Overlap a training process measured: 1 - exposed comm time / total comm time."""
         if not 0.0 <= ratio <= 1.0:
@@ -351,6 +371,9 @@ class DaemonStats:
             overlap = [{"job": job, "rank": rank, "latest": v.latest,
                         "mean": v.total / v.samples, "samples": v.samples}
                        for (job, rank), v in self._overlap.items()]
+            self._prune(self._balance, now)
+            balance = [{"job": job, "rank": rank, "speed": v.speed, "share": v.share}
+                       for (job, rank), v in self._balance.items()]
             self._prune(self._jobs, now)
             jobs = {job: {"world": j.world, "ops": j.ops, "bytes": j.bytes, "idle_s": now - j.seen,
                           "age_s": now - j.first,
@@ -373,6 +396,7 @@ class DaemonStats:
                 "peers": peers,
                 "errors": dict(self._errors),
                 "overlap": overlap,
+                "balance": balance,
                 "jobs": jobs,
             }
 

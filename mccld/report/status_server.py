@@ -118,6 +118,8 @@ def merge_status(daemon: dict, snap: dict | None, tcp_text: str | None = None,
         job.setdefault("bytes", js.get("bytes", 0))
         job.setdefault("overlap", {str(o["rank"]): o["latest"] for o in snap.get("overlap", [])
                                    if o["job"] == job.get("job")})
+        job.setdefault("balance", {str(b["rank"]): {"speed": b["speed"], "share": b["share"]}
+                                   for b in snap.get("balance", []) if b["job"] == job.get("job")})
     out["jobs"] = jobs
     return out
 

@@ -69,9 +69,11 @@ def test_links_and_jobs_tables():
              "outcome": "failed", "collectives": 0, "bytes": 0}]
     # Running jobs first, then the ended ones, each with how it ended and when.
     assert fmt.job_rows("mac1", jobs) == [
-        ["mac1", "train", "running", "2m 5s", "0,1", "4", "10", "1.0 MiB", "0.60"],
-        ["mac1", "bad", "failed (5s ago)", "30s", "", "2", "0", "0 B", "-"],
-        ["mac1", "old", "ended (1m 30s ago)", "1h 6m", "", "2", "3", "0 B", "-"]]
+        ["mac1", "train", "running", "2m 5s", "0,1", "4", "10", "1.0 MiB", "0.60", "-"],
+        ["mac1", "bad", "failed (5s ago)", "30s", "", "2", "0", "0 B", "-", "-"],
+        ["mac1", "old", "ended (1m 30s ago)", "1h 6m", "", "2", "3", "0 B", "-", "-"]]
+    jobs[0]["balance"] = {"1": {"speed": 6.14, "share": 5}, "0": {"speed": 12.3, "share": 11}}
+    assert fmt.job_rows("mac1", jobs)[0][9] == "0:11@12.3 1:5@6.1"
     assert fmt.jobs_table([]) == "no jobs"
 
 

@@ -171,10 +171,15 @@ def test_requests_are_typed_objects_checked_once_with_the_field_named():
              "hosts": [{"host_id": "h", "link_addr": "h:1", "ranks": ["0"]}]}, "'ranks[0]'"),
            ({"type": "register", "req": 1, "job": "a11", "rank": 0, "segment": "../etc/passwd", "nbytes": 8},
             "'segment'"),
-           ({"type": "leave", "req": 1, "job": "a11", "rank": 0, "abort": 5}, "'abort'")]
+           ({"type": "leave", "req": 1, "job": "a11", "rank": 0, "abort": 5}, "'abort'"),
+           ({"type": "balance", "req": 1, "job": "a11", "rank": 0, "speed": -1.0, "share": 3}, "'speed'"),
+           ({"type": "balance", "req": 1, "job": "a11", "rank": 0, "speed": float("nan"), "share": 3}, "'speed'"),
+           ({"type": "balance", "req": 1, "job": "a11", "rank": 0, "speed": 5.0, "share": "3"}, "'share'")]
     for msg, field in bad:
         with pytest.raises(ProtocolError, match=re.escape(field)):
             protocol.build_request(msg)
+    ok = protocol.build_request({"type": "balance", "req": 1, "job": "a11", "rank": 2, "speed": 12.5, "share": 11})
+    assert (ok.rank, ok.speed, ok.share) == (2, 12.5, 11)
 
 
 @pytest.mark.timeout(60)

@@ -27,6 +27,7 @@ def populated() -> st.DaemonStats:
     s.record_error("PeerLostError")
     s.record_overlap("jobA", 1, 0.5)
     s.record_overlap("jobA", 1, 0.7)
+    s.record_balance("jobA", 1, 12.5, 11)
     return s
 
 
@@ -79,6 +80,8 @@ def test_collector_names_labels_values():
     assert value(samples, "mccl_host_state", state="idle") == 0
     assert value(samples, "mccl_overlap_ratio", job_id="jobA", rank="1") == pytest.approx(0.7)
     assert value(samples, "mccl_overlap_ratio_mean", job_id="jobA", rank="1") == pytest.approx(0.6)
+    assert value(samples, "mccl_rank_speed_samples_per_second", job_id="jobA", rank="1") == pytest.approx(12.5)
+    assert value(samples, "mccl_rank_batch_share", job_id="jobA", rank="1") == 11
     assert value(samples, "mccl_job_world_size", job_id="jobA") == 4
     assert value(samples, "mccl_job_collectives_total", job_id="jobA") == 4
     assert value(samples, "mccl_job_bytes_total", job_id="jobA") == 3 * (8 << 20) + 1000

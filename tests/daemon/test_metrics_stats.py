@@ -97,8 +97,11 @@ def test_peers_errors_overlap_state():
     assert (ov["job"], ov["rank"], ov["latest"], ov["samples"]) == ("job", 0, 0.6, 2)
     assert ov["mean"] == pytest.approx(0.4)
     assert snap["attached"] == 3 and snap["state"] == "training"
+    s.record_balance("job", 1, 6.5, 5)
+    s.record_balance("job", 1, 6.0, 4)          # the latest plan replaces the last
+    assert s.snapshot()["balance"] == [{"job": "job", "rank": 1, "speed": 6.0, "share": 4}]
     clock.t += st.JOB_STALE_AFTER_S + 1
-    assert s.snapshot()["overlap"] == []
+    assert s.snapshot()["overlap"] == [] and s.snapshot()["balance"] == []
 
 
 @pytest.mark.timeout(10)
@@ -106,6 +109,8 @@ def test_bad_input_is_refused_with_the_cause():
     s = st.DaemonStats()
     with pytest.raises(ValueError, match="outside"):
         s.record_overlap("j", 0, 1.5)
+    with pytest.raises(ValueError, match="balance report"):
+        s.record_balance("j", 0, float("nan"), 3)
     with pytest.raises(ValueError, match="state"):
         s.set_state("busy")
     with pytest.raises(ValueError, match="deltas"):

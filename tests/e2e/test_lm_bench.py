@@ -78,3 +78,25 @@ def test_the_lm_harness_imports_neither_torch_nor_the_daemons_deps():
             "bad = {'zmq', 'zeroconf', 'torch', 'libmccl'} & set(sys.modules); assert not bad, bad")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-1000:]
+
+
+@pytest.mark.timeout(240)
+def test_balanced_variant_with_a_slow_rank_trains_on_the_same_samples_as_plain_ddp(tmp_path):
+    # Issue 37: --slow makes rank 1 three times slower (a sleep per sample); `balanced` re-plans the
+    # shares by measured speed and weights the gradients by samples. Both variants train on slices
+    # of the same global batches, so their curves agree to fp32 noise whatever the shares were.
+    res = _lm("--ranks", "2", "--variants", "off,balanced", "--slow", "1:3", "--steps", "8", "--eval-every", "4",
+              "--calibrate-steps", "3", *TINY, "--json", str(tmp_path / "r.json"), "--timeout", "180", timeout=220)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["meta"]["global_data"] and doc["calibration"]["solo_sum_samples_per_s"] > 0
+    off, bal = doc["results"]["off"], doc["results"]["balanced"]
+    assert off["ok"] and bal["ok"] and bal["variant"]["balanced"] and bal["replicas"]["identical"]
+    for a, b in zip(off["curve"], bal["curve"]):
+        assert a["samples"] == b["samples"] and a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-4)
+    assert off["shares"] == [None] * 8
+    assert len(bal["shares"]) == 8 and all(sum(s) == 8 and min(s) >= 1 for s in bal["shares"])
+    assert bal["replans"], "the balancer never exchanged speeds"
+    assert bal["speeds"][0] > 0 and bal["speeds"][1] > 0
+    for r in (off, bal):
+        assert r["slow"][0]["slept_s"] == 0 and r["slow"][1]["slept_s"] > 0 and r["slow"][1]["factor"] == 3.0

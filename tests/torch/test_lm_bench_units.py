@@ -147,3 +147,56 @@ def test_wire_bytes_come_from_this_namespaces_interface():
     assert train.tx_bytes("lo") >= 0
     with pytest.raises(MCCLError, match="no interface 'nope0'"):
         train.tx_bytes("nope0")
+
+
+# -- slow hosts and the balanced variants (issue 37) ----------------------------------------------
+def test_slow_option_parses_and_bad_hosts_are_refused():
+    from tools.bench.lm import cli
+
+    assert cli._slow("3:2@20, 1:1.5") == {3: (2.0, 20), 1: (1.5, 0)}
+    with pytest.raises(Exception, match="HOST:FACTOR"):
+        cli._slow("3")
+    for bad in ({4: (2.0, 0)}, {0: (0.5, 0)}, {1: (2.0, -1)}):
+        with pytest.raises(ConfigError, match="--slow"):
+            runner.LMConfig(hosts=4, variants=["gloo"], slow=bad).validate()
+    assert variants.VARIANTS["balanced"].balanced and variants.VARIANTS["balanced"].to_dict()["balanced"]
+
+
+def test_sampler_draws_the_same_data_as_fixed_batches():
+    import torch
+
+    split = torch.arange(1000, dtype=torch.int64).to(torch.uint8)
+    fixed = data.batches(torch, split, 16, 4, 7, 2)
+    draw = data.sampler(torch, split, 16, 7, 2)
+    for _ in range(3):
+        x1, y1 = next(fixed)
+        x2, y2 = draw(4)
+        assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    assert draw(9)[0].shape == (9, 16)       # a balanced rank's share changes from step to step
+
+
+def test_slow_host_sleeps_in_proportion_to_its_samples(monkeypatch):
+    slept = []
+    monkeypatch.setattr(train.time, "sleep", slept.append)
+    plan = {"slow": {"1": [2.0, 3]}, "sample_compute_s": 0.01}
+    host = train.SlowHost.from_plan(plan, 1)
+    host.compute(2, 8)                        # before its step: full speed
+    host.compute(3, 8)
+    host.compute(4, 4)
+    assert slept == pytest.approx([0.08, 0.04]) and host.to_dict()["slept_s"] == pytest.approx(0.12)
+    train.SlowHost.from_plan(plan, 0).compute(5, 8)   # another host: never slowed
+    assert len(slept) == 2
+    with pytest.raises(MCCLError, match="sample_compute_s"):
+        train.SlowHost.from_plan({"slow": {"0": [2.0, 0]}}, 0)
+
+
+def test_global_sampler_gives_every_split_the_same_samples():
+    import torch
+
+    split = (torch.arange(5000, dtype=torch.int64) * 7).to(torch.uint8)
+    equal = [data.global_sampler(torch, split, 16, 5) for _ in range(4)]
+    skewed = [data.global_sampler(torch, split, 16, 5) for _ in range(4)]
+    for shares in ([3, 13, 8, 8], [11, 11, 5, 5]):
+        a = torch.cat([equal[r]([8, 8, 8, 8], r)[0] for r in range(4)])
+        b = torch.cat([skewed[r](shares, r)[0] for r in range(4)])
+        assert a.shape == (32, 16) and torch.equal(a, b)

@@ -32,6 +32,18 @@ def _csv(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+def _slow(text: str) -> dict[int, tuple[float, int]]:
+    out = {}
+    for item in _csv(text):
+        try:
+            host, _, rest = item.partition(":")
+            factor, _, at = rest.partition("@")
+            out[int(host)] = (float(factor), int(at or 0))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--slow {item!r}: expected HOST:FACTOR[@STEP], e.g. 3:2@20") from None
+    return out
+
+
 def parser() -> argparse.ArgumentParser:
     d, m = LMConfig(), ModelConfig()
     ap = argparse.ArgumentParser(prog="python -m tools.bench --workload lm", description=__doc__,
@@ -66,6 +78,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--context", type=int, default=m.context)
     ap.add_argument("--model-seed", type=int, default=m.seed)
     ap.add_argument("--bucket-mb", type=float, default=None, help="DDP's bucket_cap_mb (default DDP's 25)")
+    ap.add_argument("--slow", type=_slow, default={}, metavar="HOST:FACTOR[@STEP],...",
+                    help="slow hosts: host HOST computes FACTOR times slower (2 = half speed) from step STEP "
+                         "(default 0) on; a stand-in that sleeps in proportion to its samples (train.SlowHost)")
     ap.add_argument("--calibrate-steps", type=int, default=d.calibrate_steps)
     ap.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds allowed per variant")
     ap.add_argument("--out-dir", help="write results.json, lm-loss.png and README.md here")
@@ -110,7 +125,7 @@ def main(argv: list[str]) -> int:
                    warmup_steps=args.warmup_steps, seed=args.seed, bucket_mb=args.bucket_mb,
                    loss_tolerance=args.loss_tolerance,
                    calibrate_steps=args.calibrate_steps, timeout_s=args.timeout, log_dir=args.log_dir,
-                   verbose=args.verbose,
+                   verbose=args.verbose, slow=args.slow,
                    model=ModelConfig(layers=args.layers, d_model=args.d_model, heads=args.heads,
                                      context=args.context, seed=args.model_seed))
     try:

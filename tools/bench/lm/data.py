@@ -99,18 +99,48 @@ def load_split(torch, path: str):
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
-def batches(torch, data, context: int, batch: int, seed: int, rank: int):
-    """Endless (inputs, targets) of ``batch`` windows: bytes [o, o+context) predict [o+1, o+context+1).
-    The offsets come from a generator seeded with (seed, rank) alone."""
+def sampler(torch, data, context: int, seed: int, rank: int):
+    """``draw(b)`` -> (inputs, targets) of ``b`` windows: bytes [o, o+context) predict [o+1, o+context+1).
+    The offsets come from a generator seeded with (seed, rank) alone; ``b`` may change from call to
+    call (a balanced rank's share of the global batch)."""
     gen = torch.Generator().manual_seed(seed * 100_003 + rank)
     hi = len(data) - context - 1
     if hi <= 0:
         raise ValueError(f"[bench] the training split has {len(data)} bytes, fewer than context {context} + 1")
     ar = torch.arange(context + 1)
-    while True:
+
+    def draw(batch: int):
         off = torch.randint(0, hi, (batch,), generator=gen)
         win = data[off[:, None] + ar].long()
-        yield win[:, :-1], win[:, 1:]
+        return win[:, :-1], win[:, 1:]
+    return draw
+
+
+def global_sampler(torch, data, context: int, seed: int):
+    """``draw(shares, rank)`` -> this rank's slice of the step's global batch: every rank draws the
+    same ``sum(shares)`` offsets from one generator seeded with ``seed`` alone and keeps
+    ``[sum(shares[:rank]), +shares[rank])``. Runs that split the global batch differently (equal
+    shares, speed-balanced shares) then train on the same samples in the same steps, so their
+    curves differ only by the update, not by the data."""
+    gen = torch.Generator().manual_seed(seed * 100_003 + 99_991)
+    hi = len(data) - context - 1
+    if hi <= 0:
+        raise ValueError(f"[bench] the training split has {len(data)} bytes, fewer than context {context} + 1")
+    ar = torch.arange(context + 1)
+
+    def draw(shares: list[int], rank: int):
+        off = torch.randint(0, hi, (sum(shares),), generator=gen)
+        lo = sum(shares[:rank])
+        win = data[off[lo:lo + shares[rank], None] + ar].long()
+        return win[:, :-1], win[:, 1:]
+    return draw
+
+
+def batches(torch, data, context: int, batch: int, seed: int, rank: int):
+    """Endless batches of ``batch`` windows, the same as ``sampler``'s draws of that size."""
+    draw = sampler(torch, data, context, seed, rank)
+    while True:
+        yield draw(batch)
 
 
 def val_windows(torch, data, context: int, count: int, rank: int, world: int):

@@ -79,6 +79,8 @@ class LMConfig:
     op_timeout_s: float = 300.0     # the process group's timeout in each rank
     log_dir: str | None = None
     verbose: bool = False
+    # Slow hosts (the compute stand-in, train.SlowHost): host -> (factor, from step). Factor 2 = half speed.
+    slow: dict[int, tuple[float, int]] = field(default_factory=dict)
 
     @property
     def world(self) -> int:
@@ -94,6 +96,10 @@ class LMConfig:
             raise ConfigError("[bench] --rate shapes emulated hosts only; use --hosts N (root) or leave --rate out")
         if not 0 <= self.loss_tolerance < 0.1:
             raise ConfigError(f"[bench] --loss-tolerance {self.loss_tolerance} must be in [0, 0.1)")
+        for h, (factor, at) in self.slow.items():
+            if not 0 <= h < self.world or factor < 1.0 or at < 0:
+                raise ConfigError(f"[bench] --slow {h}:{factor}@{at}: the host must be in 0..{self.world - 1}, the "
+                                  "factor at least 1 (2 = half speed) and the step at least 0")
         if self.comm_ratio <= 0:
             raise ConfigError(f"[bench] --comm-ratio {self.comm_ratio} must be positive")
         variants = resolve(self.variants)
@@ -194,6 +200,8 @@ def aggregate(variant: Variant, docs: list[dict], n: int) -> dict:
             "wire_bytes_per_sample": wire, "fp32_ring_bytes_per_sample": fp32,
             "wire_over_fp32_ring": wire / fp32 if wire is not None else None,
             "grad_bytes": first["grad_bytes"], "replicas": first["replicas"],
+            "shares": first.get("shares"), "replans": first.get("replans"),
+            "speeds": [d.get("speed") for d in docs], "slow": [d.get("slow") for d in docs],
             "init_s": max(d["init_s"] for d in docs)}
 
 
@@ -266,11 +274,23 @@ def run_lm(cfg: LMConfig, checkpoint=None) -> dict:
         corpus = lmdata.build(os.path.join(tmp, "corpus")).to_dict()
         meta["corpus"] = {k: v for k, v in corpus.items() if not k.endswith("_path")}
         plan = {**cfg.plan(), "corpus": corpus}
+        # With a balanced variant in the run, every variant takes its ranks' slices of one global
+        # batch per step (data.global_sampler): the curves then differ by the update alone.
+        plan["global_data"] = any(v.balanced for v in variants)
+        meta["global_data"] = plan["global_data"]
         rate = None if cfg.rate in (None, "none") else cfg.rate
-        if cfg.rate == "auto":
+        if cfg.rate == "auto" or cfg.slow:   # a slow host's stand-in needs the per-sample compute
             cal = calibrate(cfg, corpus, tmp)
             out["calibration"] = cal
-            if cfg.hosts:
+            if cfg.slow:
+                per_sample = cal["compute_s"] / cfg.batch
+                plan["sample_compute_s"] = per_sample
+                plan["slow"] = {str(h): [f, at] for h, (f, at) in cfg.slow.items()}
+                # What perfect balance reaches: the hosts' solo speeds summed (a slow host at 1/factor).
+                cal["solo_sum_samples_per_s"] = sum(
+                    1.0 / (per_sample * cfg.slow.get(h, (1.0, 0))[0]) for h in range(cfg.world))
+                cal["uniform_samples_per_s"] = cfg.world / per_sample
+            if cfg.hosts and cfg.rate == "auto":
                 bps = rate_for(cal["grad_bytes"], cfg.world, cal["compute_s"], cfg.comm_ratio)
                 rate = f"{bps // 1000}kbit"
                 cal["rate_bps"] = bps

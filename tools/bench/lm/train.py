@@ -113,10 +113,18 @@ def run(plan: dict) -> dict:
     kwargs = {} if plan.get("bucket_mb") is None else {"bucket_cap_mb": plan["bucket_mb"]}
     ddp = DistributedDataParallel(model, **kwargs)
     opt = torch.optim.AdamW(ddp.parameters(), lr=plan["lr"], weight_decay=0.1)
-    it = lmdata.batches(torch, train, mcfg.context, plan["batch"], plan["seed"], rank)
+    draw = lmdata.sampler(torch, train, mcfg.context, plan["seed"], rank)
+    draw_global = lmdata.global_sampler(torch, train, mcfg.context, plan["seed"]) if plan.get("global_data") else None
+    balancer = None
+    if plan["variant"].get("balanced"):
+        from libmccl.training import SpeedBalancer
+
+        balancer = SpeedBalancer(plan["batch"] * world)
+        ddp.register_comm_hook(balancer.state, balancer.hook)
+    slow = SlowHost.from_plan(plan, rank)
     iface = plan.get("wire_iface")
     samples_per_step = plan["batch"] * world
-    curve, step_s, losses = [], [], []
+    curve, step_s, losses, shares = [], [], [], []
 
     def point(step: int, wall: float, tx0: int | None) -> None:
         loss = _evaluate(torch, dist, model, val, mcfg, plan, rank, world)
@@ -133,12 +141,18 @@ def run(plan: dict) -> dict:
     point(0, 0.0, tx0)
     wall = 0.0
     for step in range(plan["steps"]):
-        x, y = next(it)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, plan)
         t = time.perf_counter()
+        b = balancer.batch_size() if balancer is not None else plan["batch"]   # exchanges speeds every few steps
+        shares.append(balancer.shares if balancer is not None else None)
+        if draw_global is not None:
+            x, y = draw_global(balancer.shares if balancer is not None else [plan["batch"]] * world, rank)
+        else:
+            x, y = draw(b)
         opt.zero_grad(set_to_none=True)
         loss = lmmodel.loss_fn(torch, ddp(x), y)
+        slow.compute(step, b)        # a slow host's extra compute, before backward: inside what the balancer times
         loss.backward()              # DDP's bucket all-reduces overlap this
         torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
         opt.step()
@@ -152,10 +166,43 @@ def run(plan: dict) -> dict:
         if (step + 1) % plan["eval_every"] == 0 or step + 1 == plan["steps"]:
             point(step + 1, wall, tx0)
     out.update(curve=curve, step_s=step_s, grad_bytes=grad_bytes, samples_per_step=samples_per_step,
+               shares=shares, speed=None if balancer is None else balancer.speed,
+               replans=None if balancer is None else balancer.history, slow=slow.to_dict(),
                replicas=_replica_spread(torch, dist, model),
                # loaded only when the group went through mccld: proof that a daemon variant ran as one
                via_daemon="libmccl.daemon.client" in sys.modules)
     return out
+
+
+class SlowHost:
+    """The compute stand-in for a slow host (``--slow host:factor[@step]``): from step ``at`` on, each
+    step's forward is followed by ``(factor - 1) x samples x per-sample compute`` of sleep, the
+    per-sample compute being the calibration's (every host computing at once). Sleeping, not
+    spinning: on a shared 2-core machine a spinning host would slow the others too. A host at
+    factor 2 takes twice as long per sample, and a balancer that gives it fewer samples makes it
+    sleep less, as a slower chip given less work would."""
+
+    def __init__(self, factor: float = 1.0, at: int = 0, per_sample_s: float = 0.0) -> None:
+        self.factor, self.at, self.per_sample_s = factor, at, per_sample_s
+        self.slept_s = 0.0
+
+    @classmethod
+    def from_plan(cls, plan: dict, rank: int) -> "SlowHost":
+        spec = (plan.get("slow") or {}).get(str(rank))
+        if not spec:
+            return cls()
+        if not plan.get("sample_compute_s"):
+            raise MCCLError("[bench] --slow needs the calibration's per-sample compute (sample_compute_s)")
+        return cls(float(spec[0]), int(spec[1]), float(plan["sample_compute_s"]))
+
+    def compute(self, step: int, samples: int) -> None:
+        if self.factor > 1.0 and step >= self.at:
+            d = (self.factor - 1.0) * samples * self.per_sample_s
+            time.sleep(d)
+            self.slept_s += d
+
+    def to_dict(self) -> dict:
+        return {"factor": self.factor, "at": self.at, "per_sample_s": self.per_sample_s, "slept_s": self.slept_s}
 
 
 def _replica_spread(torch, dist, model) -> dict:

@@ -28,10 +28,12 @@ class Variant:
     wire_factor: float = 1.0                        # expected wire bytes relative to fp32 (for check_wire)
     label: str = ""
     daemon: bool = False                            # through one mccld per host (MCCL_DAEMON=1)
+    balanced: bool = False                          # speed-aware shares (libmccl.training.SpeedBalancer)
 
     def to_dict(self) -> dict:
         return {"name": self.name, "backend": self.backend, "env": dict(self.env), "label": self.label or self.name,
-                "requires": list(self.requires), "wire_factor": self.wire_factor, "daemon": self.daemon}
+                "requires": list(self.requires), "wire_factor": self.wire_factor, "daemon": self.daemon,
+                "balanced": self.balanced}
 
 
 _COMP, _EF = "MCCL_COMPRESSION", "MCCL_COMPRESSION_ERROR_FEEDBACK"
@@ -46,6 +48,9 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("off-daemon", "mccl", {_COMP: "off"}, label="mccl through mccld, fp32", daemon=True),
     Variant("int8-daemon", "mccl", {_COMP: "int8", _EF: "1"}, (_COMP, _EF), 0.25,
             "mccl through mccld, int8 + error feedback", daemon=True),
+    # Each rank's share of the global batch by its measured speed, the gradient weighted by samples.
+    Variant("balanced", "mccl", {_COMP: "off"}, label="mccl, fp32, speed-balanced shares", balanced=True),
+    Variant("gloo-balanced", "gloo", label="Gloo DDP (fp32), speed-balanced shares", balanced=True),
 )}
 DEFAULT = ("gloo", "off", "bf16", "int8", "int8-nofb")
 
