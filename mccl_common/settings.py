@@ -14,7 +14,6 @@ import difflib
 import logging
 import os
 import re
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Mapping, TypeVar
 
@@ -63,7 +62,6 @@ def _parse(raw: str, typ: Any, unit: str, env: str) -> Any:
 def load(cls: type[T], env: Mapping[str, str] | None = None, overrides: Mapping[str, Any] | None = None) -> T:
     """Build a frozen settings object from the environment, then ``overrides`` (e.g. TOML)."""
     env = os.environ if env is None else env
-    warn_unknown(env)
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         name = f.metadata["env"]
@@ -328,27 +326,6 @@ def register(cls: type[T]) -> type[T]:
     return cls
 
 
-# MCCL_* names that are not settings and yet belong in an environment, each with who sets it:
-# none of them warns. Everything else starting with MCCL_ is a setting's name or a mistake.
-OTHER_NAMES: dict[str, str] = {
-    "MCCL_DRAIN_FILE": "set by mccld for each job it launches (mccl_common/launch_protocol.py)",
-    "MCCL_REFORM_FILE": "set by mccld for each job it launches (mccl_common/launch_protocol.py)",
-    "MCCL_BENCH_TC_QUEUE": "tools/bench/scale.py: the shaped links' queue discipline",
-    "MCCL_BENCH_TICKETS": "tools/bench/worker.py: the gated all-reduce benchmark",
-    "MCCL_REFORM_TRIAL": "tools/bench/reform.py: marks the processes of a trial",
-    "MCCL_TEST_MARKERS": "tests/e2e/test_daemon_fleet.py: where ranks leave their markers",
-}
-
-_warned: set[str] = set()
-_warned_lock = threading.Lock()
-
-
-def registered_names() -> set[str]:
-    """Every setting's variable, the daemon's included (registered when its module loads)."""
-    from . import daemon_settings  # noqa: F401 - registers DaemonConfig; imports this module itself
-    return {f.metadata["env"] for cls in ALL_SETTINGS for f in dataclasses.fields(cls)}
-
-
 def closest_name(name: str, candidates: set[str] | list[str]) -> str | None:
     """The candidate most like ``name`` (difflib), compared without the MCCL_ prefix that they
     all share (with it, any name looked 40% like every setting); None if none is close."""
@@ -357,25 +334,6 @@ def closest_name(name: str, candidates: set[str] | list[str]) -> str | None:
     by_bare = {bare(c): c for c in candidates}
     match = difflib.get_close_matches(bare(name), sorted(by_bare), n=1, cutoff=0.6)
     return by_bare[match[0]] if match else None
-
-
-def warn_unknown(env: Mapping[str, str]) -> list[str]:
-    """Warns once per process for each MCCL_* name in ``env`` that no setting declares (a typo
-    would otherwise be ignored without a word: a mistyped MCCL_DAEMON ran in-process), naming the
-    closest registered name. Returns the names warned about now."""
-    names = [n for n in env if n.startswith("MCCL_") and n not in OTHER_NAMES]
-    if not names:
-        return []
-    known = registered_names()
-    with _warned_lock:
-        new = sorted(n for n in names if n not in known and n not in _warned)
-        _warned.update(new)
-    for name in new:
-        close = closest_name(name, known)
-        hint = f"; did you mean {close}?" if close else ""
-        log.warning("[config] %s is set but is no MCCL setting, so it is ignored%s (the settings table in "
-                    "README.md lists them all; `python -m mccl_common.settings_table` prints it)", name, hint)
-    return new
 
 
 def markdown_table() -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from mccl_common.errors import MCCLError
@@ -86,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    from mccl_common.setting_names import warn_unknown
+    warn_unknown(os.environ)
     from . import commands, doctor, prometheus_sd, run
     handlers = {"status": commands.cmd_status, "links": commands.cmd_links, "jobs": commands.cmd_jobs,
                 "capacity": commands.cmd_capacity, "run": run.cmd_run,

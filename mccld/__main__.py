@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import logging
+import os
 import signal
 import sys
 import threading
@@ -48,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from mccl_common.daemon_settings import load_config, write_key_file
+    from mccl_common.setting_names import warn_unknown
+    warn_unknown(os.environ)
     if args.cmd == "keygen":
         kind = args.kind or key_kind_of(args.path)
         try:

@@ -16,6 +16,7 @@ associated with device type cpu", because this group has no C++ Backend behind i
 from __future__ import annotations
 
 import datetime
+import os
 import threading
 import weakref
 from typing import Any, Callable, Sequence
@@ -24,6 +25,7 @@ import torch
 
 from mccl_common import jobkey
 from mccl_common.errors import AbortedError, ConfigError, DaemonUnavailableError, MCCLError
+from mccl_common import setting_names
 from mccl_common.settings import EngineConfig, load
 
 from .. import BACKEND_NAME, DEVICES
@@ -447,6 +449,7 @@ def _shutdown_quietly(comm: Any, staging: Any = None) -> None:
 def create(dist_opts: Any, backend_options: Any = None) -> ProcessGroupMCCL:
     """One ProcessGroupMCCL per group, from c10d's DistributedBackendOptions (extended API).
     ``backend_options`` is what the caller passed as ``pg_options``: None or an Options."""
+    setting_names.warn_unknown(os.environ)   # once per process: a mistyped MCCL_* is said, not ignored
     cfg = load(EngineConfig)
     if backend_options is not None:
         if not isinstance(backend_options, Options):

@@ -2,7 +2,7 @@
 environment, is warned about once per process with the closest registered name; an unknown
 key of mccld.toml is an error naming the key it most likely means. The names that are not
 settings and yet belong in an environment (set by mccld for its jobs, read by tools and
-tests) are listed in mccl_common.settings.OTHER_NAMES, and every name the code, tools and
+tests) are listed in mccl_common.setting_names.OTHER_NAMES, and every name the code, tools and
 tests read or set is one or the other."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from mccl_common import settings
+from mccl_common import setting_names, settings
 from mccl_common.daemon_settings import load_config
 from mccl_common.errors import ConfigError
 from mccl_common.launch_protocol import RESERVED_ENV
@@ -28,19 +28,20 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def fresh(monkeypatch):
     """Nothing warned yet in this process, as at a process's start."""
-    monkeypatch.setattr(settings, "_warned", set())
+    monkeypatch.setattr(setting_names, "_warned", set())
 
 
 def _warnings(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == settings.__name__ and r.levelno == logging.WARNING]
+    return [r.getMessage() for r in caplog.records if r.name == setting_names.__name__ and r.levelno == logging.WARNING]
 
 
 @pytest.mark.timeout(10)
 def test_a_mistyped_name_warns_once_naming_the_setting_it_resembles(fresh, caplog):
     env = {"MCCL_DEAMON": "1", "MCCL_SOCKET_PER_PEER": "8", "MCCL_NO_SUCH_THING_AT_ALL": "1"}
-    with caplog.at_level(logging.WARNING, logger=settings.__name__):
+    with caplog.at_level(logging.WARNING, logger=setting_names.__name__):
+        setting_names.warn_unknown(env)
+        setting_names.warn_unknown(env)   # once per process, not at every call
         cfg = load(EngineConfig, env=env)
-        load(EngineConfig, env=env)      # once per process, not at every load
     assert cfg.daemon is False and cfg.sockets_per_peer == EngineConfig().sockets_per_peer
     got = _warnings(caplog)
     assert len(got) == 3, got
@@ -52,10 +53,10 @@ def test_a_mistyped_name_warns_once_naming_the_setting_it_resembles(fresh, caplo
 
 @pytest.mark.timeout(10)
 def test_settings_and_the_names_mccld_and_the_tools_set_do_not_warn(fresh, caplog):
-    env = {name: "1" for name in settings.registered_names() | set(settings.OTHER_NAMES) | set(RESERVED_ENV)}
+    env = {name: "1" for name in setting_names.registered_names() | set(setting_names.OTHER_NAMES) | set(RESERVED_ENV)}
     env["MCCL_DAEMON"] = "0"
-    with caplog.at_level(logging.WARNING, logger=settings.__name__):
-        assert settings.warn_unknown(env) == []
+    with caplog.at_level(logging.WARNING, logger=setting_names.__name__):
+        assert setting_names.warn_unknown(env) == []
     assert _warnings(caplog) == []
 
 
@@ -96,7 +97,7 @@ _SCANNED = ("mccl_common", "libmccl", "mccld", "mcclctl", "tools", "scripts", "t
 
 @pytest.mark.timeout(30)
 def test_every_name_the_code_tools_and_tests_use_is_a_setting_or_listed():
-    known = settings.registered_names() | set(settings.OTHER_NAMES)
+    known = setting_names.registered_names() | set(setting_names.OTHER_NAMES)
     unknown: dict[str, set[str]] = {}
     for top in _SCANNED:
         for path in (ROOT / top).rglob("*"):
@@ -113,7 +114,7 @@ def test_every_name_the_code_tools_and_tests_use_is_a_setting_or_listed():
                 if name not in known:
                     unknown.setdefault(name, set()).add(str(path.relative_to(ROOT)))
     assert not unknown, (f"MCCL_* names used but neither declared in mccl_common/settings.py nor listed in "
-                         f"settings.OTHER_NAMES (they would warn as typos): {unknown}")
+                         f"setting_names.OTHER_NAMES (they would warn as typos): {unknown}")
     assert set(RESERVED_ENV) <= known
 
 
