@@ -1,5 +1,6 @@
 """``python -m tools.bench --workload lm`` end to end on loopback: two ranks train the byte-level
-model a few steps with Gloo and with mccl (compression off; in-process and through mccld); the loss is finite and falls, the
+model a few steps with Gloo and with mccl (compression off; in-process and through mccld) and
+under DiLoCo (H = 8, no DDP); the loss is finite and falls, the
 curves and outputs have their fields; a compressed variant the installed mccl cannot run stops
 the run before any rank starts."""
 
@@ -28,14 +29,14 @@ def _lm(*args: str, timeout: float) -> subprocess.CompletedProcess:
 @pytest.mark.timeout(240)
 def test_two_ranks_gloo_and_mccl_off_learn_and_write_their_curves(tmp_path):
     out = tmp_path / "out"
-    res = _lm("--ranks", "2", "--variants", "gloo,off,off-daemon", "--steps", "16", "--eval-every", "8",
+    res = _lm("--ranks", "2", "--variants", "gloo,off,off-daemon,diloco-h8", "--steps", "16", "--eval-every", "8",
               "--calibrate-steps", "3", *TINY, "--out-dir", str(out), "--timeout", "180", timeout=220)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     doc = json.loads((out / "results.json").read_text())
     assert set(doc) >= {"meta", "calibration", "results", "summary"}
     assert doc["meta"]["corpus"]["files"] > 200 and doc["meta"]["mode"] == "loopback"
     assert doc["calibration"]["compute_s"] > 0 and doc["calibration"]["grad_bytes"] > 0
-    assert list(doc["results"]) == ["gloo", "off", "off-daemon"]
+    assert list(doc["results"]) == ["gloo", "off", "off-daemon", "diloco-h8"]
     for name, r in doc["results"].items():
         assert r["ok"], r
         curve = r["curve"]
@@ -50,6 +51,10 @@ def test_two_ranks_gloo_and_mccl_off_learn_and_write_their_curves(tmp_path):
         assert r["replicas"]["identical"] and len(r["step_ms_all"]) == 16 and r["samples_per_s"] > 0
         assert r["variant"]["backend"] == ("gloo" if name == "gloo" else "mccl")
         assert r["variant"]["daemon"] == (name == "off-daemon")
+    # DiLoCo: two outer steps (after inner steps 8 and 16) of the whole model, and nothing more
+    dl = doc["results"]["diloco-h8"]["diloco"]
+    assert dl["syncs"] == 2 and dl["rounds"] == [2] and dl["inner_steps"] == 16
+    assert dl["payload_bytes"] == 2 * doc["calibration"]["grad_bytes"]
     # the same weights and data order: every backend's fp32 sums agree closely at every point
     for name in ("off", "off-daemon"):
         for a, b in zip(doc["results"]["gloo"]["curve"], doc["results"][name]["curve"]):

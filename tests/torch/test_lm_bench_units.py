@@ -200,3 +200,66 @@ def test_global_sampler_gives_every_split_the_same_samples():
         a = torch.cat([equal[r]([8, 8, 8, 8], r)[0] for r in range(4)])
         b = torch.cat([skewed[r](shares, r)[0] for r in range(4)])
         assert a.shape == (32, 16) and torch.equal(a, b)
+
+
+def test_diloco_variants_carry_their_schedule_and_expected_wire_share():
+    declared = variants.declared_settings()
+    got = {v.name: v for v in variants.resolve(["diloco-h8", "diloco-h32", "diloco-h32-int8", "streaming-f4"],
+                                               declared)}
+    assert got["diloco-h8"].to_dict()["diloco"] == {"H": 8, "F": 1, "tau": 0, "alpha": 0.0, "compression": None}
+    assert got["diloco-h8"].env == {"MCCL_COMPRESSION": "off"} and got["diloco-h8"].wire_factor == 1 / 8
+    assert got["diloco-h32-int8"].env == {"MCCL_COMPRESSION": "int8", "MCCL_COMPRESSION_ERROR_FEEDBACK": "1"}
+    assert got["diloco-h32-int8"].wire_factor == 0.25 / 32
+    assert got["streaming-f4"].diloco == {"H": 32, "F": 4, "tau": 1, "alpha": 0.5, "compression": None}
+    # a DiLoCo run that sent every step's gradients is caught by the same wire check as compression
+    res = {"variant": got["diloco-h32"].to_dict(), "wire_over_fp32_ring": 1.01}
+    assert "did not compress" in runner.check_wire(res)
+    assert runner.check_wire({**res, "wire_over_fp32_ring": 0.033}) is None
+    without = {k: v for k, v in declared.items() if not k.startswith("MCCL_COMPRESSION")}
+    with pytest.raises(ConfigError, match="does not declare"):
+        variants.resolve(["diloco-h32-int8"], without)
+
+
+def _diloco_run_rank(rank: int, world: int) -> dict:
+    import torch
+    import torch.distributed as dist
+    from support.ranks import init_pg
+
+    torch.manual_seed(0)
+    init_pg(rank, world)
+    try:
+        m = torch.nn.Linear(4, 3)
+        inner = torch.optim.AdamW(m.parameters(), lr=0.05)
+        run = train.DiLoCoRun(torch, m, inner, {"H": 2, "F": 1, "tau": 0, "alpha": 0.0, "compression": None})
+        start = [p.detach().clone() for p in m.parameters()]
+        run.enter()
+        x = torch.full((2, 4), float(rank + 1))
+        for _ in range(3):            # syncs after inner step 2; step 3 moves the local model alone
+            inner.zero_grad()
+            m(x).square().sum().backward()
+            inner.step()
+        local = [p.detach().clone() for p in m.parameters()]
+        glob = [g.clone() for g in run.global_params()]
+        with run.global_weights():
+            seen = [p.detach().clone() for p in m.parameters()]
+        after = [p.detach().clone() for p in m.parameters()]
+        run.exit()
+        spread = train._replica_spread(torch, dist, m, run)
+        return {"moved": not all(torch.equal(a, b) for a, b in zip(glob, start)),
+                "evaluates_global": all(torch.equal(a, b) for a, b in zip(seen, glob)),
+                "restores_local": all(torch.equal(a, b) for a, b in zip(after, local)),
+                "local_differs": not all(torch.equal(a, b) for a, b in zip(local, glob)),
+                "spread": spread, "stats": run.to_dict()}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+def test_diloco_run_evaluates_theta_global_and_its_replicas_agree(ranks):
+    """The bench's DiLoCo: the validation model is theta_global (the local model put back after),
+    theta_global is the same on every rank, and the counts say one sync of the parameters' bytes."""
+    for r in ranks(_diloco_run_rank, 2, timeout_s=50):
+        assert r["moved"] and r["evaluates_global"] and r["restores_local"] and r["local_differs"], r
+        assert r["spread"]["identical"], r["spread"]
+        assert r["stats"]["syncs"] == 1 and r["stats"]["inner_steps"] == 3 and r["stats"]["rounds"] == [1]
+        assert r["stats"]["payload_bytes"] == (4 * 3 + 3) * 4

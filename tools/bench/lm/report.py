@@ -85,6 +85,11 @@ def setup_text(result: dict) -> str:
             out.append(f"- **Measured**: {ref['variant']['label']} steps took {ref['step_ms_median']:.0f} ms (median), "
                        f"{ref['step_ms_median'] / (cal['compute_s'] * 1e3):.2f}× the compute alone: the rest is "
                        "communication DDP's overlap did not hide.")
+    if any((r.get("variant") or {}).get("diloco") for r in result["results"].values()):
+        out.append("- **DiLoCo variants**: no DDP; each rank runs the same AdamW on its own batch (the same global batch "
+                   "per step as DDP's), and libmccl.DiLoCo steps theta_global with SGD(lr 0.7, momentum 0.9, "
+                   "Nesterov) every H inner steps (per fragment, F of them, tau steps late, mixed at alpha); the "
+                   "validation loss is theta_global's, which moves only at syncs.")
     out.append(f"- Wall time counts training steps only (evaluation excluded); wire bytes are what the hosts' "
                "interfaces sent during training (TCP/IP headers and the engine's framing included), per sample.")
     return "\n".join(out)

@@ -202,6 +202,7 @@ def aggregate(variant: Variant, docs: list[dict], n: int) -> dict:
             "grad_bytes": first["grad_bytes"], "replicas": first["replicas"],
             "shares": first.get("shares"), "replans": first.get("replans"),
             "speeds": [d.get("speed") for d in docs], "slow": [d.get("slow") for d in docs],
+            "diloco": first.get("diloco"),
             "init_s": max(d["init_s"] for d in docs)}
 
 

@@ -4,7 +4,9 @@ Reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT like any torch.distributed prog
 ``calibrate`` it times ``steps`` training steps of the model alone (no process group, no
 communication: the compute a step costs on this host while the others do the same), else it
 trains the model under DistributedDataParallel for ``steps`` steps (AdamW, linear warm-up then
-cosine decay, gradient clipping), evaluating the validation loss every ``eval_every`` steps.
+cosine decay, gradient clipping), evaluating the validation loss every ``eval_every`` steps. A
+``diloco`` variant trains the same way without DDP, each rank on its own batch, under
+libmccl.DiLoCo; its evaluations are of theta_global (the model the ranks agree on).
 
 The training clock runs only during steps: evaluation (every rank its share of the fixed
 validation windows, then one 16-byte all-reduce of float64 sums) is excluded, so the curve's
@@ -110,9 +112,19 @@ def run(plan: dict) -> dict:
     out["init_s"] = time.perf_counter() - t0
     model = lmmodel.build(torch, mcfg)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    kwargs = {} if plan.get("bucket_mb") is None else {"bucket_cap_mb": plan["bucket_mb"]}
-    ddp = DistributedDataParallel(model, **kwargs)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=plan["lr"], weight_decay=0.1)
+    dcfg = plan["variant"].get("diloco")
+    if dcfg:
+        # DiLoCo: every rank steps its own batch alone; libmccl.DiLoCo syncs every H inner steps.
+        if plan["variant"].get("balanced"):
+            raise MCCLError("[bench] a diloco variant cannot also be balanced: the balancer is a DDP comm hook")
+        ddp = model
+        opt = torch.optim.AdamW(model.parameters(), lr=plan["lr"], weight_decay=0.1)
+        diloco = DiLoCoRun(torch, model, opt, dcfg)
+    else:
+        kwargs = {} if plan.get("bucket_mb") is None else {"bucket_cap_mb": plan["bucket_mb"]}
+        ddp = DistributedDataParallel(model, **kwargs)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=plan["lr"], weight_decay=0.1)
+        diloco = None
     draw = lmdata.sampler(torch, train, mcfg.context, plan["seed"], rank)
     draw_global = lmdata.global_sampler(torch, train, mcfg.context, plan["seed"]) if plan.get("global_data") else None
     balancer = None
@@ -127,7 +139,11 @@ def run(plan: dict) -> dict:
     curve, step_s, losses, shares = [], [], [], []
 
     def point(step: int, wall: float, tx0: int | None) -> None:
-        loss = _evaluate(torch, dist, model, val, mcfg, plan, rank, world)
+        if diloco is not None:
+            with diloco.global_weights():   # DiLoCo's model is theta_global; the local ones drift between syncs
+                loss = _evaluate(torch, dist, model, val, mcfg, plan, rank, world)
+        else:
+            loss = _evaluate(torch, dist, model, val, mcfg, plan, rank, world)
         tx = tx_bytes(iface)
         curve.append({"step": step, "samples": step * samples_per_step, "wall_s": wall, "val_loss": loss,
                       "train_loss": statistics.fmean(losses[-plan["eval_every"]:]) if losses else None,
@@ -140,6 +156,8 @@ def run(plan: dict) -> dict:
     tx0 = tx_bytes(iface)
     point(0, 0.0, tx0)
     wall = 0.0
+    if diloco is not None:
+        diloco.enter()
     for step in range(plan["steps"]):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, plan)
@@ -163,12 +181,17 @@ def run(plan: dict) -> dict:
         if not math.isfinite(losses[-1]):
             raise MCCLError(f"[bench] {plan['variant']['name']}: training loss is {losses[-1]} at step {step} "
                             f"on rank {rank}; the gradients are corrupt or the learning rate too high")
+        if step + 1 == plan["steps"] and diloco is not None:
+            t = time.perf_counter()
+            diloco.exit()            # applies a round still in flight: the final point is after it
+            wall += time.perf_counter() - t
         if (step + 1) % plan["eval_every"] == 0 or step + 1 == plan["steps"]:
             point(step + 1, wall, tx0)
     out.update(curve=curve, step_s=step_s, grad_bytes=grad_bytes, samples_per_step=samples_per_step,
                shares=shares, speed=None if balancer is None else balancer.speed,
                replans=None if balancer is None else balancer.history, slow=slow.to_dict(),
-               replicas=_replica_spread(torch, dist, model),
+               replicas=_replica_spread(torch, dist, model, diloco),
+               diloco=None if diloco is None else diloco.to_dict(),
                # loaded only when the group went through mccld: proof that a daemon variant ran as one
                via_daemon="libmccl.daemon.client" in sys.modules)
     return out
@@ -205,10 +228,62 @@ class SlowHost:
         return {"factor": self.factor, "at": self.at, "per_sample_s": self.per_sample_s, "slept_s": self.slept_s}
 
 
-def _replica_spread(torch, dist, model) -> dict:
+class DiLoCoRun:
+    """libmccl.DiLoCo as a variant configures it, the outer optimizer the published one."""
+
+    def __init__(self, torch, model, inner, cfg: dict) -> None:
+        import libmccl
+
+        self.torch, self.model = torch, model
+        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        self.d = libmccl.DiLoCo(model, inner, outer, sync_every=cfg["H"], fragments=cfg["F"], delay=cfg["tau"],
+                                alpha=cfg["alpha"], compression=cfg.get("compression"))
+        self.entered = False
+
+    def enter(self) -> None:
+        self.d.__enter__()
+        self.entered = True
+
+    def exit(self) -> None:
+        if self.entered:
+            self.entered = False
+            self.d.__exit__(None, None, None)
+
+    def global_params(self) -> list:
+        # theta_global, what every rank agrees on (tools may read the fragments; the product API
+        # exposes them only through state_dict, which would copy them)
+        return [g for f in self.d._fragments for g in f.globals]
+
+    def global_weights(self):
+        import contextlib
+
+        torch, params = self.torch, [p for f in self.d._fragments for p in f.params]
+
+        @contextlib.contextmanager
+        def swapped():
+            saved = [p.detach().clone() for p in params]
+            with torch.no_grad():
+                for p, g in zip(params, self.global_params()):
+                    p.copy_(g)
+            try:
+                yield
+            finally:
+                with torch.no_grad():
+                    for p, s in zip(params, saved):
+                        p.copy_(s)
+        return swapped()
+
+    def to_dict(self) -> dict:
+        return {"syncs": self.d.syncs, "payload_bytes": self.d.payload_bytes, "inner_steps": self.d.step,
+                "rounds": [f.rounds for f in self.d._fragments]}
+
+
+def _replica_spread(torch, dist, model, diloco: DiLoCoRun | None = None) -> dict:
     """Min and max over ranks of the parameters' float64 sum: equal when the replicas are bit-identical,
-    as they must be after DDP (compressed or not: every rank ends with the same all-reduce result)."""
-    total = torch.tensor([sum(float(p.detach().double().sum()) for p in model.parameters())], dtype=torch.float64)
+    as they must be after DDP (compressed or not: every rank ends with the same all-reduce result).
+    Under DiLoCo, theta_global's: the local parameters differ by design."""
+    params = diloco.global_params() if diloco is not None else list(model.parameters())
+    total = torch.tensor([sum(float(p.detach().double().sum()) for p in params)], dtype=torch.float64)
     lo, hi = total.clone(), total.clone()
     dist.all_reduce(lo, op=dist.ReduceOp.MIN)
     dist.all_reduce(hi, op=dist.ReduceOp.MAX)

@@ -9,6 +9,11 @@ compression does anyway, so it is set when known and honest when not. After a ru
 emulated fleet the harness also checks that a compressed variant put fewer bytes on the wire
 than fp32 would (runner.check_wire). A ``daemon`` variant runs its ranks through one mccld per
 host, started for it with the same settings.
+
+A ``diloco`` variant trains without DDP: each rank steps its own batch with the same AdamW, and
+``libmccl.DiLoCo`` (outer SGD lr 0.7, momentum 0.9, Nesterov) synchronizes every H inner steps,
+in F fragments with a delay tau and a mixing factor alpha for streaming; its outer gradients are
+compressed when the variant's MCCL_COMPRESSION says so (DiLoCo(compression=...) checks the group).
 """
 
 from __future__ import annotations
@@ -29,14 +34,31 @@ class Variant:
     label: str = ""
     daemon: bool = False                            # through one mccld per host (MCCL_DAEMON=1)
     balanced: bool = False                          # speed-aware shares (libmccl.training.SpeedBalancer)
+    diloco: dict | None = None                      # {"H", "F", "tau", "alpha", "compression"}: no DDP
 
     def to_dict(self) -> dict:
         return {"name": self.name, "backend": self.backend, "env": dict(self.env), "label": self.label or self.name,
                 "requires": list(self.requires), "wire_factor": self.wire_factor, "daemon": self.daemon,
-                "balanced": self.balanced}
+                "balanced": self.balanced, "diloco": None if self.diloco is None else dict(self.diloco)}
 
 
 _COMP, _EF = "MCCL_COMPRESSION", "MCCL_COMPRESSION_ERROR_FEEDBACK"
+
+
+def _diloco(name: str, h: int, f: int = 1, tau: int = 0, alpha: float = 0.0, comp: str | None = None) -> Variant:
+    """One outer gradient (the parameters' bytes) every H/F inner steps per fragment of 1/F of
+    them: 1/H of DDP's gradient bytes per step, times the compressed size."""
+    env = {_COMP: comp or "off"}
+    requires: tuple = ()
+    if comp:
+        env[_EF] = "1"
+        requires = (_COMP, _EF)
+    factor = {None: 1.0, "bf16": 0.5, "fp16": 0.5, "int8": 0.25}[comp] / h
+    what = f"H={h}" + (f", F={f}, tau={tau}, alpha={alpha}" if f > 1 or tau else "") + (f", {comp} outer" if comp else "")
+    return Variant(name, "mccl", env, requires, factor, f"mccl, DiLoCo {what}",
+                   diloco={"H": h, "F": f, "tau": tau, "alpha": alpha, "compression": comp})
+
+
 VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("gloo", "gloo", label="Gloo DDP (fp32)"),
     Variant("off", "mccl", {_COMP: "off"}, label="mccl, fp32 (compression off)"),
@@ -51,6 +73,11 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     # Each rank's share of the global batch by its measured speed, the gradient weighted by samples.
     Variant("balanced", "mccl", {_COMP: "off"}, label="mccl, fp32, speed-balanced shares", balanced=True),
     Variant("gloo-balanced", "gloo", label="Gloo DDP (fp32), speed-balanced shares", balanced=True),
+    # DiLoCo (issue 35): no DDP, an outer step every H inner steps.
+    _diloco("diloco-h8", 8),
+    _diloco("diloco-h32", 32),
+    _diloco("diloco-h32-int8", 32, comp="int8"),
+    _diloco("streaming-f4", 32, f=4, tau=1, alpha=0.5),
 )}
 DEFAULT = ("gloo", "off", "bf16", "int8", "int8-nofb")
 
