@@ -15,11 +15,19 @@ published algorithm (Douillard et al. 2023); F>1 with a delay and a mixing facto
 DiLoCo (Douillard et al. 2025). Everything goes through torch.distributed collectives on the
 group given (or the default group as it is at each sync), so it runs on mccl in-process,
 through mccld, and on gloo. The user page is docs/diloco.md.
+
+With ``adaptive=True`` (F=1) a slow host does not hold the round: each rank measures its inner
+steps/s over the round (an EMA), the per-sync table carries it, and every rank computes the same
+plan for the next round from the same gathered speeds (shares.plan_inner_steps): H_r =
+round(T x speed_r) within [1, 2H] for the budget T = H / median speed. Rank r syncs when it has
+made its own H_r steps since the last sync, and the outer gradients are averaged with weights
+H_r / sum(H) (the weighting below, now by unequal steps).
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -29,10 +37,17 @@ import torch.distributed as dist
 from mccl_common.errors import ConfigError
 
 from . import reduce_group, state_transfer
+from .shares import plan_inner_steps
 
 # Columns of the per-sync table every rank contributes (one small all_gather per fragment sync).
 # int64 throughout: MPS has no float64, and a weight sent as a fraction is exact on every rank.
-_HAS_STATE, _NUM, _DEN, _STEP, _FRAGMENT = range(5)
+# _SPEED: the rank's inner steps/s (EMA, in micro-steps/s: an integer every rank reads alike;
+# 0 not measured yet, -1 not adaptive),
+# _ROUND: outer rounds completed, _IN_ROUND: inner steps since the previous sync.
+_HAS_STATE, _NUM, _DEN, _STEP, _FRAGMENT, _SPEED, _ROUND, _IN_ROUND = range(8)
+_SPEED_SCALE = 1_000_000
+_SPEED_EMA = 0.5
+_HISTORY = 1024     # adaptive syncs kept in DiLoCo.history (a long run makes many)
 _STATE_VERSION = 1
 
 
@@ -86,12 +101,17 @@ class DiLoCo:
         join: this process joins a job whose other ranks are already training: entering the
             context waits for their next sync and takes theta_global, the outer optimizer's
             state and the step counters from them.
+        adaptive: plan each rank's inner steps per round by its measured speed within the time
+            the median rank needs for H steps (H_r in [1, 2H]; with a delay, in [delay+1, 2H]);
+            the outer average is weighted by the inner steps each rank made. F=1 only, and
+            not with join=True.
     """
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer,
                  outer_optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], sync_every: int, *,
                  fragments: int | Sequence[torch.nn.Module] = 1, delay: int = 0, alpha: float = 0.0,
-                 compression: str | None = None, group: Any = None, join: bool = False) -> None:
+                 compression: str | None = None, group: Any = None, join: bool = False,
+                 adaptive: bool = False) -> None:
         if not isinstance(model, torch.nn.Module):
             raise ConfigError(f"[diloco] model must be a torch.nn.Module, got {type(model).__name__}")
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
@@ -118,6 +138,16 @@ class DiLoCo:
             raise ConfigError(f"[diloco] delay={delay!r}: tau must be an integer with 0 <= tau < H/F = {span}, "
                               "so a fragment's all-reduce is used before the next fragment's starts")
         self.delay = delay
+        self.adaptive = bool(adaptive)
+        if self.adaptive and (n_frag != 1 or join):
+            raise ConfigError(f"[diloco] adaptive=True plans whole-model rounds of unequal length: it needs "
+                              f"fragments=1 (got {n_frag}) and join=False (got {join}); a joining rank would "
+                              "have no plan of the running round")
+        self._plan: list[int] | None = None   # every rank's inner steps in this round (None: H for all)
+        self._planned = sync_every            # this rank's
+        self._speed: float | None = None      # inner steps/s, EMA over rounds
+        self._round_start: float | None = None
+        self.history: list[dict] = []         # adaptive: the last syncs (steps made, speeds, next plan)
         for frag in self._fragments:
             frag.offset = frag.index * span
         self._outer = self._outer_map(outer_optimizer, inner_optimizer)
@@ -237,6 +267,7 @@ class DiLoCo:
         if self._join and not self._has_state:
             self._join_running_job()
         self._hook = self.inner_optimizer.register_step_post_hook(self._after_inner_step)
+        self._round_start = time.perf_counter()
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
@@ -272,17 +303,39 @@ class DiLoCo:
         for frag in self._fragments:
             if frag.pending is not None and self.step >= frag.pending.complete_at:
                 self._complete(frag)
+        if self.adaptive:
+            frag = self._fragments[0]
+            made = self._in_round(frag)
+            if made >= self._planned:
+                now = time.perf_counter()
+                if self._round_start is not None and now > self._round_start:
+                    # This rank's own compute: the clock restarted after the previous sync's wait.
+                    rate = made / (now - self._round_start)
+                    self._speed = rate if self._speed is None else \
+                        _SPEED_EMA * rate + (1 - _SPEED_EMA) * self._speed
+                self._send(frag)
+                if self.delay == 0:
+                    self._complete(frag)
+                self._round_start = time.perf_counter()
+            return
         for frag in self._fragments:
             if self.step >= frag.offset and (self.step - frag.offset) % self.sync_every == 0:
                 self._send(frag)
                 if self.delay == 0:
                     self._complete(frag)
 
+    def _in_round(self, frag: _Fragment) -> int:
+        return self.step - (frag.last_send if frag.last_send is not None else 0)
+
     def _weight(self, frag: _Fragment) -> tuple[int, int]:
         """This rank's share of the round as a fraction: 1 for a rank that made every inner step
         of it; the share it made for one that joined during it; 0 for one that has no state yet."""
         if not self._has_state:
             return 0, 1
+        if self.adaptive:
+            # Inner steps made this round over the most any rank plans (2H): the average is
+            # weighted by inner steps, and the fraction stays within [0, 1] like the others.
+            return self._in_round(frag), 2 * self.sync_every
         if self._since_state is None:
             return 1, 1
         expected = self.step - frag.last_send if frag.last_send is not None else self.step
@@ -293,8 +346,11 @@ class DiLoCo:
         state, the divisor of the average, and a check that every rank is at the same point of
         the schedule."""
         dev = self._fragments[0].params[0].device
+        frag = self._fragments[max(frag_index, 0)]
+        # -1: this rank does not plan adaptively (the others must not either, or the weights mix).
+        speed = (int(round(self._speed * _SPEED_SCALE)) if self._speed else 0) if self.adaptive else -1
         mine = torch.tensor([int(self._has_state), weight[0], weight[1], self.step if self._has_state else -1,
-                             frag_index], dtype=torch.int64, device=dev)
+                             frag_index, speed, frag.rounds, self._in_round(frag)], dtype=torch.int64, device=dev)
         rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(pg))]
         dist.all_gather(rows, mine, group=pg)
         table = torch.stack(rows).cpu()
@@ -312,6 +368,8 @@ class DiLoCo:
             self._check_table(table, frag.index)
             if not bool(table[:, _HAS_STATE].all()):
                 state_transfer.exchange(self, pg, table)
+            if self.adaptive:
+                self._replan(pg, table)
         total = sum(n / d for n, d in table[:, [_NUM, _DEN]].tolist())
         if total <= 0:
             raise ConfigError("[diloco] no rank has made an inner step with the state: nothing to average")
@@ -339,16 +397,45 @@ class DiLoCo:
                 frag.sendbufs.append(torch.empty(n, dtype=first.dtype, device=first.device))
         return frag.sendbufs[k]
 
+    def _replan(self, pg: Any, table: torch.Tensor) -> None:
+        """The next round's inner steps of every rank, from the speeds in the table (the same
+        table on every rank, so the same plan)."""
+        speeds = [s / _SPEED_SCALE if s > 0 else None for s in table[:, _SPEED].tolist()]
+        made = [int(x) for x in table[:, _IN_ROUND].tolist()]
+        self._plan = plan_inner_steps(self.sync_every, speeds, 2 * self.sync_every, least=self.delay + 1)
+        self._planned = self._plan[dist.get_rank(pg)]
+        self.history.append({"round": int(table[0, _ROUND]), "steps": made, "speeds": speeds,
+                             "plan": list(self._plan)})
+        del self.history[:-_HISTORY]
+
     def _check_table(self, table: torch.Tensor, frag_index: int) -> None:
         have = table[:, _HAS_STATE] > 0
         if not bool(have.any()):
             raise ConfigError("[diloco] no rank of the group has DiLoCo's state: join=True is for a process "
                               "joining ranks that already train; start a new job with join=False")
+        modes = table[:, _SPEED] >= 0
+        if bool(modes.any()) != bool(modes.all()):
+            which = ", ".join(f"rank {r} adaptive={bool(m)}" for r, m in enumerate(modes.tolist()))
+            raise ConfigError(f"[diloco] the ranks disagree on adaptive ({which}): pass the same adaptive= to "
+                              "DiLoCo on every rank")
+        if self.adaptive:
+            rounds = {int(r) for r in table[:, _ROUND].tolist()}
+            made = [int(x) for x in table[:, _IN_ROUND].tolist()]
+            plan = self._plan if self._plan is not None and len(self._plan) == len(made) else None
+            expected = plan if plan is not None else [self.sync_every] * len(made)
+            # A group re-formed since the plan was made has no per-rank plan to hold it to.
+            if len(rounds) > 1 or (made != expected and (plan is not None or self._plan is None)):
+                at = ", ".join(f"rank {r} at round {int(row[_ROUND])} after {int(row[_IN_ROUND])} inner steps "
+                               f"(planned {expected[r]})" for r, row in enumerate(table.tolist()))
+                raise ConfigError(f"[diloco] the ranks are not at their planned sync ({at}): every rank must "
+                                  "use adaptive=True with the same sync_every, and resume from the same "
+                                  "checkpoint")
+            return
         steps = {int(s) for s in table[have, _STEP].tolist()}
         frags = {int(f) for f in table[have, _FRAGMENT].tolist()}
         if len(steps) > 1 or len(frags) > 1:
-            at = ", ".join(f"rank {r} at step {int(s)} fragment {int(f)}"
-                           for r, (h, _, _, s, f) in enumerate(table.tolist()) if h > 0)
+            at = ", ".join(f"rank {r} at step {int(row[_STEP])} fragment {int(row[_FRAGMENT])}"
+                           for r, row in enumerate(table.tolist()) if row[_HAS_STATE] > 0)
             raise ConfigError(f"[diloco] the ranks are at different points of the schedule ({at}): every rank "
                               "must run the same number of inner steps between syncs (same sync_every, "
                               "fragments, and batches per rank), and resume from the same checkpoint")
@@ -448,7 +535,9 @@ class DiLoCo:
             outers.append(o.state_dict())
         return {"version": _STATE_VERSION, "sync_every": self.sync_every, "fragments": len(self._fragments),
                 "delay": self.delay, "step": self.step, "has_state": self._has_state,
-                "since_state": self._since_state, "fragment_state": frags, "outer": outers}
+                "since_state": self._since_state, "fragment_state": frags, "outer": outers,
+                "adaptive": {"plan": self._plan, "planned": self._planned, "speed": self._speed}
+                if self.adaptive else None}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what ``state_dict`` returned; the model's parameters are the caller's (load them
@@ -461,6 +550,9 @@ class DiLoCo:
             if state.get(key) != mine:
                 raise ConfigError(f"[diloco] the state was saved with {key}={state.get(key)}, this DiLoCo has "
                                   f"{mine}: the schedule would differ")
+        if bool(state.get("adaptive")) != self.adaptive:
+            raise ConfigError(f"[diloco] the state was saved with adaptive={bool(state.get('adaptive'))}, this "
+                              f"DiLoCo has adaptive={self.adaptive}: the schedule would differ")
         frags = state["fragment_state"]
         for frag, entry in zip(self._fragments, frags):
             glob = entry["global"]
@@ -497,6 +589,11 @@ class DiLoCo:
         self.step = int(state["step"])
         self._has_state = bool(state["has_state"])
         self._since_state = state["since_state"]
+        if self.adaptive:
+            ad = state["adaptive"]
+            self._plan = None if ad["plan"] is None else [int(x) for x in ad["plan"]]
+            self._planned = int(ad["planned"])
+            self._speed = None if ad["speed"] is None else float(ad["speed"])
 
 
 __all__ = ["DiLoCo"]

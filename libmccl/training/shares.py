@@ -164,3 +164,38 @@ class SharePlanner:
             self.replans += 1
             return True
         return False
+
+
+def plan_inner_steps(sync_every: int, speeds: list[float | None], cap: int | None = None,
+                     least: int = 1) -> list[int]:
+    """DiLoCo's inner steps per rank for the next round, against a time budget.
+
+    The budget is what the median rank needs for ``sync_every`` (H) steps: T = H / median speed
+    (speeds in inner steps/s). Rank r plans H_r = round(T x speed_r), clamped to [least, cap]
+    (cap defaults to 2H), so a rank twice as slow as the median makes half the steps in the
+    same time instead of holding the round. A speed of None or <= 0 (not measured yet) plans
+    H; no speed measured plans H everywhere. Pure arithmetic on the gathered speeds: every rank
+    computes the same plan (Python's round is half-to-even on every platform).
+    """
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        raise ConfigError(f"[balance] sync_every={sync_every!r}: H must be an integer >= 1")
+    cap = 2 * sync_every if cap is None else cap
+    if not 1 <= least <= sync_every <= cap:
+        raise ConfigError(f"[balance] inner-step bounds least={least}, H={sync_every}, cap={cap}: need "
+                          "1 <= least <= H <= cap")
+    if not speeds:
+        raise ConfigError("[balance] no ranks to plan inner steps for")
+    ok = [float(s) for s in speeds if s is not None and math.isfinite(float(s)) and float(s) > 0]
+    if not ok:
+        return [sync_every] * len(speeds)
+    ok.sort()
+    mid = len(ok) // 2
+    median = ok[mid] if len(ok) % 2 else (ok[mid - 1] + ok[mid]) / 2
+    budget = sync_every / median
+    plan = []
+    for s in speeds:
+        if s is None or not math.isfinite(float(s)) or float(s) <= 0:
+            plan.append(sync_every)
+        else:
+            plan.append(min(cap, max(least, int(round(budget * float(s))))))
+    return plan
