@@ -108,6 +108,14 @@ def _children() -> frozenset[int]:
     return frozenset(out)
 
 
+def _task_name(tid: int) -> str:
+    """The kernel's name of a thread (engine threads name themselves: core/thread_name.h)."""
+    try:
+        return Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+    except OSError:
+        return f"{tid} (gone)"
+
+
 def _segments() -> frozenset[str]:
     return frozenset(p.name for p in Path("/dev/shm").glob("mccl*")) if LINUX else frozenset()
 
@@ -146,7 +154,8 @@ def _diff(before: Snapshot) -> dict[str, list[str]]:
     threads = now.tasks - before.tasks
     if threads:
         names = sorted(t.name for t in threading.enumerate() if t.native_id in threads)
-        out["threads"] = [f"{len(threads)} new task(s), Python threads among them: {names}"]
+        native = sorted(_task_name(t) for t in threads)
+        out["threads"] = [f"{len(threads)} new task(s) named {native}, Python threads among them: {names}"]
     fds = sorted(now.fds - before.fds)
     if fds:
         out["fds"] = [_describe_fd(fd) for fd in fds]
