@@ -328,9 +328,13 @@ class AnchorStoreBackend(RendezvousBackend):
     run's by looking: it posts a fresh nonce (a "hello"), and takes the epoch only from a state
     that lists its nonce among the acknowledged ones. Hosts already in the run acknowledge
     the hellos they find each time they read or write the state (at least every keep-alive),
-    so a state that lists the nonce was written in this run by a host of this run. Nobody
-    acknowledging within ``vouch_s`` (a replayed state, or a run whose every host is gone) is
-    a RendezvousForged error. A state that says the run is closed is believed without this:
+    so a state that lists the nonce was written in this run by a host of this run. A state
+    nobody acknowledges within ``vouch_s`` (a replayed one, or one whose every host is gone:
+    the host that began the run left before it saw the others' hellos) is abandoned: nothing
+    of it is used, the waiting host empties the key (over that exact value) and the run
+    begins afresh, so neither a replay nor an early leaver can stop the hosts that remain;
+    ``vouch_s`` is longer than the keep-alive window, so a host of a live run acknowledges
+    first. A state that says the run is closed is believed without this:
     a replayed one can only stop the run, which anyone who reaches the store can do anyway.
     The values torch keeps in the store beside the state (MASTER_ADDR/PORT, the agents'
     ranks) are sealed under a key of the epoch and kept under its own prefix (EpochStore).
@@ -468,13 +472,22 @@ class AnchorStoreBackend(RendezvousBackend):
                 self._note_open(state)
                 return state, raw
             if time.monotonic() >= deadline:
-                raise RendezvousForged(
-                    f"[rendezvous] no host of run {self._run_id!r} vouched for the state in the anchor's store within "
-                    f"{self._vouch_s:g}s, peer={self._anchor}: either it was recorded in an earlier run under the "
-                    "same key and written back (a replay; nothing of it was used), or every host of this run is "
-                    "gone. Start the run again with a new --rdzv-id (or restart the anchor), and keep the "
-                    "anchor's port on the training network", peer_addr=self._anchor)
+                return self._abandon(raw)
             time.sleep(_VOUCH_POLL_S)
+
+    def _abandon(self, raw: bytes) -> None:
+        """No host vouched for ``raw``: empty the key over it, so this host (or another one
+        waiting) begins the run afresh, and use nothing of it."""
+        current = self._call("compare_set", self._key, raw.decode(), _EMPTY)
+        if current == _EMPTY.encode():
+            _log.warning(
+                "[rendezvous] no host of run %r vouched for the state in the anchor's store within %gs, peer=%s: "
+                "either every host that held it left (the run's first host, before it saw this one), or it was "
+                "recorded in an earlier run under the same key and written back (a replay); nothing of it was "
+                "used, and the run begins afresh from this host", self._run_id, self._vouch_s, self._anchor)
+        # Whatever is there now (emptied, or a new state another waiting host wrote first) is
+        # taken through the normal path: set_state from empty, or a vouch by that host.
+        return None
 
     def _note_open(self, state: bytes) -> None:
         """Remembers that the run was open when this host read it (one unpickle, until it was)."""
