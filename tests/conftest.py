@@ -16,6 +16,12 @@ from typing import Any, Callable
 
 import pytest
 
+# numpy's OpenBLAS shuts its thread pool down before every fork (pthread_atfork) and starts it
+# again at the next large BLAS call, so after a test that forked ranks the next test's
+# np.linalg.norm started a thread the leak check blamed on it (CI, 7 Dec). One BLAS thread:
+# the tests' arrays are small and these machines have 2 cores. Set before numpy loads.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # ``support`` for every folder
 
 from support.jobkey import install_session_job_key  # noqa: E402
