@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import datetime
 import logging
+import time
 
 import numpy as np
 import pytest
@@ -79,14 +80,26 @@ def routed(monkeypatch):
 
 
 def _rank_step(pg, bridge: FakeBridge, inst: _Installed, owners, grads: list[np.ndarray], mode: int,
-               ops_cls=MetalOps) -> list[np.ndarray]:
+               late_writes: bool = False) -> list[np.ndarray]:
+    """``late_writes``: the GPU runs backward's write of a bucket only once the engine finished
+    that bucket's all-reduce (a GPU slower than any engine), so whatever the engine read
+    before it was told the truth shows, however the threads are scheduled."""
     buckets = [inst.tensor(len(g), mode) for g in grads]
     for b in buckets:
         owners[b.data_ptr()] = inst
-    works = []
+    works: list = []
+
+    def write(k: int, b: torch.Tensor, src: torch.Tensor) -> None:
+        if late_writes:
+            deadline = time.monotonic() + 30
+            while not (len(works) > k and works[k].is_completed()):
+                assert time.monotonic() < deadline, "the engine never finished the all-reduce"
+                time.sleep(0.001)
+        b.copy_(src)
+
     for k, (b, g) in enumerate(zip(buckets, grads)):
         src = torch.from_numpy(g)
-        bridge.kernel(f"backward writes bucket {k}", lambda b=b, src=src: b.copy_(src))
+        bridge.kernel(f"backward writes bucket {k}", lambda k=k, b=b, src=src: write(k, b, src))
         works.append(pg.allreduce([b]))  # O1 inside the call
     for w in works:
         w.wait()  # O2 on this thread
@@ -98,7 +111,8 @@ def _rank_step(pg, bridge: FakeBridge, inst: _Installed, owners, grads: list[np.
     return read
 
 
-def _run(groups, owners, mode: int, seed: int, sizes=(1000, 70_000, 3), dev_factory=MetalDevice):
+def _run(groups, owners, mode: int, seed: int, sizes=(1000, 70_000, 3), dev_factory=MetalDevice,
+         late_writes: bool = False):
     grads = [[np.random.default_rng(seed * 11 + r * 3 + k).integers(-999, 999, n).astype(np.float32)
               for k, n in enumerate(sizes)] for r in range(WORLD)]
     insts: list = [None] * WORLD
@@ -107,7 +121,7 @@ def _run(groups, owners, mode: int, seed: int, sizes=(1000, 70_000, 3), dev_fact
         bridge = FakeBridge(seed=seed * 5 + r)
         insts[r] = _Installed(bridge, dev_factory(bridge))
         try:
-            return _rank_step(groups[r], bridge, insts[r], owners, grads[r], mode)
+            return _rank_step(groups[r], bridge, insts[r], owners, grads[r], mode, late_writes)
         finally:
             bridge.close()
 
@@ -130,7 +144,10 @@ def test_all_reduce_of_gpu_written_buckets_is_exact(groups, routed, mode) -> Non
 @pytest.mark.timeout(60)
 def test_without_the_gpu_side_signal_the_engine_reads_before_backward_wrote(groups, routed) -> None:
     """Negative control: a signal that raises the ticket on the CPU at once, instead of from
-    the GPU once the kernels before it ran, lets the engine reduce stale bytes."""
+    the GPU once the kernels before it ran, lets the engine reduce stale bytes. The GPU here
+    writes only after the engine finished (late_writes; with the real signal the engine would
+    wait for that very write): with the eager one each rank ends with its own gradient, not the sum
+    (it failed by chance when the fake GPU's write won the race, CI 7 Dec)."""
     class EagerSignal(MetalOps):
         def signal(self, stream, ticket, value):
             ticket.signal(value)
@@ -140,8 +157,10 @@ def test_without_the_gpu_side_signal_the_engine_reads_before_backward_wrote(grou
             super().__init__(bridge)
             self.in_place = EagerSignal(bridge, unified=True)
 
-    reads, want, _ = _run(groups, routed, SHARED, seed=7, sizes=(50_000,), dev_factory=EagerDevice)
-    assert not all(np.array_equal(reads[r][0], want[0]) for r in range(WORLD))
+    reads, want, _ = _run(groups, routed, SHARED, seed=7, sizes=(50_000,), dev_factory=EagerDevice,
+                          late_writes=True)
+    for r in range(WORLD):
+        assert not np.array_equal(reads[r][0], want[0]), r
 
 
 @pytest.mark.timeout(30)
