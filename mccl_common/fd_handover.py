@@ -52,6 +52,10 @@ def read_frame(sock: socket.socket, first: bytes, deadline: float) -> dict[str, 
             raise ProtocolError(f"[fd-handover] Timed out after {TIMEOUT_S:.0f}s reading a frame")
         sock.settimeout(left)
         chunk = sock.recv(MAX_FRAME + 2 - len(buf))
+        if not chunk and not buf:
+            # Nothing of a frame at all: the other end went away (a killed mccld, for the
+            # client), which is not a malformed message.
+            raise ConnectionResetError("closed before the first byte of a frame")
         if not chunk:
             raise ProtocolError("[fd-handover] connection closed inside a frame")
         buf += chunk
