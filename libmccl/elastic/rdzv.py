@@ -608,6 +608,8 @@ class MCCLRendezvousHandler(DynamicRendezvousHandler):
         that use libmccl.elastic stop at their next step boundary by themselves, saved, when the
         reform file appears: for them report 0 until they have (at most join_at_step_s)."""
         waiting = super().num_nodes_waiting()
+        if waiting == 0 and self._plain_workers_lost_a_host():
+            return 1
         if waiting == 0 or not self.reform_file:
             self._join_asked = None
             return waiting
@@ -640,6 +642,28 @@ class MCCLRendezvousHandler(DynamicRendezvousHandler):
                          "since their last save", self.settings.run_id, self.join_at_step_s)
             return waiting
         return 0
+
+    def _plain_workers_lost_a_host(self) -> bool:
+        """A host of the round this one joined left the run (its keep-alives stopped: its user
+        came back and mccld removed the job, it was killed, its link cut) while the run is
+        open, and the workers here do not use libmccl.elastic. torch keeps such a round going,
+        and plain workers would wait for that host until their own timeout (in
+        init_process_group: 60 s in tests/e2e/test_reclaim.py) before torchrun restarted them;
+        restarting them now forms the smaller round at once. Workers with ElasticState re-form
+        in place by themselves and are left alone."""
+        if not self._last_round or self._state_field("closed"):
+            return False
+        gone = self._last_round - set(self._state_field("participants") or ())
+        if not gone:
+            return False
+        if self.reform_file and os.path.exists(self.reform_file + AWARE_SUFFIX):
+            return False
+        _log.warning("[rendezvous] run %r: %d host(s) of this round left (%s; their keep-alives stopped); this job's "
+                     "script does not use libmccl.elastic.ElasticState, so torchrun restarts its workers now in a "
+                     "round without them (from step 0 unless it checkpoints itself)", self.settings.run_id, len(gone),
+                     ", ".join(sorted(getattr(n, "addr", str(n)) for n in gone)))
+        self._last_round = set()    # said once: the restart's rendezvous records the next round
+        return True
 
     def next_rendezvous(self) -> Any:
         started = time.monotonic()
