@@ -352,3 +352,37 @@ def test_a_standalone_anchor_serves_hosts_that_all_dial_it(standalone_anchor, ma
     infos = _in_threads(a.next_rendezvous, b.next_rendezvous)
     assert sorted(i.rank for i in infos) == [0, 1], infos
     assert not a.serves_anchor and not b.serves_anchor
+
+
+@pytest.mark.parametrize("aware", [False, True], ids=["plain-script", "elastic-state"])
+def test_a_host_of_the_round_going_silent_restarts_plain_workers_at_once(make_handlers, tmp_path, caplog,
+                                                                         aware) -> None:
+    """torch keeps a complete round going when one of its hosts stops its keep-alives, so plain
+    workers waited for it until their own timeout (init_process_group's 60 s, when the host's
+    user came back during start-up). The handler reports a waiting node once the host is gone
+    from the round, so torchrun restarts them into a round without it; workers that use
+    libmccl.elastic re-form in place by themselves and are left alone."""
+    port = _free_port()
+    fast = {"keep_alive_interval": "0.5", "keep_alive_max_attempt": "4", "last_call_timeout": "2"}
+    a = make_handlers(port, 1, 2, is_host="1", **fast)
+    b = make_handlers(port, 1, 2, **fast)
+    a.reform_file = str(tmp_path / "reform-a")
+    if aware:
+        open(a.reform_file + AWARE_SUFFIX, "w").close()
+    first = _in_threads(a.next_rendezvous, b.next_rendezvous)
+    assert {i.world_size for i in first} == {2}, first
+    assert a.num_nodes_waiting() == 0           # both alive: nothing to do
+    b._stop_heartbeats()
+    deadline = time.monotonic() + 30
+    seen: list[int] = []
+    with caplog.at_level(logging.WARNING, logger="libmccl.elastic.rdzv"):
+        while len(a._state_field("participants") or ()) == 2:   # until the store drops B
+            assert time.monotonic() < deadline, "the silent host never left the round"
+            seen.append(a.num_nodes_waiting())  # as torchrun's agent asks, every monitor interval
+            time.sleep(0.1)
+        seen.append(a.num_nodes_waiting())      # at least once after B was dropped
+    if aware:
+        assert set(seen) == {0} and "of this round left" not in caplog.text
+    else:
+        assert seen.count(1) == 1 and "1 host(s) of this round left" in caplog.text
+        assert a.num_nodes_waiting() == 0       # said once; the restart's round is the next one
