@@ -156,7 +156,8 @@ def host_order(cfg: BenchConfig) -> list[int]:
     return [starts[k] + i for i in range(max(sizes)) for k in range(cfg.switches) if i < sizes[k]]
 
 
-def _git_commit() -> str | None:
+def git_commit() -> str | None:
+    """The checkout's commit as `git describe --always --dirty` names it (None outside git)."""
     try:
         # --dirty: a tree copied elsewhere (a bigger machine) may carry uncommitted or newer
         # files over an old HEAD, and a bare hash would then name the wrong code.
@@ -339,7 +340,7 @@ def run_bench(cfg: BenchConfig, checkpoint: Callable[[dict], None] | None = None
             "hosts": cfg.n_hosts, "ranks_per_host": cfg.ranks_per_host,
             "rate": cfg.rate if cfg.hosts else None, "switches": cfg.switches or None,
             "uplink_rate": cfg.uplink_rate, "uplink_delay": cfg.uplink_delay, "machine": platform.node(), "cpus": os.cpu_count(),
-            "python": platform.python_version(), "commit": _git_commit(), "loadavg_start": os.getloadavg(),
+            "python": platform.python_version(), "commit": git_commit(), "loadavg_start": os.getloadavg(),
             "config": asdict(cfg)}
     series: dict[str, dict] = {}
     ceilings: list[dict] = []

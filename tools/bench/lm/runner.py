@@ -33,6 +33,7 @@ from mccl_common.errors import ConfigError, MCCLError
 
 from ..daemons import HostDaemons
 from ..launch import FleetLauncher, LocalLauncher, first_failure, run_group
+from ..sweep import git_commit
 from . import data as lmdata
 from .model import ModelConfig
 from .variants import DEFAULT, Variant, resolve
@@ -256,7 +257,7 @@ def run_lm(cfg: LMConfig, checkpoint=None) -> dict:
     variants = cfg.validate()
     meta = {"started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "commit": _git_commit(), "loadavg_start": os.getloadavg(), "hosts": cfg.world,
+            "commit": git_commit(), "loadavg_start": os.getloadavg(), "hosts": cfg.world,
             "mode": "fleet" if cfg.hosts else "loopback", "config": _config_dict(cfg), "studio": STUDIO}
     t_start = time.time()
     results: dict[str, dict] = {}
@@ -332,14 +333,3 @@ def _config_dict(cfg: LMConfig) -> dict:
     d = dataclasses.asdict(cfg)
     d["model"] = cfg.model.to_dict()
     return d
-
-
-def _git_commit() -> str | None:
-    import subprocess
-
-    try:
-        res = subprocess.run(["git", "-C", _PKG_ROOT, "describe", "--always", "--dirty"],
-                             capture_output=True, text=True, timeout=5)
-        return res.stdout.strip() or None
-    except (OSError, subprocess.TimeoutExpired):
-        return None
