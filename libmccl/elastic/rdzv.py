@@ -40,7 +40,7 @@ from typing import Any
 # Submodules, not the package: torch imports this file from inside
 # torch.distributed.elastic.rendezvous's __init__, before the package has finished loading.
 from torch.distributed.elastic.rendezvous.api import (RendezvousClosedError, RendezvousConnectionError,
-                                                      RendezvousParameters,
+                                                      RendezvousInfo, RendezvousParameters,
                                                       RendezvousStateError, RendezvousTimeoutError)
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (DynamicRendezvousHandler, RendezvousBackend,
                                                                      RendezvousTimeout)
@@ -54,6 +54,7 @@ from mccl_common.settings import EngineConfig, RendezvousConfig, load
 
 from .. import listen_addr
 from . import store_server
+from .assign_store import AssignmentStore
 from ..sealed_store import SealedStore
 
 _log = logging.getLogger(__name__)
@@ -592,6 +593,8 @@ class MCCLRendezvousHandler(DynamicRendezvousHandler):
     _join_asked: float | None = None     # when the workers were asked to re-form for a waiting host
     _last_round: set = set()             # the hosts (torch's node descriptors) of the round joined last
     _round_store: Any = None             # that round's store (torchrun's agents meet there)
+    _last_ranks: dict = {}               # that round's hosts -> their group ranks
+    _said_gone: set = set()              # group ranks of that round named as gone (logged once)
 
     def _create_tcp_store_server(self, master_addr: str, master_port: int) -> Any:
         """The workers' store (rank 0's agent serves it; its address is the workers' MASTER_ADDR),
@@ -699,13 +702,37 @@ class MCCLRendezvousHandler(DynamicRendezvousHandler):
                 "new --rdzv-id", peer_addr=self.anchor) from exc
         self._last_world = info.world_size
         self._round_store = info.store
-        self._last_round = set(self._state_field("participants") or ())
+        self._last_ranks = dict(self._state_field("participants") or {})
+        self._last_round = set(self._last_ranks)
         if info.rank == 0 and os.getenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0") != "1":
             _republish_workers_store(info)
         _log.info("[rendezvous] run %r: rank %d of %d hosts, advertising %s, in %.2fs (anchor %s%s)",
                   self.settings.run_id, info.rank, info.world_size, self._this_node.addr,
                   time.monotonic() - started, self.anchor, ", served here" if self.serves_anchor else "")
-        return info
+        # The agents assign their workers' ranks through this store next: a host leaving in
+        # that moment must not stop every torchrun (assign_store.py says how).
+        store = AssignmentStore(info.store, info.world_size, self._ranks_gone, self._assignment_timeout)
+        return RendezvousInfo(store, info.rank, info.world_size, info.bootstrap_store_info)
+
+    def _ranks_gone(self) -> set[int]:
+        """Group ranks of the round joined last whose hosts have left it (keep-alives stopped)."""
+        with self._heartbeat_lock:
+            self._state_holder.sync()
+        now = self._state_field("participants") or {}
+        gone = {rank for node, rank in self._last_ranks.items() if node not in now}
+        if gone and gone != self._said_gone:
+            self._said_gone = gone
+            _log.warning("[rendezvous] run %r: host(s) of group rank %s left while torchrun's agents assigned the "
+                         "workers' ranks; the workers start without them and torchrun restarts them in a round "
+                         "without those hosts", self.settings.run_id, sorted(gone))
+        return gone
+
+    def _assignment_timeout(self, what: str) -> Exception:
+        return RendezvousJoinTimeout(
+            f"[rendezvous] run {self.settings.run_id!r}: {what}, peer={self.anchor} (the anchor); likely cause: "
+            "a host of the round stopped without leaving it (its keep-alives still arrive), or the anchor's "
+            "store is overloaded; start the run again, or raise MCCL_RDZV_STORE_TIMEOUT (read_timeout)",
+            peer_addr=self.anchor)
 
     def _ended_before_taken_in(self) -> bool:
         """This torchrun never joined a round, yet found the run open at first: it closed while

@@ -386,3 +386,38 @@ def test_a_host_of_the_round_going_silent_restarts_plain_workers_at_once(make_ha
     else:
         assert seen.count(1) == 1 and "1 host(s) of this round left" in caplog.text
         assert a.num_nodes_waiting() == 0       # said once; the restart's round is the next one
+
+
+@pytest.mark.parametrize("lost", ["group-rank-1", "group-rank-0"])
+def test_a_host_leaving_while_the_agents_assign_ranks_does_not_stop_the_others(make_handlers, caplog, lost) -> None:
+    """Right after a round forms, torchrun's agents write their role info and read the rank
+    table agent 0 makes, with blocking store reads; a host that left in that moment (its user
+    came back) never writes its part, and torch raised DistStoreError at the store's timeout,
+    which ends torchrun: the whole job failed (seen in tests/e2e/test_reclaim.py). The round's
+    store answers for a host the rendezvous counts as gone, so the agent that stays gets its
+    workers' ranks and the handler then asks for a round without the host."""
+    from types import SimpleNamespace
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+
+    port = _free_port()
+    # A store read waits 20 s before the change: the agent below would raise DistStoreError.
+    fast = {"keep_alive_interval": "0.5", "keep_alive_max_attempt": "4", "last_call_timeout": "2",
+            "read_timeout": "20"}
+    a = make_handlers(port, 1, 2, is_host="1", **fast)
+    b = make_handlers(port, 1, 2, **fast)
+    infos = _in_threads(a.next_rendezvous, b.next_rendezvous)
+    assert {i.world_size for i in infos} == {2}, infos
+    by_rank = {info.rank: (h, info) for h, info in zip((a, b), infos)}
+    gone_rank = 1 if lost == "group-rank-1" else 0
+    stays_handler, stays = by_rank[1 - gone_rank]
+    gone_handler, _ = by_rank[gone_rank]
+    gone_handler._stop_heartbeats()     # its host left before writing its role info
+    spec = SimpleNamespace(role="default", local_world_size=2)
+    agent = SimpleNamespace()           # _assign_worker_ranks does not use its agent's state
+    with caplog.at_level(logging.WARNING, logger="libmccl.elastic.rdzv"):
+        workers = SimpleElasticAgent._assign_worker_ranks(agent, stays.store, stays.rank, 2, spec)
+    assert [w.world_size for w in workers] == [4, 4]
+    assert [w.global_rank for w in workers] == ([0, 1] if stays.rank == 0 else [2, 3])
+    assert f"group rank [{gone_rank}] left while torchrun's agents assigned" in caplog.text
+    # The workers start one host short; the agent's next look restarts them without it.
+    assert stays_handler.num_nodes_waiting() == 1
