@@ -31,14 +31,13 @@ from libmccl import _core
 
 
 class Flood:
-    """`per_port` idle connections to each port, spread over `sources` addresses, topped up
-    every 20 ms until stop()."""
+    """`per_port` idle connections to each (address, port) target, spread over the source
+    addresses `ips` (None: the host's own), topped up every 20 ms until stop()."""
 
-    def __init__(self, ports: list[int], per_port: int, sources: int) -> None:
-        self.ports, self.per_port = ports, per_port
-        # sources=0: from the ranks' own address, where no cap per host can tell them apart.
-        self.ips = [f"127.0.0.{2 + i}" for i in range(sources)] if sources else ["127.0.0.1"]
-        self.held: dict[int, list[socket.socket]] = {p: [] for p in ports}
+    def __init__(self, targets: list[tuple[str, int]], per_port: int, ips: list[str] | None) -> None:
+        self.targets, self.per_port = targets, per_port
+        self.ips = ips
+        self.held: dict[tuple[str, int], list[socket.socket]] = {t: [] for t in targets}
         self.dials = 0
         self.closed_by_rank = 0
         self._stop = threading.Event()
@@ -46,12 +45,13 @@ class Flood:
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
-    def _dial(self, port: int, i: int) -> socket.socket | None:
+    def _dial(self, target: tuple[str, int], i: int) -> socket.socket | None:
         s = socket.socket()
         try:
-            s.bind((self.ips[i % len(self.ips)], 0))
+            if self.ips:
+                s.bind((self.ips[i % len(self.ips)], 0))
             s.setblocking(False)
-            s.connect_ex(("127.0.0.1", port))
+            s.connect_ex(target)
             self.dials += 1
             return s
         except OSError:
@@ -59,7 +59,7 @@ class Flood:
             return None
 
     def _top_up(self) -> None:
-        for port, socks in self.held.items():
+        for target, socks in self.held.items():
             alive = []
             for s in socks:
                 try:
@@ -75,11 +75,11 @@ class Flood:
                     alive.append(s)
             i = len(alive)
             while len(alive) < self.per_port:
-                s = self._dial(port, i)
+                s = self._dial(target, i)
                 i += 1
                 if s is not None:
                     alive.append(s)
-            self.held[port] = alive
+            self.held[target] = alive
 
     def _run(self) -> None:
         while not self._stop.wait(0.02):
@@ -93,13 +93,30 @@ class Flood:
                 s.close()
 
 
+def job(c, r: int, n: int) -> None:  # noqa: ANN001 - an engine Communicator
+    """An all-reduce, then every pair: the links not built at set-up are opened now."""
+    x = np.full(1 << 16, float(r + 1), np.float32)
+    c.wait(c.allreduce(x.ctypes.data, x.size, int(_core.DType.float32), int(_core.ReduceOp.SUM)), 60)
+    assert x[0] == n * (n + 1) / 2
+    outs = {q: np.full(256, r, np.int32) for q in range(n) if q != r}
+    ins = {q: np.zeros(256, np.int32) for q in range(n) if q != r}
+    ids = [c.send(outs[q].ctypes.data, outs[q].nbytes, q, 1) for q in outs]
+    ids += [c.recv(ins[q].ctypes.data, ins[q].nbytes, q, 1) for q in ins]
+    for i in ids:
+        c.wait(i, 60)
+    assert all((ins[q] == q).all() for q in ins)
+
+
 def one_round(n: int, flood_per_port: int, sources: int, secret: bytes) -> dict:
     listeners = [_core.Listener("127.0.0.1", 0) for _ in range(n)]
     addrs = [x.address for x in listeners]
     opts = _core.Options()
     opts.timeout_s, opts.connect_timeout_s = 60.0, 30.0
     opts.wire_security = _core.WireSecurity.aead
-    flood = Flood([int(a.rpartition(":")[2]) for a in addrs], flood_per_port, sources) if flood_per_port else None
+    # sources=0: from the ranks' own address, where no cap per host can tell them apart.
+    ips = [f"127.0.0.{2 + i}" for i in range(sources)] if sources else ["127.0.0.1"]
+    flood = Flood([("127.0.0.1", int(a.rpartition(":")[2])) for a in addrs], flood_per_port, ips) \
+        if flood_per_port else None
     cid = random.getrandbits(63)
     comms: list = [None] * n
     errors: list = []
@@ -121,26 +138,12 @@ def one_round(n: int, flood_per_port: int, sources: int, secret: bytes) -> dict:
         if errors:
             raise errors[0]
 
-        def job(r: int) -> None:
-            c = comms[r]
-            x = np.full(1 << 16, float(r + 1), np.float32)
-            c.wait(c.allreduce(x.ctypes.data, x.size, int(_core.DType.float32), int(_core.ReduceOp.SUM)), 60)
-            assert x[0] == n * (n + 1) / 2
-            # Every pair: the links not built at set-up are opened now, under the same flood.
-            outs = {q: np.full(256, r, np.int32) for q in range(n) if q != r}
-            ins = {q: np.zeros(256, np.int32) for q in range(n) if q != r}
-            ids = [c.send(outs[q].ctypes.data, outs[q].nbytes, q, 1) for q in outs]
-            ids += [c.recv(ins[q].ctypes.data, ins[q].nbytes, q, 1) for q in ins]
-            for i in ids:
-                c.wait(i, 60)
-            assert all((ins[q] == q).all() for q in ins)
-
         t1 = time.monotonic()
         job_errors: list = []
 
         def guarded(r: int) -> None:
             try:
-                job(r)
+                job(comms[r], r, n)
             except Exception as e:  # noqa: BLE001
                 job_errors.append(e)
         threads = [threading.Thread(target=guarded, args=(r,)) for r in range(n)]
