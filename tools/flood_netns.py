@@ -77,13 +77,50 @@ def _rank(d: Path, r: int, n: int, addr: str) -> None:
     c.shutdown(5.0)
 
 
+def _torch_rank(d: Path, r: int, n: int, master: str) -> None:
+    """A rank through its host's mccld (MCCL_DAEMON=1): set-up is init_process_group and a first
+    all-reduce (the daemons link then, through their flooded ports); the job every pair."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    _wait_for([d / "go"], "the go file")
+    t0 = time.monotonic()
+    dist.init_process_group("mccl", init_method=f"tcp://{master}", rank=r, world_size=n,
+                            timeout=timedelta(seconds=60))
+    x = torch.full((1 << 16,), float(r + 1))
+    dist.all_reduce(x)
+    assert x[0].item() == n * (n + 1) / 2
+    setup_s = time.monotonic() - t0
+    t1 = time.monotonic()
+    outs = {q: torch.full((256,), r, dtype=torch.int32) for q in range(n) if q != r}
+    ins = {q: torch.zeros(256, dtype=torch.int32) for q in range(n) if q != r}
+    reqs = [dist.isend(outs[q], q) for q in outs] + [dist.irecv(ins[q], q) for q in ins]
+    for req in reqs:
+        req.wait()
+    assert all((ins[q] == q).all() for q in ins)
+    job_s = time.monotonic() - t1
+    _publish(d / f"result.{r}", json.dumps({"setup_s": setup_s, "job_s": job_s}))
+    _wait_for([d / "done"], "the end of the round")
+    dist.destroy_process_group()
+
+
+def _listening_ports(fleet, host: int, pid: int) -> list[int]:  # noqa: ANN001 - tools.fleet.Fleet
+    """The TCP ports process `pid` (an mccld) listens on in host's namespace: its link port
+    (control links and data sockets), status and metrics ports."""
+    out = fleet.run(host, ["ss", "-Htlnp"], timeout=10).stdout
+    return sorted({int(line.split()[3].rpartition(":")[2]) for line in out.splitlines() if f"pid={pid}," in line})
+
+
 def _attack(d: Path, j: int, n: int, per_port: int) -> None:
     from .flood_setup import Flood
 
     targets = []
     for q in range(n):
-        host, _, port = (d / f"addr.{q}").read_text().rpartition(":")
-        targets.append((host, int(port)))
+        for line in (d / f"addr.{q}").read_text().split():
+            host, _, port = line.rpartition(":")
+            targets.append((host, int(port)))
     flood = Flood(targets, per_port, None)
     _publish(d / f"holding.{j}", str(sum(len(s) for s in flood.held.values())))
     stop = [False]
@@ -94,14 +131,25 @@ def _attack(d: Path, j: int, n: int, per_port: int) -> None:
     flood.stop()
 
 
-def one_round(fleet, n: int, sources: int, per_port: int) -> dict:  # noqa: ANN001 - tools.fleet.Fleet
+def one_round(fleet, n: int, sources: int, per_port: int, daemons=None) -> dict:  # noqa: ANN001
+    """One round on `fleet` (tools.fleet.Fleet): ranks on its first n hosts, attackers on the
+    next `sources`; with `daemons` (tools.bench.daemons.HostDaemons on the first n hosts) the
+    ranks are torch processes through their host's mccld and the attackers flood its ports."""
     py = [sys.executable, "-m", "tools.flood_netns"]
     with tempfile.TemporaryDirectory(prefix="mccl-flood-") as tmp:
         d = Path(tmp)
         (d / "secret").write_bytes(os.urandom(32))
         os.chmod(d / "secret", 0o600)
         (d / "cid").write_text(str(int.from_bytes(os.urandom(7), "big")))
-        ranks = [fleet.popen(r, py + ["_rank", tmp, str(r), str(n), fleet.hosts[r].addr]) for r in range(n)]
+        if daemons is None:
+            ranks = [fleet.popen(r, py + ["_rank", tmp, str(r), str(n), fleet.hosts[r].addr]) for r in range(n)]
+        else:
+            for h in range(n):
+                ports = _listening_ports(fleet, h, daemons.procs[h].pid)
+                _publish(d / f"addr.{h}", " ".join(f"{fleet.hosts[h].addr}:{p}" for p in ports))
+            master = f"{fleet.hosts[0].addr}:{29500 + int.from_bytes(os.urandom(2), 'big') % 1000}"
+            ranks = [daemons.popen(r, py + ["_torch_rank", tmp, str(r), str(n), master],
+                                   env={"MCCL_JOB_KEY_FILE": daemons.key_file}) for r in range(n)]
         attackers: list[subprocess.Popen] = []
         try:
             _wait_for([d / f"addr.{q}" for q in range(n)], "the ranks' addresses", ranks)
@@ -129,10 +177,26 @@ def one_round(fleet, n: int, sources: int, per_port: int) -> dict:  # noqa: ANN0
                     p.wait(10)
 
 
+class _FirstHosts:
+    """The first n hosts of a fleet, as tools.bench.daemons.HostDaemons wants a launcher."""
+
+    def __init__(self, fleet, n: int) -> None:  # noqa: ANN001
+        self.fleet, self.n = fleet, n
+
+    def addr(self, i: int) -> str:
+        return self.fleet.hosts[i].addr
+
+    def popen(self, i: int, argv, env=None, **kw) -> subprocess.Popen:  # noqa: ANN001
+        return self.fleet.popen(i, argv, env=env, **kw)
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_rank":
         _, _, d, r, n, addr = sys.argv
         return _rank(Path(d), int(r), int(n), addr)
+    if len(sys.argv) > 1 and sys.argv[1] == "_torch_rank":
+        _, _, d, r, n, master = sys.argv
+        return _torch_rank(Path(d), int(r), int(n), master)
     if len(sys.argv) > 1 and sys.argv[1] == "_attack":
         _, _, d, j, n, per = sys.argv
         return _attack(Path(d), int(j), int(n), int(per))
@@ -142,23 +206,39 @@ def main() -> None:
     ap.add_argument("--flood", type=int, default=200, help="idle connections held per listening port, in all")
     ap.add_argument("--sources", type=int, default=8, help="attacker hosts (each holds flood/sources a port)")
     ap.add_argument("--rate", default=None, help="link rate per host (tc syntax); default unshaped")
+    ap.add_argument("--daemon", action="store_true",
+                    help="ranks are torch processes through one mccld per host; the attackers flood mccld's "
+                         "ports (link, status, metrics) instead of the ranks' listeners")
     args = ap.parse_args()
     from .fleet import Fleet
 
     got: dict[str, list[dict]] = {"none": [], "flood": []}
-    with Fleet(args.ranks + args.sources, rate=args.rate) as fleet:
-        for i in range(args.rounds):
-            for kind in ("none", "flood"):
-                r = one_round(fleet, args.ranks, args.sources, args.flood if kind == "flood" else 0)
-                got[kind].append(r)
-                print(f"round {i} {kind:5s} set-up {r['setup_s']:.3f} s  job (all-reduce + every pair) "
-                      f"{r['job_s']:.3f} s  attacker dials {r['flood_dials']}  closed by the ranks "
-                      f"{r['closed_by_ranks']}", flush=True)
+    with Fleet(args.ranks + args.sources, rate=args.rate) as fleet, \
+            tempfile.TemporaryDirectory(prefix="mccl-flood-run-") as run_dir:
+        daemons = None
+        if args.daemon:
+            from .bench.daemons import HostDaemons
+
+            daemons = HostDaemons(_FirstHosts(fleet, args.ranks), run_dir).start()
+        try:
+            for i in range(args.rounds):
+                for kind in ("none", "flood"):
+                    r = one_round(fleet, args.ranks, args.sources, args.flood if kind == "flood" else 0, daemons)
+                    got[kind].append(r)
+                    print(f"round {i} {kind:5s} set-up {r['setup_s']:.3f} s  job (every pair) "
+                          f"{r['job_s']:.3f} s  attacker dials {r['flood_dials']}  closed by the ranks "
+                          f"{r['closed_by_ranks']}", flush=True)
+        finally:
+            if daemons is not None:
+                left = daemons.stop()
+                if left:
+                    print(f"cleaned after the daemons: {left}")
     med = {k: statistics.median(x["setup_s"] for x in v) for k, v in got.items()}
     for kind, rs in got.items():
         print(f"median {kind:5s} set-up {med[kind]:.3f} s  job {statistics.median(x['job_s'] for x in rs):.3f} s")
+    where = "through one mccld per host, its ports flooded" if args.daemon else "in-process, the ranks' listeners flooded"
     print(f"set-up time grows by {med['flood'] - med['none']:+.3f} s under a flood of {args.flood} connections per "
-          f"port from {args.sources} attacker hosts ({args.ranks} ranks, each a host)")
+          f"port from {args.sources} attacker hosts ({args.ranks} ranks, each a host, {where})")
 
 
 if __name__ == "__main__":
