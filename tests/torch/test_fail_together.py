@@ -1,0 +1,269 @@
+"""A rank that refuses to join posts its refusal where the others wait, and every rank fails
+with that cause (issue 36, libmccl/refusal.py): the wrong key on one host, world sizes 2 and 3.
+
+Before, the host with the wrong key failed alone and the healthy one waited silently until its
+own set-up timeout, then blamed "a rank did not start"; rank 0 of a smaller world went on to
+dial a rank that had already left."""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from libmccl import refusal, rendezvous
+from mccl_common import jobkey, store_auth
+from mccl_common.daemon_settings import load_config, write_key_file
+from mccl_common.errors import ConfigError, StoreAuthError
+from mccl_common.settings import EngineConfig, load
+from support.daemon import daemon_env
+from support.ranks import collect, reap, spawn_ranks
+
+_INIT_TIMEOUT_S = 30.0   # the ranks' own set-up timeout: what the healthy rank waited out before
+
+
+def _store() -> tuple[dist.TCPStore, int]:
+    s = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
+    return s, s.port
+
+
+def _client(port: int) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, 1, False, timeout=datetime.timedelta(seconds=10))
+
+
+class _Listener:
+    def __init__(self, host: str) -> None:
+        self.address = f"{host}:1"
+
+    def close(self) -> None:
+        pass
+
+
+def _exchange_all(port: int, sizes: list[int], daemon: bool = False) -> list:
+    """exchange() of ranks 0..len(sizes)-1, each on a thread and store client of its own, rank r
+    believing the world has sizes[r] ranks."""
+    out: list = [None] * len(sizes)
+    clients = [_client(port) for _ in sizes]
+
+    def rank_fn(rank: int) -> None:
+        try:
+            out[rank] = rendezvous.exchange(clients[rank], rank, sizes[rank], None if daemon else _Listener,
+                                            EngineConfig(bind_addr="127.0.0.1"), 20.0, "g")
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            out[rank] = exc
+    threads = [threading.Thread(target=rank_fn, args=(r,)) for r in range(len(sizes))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), out
+    del clients
+    return out
+
+
+# -- two hosts as processes: init_process_group("mccl") through env:// -------------------------
+def _other_key() -> str:
+    root = tempfile.mkdtemp(prefix="mccl-test-otherkey-")
+    return str(write_key_file(os.path.join(root, "other.key")))
+
+
+def _join(rank: int, world: int, keys: list[str], sizes: list[int], rdirs: list[str], hosts: list[str]) -> str:
+    """One host's rank: its own key file, world size and (through mccld) runtime dir."""
+    import torch
+
+    os.environ["MCCL_JOB_KEY_FILE"] = keys[rank]
+    os.environ["WORLD_SIZE"] = str(sizes[rank])
+    if rdirs:
+        os.environ.update({"MCCL_DAEMON": "1", "MCCL_RUNTIME_DIR": rdirs[rank]})
+    os.environ["MCCL_HOST_ID"] = hosts[rank]
+    try:
+        dist.init_process_group("mccl", timeout=datetime.timedelta(seconds=_INIT_TIMEOUT_S))
+    except Exception as exc:  # noqa: BLE001 - the test reads the cause
+        return f"{type(exc).__name__}: {exc}"
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return f"ok {t[0].item():g}"
+
+
+@pytest.fixture
+def two_hosts_daemons():
+    """Two mccld on loopback, one per emulated host (each its runtime dir and host id)."""
+    from mccld.daemon import Daemon
+
+    dirs = [Path(tempfile.mkdtemp(prefix="mccl-ft-")) for _ in range(2)]
+    daemons = []
+    try:
+        for i, d in enumerate(dirs):
+            env = daemon_env(d) | {"MCCL_HOST_ID": f"ft{os.getpid()}h{i}"}
+            daemons.append(Daemon(load_config(env=env), engine_cfg=load(EngineConfig, env=os.environ)).start())
+        yield [str(d) for d in dirs]
+    finally:
+        for dm in daemons:
+            dm.stop()
+        for d in dirs:
+            for p in d.iterdir():
+                p.unlink()
+            d.rmdir()
+
+
+def _run_hosts(keys: list[str], sizes: list[int], rdirs: list[str]) -> dict:
+    hosts = [f"ft{os.getpid()}h{r}" for r in range(2)] if rdirs else ["host0", "host1"]
+    procs, results, _ = spawn_ranks(_join, 2, keys, sizes, rdirs, hosts)
+    try:
+        return collect(procs, results, _INIT_TIMEOUT_S + 60)
+    finally:
+        reap(procs)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode", ["in-process", "daemon"])
+def test_a_wrong_key_on_one_host_fails_both_hosts_naming_the_key(mode, request) -> None:
+    rdirs = request.getfixturevalue("two_hosts_daemons") if mode == "daemon" else []
+    good = os.environ["MCCL_JOB_KEY_FILE"]
+    other = _other_key()
+    try:
+        started = time.monotonic()
+        out = _run_hosts([good, other], [2, 2], rdirs)
+        took = time.monotonic() - started
+    finally:
+        os.unlink(other)
+        os.rmdir(os.path.dirname(other))
+    ours, theirs = jobkey.key_id(jobkey.find_job_key()), jobkey.key_id(jobkey.find_job_key(
+        {"MCCL_JOB_KEY_FILE": good}))
+    assert ours == theirs
+    healthy, bad = out[0][1], out[1][1]
+    host1 = f"ft{os.getpid()}h1" if rdirs else "host1"
+    # The healthy host names the refusing host, its key id and ours; the bad one both ids too.
+    assert healthy.startswith("StoreAuthError: ") and f"rank 1 (host {host1}) refused to join" in healthy, healthy
+    assert f"ours {ours}" in healthy and "different job key" in healthy and "carries no MAC" in healthy, healthy
+    assert bad.startswith("StoreAuthError: ") and "does not verify under this host's key" in bad, bad
+    assert f"claims key id {ours}" in bad, bad
+    assert "did not start" not in healthy and "Timed out" not in healthy, healthy
+    # The figure the issue asks about (15 s after the refusal) is in the notes; here only a
+    # generous bound that the old behaviour, a wait to the set-up timeout, could not meet.
+    assert took < _INIT_TIMEOUT_S + 20, took
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode", ["in-process", "daemon"])
+def test_world_sizes_2_and_3_fail_every_host_naming_both_sizes(mode, request) -> None:
+    rdirs = request.getfixturevalue("two_hosts_daemons") if mode == "daemon" else []
+    key = os.environ["MCCL_JOB_KEY_FILE"]
+    out = _run_hosts([key, key], [2, 3], rdirs)
+    for rank, (_, text) in out.items():
+        assert text.startswith("ConfigError: ") and "world size mismatch" in text, (rank, text)
+        assert "world of 2 ranks" in text or "one of 2" in text, (rank, text)
+        assert "3 ranks" in text or "one of 3" in text, (rank, text)
+        assert "Timed out" not in text, (rank, text)
+    host1 = f"ft{os.getpid()}h1" if rdirs else "host1"
+    assert f"rank 1 (host {host1}) was started with a world of 3" in out[0][1], out
+
+
+@pytest.mark.timeout(150)
+def test_hosts_that_agree_still_run_through_mccld(two_hosts_daemons) -> None:
+    """The comm id's new shape (version, size, key id) on the path a daemon-mode job takes."""
+    key = os.environ["MCCL_JOB_KEY_FILE"]
+    out = _run_hosts([key, key], [2, 2], two_hosts_daemons)
+    assert [out[r][1] for r in range(2)] == ["ok 2", "ok 2"], out
+
+
+# -- the rendezvous itself, ranks as threads --------------------------------------------------
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("sizes", [[2, 3], [3, 2], [2, 3, 3]])
+@pytest.mark.parametrize("daemon", [False, True], ids=["in-process", "daemon"])
+def test_every_rank_names_both_world_sizes(sizes, daemon) -> None:
+    """Whichever rank was started with the other size, every rank present fails at once with
+    a ConfigError naming both sizes; none waits for a rank that will never come."""
+    server, port = _store()
+    out = _exchange_all(port, sizes, daemon)
+    for rank, res in enumerate(out):
+        assert isinstance(res, ConfigError), (rank, out)
+        text = str(res)
+        assert "world size mismatch" in text and "2" in text and "3" in text, (rank, text)
+        assert "Timed out" not in text, (rank, text)
+    del server
+    gc.collect()
+
+
+_ID = "mccl/1/comm_id"
+
+
+def _rank0_reading(record: bytes) -> Exception:
+    """Rank 0 of two, with ``record`` already under rank 1's address slot."""
+    server, port = _store()
+    attacker = _client(port)
+    attacker.set("mccl/1/addr/1", record)
+    attacker.set("mccl/1/failed_seen/1", "1")    # as a refusing rank does: rank 0 need not linger
+    try:
+        rendezvous.exchange(_client(port), 0, 2, _Listener, EngineConfig(bind_addr="127.0.0.1"), 10.0, "g")
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return exc
+    finally:
+        del attacker, server
+        gc.collect()
+    raise AssertionError("rank 0 took a record in rank 1's slot as an address")
+
+
+_BODY = b"v=1 code=key rank=1 host=h1 key=0123456789abcdef mine=2 seen=-"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("record,why", [
+    (refusal.PREFIX + b"plain " + _BODY + b"x" * 600, "more than 512"),
+    (refusal.PREFIX + b"plain " + _BODY.replace(b"code=key", b"code=reboot"), "unknown reason code"),
+    (refusal.PREFIX + b"plain \x00\xff\xfe garbage", "unknown format"),
+    (refusal.PREFIX + b"zipped " + _BODY, "neither plain nor sealed"),
+    (refusal.PREFIX + b"plain " + _BODY.replace(b"code=key", b"code=world_size").replace(b"seen=-", b"seen=3"),
+     "must carry the job key's MAC"),
+    (refusal.PREFIX + b"sealed " + store_auth.seal(b"k" * 32, "mccl/1/refusal", _BODY), "MAC does not verify"),
+    (refusal.PREFIX + b"plain " + _BODY.replace(b"host=h1", b"host=" + b"h" * 65), "unknown reason code or fields"),
+], ids=["oversized", "unknown-code", "garbage", "unknown-form", "unsealed-size", "forged-mac", "long-host"])
+def test_a_hostile_refusal_record_is_rejected_clearly(record, why) -> None:
+    exc = _rank0_reading(record)
+    assert type(exc) is StoreAuthError, repr(exc)
+    text = str(exc)
+    assert "malformed refusal record" in text and why in text and "mccl/1/addr/1" in text, text
+    assert "peer=127.0.0.1:" in text and "\x00" not in text and "hhhhhhhh" not in text, text
+
+
+@pytest.mark.timeout(60)
+def test_a_well_formed_plain_refusal_fails_the_set_up_as_a_claim_and_echoes_no_secret() -> None:
+    """Anyone who reaches the store can write one (docs/security.md, "What a keyless host can
+    still do"): it ends the set-up, said as the unauthenticated claim it is."""
+    exc = _rank0_reading(refusal.PREFIX + b"plain " + _BODY)
+    assert type(exc) is StoreAuthError, repr(exc)
+    text = str(exc)
+    assert "rank 1 (host h1) refused to join" in text and "its key id 0123456789abcdef" in text, text
+    assert "carries no MAC" in text and "anyone who can reach the store" in text, text
+    key = jobkey.find_job_key()
+    assert key.hex() not in text and key.decode(errors="ignore") not in text
+
+
+@pytest.mark.timeout(60)
+def test_a_refusal_posted_after_set_up_changes_nothing() -> None:
+    """Once every rank has read the table, a refusal (a late rank's, a sealed one, or a
+    stranger's) replaces no value, and nobody reads those keys again."""
+    server, port = _store()
+    out = _exchange_all(port, [2, 2])
+    assert all(isinstance(r, rendezvous.Rendezvous) for r in out), out
+    names = ["mccl/1/comm_id", "mccl/1/addr/0", "mccl/1/addr/1", "mccl/1/addr_table"]
+    before = {n: server.get(n) for n in names}
+    late = refusal.Refusal("key", 1, "late", "0123456789abcdef", 2, None, False)
+    rendezvous._post_refusal(_client(port), "mccl/1", 1, 2, late, None, 0.5)
+    mac_key = store_auth.scoped_key(store_auth.job_store_key("aead", "c10d", "g"), "comm", out[0].comm_id)
+    sealed = refusal.Refusal("world_size", 0, "late", "0123456789abcdef", 3, 2, True)
+    rendezvous._post_refusal(_client(port), "mccl/1", 0, 3, sealed, mac_key, 0.5)
+    assert {n: server.get(n) for n in names} == before
+    # The comm's own store (what mccld's client and switch_groups read) still works.
+    out[0].store.set("after", "1")
+    assert out[1].store.get("after") == b"1"
+    del server
+    gc.collect()
