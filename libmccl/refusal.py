@@ -19,6 +19,13 @@ Two kinds, because a host without the job's key cannot prove anything:
   it as the claim it is. This adds nothing to what a keyless writer can already do (see
   docs/security.md, "What a keyless host can still do"): it only turns a stall into an error.
 
+Through mccld (MCCL_DAEMON=1) the ranks meet in the store as above, then each joins the job
+through its own mccld, which links to the other hosts' daemons. A rank whose mccld could not
+link (another fleet key, MCCL_FLEET or version) posts a ``daemon_link`` record in the comm's
+sealed store (``libmccl/daemon/attach.py``); the others look for it about once a second while
+they wait on their own mccld, and fail with it. There only a verified record counts: anything
+else under that key is logged once and ignored, as no value is waited on there.
+
 Either way the record is small ASCII of a fixed shape, read with one regular expression
 after a length cap; anything else under the refusal prefix is refused as malformed (a
 ``StoreAuthError``), never half-parsed, and nothing of a record reaches an error message
@@ -33,13 +40,13 @@ import socket
 from dataclasses import dataclass
 
 from mccl_common import store_auth
-from mccl_common.errors import ConfigError, MCCLError, ProtocolError, StoreAuthError
+from mccl_common.errors import AuthError, ConfigError, MCCLError, ProtocolError, StoreAuthError
 
 PREFIX = b"mccl-refusal1 "
 MAX_BYTES = 512          # a real record is under 200 bytes
-CODES = ("key", "world_size", "version")
-SEALED_CODES = ("world_size", "version")   # only a holder of the key can claim these
-_BODY = re.compile(rb"v=1 code=(key|world_size|version) rank=(\d{1,6}) host=([A-Za-z0-9._:\[\]-]{1,64}) "
+CODES = ("key", "world_size", "version", "daemon_link")
+SEALED_CODES = ("world_size", "version", "daemon_link")   # only a holder of the key can claim these
+_BODY = re.compile(rb"v=1 code=(key|world_size|version|daemon_link) rank=(\d{1,6}) host=([A-Za-z0-9._:\[\]-]{1,64}) "
                    rb"key=([0-9a-f]{16}|none) mine=(\d{1,6}) seen=(\d{1,6}|-)")
 _HOST_CHARS = re.compile(r"[^A-Za-z0-9._:\[\]-]")
 
@@ -60,10 +67,15 @@ def this_host() -> str:
     return _HOST_CHARS.sub("_", name)[:64]
 
 
+def encode_body(ref: Refusal) -> bytes:
+    """The record's fields alone, for a store that seals what it is given (a SealedStore)."""
+    return (f"v=1 code={ref.code} rank={ref.rank} host={_HOST_CHARS.sub('_', ref.host)[:64]} key={ref.key_id} "
+            f"mine={ref.mine} seen={'-' if ref.seen is None else ref.seen}").encode()
+
+
 def encode(ref: Refusal, mac_key: bytes | None, name: str) -> bytes:
     """The record for ``ref``: sealed under ``mac_key`` over ``name`` when ``ref.sealed``."""
-    body = (f"v=1 code={ref.code} rank={ref.rank} host={ref.host} key={ref.key_id} mine={ref.mine} "
-            f"seen={'-' if ref.seen is None else ref.seen}").encode()
+    body = encode_body(ref)
     if ref.sealed:
         return PREFIX + b"sealed " + store_auth.seal(mac_key, name, body)
     return PREFIX + b"plain " + body
@@ -81,11 +93,7 @@ def decode(blob: bytes | str, mac_key: bytes | None, can_verify: bool, name: str
     raw = blob.encode() if isinstance(blob, str) else bytes(blob)
 
     def bad(why: str) -> StoreAuthError:
-        return StoreAuthError(f"[rendezvous] the value under {where!r} in the store is a malformed refusal record "
-                              f"({why}), peer={peer}: no MCCL host of this version wrote it, and it was not used; "
-                              "give this job a store (port, --rdzv-id) no other program writes, keep the store's "
-                              "port off networks you do not trust, and run one MCCL version on every host",
-                              peer_addr=peer)
+        return _malformed(where, peer, why)
     if len(raw) > MAX_BYTES:
         raise bad(f"{len(raw)} bytes, more than {MAX_BYTES}")
     rest = raw[len(PREFIX):]
@@ -101,14 +109,29 @@ def decode(blob: bytes | str, mac_key: bytes | None, can_verify: bool, name: str
         sealed = True
     else:
         raise bad("neither plain nor sealed")
-    m = _BODY.fullmatch(body)
+    return decode_body(body, sealed, where, peer)
+
+
+def decode_body(body: bytes, sealed: bool, where: str, peer: str) -> Refusal:
+    """The refusal in the fields ``body`` (``sealed``: its MAC was checked), or a StoreAuthError."""
+    m = _BODY.fullmatch(body) if len(body) <= MAX_BYTES else None
     if m is None:
-        raise bad("unknown reason code or fields" if body.startswith(b"v=1 ") else "unknown format")
+        raise _malformed(where, peer, "unknown reason code or fields" if body.startswith(b"v=1 ")
+                         else "unknown format" if len(body) <= MAX_BYTES else f"more than {MAX_BYTES} bytes")
     code = m.group(1).decode()
     if (code in SEALED_CODES) != sealed:
-        raise bad(f"a {code} refusal must {'' if code in SEALED_CODES else 'not '}carry the job key's MAC")
+        raise _malformed(where, peer, f"a {code} refusal must {'' if code in SEALED_CODES else 'not '}carry the "
+                         "job key's MAC")
     seen = None if m.group(6) == b"-" else int(m.group(6))
     return Refusal(code, int(m.group(2)), m.group(3).decode(), m.group(4).decode(), int(m.group(5)), seen, sealed)
+
+
+def _malformed(where: str, peer: str, why: str) -> StoreAuthError:
+    return StoreAuthError(f"[rendezvous] the value under {where!r} in the store is a malformed refusal record "
+                          f"({why}), peer={peer}: no MCCL host of this version wrote it, and it was not used; "
+                          "give this job a store (port, --rdzv-id) no other program writes, keep the store's "
+                          "port off networks you do not trust, and run one MCCL version on every host",
+                          peer_addr=peer)
 
 
 def error_for(ref: Refusal, rank: int, size: int, label: str, our_key_id: str, peer: str) -> MCCLError:
@@ -120,6 +143,13 @@ def error_for(ref: Refusal, rank: int, size: int, label: str, our_key_id: str, p
                            f"(store peer={peer}); every rank must be started with the same world size (WORLD_SIZE, "
                            "torchrun's --nnodes x --nproc-per-node): fix the launch on the hosts that differ and "
                            "restart every rank", peer_addr=peer, peer_rank=ref.rank)
+    if ref.code == "daemon_link":
+        return AuthError(f"[daemon-client] {label}: {who} could not join: its mccld failed to link with the mccld "
+                         f"of another host of this job (store peer={peer}); likely cause: the hosts' mccld hold "
+                         "different fleet keys or MCCL_FLEET, or run different MCCL versions (that rank's error "
+                         "names which); give every host's mccld the same fleet key (mccld keygen, "
+                         "/etc/mccl/fleet.key or MCCL_KEY_FILE) and version, restart them, then every rank",
+                         peer_addr=peer, peer_rank=ref.rank)
     if ref.code == "version":
         return ProtocolError(f"[rendezvous] {label}: version skew: {who} speaks rendezvous version {ref.mine}, rank 0 "
                              f"wrote version {ref.seen} (store peer={peer}); install the same MCCL version on every "
@@ -138,4 +168,5 @@ def error_for(ref: Refusal, rank: int, size: int, label: str, our_key_id: str, p
                           "store could have written it", peer_addr=peer, peer_rank=ref.rank)
 
 
-__all__ = ["CODES", "MAX_BYTES", "PREFIX", "Refusal", "decode", "encode", "error_for", "is_refusal", "this_host"]
+__all__ = ["CODES", "MAX_BYTES", "PREFIX", "Refusal", "decode", "decode_body", "encode", "encode_body", "error_for",
+           "is_refusal", "this_host"]

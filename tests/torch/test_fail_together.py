@@ -94,8 +94,9 @@ def _join(rank: int, world: int, keys: list[str], sizes: list[int], rdirs: list[
 
 
 @pytest.fixture
-def two_hosts_daemons():
-    """Two mccld on loopback, one per emulated host (each its runtime dir and host id)."""
+def two_hosts_daemons(request):
+    """Two mccld on loopback, one per emulated host (each its runtime dir and host id);
+    ``indirect`` param "fleet-keys": the second holds another fleet key."""
     from mccld.daemon import Daemon
 
     dirs = [Path(tempfile.mkdtemp(prefix="mccl-ft-")) for _ in range(2)]
@@ -103,6 +104,8 @@ def two_hosts_daemons():
     try:
         for i, d in enumerate(dirs):
             env = daemon_env(d) | {"MCCL_HOST_ID": f"ft{os.getpid()}h{i}"}
+            if i == 1 and getattr(request, "param", "") == "fleet-keys":
+                env["MCCL_FLEET_KEY"] = "another-fleet-key-" + "z" * 32
             daemons.append(Daemon(load_config(env=env), engine_cfg=load(EngineConfig, env=os.environ)).start())
         yield [str(d) for d in dirs]
     finally:
@@ -173,6 +176,48 @@ def test_hosts_that_agree_still_run_through_mccld(two_hosts_daemons) -> None:
     key = os.environ["MCCL_JOB_KEY_FILE"]
     out = _run_hosts([key, key], [2, 2], two_hosts_daemons)
     assert [out[r][1] for r in range(2)] == ["ok 2", "ok 2"], out
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("two_hosts_daemons", ["fleet-keys"], indirect=True)
+def test_mcclds_of_different_fleet_keys_fail_both_hosts_naming_the_link(two_hosts_daemons) -> None:
+    """The ranks share the job key (as `mcclctl run`'s run key), their mccld do not share the
+    fleet key: the rank whose mccld was refused posts it in the comm's sealed store, and the
+    other rank, waiting on its own mccld's join, fails with that cause."""
+    key = os.environ["MCCL_JOB_KEY_FILE"]
+    out = _run_hosts([key, key], [2, 2], two_hosts_daemons)
+    texts = [out[r][1] for r in range(2)]
+    linked = [t for t in texts if t.startswith("AuthError: [link]") and "fleet-key" in t]
+    told = [t for t in texts if t.startswith("AuthError: [daemon-client]") and "its mccld failed to link" in t]
+    assert len(linked) == 1 and len(told) == 1, texts
+    assert "different fleet keys" in told[0] and "Timed out" not in told[0], texts
+
+
+def test_a_daemon_link_refusal_is_believed_only_sealed(caplog) -> None:
+    """mccld/refused in the comm's store: a rank's sealed record ends the wait with its cause;
+    a stranger's value (no MAC, garbage, a sealed record of unknown code) is logged once and
+    changes nothing."""
+    from libmccl.daemon.attach import Attachment
+    from libmccl.sealed_store import SealedStore
+
+    raw = dist.HashStore()
+    comm_key = store_auth.scoped_key(b"k" * 32, "comm", 7)
+    sealed = SealedStore(raw, comm_key, "store:1")
+    att = Attachment(Path("/nonexistent"), 1, 2, 5.0)
+    att._check_refused(sealed, "j")                    # nothing posted: nothing happens
+    for forged in (b"v=1 code=daemon_link rank=0 host=h0 key=none mine=2 seen=-", b"\x00" * 4096):
+        raw.set("mccld/refused", forged)
+        att._check_refused(sealed, "j")
+    sealed.set("mccld/refused", b"v=1 code=shutdown rank=0 host=h0 key=none mine=2 seen=-")
+    att._check_refused(sealed, "j")
+    warned = [r for r in caplog.records if "ignored the refusal record" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelname == "WARNING", [r.getMessage() for r in caplog.records]
+    ref = refusal.Refusal("daemon_link", 0, "h0", "none", 2, None, True)
+    sealed.set("mccld/refused", refusal.encode_body(ref))
+    with pytest.raises(Exception) as info:
+        att._check_refused(sealed, "j")
+    assert type(info.value).__name__ == "AuthError" and "rank 0 (host h0) could not join" in str(info.value)
+    assert "store peer=store:1" in str(info.value)
 
 
 # -- the rendezvous itself, ranks as threads --------------------------------------------------
