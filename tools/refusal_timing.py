@@ -68,7 +68,7 @@ def _start_mccld(root: str, host: str, key_file: str) -> tuple[subprocess.Popen,
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--case", choices=["key", "size", "size-rev"], required=True)
+    ap.add_argument("--case", choices=["key", "size", "size-rev", "fleet-key"], required=True)
     ap.add_argument("--daemon", action="store_true")
     ap.add_argument("--timeout", type=float, default=60.0, help="init_process_group's timeout (s)")
     args = ap.parse_args()
@@ -78,6 +78,8 @@ def main() -> None:
     try:
         good, other = _key(root, "good.key"), _key(root, "other.key")
         keys = [good, other if args.case == "key" else good]
+        # fleet-key: the ranks share the job key (MCCL_JOB_KEY_FILE), the two mccld hold different fleet keys.
+        fleet = [good, other] if args.case == "fleet-key" else keys
         sizes = {"size": [2, 3], "size-rev": [3, 2]}.get(args.case, [2, 2])
         port = _port()
         started = time.time()
@@ -88,8 +90,10 @@ def main() -> None:
                    "T_TIMEOUT": str(args.timeout), "MCCL_BIND_ADDR": "127.0.0.1"}
             env.pop("MCCL_JOB_KEY_FILE", None)
             env["MCCL_KEY_FILE"] = keys[rank]
+            if args.case == "fleet-key":
+                env["MCCL_JOB_KEY_FILE"] = good
             if args.daemon:
-                d, rdir = _start_mccld(root, host, keys[rank])
+                d, rdir = _start_mccld(root, host, fleet[rank])
                 daemons.append(d)
                 env.update({"MCCL_DAEMON": "1", "MCCL_RUNTIME_DIR": rdir})
             procs.append(subprocess.Popen([sys.executable, "-c", _CHILD], env=env, stdout=subprocess.PIPE,
