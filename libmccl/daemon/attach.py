@@ -224,7 +224,7 @@ class Attachment:
             if not self._warned_refusal:
                 self._warned_refusal = True
                 _log.warning("[daemon-client] rank %d ignored the refusal record under %r: %s", self.rank,
-                             _REFUSED_KEY, exc)
+                             _REFUSED_KEY, str(exc))
             return
         self._told = refusal.error_for(ref, self.rank, self.size, f"job {job}", "none",
                                 getattr(store, "_peer", None) or "the c10d store")

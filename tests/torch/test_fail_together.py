@@ -312,3 +312,104 @@ def test_a_refusal_posted_after_set_up_changes_nothing() -> None:
     assert out[1].store.get("after") == b"1"
     del server
     gc.collect()
+
+
+# -- torchrun --rdzv-backend mccl: the hosts' agents meet in the anchor's store ---------------
+@pytest.fixture
+def rdzv_hosts(monkeypatch):
+    """make(port, min, max, key_file=None): a host's handler, its job key from ``key_file``."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from libmccl.elastic import rdzv as er
+    from mccl_common.launch_protocol import REFORM_ENV
+
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    monkeypatch.delenv(REFORM_ENV, raising=False)
+    made = []
+    good = os.environ["MCCL_JOB_KEY_FILE"]
+
+    def make(port: int, min_nodes: int, max_nodes: int, key_file: str | None = None, host: str = "h"):
+        monkeypatch.setenv("MCCL_JOB_KEY_FILE", key_file or good)
+        monkeypatch.setenv("MCCL_HOST_ID", host)
+        try:
+            made.append(er.create_handler(RendezvousParameters(
+                "mccl", f"127.0.0.1:{port}", "r", min_nodes, max_nodes, join_timeout="20",
+                last_call_timeout="0.5", is_host="0" if made else "1")))
+        finally:
+            monkeypatch.setenv("MCCL_JOB_KEY_FILE", good)
+            monkeypatch.delenv("MCCL_HOST_ID")
+        return made[-1]
+
+    yield make
+    for h in reversed(made):   # the anchor's server, made first, waits for the others to shut down
+        h.shutdown()
+    made.clear()
+    gc.collect()
+
+
+def _in_threads(*calls) -> list:
+    out: list = [None] * len(calls)
+
+    def run(i, fn):
+        try:
+            out[i] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out[i] = exc
+    ts = [threading.Thread(target=run, args=(i, fn)) for i, fn in enumerate(calls)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not any(t.is_alive() for t in ts), out
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_torchrun_hosts_of_different_keys_both_fail_naming_the_key(rdzv_hosts) -> None:
+    """Before, the host whose key verified nothing failed and the other waited out its join
+    timeout (20 s here, 600 s by default in torch)."""
+    from libmccl.elastic import rdzv as er
+    from support.ports import free_port
+
+    other = _other_key()
+    try:
+        port = free_port()
+        a = rdzv_hosts(port, 2, 2, host="ha")
+        b = rdzv_hosts(port, 2, 2, key_file=other, host="hb")
+        started = time.monotonic()
+        out = _in_threads(a.next_rendezvous, b.next_rendezvous)
+        took = time.monotonic() - started
+    finally:
+        os.unlink(other)
+        os.rmdir(os.path.dirname(other))
+    assert all(isinstance(r, er.RendezvousForged) for r in out), out
+    texts = [str(r) for r in out]
+    told = [t for t in texts if "refused to join" in t]
+    refused = [t for t in texts if "failed its MAC" in t and "this host's key id is" in t]
+    assert len(told) == 1 and len(refused) == 1, texts
+    assert "its key id" in told[0] and "ours" in told[0] and "carries no MAC" in told[0], told
+    assert took < 20, took       # the join timeout: what the told host waited out before
+
+
+@pytest.mark.timeout(90)
+def test_a_refusal_after_the_first_round_or_malformed_stops_no_torchrun_host(rdzv_hosts, caplog) -> None:
+    from support.ports import free_port
+
+    port = free_port()
+    a = rdzv_hosts(port, 2, 2)
+    b = rdzv_hosts(port, 2, 2)
+    infos = _in_threads(a.next_rendezvous, b.next_rendezvous)
+    assert sorted(i.rank for i in infos) == [0, 1], infos
+    stranger = _client(port)
+    plain = refusal.encode(refusal.Refusal("key", 0, "late", "0123456789abcdef", 0, None, False), None, "x")
+    stranger.set("mccl/rdzv/r/refusal", plain)
+    assert a.anchor_backend.get_state() is not None          # the run started: nothing said, nothing stops
+    # While waiting for a first round, a malformed record is said once and ignored.
+    a.anchor_backend.refusals = "fail"
+    stranger.set("mccl/rdzv/r/refusal", refusal.PREFIX + b"plain " + b"\xff" * 900)
+    assert a.anchor_backend.get_state() is not None
+    assert a.anchor_backend.get_state() is not None
+    said = [r for r in caplog.records if "malformed refusal record" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelname == "WARNING", [r.getMessage() for r in caplog.records]
+    a.anchor_backend.refusals = "off"
+    del stranger, infos     # a round's info holds the anchor's store: the fixture stops its server
