@@ -413,3 +413,28 @@ def test_a_refusal_after_the_first_round_or_malformed_stops_no_torchrun_host(rdz
     assert len(said) == 1 and said[0].levelname == "WARNING", [r.getMessage() for r in caplog.records]
     a.anchor_backend.refusals = "off"
     del stranger, infos     # a round's info holds the anchor's store: the fixture stops its server
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("value,seen", [(b"77", 1), (b"v3 77 2 0123456789abcdef", 3)], ids=["v1", "v3"])
+def test_rank_0_of_another_rendezvous_version_is_named_by_both_sides(value, seen) -> None:
+    """Rank 0 (here the test, holding the key) wrote its comm id in another version's shape: rank 1
+    refuses with a ProtocolError naming both versions, and posts a sealed refusal that rank 0,
+    reading rank 1's slot, turns into the same cause."""
+    from mccl_common.errors import ProtocolError
+
+    server, port = _store()
+    group_key = store_auth.job_store_key("aead", "c10d", "g")
+    server.set(_ID, store_auth.seal(group_key, _ID, value))
+    with pytest.raises(ProtocolError, match=rf"version skew: rank 0 wrote rendezvous version {seen}, rank 1 "
+                                            r"speaks version 2"):
+        rendezvous.exchange(_client(port), 1, 2, _Listener, EngineConfig(bind_addr="127.0.0.1"), 1.0, "g")
+    record = server.get("mccl/1/addr/1")
+    ref = refusal.decode(record, store_auth.scoped_key(group_key, "comm", 77), True, "mccl/1/refusal",
+                         "mccl/1/addr/1", "s:1")
+    assert (ref.code, ref.rank, ref.mine, ref.seen, ref.sealed) == ("version", 1, 2, seen, True)
+    err = refusal.error_for(ref, 0, 2, "group 'g'", "x", "s:1")
+    assert isinstance(err, ProtocolError) and f"rank 0 wrote version {seen}" in str(err)
+    assert server.get("mccl/1/addr_table") == record          # the table rank 1's peers wait on
+    del server
+    gc.collect()
