@@ -367,7 +367,10 @@ class AnchorStoreBackend(RendezvousBackend):
         # round: "fail" (a fixed --nnodes: the round cannot form without it), "warn" (a range:
         # it may form without it), "off" (the run started: nothing a refusal says can stop it).
         self.refusals = "off"
-        self._refusal_key = f"mccl/rdzv/{run_id}/refusal"
+        # + "/<epoch hex>": a refusal names the run it refused (the epoch of the state it could not
+        # verify, read without the key), so one left in a long-lived anchor's store by an earlier
+        # run of the same --rdzv-id is never read by a later one.
+        self._refusal_root = f"mccl/rdzv/{run_id}/refusal"
         self._refusal_said = False
         self._refused = False
         # Named in refusals: the id of the job key this host read (jobkey.key_id), never the key.
@@ -445,31 +448,37 @@ class AnchorStoreBackend(RendezvousBackend):
             if not self._refused:
                 self._refused = True
                 ours = self._key_id
-                self._post_refusal(ours)
+                self._post_refusal(ours, raw)
                 raise RendezvousForged(f"{exc} (this host's key id is {ours}; the run's other hosts were told)",
                                        peer_addr=self._anchor) from None
             raise
 
-    def _post_refusal(self, ours: str) -> None:
+    def _post_refusal(self, ours: str, raw: bytes) -> None:
         """A plain refusal (this host cannot prove anything to a run whose key it lacks), then a
         bounded wait for a reader: this host may serve the anchor's store."""
         ref = refusal.Refusal("key", 0, refusal.this_host(), ours, 0, None, False)
+        value = store_auth.unverified_value(raw) or b""
+        if len(value) < _VERSION.size + _NONCE_BYTES:
+            return      # not a state of any run: nobody to tell
+        key = f"{self._refusal_root}/{value[_VERSION.size:_VERSION.size + _NONCE_BYTES].hex()}"
         try:
-            self._store.set(self._refusal_key, refusal.encode(ref, None, self._refusal_key))
+            self._store.set(key, refusal.encode(ref, None, key))
             _log.info("[rendezvous] posted its refusal (key) for the run's other hosts")
             deadline = time.monotonic() + _REFUSAL_LINGER_S
-            while time.monotonic() < deadline and int(self._store.add(self._refusal_key + "/seen", 0)) < 1:
+            while time.monotonic() < deadline and int(self._store.add(key + "/seen", 0)) < 1:
                 time.sleep(_VOUCH_POLL_S)
         except Exception:  # noqa: BLE001 - the store failing too must not hide why we stop
             _log.debug("[rendezvous] could not post this host's refusal", exc_info=True)
 
     def _check_refusal(self) -> None:
         """Another host's refusal to join, read while this one waits for the first round."""
-        if not self._call("check", [self._refusal_key]):
+        if self._epoch is None:
+            return      # no run yet whose refusal this host could tell from an earlier run's
+        key = f"{self._refusal_root}/{self._epoch.hex()}"
+        if not self._call("check", [key]):
             return
         try:
-            ref = refusal.decode(self._call("get", self._refusal_key), None, False, self._refusal_key,
-                                 self._refusal_key, self._anchor)
+            ref = refusal.decode(self._call("get", key), None, False, key, key, self._anchor)
         except StoreAuthError as exc:
             if not self._refusal_said:
                 self._refusal_said = True
@@ -486,7 +495,7 @@ class AnchorStoreBackend(RendezvousBackend):
                 self._refusal_said = True
                 _log.warning("%s; this host keeps waiting for the run's other hosts (--nnodes is a range)", text)
             return
-        self._call("add", self._refusal_key + "/seen", 1)
+        self._call("add", key + "/seen", 1)
         raise RendezvousForged(text, peer_addr=self._anchor)
 
     def _decode(self, raw: bytes) -> tuple[bytes, Any] | None:

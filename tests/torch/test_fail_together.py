@@ -402,11 +402,16 @@ def test_a_refusal_after_the_first_round_or_malformed_stops_no_torchrun_host(rdz
     assert sorted(i.rank for i in infos) == [0, 1], infos
     stranger = _client(port)
     plain = refusal.encode(refusal.Refusal("key", 0, "late", "0123456789abcdef", 0, None, False), None, "x")
-    stranger.set("mccl/rdzv/r/refusal", plain)
+    this_run = f"mccl/rdzv/r/refusal/{a.anchor_backend.epoch.hex()}"
+    stranger.set(this_run, plain)
     assert a.anchor_backend.get_state() is not None          # the run started: nothing said, nothing stops
-    # While waiting for a first round, a malformed record is said once and ignored.
+    # While waiting for a first round: one left by an earlier run (another epoch) is not read,
+    # a malformed one is said once and ignored.
     a.anchor_backend.refusals = "fail"
-    stranger.set("mccl/rdzv/r/refusal", refusal.PREFIX + b"plain " + b"\xff" * 900)
+    stranger.delete_key(this_run)
+    stranger.set(f"mccl/rdzv/r/refusal/{'00' * 16}", plain)
+    assert a.anchor_backend.get_state() is not None
+    stranger.set(this_run, refusal.PREFIX + b"plain " + b"\xff" * 900)
     assert a.anchor_backend.get_state() is not None
     assert a.anchor_backend.get_state() is not None
     said = [r for r in caplog.records if "malformed refusal record" in r.getMessage()]
