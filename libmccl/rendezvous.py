@@ -18,16 +18,17 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import re
 import secrets
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from mccl_common import store_auth
-from mccl_common.errors import CollectiveTimeout, ConfigError, StoreAuthError
+from mccl_common import jobkey, store_auth
+from mccl_common.errors import CollectiveTimeout, ConfigError, MCCLError, ProtocolError, StoreAuthError
 from mccl_common.settings import EngineConfig
 
-from . import listen_addr
+from . import listen_addr, refusal
 
 _log = logging.getLogger(__name__)
 
@@ -37,6 +38,20 @@ _KEY_ROOT = "mccl"
 _FAILED = "!"
 _LINGER_S = 10.0  # at most this long a failing rank waits for its peers to read why
 _NONCE_BYTES = 16  # each rank's per-run nonce, repeated in rank 0's table (hex in the store)
+# The comm id's value is "v<VERSION> <comm id> <rank 0's world size> <rank 0's key id>": every
+# rank checks the first two against its own before it publishes anything.
+_VERSION = 2
+_ID_VALUE = re.compile(rb"v(\d{1,6}) (\d{1,20}) (\d{1,6}) ([0-9a-f]{16}|none)")
+
+
+class _Refused(Exception):
+    """This rank cannot join: ``refusal`` is what it posts for its peers, ``error`` what it raises."""
+
+    def __init__(self, ref: refusal.Refusal, error: MCCLError, comm_id: int | None = None) -> None:
+        super().__init__(str(error))
+        self.refusal = ref
+        self.error = error
+        self.comm_id = comm_id    # what a sealed refusal is sealed under (the run's comm id)
 
 
 @dataclass(frozen=True)
@@ -101,12 +116,27 @@ def exchange(store: Any, rank: int, size: int, listener_factory: Callable[[str],
             else f"rank {k.rsplit('/', 1)[1]}'s address"
             for k in missing)
 
+    our_key_id = jobkey.key_id(jobkey.require_job_key(cfg.wire_security)) if group_key is not None else "none"
     drawn = secrets.randbits(64) if rank == 0 else None
     if drawn is not None:
-        store.set(id_key, store_auth.seal(group_key, id_key, str(drawn).encode()))
+        store.set(id_key, store_auth.seal(group_key, id_key, comm_id_value(drawn, size, our_key_id)))
     _wait_keys(store, [id_key], timeout_s, missing_what)
-    comm_id = _read_comm_id(store, id_key, group_key, peer, drawn)
+    try:
+        comm_id = _read_comm_id(store, id_key, group_key, peer, drawn, rank, size, label, our_key_id)
+    except _Refused as refused:
+        # Where the others wait, so that they fail now, with this cause, not at their timeout.
+        mac_key = store_auth.scoped_key(group_key, "comm", refused.comm_id) if refused.refusal.sealed else None
+        _post_refusal(store, prefix, rank, size, refused.refusal, mac_key, timeout_s)
+        raise refused.error from None
     addr_key = store_auth.scoped_key(group_key, "comm", comm_id)
+
+    told: list[BaseException] = []   # a peer's refusal we read: we linger on it, as on a ConfigError
+
+    def refused_by_peer(where: str, blob: bytes) -> None:
+        """A peer's refusal read where we waited for a value: fail with its cause."""
+        ref = refusal.decode(blob, addr_key, True, f"{prefix}/refusal", where, peer)
+        told.append(refusal.error_for(ref, rank, size, label, our_key_id, peer))
+        raise told[-1]
 
     addr_keys = [f"{prefix}/addr/{r}" for r in range(size)]
     table_key = f"{prefix}/addr_table"
@@ -124,7 +154,8 @@ def exchange(store: Any, rank: int, size: int, listener_factory: Callable[[str],
             else:
                 if rank == 0:  # the others wait for the table, which must say why we stop
                     try:
-                        _publish_table(store, addr_keys, table_key, addr_key, peer, timeout_s, missing_what)
+                        _publish_table(store, addr_keys, table_key, addr_key, peer, timeout_s, missing_what,
+                                       refused_by_peer)
                     except Exception:  # noqa: BLE001 - as above
                         _log.debug("[rendezvous] rank 0 could not publish the table", exc_info=True)
                 linger(store, prefix, rank, size, timeout_s)
@@ -135,17 +166,22 @@ def exchange(store: Any, rank: int, size: int, listener_factory: Callable[[str],
 
     try:
         if rank == 0:
-            rows = _publish_table(store, addr_keys, table_key, addr_key, peer, timeout_s, missing_what)
+            rows = _publish_table(store, addr_keys, table_key, addr_key, peer, timeout_s, missing_what,
+                                  refused_by_peer)
         else:
             _wait_keys(store, [table_key], timeout_s, missing_what)
-            rows = _open_table(store_auth.open(addr_key, table_key, store.get(table_key), peer), size, peer)
+            blob = store.get(table_key)
+            if refusal.is_refusal(blob):
+                refused_by_peer(table_key, blob)
+            rows = _open_table(store_auth.open(addr_key, table_key, blob, peer), size, peer)
         _check_fresh(rows, rank, nonce, table_key, peer)
         peers = [addr for _, addr in rows] if listener_factory is not None else []
         _check_peers(peers, rank, label)
     except BaseException as exc:
         if listener is not None:
             listener.close()
-        if isinstance(exc, ConfigError):
+        # We may host the store: stay until the others read why (they may wait on the same table).
+        if isinstance(exc, ConfigError) or exc in told:
             linger(store, prefix, rank, size, timeout_s)
         raise
     _log.debug("[rendezvous] %s rank %d/%d: comm_id=%016x, listening on %s, in %.3fs", label, rank, size,
@@ -161,11 +197,16 @@ def exchange(store: Any, rank: int, size: int, listener_factory: Callable[[str],
 
 
 def _publish_table(store: Any, addr_keys: list[str], table_key: str, addr_key: bytes | None, peer: str,
-                   timeout_s: float, missing_what: Callable[[list[str]], str]) -> list[tuple[str, str]]:
+                   timeout_s: float, missing_what: Callable[[list[str]], str],
+                   refused_by_peer: Callable[[str, bytes], None]) -> list[tuple[str, str]]:
     """Rank 0: reads every rank's sealed "nonce address" (each checked under the comm's key)
-    and publishes them as one sealed table; returns them as (nonce, address) rows."""
+    and publishes them as one sealed table; returns them as (nonce, address) rows. A
+    refusal in a rank's slot (refusal.py) fails it with that refusal's cause."""
     _wait_keys(store, addr_keys, timeout_s, missing_what)
     blobs = store.multi_get(addr_keys) if hasattr(store, "multi_get") else [store.get(k) for k in addr_keys]
+    for k, b in zip(addr_keys, blobs):
+        if refusal.is_refusal(b):
+            refused_by_peer(k, b)
     rows = [store_auth.open(addr_key, k, b, peer).decode(errors="replace") for k, b in zip(addr_keys, blobs)]
     # Newline-separated: no "host:port" (nor a failure text, which we flatten) holds one.
     body = "\n".join(r.replace("\n", " ") for r in rows)
@@ -199,22 +240,87 @@ def _check_fresh(rows: list[tuple[str, str]], rank: int, nonce: str, table_key: 
                              "(mcclctl run does) and keep the store's port off untrusted networks", peer_addr=peer)
 
 
-def _read_comm_id(store: Any, id_key: str, group_key: bytes | None, peer: str, drawn: int | None) -> int:
+def _read_comm_id(store: Any, id_key: str, group_key: bytes | None, peer: str, drawn: int | None, rank: int,
+                  size: int, label: str, our_key_id: str) -> int:
     """The group's comm id, checked; rank 0 also checks it reads back the id it drew, so a
-    sealed id replayed from an earlier job under the same key stops the group at once."""
-    raw = store_auth.open(group_key, id_key, store.get(id_key), peer)
+    sealed id replayed from an earlier job under the same key stops the group at once.
+    Raises _Refused when this rank cannot join the world rank 0 started: another key, another
+    world size, another rendezvous version."""
+    blob = store.get(id_key)
     try:
-        comm_id = int(raw.decode())
-    except (UnicodeDecodeError, ValueError):
-        raise StoreAuthError(f"[rendezvous] the comm id under {id_key!r} is not a number, peer={peer}: a writer "
-                             "holding the job's key wrote something else there; check which programs use this "
-                             "job key", peer_addr=peer) from None
+        raw = store_auth.open(group_key, id_key, blob, peer)
+    except StoreAuthError as exc:
+        if drawn is not None:
+            raise
+        theirs = _unverified_key_id(blob)
+        ref = refusal.Refusal("key", rank, refusal.this_host(), our_key_id, size, None, False)
+        raise _Refused(ref, StoreAuthError(
+            f"[rendezvous] {label}: rank {rank} cannot join: the comm id rank 0 wrote under {id_key!r} does not "
+            f"verify under this host's key, peer={peer}; likely cause: the hosts hold different job keys (ours has "
+            f"key id {our_key_id}, rank 0's value claims key id {theirs}), or someone without the key wrote it; "
+            "give every host the same key (MCCL_JOB_KEY_FILE or the fleet key) and restart every rank. The other "
+            f"ranks were told. ({exc})", peer_addr=peer)) from None
+    m = _ID_VALUE.fullmatch(raw)
+    if m is None or int(m.group(1)) != _VERSION:
+        seen = int(m.group(1)) if m is not None else 1 if raw.isdigit() else None
+        if seen is None:
+            raise StoreAuthError(f"[rendezvous] the comm id under {id_key!r} is not a number, peer={peer}: a "
+                                 "writer holding the job's key wrote something else there; check which programs "
+                                 "use this job key", peer_addr=peer)
+        ref = refusal.Refusal("version", rank, refusal.this_host(), our_key_id, _VERSION, seen, True)
+        error = ProtocolError(f"[rendezvous] {label}: version skew: rank 0 wrote rendezvous version {seen}, rank "
+                              f"{rank} speaks version {_VERSION} (store peer={peer}); install the same MCCL version "
+                              "on every host and restart every rank", peer_addr=peer)
+        raise _Refused(ref, error, int(m.group(2)) if m is not None else int(raw))
+    comm_id, root_size = int(m.group(2)), int(m.group(3))
     if drawn is not None and comm_id != drawn:
         raise StoreAuthError(f"[rendezvous] the comm id under {id_key!r} was replaced after rank 0 wrote it, "
                              f"peer={peer}: a value replayed from an earlier job under the same key, written by "
                              "someone who can reach the store; restart the job, and give each run its own key "
                              "(mcclctl run does) or keep the store's port off untrusted networks", peer_addr=peer)
+    if root_size != size:
+        ref = refusal.Refusal("world_size", rank, refusal.this_host(), our_key_id, size, root_size, True)
+        raise _Refused(ref, ConfigError(
+            f"[rendezvous] {label}: world size mismatch: rank 0 started a world of {root_size} ranks, this rank "
+            f"{rank} one of {size} (store peer={peer}); every rank must be started with the same world size "
+            "(WORLD_SIZE, torchrun's --nnodes x --nproc-per-node): fix the launch on the hosts that differ and "
+            "restart every rank. The other ranks were told", peer_addr=peer, peer_rank=0), comm_id)
     return comm_id
+
+
+def comm_id_value(comm_id: int, size: int, key_id: str) -> bytes:
+    """What rank 0 seals under the comm id's key: the id, with what every rank checks first."""
+    return f"v{_VERSION} {comm_id} {size} {key_id}".encode()
+
+
+def _unverified_key_id(blob: bytes | str) -> str:
+    """Rank 0's key id as its comm id value claims it, read without the key (only to name it in
+    the error of a rank whose key does not verify it): a bounded pattern or "unknown"."""
+    value = store_auth.unverified_value(blob)
+    m = _ID_VALUE.fullmatch(value) if value is not None else None
+    return m.group(4).decode() if m is not None else "unknown"
+
+
+def _post_refusal(store: Any, prefix: str, rank: int, size: int, ref: refusal.Refusal, mac_key: bytes | None,
+                  timeout_s: float) -> None:
+    """Write ``ref`` into every key a peer of this incarnation may wait on and that is still
+    empty (create-if-missing: nothing already written is replaced, so a refusal arriving
+    after the table was read changes nothing), then linger until they read it."""
+    name = f"{prefix}/refusal"
+    blob = refusal.encode(ref, mac_key, name)
+    other = ref.seen if ref.code == "world_size" and ref.seen is not None else size
+    keys = [f"{prefix}/addr/{r}" for r in range(max(size, other))] + [f"{prefix}/addr_table"]
+    try:
+        for key in [keys[rank]] + keys:
+            store.compare_set(key, "", blob)
+        # Ranks that exist in one of the two worlds only read nothing: nobody waits for them.
+        for r in range(min(size, other), max(size, other)):
+            store.set(f"{prefix}/failed_seen/{r}", "1")
+    except Exception:  # noqa: BLE001 - the store failing too must not hide why we stop
+        _log.debug("[rendezvous] rank %d could not post its refusal", rank, exc_info=True)
+        return
+    _log.info("[rendezvous] rank %d posted its refusal (%s) for its peers", rank, ref.code)
+    linger(store, prefix, rank, size, timeout_s)
 
 
 def _store_peer(store: Any) -> str:

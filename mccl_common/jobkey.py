@@ -98,3 +98,12 @@ def require_job_key(wire_security: str, env: Mapping[str, str] | None = None) ->
                           "host of the job, or point MCCL_JOB_KEY_FILE at such a file; MCCL_WIRE_SECURITY=off "
                           "runs without one, on a network you trust")
     return key
+
+
+def key_id(key: bytes | None) -> str:
+    """A name for ``key`` that is safe to show and to publish: 16 hex digits of
+    HMAC-SHA256(key, "key-id"). It tells two keys apart in an error ("its key id X, ours Y")
+    and reveals nothing of the key: HMAC is a PRF, and a store already holds MACs of known
+    values under keys derived from the same one, so it gives no guess a check it lacked.
+    "none" for a job that runs without a key (MCCL_WIRE_SECURITY=off)."""
+    return "none" if key is None else derive(key, "key-id").hex()[:16]

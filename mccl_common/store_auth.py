@@ -97,6 +97,20 @@ def open(key: bytes | None, name: str, blob: bytes | str, peer: str, component: 
     return value
 
 
+def unverified_value(blob: bytes | str) -> bytes | None:
+    """The value part of a sealed ``blob`` WITHOUT checking its MAC, or None when it is not one:
+    only for naming, in an error, what a value we could not verify claims (rendezvous.py
+    shows the key id a comm id claims). Never act on it."""
+    raw = blob.encode() if isinstance(blob, str) else bytes(blob)
+    if not raw.startswith(PREFIX) or len(raw) > 4096:
+        return None
+    try:
+        body = base64.b64decode(raw[len(PREFIX):], validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    return body[TAG_BYTES:] if len(body) > TAG_BYTES else None
+
+
 def _failed(error: Callable[..., Exception], component: str, name: str, peer: str, what: str,
             todo: str) -> Exception:
     msg = (f"[{component}] the value under {name!r} in the store {what}, peer={peer}: it was written by "
@@ -107,4 +121,4 @@ def _failed(error: Callable[..., Exception], component: str, name: str, peer: st
         return error(msg)
 
 
-__all__ = ["PLAIN", "PREFIX", "TAG_BYTES", "job_store_key", "open", "scoped_key", "seal"]
+__all__ = ["PLAIN", "PREFIX", "TAG_BYTES", "job_store_key", "open", "scoped_key", "seal", "unverified_value"]

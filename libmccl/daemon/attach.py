@@ -10,10 +10,11 @@ from __future__ import annotations
 import datetime
 import itertools
 import json
+import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -22,11 +23,16 @@ from mccl_common import attach_protocol as protocol
 from mccl_common import localtrust
 from mccl_common.daemon_settings import DaemonConfig, runtime_dir_owners
 from mccl_common.settings import load
-from mccl_common.errors import CollectiveTimeout, ConfigError, DaemonUnavailableError, ProtocolError
+from mccl_common.errors import AuthError, CollectiveTimeout, ConfigError, DaemonUnavailableError, ProtocolError
 
-from .. import listen_addr, rendezvous
+from .. import listen_addr, refusal, rendezvous
 
+_log = logging.getLogger(__name__)
 _HELLO_TIMEOUT_S = 5.0
+# A rank whose mccld could not link to another host's posts why here (in the comm's sealed
+# store); the others look every _REFUSAL_POLL_S while they wait for their own mccld's join.
+_REFUSED_KEY = "mccld/refused"
+_REFUSAL_POLL_S = 1.0
 _MAX_CUT_BYTES = 1 << 40   # a piece size beyond any buffer: a reply past it is garbage
 LAUNCHD_SERVICE = "system/com.mccl.mccld"   # the domain and label packaging/macos/install.sh installs
 # pyzmq names a monitor's inproc endpoint after the socket's fd unless told otherwise; a
@@ -66,6 +72,8 @@ class Attachment:
         self.engine_cut: dict[str, int] = {}  # the daemon engine's pipeline_bytes, small_allreduce_bytes
         self.daemon_uid = -1                # the daemon's user, as the kernel reported it
         self._peer: str | None = None      # libzmq's Peer-Address of the last reply: the daemon's credentials
+        self._warned_refusal = False
+        self._told: BaseException | None = None   # another rank's refusal, raised by _check_refused
 
     def close(self) -> None:
         for s in (self.monitor, self.sock):
@@ -109,7 +117,10 @@ class Attachment:
         self.switch = str(reply.get("switch") or "")  # the daemon's switch (mccld/net/topology.py)
         self.engine_cut = _engine_cut(reply.get("engine_cut"), self.endpoint)
 
-    def call(self, msg: dict[str, Any], timeout_s: float, unavailable: str | None = None) -> dict[str, Any]:
+    def call(self, msg: dict[str, Any], timeout_s: float, unavailable: str | None = None,
+             watch: Callable[[], None] | None = None) -> dict[str, Any]:
+        """Send ``msg`` and wait for its reply; ``watch()``, if given, runs about every second
+        of the wait and may raise to end it."""
         self.req += 1
         req = self.req
         self.sock.send(protocol.encode({**msg, "req": req}))
@@ -119,7 +130,13 @@ class Attachment:
         poller.register(self.monitor, zmq.POLLIN)
         while True:
             left = deadline - time.monotonic()
-            events = dict(poller.poll(int(left * 1000) + 1)) if left > 0 else {}
+            if watch is not None and left > _REFUSAL_POLL_S:
+                events = dict(poller.poll(int(_REFUSAL_POLL_S * 1000)))
+                if not events:
+                    watch()
+                    continue
+            else:
+                events = dict(poller.poll(int(left * 1000) + 1)) if left > 0 else {}
             if self.monitor in events:
                 ev = parse_monitor_message(self.monitor.recv_multipart())
                 if ev["event"] in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
@@ -170,5 +187,45 @@ class Attachment:
         except ConfigError:
             rendezvous.linger(store, "mccld", self.rank, self.size, self.timeout_s)
             raise
-        self.call({"type": "join", "job": job, "rank": self.rank, "size": self.size, "hosts": ordered,
-                   "timeout_s": self.timeout_s, "opts": opts or {}}, setup_s + 5.0)
+        try:
+            self.call({"type": "join", "job": job, "rank": self.rank, "size": self.size, "hosts": ordered,
+                       "timeout_s": self.timeout_s, "opts": opts or {}}, setup_s + 5.0,
+                      watch=lambda: self._check_refused(store, job))
+        except AuthError as exc:
+            if exc is self._told:
+                rendezvous.linger(store, _REFUSED_KEY, self.rank, self.size, self.timeout_s)
+                raise
+            # Our mccld could not link to another host's (fleet key, MCCL_FLEET, version): the
+            # other ranks wait on their own mcclds until their set-up timeout unless told.
+            self._post_refused(store)
+            raise
+
+    def _post_refused(self, store: Any) -> None:
+        """``store`` is the comm's SealedStore (rendezvous.exchange): the record is sealed under
+        the comm id's key, so only a rank of this run can post one."""
+        ref = refusal.Refusal("daemon_link", self.rank, self.host_id or refusal.this_host(), "none", self.size,
+                              None, True)
+        try:
+            store.set(_REFUSED_KEY, refusal.encode_body(ref))
+        except Exception:  # noqa: BLE001 - the store failing too must not hide why we stop
+            return
+        _log.info("[daemon-client] rank %d posted its refusal (daemon_link) for its peers", self.rank)
+        rendezvous.linger(store, _REFUSED_KEY, self.rank, self.size, self.timeout_s)
+
+    def _check_refused(self, store: Any, job: str) -> None:
+        """While this rank waits for its join: another rank's refusal ends the wait with its cause.
+        A record that does not verify is said once and otherwise ignored: it is not a rank's."""
+        try:
+            if not store.check([_REFUSED_KEY]):
+                return
+            body = store.get(_REFUSED_KEY)
+            ref = refusal.decode_body(bytes(body), True, _REFUSED_KEY, self.endpoint)
+        except Exception as exc:  # noqa: BLE001 - a forged record, or the store going away mid-read
+            if not self._warned_refusal:
+                self._warned_refusal = True
+                _log.warning("[daemon-client] rank %d ignored the refusal record under %r: %s", self.rank,
+                             _REFUSED_KEY, str(exc))
+            return
+        self._told = refusal.error_for(ref, self.rank, self.size, f"job {job}", "none",
+                                getattr(store, "_peer", None) or "the c10d store")
+        raise self._told

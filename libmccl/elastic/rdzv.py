@@ -47,12 +47,12 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (DynamicRend
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from mccl_common import store_auth
-from mccl_common.jobkey import derive
+from mccl_common.jobkey import derive, find_job_key, key_id
 from mccl_common.errors import AbortedError, CollectiveTimeout, ConfigError, PeerLostError, StoreAuthError
 from mccl_common.launch_protocol import AWARE_SUFFIX, DRAIN_ENV, REFORM_ENV
 from mccl_common.settings import EngineConfig, RendezvousConfig, load
 
-from .. import listen_addr
+from .. import listen_addr, refusal
 from . import store_server
 from .assign_store import AssignmentStore
 from ..sealed_store import SealedStore
@@ -75,6 +75,7 @@ _VOUCH_POLL_S = 0.1
 _EMPTY = "mccl-rdzv-empty"  # stored until the first host writes a state; never a sealed value
 # torchrun always passes "timeout" (the legacy etcd rendezvous's); the timeouts here have their own keys.
 _IGNORED_KEYS = frozenset({"timeout"})
+_REFUSAL_LINGER_S = 5.0   # a refusing host (maybe the anchor's server) waits this long at most for readers
 
 
 class RendezvousUnreachable(RendezvousConnectionError, PeerLostError):
@@ -363,6 +364,18 @@ class AnchorStoreBackend(RendezvousBackend):
         self._posted = False
         self._next_hello = 1        # the first hello this host has not acknowledged yet
         self.saw_open = False       # whether this host read a state of this run that was not closed
+        # Another host's refusal (libmccl/refusal.py) while this one waits for the run's first
+        # round: "fail" (a fixed --nnodes: the round cannot form without it), "warn" (a range:
+        # it may form without it), "off" (the run started: nothing a refusal says can stop it).
+        self.refusals = "off"
+        # + "/<epoch hex>": a refusal names the run it refused (the epoch of the state it could not
+        # verify, read without the key), so one left in a long-lived anchor's store by an earlier
+        # run of the same --rdzv-id is never read by a later one.
+        self._refusal_root = f"mccl/rdzv/{run_id}/refusal"
+        self._refusal_said = False
+        self._refused = False
+        # Named in refusals: the id of the job key this host read (jobkey.key_id), never the key.
+        self._key_id = key_id(find_job_key()) if self._mac_key is not None else "none"
         self._call("compare_set", self._key, "", _EMPTY)  # creates the key unless a host already did
 
     @property
@@ -375,6 +388,8 @@ class AnchorStoreBackend(RendezvousBackend):
         return self._epoch
 
     def get_state(self) -> tuple[bytes, Any] | None:
+        if self.refusals != "off":
+            self._check_refusal()
         decoded = self._decode(self._call("get", self._key))
         if decoded is None or self._epoch is None:
             return decoded
@@ -425,10 +440,69 @@ class AnchorStoreBackend(RendezvousBackend):
             "written by a host holding the job's key but another MCCL version; run one version on every host",
             peer_addr=self._anchor)
 
+    def _open(self, raw: bytes) -> bytes:
+        """The state's sealed value; a state this host's key does not verify is refused, and the
+        refusal posted for the run's other hosts (they may be waiting on this one)."""
+        try:
+            return store_auth.open(self._mac_key, self._key, raw, self._anchor, error=RendezvousForged)
+        except RendezvousForged as exc:
+            if not self._refused:
+                self._refused = True
+                ours = self._key_id
+                self._post_refusal(ours, raw)
+                raise RendezvousForged(f"{exc} (this host's key id is {ours}; the run's other hosts were told)",
+                                       peer_addr=self._anchor) from None
+            raise
+
+    def _post_refusal(self, ours: str, raw: bytes) -> None:
+        """A plain refusal (this host cannot prove anything to a run whose key it lacks), then a
+        bounded wait for a reader: this host may serve the anchor's store."""
+        ref = refusal.Refusal("key", 0, refusal.this_host(), ours, 0, None, False)
+        value = store_auth.unverified_value(raw) or b""
+        if len(value) < _VERSION.size + _NONCE_BYTES:
+            return      # not a state of any run: nobody to tell
+        key = f"{self._refusal_root}/{value[_VERSION.size:_VERSION.size + _NONCE_BYTES].hex()}"
+        try:
+            self._store.set(key, refusal.encode(ref, None, key))
+            _log.info("[rendezvous] posted its refusal (key) for the run's other hosts")
+            deadline = time.monotonic() + _REFUSAL_LINGER_S
+            while time.monotonic() < deadline and int(self._store.add(key + "/seen", 0)) < 1:
+                time.sleep(_VOUCH_POLL_S)
+        except Exception:  # noqa: BLE001 - the store failing too must not hide why we stop
+            _log.debug("[rendezvous] could not post this host's refusal", exc_info=True)
+
+    def _check_refusal(self) -> None:
+        """Another host's refusal to join, read while this one waits for the first round."""
+        if self._epoch is None:
+            return      # no run yet whose refusal this host could tell from an earlier run's
+        key = f"{self._refusal_root}/{self._epoch.hex()}"
+        if not self._call("check", [key]):
+            return
+        try:
+            ref = refusal.decode(self._call("get", key), None, False, key, key, self._anchor)
+        except StoreAuthError as exc:
+            if not self._refusal_said:
+                self._refusal_said = True
+                _log.warning("%s; ignored", str(exc))   # the text: a record would keep the store alive
+            return
+        ours = self._key_id
+        text = (f"[rendezvous] run {self._run_id!r}: a host that says it is {ref.host} refused to join: the "
+                f"run's state did not verify under its key, peer={self._anchor} (the anchor); likely cause: it "
+                f"holds a different job key (its key id {ref.key_id}, ours {ours}); give every host the same key "
+                "(MCCL_JOB_KEY_FILE or the fleet key) and restart the run. This record carries no MAC (its "
+                "writer has no key of this run), so anyone who can reach the anchor could have written it")
+        if self.refusals == "warn":
+            if not self._refusal_said:
+                self._refusal_said = True
+                _log.warning("%s; this host keeps waiting for the run's other hosts (--nnodes is a range)", text)
+            return
+        self._call("add", key + "/seen", 1)
+        raise RendezvousForged(text, peer_addr=self._anchor)
+
     def _decode(self, raw: bytes) -> tuple[bytes, Any] | None:
         if raw == _EMPTY.encode():
             return None
-        value = store_auth.open(self._mac_key, self._key, raw, self._anchor, error=RendezvousForged)
+        value = self._open(raw)
         version, epoch, acks, state = self._parse(value)
         if self._epoch is None:
             if self._mac_key is not None and self._nonce not in acks:
@@ -465,7 +539,7 @@ class AnchorStoreBackend(RendezvousBackend):
             raw = self._call("get", self._key)
             if raw == _EMPTY.encode():
                 return None     # emptied: this host may begin the run itself (set_state)
-            value = store_auth.open(self._mac_key, self._key, raw, self._anchor, error=RendezvousForged)
+            value = self._open(raw)
             version, epoch, acks, state = self._parse(value)
             if self._nonce in acks:
                 self._epoch = epoch
@@ -674,6 +748,10 @@ class MCCLRendezvousHandler(DynamicRendezvousHandler):
         self._join_asked = None
         _remove(self.reform_file)
         self._forget_workers_store()
+        backend = self.anchor_backend
+        if backend is not None and self._last_world == 0:
+            s = self.settings
+            backend.refusals = "fail" if s.min_nodes == s.max_nodes else "warn"
         try:
             info = super().next_rendezvous()
         except (RendezvousJoinTimeout, RendezvousClosed, RendezvousUnreachable):
@@ -700,6 +778,8 @@ class MCCLRendezvousHandler(DynamicRendezvousHandler):
                 f"[rendezvous] run {self.settings.run_id!r} is closed, peer={self.anchor} (the anchor): a torchrun "
                 "of this run finished or gave up, which ends the run for every host; start a new run with a "
                 "new --rdzv-id", peer_addr=self.anchor) from exc
+        if backend is not None:
+            backend.refusals = "off"    # the run started: no refusal stops it
         self._last_world = info.world_size
         self._round_store = info.store
         self._last_ranks = dict(self._state_field("participants") or {})

@@ -22,7 +22,7 @@ from libmccl.elastic import rdzv as er
 from libmccl import rendezvous
 from mccl_common import store_auth
 from mccl_common.errors import StoreAuthError
-from mccl_common.jobkey import find_job_key
+from mccl_common.jobkey import find_job_key, key_id
 from mccl_common.launch_protocol import REFORM_ENV
 from mccl_common.settings import EngineConfig
 from support.ports import free_port
@@ -154,7 +154,7 @@ def test_a_forged_peer_address_is_refused_and_never_dialled() -> None:
     try:
         # Rank 0 (here the test, holding the job key) published the comm id; the attacker's
         # address table (rank 0 publishes it, rendezvous.py) is there before rank 1 reads it.
-        server.set("mccl/1/comm_id", store_auth.seal(key, "mccl/1/comm_id", b"77"))
+        server.set("mccl/1/comm_id", store_auth.seal(key, "mccl/1/comm_id", rendezvous.comm_id_value(77, 2, key_id(find_job_key()))))
         attacker = _attacker(port)
         attacker.set("mccl/1/addr_table", f"127.0.0.1:{trap.getsockname()[1]}\n127.0.0.1:9".encode())
         with pytest.raises(StoreAuthError, match=rf"'mccl/1/addr_table'.*peer=127.0.0.1:{port}"):
@@ -169,7 +169,7 @@ def test_a_forged_peer_address_is_refused_and_never_dialled() -> None:
 def test_a_value_copied_to_another_key_or_run_is_refused() -> None:
     server, port = _c10d_store()
     key = store_auth.scoped_key(find_job_key(), "c10d", "g")
-    server.set("mccl/1/comm_id", store_auth.seal(key, "mccl/1/comm_id", b"77"))
+    server.set("mccl/1/comm_id", store_auth.seal(key, "mccl/1/comm_id", rendezvous.comm_id_value(77, 2, key_id(find_job_key()))))
     # Rank 1's own sealed address, copied by the attacker into the table's slot.
     attacker = _attacker(port)
     addr_key = store_auth.scoped_key(key, "comm", 77)
