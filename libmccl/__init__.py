@@ -89,11 +89,12 @@ def compressed_allreduce_hook(state, bucket):  # noqa: ANN001,ANN201 - torch typ
     return hook(state, bucket)
 
 
-def lightning_compression_callback(codec: str = "int8", error_feedback: bool = True):  # noqa: ANN201
+def lightning_compression_callback(codec: str = "int8", error_feedback: bool = True,  # noqa: ANN201
+                                   min_bytes=None):  # noqa: ANN001
     """``Trainer(strategy="ddp", callbacks=[libmccl.lightning_compression_callback("int8")])``."""
     from .torch.compression import lightning_compression_callback as make
 
-    return make(codec, error_feedback)
+    return make(codec, error_feedback, min_bytes)
 
 
 def __getattr__(name: str):  # noqa: ANN202 - torch types, imported lazily
