@@ -97,6 +97,14 @@ def lightning_compression_callback(codec: str = "int8", error_feedback: bool = T
     return make(codec, error_feedback, min_bytes)
 
 
+def lightning_diloco_callback(sync_every: int, outer_optimizer=None, **kwargs):  # noqa: ANN001,ANN003,ANN201
+    """``Trainer(strategy="ddp", callbacks=[libmccl.lightning_diloco_callback(sync_every=32)])``: DiLoCo
+    around an unchanged LightningModule (libmccl/training/lightning_diloco.py, docs/diloco.md)."""
+    from .training.lightning_diloco import lightning_diloco_callback as make
+
+    return make(sync_every, outer_optimizer, **kwargs)
+
+
 def __getattr__(name: str):  # noqa: ANN202 - torch types, imported lazily
     """``libmccl.DiLoCo`` (libmccl/training/diloco.py) imports torch only when asked for."""
     if name == "DiLoCo":
