@@ -105,6 +105,16 @@ def lightning_diloco_callback(sync_every: int, outer_optimizer=None, **kwargs): 
     return make(sync_every, outer_optimizer, **kwargs)
 
 
+def lightning_speed_balancer_callback(global_batch: int, **kwargs):  # noqa: ANN003,ANN201
+    """Speed-aware batch shares under Lightning (libmccl/training/lightning_balance.py,
+    docs/slow-hosts.md): ``cb = libmccl.lightning_speed_balancer_callback(256)``,
+    ``DataLoader(ds, batch_sampler=cb.batch_sampler(len(ds)))``, ``Trainer(strategy="ddp",
+    use_distributed_sampler=False, callbacks=[cb])``."""
+    from .training.lightning_balance import lightning_speed_balancer_callback as make
+
+    return make(global_batch, **kwargs)
+
+
 def __getattr__(name: str):  # noqa: ANN202 - torch types, imported lazily
     """``libmccl.DiLoCo`` (libmccl/training/diloco.py) imports torch only when asked for."""
     if name == "DiLoCo":
