@@ -34,18 +34,20 @@ def module(net: Any, lr: float, inner: str = "sgd", on_step: Callable | None = N
     return Tiny()
 
 
-def fit(rank: int, world: int, model: Any, loader: Any, callbacks: list, max_steps: int, backend: str) -> Any:
-    """Trainer.fit on DDP over the group already initialised; returns the trainer."""
+def fit(rank: int, world: int, model: Any, loader: Any, callbacks: list, max_steps: int, backend: str,
+        ckpt_path: str | None = None, max_epochs: int | None = None) -> Any:
+    """Trainer.fit on DDP over the group already initialised; returns the trainer. ``max_steps``
+    -1 with ``max_epochs``: the fit ends at an epoch's end (where Lightning resumes exactly)."""
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import DDPStrategy
 
     # Node ``rank`` of ``world``, its one local process (MASTER_ADDR/PORT, RANK, WORLD_SIZE: the
     # harness's); one thread, as the harness gives every rank (Lightning would take all cores).
     os.environ.update({"NODE_RANK": str(rank), "LOCAL_RANK": "0", "OMP_NUM_THREADS": "1"})
-    trainer = pl.Trainer(accelerator="cpu", devices=1, num_nodes=world, max_steps=max_steps,
+    trainer = pl.Trainer(accelerator="cpu", devices=1, num_nodes=world, max_steps=max_steps, max_epochs=max_epochs,
                          strategy=DDPStrategy(process_group_backend=backend), callbacks=callbacks,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
                          limit_val_batches=0)
-    trainer.fit(model, train_dataloaders=loader)
+    trainer.fit(model, train_dataloaders=loader, ckpt_path=ckpt_path)
     return trainer

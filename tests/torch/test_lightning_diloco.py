@@ -109,3 +109,48 @@ def test_lightning_diloco_refuses_two_optimizers(ranks) -> None:
         import libmccl
 
         libmccl.lightning_diloco_callback(sync_every=0)
+
+
+def _resume_rank(rank: int, world: int, ckpt: str) -> dict:
+    """Six inner steps, Lightning's checkpoint, a fresh Trainer resuming from it for six more:
+    the twelve steps of the reference (theta_global and the outer momentum came back). The
+    inner optimizer is SGD: Lightning's checkpoint is rank 0's, so with AdamW every rank would
+    resume with rank 0's moments (docs/diloco.md)."""
+    import torch
+    import torch.distributed as dist
+
+    import libmccl
+    from support.diloco_ref import batch, make_model, reference
+    from support.lightning_fit import fit, module
+    from support.ranks import init_pg
+
+    init_pg(rank, world)
+    try:
+        gloo = dist.new_group(backend="gloo")
+        half = H * ROUNDS // 2
+
+        def loader(first: int):
+            return torch.utils.data.DataLoader([batch(rank, t) for t in range(first, first + half)], batch_size=None)
+
+        # Each fit ends at its epoch's end: resumed mid-epoch, Lightning replays a loader that
+        # keeps no state from its start (its behaviour, not DiLoCo's).
+        cb = libmccl.lightning_diloco_callback(sync_every=H)
+        trainer = fit(rank, world, module(make_model(), 0.05), loader(1), [cb], -1, "mccl", max_epochs=1)
+        trainer.save_checkpoint(ckpt)      # every rank takes part; rank 0 writes
+        dist.barrier(group=gloo)
+        net = make_model(seed=1)           # other weights: the checkpoint must bring them back
+        cb2 = libmccl.lightning_diloco_callback(sync_every=H)
+        fit(rank, world, module(net, 0.05), loader(half + 1), [cb2], -1, "mccl", ckpt_path=ckpt, max_epochs=2)
+        model = make_model()
+        inner = torch.optim.SGD(model.parameters(), lr=0.05)
+        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        ref = reference(model, inner, outer, rank, 2 * half, H, [list(model.parameters())], 0, 0.0, gloo)
+        _close([p.detach() for p in net.parameters()], ref)
+        return {"steps": cb2.diloco.step, "syncs": cb2.diloco.syncs}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_lightning_diloco_resumes_from_a_checkpoint(ranks, tmp_path) -> None:
+    out = ranks(_resume_rank, 2, str(tmp_path / "diloco.ckpt"), timeout_s=100)
+    assert out == [{"steps": H * ROUNDS, "syncs": ROUNDS // 2}] * 2
