@@ -102,6 +102,7 @@ def lightning_speed_balancer_callback(global_batch: int, *, every: int = 2, alph
             self.balancer: SpeedBalancer | None = None
             self.shares_used: deque = deque(maxlen=_KEPT)   # (batch index, every rank's shares) per batch
             self._samplers: list[BalancedBatchSampler] = []
+            self._sampler: BalancedBatchSampler | None = None   # the one the fit draws from
 
         def batch_sampler(self, n_samples: int, shuffle: bool = False, seed: int = 0) -> BalancedBatchSampler:
             """The train DataLoader's ``batch_sampler``: ``n_samples`` is the dataset's length."""

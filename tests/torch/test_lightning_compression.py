@@ -110,6 +110,9 @@ def test_missing_lightning_names_the_install(monkeypatch) -> None:
 
     for name in ("lightning", "lightning.pytorch", "pytorch_lightning"):
         monkeypatch.setitem(sys.modules, name, None)   # None in sys.modules: import raises ImportError
-    for make in (libmccl.lightning_compression_callback, libmccl.lightning_callback):
-        with pytest.raises(ImportError, match="pip install lightning"):
+    makers = (libmccl.lightning_compression_callback, libmccl.lightning_callback,
+              lambda: libmccl.lightning_diloco_callback(sync_every=2),
+              lambda: libmccl.lightning_speed_balancer_callback(8))
+    for make in makers:
+        with pytest.raises(ImportError, match="Lightning is not installed: pip install lightning"):
             make()
