@@ -108,3 +108,16 @@ def _misuse(rank: int, world: int) -> str:
 
 def test_lightning_balancer_refuses_a_loader_it_does_not_draw(ranks) -> None:
     ranks(_misuse, 2, timeout_s=100)
+
+
+def test_lightning_balancer_argument_errors() -> None:
+    import libmccl
+    from mccl_common.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="global_batch must be a positive int"):
+        libmccl.lightning_speed_balancer_callback(0)
+    cb = libmccl.lightning_speed_balancer_callback(GLOBAL)
+    with pytest.raises(ConfigError, match="fewer than one global batch of 24"):
+        cb.batch_sampler(GLOBAL - 1)
+    with pytest.raises(ConfigError, match="iterated outside the Trainer's fit"):
+        next(iter(cb.batch_sampler(GLOBAL * 2)))

@@ -116,3 +116,18 @@ def test_missing_lightning_names_the_install(monkeypatch) -> None:
     for make in makers:
         with pytest.raises(ImportError, match="Lightning is not installed: pip install lightning"):
             make()
+
+
+def test_a_strategy_without_ddp_is_refused_by_name() -> None:
+    """The callbacks need the DDP model to put their hook on: any other strategy's model is a
+    ConfigError naming strategy='ddp', never a fit that silently runs without the hook."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from libmccl.torch.lightning import ddp_model
+    from mccl_common.errors import ConfigError
+
+    trainer = SimpleNamespace(strategy=SimpleNamespace(model=torch.nn.Linear(2, 2)))
+    with pytest.raises(ConfigError, match="needs Trainer\\(strategy='ddp'\\).*Linear, not a DistributedDataParallel"):
+        ddp_model(trainer, "lightning_compression_callback")
