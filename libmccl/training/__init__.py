@@ -5,7 +5,9 @@ process group (mccl in-process, mccl through mccld, gloo):
   outer optimizer, optionally streaming fragments of the model with a delay and compressed outer
   gradients;
 - ``SpeedBalancer`` (balance.py, over shares.py): speed-aware batch shares for DDP, the gradient
-  weighted by samples.
+  weighted by samples;
+- their Lightning callbacks (lightning_diloco.py, lightning_balance.py; lightning imported only
+  when one is made): ``libmccl.lightning_diloco_callback``, ``libmccl.lightning_speed_balancer_callback``.
 """
 
 from .balance import SpeedBalancer

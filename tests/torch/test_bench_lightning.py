@@ -1,6 +1,7 @@
 """tools.bench's Lightning workload (tools/bench/lightning_step.py): its plumbing without
-lightning, and (where lightning is installed; CI has none) two ranks through mccld training
-Lightning's own model with DDP's defaults and with libmccl.ddp_shared_buckets."""
+lightning, and two ranks through mccld training Lightning's own model with DDP's defaults and
+with libmccl.ddp_shared_buckets (lightning is a test dependency, scripts/setup.sh installs it;
+the skip is for a checkout set up without it)."""
 
 from __future__ import annotations
 
