@@ -240,6 +240,58 @@ def test_codec_round_trip_and_non_finite_blocks():
         _core.compress_encode("bf16", DT[np.dtype(np.float64)], ptr(z), 1, ptr(enc))
 
 
+def test_16_bit_codecs_round_to_nearest_even_and_keep_non_finite_values():
+    """bf16/fp16 encode as numpy rounds (nearest-even, fp16 overflowing to inf past 65504), NaN
+    stays NaN, and the residual holds exactly what the code dropped, nothing where the code is
+    not finite. Long enough for the vector loops (x86-64: the AVX2/F16C ones) and a tail."""
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal(4099) * np.exp2(rng.integers(-30, 20, 4099))).astype(np.float32)
+    x[[3, 17, 40]] = [np.nan, np.inf, -np.inf]
+    x[[5, 6, 4098]] = [1e6, -7e4, 65519.0]     # fp16: inf, -inf, rounds down to 65504
+    x[7] = -np.float32(np.nan)
+    for codec in ("bf16", "fp16"):
+        r0 = (rng.standard_normal(x.size) * 1e-3).astype(np.float32)
+        r0[3] = 0
+        res = r0.copy()
+        enc = np.zeros(_core.compress_encoded_bytes(codec, x.size), np.uint8)
+        _core.compress_encode(codec, DT[x.dtype], ptr(x), x.size, ptr(enc), ptr(res))
+        v = x + r0
+        with np.errstate(over="ignore", invalid="ignore"):
+            want = from_bf16(to_bf16(v)) if codec == "bf16" else v.astype(np.float16).astype(np.float32)
+        out = np.empty_like(x)
+        _core.compress_decode(codec, ptr(enc), x.size, DT[x.dtype], ptr(out))
+        nan = np.isnan(v)
+        assert np.isnan(out[nan]).all(), codec
+        np.testing.assert_array_equal(out[~nan], want[~nan], err_msg=codec)
+        fin = np.isfinite(out)
+        with np.errstate(invalid="ignore"):
+            np.testing.assert_array_equal(res[fin], (v - out)[fin], err_msg=codec)
+        assert (res[~fin] == 0).all(), codec
+        acc = np.ones_like(x)
+        _core.compress_decode_add(codec, ptr(enc), x.size, ptr(acc))
+        np.testing.assert_array_equal(acc[~nan], (np.float32(1) + out)[~nan], err_msg=codec)
+        if codec == "fp16":
+            assert out[5] == np.inf and out[6] == -np.inf and out[4098] == 65504.0
+
+
+def test_int8_block_of_tiny_values_is_sent_as_zeros_and_carried_whole():
+    """Below 1e-36 a block's 127 / absmax would overflow: the block goes as zeros (scale 0) and
+    error feedback keeps all of it; zeros stay exactly zero next to it."""
+    block = _core.compress_block
+    x = np.zeros(3 * block, np.float32)
+    x[:block] = np.float32(1e-38) * np.arange(block, dtype=np.float32) / block
+    x[2 * block:] = np.random.default_rng(9).standard_normal(block).astype(np.float32)
+    res = np.zeros_like(x)
+    enc = np.zeros(_core.compress_encoded_bytes("int8", x.size), np.uint8)
+    _core.compress_encode("int8", DT[x.dtype], ptr(x), x.size, ptr(enc), ptr(res))
+    out = np.full_like(x, 5.0)
+    _core.compress_decode("int8", ptr(enc), x.size, DT[x.dtype], ptr(out))
+    assert (out[:2 * block] == 0).all()
+    np.testing.assert_array_equal(res[:block], x[:block])
+    assert rel_err(out[2 * block:].astype(np.float64), x[2 * block:].astype(np.float64)) < 0.008
+    np.testing.assert_array_equal(res[2 * block:], x[2 * block:] - out[2 * block:])
+
+
 def test_a_ticketed_op_waits_for_all_of_its_input_then_announces_it_done():
     """Device buffers (in-process CUDA/MPS staging) come with tickets: a compressed op encodes
     every contribution before any result arrives, so it waits for the whole input, then
