@@ -359,3 +359,48 @@ def test_a_buffer_left_unused_for_two_rounds_loses_its_residual():
         kept, dropped = run_ranks(comms, body)[0]
     assert kept.tobytes() != fresh.tobytes()      # the residual of the op before was added
     assert dropped.tobytes() == fresh.tobytes()   # gone after 40 ops on another buffer
+
+
+@pytest.mark.parametrize("n", [3, 5])
+def test_codec_threads_give_the_same_bits_as_the_worker_alone(n):
+    """MCCL_COMPRESSION_THREADS splits each large chunk's encode, sum and decode into parts on
+    helper threads: every mode, all-reduce (two ops, so the error feedback of the first feeds
+    the second) and reduce-scatter, gives exactly the bytes of one thread, at a non-power-of-two
+    N, with chunks of unequal length that end in short int8 blocks."""
+    count = 3 * (1 << 20) + 17          # chunks of ~256K elements: 4 parts of whole blocks
+    names = [t.name for t in __import__("threading").enumerate()]
+    for codec, dtype in CASES:
+        xs = inputs(n, count, dtype, seed=21)
+        got = {}
+        for threads in (1, 4):
+            with ranks(n, opts=make_options(compression=codec, compression_threads=threads)) as comms:
+                first = allreduce_all(comms, xs, dtype)
+                second = allreduce_all(comms, xs, dtype, AVG)
+                block = count // n
+
+                def body(r, c):
+                    out = np.zeros(block, dtype=xs[r].dtype)
+                    c.wait(c.reduce_scatter(ptr(xs[r][: block * n]), ptr(out), block, code(dtype), SUM), 60.0)
+                    return out
+                scattered = run_ranks(comms, body)
+            got[threads] = [o.tobytes() for o in first + second + scattered]
+        assert got[4] == got[1], f"{codec} {dtype}: the codec threads changed the result"
+        assert len(set(got[4][:n])) == 1 and len(set(got[4][n:2 * n])) == 1
+    assert [t.name for t in __import__("threading").enumerate()] == names
+
+
+def test_codec_threads_setting_out_of_range_is_a_config_error_naming_it():
+    from mccl_common.errors import ConfigError
+    from mccl_common.settings import EngineConfig, load
+    assert load(EngineConfig, env={}).compression_threads == 1
+    cfg = load(EngineConfig, env={"MCCL_COMPRESSION_THREADS": "4"})
+    assert cfg.engine_options(_core.Options(), 30.0, 20.0).compression_threads == 4
+    for bad in ("0", "65", "-1"):
+        with pytest.raises(ConfigError, match="MCCL_COMPRESSION_THREADS"):
+            load(EngineConfig, env={"MCCL_COMPRESSION_THREADS": bad})
+    with pytest.raises(ConfigError, match="MCCL_COMPRESSION_THREADS"):
+        load(EngineConfig, env={"MCCL_COMPRESSION_THREADS": "two"})
+    # The engine checks it too (options built by hand, as pg_options are).
+    with pytest.raises(ConfigError, match="compression_threads=0.*MCCL_COMPRESSION_THREADS"):
+        with ranks(1, opts=make_options(compression="int8", compression_threads=0)):
+            pass

@@ -98,13 +98,11 @@ MCCL_CODEC_CLONES void quantize(const float* __restrict x, size_t n, uint8_t* __
   }
 }
 
-void encode_int8(DType dt, const void* in, size_t n, uint8_t* out, float* residual) {
-  const size_t nb = (n + kInt8Block - 1) / kInt8Block;
-  // Scales first, then the codes; the buffer need not be 4-aligned (memcpy).
-  int8_t* codes = reinterpret_cast<int8_t*>(out + nb * sizeof(float));
+// Elements [0, n) of `in` (dtype dt) into `scales` and `codes`, block by block.
+void encode_int8(DType dt, const void* in, size_t n, uint8_t* scales, int8_t* codes, float* residual) {
   if (dt == DType::kFloat32) {
     const float* x = static_cast<const float*>(in);
-    return residual ? quantize<true>(x, n, out, codes, residual) : quantize<false>(x, n, out, codes, nullptr);
+    return residual ? quantize<true>(x, n, scales, codes, residual) : quantize<false>(x, n, scales, codes, nullptr);
   }
   // 16-bit input: widened a stretch of blocks at a time, on the stack.
   constexpr size_t kStretch = 16 * kInt8Block;
@@ -112,7 +110,7 @@ void encode_int8(DType dt, const void* in, size_t n, uint8_t* out, float* residu
   for (size_t begin = 0; begin < n; begin += kStretch) {
     const size_t len = std::min(kStretch, n - begin);
     load_block(dt, in, begin, len, v);
-    uint8_t* s = out + begin / kInt8Block * sizeof(float);
+    uint8_t* s = scales + begin / kInt8Block * sizeof(float);
     if (residual) {
       quantize<true>(v, len, s, codes + begin, residual + begin);
     } else {
@@ -121,20 +119,20 @@ void encode_int8(DType dt, const void* in, size_t n, uint8_t* out, float* residu
   }
 }
 
-inline float scale_of(const uint8_t* in, size_t b) {
+inline float scale_of(const uint8_t* scales, size_t b) {
   float s;
-  std::memcpy(&s, in + b * sizeof(float), sizeof s);
+  std::memcpy(&s, scales + b * sizeof(float), sizeof s);
   return s;
 }
 
 // acc[i] += code[i] * scale of its block, or (kAdd false) out[i] = code[i] * scale.
 template <bool kAdd>
-MCCL_CODEC_CLONES void dequantize(const uint8_t* __restrict in, size_t n, float* __restrict out) {
+MCCL_CODEC_CLONES void dequantize(const uint8_t* __restrict scales, const int8_t* __restrict codes, size_t n,
+                                  float* __restrict out) {
   const size_t nb = (n + kInt8Block - 1) / kInt8Block;
-  const int8_t* codes = reinterpret_cast<const int8_t*>(in + nb * sizeof(float));
   for (size_t b = 0; b < nb; ++b) {
     const size_t begin = b * kInt8Block, len = std::min(kInt8Block, n - begin);
-    const float s = scale_of(in, b);
+    const float s = scale_of(scales, b);
     const int8_t* q = codes + begin;
     float* o = out + begin;
     for (size_t i = 0; i < len; ++i) {
@@ -231,21 +229,40 @@ MCCL_CODEC_CLONES void narrow(const float* __restrict v, size_t n, uint16_t* __r
 
 // int8 decoded to a 16-bit dtype: through float32 a stretch at a time, rounded once.
 template <uint16_t (*To)(float)>
-void decode_int8_16(const uint8_t* in, size_t n, uint16_t* out) {
-  const size_t nb = (n + kInt8Block - 1) / kInt8Block;
+void decode_int8_16(const uint8_t* scales, const int8_t* codes, size_t n, uint16_t* out) {
   constexpr size_t kStretch = 16 * kInt8Block;
   float v[kStretch];
   for (size_t begin = 0; begin < n; begin += kStretch) {
     const size_t len = std::min(kStretch, n - begin);
-    // A stretch of whole blocks: its scales and codes are the encoding of those blocks.
-    const size_t b0 = begin / kInt8Block, bl = (len + kInt8Block - 1) / kInt8Block;
-    const int8_t* codes = reinterpret_cast<const int8_t*>(in + nb * sizeof(float)) + begin;
-    for (size_t b = 0; b < bl; ++b) {
-      const float s = scale_of(in, b0 + b);
-      const size_t l = std::min(kInt8Block, len - b * kInt8Block);
-      for (size_t i = 0; i < l; ++i) v[b * kInt8Block + i] = static_cast<float>(codes[b * kInt8Block + i]) * s;
-    }
+    dequantize<false>(scales + begin / kInt8Block * sizeof(float), codes + begin, len, v);
     narrow<To>(v, len, out + begin);
+  }
+}
+
+// Where elements [begin, ...) of an encoding of `total` elements live: int8 keeps all the
+// scales first, then all the codes, so a part that starts on a block boundary is a run of
+// each; bf16/fp16 are two bytes per element.
+struct Span {
+  uint8_t* scales;  // int8
+  int8_t* codes;    // int8
+  uint16_t* half;   // bf16, fp16
+};
+
+Span span_of(Codec k, const uint8_t* enc, size_t total, size_t begin) {
+  uint8_t* e = const_cast<uint8_t*>(enc);
+  if (k != Codec::kInt8) return {nullptr, nullptr, reinterpret_cast<uint16_t*>(e) + begin};
+  if (begin % kInt8Block != 0) {
+    throw_error(ErrorKind::kGeneric, "[compress] internal error: an int8 part must start on a block boundary (" +
+                                         std::to_string(begin) + ")");
+  }
+  const size_t nb = (total + kInt8Block - 1) / kInt8Block;
+  return {e + begin / kInt8Block * sizeof(float), reinterpret_cast<int8_t*>(e + nb * sizeof(float)) + begin, nullptr};
+}
+
+void check_part(size_t total, size_t begin, size_t n) {
+  if (begin > total || n > total - begin) {
+    throw_error(ErrorKind::kGeneric, "[compress] internal error: part [" + std::to_string(begin) + ", +" +
+                                         std::to_string(n) + ") of " + std::to_string(total) + " elements");
   }
 }
 
@@ -293,51 +310,72 @@ void load_f32(DType dt, const void* in, size_t n, float* out) {
   load_block(dt, in, 0, n, out);
 }
 
-void encode(Codec k, DType dt, const void* in, size_t n, uint8_t* out, float* residual) {
+void encode_part(Codec k, DType dt, const void* in, size_t total, size_t begin, size_t n, uint8_t* out,
+                 float* residual) {
   if (!codec_applies(k, dt)) not_applicable(k, dt);
-  uint16_t* o = reinterpret_cast<uint16_t*>(out);
+  check_part(total, begin, n);
+  const Span sp = span_of(k, out, total, begin);
   const float* x = static_cast<const float*>(in);
   switch (k) {
-    case Codec::kInt8: return encode_int8(dt, in, n, out, residual);
-    case Codec::kBf16: return encode_16<float_to_bfloat16, bfloat16_to_float>(x, n, o, residual);
-    case Codec::kFp16: return encode_fp16(x, n, o, residual);
+    case Codec::kInt8: return encode_int8(dt, in, n, sp.scales, sp.codes, residual);
+    case Codec::kBf16: return encode_16<float_to_bfloat16, bfloat16_to_float>(x, n, sp.half, residual);
+    case Codec::kFp16: return encode_fp16(x, n, sp.half, residual);
     default: not_applicable(k, dt);
   }
+}
+
+void encode(Codec k, DType dt, const void* in, size_t n, uint8_t* out, float* residual) {
+  encode_part(k, dt, in, n, 0, n, out, residual);
 }
 
 void encode_f32(Codec k, const float* in, size_t n, uint8_t* out, float* residual) {
   encode(k, DType::kFloat32, in, n, out, residual);
 }
 
-void decode_add(Codec k, const uint8_t* in, size_t n, float* acc) {
-  const uint16_t* p = reinterpret_cast<const uint16_t*>(in);
+namespace {
+void decode_add_span(Codec k, const Span& sp, size_t n, float* acc) {
   switch (k) {
-    case Codec::kInt8: return dequantize<true>(in, n, acc);
-    case Codec::kBf16: return decode_add_16<bfloat16_to_float>(p, n, acc);
+    case Codec::kInt8: return dequantize<true>(sp.scales, sp.codes, n, acc);
+    case Codec::kBf16: return decode_add_16<bfloat16_to_float>(sp.half, n, acc);
     case Codec::kFp16:
 #ifdef MCCL_CODEC_F16C
-      if (kUseF16C) return widen_fp16_f16c(p, n, acc, true);
+      if (kUseF16C) return widen_fp16_f16c(sp.half, n, acc, true);
 #endif
-      return decode_add_16<half_to_float>(p, n, acc);
+      return decode_add_16<half_to_float>(sp.half, n, acc);
     default: not_applicable(k, DType::kFloat32);
+  }
+}
+}  // namespace
+
+void decode_add(Codec k, const uint8_t* in, size_t n, float* acc) {
+  decode_add_span(k, span_of(k, in, n, 0), n, acc);
+}
+
+void decode_add_part(Codec k, const uint8_t* in, size_t total, size_t begin, size_t n, float* acc) {
+  check_part(total, begin, n);
+  decode_add_span(k, span_of(k, in, total, begin), n, acc);
+}
+
+void decode_part(Codec k, const uint8_t* in, size_t total, size_t begin, size_t n, DType dt, void* out) {
+  if (!codec_applies(k, dt)) not_applicable(k, dt);
+  check_part(total, begin, n);
+  const Span sp = span_of(k, in, total, begin);
+  if (k == Codec::kBf16) return widen<bfloat16_to_float>(sp.half, n, static_cast<float*>(out));
+  if (k == Codec::kFp16) {
+#ifdef MCCL_CODEC_F16C
+    if (kUseF16C) return widen_fp16_f16c(sp.half, n, static_cast<float*>(out), false);
+#endif
+    return widen<half_to_float>(sp.half, n, static_cast<float*>(out));
+  }
+  switch (dt) {
+    case DType::kBFloat16: return decode_int8_16<float_to_bfloat16>(sp.scales, sp.codes, n, static_cast<uint16_t*>(out));
+    case DType::kFloat16: return decode_int8_16<float_to_half>(sp.scales, sp.codes, n, static_cast<uint16_t*>(out));
+    default: return dequantize<false>(sp.scales, sp.codes, n, static_cast<float*>(out));
   }
 }
 
 void decode(Codec k, const uint8_t* in, size_t n, DType dt, void* out) {
-  if (!codec_applies(k, dt)) not_applicable(k, dt);
-  const uint16_t* p = reinterpret_cast<const uint16_t*>(in);
-  if (k == Codec::kBf16) return widen<bfloat16_to_float>(p, n, static_cast<float*>(out));
-  if (k == Codec::kFp16) {
-#ifdef MCCL_CODEC_F16C
-    if (kUseF16C) return widen_fp16_f16c(p, n, static_cast<float*>(out), false);
-#endif
-    return widen<half_to_float>(p, n, static_cast<float*>(out));
-  }
-  switch (dt) {
-    case DType::kBFloat16: return decode_int8_16<float_to_bfloat16>(in, n, static_cast<uint16_t*>(out));
-    case DType::kFloat16: return decode_int8_16<float_to_half>(in, n, static_cast<uint16_t*>(out));
-    default: return dequantize<false>(in, n, static_cast<float*>(out));
-  }
+  decode_part(k, in, n, 0, n, dt, out);
 }
 
 }  // namespace mccl
