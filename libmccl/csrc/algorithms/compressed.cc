@@ -20,6 +20,11 @@
 // the transport); parts start on int8 block boundaries, so the bytes and sums are those of one
 // thread, whatever the thread count.
 //
+// The worker is also the transport's progress engine: it reads every frame header and lends a
+// socket to a receive thread only when it looks, so while it encodes or sums, every link whose
+// frame has ended waits (and, once its socket buffers fill, so does the sender). It looks
+// (a non-blocking progress round) after each chunk it encodes and each contribution it adds.
+//
 // Error feedback (`residual`, compress/feedback.h): what the codec dropped of this rank's
 // contribution to chunk c is kept at chunk c's elements, and what it dropped of the sum this
 // rank owns at its own chunk's, and both are added before the next encoding of the buffer.
@@ -145,6 +150,10 @@ void run(Collective& c, const Plan& P, const Reduction& red, const uint8_t* in, 
     pool->run(parts.size(), [&](size_t i) { fn(parts[i]); });
   };
 
+  // One non-blocking round of the transport (worker thread only): what it completes waits in
+  // the queue that c.next() reads.
+  auto look = [&c] { c.t.progress(Clock::now()); };
+
   auto tag = [](size_t g, Phase ph) { return static_cast<uint32_t>(g * 2 + ph); };
   auto cookie = [](size_t g, Phase ph, int p) { return uint64_t(g) << 32 | uint64_t(ph) << 24 | uint64_t(p); };
   const char* what = P.all_gather ? "compressed all-reduce" : "compressed reduce-scatter";
@@ -182,6 +191,7 @@ void run(Collective& c, const Plan& P, const Reduction& red, const uint8_t* in, 
       }
       c.send(p, sent + P.enc(g, p), P.enc_len(g, p), tag(g, kContribution), cookie(g, kContribution, p));
       ++outstanding;
+      look();
     }
   };
   // Decodes chunk c of group g (encoded at `enc`) into the result, in parts on the pool.
@@ -208,7 +218,9 @@ void run(Collective& c, const Plan& P, const Reduction& red, const uint8_t* in, 
         load_f32(dt, mine, q.len, a);
       }
       for (int p = 0; p < n; ++p) {  // rank order: the same sum whatever arrived first
-        if (p != r) decode_add_part(P.codec, arrived + P.in_off(g, p), l, q.begin, q.len, a);
+        if (p == r) continue;
+        decode_add_part(P.codec, arrived + P.in_off(g, p), l, q.begin, q.len, a);
+        if (threads == 1) look();  // else this may be a helper thread: it never touches the transport
       }
       if (red.finishes()) finalize_avg(a, q.len, DType::kFloat32, size_t(n));
       if (!P.all_gather) {
