@@ -132,6 +132,11 @@ class EngineConfig:
         "MCCL_COMPRESSION: what the codec dropped of a buffer's contribution is added to the same buffer's next "
         "compressed op (kept per buffer address and size, as DDP's buckets are; a rebuilt bucket starts "
         "afresh), so over steps nothing is lost; costs 4 bytes of memory per compressed element")
+    compression_threads: int = setting(
+        "MCCL_COMPRESSION_THREADS", 1, "threads",
+        "MCCL_COMPRESSION: threads that share a compressed op's encoding and decoding, the communicator's "
+        "worker included (1: the worker alone); more take the codec off the op's critical path where cores "
+        "are idle (docs/compression.md). The results are the same bits whatever the count; 1 to 64")
     pipeline_bytes: int = setting(
         "MCCL_PIPELINE_BYTES", 2 << 20, "bytes",
         "smallest piece of an all-reduce handed over by segment tickets (mccld's shared-memory path, "
@@ -225,6 +230,7 @@ class EngineConfig:
         opts.compression = self.compression
         opts.compression_min_bytes = self.compression_min_bytes
         opts.compression_feedback = self.compression_error_feedback
+        opts.compression_threads = self.compression_threads
         opts.send_thread = self.send_thread
         opts.recv_threads = self.recv_threads
         opts.timeout_s = timeout_s
@@ -262,6 +268,8 @@ class EngineConfig:
                  "must be off, bf16, fp16 or int8")
         _require(self.compression_min_bytes >= 0, "MCCL_COMPRESSION_MIN_BYTES", self.compression_min_bytes,
                  "must not be negative")
+        _require(1 <= self.compression_threads <= 64, "MCCL_COMPRESSION_THREADS", self.compression_threads,
+                 "must be between 1 and 64")
         _require(self.wire_security in ("aead", "mac", "off"), "MCCL_WIRE_SECURITY", self.wire_security,
                  "must be aead, mac or off")
 

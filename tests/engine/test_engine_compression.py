@@ -240,6 +240,58 @@ def test_codec_round_trip_and_non_finite_blocks():
         _core.compress_encode("bf16", DT[np.dtype(np.float64)], ptr(z), 1, ptr(enc))
 
 
+def test_16_bit_codecs_round_to_nearest_even_and_keep_non_finite_values():
+    """bf16/fp16 encode as numpy rounds (nearest-even, fp16 overflowing to inf past 65504), NaN
+    stays NaN, and the residual holds exactly what the code dropped, nothing where the code is
+    not finite. Long enough for the vector loops (x86-64: the AVX2/F16C ones) and a tail."""
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal(4099) * np.exp2(rng.integers(-30, 20, 4099))).astype(np.float32)
+    x[[3, 17, 40]] = [np.nan, np.inf, -np.inf]
+    x[[5, 6, 4098]] = [1e6, -7e4, 65519.0]     # fp16: inf, -inf, rounds down to 65504
+    x[7] = -np.float32(np.nan)
+    for codec in ("bf16", "fp16"):
+        r0 = (rng.standard_normal(x.size) * 1e-3).astype(np.float32)
+        r0[3] = 0
+        res = r0.copy()
+        enc = np.zeros(_core.compress_encoded_bytes(codec, x.size), np.uint8)
+        _core.compress_encode(codec, DT[x.dtype], ptr(x), x.size, ptr(enc), ptr(res))
+        v = x + r0
+        with np.errstate(over="ignore", invalid="ignore"):
+            want = from_bf16(to_bf16(v)) if codec == "bf16" else v.astype(np.float16).astype(np.float32)
+        out = np.empty_like(x)
+        _core.compress_decode(codec, ptr(enc), x.size, DT[x.dtype], ptr(out))
+        nan = np.isnan(v)
+        assert np.isnan(out[nan]).all(), codec
+        np.testing.assert_array_equal(out[~nan], want[~nan], err_msg=codec)
+        fin = np.isfinite(out)
+        with np.errstate(invalid="ignore"):
+            np.testing.assert_array_equal(res[fin], (v - out)[fin], err_msg=codec)
+        assert (res[~fin] == 0).all(), codec
+        acc = np.ones_like(x)
+        _core.compress_decode_add(codec, ptr(enc), x.size, ptr(acc))
+        np.testing.assert_array_equal(acc[~nan], (np.float32(1) + out)[~nan], err_msg=codec)
+        if codec == "fp16":
+            assert out[5] == np.inf and out[6] == -np.inf and out[4098] == 65504.0
+
+
+def test_int8_block_of_tiny_values_is_sent_as_zeros_and_carried_whole():
+    """Below 1e-36 a block's 127 / absmax would overflow: the block goes as zeros (scale 0) and
+    error feedback keeps all of it; zeros stay exactly zero next to it."""
+    block = _core.compress_block
+    x = np.zeros(3 * block, np.float32)
+    x[:block] = np.float32(1e-38) * np.arange(block, dtype=np.float32) / block
+    x[2 * block:] = np.random.default_rng(9).standard_normal(block).astype(np.float32)
+    res = np.zeros_like(x)
+    enc = np.zeros(_core.compress_encoded_bytes("int8", x.size), np.uint8)
+    _core.compress_encode("int8", DT[x.dtype], ptr(x), x.size, ptr(enc), ptr(res))
+    out = np.full_like(x, 5.0)
+    _core.compress_decode("int8", ptr(enc), x.size, DT[x.dtype], ptr(out))
+    assert (out[:2 * block] == 0).all()
+    np.testing.assert_array_equal(res[:block], x[:block])
+    assert rel_err(out[2 * block:].astype(np.float64), x[2 * block:].astype(np.float64)) < 0.008
+    np.testing.assert_array_equal(res[2 * block:], x[2 * block:] - out[2 * block:])
+
+
 def test_a_ticketed_op_waits_for_all_of_its_input_then_announces_it_done():
     """Device buffers (in-process CUDA/MPS staging) come with tickets: a compressed op encodes
     every contribution before any result arrives, so it waits for the whole input, then
@@ -307,3 +359,48 @@ def test_a_buffer_left_unused_for_two_rounds_loses_its_residual():
         kept, dropped = run_ranks(comms, body)[0]
     assert kept.tobytes() != fresh.tobytes()      # the residual of the op before was added
     assert dropped.tobytes() == fresh.tobytes()   # gone after 40 ops on another buffer
+
+
+@pytest.mark.parametrize("n", [3, 5])
+def test_codec_threads_give_the_same_bits_as_the_worker_alone(n):
+    """MCCL_COMPRESSION_THREADS splits each large chunk's encode, sum and decode into parts on
+    helper threads: every mode, all-reduce (two ops, so the error feedback of the first feeds
+    the second) and reduce-scatter, gives exactly the bytes of one thread, at a non-power-of-two
+    N, with chunks of unequal length that end in short int8 blocks."""
+    count = 3 * (1 << 20) + 17          # chunks of ~256K elements: 4 parts of whole blocks
+    names = [t.name for t in __import__("threading").enumerate()]
+    for codec, dtype in CASES:
+        xs = inputs(n, count, dtype, seed=21)
+        got = {}
+        for threads in (1, 4):
+            with ranks(n, opts=make_options(compression=codec, compression_threads=threads)) as comms:
+                first = allreduce_all(comms, xs, dtype)
+                second = allreduce_all(comms, xs, dtype, AVG)
+                block = count // n
+
+                def body(r, c):
+                    out = np.zeros(block, dtype=xs[r].dtype)
+                    c.wait(c.reduce_scatter(ptr(xs[r][: block * n]), ptr(out), block, code(dtype), SUM), 60.0)
+                    return out
+                scattered = run_ranks(comms, body)
+            got[threads] = [o.tobytes() for o in first + second + scattered]
+        assert got[4] == got[1], f"{codec} {dtype}: the codec threads changed the result"
+        assert len(set(got[4][:n])) == 1 and len(set(got[4][n:2 * n])) == 1
+    assert [t.name for t in __import__("threading").enumerate()] == names
+
+
+def test_codec_threads_setting_out_of_range_is_a_config_error_naming_it():
+    from mccl_common.errors import ConfigError
+    from mccl_common.settings import EngineConfig, load
+    assert load(EngineConfig, env={}).compression_threads == 1
+    cfg = load(EngineConfig, env={"MCCL_COMPRESSION_THREADS": "4"})
+    assert cfg.engine_options(_core.Options(), 30.0, 20.0).compression_threads == 4
+    for bad in ("0", "65", "-1"):
+        with pytest.raises(ConfigError, match="MCCL_COMPRESSION_THREADS"):
+            load(EngineConfig, env={"MCCL_COMPRESSION_THREADS": bad})
+    with pytest.raises(ConfigError, match="MCCL_COMPRESSION_THREADS"):
+        load(EngineConfig, env={"MCCL_COMPRESSION_THREADS": "two"})
+    # The engine checks it too (options built by hand, as pg_options are).
+    with pytest.raises(ConfigError, match="compression_threads=0.*MCCL_COMPRESSION_THREADS"):
+        with ranks(1, opts=make_options(compression="int8", compression_threads=0)):
+            pass

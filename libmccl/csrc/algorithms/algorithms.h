@@ -16,6 +16,8 @@
 
 namespace mccl {
 
+class CodecPool;  // compress/codec_pool.h
+
 // The algorithm `a` (cost_model.h; never kAuto): what the communicator runs once it chose.
 void allreduce(Collective& c, Algo a, void* buf, size_t count, const Reduction& red);
 // With tickets (either may be null): an op larger than MCCL_PIPELINE_BYTES runs the
@@ -92,10 +94,12 @@ void barrier(Collective& c);
 // Compressed (compressed.cc, compress/codec.h): each contribution encoded once and reduced
 // in float32 by the rank owning its part; all-reduce's results bitwise identical on every
 // rank. `residual` (may be null): the buffer's error feedback, `count` floats for the
-// all-reduce, count x size() for the reduce-scatter (its input's elements).
+// all-reduce, count x size() for the reduce-scatter (its input's elements). `pool` (may be
+// null): threads that share the codec work (MCCL_COMPRESSION_THREADS); the bits do not
+// depend on it.
 void allreduce_compressed(Collective& c, Codec k, void* buf, size_t count, const Reduction& red,
-                          float* residual);
+                          float* residual, CodecPool* pool = nullptr);
 void reduce_scatter_compressed(Collective& c, Codec k, const void* send, void* recv, size_t count,
-                               const Reduction& red, float* residual);
+                               const Reduction& red, float* residual, CodecPool* pool = nullptr);
 
 }  // namespace mccl

@@ -15,16 +15,28 @@
 // are encoded and sent while the groups before it are on the wire or being reduced, and its
 // sum is encoded and sent as soon as its last contribution arrived.
 //
+// With MCCL_COMPRESSION_THREADS > 1 (`pool`) the codec work of a large chunk is split into
+// parts run on the pool's helpers and the worker at once (fork-join: the helpers never touch
+// the transport); parts start on int8 block boundaries, so the bytes and sums are those of one
+// thread, whatever the thread count.
+//
+// The worker is also the transport's progress engine: it reads every frame header and lends a
+// socket to a receive thread only when it looks, so while it encodes or sums, every link whose
+// frame has ended waits (and, once its socket buffers fill, so does the sender). It looks
+// (a non-blocking progress round) after each chunk it encodes and each contribution it adds.
+//
 // Error feedback (`residual`, compress/feedback.h): what the codec dropped of this rank's
 // contribution to chunk c is kept at chunk c's elements, and what it dropped of the sum this
 // rank owns at its own chunk's, and both are added before the next encoding of the buffer.
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "algorithms/algorithms.h"
 #include "compress/codec.h"
+#include "compress/codec_pool.h"
 #include "core/errors.h"
 #include "core/half.h"
 
@@ -45,6 +57,26 @@ constexpr size_t kMinGroups = 4;
 constexpr size_t kMaxGroups = 1 << 14;
 // Groups started (encoded and sent) ahead of the first one not yet reduced here.
 constexpr size_t kGroupsAhead = 3;
+// The smallest part of a chunk given to a codec thread: about 20-40 us of codec work, well
+// above the cost of handing it over (a wake-up).
+constexpr size_t kMinPartElems = 64 << 10;
+
+struct Part {
+  int chunk;  // whose chunk of the group (the rank that owns it)
+  size_t begin, len;
+};
+
+// Parts of a chunk of `len` elements for `threads` threads: nearly equal, whole int8 blocks
+// (the last one may end with a short block, as the chunk does).
+void split_chunk(int chunk, size_t len, int threads, std::vector<Part>* parts) {
+  const size_t blocks = (len + kInt8Block - 1) / kInt8Block;
+  const size_t k = std::clamp<size_t>(len / kMinPartElems, 1, size_t(threads));
+  for (size_t i = 0; i < k; ++i) {
+    const size_t b0 = part_begin(blocks, k, i) * kInt8Block;
+    const size_t b1 = std::min(len, (part_begin(blocks, k, i) + part_len(blocks, k, i)) * kInt8Block);
+    if (b1 > b0) parts->push_back(Part{chunk, b0, b1 - b0});
+  }
+}
 
 enum Phase : uint32_t { kContribution = 0, kResult = 1 };
 
@@ -98,7 +130,7 @@ struct Plan {
 };
 
 void run(Collective& c, const Plan& P, const Reduction& red, const uint8_t* in, uint8_t* out,
-         float* residual) {
+         float* residual, CodecPool* pool) {
   const int n = P.n, r = P.r;
   const size_t es = red.elem;
   const DType dt = red.dtype;
@@ -107,6 +139,20 @@ void run(Collective& c, const Plan& P, const Reduction& red, const uint8_t* in, 
   uint8_t* arrived = c.scratch.get(1, std::max<size_t>(P.in_off(G, 0), 1));
   uint8_t* final_enc = P.all_gather ? c.scratch.get(2, std::max<size_t>(P.enc_total(), 1)) : nullptr;
   std::vector<float> acc_tmp(dt == DType::kFloat32 ? 0 : P.max_chunk);
+  const int threads = pool ? pool->threads() : 1;
+  std::vector<Part> parts;
+  // Runs fn on every part, on the pool where there is more than one.
+  auto run_parts = [&](const std::function<void(const Part&)>& fn) {
+    if (!pool || parts.size() <= 1) {
+      for (const Part& q : parts) fn(q);
+      return;
+    }
+    pool->run(parts.size(), [&](size_t i) { fn(parts[i]); });
+  };
+
+  // One non-blocking round of the transport (worker thread only): what it completes waits in
+  // the queue that c.next() reads.
+  auto look = [&c] { c.t.progress(Clock::now()); };
 
   auto tag = [](size_t g, Phase ph) { return static_cast<uint32_t>(g * 2 + ph); };
   auto cookie = [](size_t g, Phase ph, int p) { return uint64_t(g) << 32 | uint64_t(ph) << 24 | uint64_t(p); };
@@ -127,46 +173,77 @@ void run(Collective& c, const Plan& P, const Reduction& red, const uint8_t* in, 
         ++outstanding;
       }
     }
+    if (threads > 1) {
+      // Every contribution of the group encoded at once, then sent in the same order.
+      parts.clear();
+      for (int i = 1; i < n; ++i) split_chunk((r + i) % n, P.len(g, (r + i) % n), threads, &parts);
+      run_parts([&](const Part& q) {
+        const size_t b = P.begin(g, q.chunk) + q.begin;
+        encode_part(P.codec, dt, in + b * es, P.len(g, q.chunk), q.begin, q.len, sent + P.enc(g, q.chunk),
+                    residual ? residual + b : nullptr);
+      });
+    }
     for (int i = 1; i < n; ++i) {
       const int p = (r + i) % n;
       const size_t b = P.begin(g, p);
-      encode(P.codec, dt, in + b * es, P.len(g, p), sent + P.enc(g, p), residual ? residual + b : nullptr);
+      if (threads == 1) {
+        encode(P.codec, dt, in + b * es, P.len(g, p), sent + P.enc(g, p), residual ? residual + b : nullptr);
+      }
       c.send(p, sent + P.enc(g, p), P.enc_len(g, p), tag(g, kContribution), cookie(g, kContribution, p));
       ++outstanding;
+      look();
     }
+  };
+  // Decodes chunk c of group g (encoded at `enc`) into the result, in parts on the pool.
+  auto decode_result = [&](size_t g, int ch, const uint8_t* enc, uint8_t* dst) {
+    const size_t l = P.len(g, ch);
+    if (threads == 1) return decode(P.codec, enc, l, dt, dst);
+    parts.clear();
+    split_chunk(ch, l, threads, &parts);
+    run_parts([&](const Part& q) { decode_part(P.codec, enc, l, q.begin, q.len, dt, dst + q.begin * es); });
   };
   auto reduce = [&](size_t g) {
     const size_t b = P.begin(g, r), l = P.len(g, r);
     // Summed in float32: into the result's own place where that is float32, else beside it.
     uint8_t* dst = P.all_gather ? out + b * es : out + (b - size_t(r) * P.count) * es;
     float* acc = dt == DType::kFloat32 ? reinterpret_cast<float*>(dst) : acc_tmp.data();
-    if (dt == DType::kFloat32) {
-      if (dst != in + b * es) std::memcpy(dst, in + b * es, l * es);
-    } else {
-      load_f32(dt, in + b * es, l, acc);
-    }
-    for (int p = 0; p < n; ++p) {  // rank order: the same sum whatever arrived first
-      if (p != r) decode_add(P.codec, arrived + P.in_off(g, p), l, acc);
-    }
-    if (red.finishes()) finalize_avg(acc, l, DType::kFloat32, size_t(n));
-    if (!P.all_gather) {
-      // The reduce-scatter's result never travels: rounded to its dtype once, as the ring's is.
-      uint16_t* o = reinterpret_cast<uint16_t*>(dst);
-      if (dt == DType::kBFloat16) {
-        for (size_t i = 0; i < l; ++i) o[i] = float_to_bfloat16(acc[i]);
-      } else if (dt == DType::kFloat16) {
-        for (size_t i = 0; i < l; ++i) o[i] = float_to_half(acc[i]);
+    parts.clear();
+    split_chunk(r, l, threads, &parts);
+    run_parts([&](const Part& q) {
+      float* a = acc + q.begin;
+      const uint8_t* mine = in + (b + q.begin) * es;
+      if (dt == DType::kFloat32) {
+        if (reinterpret_cast<const uint8_t*>(a) != mine) std::memcpy(a, mine, q.len * es);
+      } else {
+        load_f32(dt, mine, q.len, a);
       }
-      return;
-    }
-    // The sum once encoded; the owner keeps what every peer will decode, not its exact sum.
-    encode_f32(P.codec, acc, l, final_enc + P.enc(g, r), residual ? residual + b : nullptr);
+      for (int p = 0; p < n; ++p) {  // rank order: the same sum whatever arrived first
+        if (p == r) continue;
+        decode_add_part(P.codec, arrived + P.in_off(g, p), l, q.begin, q.len, a);
+        if (threads == 1) look();  // else this may be a helper thread: it never touches the transport
+      }
+      if (red.finishes()) finalize_avg(a, q.len, DType::kFloat32, size_t(n));
+      if (!P.all_gather) {
+        // The reduce-scatter's result never travels: rounded to its dtype once, as the ring's is.
+        uint16_t* o = reinterpret_cast<uint16_t*>(dst) + q.begin;
+        if (dt == DType::kBFloat16) {
+          for (size_t i = 0; i < q.len; ++i) o[i] = float_to_bfloat16(a[i]);
+        } else if (dt == DType::kFloat16) {
+          for (size_t i = 0; i < q.len; ++i) o[i] = float_to_half(a[i]);
+        }
+        return;
+      }
+      // The sum once encoded; the owner keeps what every peer will decode, not its exact sum.
+      encode_part(P.codec, DType::kFloat32, a, l, q.begin, q.len, final_enc + P.enc(g, r),
+                  residual ? residual + b + q.begin : nullptr);
+    });
+    if (!P.all_gather) return;
     for (int i = 1; i < n; ++i) {  // on the wire first; this rank's own copy can wait
       const int p = (r + i) % n;
       c.send(p, final_enc + P.enc(g, r), P.enc_len(g, r), tag(g, kResult), cookie(g, kResult, p));
       ++outstanding;
     }
-    decode(P.codec, final_enc + P.enc(g, r), l, dt, dst);
+    decode_result(g, r, final_enc + P.enc(g, r), dst);
   };
 
   std::vector<int> waiting(G, n - 1);  // contributions still to arrive, per group
@@ -180,7 +257,7 @@ void run(Collective& c, const Plan& P, const Reduction& red, const uint8_t* in, 
     const Phase ph = static_cast<Phase>((req->cookie >> 24) & 0xff);
     const int p = static_cast<int>(req->cookie & 0xffffff);
     if (ph == kResult) {
-      decode(P.codec, final_enc + P.enc(g, p), P.len(g, p), dt, out + P.begin(g, p) * es);
+      decode_result(g, p, final_enc + P.enc(g, p), out + P.begin(g, p) * es);
       continue;
     }
     if (--waiting[g] > 0) continue;
@@ -193,15 +270,15 @@ void run(Collective& c, const Plan& P, const Reduction& red, const uint8_t* in, 
 }  // namespace
 
 void allreduce_compressed(Collective& c, Codec k, void* buf, size_t count, const Reduction& red,
-                          float* residual) {
+                          float* residual, CodecPool* pool) {
   if (count == 0 || c.size() == 1) return;
   const Plan P = Plan::of(c.size(), c.rank(), true, count, k);
   uint8_t* b = static_cast<uint8_t*>(buf);
-  run(c, P, red, b, b, residual);
+  run(c, P, red, b, b, residual, pool);
 }
 
 void reduce_scatter_compressed(Collective& c, Codec k, const void* send, void* recv, size_t count,
-                               const Reduction& red, float* residual) {
+                               const Reduction& red, float* residual, CodecPool* pool) {
   const int n = c.size();
   if (count == 0) return;
   const uint8_t* in = static_cast<const uint8_t*>(send);
@@ -218,7 +295,7 @@ void reduce_scatter_compressed(Collective& c, Codec k, const void* send, void* r
     std::memcpy(copy, in, count * red.elem * n);
     in = copy;
   }
-  run(c, P, red, in, static_cast<uint8_t*>(recv), residual);
+  run(c, P, red, in, static_cast<uint8_t*>(recv), residual, pool);
 }
 
 }  // namespace mccl

@@ -163,7 +163,7 @@ Algo compressed_algo(Codec k) {
 }
 
 // CPU seconds per float32 byte of one core (tools/bench codec microbenchmark, `python -m
-// tools.bench --codecs`; docs/compression.md): the worker encodes and decodes on its own thread.
+// tools.bench codecs`; docs/compression.md): the worker encodes and decodes on its own thread.
 double codec_encode_s_per_byte(Codec k) {
   switch (k) {
     case Codec::kBf16: return kCodecEncodeSPerGB[1] * 1e-9;

@@ -47,10 +47,12 @@ constexpr int kMaxAlgo = 12;
 Codec codec_of(Algo a);
 Algo compressed_algo(Codec k);
 // A codec's CPU seconds per GB of float32 (1e9 bytes) on one core, encoding and decoding
-// with error feedback, measured with `python -m tools.bench --codecs` (index: Codec).
-// (2-core x86 VM, 7 Dec: bf16 0.19 / 0.05, fp16 0.60 / 0.13, int8 0.34 / 0.05 s/GB.)
-constexpr double kCodecEncodeSPerGB[kNumCodecs] = {0, 0.19, 0.60, 0.34};
-constexpr double kCodecDecodeSPerGB[kNumCodecs] = {0, 0.05, 0.13, 0.05};
+// with error feedback, measured with `python -m tools.bench codecs` (index: Codec), medians
+// of three runs. (2-core x86 VM, AMD EPYC running the AVX2 clones, 7 Dec 15:25: bf16 0.16 /
+// 0.05, fp16 0.16 / 0.05, int8 0.14 / 0.05 s/GB; before the codec's loops were restructured
+// and cloned for AVX2 (1e8549b): 0.19 / 0.05, 0.60 / 0.13, 0.34 / 0.05.)
+constexpr double kCodecEncodeSPerGB[kNumCodecs] = {0, 0.16, 0.16, 0.14};
+constexpr double kCodecDecodeSPerGB[kNumCodecs] = {0, 0.05, 0.05, 0.05};
 double codec_encode_s_per_byte(Codec k);
 double codec_decode_s_per_byte(Codec k);
 

@@ -347,7 +347,8 @@ void register_engine_bindings(py::module_& m) {
             o.compression = static_cast<int>(k);
           })
       .def_readwrite("compression_min_bytes", &Options::compression_min_bytes)
-      .def_readwrite("compression_feedback", &Options::compression_feedback);
+      .def_readwrite("compression_feedback", &Options::compression_feedback)
+      .def_readwrite("compression_threads", &Options::compression_threads);
 
   // The cost model (algorithms/cost_model.h), for benchmarks that print and plot it beside
   // what they measure. Seconds; beta in seconds per byte; `nbytes` as nccl-tests count

@@ -7,6 +7,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <system_error>
 
 #include "algorithms/algorithms.h"
 #include "algorithms/calibrate.h"
@@ -525,8 +526,19 @@ void Communicator::run_compressed(Collective& c, Op& op, Codec codec) {
   const Reduction red = Reduction::of(op.dtype, op.op);
   const size_t elems = op.count * (op.kind == OpKind::kReduceScatter ? size_t(size_) : 1);
   float* residual = opts_.compression_feedback ? residuals_.get(op.buf, op.count, op.dtype, op.op, elems) : nullptr;
+  if (opts_.compression_threads > 1 && !codec_pool_) {
+    try {
+      codec_pool_ = std::make_unique<CodecPool>(opts_.compression_threads);
+    } catch (const std::system_error& e) {
+      throw_error(ErrorKind::kConfig, "[engine] could not start " + std::to_string(opts_.compression_threads - 1) +
+                                          " codec threads (MCCL_COMPRESSION_THREADS=" +
+                                          std::to_string(opts_.compression_threads) + "): " + e.what() +
+                                          "; likely cause: the process's thread limit; lower the setting");
+    }
+  }
+  CodecPool* pool = codec_pool_.get();
   if (op.kind == OpKind::kReduceScatter) {
-    reduce_scatter_compressed(c, codec, op.buf, op.out, op.count, red, residual);
+    reduce_scatter_compressed(c, codec, op.buf, op.out, op.count, red, residual, pool);
     return;
   }
   // Every contribution is encoded before any result arrives, so the input must be all there:
@@ -536,7 +548,7 @@ void Communicator::run_compressed(Collective& c, Op& op, Codec codec) {
   PieceGate gate(c, op.tickets, whole, "allreduce");
   if (whole.n == 0) return;
   gate.wait_ready(0);
-  allreduce_compressed(c, codec, op.buf, op.count, red, residual);
+  allreduce_compressed(c, codec, op.buf, op.count, red, residual, pool);
   gate.finished(0);
 }
 
@@ -702,6 +714,7 @@ void Communicator::stop_threads(bool from_completion_thread) {
   queue_cv_.notify_all();
   transport_->wake();
   if (worker_.joinable()) worker_.join();
+  codec_pool_.reset();
   transport_->stop_helpers();
   {
     std::lock_guard<std::mutex> lk(cmu_);

@@ -39,6 +39,7 @@
 #include "core/options.h"
 #include "core/ticket.h"
 #include "communicator/op_signature.h"
+#include "compress/codec_pool.h"
 #include "compress/feedback.h"
 #include "transport/handed_links.h"
 #include "transport/mesh.h"
@@ -247,6 +248,9 @@ class Communicator {
   Scratch scratch_;
   Hierarchy hierarchy_;  // from opts_.switch_of_rank; inactive for one switch
   Residuals residuals_;  // error feedback of compressed ops, per buffer (worker thread only)
+  // MCCL_COMPRESSION_THREADS > 1: the codec's helper threads, started by the worker at its
+  // first compressed op, used by it alone, stopped once it has exited (stop_threads).
+  std::unique_ptr<CodecPool> codec_pool_;
   uint64_t coll_seq_ = 0;  // worker only
 
   // The algorithm choice (cost_model.h): pins from MCCL_ALGO; parameters written once by

@@ -49,6 +49,16 @@ void encode_f32(Codec k, const float* in, size_t n, uint8_t* out, float* residua
 void decode_add(Codec k, const uint8_t* in, size_t n, float* acc);
 // out[i] = decoded element i, rounded to `dt` (float32, bfloat16 or float16).
 void decode(Codec k, const uint8_t* in, size_t n, DType dt, void* out);
+
+// Parts of an encoding, for splitting one chunk's codec work: elements [begin, begin + n) of
+// an encoding of `total` elements (`out`/`in` point at the whole encoding, `in`/`acc`/
+// `residual`/`out` of plain elements at the part's first element). For int8, begin must be a
+// multiple of kInt8Block (n is any, up to total - begin). The bytes a part writes are those
+// the whole encode writes there, so parts encoded apart, in any order, make the same encoding.
+void encode_part(Codec k, DType dt, const void* in, size_t total, size_t begin, size_t n, uint8_t* out,
+                 float* residual);
+void decode_part(Codec k, const uint8_t* in, size_t total, size_t begin, size_t n, DType dt, void* out);
+void decode_add_part(Codec k, const uint8_t* in, size_t total, size_t begin, size_t n, float* acc);
 // out[i] = element i of `in` (dtype dt) in float32.
 void load_f32(DType dt, const void* in, size_t n, float* out);
 

@@ -35,6 +35,10 @@ void Options::validate() const {
   if (compression < 0 || compression > 3) {
     bad("compression=" + std::to_string(compression) + ": must be 0..3 (off, bf16, fp16, int8; MCCL_COMPRESSION)");
   }
+  if (compression_threads < 1 || compression_threads > kMaxCompressionThreads) {
+    bad("compression_threads=" + std::to_string(compression_threads) + ": must be 1.." +
+        std::to_string(kMaxCompressionThreads) + " (MCCL_COMPRESSION_THREADS)");
+  }
   if (!(timeout_s > 0)) bad("timeout_s=" + format_seconds(timeout_s) + ": must be positive");
   if (!(connect_timeout_s > 0)) {
     bad("connect_timeout_s=" + format_seconds(connect_timeout_s) + ": must be positive");

@@ -39,6 +39,10 @@ struct Options {
   int compression = 0;
   size_t compression_min_bytes = 64 << 10;  // MCCL_COMPRESSION_MIN_BYTES, bytes
   bool compression_feedback = true;          // MCCL_COMPRESSION_ERROR_FEEDBACK
+  // MCCL_COMPRESSION_THREADS: threads sharing a compressed op's codec work, the worker
+  // included (1: the worker alone); a communicator starts the helpers at its first such op.
+  int compression_threads = 1;
+  static constexpr int kMaxCompressionThreads = 64;
 
   // Throws ConfigError naming the bad field.
   void validate() const;
