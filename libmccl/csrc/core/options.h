@@ -39,6 +39,9 @@ struct Options {
   int compression = 0;
   size_t compression_min_bytes = 64 << 10;  // MCCL_COMPRESSION_MIN_BYTES, bytes
   bool compression_feedback = true;          // MCCL_COMPRESSION_ERROR_FEEDBACK
+  // MCCL_COMPRESSION_FEEDBACK_MAX_BYTES: the residuals kept at most (least recently used go
+  // first); 0: no cap. mccld keeps them for its jobs, so a job cannot grow it without bound.
+  size_t compression_feedback_max_bytes = 0;
 
   // Throws ConfigError naming the bad field.
   void validate() const;
