@@ -46,8 +46,8 @@ STEPS = 2
 
 @pytest.fixture
 def hosts(request):
-    """``request.param`` daemons on loopback, each its own "host"."""
-    n = request.param
+    """``request.param`` daemons on loopback, each its own "host" (or (n, engine settings of mccld))."""
+    n, extra = request.param if isinstance(request.param, tuple) else (request.param, {})
     dirs = [Path(tempfile.mkdtemp(prefix="mccl-cmtest-")) for _ in range(n)]
     running = []
     try:
@@ -56,7 +56,7 @@ def hosts(request):
                    "MCCL_FLEET": f"cm{os.getpid()}", "MCCL_LISTEN_ADDR": "127.0.0.1", "MCCL_PORT": "0",
                    "MCCL_STATUS_PORT": "0", "MCCL_METRICS_PORT": "0", "MCCL_HOST_ID": f"cm{os.getpid()}h{i}",
                    "MCCL_CLIENT_CHECK_INTERVAL": "0.1"}
-            running.append(Daemon(load_config(env=env), engine_cfg=load(EngineConfig, env=os.environ)).start())
+            running.append(Daemon(load_config(env=env), engine_cfg=load(EngineConfig, env={**os.environ, **extra})).start())
         yield running, [str(d) for d in dirs]
     finally:
         for d in running:
@@ -240,6 +240,38 @@ def test_error_feedback_through_mccld_converges(hosts):
         errs[fb] = (err(out[0][0], np.float32), err(out[0][1], np.float64))
     assert errs[False][1] == pytest.approx(errs[False][0], rel=0.01), errs   # every step rounds alike
     assert errs[True][1] < errs[True][0] / 4, errs                           # what one drops, the next sends
+
+
+def rank_two_buckets(rank: int, world: int, dirs: list[str]) -> list[bytes]:
+    comm = _comm(rank, world, dirs[rank], 0xc0de60, "int8")
+    bufs = [np.zeros(SMALL, np.float32) for _ in range(2)]
+    out = []
+    for step in range(2):
+        for i, a in enumerate(bufs):
+            a[:] = step_input(rank, step * 10 + i, SMALL, 3)
+            comm.wait(comm.allreduce(a.ctypes.data, SMALL, F32, SUM), 60)
+            out.append(a.tobytes())
+    comm.shutdown(10)
+    return out
+
+
+@pytest.mark.parametrize("hosts", [(2, {"MCCL_COMPRESSION_FEEDBACK_MAX_BYTES": str(4 * SMALL)})], indirect=True)
+def test_mccld_caps_a_jobs_residuals_with_its_own_setting(hosts):
+    """Room for one bucket's residual in mccld: each op drops the other's, so every op runs as
+    without feedback (the client cannot raise mccld's cap: the join does not carry it)."""
+    _daemons, dirs = hosts
+    got = run_ranks(rank_two_buckets, 2, dirs, timeout_s=120)
+    with ranks(2, opts=make_options(compression="int8", compression_feedback=False)) as comms:
+        want = []
+        for step in range(2):
+            for i in range(2):
+                xs = [step_input(r, step * 10 + i, SMALL, 3) for r in range(2)]
+
+                def body(r, comm, xs=xs):
+                    comm.wait(comm.allreduce(ptr(xs[r]), SMALL, F32, SUM), 60)
+                    return xs[r].tobytes()
+                want.append(run_threads_ranks(comms, body)[0])
+    assert got[0] == want
 
 
 def rank_mismatch(rank: int, world: int, dirs: list[str]) -> str:
