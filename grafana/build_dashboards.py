@@ -215,6 +215,13 @@ def job() -> dict:
         panel("timeseries", "Job traffic", [
             (f'sum by (instance) (rate(mccl_job_bytes_total{{job_id=~"$job_id"}}[{RATE}])) {HOSTNAME}',
              "{{hostname}}")], unit="Bps", description="Collective buffer bytes per second, per host"),
+        panel("timeseries", "All-reduce bytes across hosts, before and after compression", [
+            (f'sum by (instance, compression) (rate(mccl_job_allreduce_input_bytes_total{{job_id=~"$job_id"}}'
+             f'[{RATE}])) {HOSTNAME}', "{{hostname}} before ({{compression}})"),
+            (f'sum by (instance, compression) (rate(mccl_job_allreduce_encoded_bytes_total{{job_id=~"$job_id"}}'
+             f'[{RATE}])) {HOSTNAME}', "{{hostname}} after ({{compression}})")], unit="Bps",
+            description="What each host contributed to the job's all-reduces across hosts per second, as "
+                        "float bytes and as encoded for the wire (MCCL_COMPRESSION; equal when off)"),
         panel("timeseries", "Collective latency p50 / p99 (job hosts)", [
             (f"histogram_quantile(0.5, sum by (le, op) (rate(mccl_collective_duration_seconds_bucket[{RATE}]) "
              f"{on_job}))", "p50 {{op}}"),

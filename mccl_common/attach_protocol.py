@@ -7,8 +7,10 @@ a collective's reply *is* its completion, pushed when it finishes (no polling).
 
 Request types and their fields:
   hello    token, pid                    -> host_id, link_addr, daemon_version
-  join     job, rank, size, hosts, timeout_s, opts
-                                         -> (when the job's host communicator is built)
+  join     job, rank, size, hosts, timeout_s, opts [, compression, compression_min_bytes,
+           compression_feedback]         -> (when the job's host communicator is built)
+                                            (``compression``: the job's MCCL_COMPRESSION, which
+                                            every rank of the job must send alike)
   register job, rank, segment, nbytes [, buffer]
                                          -> ok; the daemon maps the segment (``buffer``: one the
                                             rank's tensors live in, kept beside its data segment
@@ -46,7 +48,7 @@ from typing import Any, ClassVar, Mapping
 
 from . import PROTO_VERSION, errors
 from .errors import MCCLError, ProtocolError
-from .wire import DTYPE_SIZE, MAX_TAG, OP_NAMES
+from .wire import AVG, DTYPE_SIZE, MAX_TAG, OP_NAMES, SUM
 
 SOCKET_NAME = "mccld.sock"
 TOKEN_NAME = "token"
@@ -65,6 +67,8 @@ MAX_BUFFERS_PER_RANK = 64
 # least this long, whatever the collective timeout: ranks and hosts reach each step seconds
 # apart on a loaded machine, and a 2 s op timeout must not fail the set-up.
 SETUP_TIMEOUT_FLOOR_S = 5.0
+# MCCL_COMPRESSION's values (mccl_common/settings.py; the engine's compress/codec.h).
+CODECS = ("off", "bf16", "fp16", "int8")
 
 
 def setup_timeout(timeout_s: float) -> float:
@@ -119,6 +123,35 @@ def _segment_name(where: str, name: str) -> None:
 
 
 @dataclass(frozen=True)
+class Compression:
+    """A job's compressed all-reduce (MCCL_COMPRESSION, _MIN_BYTES, _ERROR_FEEDBACK; docs/compression.md),
+    as each rank's join carries it and the store shows it to the other ranks."""
+    codec: str = "off"
+    min_bytes: int = 64 << 10
+    feedback: bool = True
+
+    def __str__(self) -> str:
+        if self.codec == "off":
+            return "MCCL_COMPRESSION=off"
+        return (f"MCCL_COMPRESSION={self.codec} MCCL_COMPRESSION_MIN_BYTES={self.min_bytes} "
+                f"MCCL_COMPRESSION_ERROR_FEEDBACK={int(self.feedback)}")
+
+    def join_fields(self) -> dict[str, Any]:
+        return {"compression": self.codec, "compression_min_bytes": self.min_bytes,
+                "compression_feedback": self.feedback}
+
+    def applies(self, dtype: int, redop: int, nbytes: int, codec_takes: Any) -> bool:
+        """Whether the engine runs an all-reduce of ``nbytes`` compressed (its
+        Communicator::compression rule); ``codec_takes(codec, dtype)``: the engine's
+        ``_core.compress_applies`` (this module imports nothing of the engine)."""
+        return (self.codec != "off" and redop in (SUM, AVG)
+                and nbytes >= self.min_bytes and bool(codec_takes(self.codec, dtype)))
+
+
+NO_COMPRESSION = Compression()
+
+
+@dataclass(frozen=True)
 class Request:
     """What every request carries; ``type`` names the subclass on the wire."""
     type: ClassVar[str] = ""
@@ -153,11 +186,24 @@ class Join(Request):
     hosts: tuple[Host, ...] = wire(list, max_len=MAX_HOSTS, items=Field(dict))
     timeout_s: float = wire((int, float), 1e-3, 1e7)
     opts: dict = wire(dict)
+    # The job's compressed all-reduce (MCCL_COMPRESSION*, docs/compression.md): the engine among
+    # the job's daemons is built with it. Absent (an older client): off.
+    compression: str = wire(str, max_len=8, default="off")
+    compression_min_bytes: int = wire(int, 0, _MAX_BYTES, default=64 << 10)
+    compression_feedback: bool = wire(bool, default=True)
 
     def __post_init__(self) -> None:
         _job_id("join", self.job)
+        if self.compression not in CODECS:
+            raise ProtocolError(f"[daemon] join: field 'compression'={_short(self.compression)} is not one of "
+                                f"{', '.join(CODECS)}; the client and mccld releases differ, or the request "
+                                "was forged")
         object.__setattr__(self, "hosts", tuple(_build(Host, f"join: hosts[{i}]", h, exact=False)
                                                 for i, h in enumerate(self.hosts)))
+
+    @property
+    def compression_settings(self) -> Compression:
+        return Compression(self.compression, self.compression_min_bytes, self.compression_feedback)
 
 
 @dataclass(frozen=True)
@@ -284,13 +330,16 @@ REQUESTS: dict[str, type[Request]] = {cls.type: cls for cls in (Hello, Join, Reg
 # unknown to this daemon (or a missing one) is refused here rather than failing there.
 _COUNT, _DTYPE, _REDOP = _BYTES, Field(int, 0, len(DTYPE_SIZE) - 1), Field(int, 0, len(OP_NAMES) - 1)
 _OFFS = {"send_off": _BYTES, "recv_off": _BYTES}
+_KEY = Field(int, 0, (1 << 64) - 1, required=False)
 OP_ARGS: dict[str, dict[str, Field]] = {
     # pipelined: through the segment's tickets, the op starting at `base` in their counts
+    # key: the client's address of the tensor, which keys a compressed op's error feedback
     "allreduce": {"count": _COUNT, "dtype": _DTYPE, "op": _REDOP, "offset": _BYTES,
-                  "pipelined": Field(bool, required=False), "base": Field(int, 0, _MAX_ID, required=False)},
+                  "pipelined": Field(bool, required=False), "base": Field(int, 0, _MAX_ID, required=False),
+                  "key": _KEY},
     "broadcast": {"nbytes": _BYTES, "root": _RANK},
     "allgather": {**_OFFS, "nbytes": _BYTES},
-    "reduce_scatter": {**_OFFS, "count": _COUNT, "dtype": _DTYPE, "op": _REDOP},
+    "reduce_scatter": {**_OFFS, "count": _COUNT, "dtype": _DTYPE, "op": _REDOP, "key": _KEY},
     "reduce": {"count": _COUNT, "dtype": _DTYPE, "op": _REDOP, "root": _RANK},
     "gather": {**_OFFS, "nbytes": _BYTES, "root": _RANK},
     "scatter": {**_OFFS, "nbytes": _BYTES, "root": _RANK},

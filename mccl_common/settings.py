@@ -122,8 +122,9 @@ class EngineConfig:
         "SUM/AVG all-reduces and reduce-scatters of at least MCCL_COMPRESSION_MIN_BYTES travel compressed: "
         "bf16/fp16 round float32 to 16 bits, int8 sends one byte per element and a scale per 64 (float32, "
         "bfloat16, float16); each contribution is encoded once and summed in float32, and every rank ends with "
-        "the same bits (docs/compression.md gives the errors). Other dtypes and ops stay exact. In-process only "
-        "(MCCL_DAEMON=1 refuses it); every rank must use the same value")
+        "the same bits (docs/compression.md gives the errors). Other dtypes and ops stay exact. With MCCL_DAEMON=1 "
+        "mccld compresses what crosses hosts (a host's ranks are summed exactly first); every rank must use "
+        "the same value")
     compression_min_bytes: int = setting(
         "MCCL_COMPRESSION_MIN_BYTES", 64 << 10, "bytes",
         "MCCL_COMPRESSION: smaller ops (metrics, loss sums) stay exact; every rank must use the same value")
@@ -137,6 +138,11 @@ class EngineConfig:
         "MCCL_COMPRESSION: threads that share a compressed op's encoding and decoding, the communicator's "
         "worker included (1: the worker alone); more take the codec off the op's critical path where cores "
         "are idle (docs/compression.md). The results are the same bits whatever the count; 1 to 64")
+    compression_feedback_max_bytes: int = setting(
+        "MCCL_COMPRESSION_FEEDBACK_MAX_BYTES", 16 << 30, "bytes",
+        "MCCL_COMPRESSION_ERROR_FEEDBACK: residuals a communicator keeps at most (0: no cap); past it the least "
+        "recently used buffers lose theirs (logged once). mccld applies its own value to every job it "
+        "hosts, so no job grows the daemon without bound")
     pipeline_bytes: int = setting(
         "MCCL_PIPELINE_BYTES", 2 << 20, "bytes",
         "smallest piece of an all-reduce handed over by segment tickets (mccld's shared-memory path, "
@@ -231,6 +237,7 @@ class EngineConfig:
         opts.compression_min_bytes = self.compression_min_bytes
         opts.compression_feedback = self.compression_error_feedback
         opts.compression_threads = self.compression_threads
+        opts.compression_feedback_max_bytes = self.compression_feedback_max_bytes
         opts.send_thread = self.send_thread
         opts.recv_threads = self.recv_threads
         opts.timeout_s = timeout_s
@@ -270,6 +277,8 @@ class EngineConfig:
                  "must not be negative")
         _require(1 <= self.compression_threads <= 64, "MCCL_COMPRESSION_THREADS", self.compression_threads,
                  "must be between 1 and 64")
+        _require(self.compression_feedback_max_bytes >= 0, "MCCL_COMPRESSION_FEEDBACK_MAX_BYTES",
+                 self.compression_feedback_max_bytes, "must not be negative (0: no cap)")
         _require(self.wire_security in ("aead", "mac", "off"), "MCCL_WIRE_SECURITY", self.wire_security,
                  "must be aead, mac or off")
 

@@ -242,7 +242,8 @@ def topology_text(view: dict, wide: bool = False) -> str:
 
 # ---- jobs ----------------------------------------------------------------------------
 
-JOB_HEADERS = ("HOST", "JOB", "STATUS", "AGE", "RANKS", "WORLD", "COLLECTIVES", "BYTES", "OVERLAP", "SHARE@SAMPLES/S")
+JOB_HEADERS = ("HOST", "JOB", "STATUS", "AGE", "RANKS", "WORLD", "COMPRESSION", "COLLECTIVES", "BYTES", "OVERLAP",
+               "SHARE@SAMPLES/S")
 # The daemon's job states (mccld/jobs/job.py, and "ended" once it left the table) as shown.
 JOB_STATUS = {"joining": "starting", "ready": "running", "failed": "failed", "closed": "ending", "ended": "ended"}
 
@@ -265,9 +266,19 @@ def job_rows(host: str, jobs: list[dict]) -> list[list[str]]:
         ranks = job.get("ranks")
         rows.append([host, job.get("job") or NA, job_status(job), human_duration(job.get("age_s")),
                      NA if ranks is None else ",".join(str(r) for r in ranks),
-                     NA if job.get("world") is None else str(job["world"]),
+                     NA if job.get("world") is None else str(job["world"]), _compression_text(job),
                      str(job.get("collectives", NA)), human_bytes(job.get("bytes")), ov, _balance_text(job)])
     return rows
+
+
+def _compression_text(job: dict) -> str:
+    """The job's MCCL_COMPRESSION and, once it sent some, the ratio it achieved across hosts
+    (input / encoded bytes), e.g. ``int8 3.76x``."""
+    codec = job.get("compression")
+    if codec is None:
+        return NA   # an mccld too old to say
+    given, encoded = job.get("allreduce_input_bytes") or 0, job.get("allreduce_encoded_bytes") or 0
+    return f"{codec} {given / encoded:.2f}x" if codec != "off" and encoded else str(codec)
 
 
 def _balance_text(job: dict) -> str:

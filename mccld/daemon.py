@@ -73,9 +73,10 @@ class Daemon:
         self.cfg = cfg
         self.engine_cfg = engine_cfg or load(EngineConfig)
         if self.engine_cfg.compression != "off":
-            raise ConfigError(f"[mccld] MCCL_COMPRESSION={self.engine_cfg.compression} is not supported by mccld "
-                              "yet (its ring runs uncompressed); unset it in mccld's environment and compress "
-                              "in-process (MCCL_DAEMON=0)")
+            # Each job's ranks choose it (their join carries it); said, not silently dropped.
+            log.warning("[mccld] MCCL_COMPRESSION=%s in mccld's environment has no effect: each job compresses "
+                        "as its training processes' MCCL_COMPRESSION (or Options) says; unset it here",
+                        self.engine_cfg.compression)
         self.host_id = cfg.host_id or default_host_id()
         self.addr = ""
         self.iface = ""

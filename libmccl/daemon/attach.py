@@ -58,6 +58,21 @@ def _engine_cut(cut: Any, endpoint: str) -> dict[str, int]:
     return {k: cut[k] for k in keys}
 
 
+def _same_compression(members: list[dict[str, Any]], rank: int, job: str, mine: str) -> None:
+    """Every rank of the job compresses alike, or none starts: a ConfigError naming both settings
+    (mixed, one host would encode what another reads as float32)."""
+    for r, m in enumerate(members):
+        theirs = m.get("compression", "MCCL_COMPRESSION=off")
+        if not isinstance(theirs, str):
+            raise ConfigError(f"[daemon-client] job {job}: rank {r} published compression {theirs!r}, not text; "
+                              "its libmccl speaks another release")
+        if theirs != mine:
+            raise ConfigError(f"[daemon-client] job {job}: rank {rank} runs with {mine}, rank {r} with "
+                              f"{theirs[:200]}; every rank of a job must use the same compression settings: set "
+                              "MCCL_COMPRESSION* (or Options(compression=...)) alike in every training process",
+                              peer_rank=r)
+
+
 class Attachment:
     def __init__(self, rdir: Path, rank: int, size: int, timeout_s: float):
         self._rdir = rdir
@@ -159,10 +174,12 @@ class Attachment:
                 raise protocol.error_from_payload(reply.get("error") or {})
             return reply
 
-    def join(self, store: Any, job: str, opts: dict[str, Any] | None = None) -> None:
-        """Members publish (host id, daemon link address) in the store; the daemons do the rest.
-        ``opts``: this rank's extras for its daemon (its small-op queue)."""
-        me = json.dumps({"host_id": self.host_id, "link_addr": self.daemon_addr, "switch": self.switch})
+    def join(self, store: Any, job: str, opts: dict[str, Any] | None = None,
+             compression: protocol.Compression = protocol.NO_COMPRESSION) -> None:
+        """Members publish (host id, daemon link address, compression) in the store; the daemons
+        do the rest. ``opts``: this rank's extras for its daemon (its small-op queue)."""
+        me = json.dumps({"host_id": self.host_id, "link_addr": self.daemon_addr, "switch": self.switch,
+                         "compression": str(compression)})
         store.set(f"mccld/member/{self.rank}", me)
         keys = [f"mccld/member/{r}" for r in range(self.size)]
         # The other ranks publish once they reached their own mccld: seconds apart under load.
@@ -184,13 +201,14 @@ class Attachment:
         try:
             listen_addr.check_no_loopback_mix(self.link_addrs, self.rank, f"[daemon-client] job {job}",
                                               _LOOPBACK_ADVICE, of="'s mccld")
+            _same_compression(members, self.rank, job, str(compression))
         except ConfigError:
             rendezvous.linger(store, "mccld", self.rank, self.size, self.timeout_s)
             raise
         try:
-            self.call({"type": "join", "job": job, "rank": self.rank, "size": self.size, "hosts": ordered,
-                       "timeout_s": self.timeout_s, "opts": opts or {}}, setup_s + 5.0,
-                      watch=lambda: self._check_refused(store, job))
+            reply = self.call({"type": "join", "job": job, "rank": self.rank, "size": self.size, "hosts": ordered,
+                               "timeout_s": self.timeout_s, "opts": opts or {}, **compression.join_fields()},
+                              setup_s + 5.0, watch=lambda: self._check_refused(store, job))
         except AuthError as exc:
             if exc is self._told:
                 rendezvous.linger(store, _REFUSED_KEY, self.rank, self.size, self.timeout_s)
@@ -199,6 +217,11 @@ class Attachment:
             # other ranks wait on their own mcclds until their set-up timeout unless told.
             self._post_refused(store)
             raise
+        if len(hosts) > 1 and reply.get("compression", "off") != compression.codec:
+            # An mccld of an older release ignores the field: the job would run exact, silently.
+            raise ConfigError(f"[daemon-client] job {job}: mccld at {self.endpoint} runs it with compression "
+                              f"{reply.get('compression', 'off')!r}, not {compression.codec!r} as asked; likely "
+                              "cause: an mccld of an older release; restart mccld from this installation")
 
     def _post_refused(self, store: Any) -> None:
         """``store`` is the comm's SealedStore (rendezvous.exchange): the record is sealed under

@@ -40,6 +40,7 @@ from typing import Any, Callable
 import zmq
 
 from mccl_common import fd_handover
+from mccl_common.attach_protocol import Compression
 from mccl_common import shm
 from mccl_common.daemon_settings import DaemonConfig, runtime_dir
 from mccl_common.errors import AbortedError, CollectiveTimeout, ConfigError, MCCLError
@@ -123,7 +124,13 @@ class DaemonCommunicator(Submitter, IOLoop):
         self._daemon_cut: Any = None           # _core.Options: how mccld's engine cuts ops (_copy_lead)
         self._verdict_s = 0.0                  # see _set_verdict_bound
         self._lead_warned = False
-        self._ops = OpBuilder(rank, size, self._piece, fast_bytes)
+        # The job's compression (MCCL_COMPRESSION, or the group's Options): mccld's engine applies
+        # it to what crosses hosts; every rank must say the same (attach.py checks, mccld too).
+        self.compression = Compression(str(getattr(opts if opts is not None else cfg, "compression", "off")),
+                                       int(getattr(opts, "compression_min_bytes", cfg.compression_min_bytes)),
+                                       bool(getattr(opts, "compression_feedback", cfg.compression_error_feedback)))
+        self._ops = OpBuilder(rank, size, self._piece, fast_bytes, self._compresses
+                              if self.compression.codec != "off" else None)
         self._fastq: Any = None                # _core.FastQueue, the small-op queue to mccld
         self._outbox: collections.deque[dict[str, Any]] = collections.deque()  # reports, no reply awaited
         self._register_reqs: set[int] = set()   # of data segments: refused, nothing further can run
@@ -155,11 +162,13 @@ class DaemonCommunicator(Submitter, IOLoop):
             if fast_bytes:
                 self._fastq = self._open_fast_queue(fast_bytes)
             att.join(store, self._job, {"fast_queue": self._fastq.name, "fast_bytes": fast_bytes}
-                     if self._fastq is not None else {})
+                     if self._fastq is not None else {}, self.compression)
         except BaseException:
             att.close()
             self._close_fast_queue()
             raise
+        if len(set(att.link_addrs)) < 2:
+            self._ops.compressed = None   # one host: nothing crosses a link, so nothing is compressed
         self._sock, self._monitor, self._req = att.sock, att.monitor, att.req
         self.host_id, self.daemon_addr, self._link_addrs = att.host_id, att.daemon_addr, att.link_addrs
         self._daemon_cut = _daemon_cut(cfg, att.engine_cut)
@@ -172,6 +181,10 @@ class DaemonCommunicator(Submitter, IOLoop):
         _live.add(self)
 
     # -- set-up --------------------------------------------------------------------------
+    def _compresses(self, dtype: int, op: int, nbytes: int) -> bool:
+        from .. import _core
+        return self.compression.applies(dtype, op, nbytes, _core.compress_applies)
+
     def _open_fast_queue(self, slot_bytes: int) -> Any:
         from libmccl import _core
         # Generation 0 is the queue's; the data segments count from 1.

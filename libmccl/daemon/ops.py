@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Any
+from typing import Any, Callable
 
 from mccl_common.errors import ConfigError
 
@@ -56,13 +56,21 @@ class OpSpec:
     # Served by mccld's native thread through the rank's small-op queue (docs/daemon-fastpath.md):
     # an all-reduce of at most fast_bytes, or a barrier.
     fast: bool = False
+    # Run compressed by mccld's engine (MCCL_COMPRESSION): its input is copied in whole, since
+    # every contribution is encoded before any result comes back.
+    compressed: bool = False
 
 
 class OpBuilder:
-    def __init__(self, rank: int, size: int, pipeline_bytes: int, fast_bytes: int = 0):
+    """``compressed(dtype, op, nbytes)``: whether mccld's engine runs such an all-reduce
+    compressed (the job's MCCL_COMPRESSION, on a job spanning hosts); None: nothing is."""
+
+    def __init__(self, rank: int, size: int, pipeline_bytes: int, fast_bytes: int = 0,
+                 compressed: Callable[[int, int, int], bool] | None = None):
         self.rank, self.size = rank, size
         self.pipeline_bytes = pipeline_bytes
         self.fast_bytes = fast_bytes                # 0: no small-op queue
+        self.compressed = compressed
 
     def _spec(self, name: str, args: dict[str, Any], span: int, copy_in: list[Copy], copy_out: list[Copy],
               nbytes: int) -> OpSpec:
@@ -93,12 +101,18 @@ class OpBuilder:
         # Every rank decides from the size alone. What fits the small-op queue goes there even
         # past one piece: on a busy host its native thread with whole-buffer copies beat the
         # pipelined path's Python (docs/daemon-fastpath.md); beyond it, there is copying to overlap.
-        fast = 0 < n <= self.fast_bytes
+        # A compressed one goes to the job's thread with the tensor's address, which keys its
+        # error feedback in mccld (the small-op queue's slot is the same for every op).
+        compressed = self.compressed is not None and self.compressed(dtype, op, n)
+        fast = 0 < n <= self.fast_bytes and not compressed
         pipelined = not fast and n > self.pipeline_bytes
         args = {"count": count, "dtype": dtype, "op": op, "offset": 0}
         if pipelined:
             args["pipelined"] = True
+        if compressed:
+            args["key"] = ptr
         spec = self._spec("allreduce", args, n, [(0, ptr, n)], [(0, ptr, n)], n)
+        spec.compressed = compressed
         spec.pipelined = pipelined
         spec.fast = fast
         return spec
@@ -118,8 +132,10 @@ class OpBuilder:
     def reduce_scatter(self, send_ptr: int, recv_ptr: int, count: int, dtype: int, op: int) -> OpSpec:
         n = self._check_reduce(count, dtype, op)
         off = _align(n * self.size)
-        return self._spec("reduce_scatter", {"send_off": 0, "recv_off": off, "count": count, "dtype": dtype,
-                                             "op": op}, off + n, [(0, send_ptr, n * self.size)],
+        args = {"send_off": 0, "recv_off": off, "count": count, "dtype": dtype, "op": op}
+        if self.compressed is not None and self.compressed(dtype, op, n * self.size):
+            args["key"] = send_ptr   # mccld all-reduces the whole input, compressed (see allreduce)
+        return self._spec("reduce_scatter", args, off + n, [(0, send_ptr, n * self.size)],
                           [(off, recv_ptr, n)], n * self.size)
 
     def reduce(self, ptr: int, count: int, dtype: int, op: int, root: int) -> OpSpec:

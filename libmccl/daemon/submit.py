@@ -197,7 +197,8 @@ class Submitter:
             if spec.pipelined:
                 (_, ptr, n), = spec.copy_in
                 now = time.monotonic()
-                op.pipe = _Pipe(ptr, n, self._ticket_base, seg=self._segment, lead=self._copy_lead(spec.args, n),
+                lead = n if spec.compressed else self._copy_lead(spec.args, n)
+                op.pipe = _Pipe(ptr, n, self._ticket_base, seg=self._segment, lead=lead,
                                 started=now, progress_at=now)
                 args["base"] = self._ticket_base
                 self._ticket_base += n

@@ -89,10 +89,6 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
             # is done on the caller's thread, with no segment, copy or attach.
             return SoloCommunicator(self._router.on_complete)
         if self._cfg.daemon:
-            if self._cfg.compression != "off":
-                raise ConfigError(f"[mccl] MCCL_COMPRESSION={self._cfg.compression} is not supported with "
-                                  "MCCL_DAEMON=1 yet (mccld's ring runs uncompressed); unset MCCL_DAEMON to "
-                                  "compress in-process, or set MCCL_COMPRESSION=off")
             try:
                 from ..daemon.client import DaemonCommunicator
             except ImportError as exc:

@@ -40,8 +40,10 @@ def per_rank_args(op: str) -> frozenset[str]:
         return frozenset({"segment", "send_off", "recv_off", "send_sizes", "recv_sizes"})
     if op == "allreduce":
         # base: where the op starts in the rank's tickets; offset: in its segment (a tensor in a
-        # shared buffer sits wherever its allocation put it)
-        return frozenset({"segment", "base", "offset"})
+        # shared buffer sits wherever its allocation put it); key: the rank's tensor address
+        return frozenset({"segment", "base", "offset", "key"})
+    if op == "reduce_scatter":
+        return frozenset({"segment", "key"})
     return frozenset({"segment"})
 
 
@@ -103,6 +105,11 @@ class Hierarchy:
                 return
         fn(bases, **{k: v for k, v in args[self.topo.local[0]].items() if k not in ("segment", "offset")})
 
+    # Error feedback of a compressed op (docs/compression.md) is keyed by the first local rank's
+    # tensor address ("key", as its client sent it): the segment the daemon runs the op on is
+    # reused by every op, while a DDP bucket keeps its tensor across steps, and a rebuilt bucket
+    # gets a new one. Without a key (an exact op of an older client) the engine keys by the region.
+
     # -- helpers -------------------------------------------------------------------------
     def _leader_reduce(self, bases: dict[int, int], off: int, count: int, dtype: int, op: int) -> int:
         """Reduce every local region into the first local rank's; returns its address."""
@@ -137,11 +144,15 @@ class Hierarchy:
         return out
 
     # -- algorithms ------------------------------------------------------------------------
-    def _allreduce(self, bases, count: int, dtype: int, op: int) -> None:
+    def _allreduce(self, bases, count: int, dtype: int, op: int, key: int = 0) -> None:
         buf = self._leader_reduce(bases, 0, count, dtype, op)
+        # One rank on every host: the engine's AVG is the job's (as in the pipelined path), and a
+        # compressed one divides before it encodes the sum, as in-process (the same bits).
+        engine_divides = self.engine is not None and self.topo.size == len(self.topo.hosts)
         if self.engine is not None:
-            self.engine("allreduce", buf, count, dtype, SUM if op == AVG else op)
-        if op == AVG:
+            self.engine("allreduce", buf, count, dtype, SUM if op == AVG and not engine_divides else op,
+                        feedback_key=key)
+        if op == AVG and not engine_divides:
             self.pool.finalize_avg(buf, count, dtype, self.topo.size)
         for r in self.topo.local[1:]:
             _copy(bases[r], buf, count * DTYPE_SIZE[dtype])
@@ -158,7 +169,7 @@ class Hierarchy:
         regions = [Region(bases[r], *tickets[r], args[r]["base"]) for r in self.topo.local]
         topo = self.topo
         self.pipeline.allreduce(regions, count, dtype, op, topo.size, self.engine,
-                                engine_divides=topo.size == len(topo.hosts))
+                                engine_divides=topo.size == len(topo.hosts), key=a.get("key", 0))
 
     def _broadcast(self, bases, nbytes: int, root: int) -> None:
         local = self.topo.local
@@ -179,13 +190,14 @@ class Hierarchy:
         if root in self.topo.local:
             _copy(bases[root] + recv_off, out, self.topo.size * nbytes)
 
-    def _reduce_scatter(self, bases, send_off: int, recv_off: int, count: int, dtype: int, op: int) -> None:
+    def _reduce_scatter(self, bases, send_off: int, recv_off: int, count: int, dtype: int, op: int,
+                        key: int = 0) -> None:
         # All-reduce of the whole input, then each rank keeps its block: correct, but moves
-        # the full buffer rather than 1/world of it.
+        # the full buffer rather than 1/world of it (compressed too, where the job compresses).
         total = count * self.topo.size
         buf = self._leader_reduce(bases, send_off, total, dtype, op)
         if self.engine is not None:
-            self.engine("allreduce", buf, total, dtype, SUM if op == AVG else op)
+            self.engine("allreduce", buf, total, dtype, SUM if op == AVG else op, feedback_key=key)
         if op == AVG:
             self.pool.finalize_avg(buf, total, dtype, self.topo.size)
         block = count * DTYPE_SIZE[dtype]

@@ -60,6 +60,7 @@ class JobHost(Protocol):
     def release_data_sockets(self, job: "Job", clean: bool) -> None: ...  # reuse them if clean
     def notify_peers_failed(self, job: "Job", exc: MCCLError) -> None: ...
     def record_collective(self, job: "Job", op: str, nbytes: int, seconds: float) -> None: ...
+    def record_reduced(self, job: "Job", nbytes: int, encoded: int) -> None: ...  # across hosts
     def poll_traffic(self, job: "Job") -> None: ...           # the engine's byte counters -> exporter
     def job_closed(self, job: "Job") -> None: ...
 
@@ -103,11 +104,12 @@ class _Pending:
 
 class Job:
     def __init__(self, host: JobHost, job_id: str, size: int, hosts: tuple[protocol.Host, ...],
-                 timeout_s: float, opts: dict[str, Any]):
+                 timeout_s: float, opts: dict[str, Any], compression: protocol.Compression = protocol.NO_COMPRESSION):
         self.host = host
         self.id = job_id
         self.size = size
         self.hosts = hosts
+        self.compression = compression   # the first join's; every later one must say the same
         self.timeout_s = float(timeout_s)
         self.setup_timeout_s = protocol.setup_timeout(self.timeout_s)
         self.opts = opts
@@ -150,7 +152,19 @@ class Job:
 
     # -- requests from the attach thread ---------------------------------------------------
     def join(self, ident: bytes, req: int, rank: int, pid: int, size: int, hosts: tuple,
-             opts: dict[str, Any] | None = None) -> None:
+             opts: dict[str, Any] | None = None,
+             compression: protocol.Compression = protocol.NO_COMPRESSION) -> None:
+        if compression != self.compression:
+            # Ranks of one host that disagree (those of different hosts are caught by the clients,
+            # which compare every rank's setting in the store before they join).
+            with self._lock:
+                first = min(self.members, default=None)
+            err = ConfigError(f"[daemon] job {self.id}: rank {rank} joined with {compression}, "
+                              f"{'rank ' + str(first) if first is not None else 'the job'} with {self.compression}; "
+                              "every rank of a job must use the same compression settings: set them alike "
+                              "in every training process's environment (or Options)", peer_rank=rank)
+            self.fail(err, local=True)   # the ranks already waiting on their join get it too
+            raise err
         fast_queue = announced_queue(self.id, rank, pid, opts)
         if fast_queue is not None:
             fast_queue = (*fast_queue, self.host.take_segment(ident, fast_queue[0]))
@@ -292,8 +306,7 @@ class Job:
                         "took another code path", peer_rank=missing[0]), local=True)
                     return
         self._cut_if_due(now)
-        for op, nbytes, seconds in self.fast.records():
-            self.host.record_collective(self, op, nbytes, seconds)
+        self._record_fast()
         late = self.p2p.overdue(now)
         if late is not None:
             self.fail(late, local=True)
@@ -512,7 +525,7 @@ class Job:
                  len(self.local_ranks), len(self.topo.hosts))
         for ident, req in joined:
             self.host.reply(ident, req, {"ok": True, "local_ranks": self.local_ranks,
-                                         "hosts": len(self.topo.hosts)})
+                                         "hosts": len(self.topo.hosts), "compression": self.compression.codec})
 
     def _engine_run(self, method: str, *args, deadline: bool = True, **tickets) -> None:
         """Runs one engine op to its end. ``deadline=False`` (p2p only): the op may wait
@@ -637,14 +650,30 @@ class Job:
         # counters) cost ~15-20 us of Python that the ranks need not wait for.
         for p in waiting.values():
             self.host.reply(p.ident, p.req, {"ok": True})
-        self.host.record_collective(self, first.op, _nbytes_for_stats(first.op, first.args, self.size),
-                                    seconds)
+        nbytes = _nbytes_for_stats(first.op, first.args, self.size)
+        if first.op in ("allreduce", "reduce_scatter") and len(self.topo.hosts) > 1:
+            self.host.record_reduced(self, nbytes, self._encoded_bytes(first.op, first.args, nbytes))
+        self.host.record_collective(self, first.op, nbytes, seconds)
+
+    def _record_fast(self) -> None:
+        for op, nbytes, seconds in self.fast.records():
+            if op == "allreduce" and len(self.topo.hosts) > 1:
+                # Exact: a client sends the all-reduces its job compresses to the job's thread.
+                self.host.record_reduced(self, nbytes, nbytes)
+            self.host.record_collective(self, op, nbytes, seconds)
+
+    def _encoded_bytes(self, op: str, args: Any, nbytes: int) -> int:
+        """Bytes the host's contribution of ``nbytes`` (an all-reduce's input across hosts)
+        takes on the wire: encoded where the engine compresses it, else as is."""
+        dtype, redop = args["dtype"], args["op"]
+        if len(self.topo.hosts) < 2 or not self.compression.applies(dtype, redop, nbytes, _core.compress_applies):
+            return nbytes
+        return _core.compress_encoded_bytes(self.compression.codec, nbytes // DTYPE_SIZE[dtype])
 
     def _shutdown(self) -> None:
         self._cut_if_due(None)  # every rank left: no one waits for the op still running
         self.fast.close()   # every rank left: no small op is in flight
-        for op, nbytes, seconds in self.fast.records():
-            self.host.record_collective(self, op, nbytes, seconds)
+        self._record_fast()
         self.p2p.stop()     # our ranks' last sends are written
         engine = self.engine
         if engine is not None:

@@ -68,6 +68,11 @@ class JobPeers:
         # point seconds apart on a loaded machine (attach_protocol.SETUP_TIMEOUT_FLOOR_S), and one late
         # host held every lower rank's handshakes past a 2 s op timeout (fault campaign, 6 Dec).
         opts = self._engine_cfg.engine_options(Options(), job.timeout_s, job.setup_timeout_s)
+        # The job's compression, as its ranks asked (every rank alike: job.py, the clients); the
+        # cap on its residuals stays this daemon's (MCCL_COMPRESSION_FEEDBACK_MAX_BYTES).
+        opts.compression = job.compression.codec
+        opts.compression_min_bytes = job.compression.min_bytes
+        opts.compression_feedback = job.compression.feedback
         # The job's host list (every rank built it alike) names each host's switch.
         opts.switch_of_rank = job_switches(job.hosts)
         if opts.switch_of_rank:

@@ -86,9 +86,12 @@ class Pipeline:
             t.poison()
 
     def allreduce(self, regions: list[Region], count: int, dtype: int, op: int, world: int,
-                  engine: EngineRun | None, engine_divides: bool) -> None:
+                  engine: EngineRun | None, engine_divides: bool, key: int = 0) -> None:
         """``regions``: the leader first. ``engine_divides``: the engine's AVG gives the job's
-        average (one rank on every host), so AVG goes to it as is."""
+        average (one rank on every host), so AVG goes to it as is. ``key``: what keys a compressed
+        op's error feedback (collectives.py). A compressed op's engine waits for the whole input
+        behind the tickets (its contributions are encoded before any result comes back) and
+        raises ``final`` once for all of it; the stages here are the same."""
         leader, es = regions[0], DTYPE_SIZE[dtype]
         nbytes = count * es
         piece = max(self._piece_bytes // es, 1) * es
@@ -113,7 +116,7 @@ class Pipeline:
                                                  op == AVG and engine_op != op, world))
             if engine is not None:
                 engine("allreduce", leader.addr, count, dtype, engine_op, ready=reduced, done=final,
-                       base=leader.base)
+                       base=leader.base, feedback_key=key)
             for f in futures:
                 f.result()
         except BaseException:

@@ -124,7 +124,8 @@ class JobService:
         with self._lock:
             now = time.monotonic()
             return ([{"job": j.id, "ranks": j.local_ranks, "world": j.size, "state": j.state,
-                      "hosts": len(j.hosts), "attached": sorted(j.members), "age_s": now - j.created}
+                      "hosts": len(j.hosts), "attached": sorted(j.members), "age_s": now - j.created,
+                      "compression": j.compression.codec}
                      for j in self.table.values()],
                     len(self.clients))
 
@@ -167,6 +168,9 @@ class JobService:
         # Poll now, while the engine exists: the checker alone misses the bytes of the
         # last collectives before a job closes (found by tests/e2e/test_grafana_daemon.py).
         self.poll_traffic(job)
+
+    def record_reduced(self, job: Job, nbytes: int, encoded: int) -> None:
+        self._stat("record_reduced", job.id, job.compression.codec, nbytes, encoded)
 
     def poll_traffic(self, job: Job) -> None:
         self._traffic.poll(job)
@@ -282,9 +286,9 @@ class JobService:
             job = self.table.get(job_id)
             fresh = job is None or job.state in ("failed", "closed") and not job.members
             if fresh:
-                job = Job(self, job_id, msg.size, hosts, msg.timeout_s, msg.opts)
+                job = Job(self, job_id, msg.size, hosts, msg.timeout_s, msg.opts, msg.compression_settings)
             try:
-                job.join(ident, msg.req, rank, client["pid"], msg.size, hosts, msg.opts)
+                job.join(ident, msg.req, rank, client["pid"], msg.size, hosts, msg.opts, msg.compression_settings)
             except BaseException:
                 if fresh:
                     job.close()   # its threads end now; it never was in the table

@@ -1,5 +1,6 @@
 """Bytes each job's engine sent to and received from each peer host, as increments for the
-exporter: the engine keeps running totals, the exporter counts per peer address."""
+exporter: the engine keeps running totals, the exporter counts per peer address (and what
+each job sent, per job)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ class PeerTraffic:
             per_peer = engine.stats().get("per_peer", {})
         except Exception:  # noqa: BLE001 - stats are best effort
             return
+        job_sent = 0
         for rank, counters in per_peer.items():
             rank = int(rank)
             sent, recv = int(counters.get("sent", 0)), int(counters.get("received", 0))
@@ -34,6 +36,9 @@ class PeerTraffic:
             if (sent, recv) != last and 0 <= rank < len(job.hosts):
                 self._stat("record_peer_traffic", job.hosts[rank].link_addr,
                            max(0, sent - last[0]), max(0, recv - last[1]))
+                job_sent += max(0, sent - last[0])
+        if job_sent:
+            self._stat("record_job_wire", job.id, job_sent)
 
     def forget(self, job_id: str) -> None:
         with self._lock:

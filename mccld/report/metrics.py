@@ -246,11 +246,26 @@ class StatsCollector(Collector):
                                   labels=["job_id"])
         nbytes = CounterMetricFamily("mccl_job_bytes", "Buffer bytes of a job's completed collectives",
                                      labels=["job_id"])
+        # Bytes before and after compression (MCCL_COMPRESSION, docs/compression.md): what this
+        # host contributed to all-reduces across hosts, and the same as encoded for the wire; the
+        # engine's own count of what it sent beside them (every op, the all-gather of results too).
+        reduced = CounterMetricFamily("mccl_job_allreduce_input_bytes", "All-reduce and reduce-scatter input "
+                                      "this host contributed across hosts (after its ranks' exact local sum), "
+                                      "before compression", labels=["job_id", "compression"], unit="bytes")
+        encoded = CounterMetricFamily("mccl_job_allreduce_encoded_bytes", "The same contributions as encoded "
+                                      "for the wire (equal to the input where the op ran exact)",
+                                      labels=["job_id", "compression"], unit="bytes")
+        wire = CounterMetricFamily("mccl_job_wire_bytes", "Bytes a job's engine on this host sent to other "
+                                   "hosts (every op, frames included)", labels=["job_id"], unit="bytes")
         for job, j in sorted(snap["jobs"].items()):
             world.add_metric([job], j["world"])
             ops.add_metric([job], j["ops"])
             nbytes.add_metric([job], j["bytes"])
-        yield from (latest, mean, world, ops, nbytes)
+            codec = j.get("compression", "off")
+            reduced.add_metric([job, codec], j.get("allreduce_input_bytes", 0))
+            encoded.add_metric([job, codec], j.get("allreduce_encoded_bytes", 0))
+            wire.add_metric([job], j.get("wire_bytes", 0))
+        yield from (latest, mean, world, ops, nbytes, reduced, encoded, wire)
 
 
 def make_registry(stats: DaemonStats, host: str | None = None,

@@ -136,12 +136,17 @@ class _Overlap:
 
 
 class _Job:
-    __slots__ = ("world", "ops", "bytes", "seen", "first", "ended", "failed")
+    __slots__ = ("world", "ops", "bytes", "seen", "first", "ended", "failed", "compression", "reduced_bytes",
+                 "encoded_bytes", "wire_bytes")
 
     def __init__(self, now: float) -> None:
         self.world = 0
         self.ops = 0
         self.bytes = 0
+        self.compression = "off"   # the job's MCCL_COMPRESSION
+        self.reduced_bytes = 0     # all-reduce input this host contributed across hosts
+        self.encoded_bytes = 0     # the same, as encoded for the wire (= reduced_bytes where exact)
+        self.wire_bytes = 0        # what the job's engine sent to other hosts (every op, framing included)
         self.seen = now
         self.first = now                 # its first collective (or its end, if it ran none)
         self.ended: float | None = None  # when the daemon closed it
@@ -220,6 +225,36 @@ class DaemonStats:
             j.ops += 1
             j.bytes += nbytes
             j.seen = now
+
+    def _job(self, job: str, now: float) -> _Job:
+        """The job's entry (the caller holds the lock)."""
+        j = self._jobs.get(job)
+        if j is None:
+            self._prune(self._jobs, now)
+            j = self._jobs[job] = _Job(now)
+        return j
+
+    def record_reduced(self, job: str, compression: str, nbytes: int, encoded: int) -> None:
+        """An all-reduce (or reduce-scatter) whose ``nbytes`` of input from this host crossed
+        hosts as ``encoded`` bytes (the job's ``compression``; equal where it ran exact)."""
+        if nbytes < 0 or encoded < 0:
+            raise ValueError(f"[stats] record_reduced: negative size (nbytes={nbytes}, encoded={encoded})")
+        now = self._clock()
+        with self._lock:
+            j = self._job(job, now)
+            j.compression = compression
+            j.reduced_bytes += nbytes
+            j.encoded_bytes += encoded
+            j.seen = now
+
+    def record_job_wire(self, job: str, sent: int) -> None:
+        """Bytes the job's engine sent to other hosts since the previous call."""
+        if sent < 0:
+            raise ValueError(f"[stats] record_job_wire: negative byte count {sent}")
+        now = self._clock()
+        with self._lock:
+            j = self._job(job, now)
+            j.wire_bytes += sent
 
     def end_job(self, job: str, world: int, failed: bool, age_s: float = 0.0) -> None:
         """The daemon closed ``job`` (``failed``: with an error) after ``age_s`` seconds; it
@@ -376,6 +411,8 @@ class DaemonStats:
                        for (job, rank), v in self._balance.items()]
             self._prune(self._jobs, now)
             jobs = {job: {"world": j.world, "ops": j.ops, "bytes": j.bytes, "idle_s": now - j.seen,
+                          "compression": j.compression, "allreduce_input_bytes": j.reduced_bytes,
+                          "allreduce_encoded_bytes": j.encoded_bytes, "wire_bytes": j.wire_bytes,
                           "age_s": now - j.first,
                           "ended_s_ago": None if j.ended is None else now - j.ended,
                           "outcome": None if j.ended is None else ("failed" if j.failed else "ok")}

@@ -107,6 +107,7 @@ def merge_status(daemon: dict, snap: dict | None, tcp_text: str | None = None,
         for name, js in sorted(snap.get("jobs", {}).items()):
             if name not in live:
                 jobs.append({"job": name, "state": "ended", "ranks": [], "world": js.get("world"),
+                             "compression": js.get("compression", "off"),
                              "age_s": js.get("age_s"), "outcome": js.get("outcome") or "ok",
                              "ended_s_ago": js["ended_s_ago"] if js.get("ended_s_ago") is not None
                              else js.get("idle_s")})
@@ -116,6 +117,9 @@ def merge_status(daemon: dict, snap: dict | None, tcp_text: str | None = None,
         job.setdefault("world", js.get("world"))
         job.setdefault("collectives", js.get("ops", 0))
         job.setdefault("bytes", js.get("bytes", 0))
+        job.setdefault("compression", js.get("compression", "off"))
+        for key in ("allreduce_input_bytes", "allreduce_encoded_bytes", "wire_bytes"):
+            job.setdefault(key, js.get(key, 0))
         job.setdefault("overlap", {str(o["rank"]): o["latest"] for o in snap.get("overlap", [])
                                    if o["job"] == job.get("job")})
         job.setdefault("balance", {str(b["rank"]): {"speed": b["speed"], "share": b["share"]}

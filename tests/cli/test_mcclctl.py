@@ -62,18 +62,24 @@ def test_links_and_jobs_tables():
     text = fmt.links_table([("mac1", links, None), ("mac3", None, "AuthError: bad key")])
     assert "unreachable: mac3: AuthError: bad key" in text
     jobs = [{"job": "train", "ranks": [0, 1], "world": 4, "collectives": 10, "bytes": 1 << 20,
-             "overlap": {"0": 0.5, "1": 0.7}, "state": "ready", "age_s": 125},
+             "overlap": {"0": 0.5, "1": 0.7}, "state": "ready", "age_s": 125, "compression": "int8",
+             "allreduce_input_bytes": 4 << 20, "allreduce_encoded_bytes": 1 << 20},
             {"job": "old", "state": "ended", "ranks": [], "world": 2, "age_s": 4000, "ended_s_ago": 90,
              "outcome": "ok", "collectives": 3, "bytes": 0},
             {"job": "bad", "state": "ended", "ranks": [], "world": 2, "age_s": 30, "ended_s_ago": 5,
              "outcome": "failed", "collectives": 0, "bytes": 0}]
     # Running jobs first, then the ended ones, each with how it ended and when.
     assert fmt.job_rows("mac1", jobs) == [
-        ["mac1", "train", "running", "2m 5s", "0,1", "4", "10", "1.0 MiB", "0.60", "-"],
-        ["mac1", "bad", "failed (5s ago)", "30s", "", "2", "0", "0 B", "-", "-"],
-        ["mac1", "old", "ended (1m 30s ago)", "1h 6m", "", "2", "3", "0 B", "-", "-"]]
+        ["mac1", "train", "running", "2m 5s", "0,1", "4", "int8 4.00x", "10", "1.0 MiB", "0.60", "-"],
+        ["mac1", "bad", "failed (5s ago)", "30s", "", "2", "-", "0", "0 B", "-", "-"],
+        ["mac1", "old", "ended (1m 30s ago)", "1h 6m", "", "2", "-", "3", "0 B", "-", "-"]]
     jobs[0]["balance"] = {"1": {"speed": 6.14, "share": 5}, "0": {"speed": 12.3, "share": 11}}
-    assert fmt.job_rows("mac1", jobs)[0][9] == "0:11@12.3 1:5@6.1"
+    assert fmt.job_rows("mac1", jobs)[0][10] == "0:11@12.3 1:5@6.1"
+    # The job's compression: off as is, a codec with the ratio it achieved once it sent bytes.
+    jobs[0]["allreduce_input_bytes"] = jobs[0]["allreduce_encoded_bytes"] = 0
+    assert fmt.job_rows("mac1", jobs)[0][6] == "int8"
+    assert fmt.job_rows("mac1", [{**jobs[1], "compression": "off"}])[0][6] == "off"
+    assert "COMPRESSION" in fmt.jobs_table([("mac1", jobs, None)]).splitlines()[0]
     assert fmt.jobs_table([]) == "no jobs"
 
 

@@ -1,6 +1,6 @@
 """Compressed gradients through torch (docs/compression.md): an unchanged DDP script under
 MCCL_COMPRESSION=int8, the explicit comm hook (libmccl.compressed_allreduce_hook), per-group
-Options, and the refusal under MCCL_DAEMON=1. Forked ranks."""
+Options, and the setting under MCCL_DAEMON=1 on one host. Forked ranks."""
 
 from __future__ import annotations
 
@@ -73,21 +73,37 @@ def test_unchanged_ddp_script_and_the_hook_train_compressed(ranks) -> None:
     assert _close(out[0]["by_env"], out[0]["by_hook"]) < 1e-4
 
 
-def _daemon_refused(rank: int, world: int) -> str:
-    from mccl_common.errors import ConfigError
+def _daemon_one_host(rank: int, world: int) -> dict:
+    import os
+
+    import torch
+    import torch.distributed as dist
+
     from support.ranks import init_pg
 
+    init_pg(rank, world, timeout_s=30)
     try:
-        init_pg(rank, world, timeout_s=20)
-    except ConfigError as e:
-        return str(e)
-    return "no error"
+        t = torch.full((1 << 16,), float(rank + 1))      # 256 KB: past MCCL_COMPRESSION_MIN_BYTES
+        dist.all_reduce(t)
+        from pathlib import Path
+
+        from mccld.attach import local_request
+        jobs = local_request(Path(os.environ["MCCL_RUNTIME_DIR"]), {"type": "status"})["status"]["jobs"]
+        return {"exact": bool((t == world * (world + 1) / 2).all()), "compression": [j["compression"] for j in jobs]}
+    finally:
+        dist.destroy_process_group()
 
 
-def test_compression_under_the_daemon_is_refused_not_ignored(ranks) -> None:
-    out = ranks(_daemon_refused, 2, timeout_s=60, env={"MCCL_DAEMON": "1", "MCCL_COMPRESSION": "int8"})
-    for msg in out:
-        assert "MCCL_COMPRESSION=int8 is not supported with MCCL_DAEMON=1" in msg
+def test_compression_under_the_daemon_runs_and_one_host_stays_exact(ranks) -> None:
+    """Under MCCL_DAEMON=1 the setting reaches mccld (it refused it before); the ranks of one host
+    are summed in shared memory, exactly: only what crosses hosts is compressed
+    (tests/daemon/test_daemon_compression.py has the multi-host results)."""
+    from support.daemon import running_daemon
+
+    with running_daemon() as (_d, env):
+        out = ranks(_daemon_one_host, 2, timeout_s=60,
+                    env={"MCCL_DAEMON": "1", "MCCL_COMPRESSION": "int8", "MCCL_RUNTIME_DIR": env["MCCL_RUNTIME_DIR"]})
+        assert out == [{"exact": True, "compression": ["int8"]}] * 2   # mccld holds the job as int8
 
 
 def test_group_options_take_and_check_compression() -> None:

@@ -124,8 +124,6 @@ class BenchConfig:
         bad = [c for c in self.compression if c not in COMPRESSION]
         if bad or not self.compression:
             raise ConfigError(f"[bench] unknown or no --compression {bad or ''}; choose from {', '.join(COMPRESSION)}")
-        if set(self.compression) - {"off"} and set(self.modes) & set(_VIA_DAEMON):
-            raise ConfigError("[bench] --compression runs in-process only (mccld's ring runs uncompressed)")
         bad = [o for o in self.ops if o not in OPS]
         if bad:
             raise ConfigError(f"[bench] unknown op(s) {bad}; choose from {', '.join(OPS)}")

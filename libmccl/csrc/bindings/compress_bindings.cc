@@ -40,6 +40,10 @@ void register_compress_bindings(py::module_& m) {
   m.attr("compress_block") = kInt8Block;
   m.def("compress_encoded_bytes", [](const std::string& codec, size_t n) { return encoded_bytes(to_codec(codec), n); },
         py::arg("codec"), py::arg("count"), "Bytes of `count` encoded elements.");
+  m.def("compress_applies", [](const std::string& codec, int dtype) {
+          return dtype_is_valid(dtype) && codec_applies(to_codec(codec), static_cast<DType>(dtype));
+        },
+        py::arg("codec"), py::arg("dtype"), "Whether the codec encodes this dtype (the engine's choice).");
   m.def(
       "compress_encode",
       [](const std::string& codec, int dtype, uintptr_t in, size_t n, uintptr_t out, uintptr_t residual) {

@@ -348,7 +348,8 @@ void register_engine_bindings(py::module_& m) {
           })
       .def_readwrite("compression_min_bytes", &Options::compression_min_bytes)
       .def_readwrite("compression_feedback", &Options::compression_feedback)
-      .def_readwrite("compression_threads", &Options::compression_threads);
+      .def_readwrite("compression_threads", &Options::compression_threads)
+      .def_readwrite("compression_feedback_max_bytes", &Options::compression_feedback_max_bytes);
 
   // The cost model (algorithms/cost_model.h), for benchmarks that print and plot it beside
   // what they measure. Seconds; beta in seconds per byte; `nbytes` as nccl-tests count
@@ -444,20 +445,26 @@ void register_engine_bindings(py::module_& m) {
       }, "{peer: [(send key id, recv key id), ...]}: one-way ids of the frame keys each "
          "socket's handshake derived (equal ids: equal keys); empty with MCCL_WIRE_SECURITY=off")
       .def("allreduce", [](PC& c, uintptr_t p, size_t count, int dt, int op,
-                           std::shared_ptr<Ticket> ready, std::shared_ptr<Ticket> done, uint64_t base) {
+                           std::shared_ptr<Ticket> ready, std::shared_ptr<Ticket> done, uint64_t base,
+                           uintptr_t feedback_key) {
         return c.core().allreduce(ptr(p), count, to_dtype(dt), to_op(op),
-                                  OpTickets{std::move(ready), std::move(done), base});
+                                  OpTickets{std::move(ready), std::move(done), base}, feedback_key);
       }, py::arg("ptr"), py::arg("count"), py::arg("dtype"), py::arg("op"), py::kw_only(),
-         py::arg("ready") = py::none(), py::arg("done") = py::none(), py::arg("base") = 0)
+         py::arg("ready") = py::none(), py::arg("done") = py::none(), py::arg("base") = 0,
+         py::arg("feedback_key") = 0,
+         "feedback_key: what keys a compressed op's error feedback instead of ptr (0: ptr), "
+         "e.g. the client's tensor address when ptr is a reused shared-memory segment")
       .def("broadcast", [](PC& c, uintptr_t p, size_t nbytes, int root) {
         return c.core().broadcast(ptr(p), nbytes, root);
       }, py::arg("ptr"), py::arg("nbytes"), py::arg("root"))
       .def("allgather", [](PC& c, uintptr_t s, uintptr_t r, size_t nbytes) {
         return c.core().allgather(ptr(s), ptr(r), nbytes);
       }, py::arg("send_ptr"), py::arg("recv_ptr"), py::arg("nbytes"))
-      .def("reduce_scatter", [](PC& c, uintptr_t s, uintptr_t r, size_t count, int dt, int op) {
-        return c.core().reduce_scatter(ptr(s), ptr(r), count, to_dtype(dt), to_op(op));
-      }, py::arg("send_ptr"), py::arg("recv_ptr"), py::arg("count"), py::arg("dtype"), py::arg("op"))
+      .def("reduce_scatter", [](PC& c, uintptr_t s, uintptr_t r, size_t count, int dt, int op,
+                                uintptr_t feedback_key) {
+        return c.core().reduce_scatter(ptr(s), ptr(r), count, to_dtype(dt), to_op(op), feedback_key);
+      }, py::arg("send_ptr"), py::arg("recv_ptr"), py::arg("count"), py::arg("dtype"), py::arg("op"),
+         py::kw_only(), py::arg("feedback_key") = 0)
       .def("reduce", [](PC& c, uintptr_t p, size_t count, int dt, int op, int root) {
         return c.core().reduce(ptr(p), count, to_dtype(dt), to_op(op), root);
       }, py::arg("ptr"), py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("root"))

@@ -13,6 +13,7 @@
 #include "algorithms/calibrate.h"
 #include "algorithms/partners.h"
 #include "core/fd_limit.h"
+#include "core/log.h"
 #include "core/thread_name.h"
 #include "reduce/reduce.h"
 
@@ -525,7 +526,18 @@ void Communicator::run_collective(Op& op) {
 void Communicator::run_compressed(Collective& c, Op& op, Codec codec) {
   const Reduction red = Reduction::of(op.dtype, op.op);
   const size_t elems = op.count * (op.kind == OpKind::kReduceScatter ? size_t(size_) : 1);
-  float* residual = opts_.compression_feedback ? residuals_.get(op.buf, op.count, op.dtype, op.op, elems) : nullptr;
+  const void* key = op.feedback_key ? reinterpret_cast<const void*>(op.feedback_key) : op.buf;
+  residuals_.set_max_bytes(opts_.compression_feedback_max_bytes);
+  const uint64_t capped = residuals_.capped();
+  float* residual = opts_.compression_feedback ? residuals_.get(key, op.count, op.dtype, op.op, elems) : nullptr;
+  if (residuals_.capped() != capped && !feedback_cap_warned_) {
+    feedback_cap_warned_ = true;
+    log_line(LogLevel::kWarning,
+             "[engine] compression error feedback: the residuals of this communicator's buffers exceed "
+             "MCCL_COMPRESSION_FEEDBACK_MAX_BYTES=" + std::to_string(opts_.compression_feedback_max_bytes) +
+             "; the least recently used buffers lose theirs (their next op starts from zero); raise it to "
+             "about 4 bytes per compressed gradient element (logged once)");
+  }
   if (opts_.compression_threads > 1 && !codec_pool_) {
     try {
       codec_pool_ = std::make_unique<CodecPool>(opts_.compression_threads);

@@ -84,6 +84,10 @@ struct Op {
   // reaches tickets.base + count (gate()).
   bool gate = false;
   std::vector<size_t> send_sizes, send_offsets, recv_sizes, recv_offsets;
+  // Compressed all-reduce and reduce-scatter: what keys the buffer's error feedback
+  // (compress/feedback.h); 0: the buffer's own address. mccld runs every op on a reused
+  // segment, so it passes the client's tensor address, which is what stays put per bucket.
+  uintptr_t feedback_key = 0;
 };
 
 class Communicator {
@@ -118,10 +122,12 @@ class Communicator {
 
   // With tickets the op reads the buffer piece by piece as `ready` covers it and raises
   // `done` as pieces finish (ticket.h, algorithms/pieces.h).
-  uint64_t allreduce(void* buf, size_t count, DType dt, ReduceOp op, OpTickets tickets = {});
+  uint64_t allreduce(void* buf, size_t count, DType dt, ReduceOp op, OpTickets tickets = {},
+                     uintptr_t feedback_key = 0);
   uint64_t broadcast(void* buf, size_t nbytes, int root);
   uint64_t allgather(const void* send, void* recv, size_t nbytes);
-  uint64_t reduce_scatter(const void* send, void* recv, size_t count, DType dt, ReduceOp op);
+  uint64_t reduce_scatter(const void* send, void* recv, size_t count, DType dt, ReduceOp op,
+                          uintptr_t feedback_key = 0);
   uint64_t reduce(void* buf, size_t count, DType dt, ReduceOp op, int root);
   uint64_t gather(const void* send, void* recv, size_t nbytes, int root);
   uint64_t scatter(const void* send, void* recv, size_t nbytes, int root);
@@ -251,6 +257,7 @@ class Communicator {
   // MCCL_COMPRESSION_THREADS > 1: the codec's helper threads, started by the worker at its
   // first compressed op, used by it alone, stopped once it has exited (stop_threads).
   std::unique_ptr<CodecPool> codec_pool_;
+  bool feedback_cap_warned_ = false;  // worker thread only
   uint64_t coll_seq_ = 0;  // worker only
 
   // The algorithm choice (cost_model.h): pins from MCCL_ALGO; parameters written once by

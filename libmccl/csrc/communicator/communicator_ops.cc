@@ -45,12 +45,13 @@ void Communicator::check_reduction(DType dt, ReduceOp op, const char* name) cons
 }
 
 uint64_t Communicator::allreduce(void* buf, size_t count, DType dt, ReduceOp op,
-                                 OpTickets tickets) {
+                                 OpTickets tickets, uintptr_t feedback_key) {
   check_reduction(dt, op, "allreduce");
   check_ptr(buf, count, "buffer", "allreduce");
   Op o;
   o.tickets = std::move(tickets);
   o.kind = OpKind::kAllreduce;
+  o.feedback_key = feedback_key;
   o.buf = buf;
   o.count = count;
   o.dtype = dt;
@@ -81,12 +82,13 @@ uint64_t Communicator::allgather(const void* send, void* recv, size_t nbytes) {
 }
 
 uint64_t Communicator::reduce_scatter(const void* send, void* recv, size_t count, DType dt,
-                                      ReduceOp op) {
+                                      ReduceOp op, uintptr_t feedback_key) {
   check_reduction(dt, op, "reduce_scatter");
   check_ptr(send, count, "send", "reduce_scatter");
   check_ptr(recv, count, "recv", "reduce_scatter");
   Op o;
   o.kind = OpKind::kReduceScatter;
+  o.feedback_key = feedback_key;
   o.buf = const_cast<void*>(send);
   o.out = recv;
   o.count = count;

@@ -26,11 +26,20 @@ class Residuals {
   static constexpr size_t kMaxEntries = 1024;
   static constexpr uint64_t kStaleSlack = 16;
 
-  // The residual of this buffer: `elems` floats, zeros when new.
+  // The residual of this buffer: `elems` floats, zeros when new; nullptr (no feedback for
+  // this op) when it alone is larger than the cap.
   float* get(const void* buf, size_t count, DType dt, ReduceOp op, size_t elems);
+  // At most this many bytes of residuals (0: no cap): making room drops the least recently
+  // used entries. mccld keeps them for its jobs: a job must not grow the daemon without bound.
+  void set_max_bytes(size_t max_bytes) { max_bytes_ = max_bytes; }
+  // Entries dropped, or not made, for the cap (a caller warns once).
+  uint64_t capped() const { return capped_; }
   size_t entries() const { return entries_.size(); }
-  size_t bytes() const;
-  void clear() { entries_.clear(); }
+  size_t bytes() const { return bytes_; }
+  void clear() {
+    entries_.clear();
+    bytes_ = 0;
+  }
 
  private:
   struct Entry {
@@ -44,6 +53,9 @@ class Residuals {
   };
   std::list<Entry> entries_;  // most recently used first
   uint64_t clock_ = 0;        // compressed ops so far
+  size_t max_bytes_ = 0;      // 0: no cap
+  size_t bytes_ = 0;          // of entries_' residuals
+  uint64_t capped_ = 0;
 };
 
 }  // namespace mccl

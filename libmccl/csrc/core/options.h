@@ -43,6 +43,9 @@ struct Options {
   // included (1: the worker alone); a communicator starts the helpers at its first such op.
   int compression_threads = 1;
   static constexpr int kMaxCompressionThreads = 64;
+  // MCCL_COMPRESSION_FEEDBACK_MAX_BYTES: the residuals kept at most (least recently used go
+  // first); 0: no cap. mccld keeps them for its jobs, so a job cannot grow it without bound.
+  size_t compression_feedback_max_bytes = 0;
 
   // Throws ConfigError naming the bad field.
   void validate() const;
