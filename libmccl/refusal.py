@@ -14,7 +14,8 @@ Two kinds, because a host without the job's key cannot prove anything:
   comm id, so it holds the job key; MACed under the comm id's key (fresh every run, so a
   record cannot be replayed into another run) over the fixed name ``<prefix>/refusal``.
   Readers believe its fields.
-- **plain** (code ``key``): written by a rank whose key did not verify the comm id. It carries
+- **plain** (code ``key``, or ``no_key`` from a rank that could not load any job key at all):
+  written by a rank whose key did not verify the comm id. It carries
   no MAC and anyone who can reach the store can write one; readers still fail on it, naming
   it as the claim it is. This adds nothing to what a keyless writer can already do (see
   docs/security.md, "What a keyless host can still do"): it only turns a stall into an error.
@@ -44,9 +45,9 @@ from mccl_common.errors import AuthError, ConfigError, MCCLError, ProtocolError,
 
 PREFIX = b"mccl-refusal1 "
 MAX_BYTES = 512          # a real record is under 200 bytes
-CODES = ("key", "world_size", "version", "daemon_link")
+CODES = ("key", "no_key", "world_size", "version", "daemon_link")
 SEALED_CODES = ("world_size", "version", "daemon_link")   # only a holder of the key can claim these
-_BODY = re.compile(rb"v=1 code=(key|world_size|version|daemon_link) rank=(\d{1,6}) host=([A-Za-z0-9._:\[\]-]{1,64}) "
+_BODY = re.compile(rb"v=1 code=(key|no_key|world_size|version|daemon_link) rank=(\d{1,6}) host=([A-Za-z0-9._:\[\]-]{1,64}) "
                    rb"key=([0-9a-f]{16}|none) mine=(\d{1,6}) seen=(\d{1,6}|-)")
 _HOST_CHARS = re.compile(r"[^A-Za-z0-9._:\[\]-]")
 
@@ -154,6 +155,13 @@ def error_for(ref: Refusal, rank: int, size: int, label: str, our_key_id: str, p
         return ProtocolError(f"[rendezvous] {label}: version skew: {who} speaks rendezvous version {ref.mine}, rank 0 "
                              f"wrote version {ref.seen} (store peer={peer}); install the same MCCL version on every "
                              "host and restart every rank", peer_addr=peer, peer_rank=ref.rank)
+    if ref.code == "no_key":
+        return ConfigError(f"[rendezvous] {label}: {who} refused to join: it could not load a job key (its own "
+                           f"error says why: no key file, an unreadable one, or one others can write), store "
+                           f"peer={peer}; give every host the same key (MCCL_JOB_KEY_FILE or the fleet key; ours "
+                           f"has key id {our_key_id}) and restart every rank. This record carries no MAC (its "
+                           "writer has no key of this job), so anyone who can reach the store could have written "
+                           "it", peer_addr=peer, peer_rank=ref.rank)
     if ref.key_id == our_key_id:
         likely = (f"it says it holds our key (key id {our_key_id}), so it reads this store differently: another "
                   "MCCL_WIRE_SECURITY or MCCL version on that host, or someone without the key wrote the comm id")

@@ -106,8 +106,20 @@ def exchange(store: Any, rank: int, size: int, listener_factory: Callable[[str],
     prefix = f"{_KEY_ROOT}/{generation}"
     label = f"group {group_id!r}" if group_id else "the process group"
     peer = _store_peer(store)
-    group_key = store_auth.job_store_key(cfg.wire_security, "c10d", group_id)
     id_key = f"{prefix}/comm_id"
+    try:
+        group_key = store_auth.job_store_key(cfg.wire_security, "c10d", group_id)
+    except ConfigError:
+        # No usable key here: tell the others (rank 0's comm id is what they wait for first),
+        # so they fail now naming it instead of at their set-up timeout.
+        ref = refusal.Refusal("no_key", rank, refusal.this_host(), "none", size, None, False)
+        if rank == 0:
+            try:
+                store.compare_set(id_key, "", refusal.encode(ref, None, f"{prefix}/refusal"))
+            except Exception:  # noqa: BLE001 - the store failing too must not hide why we stop
+                _log.debug("[rendezvous] rank 0 could not post its refusal at the comm id", exc_info=True)
+        _post_refusal(store, prefix, rank, size, ref, None, timeout_s)
+        raise
 
     def missing_what(missing: list[str]) -> str:
         return f"{label}: rank {rank} is missing " + ", ".join(
@@ -121,8 +133,14 @@ def exchange(store: Any, rank: int, size: int, listener_factory: Callable[[str],
     if drawn is not None:
         store.set(id_key, store_auth.seal(group_key, id_key, comm_id_value(drawn, size, our_key_id)))
     _wait_keys(store, [id_key], timeout_s, missing_what)
+    blob = store.get(id_key)
+    if drawn is None and refusal.is_refusal(blob):   # rank 0 had no key: only a plain record goes here
+        ref = refusal.decode(blob, None, False, f"{prefix}/refusal", id_key, peer)
+        error = refusal.error_for(ref, rank, size, label, our_key_id, peer)
+        linger(store, prefix, rank, size, timeout_s)
+        raise error
     try:
-        comm_id = _read_comm_id(store, id_key, group_key, peer, drawn, rank, size, label, our_key_id)
+        comm_id = _read_comm_id(blob, id_key, group_key, peer, drawn, rank, size, label, our_key_id)
     except _Refused as refused:
         # Where the others wait, so that they fail now, with this cause, not at their timeout.
         mac_key = store_auth.scoped_key(group_key, "comm", refused.comm_id) if refused.refusal.sealed else None
@@ -240,13 +258,12 @@ def _check_fresh(rows: list[tuple[str, str]], rank: int, nonce: str, table_key: 
                              "(mcclctl run does) and keep the store's port off untrusted networks", peer_addr=peer)
 
 
-def _read_comm_id(store: Any, id_key: str, group_key: bytes | None, peer: str, drawn: int | None, rank: int,
+def _read_comm_id(blob: bytes, id_key: str, group_key: bytes | None, peer: str, drawn: int | None, rank: int,
                   size: int, label: str, our_key_id: str) -> int:
     """The group's comm id, checked; rank 0 also checks it reads back the id it drew, so a
     sealed id replayed from an earlier job under the same key stops the group at once.
     Raises _Refused when this rank cannot join the world rank 0 started: another key, another
-    world size, another rendezvous version."""
-    blob = store.get(id_key)
+    world size, another rendezvous version. ``blob``: what the store holds under ``id_key``."""
     try:
         raw = store_auth.open(group_key, id_key, blob, peer)
     except StoreAuthError as exc:

@@ -99,10 +99,10 @@ class ProcessGroupMCCL(ExchangeOps, compat.ProcessGroupBase):
                                               on_complete=self._router.on_complete,
                                               timeout_s=opts.connect_timeout_s)
             return self._daemon
-        # Before the rendezvous: a rank without the job key fails here, not its peers at set-up.
-        secret = jobkey.engine_secret(self._cfg.wire_security)
+        # A rank without the job key fails in the rendezvous, which tells its peers why.
         rv = rendezvous.exchange(store, rank, size, _core.Listener, self._cfg, opts.connect_timeout_s, group_id)
         try:
+            secret = jobkey.engine_secret(self._cfg.wire_security)
             opts.switch_of_rank = switch_groups.agree(rv.store, rank, size, rv.peer_addrs, self._cfg,
                                                       opts.connect_timeout_s)
         except BaseException:

@@ -133,9 +133,7 @@ def test_a_wrong_key_on_one_host_fails_both_hosts_naming_the_key(mode, request) 
     good = os.environ["MCCL_JOB_KEY_FILE"]
     other = _other_key()
     try:
-        started = time.monotonic()
         out = _run_hosts([good, other], [2, 2], rdirs)
-        took = time.monotonic() - started
     finally:
         os.unlink(other)
         os.rmdir(os.path.dirname(other))
@@ -149,10 +147,9 @@ def test_a_wrong_key_on_one_host_fails_both_hosts_naming_the_key(mode, request) 
     assert f"ours {ours}" in healthy and "different job key" in healthy and "carries no MAC" in healthy, healthy
     assert bad.startswith("StoreAuthError: ") and "does not verify under this host's key" in bad, bad
     assert f"claims key id {ours}" in bad, bad
+    # Told, not timed out: the figure the issue asks about (within 15 s of the refusal) is
+    # measured by tools/refusal_timing.py, not asserted on a shared machine's clock.
     assert "did not start" not in healthy and "Timed out" not in healthy, healthy
-    # The figure the issue asks about (15 s after the refusal) is in the notes; here only a
-    # generous bound that the old behaviour, a wait to the set-up timeout, could not meet.
-    assert took < _INIT_TIMEOUT_S + 20, took
 
 
 @pytest.mark.timeout(150)
@@ -376,9 +373,7 @@ def test_torchrun_hosts_of_different_keys_both_fail_naming_the_key(rdzv_hosts) -
         port = free_port()
         a = rdzv_hosts(port, 2, 2, host="ha")
         b = rdzv_hosts(port, 2, 2, key_file=other, host="hb")
-        started = time.monotonic()
         out = _in_threads(a.next_rendezvous, b.next_rendezvous)
-        took = time.monotonic() - started
     finally:
         os.unlink(other)
         os.rmdir(os.path.dirname(other))
@@ -387,8 +382,8 @@ def test_torchrun_hosts_of_different_keys_both_fail_naming_the_key(rdzv_hosts) -
     told = [t for t in texts if "refused to join" in t]
     refused = [t for t in texts if "failed its MAC" in t and "this host's key id is" in t]
     assert len(told) == 1 and len(refused) == 1, texts
+    # Told, where it waited out its join timeout before (a RendezvousJoinTimeout).
     assert "its key id" in told[0] and "ours" in told[0] and "carries no MAC" in told[0], told
-    assert took < 20, took       # the join timeout: what the told host waited out before
 
 
 @pytest.mark.timeout(90)
@@ -443,3 +438,24 @@ def test_rank_0_of_another_rendezvous_version_is_named_by_both_sides(value, seen
     assert server.get("mccl/1/addr_table") == record          # the table rank 1's peers wait on
     del server
     gc.collect()
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("keyless", [1, 0], ids=["rank-1", "rank-0"])
+def test_a_host_with_no_key_at_all_fails_both_hosts_naming_it(keyless) -> None:
+    """A host that cannot load any job key fails before it can read anything sealed; before,
+    it failed alone and the other waited to its set-up timeout. Its plain no_key record, at
+    rank 0's comm id too when rank 0 is the keyless one, fails the other at once."""
+    good = os.environ["MCCL_JOB_KEY_FILE"]
+    missing = os.path.join(tempfile.mkdtemp(prefix="mccl-test-nokey-"), "absent.key")
+    keys = [good, good]
+    keys[keyless] = missing
+    try:
+        out = _run_hosts(keys, [2, 2], [])
+    finally:
+        os.rmdir(os.path.dirname(missing))
+    healthy, bad = out[1 - keyless][1], out[keyless][1]
+    assert bad.startswith("ConfigError: ") and "MCCL_JOB_KEY_FILE" in bad, bad
+    assert healthy.startswith("ConfigError: ") and f"rank {keyless} (host host{keyless}) refused to join: it could " \
+        "not load a job key" in healthy, healthy
+    assert "carries no MAC" in healthy and "did not start" not in healthy and "Timed out" not in healthy, healthy
