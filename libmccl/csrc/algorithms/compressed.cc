@@ -15,6 +15,12 @@
 // are encoded and sent while the groups before it are on the wire or being reduced, and its
 // sum is encoded and sent as soon as its last contribution arrived.
 //
+// With tickets (a device's staging copy, mccld's client copying the input into shared memory)
+// group g starts only once `ready` covers its input range (the group reads nothing else:
+// P.begin/len of its chunks tile [part_begin(count, G, g), +part_len)), so the first group is
+// on the wire while the rest is still being produced; `done` rises over each prefix of groups
+// whose n chunks are decoded here. Waiting changes when a group starts, never its bits.
+//
 // With MCCL_COMPRESSION_THREADS > 1 (`pool`) the codec work of a large chunk is split into
 // parts run on the pool's helpers and the worker at once (fork-join: the helpers never touch
 // the transport); parts start on int8 block boundaries, so the bytes and sums are those of one
@@ -57,6 +63,9 @@ constexpr size_t kMinGroups = 4;
 constexpr size_t kMaxGroups = 1 << 14;
 // Groups started (encoded and sent) ahead of the first one not yet reduced here.
 constexpr size_t kGroupsAhead = 3;
+// While the next group's input is not ready but messages are in flight, how often the
+// worker looks at the producer's ticket between the links' completions.
+constexpr auto kProducerPoll = std::chrono::milliseconds(2);
 // The smallest part of a chunk given to a codec thread: about 20-40 us of codec work, well
 // above the cost of handing it over (a wake-up).
 constexpr size_t kMinPartElems = 64 << 10;
@@ -129,8 +138,9 @@ struct Plan {
   }
 };
 
+// `gate` (all-reduce with tickets; else null): its pieces are the plan's groups.
 void run(Collective& c, const Plan& P, const Reduction& red, const uint8_t* in, uint8_t* out,
-         float* residual, CodecPool* pool) {
+         float* residual, CodecPool* pool, PieceGate* gate) {
   const int n = P.n, r = P.r;
   const size_t es = red.elem;
   const DType dt = red.dtype;
@@ -202,6 +212,11 @@ void run(Collective& c, const Plan& P, const Reduction& red, const uint8_t* in, 
     split_chunk(ch, l, threads, &parts);
     run_parts([&](const Part& q) { decode_part(P.codec, enc, l, q.begin, q.len, dt, dst + q.begin * es); });
   };
+  // Chunks of each group not yet final here (all-reduce): at 0 the group is announced done.
+  std::vector<int> unfinished(gate ? G : 0, n);
+  auto chunk_final = [&](size_t g) {
+    if (gate && --unfinished[g] == 0) gate->finished(g);
+  };
   auto reduce = [&](size_t g) {
     const size_t b = P.begin(g, r), l = P.len(g, r);
     // Summed in float32: into the result's own place where that is float32, else beside it.
@@ -244,13 +259,28 @@ void run(Collective& c, const Plan& P, const Reduction& red, const uint8_t* in, 
       ++outstanding;
     }
     decode_result(g, r, final_enc + P.enc(g, r), dst);
+    chunk_final(g);
   };
 
   std::vector<int> waiting(G, n - 1);  // contributions still to arrive, per group
   size_t started = 0, reduced = 0;
-  for (; started < std::min(G, kGroupsAhead); ++started) start(started);
-  while (outstanding > 0) {
-    RequestPtr req = c.next();
+  auto window_open = [&] { return started < G && started < reduced + kGroupsAhead; };
+  while (outstanding > 0 || started < G) {
+    while (window_open() && (!gate || gate->ready(started))) start(started++);
+    RequestPtr req;
+    if (window_open()) {  // only with a gate: the next group's input is not ready yet
+      if (outstanding == 0) {
+        gate->wait_ready(started);  // nothing in flight: sleep until the producer signals
+        continue;
+      }
+      req = c.next_until(Clock::now() + kProducerPoll);
+      if (!req) {
+        gate->check_deadline(started);
+        continue;
+      }
+    } else {
+      req = c.next();
+    }
     --outstanding;
     if (req->is_send) continue;
     const size_t g = static_cast<size_t>(req->cookie >> 32);
@@ -258,23 +288,33 @@ void run(Collective& c, const Plan& P, const Reduction& red, const uint8_t* in, 
     const int p = static_cast<int>(req->cookie & 0xffffff);
     if (ph == kResult) {
       decode_result(g, p, final_enc + P.enc(g, p), out + P.begin(g, p) * es);
+      chunk_final(g);
       continue;
     }
     if (--waiting[g] > 0) continue;
     // Groups finish in order on each link; reduce every group whose contributions are all here.
     while (reduced < started && waiting[reduced] == 0) reduce(reduced++);
-    for (; started < G && started < reduced + kGroupsAhead; ++started) start(started);
   }
 }
 
 }  // namespace
 
 void allreduce_compressed(Collective& c, Codec k, void* buf, size_t count, const Reduction& red,
-                          float* residual, CodecPool* pool) {
-  if (count == 0 || c.size() == 1) return;
+                          float* residual, CodecPool* pool, const OpTickets& tickets) {
+  if (count == 0) return;
+  if (c.size() == 1) {  // nothing to exchange: the input is the result once it is there
+    const Pieces whole = Pieces::split(count, red.elem, 1);
+    PieceGate gate(c, tickets, whole, "compressed all-reduce");
+    gate.wait_ready(0);
+    gate.finished(0);
+    return;
+  }
   const Plan P = Plan::of(c.size(), c.rank(), true, count, k);
   uint8_t* b = static_cast<uint8_t*>(buf);
-  run(c, P, red, b, b, residual, pool);
+  if (!tickets.any()) return run(c, P, red, b, b, residual, pool, nullptr);
+  const Pieces groups = Pieces::split(count, red.elem, P.groups);
+  PieceGate gate(c, tickets, groups, "compressed all-reduce");
+  run(c, P, red, b, b, residual, pool, &gate);
 }
 
 void reduce_scatter_compressed(Collective& c, Codec k, const void* send, void* recv, size_t count,
@@ -295,7 +335,7 @@ void reduce_scatter_compressed(Collective& c, Codec k, const void* send, void* r
     std::memcpy(copy, in, count * red.elem * n);
     in = copy;
   }
-  run(c, P, red, in, static_cast<uint8_t*>(recv), residual, pool);
+  run(c, P, red, in, static_cast<uint8_t*>(recv), residual, pool, nullptr);
 }
 
 }  // namespace mccl
