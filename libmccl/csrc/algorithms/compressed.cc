@@ -56,6 +56,18 @@ namespace {
 // waits, so it would stall behind the next group's encoding. On 2 hosts x 1 Gbit/s, 16 MB int8
 // in 8 groups of 272 KB frames took 2.46x off's bus bandwidth.
 constexpr size_t kBulkFrameBytes = 512 << 10;
+// The transport splits a frame of kStripeBytes or more into one stripe per socket (2 by
+// default), and lends a stripe's socket to a receive thread only if at least kLendBytes of
+// it remain after the worker's first staging read (up to 64 KiB, header included; transport/
+// pair.h, pair_recv.cc, recv_thread.h). A chunk whose frame is striped into less than that
+// per stripe is read, and (sealed) opened, by the worker between its codec work. bf16 at
+// 16 MB and 8 ranks had exactly such frames (256 KiB: two 128 KiB stripes) and ran at 0.46x of
+// off on the 16-core machine while int8's 136 KiB frames (one stripe) ran at 1.87x: the
+// suspected cause, not yet measured there (docs/compression.md). Such a chunk is cut to one
+// stripe instead; bf16/fp16 bits do not depend on the cut, int8's only on every rank alike.
+constexpr size_t kStripeBytes = 256 << 10;              // Pair::kStripeBytes
+constexpr size_t kLentStripeBytes = (128 + 64) << 10;   // RecvThread::kLendBytes + a staging read
+constexpr size_t kStripes = 2;                          // MCCL_SOCKETS_PER_PEER's default
 constexpr size_t kMinChunkElems = 64 << 10;
 constexpr size_t kMaxChunkElems = 1 << 20;
 constexpr size_t kTargetGroups = 8;
@@ -123,8 +135,13 @@ struct Plan {
     P.codec = k;
     const size_t per_rank = all_gather ? (count + n - 1) / n : count;  // elements of one rank's part
     const size_t bulk = kBulkFrameBytes * (size_t(1) << 20) / encoded_bytes(k, size_t(1) << 20) + 1;  // a bulk frame
-    const size_t chunk = std::clamp(std::max(per_rank / kTargetGroups, std::min(bulk, per_rank / kMinGroups)),
-                                    kMinChunkElems, kMaxChunkElems);
+    size_t chunk = std::clamp(std::max(per_rank / kTargetGroups, std::min(bulk, per_rank / kMinGroups)),
+                              kMinChunkElems, kMaxChunkElems);
+    const size_t frame = encoded_bytes(k, chunk);
+    if (frame >= kStripeBytes && frame < kStripes * kLentStripeBytes) {
+      // One stripe, a little under the striping threshold (int8's scales round up per block).
+      chunk = std::max(kMinChunkElems, (kStripeBytes - (4 << 10)) * (size_t(1) << 20) / encoded_bytes(k, size_t(1) << 20));
+    }
     P.groups = std::clamp<size_t>((per_rank + chunk - 1) / chunk, 1, kMaxGroups);
     P.enc_off.assign(P.groups * n + 1, 0);
     for (size_t g = 0; g < P.groups; ++g) {
