@@ -56,8 +56,9 @@ class OpSpec:
     # Served by mccld's native thread through the rank's small-op queue (docs/daemon-fastpath.md):
     # an all-reduce of at most fast_bytes, or a barrier.
     fast: bool = False
-    # Run compressed by mccld's engine (MCCL_COMPRESSION): its input is copied in whole, since
-    # every contribution is encoded before any result comes back.
+    # Run compressed by mccld's engine (MCCL_COMPRESSION): its input is copied in piece by piece
+    # without waiting for results (submit.py), since the engine keeps several groups of chunks
+    # in flight before the first is done; each piece's `ready` lets the group it completes start.
     compressed: bool = False
 
 

@@ -197,6 +197,11 @@ class Submitter:
             if spec.pipelined:
                 (_, ptr, n), = spec.copy_in
                 now = time.monotonic()
+                # A compressed op starts each group of chunks once `ready` covers it and keeps
+                # three groups in flight (algorithms/compressed.cc; up to 4 MB per host each),
+                # more than the ring's pieces: its input is copied in without waiting for
+                # results, still piece by piece, so the first group is on the wire while the
+                # rest is copied.
                 lead = n if spec.compressed else self._copy_lead(spec.args, n)
                 op.pipe = _Pipe(ptr, n, self._ticket_base, seg=self._segment, lead=lead,
                                 started=now, progress_at=now)

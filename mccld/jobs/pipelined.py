@@ -89,9 +89,9 @@ class Pipeline:
                   engine: EngineRun | None, engine_divides: bool, key: int = 0) -> None:
         """``regions``: the leader first. ``engine_divides``: the engine's AVG gives the job's
         average (one rank on every host), so AVG goes to it as is. ``key``: what keys a compressed
-        op's error feedback (collectives.py). A compressed op's engine waits for the whole input
-        behind the tickets (its contributions are encoded before any result comes back) and
-        raises ``final`` once for all of it; the stages here are the same."""
+        op's error feedback (collectives.py). A compressed op's engine starts each group of chunks
+        once ``reduced`` covers its input range and raises ``final`` group by group
+        (algorithms/compressed.cc); the stages here are the same."""
         leader, es = regions[0], DTYPE_SIZE[dtype]
         nbytes = count * es
         piece = max(self._piece_bytes // es, 1) * es

@@ -9,11 +9,14 @@ all-reduces of one buffer converge to the exact sum.
 
 from __future__ import annotations
 
+import random
+import time
+
 import numpy as np
 import pytest
 
 from libmccl import _core
-from mccl_common.errors import CollectiveMismatch
+from mccl_common.errors import CollectiveMismatch, CollectiveTimeout, MCCLError
 from support.engine import AVG, DT, MAX, SUM, make_options, ptr, ranks, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -292,10 +295,11 @@ def test_int8_block_of_tiny_values_is_sent_as_zeros_and_carried_whole():
     np.testing.assert_array_equal(res[2 * block:], x[2 * block:] - out[2 * block:])
 
 
-def test_a_ticketed_op_waits_for_all_of_its_input_then_announces_it_done():
-    """Device buffers (in-process CUDA/MPS staging) come with tickets: a compressed op encodes
-    every contribution before any result arrives, so it waits for the whole input, then
-    raises `done` over all of it, with the same bits on both ranks."""
+def test_a_ticketed_op_starts_each_group_as_its_input_is_ready_and_announces_it_done():
+    """Device buffers (in-process CUDA/MPS staging) and mccld's client feed the op through
+    tickets: each group of chunks reads only its own range of the input, so the first group
+    (here the first half: 2 groups) finishes, and ``done`` covers it, while the second half
+    is not even produced; then the rest, with the same bits on both ranks."""
     n, count = 2, 1 << 18
     xs = inputs(n, count, "float32", seed=4)
     with ranks(n, opts=make_options(compression="int8", pipeline_bytes=64 << 10)) as comms:
@@ -303,18 +307,103 @@ def test_a_ticketed_op_waits_for_all_of_its_input_then_announces_it_done():
             ready, done = _core.Ticket(), _core.Ticket()
             buf = np.zeros(count, np.float32)
             op = c.allreduce(ptr(buf), count, DT[buf.dtype], SUM, ready=ready, done=done)
+            half = buf.nbytes // 2
             buf[: count // 2] = xs[r][: count // 2]
-            ready.signal(buf.nbytes // 2)
-            assert done.value == 0
+            ready.signal(half)
+            done.wait(half, 30.0)
+            assert done.value == half  # the second group's input is not there yet
+            first = buf[: count // 2].copy()
             buf[count // 2:] = xs[r][count // 2:]
             ready.signal(buf.nbytes)
             c.wait(op, 30.0)
             assert done.value == buf.nbytes
+            np.testing.assert_array_equal(first, buf[: count // 2])  # final when announced
             return buf
         outs = run_ranks(comms, body)
     assert outs[0].tobytes() == outs[1].tobytes()
     ref = np.sum([x.astype(np.float64) for x in xs], axis=0)
     assert 1e-6 < rel_err(outs[0].astype(np.float64), ref) <= BOUND["int8"]
+
+
+def _produce(buf: np.ndarray, src: np.ndarray, ready, base: int, piece: int, seed: int) -> None:
+    """Writes src into buf in pieces of varying size with random pauses, raising ``ready``
+    after each (as a staging copy or mccld's client does)."""
+    rnd = random.Random(seed)
+    raw, srcb = buf.view(np.uint8), src.view(np.uint8)
+    off = 0
+    while off < src.nbytes:
+        k = min(src.nbytes - off, rnd.choice([piece // 3, piece, 3 * piece]))
+        if rnd.random() < 0.3:
+            time.sleep(rnd.random() * 0.004)
+        raw[off:off + k] = srcb[off:off + k]
+        off += k
+        ready.signal(base + off)
+
+
+@pytest.mark.parametrize("codec,dtype", [("int8", "float32"), ("bf16", "float32"), ("int8", "bfloat16")])
+def test_input_arriving_in_pieces_gives_the_bits_of_the_unticketed_op(codec, dtype):
+    """Three rounds of one buffer (error feedback carried between them) at 3 ranks, in 4+
+    groups: fed piece by piece with pauses through tickets, every rank ends each round with
+    exactly the bits of the same rounds run without tickets, and ``done`` covers each op."""
+    n, count, rounds = 3, (1 << 20) + 3, 3
+    piece = 96 << 10
+    xs = [inputs(n, count, dtype, seed=10 + i) for i in range(rounds)]
+
+    def run(ticketed: bool) -> list[list[bytes]]:
+        with ranks(n, opts=make_options(compression=codec)) as comms:
+            def body(r, c):
+                buf = np.zeros(count, xs[0][r].dtype)
+                ready, done = _core.Ticket(), _core.Ticket()
+                base, outs = 0, []
+                for i in range(rounds):
+                    if ticketed:
+                        buf[:] = 0
+                        op = c.allreduce(ptr(buf), count, code(dtype), SUM, ready=ready, done=done, base=base)
+                        _produce(buf, xs[i][r], ready, base, piece, seed=7 * r + i)
+                        c.wait(op, 60.0)
+                        assert done.value == base + buf.nbytes
+                        base += buf.nbytes
+                    else:
+                        buf[:] = xs[i][r]
+                        c.wait(c.allreduce(ptr(buf), count, code(dtype), SUM), 60.0)
+                    outs.append(buf.tobytes())
+                return outs
+            return run_ranks(comms, body)
+
+    plain, ticketed = run(False), run(True)
+    for i in range(rounds):
+        assert len({plain[r][i] for r in range(n)}) == 1
+        for r in range(n):
+            assert ticketed[r][i] == plain[r][i], (i, r)
+
+
+def test_input_that_never_becomes_ready_times_out_naming_the_ticket():
+    """Rank 0's producer stops halfway through its first group (4 groups of 1 MB): the op ends
+    on both ranks (rank 0 with a CollectiveTimeout naming its input, the ready ticket's value
+    and what it needed), and ``done`` is poisoned so nobody waits for results that never come."""
+    n, count = 2, 1 << 20
+    with ranks(n, opts=make_options(compression="int8", timeout_s=1.0)) as comms:
+        dones = [_core.Ticket() for _ in range(n)]
+        errors: list = [None] * n
+
+        def body(r, c):
+            ready = _core.Ticket()
+            buf = np.ones(count, np.float32)
+            op = c.allreduce(ptr(buf), count, DT[buf.dtype], SUM, ready=ready, done=dones[r])
+            ready.signal(buf.nbytes if r == 1 else buf.nbytes // 8)
+            try:
+                c.wait(op, 30.0)
+            except MCCLError as e:
+                errors[r] = e
+
+        run_ranks(comms, body)
+    e = errors[0]
+    assert isinstance(e, CollectiveTimeout), errors
+    msg = str(e)
+    assert msg.startswith("Timed out after 1.0 s: ") and "[compressed all-reduce] waited for this rank's input" in msg
+    assert f"ready ticket at {count * 4 // 8}, needs " in msg  # the ticket, where it stands, and the need
+    assert isinstance(errors[1], MCCLError)  # the peer's op ends too, not hangs
+    assert all(d.poisoned for d in dones)
 
 
 def test_the_cost_model_counts_the_codecs_time():

@@ -96,9 +96,10 @@ void barrier(Collective& c);
 // rank. `residual` (may be null): the buffer's error feedback, `count` floats for the
 // all-reduce, count x size() for the reduce-scatter (its input's elements). `pool` (may be
 // null): threads that share the codec work (MCCL_COMPRESSION_THREADS); the bits do not
-// depend on it.
+// depend on it. `tickets`: group g's contributions are encoded once `ready` covers its
+// input range, and `done` rises over every prefix of groups whose results are final here.
 void allreduce_compressed(Collective& c, Codec k, void* buf, size_t count, const Reduction& red,
-                          float* residual, CodecPool* pool = nullptr);
+                          float* residual, CodecPool* pool = nullptr, const OpTickets& tickets = {});
 void reduce_scatter_compressed(Collective& c, Codec k, const void* send, void* recv, size_t count,
                                const Reduction& red, float* residual, CodecPool* pool = nullptr);
 

@@ -15,6 +15,12 @@
 // are encoded and sent while the groups before it are on the wire or being reduced, and its
 // sum is encoded and sent as soon as its last contribution arrived.
 //
+// With tickets (a device's staging copy, mccld's client copying the input into shared memory)
+// group g starts only once `ready` covers its input range (the group reads nothing else:
+// P.begin/len of its chunks tile [part_begin(count, G, g), +part_len)), so the first group is
+// on the wire while the rest is still being produced; `done` rises over each prefix of groups
+// whose n chunks are decoded here. Waiting changes when a group starts, never its bits.
+//
 // With MCCL_COMPRESSION_THREADS > 1 (`pool`) the codec work of a large chunk is split into
 // parts run on the pool's helpers and the worker at once (fork-join: the helpers never touch
 // the transport); parts start on int8 block boundaries, so the bytes and sums are those of one
@@ -50,6 +56,18 @@ namespace {
 // waits, so it would stall behind the next group's encoding. On 2 hosts x 1 Gbit/s, 16 MB int8
 // in 8 groups of 272 KB frames took 2.46x off's bus bandwidth.
 constexpr size_t kBulkFrameBytes = 512 << 10;
+// The transport splits a frame of kStripeBytes or more into one stripe per socket (2 by
+// default), and lends a stripe's socket to a receive thread only if at least kLendBytes of
+// it remain after the worker's first staging read (up to 64 KiB, header included; transport/
+// pair.h, pair_recv.cc, recv_thread.h). A chunk whose frame is striped into less than that
+// per stripe is read, and (sealed) opened, by the worker between its codec work. bf16 at
+// 16 MB and 8 ranks had exactly such frames (256 KiB: two 128 KiB stripes) and ran at 0.46x of
+// off on the 16-core machine while int8's 136 KiB frames (one stripe) ran at 1.87x: the
+// suspected cause, not yet measured there (docs/compression.md). Such a chunk is cut to one
+// stripe instead; bf16/fp16 bits do not depend on the cut, int8's only on every rank alike.
+constexpr size_t kStripeBytes = 256 << 10;              // Pair::kStripeBytes
+constexpr size_t kLentStripeBytes = (128 + 64) << 10;   // RecvThread::kLendBytes + a staging read
+constexpr size_t kStripes = 2;                          // MCCL_SOCKETS_PER_PEER's default
 constexpr size_t kMinChunkElems = 64 << 10;
 constexpr size_t kMaxChunkElems = 1 << 20;
 constexpr size_t kTargetGroups = 8;
@@ -57,6 +75,9 @@ constexpr size_t kMinGroups = 4;
 constexpr size_t kMaxGroups = 1 << 14;
 // Groups started (encoded and sent) ahead of the first one not yet reduced here.
 constexpr size_t kGroupsAhead = 3;
+// While the next group's input is not ready but messages are in flight, how often the
+// worker looks at the producer's ticket between the links' completions.
+constexpr auto kProducerPoll = std::chrono::milliseconds(2);
 // The smallest part of a chunk given to a codec thread: about 20-40 us of codec work, well
 // above the cost of handing it over (a wake-up).
 constexpr size_t kMinPartElems = 64 << 10;
@@ -114,8 +135,13 @@ struct Plan {
     P.codec = k;
     const size_t per_rank = all_gather ? (count + n - 1) / n : count;  // elements of one rank's part
     const size_t bulk = kBulkFrameBytes * (size_t(1) << 20) / encoded_bytes(k, size_t(1) << 20) + 1;  // a bulk frame
-    const size_t chunk = std::clamp(std::max(per_rank / kTargetGroups, std::min(bulk, per_rank / kMinGroups)),
-                                    kMinChunkElems, kMaxChunkElems);
+    size_t chunk = std::clamp(std::max(per_rank / kTargetGroups, std::min(bulk, per_rank / kMinGroups)),
+                              kMinChunkElems, kMaxChunkElems);
+    const size_t frame = encoded_bytes(k, chunk);
+    if (frame >= kStripeBytes && frame < kStripes * kLentStripeBytes) {
+      // One stripe, a little under the striping threshold (int8's scales round up per block).
+      chunk = std::max(kMinChunkElems, (kStripeBytes - (4 << 10)) * (size_t(1) << 20) / encoded_bytes(k, size_t(1) << 20));
+    }
     P.groups = std::clamp<size_t>((per_rank + chunk - 1) / chunk, 1, kMaxGroups);
     P.enc_off.assign(P.groups * n + 1, 0);
     for (size_t g = 0; g < P.groups; ++g) {
@@ -129,8 +155,9 @@ struct Plan {
   }
 };
 
+// `gate` (all-reduce with tickets; else null): its pieces are the plan's groups.
 void run(Collective& c, const Plan& P, const Reduction& red, const uint8_t* in, uint8_t* out,
-         float* residual, CodecPool* pool) {
+         float* residual, CodecPool* pool, PieceGate* gate) {
   const int n = P.n, r = P.r;
   const size_t es = red.elem;
   const DType dt = red.dtype;
@@ -202,6 +229,11 @@ void run(Collective& c, const Plan& P, const Reduction& red, const uint8_t* in, 
     split_chunk(ch, l, threads, &parts);
     run_parts([&](const Part& q) { decode_part(P.codec, enc, l, q.begin, q.len, dt, dst + q.begin * es); });
   };
+  // Chunks of each group not yet final here (all-reduce): at 0 the group is announced done.
+  std::vector<int> unfinished(gate ? G : 0, n);
+  auto chunk_final = [&](size_t g) {
+    if (gate && --unfinished[g] == 0) gate->finished(g);
+  };
   auto reduce = [&](size_t g) {
     const size_t b = P.begin(g, r), l = P.len(g, r);
     // Summed in float32: into the result's own place where that is float32, else beside it.
@@ -244,13 +276,28 @@ void run(Collective& c, const Plan& P, const Reduction& red, const uint8_t* in, 
       ++outstanding;
     }
     decode_result(g, r, final_enc + P.enc(g, r), dst);
+    chunk_final(g);
   };
 
   std::vector<int> waiting(G, n - 1);  // contributions still to arrive, per group
   size_t started = 0, reduced = 0;
-  for (; started < std::min(G, kGroupsAhead); ++started) start(started);
-  while (outstanding > 0) {
-    RequestPtr req = c.next();
+  auto window_open = [&] { return started < G && started < reduced + kGroupsAhead; };
+  while (outstanding > 0 || started < G) {
+    while (window_open() && (!gate || gate->ready(started))) start(started++);
+    RequestPtr req;
+    if (window_open()) {  // only with a gate: the next group's input is not ready yet
+      if (outstanding == 0) {
+        gate->wait_ready(started);  // nothing in flight: sleep until the producer signals
+        continue;
+      }
+      req = c.next_until(Clock::now() + kProducerPoll);
+      if (!req) {
+        gate->check_deadline(started);
+        continue;
+      }
+    } else {
+      req = c.next();
+    }
     --outstanding;
     if (req->is_send) continue;
     const size_t g = static_cast<size_t>(req->cookie >> 32);
@@ -258,23 +305,33 @@ void run(Collective& c, const Plan& P, const Reduction& red, const uint8_t* in, 
     const int p = static_cast<int>(req->cookie & 0xffffff);
     if (ph == kResult) {
       decode_result(g, p, final_enc + P.enc(g, p), out + P.begin(g, p) * es);
+      chunk_final(g);
       continue;
     }
     if (--waiting[g] > 0) continue;
     // Groups finish in order on each link; reduce every group whose contributions are all here.
     while (reduced < started && waiting[reduced] == 0) reduce(reduced++);
-    for (; started < G && started < reduced + kGroupsAhead; ++started) start(started);
   }
 }
 
 }  // namespace
 
 void allreduce_compressed(Collective& c, Codec k, void* buf, size_t count, const Reduction& red,
-                          float* residual, CodecPool* pool) {
-  if (count == 0 || c.size() == 1) return;
+                          float* residual, CodecPool* pool, const OpTickets& tickets) {
+  if (count == 0) return;
+  if (c.size() == 1) {  // nothing to exchange: the input is the result once it is there
+    const Pieces whole = Pieces::split(count, red.elem, 1);
+    PieceGate gate(c, tickets, whole, "compressed all-reduce");
+    gate.wait_ready(0);
+    gate.finished(0);
+    return;
+  }
   const Plan P = Plan::of(c.size(), c.rank(), true, count, k);
   uint8_t* b = static_cast<uint8_t*>(buf);
-  run(c, P, red, b, b, residual, pool);
+  if (!tickets.any()) return run(c, P, red, b, b, residual, pool, nullptr);
+  const Pieces groups = Pieces::split(count, red.elem, P.groups);
+  PieceGate gate(c, tickets, groups, "compressed all-reduce");
+  run(c, P, red, b, b, residual, pool, &gate);
 }
 
 void reduce_scatter_compressed(Collective& c, Codec k, const void* send, void* recv, size_t count,
@@ -295,7 +352,7 @@ void reduce_scatter_compressed(Collective& c, Codec k, const void* send, void* r
     std::memcpy(copy, in, count * red.elem * n);
     in = copy;
   }
-  run(c, P, red, in, static_cast<uint8_t*>(recv), residual, pool);
+  run(c, P, red, in, static_cast<uint8_t*>(recv), residual, pool, nullptr);
 }
 
 }  // namespace mccl

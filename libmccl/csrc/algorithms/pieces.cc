@@ -37,6 +37,16 @@ Pieces Pieces::cut(size_t count, size_t elem, size_t pipeline_bytes, int ranks) 
   return p;
 }
 
+Pieces Pieces::split(size_t count, size_t elem, size_t parts) {
+  Pieces p;
+  p.count = count;
+  p.elem = elem;
+  p.n = count == 0 ? 0 : std::clamp<size_t>(parts, 1, count);
+  p.piece_elems = p.n == 0 ? 1 : part_len(count, p.n, 0);  // the largest
+  p.balanced = true;
+  return p;
+}
+
 PieceGate::PieceGate(Collective& c, const OpTickets& t, const Pieces& p, const char* op)
     : c_(c), t_(t), p_(p), op_(op), finished_(p.n, false) {}
 

@@ -22,12 +22,18 @@ struct Pieces {
   size_t elem = 1;         // bytes per element
   size_t piece_elems = 1;  // elements per piece (the last one may be shorter)
   size_t n = 0;            // pieces
+  bool balanced = false;   // nearly equal parts (part_begin) instead of piece_elems each
 
   // Pieces of at least `pipeline_bytes`, grown with the buffer and the ring (pieces.cc),
   // each at least one element per rank.
   static Pieces cut(size_t count, size_t elem, size_t pipeline_bytes, int ranks);
-  size_t begin(size_t j) const { return j * piece_elems; }
-  size_t end(size_t j) const { return j + 1 < n ? (j + 1) * piece_elems : count; }
+  // `parts` nearly equal pieces, as part_begin/part_len split a buffer (collective.h): the
+  // groups of the compressed all-reduce (compressed.cc), which read only their own range.
+  static Pieces split(size_t count, size_t elem, size_t parts);
+  size_t begin(size_t j) const { return balanced ? part_begin(count, n, j) : j * piece_elems; }
+  size_t end(size_t j) const {
+    return j + 1 < n ? (balanced ? part_begin(count, n, j + 1) : (j + 1) * piece_elems) : count;
+  }
   size_t len(size_t j) const { return end(j) - begin(j); }
 };
 

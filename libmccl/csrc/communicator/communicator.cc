@@ -553,15 +553,9 @@ void Communicator::run_compressed(Collective& c, Op& op, Codec codec) {
     reduce_scatter_compressed(c, codec, op.buf, op.out, op.count, red, residual, pool);
     return;
   }
-  // Every contribution is encoded before any result arrives, so the input must be all there:
-  // a ticketed op waits for all of it (the op's deadline bounds the wait), then announces it
-  // done at once.
-  const Pieces whole = Pieces::cut(op.count, red.elem, op.count * red.elem, 1);
-  PieceGate gate(c, op.tickets, whole, "allreduce");
-  if (whole.n == 0) return;
-  gate.wait_ready(0);
-  allreduce_compressed(c, codec, op.buf, op.count, red, residual, pool);
-  gate.finished(0);
+  // A ticketed op starts each group of chunks as its input range becomes ready and announces
+  // groups done as they become final (compressed.cc); the op's deadline bounds every wait.
+  allreduce_compressed(c, codec, op.buf, op.count, red, residual, pool, op.tickets);
 }
 
 void Communicator::post_p2p(const Op& op) {
