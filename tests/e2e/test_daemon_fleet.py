@@ -388,10 +388,10 @@ def _late_host(rank: int, world: int) -> str:
     if rank >= 2:
         call = Attachment.call
 
-        def late_call(self, msg, timeout_s, unavailable=None):
+        def late_call(self, msg, timeout_s, *args, **kwargs):
             if msg.get("type") == "join":
                 time.sleep(LATE_JOIN_S)
-            return call(self, msg, timeout_s, unavailable)
+            return call(self, msg, timeout_s, *args, **kwargs)
         Attachment.call = late_call
     comm, _store = t.connect(rank, world, comm_id=0xdead0a, timeout_s=2.0)
     a = np.full(1 << 16, rank + 1, dtype=np.float32)
