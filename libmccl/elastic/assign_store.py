@@ -20,12 +20,11 @@ a host the rendezvous already counts as gone.
 
 from __future__ import annotations
 
-import datetime
 import json
 import time
 from typing import Any, Callable
 
-import torch.distributed as dist
+from ..sealed_store import ForwardingStore
 
 # torch's names (torch/distributed/elastic/agent/server/api.py, _assign_worker_ranks).
 ROLE_INFO = "torchelastic/role_info/"
@@ -34,7 +33,7 @@ _POLL_FIRST_S = 0.05
 _POLL_MAX_S = 0.5
 
 
-class AssignmentStore(dist.Store):
+class AssignmentStore(ForwardingStore):
     """``inner`` (the round's store), with ``get``/``multi_get`` of the agents' rank table keys
     answered for hosts that ``gone()`` (group ranks of this round whose keep-alives stopped)
     names. ``timeout_error(message)`` builds the error raised when the keys neither came nor
@@ -42,8 +41,7 @@ class AssignmentStore(dist.Store):
 
     def __init__(self, inner: Any, world_size: int, gone: Callable[[], set[int]],
                  timeout_error: Callable[[str], Exception]) -> None:
-        super().__init__()
-        self.inner = inner
+        super().__init__(inner)
         self._world = world_size
         self._gone = gone
         self._timeout_error = timeout_error
@@ -128,39 +126,6 @@ class AssignmentStore(dist.Store):
             base += int(info["local_world_size"])
             role_base[info["role"]] = role_base.get(info["role"], 0) + int(info["local_world_size"])
         return None
-
-    # --- everything else passes through ----------------------------------------------------
-    def multi_set(self, keys: list[str], values: list[Any]) -> None:
-        self.inner.multi_set(keys, values)
-
-    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
-        return self.inner.compare_set(key, expected, desired)
-
-    def add(self, key: str, amount: int) -> int:
-        return self.inner.add(key, amount)
-
-    def check(self, keys: list[str]) -> bool:
-        return self.inner.check(keys)
-
-    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
-        if timeout is None:
-            self.inner.wait(keys)
-        else:
-            self.inner.wait(keys, timeout)
-
-    def delete_key(self, key: str) -> bool:
-        return self.inner.delete_key(key)
-
-    def num_keys(self) -> int:
-        return self.inner.num_keys()
-
-    def set_timeout(self, timeout: datetime.timedelta) -> None:
-        self.inner.set_timeout(timeout)
-        super().set_timeout(timeout)
-
-    @property
-    def timeout(self) -> datetime.timedelta:
-        return self.inner.timeout
 
 
 __all__ = ["AssignmentStore"]
