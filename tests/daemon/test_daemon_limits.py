@@ -164,7 +164,12 @@ def test_dribbling_peers_are_capped_and_dropped_at_the_deadline(limited_daemon, 
         for s in socks:
             s.settimeout(5.0)
         assert all(closed_by_peer(s) for s in socks), "a dribbling connection outlived the handshake deadline"
-        assert gate.expired == PER_PEER and gate.unauthenticated() == 0
+        # The watchdog counts a dribbler expired and shuts its socket; the connection's own
+        # serving thread gives its slot back once its read returns, after the client saw the
+        # close (ci8 read 5 slots still held at once under load). Wait for those releases.
+        assert gate.expired == PER_PEER
+        assert until(lambda: gate.unauthenticated() == 0, 10.0), \
+            f"{gate.unauthenticated()} of the expired dribblers' slots were never given back"
         assert scraped(d, f'mccl_unauth_connections_closed_total{{port="{gate.name}",reason="over_cap"}}') \
             == DRIBBLERS - PER_PEER
         assert scraped(d, f'mccl_unauth_connections_closed_total{{port="{gate.name}",reason="deadline"}}') \
