@@ -75,9 +75,6 @@ constexpr size_t kMinGroups = 4;
 constexpr size_t kMaxGroups = 1 << 14;
 // Groups started (encoded and sent) ahead of the first one not yet reduced here.
 constexpr size_t kGroupsAhead = 3;
-// While the next group's input is not ready but messages are in flight, how often the
-// worker looks at the producer's ticket between the links' completions.
-constexpr auto kProducerPoll = std::chrono::milliseconds(2);
 // The smallest part of a chunk given to a codec thread: about 20-40 us of codec work, well
 // above the cost of handing it over (a wake-up).
 constexpr size_t kMinPartElems = 64 << 10;
@@ -286,15 +283,8 @@ void run(Collective& c, const Plan& P, const Reduction& red, const uint8_t* in, 
     while (window_open() && (!gate || gate->ready(started))) start(started++);
     RequestPtr req;
     if (window_open()) {  // only with a gate: the next group's input is not ready yet
-      if (outstanding == 0) {
-        gate->wait_ready(started);  // nothing in flight: sleep until the producer signals
-        continue;
-      }
-      req = c.next_until(Clock::now() + kProducerPoll);
-      if (!req) {
-        gate->check_deadline(started);
-        continue;
-      }
+      req = gate->next_or_ready(started, outstanding);
+      if (!req) continue;
     } else {
       req = c.next();
     }

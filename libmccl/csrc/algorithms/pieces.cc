@@ -11,6 +11,10 @@ namespace {
 
 // How long one wait for the producer sleeps before it looks at the links again.
 constexpr auto kReadySlice = std::chrono::milliseconds(10);
+// While pieces wait for their input and messages are in flight, the links are polled in
+// slices this long between two looks at the ready ticket (a producer in another process
+// cannot wake poll()).
+constexpr auto kProducerPoll = std::chrono::milliseconds(2);
 // A ring message is 1/N of a piece. Where the op is large enough pieces grow until it is
 // this large: its stripes (two sockets) are then handed to the send thread and the receive
 // threads (transport/pair.h, recv_thread.h). At 8 hosts, 2 MB pieces made 256K messages,
@@ -79,6 +83,16 @@ void PieceGate::wait_ready(size_t j) {
     t_.ready->wait_until(target(j), std::min(c_.deadline, Clock::now() + kReadySlice));
     c_.t.progress(Clock::now());  // surfaces an abort or a lost peer; buffers early data
   }
+}
+
+RequestPtr PieceGate::next_or_ready(size_t j, size_t outstanding) {
+  if (outstanding == 0) {
+    wait_ready(j);
+    return nullptr;
+  }
+  RequestPtr req = c_.next_until(Clock::now() + kProducerPoll);
+  if (!req) check_deadline(j);
+  return req;
 }
 
 void PieceGate::finished(size_t j) {

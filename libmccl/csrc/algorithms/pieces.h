@@ -48,6 +48,12 @@ class PieceGate {
   // Blocks until piece j is ready, in slices that keep driving the transport, so an abort,
   // a lost peer or the op's deadline end the wait.
   void wait_ready(size_t j);
+  // For a loop that starts pieces as their input arrives: the next finished request while
+  // piece j is still awaited with `outstanding` requests in flight, or nullptr when the
+  // caller should look at the pieces again. With nothing in flight it sleeps on the ready
+  // ticket (its producer wakes it), not in poll slices; else it waits on the links for up to
+  // a poll slice and checks the op's deadline.
+  RequestPtr next_or_ready(size_t j, size_t outstanding);
   // Piece j's result is final and the engine no longer reads it: `finalize` runs on it,
   // then `done` covers every piece whose predecessors finished too.
   void finished(size_t j);

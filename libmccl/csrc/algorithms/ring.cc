@@ -14,9 +14,6 @@ namespace {
 // being buffered as unexpected and copied.
 constexpr size_t kRecvWindowBytes = 32 << 20;
 constexpr size_t kMinRecvSlots = 8;
-// While pieces wait for their input, the links are polled in slices this long between two
-// looks at the ready ticket (a producer in another process cannot wake poll()).
-constexpr auto kProducerPoll = std::chrono::milliseconds(2);
 // At most this many pieces of a pieced op in flight. Started all at once (a producer
 // ahead of the links makes every piece ready at the start), they all finished at the very
 // end, so `done` stood still for 95 % of the op and its consumer (mccld's client copying
@@ -196,19 +193,9 @@ void ring_pipeline(Collective& c, uint8_t* buf, const RingLayout& L, const RingP
     RequestPtr req;
     while (window_open() && gate->ready(started)) start(started++);
     if (window_open()) {
-      if (outstanding == 0) {
-        // Nothing in flight: sleep on the ready ticket, whose producer wakes us, not in
-        // poll slices that notice it up to kProducerPoll late (every op's first piece,
-        // and a producer slower than the links).
-        gate->wait_ready(started);
-        continue;
-      }
-      // Waiting for the producer as well as the links: wake up now and then to look.
-      req = c.next_until(Clock::now() + kProducerPoll);
-      if (!req) {
-        gate->check_deadline(started);
-        continue;
-      }
+      // Waiting for the producer as well as the links (pieces.h).
+      req = gate->next_or_ready(started, outstanding);
+      if (!req) continue;
     } else {
       req = c.next();  // every piece started, or as many as may be in flight: only the links
     }
