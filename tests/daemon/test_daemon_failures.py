@@ -22,7 +22,7 @@ from mccld.attach import local_request
 from mccl_common.daemon_settings import load_config
 from mccld.daemon import Daemon
 from support.daemon import connect, daemon_env, our_segments
-from support.daemon import job_segments
+from support.daemon import segments_left
 F32, SUM = 0, 0
 
 
@@ -58,10 +58,7 @@ def test_client_killed_frees_its_segment_and_fails_the_others(daemon):  # noqa: 
     # Noticed by the pid check: its PeerLostError says rank 1 died (rank_one_dies checks it);
     # the op's 30 s timeout would have raised CollectiveTimeout. A < 5 s bound stood here.
     assert status == "ok" and value.startswith("PeerLostError after"), value
-    deadline = time.monotonic() + 5
-    while job_segments(0xdead01) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert job_segments(0xdead01) == []
+    assert segments_left(0xdead01) == []
     assert d.status_provider()["jobs"] == [] or all(j["state"] != "ready" for j in d.status_provider()["jobs"])
 
 
@@ -121,7 +118,7 @@ def test_daemon_killed_fails_pending_and_later_ops(tmp_path, sig, expect):
             proc.wait(10)
     assert out[0][0] == "ok" and out[1] == ("ok", "later op failed"), out
     assert float(out[0][1].split()[-1][:-1]) < 5.0, out[0]
-    assert job_segments(0xdead02) == []   # clients unlink their own segments on failure
+    assert segments_left(0xdead02) == []   # clients unlink their own segments on failure
 
 
 def _named_segment(name: str) -> str:
@@ -187,7 +184,7 @@ def test_abort_by_one_rank_fails_the_others_with_aborted(daemon):  # noqa: F811
     from support.ranks import run_ranks
     _d, env = daemon
     assert run_ranks(rank_aborts, 2, env=env, timeout_s=60) == ["saw abort", "aborted"]
-    assert job_segments(0xdead04) == []
+    assert segments_left(0xdead04) == []
 
 
 def rank_mismatch(rank: int, world: int) -> str:

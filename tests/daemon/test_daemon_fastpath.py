@@ -20,7 +20,7 @@ import pytest
 
 from support.ranks import run_ranks
 from support.daemon import AVG, BAND, F16, F32, F64, I32, I64, MAX, MIN, SUM, connect
-from support.daemon import job_segments, open_own_memory
+from support.daemon import open_own_memory, segments_left
 ENTRY_OFF = 3072   # libmccl/csrc/opqueue/layout.h
 
 
@@ -87,7 +87,7 @@ def test_small_and_large_ops_keep_one_order(daemon, fast_bytes):  # noqa: F811
     for line in out:
         daemon_cpu, client_cpu = map(float, line.split()[-2:])
         assert daemon_cpu <= 0.05 and client_cpu <= 0.05, out
-    assert job_segments(0xfa57) == []
+    assert segments_left(0xfa57) == []
 
 
 def rank_mismatch(rank: int, world: int, big_on_rank1: bool) -> str:
@@ -206,4 +206,4 @@ def test_ranks_of_a_host_with_different_fast_bytes_fail_at_join(daemon):  # noqa
     d, env = daemon
     for msg in run_ranks(rank_own_fast_bytes, 2, env=env):
         assert "MCCL_DAEMON_FAST_BYTES" in msg and "[1]" in msg, msg
-    assert job_segments(0xfa5e) == []
+    assert segments_left(0xfa5e) == []

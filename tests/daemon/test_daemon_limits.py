@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from support.daemon import running_daemon
+from support.daemon import running_daemon, until
 from mccld.net import auth
 from mccld.daemon import Daemon
 from mccl_common.status_protocol import query
@@ -80,14 +80,6 @@ def settles_to(baseline: tuple[int, int], within_s: float) -> tuple[int, int]:
         if all(n <= b for n, b in zip(now, baseline)) or time.monotonic() >= deadline:
             return now
         time.sleep(0.1)
-
-
-def until(condition, within_s: float) -> bool:
-    """Waits for ``condition`` (an event's sign, polled) up to ``within_s``; its last value."""
-    deadline = time.monotonic() + within_s
-    while not (ok := condition()) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return bool(ok)
 
 
 def closed_by_peer(s: socket.socket) -> bool:

@@ -226,6 +226,24 @@ def job_segments(comm_id: int) -> list[str]:
     return [s for s in our_segments() if s.split("-")[1] == f"{comm_id & 0xFFFFFFFF:08x}"]
 
 
+def until(condition, within_s: float) -> bool:
+    """Waits for ``condition`` (an event's sign, polled) up to ``within_s``; its last value."""
+    deadline = time.monotonic() + within_s
+    while not (ok := condition()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return bool(ok)
+
+
+def segments_left(comm_id: int, timeout_s: float = 30.0) -> list[str]:
+    """The job's segments still mapped or named once they stop going, or after ``timeout_s``.
+    A rank's leave is fire-and-forget: mccld unmaps on the job's thread after the rank's
+    process has exited (ci, stop 40, caught one look made right after the ranks returned)."""
+    deadline = time.monotonic() + timeout_s
+    while (left := job_segments(comm_id)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
 # -- a rank program the single-host and the fleet tests both run -----------------------------------
 def _expected(op: int, parts: list[np.ndarray]) -> np.ndarray:
     out = parts[0].copy()
