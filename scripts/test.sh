@@ -1,12 +1,10 @@
 #!/usr/bin/env bash
 # Runs the whole suite with a hard per-test timeout, then checks nothing was left behind.
 #
-# CI must finish within 30 minutes on 2 cores; two streams side by side took 1,577 s in stop
-# 39's CI, before issue 36-38's tests added about 400 s of work. The suite is built to share
-# a machine: fleets claim their own namespace ids, daemons get their own ports, runtime dirs
-# and host ids, and the after-test leak check counts only what its own process owns. Each
-# stream has its own tmp root. `scripts/test.sh tests/daemon` (any pytest arguments) runs one
-# process.
+# CI must finish within 30 minutes on 2 cores. The suite is built to share a machine: fleets
+# claim their own namespace ids, daemons get their own ports, runtime dirs and host ids, and
+# the after-test leak check counts only what its own process owns. `scripts/test.sh
+# tests/daemon` (any pytest arguments) runs one process.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTEST=(.venv/bin/python -m pytest -p no:cacheprovider --timeout=300)
@@ -21,41 +19,13 @@ fi
 cleanup() { bash scripts/cleanup.sh >/dev/null 2>&1 || true; }
 trap cleanup EXIT
 
-# Three pytest processes side by side. Most of the suite waits (timeouts, shaped links,
-# daemons starting): with two streams on 2 cores a run beside two busy loops took 1.4x a quiet
-# one, not 2x, so a third stream shortens the whole without starving the others.
-# --durations: the log says where the time goes.
-# ci8 (quiet, 2 cores): e2e 1,263 s, engine+project+daemon 1,538 s, the rest 1,271 s; the
-# engine's tests (~200 s) now go with e2e and project's (~65 s) with the rest.
-streams=("tests/e2e tests/engine" "tests/daemon")
-rest=$(ls -d tests/*/ | grep -v -e '^tests/e2e/$' -e '^tests/engine/$' -e '^tests/daemon/$' \
-  -e '^tests/support/$' -e '^tests/fuzz_corpus/$' | tr '\n' ' ')
-streams+=("$rest")
-names=(e2e-engine daemon units)
-pids=() logs=()
-for i in 0 1 2; do
-  logs[i]=$(mktemp "/tmp/mccl-test-${names[i]}.XXXXXX.log")
-  # shellcheck disable=SC2086  # one word per folder
-  "${PYTEST[@]}" --durations=15 --basetemp="/tmp/mccl-pytest-${names[i]}" ${streams[i]} > "${logs[i]}" 2>&1 &
-  pids[i]=$!
-done
-rcs=()
-for i in 0 1 2; do
-  wait "${pids[i]}"
-  rcs[i]=$?
-done
-for i in 0 1 2; do
-  echo
-  echo "================ ${streams[i]}================"
-  cat "${logs[i]}"
-done
-# CI keeps only the end of the log: repeat the streams' failures and totals last.
-echo
-echo "======================== summary of the three streams ========================"
-grep -hE '^(FAILED|ERROR) ' "${logs[@]}" || true
-for i in 0 1 2; do
-  echo "${names[i]}: $(grep -E '^=+ .*(passed|failed|error).* in [0-9.]+s' "${logs[i]}" | tail -1) (exit ${rcs[i]})"
-done
-rm -f "${logs[@]}"
+# Three pytest workers side by side (pytest-xdist), each handed whole files as it frees up.
+# Most of the suite waits (timeouts, shaped links, daemons starting): beside two busy loops
+# three fixed streams took 1.4x a quiet run, not 2x. Fixed streams did not stay balanced:
+# stop 40's CI ran e2e+engine 1,627 s while the daemon stream was done at 1,027 s, and the
+# whole run needed 1,735 s of its 1,800. Whole files (--dist loadfile) keep a module's fleet
+# fixture set up once. --durations: the log says where the time goes.
+"${PYTEST[@]}" -n 3 --dist loadfile --durations=40 --basetemp=/tmp/mccl-pytest tests
+rc=$?
 # pytest's 5 means "no tests collected": that is a failure of this script, not a pass.
-[ "${rcs[0]}" -eq 0 ] && [ "${rcs[1]}" -eq 0 ] && [ "${rcs[2]}" -eq 0 ]
+exit $rc

@@ -725,7 +725,7 @@ class MCCLRendezvousHandler(DynamicRendezvousHandler):
         came back and mccld removed the job, it was killed, its link cut) while the run is
         open, and the workers here do not use libmccl.elastic. torch keeps such a round going,
         and plain workers would wait for that host until their own timeout (in
-        init_process_group: 60 s in tests/e2e/test_reclaim.py) before torchrun restarted them;
+        init_process_group: 60 s in tests/e2e/test_reclaim_fleet.py) before torchrun restarted them;
         restarting them now forms the smaller round at once. Workers with ElasticState re-form
         in place by themselves and are left alone."""
         if not self._last_round or self._state_field("closed"):

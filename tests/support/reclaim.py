@@ -1,4 +1,4 @@
-"""A reclaim as a user sees it (tests/e2e/test_reclaim.py, tools/reclaim_trials.py): ``mcclctl
+"""A reclaim as a user sees it (tests/e2e/test_reclaim_fleet.py, tools/reclaim_trials.py): ``mcclctl
 run`` of examples/count_steps.py, a plain script without libmccl.elastic, and a ``Watch`` on one
 host's job processes from the moment its user is back."""
 

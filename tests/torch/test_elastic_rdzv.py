@@ -393,7 +393,7 @@ def test_a_host_leaving_while_the_agents_assign_ranks_does_not_stop_the_others(m
     """Right after a round forms, torchrun's agents write their role info and read the rank
     table agent 0 makes, with blocking store reads; a host that left in that moment (its user
     came back) never writes its part, and torch raised DistStoreError at the store's timeout,
-    which ends torchrun: the whole job failed (seen in tests/e2e/test_reclaim.py). The round's
+    which ends torchrun: the whole job failed (seen in tests/e2e/test_reclaim_fleet.py). The round's
     store answers for a host the rendezvous counts as gone, so the agent that stays gets its
     workers' ranks and the handler then asks for a round without the host."""
     from types import SimpleNamespace

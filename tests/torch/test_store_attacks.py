@@ -339,7 +339,7 @@ def test_a_state_recorded_in_an_earlier_run_is_refused_by_joining_hosts_and_the_
 def test_hosts_left_waiting_by_a_first_host_that_left_begin_the_run_afresh_together() -> None:
     """The host that began the run (drew its epoch) left before it saw the others' hellos, as
     a host whose user came back during start-up does: nobody can vouch for its state. The
-    hosts waiting must not stop (they did, with RendezvousForged, in tests/e2e/test_reclaim.py):
+    hosts waiting must not stop (they did, with RendezvousForged, in tests/e2e/test_reclaim_fleet.py):
     one empties the key and begins afresh, acknowledging the other, and both hold one epoch."""
     import threading
 
