@@ -32,6 +32,7 @@ install_session_job_key()
 
 from support.daemon import daemon, mccld_proc, raw  # noqa: E402,F401 - fixtures for every folder
 from support.pipelined import jittery_daemon  # noqa: E402,F401
+from support.rdzv import rdzv_handlers  # noqa: E402,F401
 from support.ranks import run_ranks  # noqa: E402 - needs the path above
 
 

@@ -22,7 +22,7 @@ import pytest
 from mccl_common import attach_protocol as protocol
 from mccl_common import shm
 from mccl_common.errors import ConfigError, PeerLostError, ProtocolError
-from support.daemon import AVG, F32, I32, MAX, SUM, connect
+from support.daemon import AVG, F32, I32, MAX, SUM, connect, until
 from support.leak_check import fd_targets
 from support.pipelined import NP, check_killed_rank, expected, rank_input
 from support.ports import free_port
@@ -114,15 +114,6 @@ def test_client_killed_mid_op_on_its_shared_buffer(jittery_daemon):
     assert run_ranks(rank_in_place, 2, env=env) == ["ok", "ok"]
 
 
-def _until(cond, timeout_s: float = 30.0) -> bool:
-    # Generous: on a loaded 2-core CI box the I/O thread's poll and mccld's map and unmap of
-    # 200 segments can take seconds; a pass returns as soon as the condition holds.
-    deadline = time.monotonic() + timeout_s
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return cond()
-
-
 @pytest.mark.timeout(120)
 def test_buffers_are_released_with_their_last_reference_and_capped(jittery_daemon, monkeypatch):
     """One rank in this process, so the daemon's side can be read between its steps."""
@@ -147,7 +138,7 @@ def test_buffers_are_released_with_their_last_reference_and_capped(jittery_daemo
         del a, buf
         gc.collect()
         assert not Path("/dev/shm", name).exists(), "the last reference went, the name stayed"
-        assert _until(lambda: name not in registered()), "mccld kept the released buffer mapped"
+        assert until(lambda: name not in registered()), "mccld kept the released buffer mapped"
 
         for i in range(200):
             # Dropped as soon as made: the release races the registration (or stops it being
@@ -155,7 +146,7 @@ def test_buffers_are_released_with_their_last_reference_and_capped(jittery_daemo
             comm.alloc_buffer(4096)
             if i % 50 == 0:
                 time.sleep(0.01)
-        assert _until(lambda: not registered()), registered()
+        assert until(lambda: not registered()), registered()
 
         # The cap: 64 live buffers per rank, refused before anything reaches the daemon.
         held = [comm.alloc_buffer(4096) for _ in range(protocol.MAX_BUFFERS_PER_RANK)]
@@ -167,7 +158,7 @@ def test_buffers_are_released_with_their_last_reference_and_capped(jittery_daemo
         x[:] = 1
         comm.wait(comm.allreduce(x.ctypes.data, x.size, F32, SUM), 20)
         assert (x == 1).all()
-        assert _until(lambda: len(registered()) == protocol.MAX_BUFFERS_PER_RANK), len(registered())
+        assert until(lambda: len(registered()) == protocol.MAX_BUFFERS_PER_RANK), len(registered())
         assert held[0].name not in registered()
         with pytest.raises(ConfigError, match="at least one byte"):
             comm.alloc_buffer(0)
@@ -198,7 +189,7 @@ def test_mccld_stopping_amid_a_closing_clients_releases_leaves_nothing_mapped(ji
     comm, _store = connect(0, 1, comm_id=0xb11)
     held = [comm.alloc_buffer(4096) for _ in range(16)]
     members = d.jobs.table[f"{0xb11:08x}"].members
-    assert _until(lambda: len(members[0].buffers) == len(held)), "mccld never mapped the buffers"
+    assert until(lambda: len(members[0].buffers) == len(held)), "mccld never mapped the buffers"
     comm.shutdown(5)
     d.stop()   # the fixture's stop finds nothing left to do
     paths = {f"/dev/shm/{b.name}" for b in held}

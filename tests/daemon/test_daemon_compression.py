@@ -15,19 +15,15 @@ from __future__ import annotations
 
 import datetime
 import os
-import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from libmccl import _core
-from mccl_common.daemon_settings import load_config
 from mccl_common.errors import ConfigError
-from mccl_common.settings import EngineConfig, load
 from mccld.daemon import Daemon
-from support.daemon import refused
+from support.daemon import loopback_hosts, refused
 from support.engine import make_options, ptr, ranks
 from support.engine import run_ranks as run_threads_ranks
 from support.ranks import run_ranks
@@ -48,23 +44,8 @@ STEPS = 2
 def hosts(request):
     """``request.param`` daemons on loopback, each its own "host" (or (n, engine settings of mccld))."""
     n, extra = request.param if isinstance(request.param, tuple) else (request.param, {})
-    dirs = [Path(tempfile.mkdtemp(prefix="mccl-cmtest-")) for _ in range(n)]
-    running = []
-    try:
-        for i, d in enumerate(dirs):
-            env = {"MCCL_RUNTIME_DIR": str(d), "MCCL_FLEET_KEY": "cm-test-key-" + "z" * 32,
-                   "MCCL_FLEET": f"cm{os.getpid()}", "MCCL_LISTEN_ADDR": "127.0.0.1", "MCCL_PORT": "0",
-                   "MCCL_STATUS_PORT": "0", "MCCL_METRICS_PORT": "0", "MCCL_HOST_ID": f"cm{os.getpid()}h{i}",
-                   "MCCL_CLIENT_CHECK_INTERVAL": "0.1"}
-            running.append(Daemon(load_config(env=env), engine_cfg=load(EngineConfig, env={**os.environ, **extra})).start())
-        yield running, [str(d) for d in dirs]
-    finally:
-        for d in running:
-            d.stop()
-        for d in dirs:
-            for p in d.iterdir():
-                p.unlink()
-            d.rmdir()
+    with loopback_hosts(n, "cm", engine_env=extra) as running_dirs:
+        yield running_dirs
 
 
 def step_input(rank: int, step: int, count: int, seed: int) -> np.ndarray:

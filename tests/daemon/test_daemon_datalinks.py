@@ -13,11 +13,9 @@ import logging
 import os
 import random
 import socket
-import tempfile
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -31,10 +29,9 @@ from mccl_common.errors import AuthError, PeerLostError
 from mccld import PROTO_VERSION
 
 from mccld.net import auth
-from mccl_common.daemon_settings import load_config
-from mccl_common.settings import EngineConfig, load
 from mccld.daemon import Daemon
-from support.datalinks import KEY, K, Host
+from support.daemon import loopback_hosts
+from support.datalinks import K, Host
 
 
 F32, SUM = 0, 0
@@ -177,34 +174,17 @@ def test_a_peer_without_the_fleet_key_gets_no_data_socket(caplog):
 
 
 # -- two real daemons on loopback -------------------------------------------------------------
-def _env(rdir: Path, host: str, metrics_port: int = 0) -> dict[str, str]:
-    # Its own fleet (as support/daemon.py's): another test process's daemons, found by mDNS on
-    # the default fleet, dialled these while a job ran.
-    return {"MCCL_RUNTIME_DIR": str(rdir), "MCCL_FLEET_KEY": "dl-test-key-" + "y" * 32, "MCCL_FLEET": f"dl{os.getpid()}",
-            "MCCL_LISTEN_ADDR": "127.0.0.1", "MCCL_PORT": "0", "MCCL_STATUS_PORT": "0",
-            "MCCL_METRICS_PORT": str(metrics_port), "MCCL_METRICS_ADDR": "127.0.0.1",
-            "MCCL_HOST_ID": host, "MCCL_CLIENT_CHECK_INTERVAL": "0.1", "MCCL_SOCKETS_PER_PEER": str(K)}
+def _env(metrics_port: int) -> dict[str, str]:
+    # Metrics on a port of their own: tests read the exporter of each.
+    return {"MCCL_METRICS_PORT": str(metrics_port), "MCCL_METRICS_ADDR": "127.0.0.1", "MCCL_SOCKETS_PER_PEER": str(K)}
 
 
 @pytest.fixture
 def two_daemons(request):
     """Two daemons on loopback; ``indirect`` parametrisation adds settings to both."""
     extra = getattr(request, "param", {})
-    dirs = [Path(tempfile.mkdtemp(prefix="mccl-dltest-")) for _ in range(2)]
-    names = [f"dla{os.getpid()}", f"dlb{os.getpid()}"]
-    daemons = []
-    try:
-        for d, name in zip(dirs, names):
-            env = _env(d, name, free_port()) | extra
-            daemons.append(Daemon(load_config(env=env), engine_cfg=load(EngineConfig, env=os.environ | extra)).start())
-        yield daemons, [str(d) for d in dirs]
-    finally:
-        for d in daemons:
-            d.stop()
-        for d in dirs:
-            for p in d.iterdir():
-                p.unlink()
-            d.rmdir()
+    with loopback_hosts(2, "dl", each=lambda i: _env(free_port()) | extra, engine_env=extra) as running_dirs:
+        yield running_dirs
 
 
 def rank_jobs(rank: int, world: int, dirs: list[str], comm_ids: list[int], die_in: int | None) -> str:

@@ -99,6 +99,30 @@ def running_daemon(**overrides: str):
         rdir.rmdir()
 
 
+@contextlib.contextmanager
+def loopback_hosts(n: int, tag: str, each=None, engine_env: dict[str, str] | None = None):
+    """``n`` mcclds in this process on loopback, each an emulated host (its own runtime dir and
+    host id ``<tag><pid>h<i>``): (daemons, their runtime dirs). ``each(i)``: settings of daemon
+    ``i`` over ``daemon_env``; ``engine_env``: engine settings over this process's env."""
+    from mccl_common.settings import EngineConfig, load
+
+    dirs = [Path(tempfile.mkdtemp(prefix=f"mccl-{tag}-")) for _ in range(n)]
+    engine_cfg = load(EngineConfig, env={**os.environ, **(engine_env or {})})
+    running = []
+    try:
+        for i, d in enumerate(dirs):
+            env = daemon_env(d) | {"MCCL_HOST_ID": f"{tag}{os.getpid()}h{i}"} | (each(i) if each else {})
+            running.append(Daemon(load_config(env=env), engine_cfg=engine_cfg).start())
+        yield running, [str(d) for d in dirs]
+    finally:
+        for d in running:
+            d.stop()
+        for d in dirs:
+            for f in d.iterdir():
+                f.unlink()
+            d.rmdir()
+
+
 @pytest.fixture
 def daemon():
     with running_daemon() as d_env:
@@ -226,7 +250,7 @@ def job_segments(comm_id: int) -> list[str]:
     return [s for s in our_segments() if s.split("-")[1] == f"{comm_id & 0xFFFFFFFF:08x}"]
 
 
-def until(condition, within_s: float) -> bool:
+def until(condition, within_s: float = 30.0) -> bool:
     """Waits for ``condition`` (an event's sign, polled) up to ``within_s``; its last value."""
     deadline = time.monotonic() + within_s
     while not (ok := condition()) and time.monotonic() < deadline:

@@ -22,9 +22,10 @@ from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as 
 
 from libmccl.elastic import rdzv as er
 from mccl_common.errors import AbortedError, CollectiveTimeout, ConfigError, PeerLostError
-from mccl_common.launch_protocol import AWARE_SUFFIX, REFORM_ENV
+from mccl_common.launch_protocol import AWARE_SUFFIX
 from mccl_common.settings import RendezvousConfig, load
 from support.ports import free_port as _free_port
+from support.rdzv import in_threads
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -152,53 +153,13 @@ def test_a_busy_anchor_port_is_joined_unless_told_to_serve() -> None:
     gc.collect()
 
 
-@pytest.fixture
-def make_handlers(monkeypatch):
-    """Handlers standing for hosts; each is shut down (its keep-alive thread stopped) afterwards."""
-    # Rank 0's handler would also start the workers' store (a second server); the tests here
-    # only look at the rendezvous itself.
-    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    # create_handler sets it for its workers; restored here so no later test inherits it.
-    monkeypatch.delenv(REFORM_ENV, raising=False)
-    made = []
-
-    def make(port: int, min_nodes: int, max_nodes: int, **conf):
-        conf.setdefault("join_timeout", "10")
-        conf.setdefault("last_call_timeout", "0.5")
-        made.append(er.create_handler(_params(f"127.0.0.1:{port}", min_nodes, max_nodes, **conf)))
-        return made[-1]
-
-    yield make
-    for h in reversed(made):  # the anchor's server, made first, waits for the others to shut down
-        h.shutdown()
-    made.clear()
-    gc.collect()
-
-
-def _in_threads(*calls):
-    out: list = [None] * len(calls)
-
-    def run(i, fn):
-        try:
-            out[i] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            out[i] = exc
-
-    ts = [threading.Thread(target=run, args=(i, fn)) for i, fn in enumerate(calls)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(30)
-    return out
-
-
-def test_two_hosts_form_a_round_with_the_anchor_address(make_handlers) -> None:
+def test_two_hosts_form_a_round_with_the_anchor_address(rdzv_handlers) -> None:
     port = _free_port()
-    a = make_handlers(port, 2, 2, is_host="1")
-    b = make_handlers(port, 2, 2, is_host="0")
+    a = rdzv_handlers(port, 2, 2, is_host="1")
+    b = rdzv_handlers(port, 2, 2, is_host="0")
     assert a.serves_anchor and not b.serves_anchor and a.get_backend() == "mccl"
     started = time.monotonic()
-    infos = _in_threads(a.next_rendezvous, b.next_rendezvous)
+    infos = in_threads(a.next_rendezvous, b.next_rendezvous)
     took = time.monotonic() - started
     assert sorted(i.rank for i in infos) == [0, 1] and {i.world_size for i in infos} == {2}, infos
     # The address rank 0 advertises is on the route to the anchor (here loopback); it is the
@@ -207,9 +168,9 @@ def test_two_hosts_form_a_round_with_the_anchor_address(make_handlers) -> None:
     assert took < 5, f"{took:.1f}s"
 
 
-def test_too_few_hosts_time_out_naming_the_anchor(make_handlers) -> None:
+def test_too_few_hosts_time_out_naming_the_anchor(rdzv_handlers) -> None:
     port = _free_port()
-    a = make_handlers(port, 2, 2, join_timeout="1")
+    a = rdzv_handlers(port, 2, 2, join_timeout="1")
     started = time.monotonic()
     with pytest.raises(er.RendezvousJoinTimeout, match=rf"run 'r': fewer than 2 hosts joined within 1s \(this one "
                                                        rf"and 0 others\), peer=127.0.0.1:{port} \(the anchor\)"):
@@ -217,25 +178,25 @@ def test_too_few_hosts_time_out_naming_the_anchor(make_handlers) -> None:
     assert time.monotonic() - started < 5
 
 
-def test_a_closed_run_says_so(make_handlers) -> None:
+def test_a_closed_run_says_so(rdzv_handlers) -> None:
     port = _free_port()
-    a = make_handlers(port, 1, 2)
-    b = make_handlers(port, 1, 2)
+    a = rdzv_handlers(port, 1, 2)
+    b = rdzv_handlers(port, 1, 2)
     a.set_closed()  # what a torchrun does when it finishes or gives up
     with pytest.raises(er.RendezvousClosed, match=rf"run 'r' is closed, peer=127.0.0.1:{port}.*new --rdzv-id"):
         b.next_rendezvous()
 
 
-def test_a_host_still_waiting_when_the_run_ends_exits_0(make_handlers, caplog) -> None:
+def test_a_host_still_waiting_when_the_run_ends_exits_0(rdzv_handlers, caplog) -> None:
     """mcclctl run recruits an idle host during a run's last steps: its torchrun waits for the
     next round, and the run finishes and closes first. Nothing failed there: it exits 0 (torchrun
     ends cleanly on SystemExit(0)), not with RendezvousClosed, which made mcclctl report a job
     that ran every step as failed. A run closed before the host came still says so (above)."""
     port = _free_port()
-    a = make_handlers(port, 1, 2, is_host="1")
+    a = rdzv_handlers(port, 1, 2, is_host="1")
     a.reform_file = ""          # the waiting host is reported as is, no workers to ask
     assert a.next_rendezvous().world_size == 1
-    b = make_handlers(port, 1, 2)
+    b = rdzv_handlers(port, 1, 2)
     out: list = []
 
     def join():
@@ -258,16 +219,16 @@ def test_a_host_still_waiting_when_the_run_ends_exits_0(make_handlers, caplog) -
     assert "ended before this host was taken in" in caplog.text
 
 
-def test_a_silent_host_is_dropped_and_the_next_round_forms_without_it(make_handlers) -> None:
+def test_a_silent_host_is_dropped_and_the_next_round_forms_without_it(rdzv_handlers) -> None:
     """The elastic case: min 1, max 2; a host that stops its keep-alives (dead, as far as the
     store can tell) no longer counts, and the survivor completes a round alone."""
     port = _free_port()
     # A last call long enough for both threads to make the first round (a host that misses it
     # waits for the next, which only an agent would start).
     fast = {"keep_alive_interval": "0.5", "keep_alive_max_attempt": "4", "last_call_timeout": "2"}
-    a = make_handlers(port, 1, 2, is_host="1", **fast)
-    b = make_handlers(port, 1, 2, **fast)
-    first = _in_threads(a.next_rendezvous, b.next_rendezvous)
+    a = rdzv_handlers(port, 1, 2, is_host="1", **fast)
+    b = rdzv_handlers(port, 1, 2, **fast)
+    first = in_threads(a.next_rendezvous, b.next_rendezvous)
     assert {i.world_size for i in first} == {2}, first
     b._stop_heartbeats()  # torch's own switch; B now looks dead to the others
     started = time.monotonic()
@@ -277,16 +238,16 @@ def test_a_silent_host_is_dropped_and_the_next_round_forms_without_it(make_handl
     assert took < 8, f"{took:.1f}s"
 
 
-def test_a_waiting_host_is_taken_in_at_the_workers_next_step_boundary(make_handlers, tmp_path) -> None:
+def test_a_waiting_host_is_taken_in_at_the_workers_next_step_boundary(rdzv_handlers, tmp_path) -> None:
     """torchrun's agent restarts its workers mid-step as soon as num_nodes_waiting() > 0. With
     workers that stop by themselves at a step boundary (libmccl.elastic created the aware
     marker) the handler asks them to (the reform file) and reports 0 until they have, or until
     join_at_step_timeout; for any other script it reports the waiting host at once."""
     port = _free_port()
-    a = make_handlers(port, 1, 2, is_host="1", join_at_step_timeout="1")
+    a = rdzv_handlers(port, 1, 2, is_host="1", join_at_step_timeout="1")
     a.reform_file = str(tmp_path / "reform-a")
     assert a.next_rendezvous().world_size == 1
-    b = make_handlers(port, 1, 2)
+    b = rdzv_handlers(port, 1, 2)
     joined: list = []
     t = threading.Thread(target=lambda: joined.append(b.next_rendezvous()))
     t.start()
@@ -315,13 +276,13 @@ def test_the_join_waits_no_longer_than_a_lan_needs() -> None:
     assert datetime.timedelta(seconds=cfg.last_call_s) < datetime.timedelta(seconds=10)
 
 
-def test_the_anchor_outlives_the_others_shutting_down(make_handlers) -> None:
+def test_the_anchor_outlives_the_others_shutting_down(rdzv_handlers) -> None:
     """The host serving the store waits for the others of its last round to count themselves
     out before its store may go away, no longer."""
     port = _free_port()
-    a = make_handlers(port, 2, 2, is_host="1", close_timeout="3")
-    b = make_handlers(port, 2, 2, is_host="0")
-    _in_threads(a.next_rendezvous, b.next_rendezvous)
+    a = rdzv_handlers(port, 2, 2, is_host="1", close_timeout="3")
+    b = rdzv_handlers(port, 2, 2, is_host="0")
+    in_threads(a.next_rendezvous, b.next_rendezvous)
     started = time.monotonic()
     took: list[float] = []
     t = threading.Thread(target=lambda: (a.shutdown(), took.append(time.monotonic() - started)))
@@ -336,7 +297,7 @@ def test_the_anchor_outlives_the_others_shutting_down(make_handlers) -> None:
 @pytest.fixture
 def standalone_anchor():
     """`python -m libmccl.elastic.rdzv --port N` in a thread: the store on a host that trains
-    nothing. Asked for before make_handlers, it stops after their shutdown."""
+    nothing. Asked for before rdzv_handlers, it stops after their shutdown."""
     port = _free_port()
     stop = threading.Event()
     server = threading.Thread(target=er.serve_anchor, args=(port, stop, 5.0), name="anchor")
@@ -346,16 +307,16 @@ def standalone_anchor():
     server.join(10)
 
 
-def test_a_standalone_anchor_serves_hosts_that_all_dial_it(standalone_anchor, make_handlers) -> None:
-    a = make_handlers(standalone_anchor, 2, 2, is_host="0")
-    b = make_handlers(standalone_anchor, 2, 2, is_host="0")
-    infos = _in_threads(a.next_rendezvous, b.next_rendezvous)
+def test_a_standalone_anchor_serves_hosts_that_all_dial_it(standalone_anchor, rdzv_handlers) -> None:
+    a = rdzv_handlers(standalone_anchor, 2, 2, is_host="0")
+    b = rdzv_handlers(standalone_anchor, 2, 2, is_host="0")
+    infos = in_threads(a.next_rendezvous, b.next_rendezvous)
     assert sorted(i.rank for i in infos) == [0, 1], infos
     assert not a.serves_anchor and not b.serves_anchor
 
 
 @pytest.mark.parametrize("aware", [False, True], ids=["plain-script", "elastic-state"])
-def test_a_host_of_the_round_going_silent_restarts_plain_workers_at_once(make_handlers, tmp_path, caplog,
+def test_a_host_of_the_round_going_silent_restarts_plain_workers_at_once(rdzv_handlers, tmp_path, caplog,
                                                                          aware) -> None:
     """torch keeps a complete round going when one of its hosts stops its keep-alives, so plain
     workers waited for it until their own timeout (init_process_group's 60 s, when the host's
@@ -364,12 +325,12 @@ def test_a_host_of_the_round_going_silent_restarts_plain_workers_at_once(make_ha
     libmccl.elastic re-form in place by themselves and are left alone."""
     port = _free_port()
     fast = {"keep_alive_interval": "0.5", "keep_alive_max_attempt": "4", "last_call_timeout": "2"}
-    a = make_handlers(port, 1, 2, is_host="1", **fast)
-    b = make_handlers(port, 1, 2, **fast)
+    a = rdzv_handlers(port, 1, 2, is_host="1", **fast)
+    b = rdzv_handlers(port, 1, 2, **fast)
     a.reform_file = str(tmp_path / "reform-a")
     if aware:
         open(a.reform_file + AWARE_SUFFIX, "w").close()
-    first = _in_threads(a.next_rendezvous, b.next_rendezvous)
+    first = in_threads(a.next_rendezvous, b.next_rendezvous)
     assert {i.world_size for i in first} == {2}, first
     assert a.num_nodes_waiting() == 0           # both alive: nothing to do
     b._stop_heartbeats()
@@ -389,7 +350,7 @@ def test_a_host_of_the_round_going_silent_restarts_plain_workers_at_once(make_ha
 
 
 @pytest.mark.parametrize("lost", ["group-rank-1", "group-rank-0"])
-def test_a_host_leaving_while_the_agents_assign_ranks_does_not_stop_the_others(make_handlers, caplog, lost) -> None:
+def test_a_host_leaving_while_the_agents_assign_ranks_does_not_stop_the_others(rdzv_handlers, caplog, lost) -> None:
     """Right after a round forms, torchrun's agents write their role info and read the rank
     table agent 0 makes, with blocking store reads; a host that left in that moment (its user
     came back) never writes its part, and torch raised DistStoreError at the store's timeout,
@@ -403,9 +364,9 @@ def test_a_host_leaving_while_the_agents_assign_ranks_does_not_stop_the_others(m
     # A store read waits 20 s before the change: the agent below would raise DistStoreError.
     fast = {"keep_alive_interval": "0.5", "keep_alive_max_attempt": "4", "last_call_timeout": "2",
             "read_timeout": "20"}
-    a = make_handlers(port, 1, 2, is_host="1", **fast)
-    b = make_handlers(port, 1, 2, **fast)
-    infos = _in_threads(a.next_rendezvous, b.next_rendezvous)
+    a = rdzv_handlers(port, 1, 2, is_host="1", **fast)
+    b = rdzv_handlers(port, 1, 2, **fast)
+    infos = in_threads(a.next_rendezvous, b.next_rendezvous)
     assert {i.world_size for i in infos} == {2}, infos
     by_rank = {info.rank: (h, info) for h, info in zip((a, b), infos)}
     gone_rank = 1 if lost == "group-rank-1" else 0

@@ -12,7 +12,6 @@ import gc
 import os
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -20,11 +19,12 @@ import torch.distributed as dist
 
 from libmccl import refusal, rendezvous
 from mccl_common import jobkey, store_auth
-from mccl_common.daemon_settings import load_config, write_key_file
+from mccl_common.daemon_settings import write_key_file
 from mccl_common.errors import ConfigError, StoreAuthError
-from mccl_common.settings import EngineConfig, load
-from support.daemon import daemon_env
+from mccl_common.settings import EngineConfig
+from support.daemon import loopback_hosts
 from support.ranks import collect, reap, spawn_ranks
+from support.rdzv import in_threads
 
 _INIT_TIMEOUT_S = 30.0   # the ranks' own set-up timeout: what the healthy rank waited out before
 
@@ -97,24 +97,10 @@ def _join(rank: int, world: int, keys: list[str], sizes: list[int], rdirs: list[
 def two_hosts_daemons(request):
     """Two mccld on loopback, one per emulated host (each its runtime dir and host id);
     ``indirect`` param "fleet-keys": the second holds another fleet key."""
-    from mccld.daemon import Daemon
-
-    dirs = [Path(tempfile.mkdtemp(prefix="mccl-ft-")) for _ in range(2)]
-    daemons = []
-    try:
-        for i, d in enumerate(dirs):
-            env = daemon_env(d) | {"MCCL_HOST_ID": f"ft{os.getpid()}h{i}"}
-            if i == 1 and getattr(request, "param", "") == "fleet-keys":
-                env["MCCL_FLEET_KEY"] = "another-fleet-key-" + "z" * 32
-            daemons.append(Daemon(load_config(env=env), engine_cfg=load(EngineConfig, env=os.environ)).start())
-        yield [str(d) for d in dirs]
-    finally:
-        for dm in daemons:
-            dm.stop()
-        for d in dirs:
-            for p in d.iterdir():
-                p.unlink()
-            d.rmdir()
+    other = {"MCCL_FLEET_KEY": "another-fleet-key-" + "z" * 32}
+    odd = getattr(request, "param", "") == "fleet-keys"
+    with loopback_hosts(2, "ft", each=lambda i: other if odd and i == 1 else {}) as (_daemons, dirs):
+        yield dirs
 
 
 def _run_hosts(keys: list[str], sizes: list[int], rdirs: list[str]) -> dict:
@@ -312,57 +298,8 @@ def test_a_refusal_posted_after_set_up_changes_nothing() -> None:
 
 
 # -- torchrun --rdzv-backend mccl: the hosts' agents meet in the anchor's store ---------------
-@pytest.fixture
-def rdzv_hosts(monkeypatch):
-    """make(port, min, max, key_file=None): a host's handler, its job key from ``key_file``."""
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
-
-    from libmccl.elastic import rdzv as er
-    from mccl_common.launch_protocol import REFORM_ENV
-
-    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    monkeypatch.delenv(REFORM_ENV, raising=False)
-    made = []
-    good = os.environ["MCCL_JOB_KEY_FILE"]
-
-    def make(port: int, min_nodes: int, max_nodes: int, key_file: str | None = None, host: str = "h"):
-        monkeypatch.setenv("MCCL_JOB_KEY_FILE", key_file or good)
-        monkeypatch.setenv("MCCL_HOST_ID", host)
-        try:
-            made.append(er.create_handler(RendezvousParameters(
-                "mccl", f"127.0.0.1:{port}", "r", min_nodes, max_nodes, join_timeout="20",
-                last_call_timeout="0.5", is_host="0" if made else "1")))
-        finally:
-            monkeypatch.setenv("MCCL_JOB_KEY_FILE", good)
-            monkeypatch.delenv("MCCL_HOST_ID")
-        return made[-1]
-
-    yield make
-    for h in reversed(made):   # the anchor's server, made first, waits for the others to shut down
-        h.shutdown()
-    made.clear()
-    gc.collect()
-
-
-def _in_threads(*calls) -> list:
-    out: list = [None] * len(calls)
-
-    def run(i, fn):
-        try:
-            out[i] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            out[i] = exc
-    ts = [threading.Thread(target=run, args=(i, fn)) for i, fn in enumerate(calls)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(60)
-    assert not any(t.is_alive() for t in ts), out
-    return out
-
-
 @pytest.mark.timeout(90)
-def test_torchrun_hosts_of_different_keys_both_fail_naming_the_key(rdzv_hosts) -> None:
+def test_torchrun_hosts_of_different_keys_both_fail_naming_the_key(rdzv_handlers) -> None:
     """Before, the host whose key verified nothing failed and the other waited out its join
     timeout (20 s here, 600 s by default in torch)."""
     from libmccl.elastic import rdzv as er
@@ -371,9 +308,9 @@ def test_torchrun_hosts_of_different_keys_both_fail_naming_the_key(rdzv_hosts) -
     other = _other_key()
     try:
         port = free_port()
-        a = rdzv_hosts(port, 2, 2, host="ha")
-        b = rdzv_hosts(port, 2, 2, key_file=other, host="hb")
-        out = _in_threads(a.next_rendezvous, b.next_rendezvous)
+        a = rdzv_handlers(port, 2, 2, host="ha", is_host="1", join_timeout="20")
+        b = rdzv_handlers(port, 2, 2, key_file=other, host="hb", is_host="0", join_timeout="20")
+        out = in_threads(a.next_rendezvous, b.next_rendezvous)
     finally:
         os.unlink(other)
         os.rmdir(os.path.dirname(other))
@@ -387,13 +324,13 @@ def test_torchrun_hosts_of_different_keys_both_fail_naming_the_key(rdzv_hosts) -
 
 
 @pytest.mark.timeout(90)
-def test_a_refusal_after_the_first_round_or_malformed_stops_no_torchrun_host(rdzv_hosts, caplog) -> None:
+def test_a_refusal_after_the_first_round_or_malformed_stops_no_torchrun_host(rdzv_handlers, caplog) -> None:
     from support.ports import free_port
 
     port = free_port()
-    a = rdzv_hosts(port, 2, 2)
-    b = rdzv_hosts(port, 2, 2)
-    infos = _in_threads(a.next_rendezvous, b.next_rendezvous)
+    a = rdzv_handlers(port, 2, 2, is_host="1", join_timeout="20")
+    b = rdzv_handlers(port, 2, 2, is_host="0", join_timeout="20")
+    infos = in_threads(a.next_rendezvous, b.next_rendezvous)
     assert sorted(i.rank for i in infos) == [0, 1], infos
     stranger = _client(port)
     plain = refusal.encode(refusal.Refusal("key", 0, "late", "0123456789abcdef", 0, None, False), None, "x")
