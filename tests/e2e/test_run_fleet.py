@@ -5,6 +5,7 @@ Ctrl-C stops every host's job and leaves no process behind."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from support.daemon import stop_process
+from support.elastic import loopback_fleet_turn
 from support.ports import free_port as _free_port
 
 pytestmark = pytest.mark.timeout(180)
@@ -51,7 +53,9 @@ def fleet(tmp_path_factory):
     old = time.time() - 7200
     os.utime(activity, (old, old))       # nobody touched these hosts for two hours: idle
     procs, hosts = [], []
+    turn = contextlib.ExitStack()
     try:
+        turn.enter_context(loopback_fleet_turn())   # its h1 and h2 beside an elastic test's: see there
         for i in (1, 2):
             rdir = root / f"h{i}"
             status = _free_port()
@@ -61,12 +65,14 @@ def fleet(tmp_path_factory):
                    "MCCL_SUBMIT_KEY_FILE": str(key), "MCCL_ACTIVITY_FILE": str(activity),
                    "MCCL_IDLE_AFTER": "60", "MCCL_HARVEST_POLL": "0.5",
                    "MCCL_LAUNCH_USER": "root" if os.geteuid() == 0 else ""}
-            procs.append(subprocess.Popen([PY, "-m", "mccld"], env=env, stderr=subprocess.DEVNULL))
+            with open(root / f"mccld-h{i}.log", "w") as log:
+                procs.append(subprocess.Popen([PY, "-m", "mccld"], env=env, stderr=log))
             hosts.append(f"127.0.0.1:{status}")
         deadline = time.monotonic() + 30
         for i, p in enumerate(procs, 1):
             while not (root / f"h{i}" / "token").exists():
-                assert p.poll() is None and time.monotonic() < deadline, "mccld did not start"
+                assert p.poll() is None and time.monotonic() < deadline, \
+                    f"mccld h{i} did not start: {(root / f'mccld-h{i}.log').read_text()[-2000:]}"
                 time.sleep(0.1)
         (root / "train.py").write_text(TRAIN)
         (root / "long.py").write_text(LONG)
@@ -74,6 +80,7 @@ def fleet(tmp_path_factory):
     finally:
         for p in procs:
             stop_process(p)
+        turn.close()
 
 
 def _run(root: Path, key: Path, hosts: list[str], script: str, **popen) -> subprocess.Popen:

@@ -1,4 +1,4 @@
-"""The suite runs as one pytest session (scripts/test.sh, three xdist workers): two test files
+"""The suite runs as one pytest session (scripts/test.sh, four xdist workers): two test files
 of one basename in different folders stop its collection ("import file mismatch"), which the
 former per-folder streams hid until a file moved between them."""
 

@@ -4,7 +4,10 @@ losses of the same script run without interruption to compare with."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import tempfile
 import re
 import subprocess
 import sys
@@ -19,6 +22,31 @@ PY = sys.executable
 REPO = Path(__file__).resolve().parents[2]
 FLEET_KEY = "test-key-" + "x" * 32     # key_material refuses keys under 32 bytes
 STEP_LINE = re.compile(r"step (\d+) loss ([0-9.]+) world (\d+)")
+# mDNS names an mccld by its MCCL_HOST_ID machine-wide, whatever its fleet: a second mccld of
+# h1 exits at start ("cannot advertise h1"), as one did when the suite's workers ran
+# test_run_fleet.py beside an elastic test (ci10). These fleets keep the names h1, h2, h3 that
+# their tests read in the jobs' output, so one such fleet runs at a time across the workers.
+_FLEET_LOCK = Path(tempfile.gettempdir()) / "mccl-test-loopback-fleet.lock"
+_FLEET_LOCK_WAIT_S = 900.0   # the longest holder, a module of elastic runs, takes a few minutes
+
+
+@contextlib.contextmanager
+def loopback_fleet_turn():
+    """Held while a loopback fleet of fixed host ids runs (see ``_FLEET_LOCK``)."""
+    fd = os.open(_FLEET_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        deadline = time.monotonic() + _FLEET_LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                assert time.monotonic() < deadline, \
+                    f"another test's loopback fleet held {_FLEET_LOCK} for {_FLEET_LOCK_WAIT_S:.0f} s"
+                time.sleep(0.2)
+        yield
+    finally:
+        os.close(fd)   # releases the lock
 
 
 @dataclass
@@ -29,10 +57,12 @@ class Hosts:
     procs: list = field(default_factory=list)
     args: list = field(default_factory=list)       # --host ADDR for each, for mcclctl
     activity: dict = field(default_factory=dict)
+    turn: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
     def stop(self) -> None:
         for p in self.procs:
             stop_process(p)
+        self.turn.close()
 
 
 def start_hosts(root: Path, names: list[str], idle_after_s: float = 60.0) -> Hosts:
@@ -40,6 +70,7 @@ def start_hosts(root: Path, names: list[str], idle_after_s: float = 60.0) -> Hos
     key.write_text("submit-" + os.urandom(16).hex())
     key.chmod(0o600)
     hosts = Hosts(root, key)
+    hosts.turn.enter_context(loopback_fleet_turn())
     old = time.time() - 7200            # nobody touched these hosts for two hours: idle
     try:
         for name in names:
@@ -54,12 +85,14 @@ def start_hosts(root: Path, names: list[str], idle_after_s: float = 60.0) -> Hos
                    "MCCL_IDLE_AFTER": str(idle_after_s), "MCCL_HARVEST_POLL": "0.25",
                    # python here is not executable by other users; a real mccld runs jobs as its service user
                    "MCCL_LAUNCH_USER": "root" if os.geteuid() == 0 else ""}
-            hosts.procs.append(subprocess.Popen([PY, "-m", "mccld"], env=env, stderr=subprocess.DEVNULL))
+            with open(root / f"mccld-{name}.log", "w") as log:
+                hosts.procs.append(subprocess.Popen([PY, "-m", "mccld"], env=env, stderr=log))
             hosts.args += ["--host", f"127.0.0.1:{status}"]
         deadline = time.monotonic() + 30
         for name in names:
             while not (root / name / "token").exists():
-                assert time.monotonic() < deadline, "mccld did not start"
+                assert time.monotonic() < deadline, \
+                    f"mccld {name} did not start: {(root / f'mccld-{name}.log').read_text()[-2000:]}"
                 time.sleep(0.1)
     except BaseException:
         hosts.stop()

@@ -238,16 +238,20 @@ def test_a_silent_host_is_dropped_and_the_next_round_forms_without_it(rdzv_handl
     assert took < 8, f"{took:.1f}s"
 
 
+@pytest.mark.timeout(120)
 def test_a_waiting_host_is_taken_in_at_the_workers_next_step_boundary(rdzv_handlers, tmp_path) -> None:
     """torchrun's agent restarts its workers mid-step as soon as num_nodes_waiting() > 0. With
     workers that stop by themselves at a step boundary (libmccl.elastic created the aware
     marker) the handler asks them to (the reform file) and reports 0 until they have, or until
     join_at_step_timeout; for any other script it reports the waiting host at once."""
     port = _free_port()
-    a = rdzv_handlers(port, 1, 2, is_host="1", join_at_step_timeout="1")
+    # B waits from its join until A's second round: over 10 s (the fixture's join timeout) once,
+    # with the suite's three workers and a fourth process on 2 cores (ci10).
+    slow = {"join_timeout": "40"}
+    a = rdzv_handlers(port, 1, 2, is_host="1", join_at_step_timeout="1", **slow)
     a.reform_file = str(tmp_path / "reform-a")
     assert a.next_rendezvous().world_size == 1
-    b = rdzv_handlers(port, 1, 2)
+    b = rdzv_handlers(port, 1, 2, **slow)
     joined: list = []
     t = threading.Thread(target=lambda: joined.append(b.next_rendezvous()))
     t.start()
@@ -264,7 +268,7 @@ def test_a_waiting_host_is_taken_in_at_the_workers_next_step_boundary(rdzv_handl
     time.sleep(1.2)
     assert a.num_nodes_waiting() == 1       # they did not stop in time: torchrun's restart after all
     again = a.next_rendezvous()             # the workers stopped; the new round takes B in
-    t.join(15)
+    t.join(40)
     assert again.world_size == 2 and joined and joined[0].world_size == 2
     assert not os.path.exists(a.reform_file)    # answered: the next workers must not see it
 
