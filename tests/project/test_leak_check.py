@@ -40,6 +40,28 @@ def test_each_kind_of_leftover_is_reported_until_it_goes():
     assert leak_check.leftovers(before, grace_s=2.0) == {}
 
 
+def _sleep_rank(rank: int, world: int) -> None:
+    import time
+    time.sleep(60)
+
+
+@pytest.mark.leaks_ok("this test makes and cleans up its own leftovers")
+def test_a_rank_left_running_is_reported_though_the_rank_server_forked_it():
+    from support.ranks import reap, spawn_ranks, start_rank_server
+
+    start_rank_server()   # the session's, as the warm-up starts it (this test skips the check)
+    before = leak_check.snapshot()
+    procs, results, _port = spawn_ranks(_sleep_rank, 1)
+    try:
+        left = leak_check.leftovers(before, grace_s=0.3)
+        assert [c.split()[0] for c in left["children"]] == [str(procs[0].pid)], left
+    finally:
+        reap(procs)
+        results.close()
+        del procs, results
+    assert leak_check.leftovers(before, grace_s=5.0) == {}
+
+
 @pytest.mark.leaks_ok("measures the check itself")
 def test_another_processes_segment_is_not_blamed_on_this_test():
     before = leak_check.snapshot()

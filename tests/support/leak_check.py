@@ -3,7 +3,8 @@
 ``snapshot()`` before the test and ``leftovers(before)`` after it compare identities, not
 counts: the threads (task ids), fds, child pids and /dev/shm/mccl* segments that exist
 now and did not before. Only what this process can own is counted, since other suites
-run beside this one on a shared machine: child processes are direct children (alive, not
+run beside this one on a shared machine: child processes are direct children and the ranks
+forked by the session's rank server (support/ranks.py; alive, not
 zombies), and a new segment counts when this process maps or holds it, or its name's pid
 field is this process or one of its children. ``warm_up()`` creates once the per-process
 singletons that a first user would otherwise be blamed for (ZeroMQ's I/O threads, torch's
@@ -87,14 +88,15 @@ def _children() -> frozenset[int]:
     if not LINUX:
         import psutil
         kids = []
-        for c in psutil.Process().children():
+        for c in psutil.Process().children(recursive=True):
             try:
-                if c.status() != psutil.STATUS_ZOMBIE:
+                parent_is_me = c.ppid() == os.getpid()
+                if c.status() != psutil.STATUS_ZOMBIE and (parent_is_me or _is_rank_server(c.ppid())):
                     kids.append(c.pid)
             except psutil.NoSuchProcess:
                 pass
         return frozenset(kids)
-    me, out = os.getpid(), set()
+    me, parent = os.getpid(), {}
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
@@ -103,9 +105,17 @@ def _children() -> frozenset[int]:
         except OSError:
             continue
         fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[1]) == me and fields[0] != "Z":
-            out.add(int(d))
-    return frozenset(out)
+        if fields[0] != "Z":
+            parent[int(d)] = int(fields[1])
+    out = {pid for pid, pp in parent.items() if pp == me}
+    # The ranks' forkserver (support/ranks.py) is ours for the whole session; the ranks it
+    # forks are this test's children as much as spawned ones were.
+    servers = {pid for pid in out if _is_rank_server(pid)}
+    return frozenset(out | {pid for pid, pp in parent.items() if pp in servers})
+
+
+def _is_rank_server(pid: int) -> bool:
+    return "multiprocessing.forkserver" in _cmdline(pid)
 
 
 def _task_name(tid: int) -> str:
@@ -203,6 +213,9 @@ def warm_up() -> None:
     import torch.distributed as dist
     import zmq
 
+    from support.ranks import start_rank_server
+
+    start_rank_server()                                 # the ranks' forkserver lives as long as we do
     zmq.Context.instance().socket(zmq.PAIR).close()     # its I/O threads start with the first socket
     torch.ones(1 << 20).add_(1).sum()
     rt.ensure_running()
