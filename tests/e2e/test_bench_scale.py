@@ -162,16 +162,26 @@ def test_nine_engine_only_ranks_on_loopback(tmp_path):
 
 @pytest.mark.fleet
 @pytest.mark.timeout(90)
-def test_engine_only_ranks_on_a_dilated_fleet(tmp_path):
+def test_engine_only_ranks_on_a_dilated_fleet(tmp_path, monkeypatch):
     from support.fleet import skip_unless_fleet
-    from tools.fleet import list_namespaces
+    from tools.fleet import PREFIX, Fleet, list_namespaces
 
     skip_unless_fleet()
-    before = set(list_namespaces())
+    # The fleets this run starts, by id: other test processes' fleets come and go meanwhile
+    # (ci13 caught two of theirs in a before/after comparison of every namespace).
+    ours: list[str] = []
+    start = Fleet.start
+
+    def recorded_start(self, *a, **kw):
+        started = start(self, *a, **kw)
+        ours.append(self.id)
+        return started
+    monkeypatch.setattr(Fleet, "start", recorded_start)
     cfg = ScaleConfig(hosts=[9], sizes=[8, 256 << 10], algos=["auto", "ring"], dilation={9: 40}, time_limit_s=70,
                       ceiling_seconds=0, target_s=0.05, repeats=3, max_iters=10, log_dir=str(tmp_path))
     (p,) = run_scale(cfg)["points"]
-    assert set(list_namespaces()) <= before            # the fleet is gone
+    assert ours, "run_scale started no fleet here"
+    assert [ns for ns in list_namespaces() for fid in ours if ns.startswith(f"{PREFIX}{fid}h")] == []   # gone
     assert p["errors"] == [], p["errors"]
     assert p["dilation"] == 40 and p["tc_rate"] == "250000kbit" and p["torch_imported"] is False
     rows = {(r["algo"], r["bytes"]): r for r in p["rows"] if "time_s" in r}
