@@ -117,7 +117,9 @@ def test_ctrl_c_stops_every_hosts_job_and_leaves_nothing_behind(fleet):
         assert line, proc.stderr.read()
         if "] step " in line:
             seen.add(line[1:3])
-    assert seen == {"h1", "h2"} and _count(str(root / "long.py")) >= 2   # what the check below looks for
+    # What the checks below look for: the job's processes and its rendezvous anchor.
+    assert seen == {"h1", "h2"} and _count(str(root / "long.py")) >= 2
+    assert _count("libmccl.elastic.rdzv", under=root) >= 1
     os.kill(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=60)       # reading on: a closed pipe would be a second way out
     assert proc.returncode == 130, err
@@ -125,9 +127,21 @@ def test_ctrl_c_stops_every_hosts_job_and_leaves_nothing_behind(fleet):
     deadline = time.monotonic() + 30
     while _count(str(root / "long.py")) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _count(str(root / "long.py")) == 0 and _count("libmccl.elastic.rdzv") == 0
+    assert _count(str(root / "long.py")) == 0 and _count("libmccl.elastic.rdzv", under=root) == 0
 
 
-def _count(pattern: str) -> int:
+def _count(pattern: str, under: Path | None = None) -> int:
+    """Processes whose command line has ``pattern`` (and, with ``under``, whose working directory
+    is there: other test workers run rendezvous anchors of their own, ci14 counted one)."""
     r = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
-    return len([p for p in r.stdout.split() if int(p) != os.getpid()])
+    pids = [int(p) for p in r.stdout.split() if int(p) != os.getpid()]
+    if under is not None:
+        pids = [p for p in pids if _cwd(p).startswith(str(under))]
+    return len(pids)
+
+
+def _cwd(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return ""   # gone, or not ours to read
