@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from support.elastic import REPO, job_pids, reference_losses, steps_of
+from support.elastic import REPO, job_pids, loopback_fleet_turn, reference_losses, steps_of
 from support.fleet import DaemonFleet, skip_unless_fleet
 
 pytestmark = [pytest.mark.fleet, pytest.mark.timeout(240)]
@@ -36,7 +36,9 @@ def test_a_cut_link_drops_the_host_and_the_others_finish_from_the_last_checkpoin
     env = {"MCCL_SUBMIT_KEY_FILE": str(key), "MCCL_ACTIVITY_FILE": str(activity), "MCCL_HARVEST_POLL": "0.25",
            "MCCL_LAUNCH_USER": "root", "MCCL_STATUS_PORT": "29651"}   # the default: the fleet helper turns it off
     reference = reference_losses(STEPS)
-    with DaemonFleet(3, extra_env=env) as df:
+    # Its hosts are h0..h2 running elastic_train.py, as the loopback elastic tests' are, and
+    # job_pids finds a host's job by those two across the machine: one of them at a time.
+    with loopback_fleet_turn(), DaemonFleet(3, extra_env=env) as df:
         ctl_env = {**df.env(0), "PYTHONPATH": str(REPO)}
         deadline = time.monotonic() + 45
         while True:     # the daemons announce themselves over mDNS and sample their activity first

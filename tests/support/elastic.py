@@ -26,6 +26,7 @@ STEP_LINE = re.compile(r"step (\d+) loss ([0-9.]+) world (\d+)")
 # h1 exits at start ("cannot advertise h1"), as one did when the suite's workers ran
 # test_run_fleet.py beside an elastic test (ci10). These fleets keep the names h1, h2, h3 that
 # their tests read in the jobs' output, so one such fleet runs at a time across the workers.
+# job_pids looks across the machine too: test_elastic_fleet.py's namespaced h2 takes a turn.
 _FLEET_LOCK = Path(tempfile.gettempdir()) / "mccl-test-loopback-fleet.lock"
 _FLEET_LOCK_WAIT_S = 900.0   # the longest holder, a module of elastic runs, takes a few minutes
 
