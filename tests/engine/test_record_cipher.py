@@ -39,7 +39,9 @@ def test_records_open_in_order_and_any_change_fails():
     records = [os.urandom(n) for n in (1, 1000, _core.RECORD_BYTES, 0)]
     s = sealer(key=key)
     sealed = [s.seal(0, aad, r) for r in records]
-    assert all(ct != r for (ct, _), r in zip(sealed, records) if r)
+    # Encrypted: a 1-byte record's ciphertext equals its plaintext 1 time in 256 (ci15 drew it),
+    # so the comparison is of the records long enough that a match would mean no encryption.
+    assert all(ct != r for (ct, _), r in zip(sealed, records) if len(r) >= 16)
     o = opener(key=key)
     assert [o.open(0, aad, ct, tag) for ct, tag in sealed] == records
 
