@@ -17,7 +17,7 @@ PY_PKGS=(torch==2.13.0 "pybind11>=2.12" "scikit-build-core>=0.10" ninja cmake "p
          # The Lightning callbacks' tests (tests/torch/test_lightning_*.py); its dependencies leave
          # torch as pinned above (checked with pip's --dry-run: no torch among what it installs).
          lightning==2.6.6
-         # scripts/test.sh runs the suite on three workers that take whole files as they free up.
+         # scripts/test.sh runs the suite on pytest workers that take whole files as they free up.
          pytest-xdist==3.8.0)
 # ShellCheck: actionlint checks the workflows' run: scripts with it, as on GitHub's runners.
 APT_PKGS=(prometheus iperf3 iproute2 procps libssl-dev shellcheck)

@@ -5,24 +5,17 @@ Ctrl-C stops every host's job and leaves no process behind."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from support.daemon import stop_process
-from support.elastic import loopback_fleet_turn
-from support.ports import free_port as _free_port
+from support.elastic import FLEET_KEY, PY, start_hosts
 
 pytestmark = pytest.mark.timeout(180)
-
-PY = sys.executable
-FLEET_KEY = "test-key-" + "x" * 32
 
 TRAIN = """
 import os, torch, torch.distributed as dist
@@ -45,48 +38,18 @@ for i in range(600):
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     root = tmp_path_factory.mktemp("run")
-    key = root / "submit.key"
-    key.write_text("submit-" + os.urandom(16).hex())
-    key.chmod(0o600)
-    activity = root / "activity"
-    activity.touch()
-    old = time.time() - 7200
-    os.utime(activity, (old, old))       # nobody touched these hosts for two hours: idle
-    procs, hosts = [], []
-    turn = contextlib.ExitStack()
+    hosts = start_hosts(root, ["h1", "h2"])   # idle, under the loopback fleets' turn
     try:
-        turn.enter_context(loopback_fleet_turn())   # its h1 and h2 beside an elastic test's: see there
-        for i in (1, 2):
-            rdir = root / f"h{i}"
-            status = _free_port()
-            env = {**os.environ, "MCCL_RUNTIME_DIR": str(rdir), "MCCL_FLEET_KEY": FLEET_KEY,
-                   "MCCL_LISTEN_ADDR": "127.0.0.1", "MCCL_PORT": "0", "MCCL_STATUS_PORT": str(status),
-                   "MCCL_METRICS_PORT": "0", "MCCL_LAUNCH_PORT": str(_free_port()), "MCCL_HOST_ID": f"h{i}",
-                   "MCCL_SUBMIT_KEY_FILE": str(key), "MCCL_ACTIVITY_FILE": str(activity),
-                   "MCCL_IDLE_AFTER": "60", "MCCL_HARVEST_POLL": "0.5",
-                   "MCCL_LAUNCH_USER": "root" if os.geteuid() == 0 else ""}
-            with open(root / f"mccld-h{i}.log", "w") as log:
-                procs.append(subprocess.Popen([PY, "-m", "mccld"], env=env, stderr=log))
-            hosts.append(f"127.0.0.1:{status}")
-        deadline = time.monotonic() + 30
-        for i, p in enumerate(procs, 1):
-            while not (root / f"h{i}" / "token").exists():
-                assert p.poll() is None and time.monotonic() < deadline, \
-                    f"mccld h{i} did not start: {(root / f'mccld-h{i}.log').read_text()[-2000:]}"
-                time.sleep(0.1)
         (root / "train.py").write_text(TRAIN)
         (root / "long.py").write_text(LONG)
-        yield root, key, hosts
+        yield root, hosts.key, hosts.args
     finally:
-        for p in procs:
-            stop_process(p)
-        turn.close()
+        hosts.stop()
 
 
-def _run(root: Path, key: Path, hosts: list[str], script: str, **popen) -> subprocess.Popen:
-    cmd = [PY, "-m", "mcclctl", "run", "-n", "2", "--submit-key-file", str(key), "--env", "OMP_NUM_THREADS=1"]
-    for h in hosts:
-        cmd += ["--host", h]
+def _run(root: Path, key: Path, host_args: list[str], script: str, **popen) -> subprocess.Popen:
+    cmd = [PY, "-m", "mcclctl", "run", "-n", "2", "--submit-key-file", str(key), "--env", "OMP_NUM_THREADS=1",
+           *host_args]
     # The script by its full path: the check for leftovers looks for it in command lines.
     return subprocess.Popen(cmd + ["--", "python", str(root / script)], cwd=root, env={**os.environ, "MCCL_FLEET_KEY": FLEET_KEY},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)

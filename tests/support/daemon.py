@@ -262,10 +262,8 @@ def segments_left(comm_id: int, timeout_s: float = 30.0) -> list[str]:
     """The job's segments still mapped or named once they stop going, or after ``timeout_s``.
     A rank's leave is fire-and-forget: mccld unmaps on the job's thread after the rank's
     process has exited (ci, stop 40, caught one look made right after the ranks returned)."""
-    deadline = time.monotonic() + timeout_s
-    while (left := job_segments(comm_id)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return left
+    until(lambda: not job_segments(comm_id), timeout_s)
+    return job_segments(comm_id)
 
 
 # -- a rank program the single-host and the fleet tests both run -----------------------------------

@@ -7,10 +7,10 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import tempfile
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path

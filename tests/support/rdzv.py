@@ -41,8 +41,11 @@ def rdzv_handlers(monkeypatch):
             made.append(er.create_handler(RendezvousParameters("mccl", f"127.0.0.1:{port}", "r", min_nodes,
                                                                max_nodes, **conf)))
         finally:
-            if key_file is not None and good is not None:
-                monkeypatch.setenv("MCCL_JOB_KEY_FILE", good)
+            if key_file is not None:   # the next handler holds the session's key (or none) again
+                if good is None:
+                    monkeypatch.delenv("MCCL_JOB_KEY_FILE")
+                else:
+                    monkeypatch.setenv("MCCL_JOB_KEY_FILE", good)
             if host is not None:
                 monkeypatch.delenv("MCCL_HOST_ID")
         return made[-1]
