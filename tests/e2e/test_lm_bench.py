@@ -105,3 +105,28 @@ def test_balanced_variant_with_a_slow_rank_trains_on_the_same_samples_as_plain_d
     assert bal["speeds"][0] > 0 and bal["speeds"][1] > 0
     for r in (off, bal):
         assert r["slow"][0]["slept_s"] == 0 and r["slow"][1]["slept_s"] > 0 and r["slow"][1]["factor"] == 3.0
+
+
+@pytest.mark.timeout(240)
+def test_adaptive_diloco_gives_the_slow_rank_fewer_inner_steps_and_counts_the_run_in_rounds(tmp_path):
+    # Issue 37 item 2: with rank 1 four times slower, DiLoCo(adaptive=True) plans its inner steps per
+    # round by speed. Its ranks then make different numbers of steps, so the harness runs 3 rounds
+    # (24 steps / H=8), evaluates at round ends and counts the samples every rank really drew.
+    res = _lm("--ranks", "2", "--variants", "diloco-h8-adaptive", "--slow", "1:4", "--steps", "24", "--eval-every", "8",
+              "--calibrate-steps", "3", *TINY, "--out-dir", str(tmp_path / "o"), "--timeout", "180", timeout=220)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    doc = json.loads((tmp_path / "o" / "results.json").read_text())
+    r = doc["results"]["diloco-h8-adaptive"]
+    assert r["ok"] and r["variant"]["diloco"]["adaptive"] and r["replicas"]["identical"]
+    hist = r["diloco"]["history"]
+    assert [h["round"] for h in hist] == [0, 1, 2] and r["diloco"]["rounds"] == [3]
+    # the first round is everyone's H; each later one is the plan the sync before it made
+    assert hist[0]["steps"] == [8, 8] and [h["steps"] for h in hist[1:]] == [h["plan"] for h in hist[:-1]]
+    assert all(h["plan"][1] < h["plan"][0] for h in hist[:-1]), hist   # the slow rank is given fewer
+    made = [sum(h["steps"][k] for h in hist) for k in (0, 1)]
+    assert r["inner_steps"] == made and made[1] < made[0]
+    # points at the round ends, each with the samples drawn so far (4 sequences a step)
+    assert [p["step"] for p in r["curve"]] == [0, 8, 16, 24]
+    assert r["curve"][-1]["samples"] == 4 * sum(made) and r["samples"] == 4 * sum(made)
+    assert len(r["round_ms_all"]) == 3 and r["round_ms_median"] > 0
+    assert "| DiLoCo variant | rounds |" in (tmp_path / "o" / "README.md").read_text()

@@ -211,6 +211,8 @@ def test_diloco_variants_carry_their_schedule_and_expected_wire_share():
     assert got["diloco-h32-int8"].env == {"MCCL_COMPRESSION": "int8", "MCCL_COMPRESSION_ERROR_FEEDBACK": "1"}
     assert got["diloco-h32-int8"].wire_factor == 0.25 / 32
     assert got["streaming-f4"].diloco == {"H": 32, "F": 4, "tau": 1, "alpha": 0.5, "compression": None}
+    adaptive = variants.resolve(["diloco-h8-adaptive"], declared)[0]
+    assert adaptive.diloco == {**got["diloco-h8"].diloco, "adaptive": True} and adaptive.wire_factor == 1 / 8
     # a DiLoCo run that sent every step's gradients is caught by the same wire check as compression
     res = {"variant": got["diloco-h32"].to_dict(), "wire_over_fp32_ring": 1.01}
     assert "did not compress" in runner.check_wire(res)

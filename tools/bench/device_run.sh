@@ -60,6 +60,12 @@
 #                    job, then after an all-to-all, leasing every peer at set-up (as before) against the
 #                    set-up hosts only; SOCK_HOSTS (8,16,32) emulated hosts in one process on loopback
 #                    (tools/bench/daemon_sockets.py; no shaping, no root)
+#   24-n8-compress   issue 38: all_reduce 16/64/256 MB with MCCL_COMPRESSION off, bf16 and int8, in-process and
+#                    through mccld, 8 hosts x 10 Gbit/s; then threadcpu around the in-process int8 run at 256 MB
+#                    (which threads are busy while the op waits on something serial)
+#   25-n8-slow       issue 37 on the lm workload, 8 hosts, link at 0.25x the compute: DiLoCo H=8 on a uniform
+#                    fleet, then DiLoCo and adaptive DiLoCo with the last two hosts at half speed (round times), then
+#                    speed-balanced DDP with the last host halved at step 16 (how soon it is rebalanced)
 # Step 3 takes DDP_WIDTH, DDP_DEPTH, DDP_VARIANTS (ddp,nocomm: the step with communication removed, for overlap;
 # shared,sharedcopy: libmccl.ddp_shared_buckets with and without gradient_as_bucket_view) and
 # DDP_BUCKET_MB (DDP's bucket_cap_mb).
@@ -235,6 +241,28 @@ if timeout 45 $PY -m tools.fleet selftest --rate 1gbit > "$RESULTS/fleet-selftes
     mkdir -p "$OUT/scale" && cp "$SCALE_DIR"/* "$OUT/scale/" 2>/dev/null
     cat "$RESULTS/$name.txt"
     pack
+  fi
+  want 24 && bench "24-n$H8-compress" 220 --hosts "$H8" --rate "$FAST" --backends mccl --mode "$MODES" --ops all_reduce \
+    --sizes "${SIZES_C:-16M,64M,256M}" --compression off,bf16,int8 --latency-iters 0 --target-seconds 0.5
+  if want 24; then
+    name="24-n$H8-compress-cpu-int8"
+    status "$name start"
+    timeout --kill-after=20 "$(( $(left) > 120 ? 100 : $(left) - 20 ))" $PY -m tools.bench.threadcpu \
+      --delay 15 --json "$RESULTS/$name-threads.json" -- $PY -m tools.bench --json "$RESULTS/$name.json" \
+      --hosts "$H8" --rate "$FAST" --mode in-process --backends mccl --sizes 256M --compression int8 --latency-iters 0 \
+      --ceiling-seconds 2 --ops all_reduce --target-seconds 3 > "$RESULTS/$name.txt" 2> "$RESULTS/$name.err"
+    status "$name rc=$?"
+    cat "$RESULTS/$name.txt"
+    pack
+  fi
+  if want 25; then
+    LM=(--workload lm --hosts "$H8" --comm-ratio "${SLOW_RATIO:-0.25}")
+    bench "25-n$H8-slow-uniform" 120 "${LM[@]}" --variants diloco-h8 --steps "${SLOW_STEPS:-64}" --eval-every 16 \
+      --out-dir "$RESULTS/25-n$H8-slow-uniform"
+    bench "25-n$H8-slow-diloco" 180 "${LM[@]}" --variants diloco-h8,diloco-h8-adaptive --slow "$((H8 - 2)):2,$((H8 - 1)):2" \
+      --steps "${SLOW_STEPS:-64}" --eval-every 16 --out-dir "$RESULTS/25-n$H8-slow-diloco"
+    bench "25-n$H8-slow-midrun" 120 "${LM[@]}" --variants balanced --slow "$((H8 - 1)):2@16" --steps 40 --eval-every 20 \
+      --out-dir "$RESULTS/25-n$H8-slow-midrun"
   fi
   # Issue 26's hierarchy: 2 switches x 16 hosts, uplinks 2:1 oversubscribed (16 x TOPO_RATE / 2), ranks
   # placed across the switches in turn (what a placement blind to switches gives), 64 MB: the flat

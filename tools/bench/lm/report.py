@@ -56,6 +56,18 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def rounds_table(result: dict) -> str | None:
+    """DiLoCo variants' outer rounds: what a slow host costs a round (issue 37's round-time target)."""
+    rows = [(r["variant"]["label"], r) for r in result["results"].values() if r.get("ok") and r.get("round_ms_all")]
+    if not rows:
+        return None
+    lines = ["| DiLoCo variant | rounds | round, ms (median) | inner steps per rank |", "|---|---|---|---|"]
+    for label, r in rows:
+        steps = ", ".join(str(s) for s in r.get("inner_steps") or [])
+        lines.append(f"| {label} | {len(r['round_ms_all'])} | {r['round_ms_median']:.0f} | {steps} |")
+    return "\n".join(lines)
+
+
 def setup_text(result: dict) -> str:
     m, cal, cfg = result["meta"], result.get("calibration"), result["meta"]["config"]
     st, mc, corpus = m["studio"], cfg["model"], m.get("corpus") or {}
@@ -99,7 +111,7 @@ def markdown(result: dict) -> str:
     m = result["meta"]
     return "\n\n".join([
         f"# Time to loss: byte-level LM, {m['hosts']} hosts ({m['started']}, commit {m.get('commit')})",
-        setup_text(result), table(result),
+        setup_text(result), table(result), *filter(None, [rounds_table(result)]),
         "![validation loss against wall time and samples](lm-loss.png)",
         "Reproduce: `" + (m.get("command") or "python -m tools.bench --workload lm ...") + "`"]) + "\n"
 

@@ -203,8 +203,19 @@ def aggregate(variant: Variant, docs: list[dict], n: int) -> dict:
             "grad_bytes": first["grad_bytes"], "replicas": first["replicas"],
             "shares": first.get("shares"), "replans": first.get("replans"),
             "speeds": [d.get("speed") for d in docs], "slow": [d.get("slow") for d in docs],
-            "diloco": first.get("diloco"),
+            "diloco": first.get("diloco"), **_rounds(first, docs),
             "init_s": max(d["init_s"] for d in docs)}
+
+
+def _rounds(first: dict, docs: list[dict]) -> dict:
+    """A DiLoCo variant's outer rounds: each one's training time (rank 0's clock between syncs; every
+    rank leaves a sync at once) and the inner steps each rank made in all."""
+    ends = first.get("round_ends") or []
+    if not ends:
+        return {}
+    spans = [b - a for a, b in zip([0.0] + ends[:-1], ends)]
+    return {"round_ms_all": [s * 1e3 for s in spans], "round_ms_median": statistics.median(spans) * 1e3,
+            "inner_steps": [(d.get("diloco") or {}).get("inner_steps") for d in docs]}
 
 
 def check_wire(res: dict) -> str | None:

@@ -137,15 +137,34 @@ def run(plan: dict) -> dict:
     iface = plan.get("wire_iface")
     samples_per_step = plan["batch"] * world
     curve, step_s, losses, shares = [], [], [], []
+    # DiLoCo: the training clock at each completed outer round (every rank leaves a sync together).
+    round_ends: list[float] = []
+    # An adaptive DiLoCo's ranks make different numbers of inner steps (each its own plan per round),
+    # so its run is counted in rounds: every rank stops after the same sync, and the curve's points
+    # are at round ends, with the samples every rank actually drew.
+    adaptive = bool(dcfg and dcfg.get("adaptive"))
+    rounds_wanted = plan["steps"] // dcfg["H"] if adaptive else None
+    if adaptive and (rounds_wanted < 1 or plan["eval_every"] % dcfg["H"]):
+        raise MCCLError(f"[bench] {plan['variant']['name']}: --steps must be at least H={dcfg['H']} and "
+                        f"--eval-every a multiple of it (got {plan['steps']} and {plan['eval_every']}): "
+                        "an adaptive DiLoCo is evaluated at round ends")
+
+    def samples_drawn(step: int) -> int:
+        if not adaptive:
+            return step * samples_per_step
+        made = torch.tensor([float(diloco.d.step * plan["batch"])], dtype=torch.float64)
+        dist.all_reduce(made)
+        return int(made[0])
 
     def point(step: int, wall: float, tx0: int | None) -> None:
+        samples = samples_drawn(step)
         if diloco is not None:
             with diloco.global_weights():   # DiLoCo's model is theta_global; the local ones drift between syncs
                 loss = _evaluate(torch, dist, model, val, mcfg, plan, rank, world)
         else:
             loss = _evaluate(torch, dist, model, val, mcfg, plan, rank, world)
         tx = tx_bytes(iface)
-        curve.append({"step": step, "samples": step * samples_per_step, "wall_s": wall, "val_loss": loss,
+        curve.append({"step": step, "samples": samples, "wall_s": wall, "val_loss": loss,
                       "train_loss": statistics.fmean(losses[-plan["eval_every"]:]) if losses else None,
                       "tx_bytes": None if tx is None else tx - tx0})
         if rank == 0:
@@ -158,9 +177,10 @@ def run(plan: dict) -> dict:
     wall = 0.0
     if diloco is not None:
         diloco.enter()
-    for step in range(plan["steps"]):
+    step = 0
+    while (diloco.rounds() < rounds_wanted) if adaptive else (step < plan["steps"]):
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, plan)
+            g["lr"] = lr_at(min(step, plan["steps"] - 1), plan)
         t = time.perf_counter()
         b = balancer.batch_size() if balancer is not None else plan["batch"]   # exchanges speeds every few steps
         shares.append(balancer.shares if balancer is not None else None)
@@ -173,21 +193,30 @@ def run(plan: dict) -> dict:
         slow.compute(step, b)        # a slow host's extra compute, before backward: inside what the balancer times
         loss.backward()              # DDP's bucket all-reduces overlap this
         torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
-        opt.step()
+        rounds_before = diloco.rounds() if diloco is not None else 0
+        opt.step()                   # DiLoCo: its hook may sync here
         dt = time.perf_counter() - t
         step_s.append(dt)
         wall += dt
+        step += 1
         losses.append(float(loss.detach()))
         if not math.isfinite(losses[-1]):
-            raise MCCLError(f"[bench] {plan['variant']['name']}: training loss is {losses[-1]} at step {step} "
+            raise MCCLError(f"[bench] {plan['variant']['name']}: training loss is {losses[-1]} at step {step - 1} "
                             f"on rank {rank}; the gradients are corrupt or the learning rate too high")
-        if step + 1 == plan["steps"] and diloco is not None:
+        synced = diloco is not None and diloco.rounds() > rounds_before
+        if synced:
+            round_ends.append(wall)
+        last = (diloco.rounds() >= rounds_wanted) if adaptive else step == plan["steps"]
+        if last and diloco is not None:
             t = time.perf_counter()
             diloco.exit()            # applies a round still in flight: the final point is after it
             wall += time.perf_counter() - t
-        if (step + 1) % plan["eval_every"] == 0 or step + 1 == plan["steps"]:
-            point(step + 1, wall, tx0)
-    out.update(curve=curve, step_s=step_s, grad_bytes=grad_bytes, samples_per_step=samples_per_step,
+        if adaptive:
+            if synced and ((diloco.rounds() * dcfg["H"]) % plan["eval_every"] == 0 or last):
+                point(diloco.rounds() * dcfg["H"], wall, tx0)
+        elif step % plan["eval_every"] == 0 or last:
+            point(step, wall, tx0)
+    out.update(curve=curve, step_s=step_s, round_ends=round_ends, grad_bytes=grad_bytes, samples_per_step=samples_per_step,
                shares=shares, speed=None if balancer is None else balancer.speed,
                replans=None if balancer is None else balancer.history, slow=slow.to_dict(),
                replicas=_replica_spread(torch, dist, model, diloco),
@@ -237,8 +266,13 @@ class DiLoCoRun:
         self.torch, self.model = torch, model
         outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
         self.d = libmccl.DiLoCo(model, inner, outer, sync_every=cfg["H"], fragments=cfg["F"], delay=cfg["tau"],
-                                alpha=cfg["alpha"], compression=cfg.get("compression"))
+                                alpha=cfg["alpha"], compression=cfg.get("compression"),
+                                adaptive=bool(cfg.get("adaptive")))
         self.entered = False
+
+    def rounds(self) -> int:
+        """Outer rounds completed (the first fragment's: with F > 1 each fragment counts its own)."""
+        return self.d._fragments[0].rounds
 
     def enter(self) -> None:
         self.d.__enter__()
@@ -275,7 +309,8 @@ class DiLoCoRun:
 
     def to_dict(self) -> dict:
         return {"syncs": self.d.syncs, "payload_bytes": self.d.payload_bytes, "inner_steps": self.d.step,
-                "rounds": [f.rounds for f in self.d._fragments]}
+                "rounds": [f.rounds for f in self.d._fragments],
+                "history": list(self.d.history) if self.d.adaptive else None}   # per sync: steps made, speeds, next plan
 
 
 def _replica_spread(torch, dist, model, diloco: DiLoCoRun | None = None) -> dict:

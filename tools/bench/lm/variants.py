@@ -14,6 +14,8 @@ A ``diloco`` variant trains without DDP: each rank steps its own batch with the 
 ``libmccl.DiLoCo`` (outer SGD lr 0.7, momentum 0.9, Nesterov) synchronizes every H inner steps,
 in F fragments with a delay tau and a mixing factor alpha for streaming; its outer gradients are
 compressed when the variant's MCCL_COMPRESSION says so (DiLoCo(compression=...) checks the group).
+An ``adaptive`` one plans each rank's inner steps per round by its speed (DiLoCo(adaptive=True)),
+so its ranks make different numbers of steps and the run is counted in rounds (steps / H).
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ class Variant:
 _COMP, _EF = "MCCL_COMPRESSION", "MCCL_COMPRESSION_ERROR_FEEDBACK"
 
 
-def _diloco(name: str, h: int, f: int = 1, tau: int = 0, alpha: float = 0.0, comp: str | None = None) -> Variant:
+def _diloco(name: str, h: int, f: int = 1, tau: int = 0, alpha: float = 0.0, comp: str | None = None,
+            adaptive: bool = False) -> Variant:
     """One outer gradient (the parameters' bytes) every H/F inner steps per fragment of 1/F of
     them: 1/H of DDP's gradient bytes per step, times the compressed size."""
     env = {_COMP: comp or "off"}
@@ -55,8 +58,11 @@ def _diloco(name: str, h: int, f: int = 1, tau: int = 0, alpha: float = 0.0, com
         requires = (_COMP, _EF)
     factor = {None: 1.0, "bf16": 0.5, "fp16": 0.5, "int8": 0.25}[comp] / h
     what = f"H={h}" + (f", F={f}, tau={tau}, alpha={alpha}" if f > 1 or tau else "") + (f", {comp} outer" if comp else "")
-    return Variant(name, "mccl", env, requires, factor, f"mccl, DiLoCo {what}",
-                   diloco={"H": h, "F": f, "tau": tau, "alpha": alpha, "compression": comp})
+    what += ", inner steps by speed" if adaptive else ""
+    cfg = {"H": h, "F": f, "tau": tau, "alpha": alpha, "compression": comp}
+    if adaptive:
+        cfg["adaptive"] = True
+    return Variant(name, "mccl", env, requires, factor, f"mccl, DiLoCo {what}", diloco=cfg)
 
 
 VARIANTS: dict[str, Variant] = {v.name: v for v in (
@@ -75,6 +81,8 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("gloo-balanced", "gloo", label="Gloo DDP (fp32), speed-balanced shares", balanced=True),
     # DiLoCo (issue 35): no DDP, an outer step every H inner steps.
     _diloco("diloco-h8", 8),
+    # Each rank's inner steps per round by its measured speed (issue 37): a slow host does not hold the round.
+    _diloco("diloco-h8-adaptive", 8, adaptive=True),
     _diloco("diloco-h32", 32),
     _diloco("diloco-h32-int8", 32, comp="int8"),
     _diloco("streaming-f4", 32, f=4, tau=1, alpha=0.5),
