@@ -33,7 +33,8 @@
 #                    at once (MCCL_DAEMON_COPY_AHEAD_BYTES=0) and paced (the default), AHEAD_ORDER times
 #   16-n8-threads    step 1's in-process all_reduce (and Gloo) alternating fewer engine threads per rank
 #                    (THREAD_ORDER: "-" for the defaults, else VAR=value[,VAR=value]), 64/256 MB;
-#                    with H8=24 FAST=1gbit THR_LIMIT_S=200, the same at 24 hosts
+#                    with H8=24 FAST=1gbit THR_LIMIT_S=200, the same at 24 hosts; THR_EXTRA: more mccl-bench
+#                    arguments (e.g. "--compression off,int8 --backends mccl")
 #   17-shared        in-process, through mccld, and through mccld with the all_reduce buffers from
 #                    libmccl.shared_empty (no client copies), Gloo beside: 8 hosts x 1 (16/64/256 MB)
 #                    and 4 hosts x 2 (64/256 MB), SHARED_RUNS times
@@ -63,6 +64,8 @@
 #   24-n8-compress   issue 38: all_reduce 16/64/256 MB with MCCL_COMPRESSION off, bf16 and int8, in-process and
 #                    through mccld, 8 hosts x 10 Gbit/s; then threadcpu around the in-process int8 run at 256 MB
 #                    (which threads are busy while the op waits on something serial)
+#   26-n8-rounds     issue 37's round-time target: DiLoCo H=8 on the uniform fleet and adaptive DiLoCo with the
+#                    last two hosts at half speed, alternating, ROUND_REPEATS times (default "1 2")
 #   25-n8-slow       issue 37 on the lm workload, 8 hosts, link at 0.25x the compute: DiLoCo H=8 on a uniform
 #                    fleet, then DiLoCo and adaptive DiLoCo with the last two hosts at half speed (round times), then
 #                    speed-balanced DDP with the last host halved at step 16 (how soon it is rebalanced)
@@ -213,7 +216,7 @@ if timeout 45 $PY -m tools.fleet selftest --rate 1gbit > "$RESULTS/fleet-selftes
       name=${v//[=,]/_}; [ "$v" = - ] && name=default
       ( [ "$v" = - ] || for kv in ${v//,/ }; do export "$kv"; done
         bench "16-n$H8-threads-$name-r$n" "${THR_LIMIT_S:-80}" --hosts "$H8" --rate "$FAST" --mode in-process \
-          --sizes "${SIZES_THR:-64M,256M}" --latency-iters 0 --ceiling-seconds 2 "${COMMON[@]}" )
+          --sizes "${SIZES_THR:-64M,256M}" --latency-iters 0 --ceiling-seconds 2 "${COMMON[@]}" ${THR_EXTRA:-} )
     done
   fi
   if want 17 && [[ $MODES == *daemon* ]]; then
@@ -263,6 +266,14 @@ if timeout 45 $PY -m tools.fleet selftest --rate 1gbit > "$RESULTS/fleet-selftes
       --steps "${SLOW_STEPS:-64}" --eval-every 16 --out-dir "$RESULTS/25-n$H8-slow-diloco"
     bench "25-n$H8-slow-midrun" 120 "${LM[@]}" --variants balanced --slow "$((H8 - 1)):2@16" --steps 40 --eval-every 20 \
       --out-dir "$RESULTS/25-n$H8-slow-midrun"
+  fi
+  if want 26; then
+    LM=(--workload lm --hosts "$H8" --comm-ratio "${SLOW_RATIO:-0.25}" --steps "${SLOW_STEPS:-64}" --eval-every 16)
+    for rep in ${ROUND_REPEATS:-1 2}; do
+      bench "26-n$H8-rounds-uniform-r$rep" 100 "${LM[@]}" --variants diloco-h8 --out-dir "$RESULTS/26-n$H8-rounds-uniform-r$rep"
+      bench "26-n$H8-rounds-slow-r$rep" 100 "${LM[@]}" --variants diloco-h8-adaptive --slow "$((H8 - 2)):2,$((H8 - 1)):2" \
+        --out-dir "$RESULTS/26-n$H8-rounds-slow-r$rep"
+    done
   fi
   # Issue 26's hierarchy: 2 switches x 16 hosts, uplinks 2:1 oversubscribed (16 x TOPO_RATE / 2), ranks
   # placed across the switches in turn (what a placement blind to switches gives), 64 MB: the flat
