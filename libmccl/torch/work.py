@@ -47,6 +47,11 @@ class MCCLWork(compat.WorkBase):
         self._timeout_s = default_timeout_s
         self._result = compat.ResultFuture()
         self._done = threading.Event()
+        # Set once the future is completed and the callbacks chained on it ran (after _done):
+        # wait() returns only then, so a caller that waited may read and chain the future as
+        # a completed one. torchft builds its callback chain right after wait(); the chain
+        # raced the completion thread and dropped the op ("AssertionError" in its callback).
+        self._settled = threading.Event()
         self._error: BaseException | None = None
         self._source_rank_value = -1
         self._router: CompletionRouter | None = None
@@ -69,10 +74,13 @@ class MCCLWork(compat.WorkBase):
         self._done.set()
         # Future callbacks (comm hooks) run inline here; a failure inside one is the
         # hook's error and is already stored in its chained future by torch.
-        if error is None:
-            self._result.set_result(self._outputs)
-        else:
-            self._result.set_exception(error)
+        try:
+            if error is None:
+                self._result.set_result(self._outputs)
+            else:
+                self._result.set_exception(error)
+        finally:
+            self._settled.set()
 
     # -- torch Work API (caller's thread) ---------------------------------------
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
@@ -92,6 +100,13 @@ class MCCLWork(compat.WorkBase):
                     f"[mccl] Timed out after {limit:.1f} s waiting for {self.op_name} on rank {self._rank}; "
                     "likely cause: a peer is stuck, slow or skipped this collective; "
                     "check every rank issues the same collectives in the same order, or raise the timeout")
+        # The callbacks chained on the future run on the completion thread right after _done;
+        # on that thread (a callback waiting on its own op) they are what is running now.
+        if not self._settled.is_set() and not self._on_completion_thread() and not self._settled.wait(limit):
+            raise CollectiveTimeout(
+                f"[mccl] {self.op_name} finished on rank {self._rank}, but the callbacks chained on its future "
+                f"did not return within {limit:.1f} s; likely cause: a future.then() callback that blocks; "
+                "make the callback return, or wait on the chained future instead")
         if self._error is not None:
             raise self._error
         return True

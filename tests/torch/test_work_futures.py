@@ -135,3 +135,31 @@ def test_on_failure_gets_the_typed_error_and_nothing_on_success() -> None:
     error = PeerLostError("[transport] lost peer (rank 1)")
     failed.set_exception(error)
     assert seen == [error]
+
+
+@pytest.mark.timeout(30)
+def test_wait_returns_once_the_future_and_its_callbacks_are_complete() -> None:
+    # torchft waits on a Work and then chains callbacks on its future, expecting a completed one;
+    # before the fix wait() returned as soon as the op was done, while the completion thread was
+    # still completing the future, and torchft's chain lost the op to the race.
+    import threading
+
+    work = _work()
+    router = CompletionRouter(0)
+    router.track(9, work)
+    ran = threading.Event()
+    release = threading.Event()
+
+    def slow_callback(f: torch.futures.Future) -> list:
+        release.wait(20)    # holds the completion thread inside the future's callbacks
+        ran.set()
+        return f.value()
+
+    chained = work.get_future().then(slow_callback)
+    done = threading.Thread(target=router.on_complete, args=([(9, None, -1)],))
+    done.start()
+    threading.Timer(0.5, release.set).start()
+    assert work.wait()
+    # wait() returned: the future is complete and the callbacks chained on it have run
+    assert ran.is_set() and work.get_future().done() and chained.done()
+    done.join(20)

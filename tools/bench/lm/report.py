@@ -102,7 +102,7 @@ def setup_text(result: dict) -> str:
                    "per step as DDP's), and libmccl.DiLoCo steps theta_global with SGD(lr 0.7, momentum 0.9, "
                    "Nesterov) every H inner steps (per fragment, F of them, tau steps late, mixed at alpha); the "
                    "validation loss is theta_global's, which moves only at syncs.")
-    out.append(f"- Wall time counts training steps only (evaluation excluded); wire bytes are what the hosts' "
+    out.append("- Wall time counts training steps only (evaluation excluded); wire bytes are what the hosts' "
                "interfaces sent during training (TCP/IP headers and the engine's framing included), per sample.")
     return "\n".join(out)
 
