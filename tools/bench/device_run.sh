@@ -66,6 +66,8 @@
 #                    (which threads are busy while the op waits on something serial)
 #   26-n8-rounds     issue 37's round-time target: DiLoCo H=8 on the uniform fleet and adaptive DiLoCo with the
 #                    last two hosts at half speed, alternating, ROUND_REPEATS times (default "1 2")
+#   27-n8-lm         issue 38/35's time to loss: the lm workload at 8 hosts (the studio's ratio), LM_RUNS runs
+#                    of SEED:VARIANTS (default "1:gloo,off,int8,diloco-h8 2:gloo,int8"), --steps LM_STEPS (128)
 #   25-n8-slow       issue 37 on the lm workload, 8 hosts, link at 0.25x the compute: DiLoCo H=8 on a uniform
 #                    fleet, then DiLoCo and adaptive DiLoCo with the last two hosts at half speed (round times), then
 #                    speed-balanced DDP with the last host halved at step 16 (how soon it is rebalanced)
@@ -273,6 +275,13 @@ if timeout 45 $PY -m tools.fleet selftest --rate 1gbit > "$RESULTS/fleet-selftes
       bench "26-n$H8-rounds-uniform-r$rep" 100 "${LM[@]}" --variants diloco-h8 --out-dir "$RESULTS/26-n$H8-rounds-uniform-r$rep"
       bench "26-n$H8-rounds-slow-r$rep" 100 "${LM[@]}" --variants diloco-h8-adaptive --slow "$((H8 - 2)):2,$((H8 - 1)):2" \
         --out-dir "$RESULTS/26-n$H8-rounds-slow-r$rep"
+    done
+  fi
+  if want 27; then
+    for run in ${LM_RUNS:-1:gloo,off,int8,diloco-h8 2:gloo,int8}; do
+      seed=${run%%:*} variants=${run#*:}
+      bench "27-n$H8-lm-seed$seed" "${LM_LIMIT_S:-300}" --workload lm --hosts "$H8" --variants "$variants" --seed "$seed" \
+        --steps "${LM_STEPS:-128}" --eval-every 16 --warmup-steps 8 --out-dir "$RESULTS/27-n$H8-lm-seed$seed"
     done
   fi
   # Issue 26's hierarchy: 2 switches x 16 hosts, uplinks 2:1 oversubscribed (16 x TOPO_RATE / 2), ranks
