@@ -158,8 +158,13 @@ def test_buffers_are_released_with_their_last_reference_and_capped(jittery_daemo
         x[:] = 1
         comm.wait(comm.allreduce(x.ctypes.data, x.size, F32, SUM), 20)
         assert (x == 1).all()
-        assert until(lambda: len(registered()) == protocol.MAX_BUFFERS_PER_RANK), len(registered())
-        assert held[0].name not in registered()
+        # The release and the new registration reach mccld as messages of their own: wait for both
+        # (a count of 64 alone was also true before either was read, ci18).
+        def settled() -> bool:
+            now = registered()
+            return held[0].name not in now and extra.name in now and len(now) == protocol.MAX_BUFFERS_PER_RANK
+
+        assert until(settled), (len(registered()), held[0].name in registered(), extra.name in registered())
         with pytest.raises(ConfigError, match="at least one byte"):
             comm.alloc_buffer(0)
     finally:
