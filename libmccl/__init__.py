@@ -118,11 +118,9 @@ def lightning_speed_balancer_callback(global_batch: int, **kwargs):  # noqa: ANN
 def torchft_process_group(timeout=None):  # noqa: ANN001,ANN201 - a torchft ProcessGroup, imported lazily
     """torchft on mccl: ``torchft.Manager(pg=libmccl.torchft_process_group(), ...)``, then torchft's
     LocalSGD/DiLoCo unchanged (libmccl/torch/torchft_pg.py, docs/diloco.md). Needs torchft installed."""
-    import datetime
-
     from .torch.torchft_pg import torchft_process_group as make
 
-    return make(datetime.timedelta(seconds=60) if timeout is None else timeout)
+    return make() if timeout is None else make(timeout)
 
 
 def __getattr__(name: str):  # noqa: ANN202 - torch types, imported lazily

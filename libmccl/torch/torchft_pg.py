@@ -13,10 +13,11 @@ the quorum changes, through a ``torchft.process_group.ProcessGroupWrapper`` subc
     with DiLoCo(manager, [model], inner_opt, outer_opt, sync_every=32):
         ...                                   # the training loop unchanged
 
-Each quorum gets one mccl communicator (in-process, or through the host's mccld with
-MCCL_DAEMON=1) over the store torchft hands over, so the engine's settings, its sealed links and
-its job-key check apply as for any mccl group; the previous quorum's communicator is aborted
-first (torchft's own order), which closes its links and fails whatever it still had pending.
+Each quorum gets one mccl communicator over the store torchft hands over, made as any mccl group
+is, so the engine's settings, its sealed links and its job-key check apply (with MCCL_DAEMON=1 it
+would go through the host's mccld: not yet tested under torchft); the previous quorum's
+communicator is aborted first (torchft's own order), which closes its links and fails whatever it
+still had pending.
 
 torchft is optional: without it, asking for the process group raises ConfigError naming the
 package. Tested against torchft 0.2.0 (tests/torch/test_torchft.py).

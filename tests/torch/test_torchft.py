@@ -19,6 +19,7 @@ import torchft   # noqa: F401 - pinned in scripts/setup.sh; a missing torchft fa
 
 import libmccl
 from mccl_common.errors import ConfigError
+from torchft_replica import build_model, replica_data   # this folder: the replicas' model and data
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROUNDS, H = 3, 2
@@ -71,14 +72,9 @@ def _train(tmp_path, backend: str, algorithm: str) -> list[dict]:
 
 def _reference(algorithm: str) -> list[torch.Tensor]:
     """The algorithm written out with plain tensors: both replicas' data as the replica script draws it."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    model = build_model()
     glob = [p.detach().clone() for p in model.parameters()]
-    datas = []
-    for rid in range(2):
-        gen = torch.Generator().manual_seed(100 + rid)
-        datas.append([(torch.randn(16, 8, generator=gen), torch.randint(0, 4, (16,), generator=gen))
-                      for _ in range(ROUNDS * H)])
+    datas = [replica_data(rid, ROUNDS * H) for rid in range(2)]
     outer_params = [torch.nn.Parameter(g.clone()) for g in glob]
     outer = torch.optim.SGD(outer_params, lr=0.7, momentum=0.9, nesterov=True)
     for k in range(ROUNDS):
@@ -119,9 +115,7 @@ def test_torchft_diloco_on_mccl_equals_gloo_and_the_published_algorithm(tmp_path
     got = [torch.tensor(p) for p in mccl[0]["params"]]
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    torch.manual_seed(0)
-    start = [p.detach().flatten() for p in
-             torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).parameters()]
+    start = [p.detach().flatten() for p in build_model().parameters()]
     assert any(not torch.equal(a, s) for a, s in zip(got, start)), "the outer steps moved nothing"
 
 

@@ -20,16 +20,25 @@ from torchft.process_group import ProcessGroupGloo
 import libmccl
 
 
+def build_model() -> torch.nn.Module:
+    """The same weights on every replica (and in the test's reference)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def replica_data(rid: int, batches: int) -> list:
+    """Each replica its own batches."""
+    gen = torch.Generator().manual_seed(100 + rid)
+    return [(torch.randn(16, 8, generator=gen), torch.randint(0, 4, (16,), generator=gen)) for _ in range(batches)]
+
+
 def main() -> int:
     plan = json.loads(sys.argv[1])
     rid = plan["replica"]
-    torch.manual_seed(0)   # every replica starts from the same weights
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    model = build_model()
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
-    gen = torch.Generator().manual_seed(100 + rid)   # each replica its own data
-    data = [(torch.randn(16, 8, generator=gen), torch.randint(0, 4, (16,), generator=gen))
-            for _ in range(plan["rounds"] * plan["sync_every"])]
+    data = replica_data(rid, plan["rounds"] * plan["sync_every"])
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     timeout = datetime.timedelta(seconds=plan["timeout_s"])
