@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Removes anything a crashed test run may have left: MCCL processes, test namespaces and
-# shared-memory segments. Only touches names MCCL itself creates.
+# shared-memory segments, CPU-cap cgroups. Only touches names MCCL itself creates.
 set -u
 for pid in $(pgrep -f 'mccld|tools.bench|mccl_fleet' 2>/dev/null); do
   [ "$pid" != "$$" ] && kill -9 "$pid" 2>/dev/null
@@ -15,4 +15,8 @@ if command -v ip >/dev/null; then
   done
 fi
 rm -f /dev/shm/mccl* 2>/dev/null
+# CPU caps of emulated hosts (tools/cpucap.py): empty once their processes are gone.
+for g in /sys/fs/cgroup/mccl-bench-* /sys/fs/cgroup/cpu/mccl-bench-* /sys/fs/cgroup/cpu,cpuacct/mccl-bench-*; do
+  [ -d "$g" ] && rmdir "$g" 2>/dev/null
+done
 exit 0

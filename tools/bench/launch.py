@@ -26,6 +26,7 @@ class LocalLauncher:
     def __init__(self, n: int):
         self.n = n
         self.rate = None
+        self.cpu = None     # tools.cpucap.CpuCaps: the processes of capped hosts go into their groups
 
     def addr(self, i: int) -> str:
         return "127.0.0.1"
@@ -33,7 +34,10 @@ class LocalLauncher:
     def popen(self, i: int, argv: Sequence[str], env: Mapping[str, str] | None = None, **kw) -> subprocess.Popen:
         full = dict(os.environ)
         full.update(env or {})
-        return subprocess.Popen(list(argv), env=full, start_new_session=True, **kw)
+        p = subprocess.Popen(list(argv), env=full, start_new_session=True, **kw)
+        if self.cpu is not None:
+            self.cpu.add(i, p.pid)
+        return p
 
     def free_port(self, preferred: int) -> int:
         # Other programs share loopback: ask the kernel for a port nobody holds right now.
@@ -59,12 +63,16 @@ class FleetLauncher:
         self.n = n
         self.rate = rate
         self.fleet = Fleet(n, rate=rate, **fleet_kw).start()   # fleet_kw: delay, burst (tools/fleet.py)
+        self.cpu = None     # as LocalLauncher's
 
     def addr(self, i: int) -> str:
         return self.fleet.hosts[i].addr
 
     def popen(self, i: int, argv: Sequence[str], env: Mapping[str, str] | None = None, **kw) -> subprocess.Popen:
-        return self.fleet.popen(i, argv, env=env, **kw)
+        p = self.fleet.popen(i, argv, env=env, **kw)   # ip netns exec execs: p.pid is the process's own
+        if self.cpu is not None:
+            self.cpu.add(i, p.pid)
+        return p
 
     def free_port(self, preferred: int) -> int:
         return preferred  # the namespaces are ours alone

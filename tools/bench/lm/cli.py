@@ -24,7 +24,7 @@ import sys
 from mccl_common.errors import MCCLError
 
 from .model import ModelConfig
-from .runner import LMConfig, run_lm, summarize
+from .runner import LMConfig, caps_from, run_lm, summarize
 from .variants import DEFAULT, VARIANTS
 
 
@@ -41,6 +41,29 @@ def _slow(text: str) -> dict[int, tuple[float, int]]:
             out[int(host)] = (float(factor), int(at or 0))
         except ValueError:
             raise argparse.ArgumentTypeError(f"--slow {item!r}: expected HOST:FACTOR[@STEP], e.g. 3:2@20") from None
+    return out
+
+
+def _cpu_cap(text: str) -> dict[int, tuple[float, int]]:
+    out = {}
+    for item in _csv(text):
+        try:
+            host, _, rest = item.partition(":")
+            cores, _, at = rest.partition("@")
+            out[int(host)] = (float(cores), int(at or 0))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--cpu-cap {item!r}: expected HOST:CORES[@STEP], e.g. 3:0.25@20") from None
+    return out
+
+
+def _background(text: str) -> dict[int, int]:
+    out = {}
+    for item in _csv(text):
+        try:
+            host, _, at = item.partition("@")
+            out[int(host)] = int(at or 0)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--background {item!r}: expected HOST[@STEP], e.g. 3@20") from None
     return out
 
 
@@ -81,6 +104,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--slow", type=_slow, default={}, metavar="HOST:FACTOR[@STEP],...",
                     help="slow hosts: host HOST computes FACTOR times slower (2 = half speed) from step STEP "
                          "(default 0) on; a stand-in that sleeps in proportion to its samples (train.SlowHost)")
+    ap.add_argument("--cpu-cap", type=_cpu_cap, default={}, metavar="HOST:CORES[@STEP],...",
+                    help="cap host HOST's CPU time at CORES cores (0.25 = 2.5 ms per 10 ms; at least 0.1) from step STEP on: a "
+                         "cgroup quota (root; tools/cpucap.py), so the host is slow as a CPU-bound Mac is")
+    ap.add_argument("--background", type=_background, default={}, metavar="HOST[@STEP],...",
+                    help="from step STEP on, host HOST's processes run at idle priority (cgroup cpu.idle), as a "
+                         "job demoted to background QoS on an artist's Mac: a core only when nothing else wants it")
     ap.add_argument("--calibrate-steps", type=int, default=d.calibrate_steps)
     ap.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds allowed per variant")
     ap.add_argument("--out-dir", help="write results.json, lm-loss.png and README.md here")
@@ -125,7 +154,7 @@ def main(argv: list[str]) -> int:
                    warmup_steps=args.warmup_steps, seed=args.seed, bucket_mb=args.bucket_mb,
                    loss_tolerance=args.loss_tolerance,
                    calibrate_steps=args.calibrate_steps, timeout_s=args.timeout, log_dir=args.log_dir,
-                   verbose=args.verbose, slow=args.slow,
+                   verbose=args.verbose, slow=args.slow, cpu_caps=caps_from(args.cpu_cap, args.background),
                    model=ModelConfig(layers=args.layers, d_model=args.d_model, heads=args.heads,
                                      context=args.context, seed=args.model_seed))
     try:

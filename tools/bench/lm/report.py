@@ -41,6 +41,8 @@ def table(result: dict) -> str:
     lines = [head, "|" + "---|" * 8]
     for name, r in result["results"].items():
         label = r["variant"]["label"]
+        if r.get("teardown_failure"):
+            label += " (exited abnormally after writing its results)"
         if not r.get("ok"):
             lines.append(f"| {label} | failed: {r['error'][:160]} | | | | | | |")
             continue
@@ -84,6 +86,15 @@ def setup_text(result: dict) -> str:
            f"(6 × 1e9 × {st['tokens_per_host_step']} tokens at ~{st['achieved_flops'] / 1e12:.0f} TFLOPS reached), "
            f"against {st['comm_s']:.1f} s for its fp32 ring all-reduce (2 × 4 GB at 1.17 GB/s on 10 GbE): "
            f"R = {st['ratio']:.2f}; this run asked for R = {cfg['comm_ratio']}."]
+    if m.get("cpu_caps"):
+        caps = []
+        for h, c in sorted(m["cpu_caps"].items(), key=lambda kv: int(kv[0])):
+            what = " and ".join(x for x in (f"capped at {c['cores']:g} cores" if c["cores"] else "",
+                                            "at idle priority" if c["idle"] else "") if x)
+            held = ", ".join(f"{r['variant']['name']} {r['cpu_throttled_s'][h]:.1f} s"
+                             for r in result["results"].values() if r.get("ok") and r.get("cpu_throttled_s"))
+            caps.append(f"host {h} {what} from step {c['at']} (throttled: {held or '—'})")
+        out.append("- **Slow hosts (cgroup, tools/cpucap.py)**: " + "; ".join(caps) + ".")
     if cal:
         line = (f"- **Calibration**: {cal['compute_s'] * 1e3:.0f} ms of compute per step (median, all "
                 f"{cal['concurrent_hosts']} hosts computing at once on {cal['cpus']} cores, no communication), "

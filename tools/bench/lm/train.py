@@ -134,6 +134,9 @@ def run(plan: dict) -> dict:
         balancer = SpeedBalancer(plan["batch"] * world)
         ddp.register_comm_hook(balancer.state, balancer.hook)
     slow = SlowHost.from_plan(plan, rank)
+    # A CPU cap that starts mid-run (--cpu-cap/--background HOST@STEP): the runner applies it when
+    # the host's rank reports the step through a marker file (tools/cpucap.py says why a file).
+    cap_marker = (plan.get("cpu_cap_markers") or {}).get(str(rank))
     iface = plan.get("wire_iface")
     samples_per_step = plan["batch"] * world
     curve, step_s, losses, shares = [], [], [], []
@@ -181,6 +184,9 @@ def run(plan: dict) -> dict:
     while (diloco.rounds() < rounds_wanted) if adaptive else (step < plan["steps"]):
         for g in opt.param_groups:
             g["lr"] = lr_at(min(step, plan["steps"] - 1), plan)
+        if cap_marker and step == cap_marker[1]:
+            with open(cap_marker[0], "w"):
+                pass
         t = time.perf_counter()
         b = balancer.batch_size() if balancer is not None else plan["batch"]   # exchanges speeds every few steps
         shares.append(balancer.shares if balancer is not None else None)
