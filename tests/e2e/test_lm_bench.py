@@ -150,3 +150,30 @@ def test_a_host_whose_cpu_is_capped_mid_run_gets_a_smaller_share(tmp_path):
     assert bal["shares"][0] == [4, 4]                     # uniform until the balancer has measured
     assert bal["shares"][-1][1] < bal["shares"][-1][0], bal["shares"]
     assert bal["slow"][1]["slept_s"] == 0                 # no stand-in: the CPU itself is slower
+
+
+@pytest.mark.timeout(240)
+def test_a_host_that_leaves_mid_run_leaves_the_others_training_in_place(tmp_path):
+    # Issue 35 item 5: host 2's user comes back after step 6 of 16; under ElasticState(keep_workers)
+    # ranks 0 and 1 re-form in place, DDP and DiLoCo alike, and finish with fewer samples a step.
+    res = _lm("--ranks", "3", "--variants", "off,diloco-h8", "--leave", "2@6", "--steps", "16", "--eval-every", "8",
+              "--calibrate-steps", "3", *TINY, "--out-dir", str(tmp_path / "out"), "--timeout", "180", timeout=220)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert doc["meta"]["config"]["leave"] == [2, 6]
+    for name in ("off", "diloco-h8"):
+        r = doc["results"][name]
+        assert r["ok"] and r["replicas"]["identical"], r
+        assert r["left"] == [{"rank": 2, "after_step": 5}]
+        # 3 hosts x 4 sequences for 6 steps, then 2 x 4: the samples the hosts present drew
+        assert [p["samples"] for p in r["curve"]] == [0, 6 * 12 + 2 * 8, 6 * 12 + 10 * 8]
+        assert r["curve"][-1]["val_loss"] < r["curve"][0]["val_loss"] - 0.5
+    assert doc["results"]["diloco-h8"]["diloco"]["syncs"] == 2
+    assert "A host leaves" in (tmp_path / "out" / "README.md").read_text()
+
+
+def test_leave_is_refused_where_the_world_cannot_shrink_in_place():
+    res = _lm("--ranks", "3", "--variants", "balanced", "--leave", "2@6", "--steps", "16", timeout=60)
+    assert res.returncode == 2 and "--leave with variant balanced" in res.stderr, res.stderr[-2000:]
+    res = _lm("--ranks", "2", "--variants", "off", "--leave", "1@6", "--steps", "16", timeout=60)
+    assert res.returncode == 2 and "at least 2 hosts must stay" in res.stderr, res.stderr[-2000:]

@@ -67,6 +67,14 @@ def _background(text: str) -> dict[int, int]:
     return out
 
 
+def _leave(text: str) -> tuple[int, int]:
+    try:
+        host, at = text.split("@")
+        return int(host), int(at)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--leave {text!r}: expected HOST@STEP, e.g. 3@40") from None
+
+
 def parser() -> argparse.ArgumentParser:
     d, m = LMConfig(), ModelConfig()
     ap = argparse.ArgumentParser(prog="python -m tools.bench --workload lm", description=__doc__,
@@ -110,6 +118,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--background", type=_background, default={}, metavar="HOST[@STEP],...",
                     help="from step STEP on, host HOST's processes run at idle priority (cgroup cpu.idle), as a "
                          "job demoted to background QoS on an artist's Mac: a core only when nothing else wants it")
+    ap.add_argument("--leave", type=_leave, default=None, metavar="HOST@STEP",
+                    help="host HOST's user comes back after step STEP: every variant runs under "
+                         "ElasticState(keep_workers=True) and the other hosts re-form in place and go on")
     ap.add_argument("--calibrate-steps", type=int, default=d.calibrate_steps)
     ap.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds allowed per variant")
     ap.add_argument("--out-dir", help="write results.json, lm-loss.png and README.md here")
@@ -155,6 +166,7 @@ def main(argv: list[str]) -> int:
                    loss_tolerance=args.loss_tolerance,
                    calibrate_steps=args.calibrate_steps, timeout_s=args.timeout, log_dir=args.log_dir,
                    verbose=args.verbose, slow=args.slow, cpu_caps=caps_from(args.cpu_cap, args.background),
+                   leave=args.leave,
                    model=ModelConfig(layers=args.layers, d_model=args.d_model, heads=args.heads,
                                      context=args.context, seed=args.model_seed))
     try:

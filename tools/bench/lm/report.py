@@ -86,6 +86,11 @@ def setup_text(result: dict) -> str:
            f"(6 × 1e9 × {st['tokens_per_host_step']} tokens at ~{st['achieved_flops'] / 1e12:.0f} TFLOPS reached), "
            f"against {st['comm_s']:.1f} s for its fp32 ring all-reduce (2 × 4 GB at 1.17 GB/s on 10 GbE): "
            f"R = {st['ratio']:.2f}; this run asked for R = {cfg['comm_ratio']}."]
+    if cfg.get("leave"):
+        h, at = cfg["leave"]
+        out.append(f"- **A host leaves**: host {h}'s user comes back after step {at}; every variant runs under "
+                   "ElasticState(keep_workers=True), and the other hosts re-form in place and go on (samples count "
+                   "what the hosts present drew).")
     if m.get("cpu_caps"):
         caps = []
         for h, c in sorted(m["cpu_caps"].items(), key=lambda kv: int(kv[0])):

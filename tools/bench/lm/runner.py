@@ -85,6 +85,8 @@ class LMConfig:
     slow: dict[int, tuple[float, int]] = field(default_factory=dict)
     # Hosts whose CPU is capped or demoted to idle priority (a cgroup each, tools/cpucap.py).
     cpu_caps: dict[int, Cap] = field(default_factory=dict)
+    # (host, step): that host's user comes back after step; the others re-form in place (train.Leave).
+    leave: tuple[int, int] | None = None
 
     @property
     def world(self) -> int:
@@ -108,9 +110,21 @@ class LMConfig:
             if not 0 <= h < self.world or (cap.cores is not None and cap.cores <= 0) or cap.at < 0:
                 raise ConfigError(f"[bench] --cpu-cap/--background host {h}: the host must be in 0..{self.world - 1}, "
                                   "the cores above 0 and the step at least 0")
+        if self.leave is not None:
+            h, at = self.leave
+            if not 0 <= h < self.world or not 0 < at < self.steps or self.world < 3:
+                raise ConfigError(f"[bench] --leave {h}@{at}: the host must be in 0..{self.world - 1}, the step in "
+                                  f"1..{self.steps - 1}, and at least 2 hosts must stay (got {self.world} hosts)")
         if self.comm_ratio <= 0:
             raise ConfigError(f"[bench] --comm-ratio {self.comm_ratio} must be positive")
         variants = resolve(self.variants)
+        if self.leave is not None:
+            for v in variants:
+                why = ("its shares are planned for a fixed world" if v.balanced else
+                       "its rounds are planned for a fixed world" if (v.diloco or {}).get("adaptive") else
+                       "mccld re-forming in place is untested" if v.daemon else None)
+                if why:
+                    raise ConfigError(f"[bench] --leave with variant {v.name}: {why}; run it without --leave")
         ref = self.reference_name([v.name for v in variants])
         if ref is not None and ref not in self.variants:
             raise ConfigError(f"[bench] --reference {ref} is not one of --variants {','.join(self.variants)}")
@@ -125,7 +139,8 @@ class LMConfig:
         """What every rank of every variant shares."""
         return {"model": self.model.to_dict(), "batch": self.batch, "steps": self.steps, "eval_every": self.eval_every,
                 "val_windows": self.val_windows, "lr": self.lr, "warmup_steps": self.warmup_steps,
-                "seed": self.seed, "bucket_mb": self.bucket_mb, "op_timeout_s": self.op_timeout_s}
+                "seed": self.seed, "bucket_mb": self.bucket_mb, "op_timeout_s": self.op_timeout_s,
+                "leave": None if self.leave is None else list(self.leave)}
 
 
 def caps_from(cpu_cap: dict[int, tuple[float, int]], background: dict[int, int]) -> dict[int, Cap]:
@@ -211,13 +226,19 @@ def calibrate(cfg: LMConfig, corpus: dict, tmp: str) -> dict:
 
 def aggregate(variant: Variant, docs: list[dict], n: int) -> dict:
     """One curve from the ranks': val loss (the same on every rank), the slowest rank's wall time,
-    the hosts' bytes sent summed."""
+    the hosts' bytes sent summed. A host that left (--leave) counts until it left: its curve
+    stops there, and its bytes are added to every later point."""
+    gone = [d for d in docs if "left_after_step" in d]
+    docs = [d for d in docs if "left_after_step" not in d]
     first = docs[0]
     if any(len(d["curve"]) != len(first["curve"]) for d in docs):
         raise MCCLError(f"[bench] lm {variant.name}: ranks report curves of different lengths")
     curve = []
     for k, p in enumerate(first["curve"]):
         tx = [d["curve"][k]["tx_bytes"] for d in docs]
+        for g in gone:
+            left = len(g["curve"]) > k and g["curve"][k]["step"] == p["step"]
+            tx.append(g["curve"][k]["tx_bytes"] if left else g["tx_bytes_at_leave"])
         curve.append({"step": p["step"], "samples": p["samples"], "wall_s": max(d["curve"][k]["wall_s"] for d in docs),
                       "val_loss": p["val_loss"], "train_loss": p["train_loss"],
                       "wire_bytes": None if None in tx else sum(tx)})
@@ -235,6 +256,7 @@ def aggregate(variant: Variant, docs: list[dict], n: int) -> dict:
             "speeds": [d.get("speed") for d in docs], "slow": [d.get("slow") for d in docs],
             "diloco": first.get("diloco"), **_rounds(first, docs),
             "init_s": max(d["init_s"] for d in docs),
+            "left": [{"rank": g["rank"], "after_step": g["left_after_step"]} for g in gone],
             # set when the baseline's teardown failed after its results were written (_run_ranks)
             "teardown_failure": first.get("teardown_failure")}
 

@@ -125,7 +125,7 @@ def run(plan: dict) -> dict:
         ddp = DistributedDataParallel(model, **kwargs)
         opt = torch.optim.AdamW(ddp.parameters(), lr=plan["lr"], weight_decay=0.1)
         diloco = None
-    draw = lmdata.sampler(torch, train, mcfg.context, plan["seed"], rank)
+    draw = lmdata.sampler(torch, train, mcfg.context, plan["seed"], rank)   # keyed by host: kept across a re-form
     draw_global = lmdata.global_sampler(torch, train, mcfg.context, plan["seed"]) if plan.get("global_data") else None
     balancer = None
     if plan["variant"].get("balanced"):
@@ -134,6 +134,7 @@ def run(plan: dict) -> dict:
         balancer = SpeedBalancer(plan["batch"] * world)
         ddp.register_comm_hook(balancer.state, balancer.hook)
     slow = SlowHost.from_plan(plan, rank)
+    elastic = Leave.from_plan(plan, rank, ddp, opt, diloco)
     # A CPU cap that starts mid-run (--cpu-cap/--background HOST@STEP): the runner applies it when
     # the host's rank reports the step through a marker file (tools/cpucap.py says why a file).
     cap_marker = (plan.get("cpu_cap_markers") or {}).get(str(rank))
@@ -152,25 +153,28 @@ def run(plan: dict) -> dict:
                         f"--eval-every a multiple of it (got {plan['steps']} and {plan['eval_every']}): "
                         "an adaptive DiLoCo is evaluated at round ends")
 
+    samples_so_far = 0      # every rank's batch, summed over the steps: the world may shrink mid-run
+
     def samples_drawn(step: int) -> int:
         if not adaptive:
-            return step * samples_per_step
+            return samples_so_far
         made = torch.tensor([float(diloco.d.step * plan["batch"])], dtype=torch.float64)
         dist.all_reduce(made)
         return int(made[0])
 
     def point(step: int, wall: float, tx0: int | None) -> None:
         samples = samples_drawn(step)
+        now_rank, now_world = dist.get_rank(), dist.get_world_size()   # after a leave: the new world's
         if diloco is not None:
             with diloco.global_weights():   # DiLoCo's model is theta_global; the local ones drift between syncs
-                loss = _evaluate(torch, dist, model, val, mcfg, plan, rank, world)
+                loss = _evaluate(torch, dist, model, val, mcfg, plan, now_rank, now_world)
         else:
-            loss = _evaluate(torch, dist, model, val, mcfg, plan, rank, world)
+            loss = _evaluate(torch, dist, model, val, mcfg, plan, now_rank, now_world)
         tx = tx_bytes(iface)
         curve.append({"step": step, "samples": samples, "wall_s": wall, "val_loss": loss,
                       "train_loss": statistics.fmean(losses[-plan["eval_every"]:]) if losses else None,
                       "tx_bytes": None if tx is None else tx - tx0})
-        if rank == 0:
+        if now_rank == 0:
             print(f"[bench] {plan['variant']['name']} step {step}: val loss {loss:.4f} at {wall:.1f} s",
                   file=sys.stderr, flush=True)
 
@@ -201,6 +205,17 @@ def run(plan: dict) -> dict:
         torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
         rounds_before = diloco.rounds() if diloco is not None else 0
         opt.step()                   # DiLoCo: its hook may sync here
+        samples_so_far += b * dist.get_world_size()
+        if elastic is not None:
+            try:
+                if elastic.step_done(step):
+                    ddp = elastic.state.model          # DDP was re-wrapped on the new group
+            except SystemExit:
+                # this host left: ElasticState destroyed its group; the others go on without it
+                out.update(left_after_step=step, curve=curve, step_s=step_s, grad_bytes=grad_bytes,
+                           samples_per_step=samples_per_step, tx_bytes_at_leave=None if iface is None else
+                           tx_bytes(iface) - tx0, via_daemon="libmccl.daemon.client" in sys.modules)
+                return out
         dt = time.perf_counter() - t
         step_s.append(dt)
         wall += dt
@@ -230,6 +245,40 @@ def run(plan: dict) -> dict:
                # loaded only when the group went through mccld: proof that a daemon variant ran as one
                via_daemon="libmccl.daemon.client" in sys.modules)
     return out
+
+
+class Leave:
+    """``--leave HOST@STEP``: host HOST's user comes back after step STEP. The job runs under
+    ElasticState(keep_workers=True), as an elastic script does; the leaving host's rank creates
+    its drain file, every rank learns it in step_done's all-reduce, and the others re-form in
+    place (libmccl.elastic.reform) and go on: a DiLoCo made with group=None follows the new
+    default group at its next sync. ElasticState checkpoints only at the leave (every is
+    beyond the run): the state a restart would need, written where a real job writes it."""
+
+    def __init__(self, state, host: int, at: int) -> None:
+        self.state, self.host, self.at = state, host, at
+
+    @classmethod
+    def from_plan(cls, plan: dict, rank: int, model, opt, diloco) -> "Leave | None":
+        spec = plan.get("leave")
+        if not spec:
+            return None
+        from libmccl.elastic.state import DRAIN_ENV, ElasticState
+
+        os.environ[DRAIN_ENV] = os.path.join(plan["out_dir"], f"drain-h{rank}")
+        os.environ["GROUP_RANK"] = str(rank)      # one rank per host: the host index
+        replicated = {"diloco": diloco.d} if diloco is not None else None
+        state = ElasticState(os.path.join(plan["out_dir"], "ckpt"), model=model, optimizer=opt,
+                             every=plan["steps"] + 1, keep_workers=True, replicated=replicated)
+        return cls(state, int(spec[0]), int(spec[1]))
+
+    def step_done(self, step: int) -> bool:
+        """Call after step ``step`` (0-based); True when the world changed; SystemExit on the leaver."""
+        from libmccl.elastic.state import DRAIN_ENV
+
+        if step + 1 == self.at and int(os.environ["GROUP_RANK"]) == self.host:
+            open(os.environ[DRAIN_ENV], "w").close()
+        return self.state.step_done(step)
 
 
 class SlowHost:
@@ -341,7 +390,7 @@ def main() -> int:
     with open(path + ".tmp", "w") as f:
         json.dump(result, f)
     os.replace(path + ".tmp", path)
-    if not plan.get("calibrate"):
+    if not plan.get("calibrate") and "left_after_step" not in result:   # a host that left has no group
         import torch.distributed as dist
 
         dist.barrier()
