@@ -155,13 +155,14 @@ def test_a_host_whose_cpu_is_capped_mid_run_gets_a_smaller_share(tmp_path):
 @pytest.mark.timeout(240)
 def test_a_host_that_leaves_mid_run_leaves_the_others_training_in_place(tmp_path):
     # Issue 35 item 5: host 2's user comes back after step 6 of 16; under ElasticState(keep_workers)
-    # ranks 0 and 1 re-form in place, DDP and DiLoCo alike, and finish with fewer samples a step.
-    res = _lm("--ranks", "3", "--variants", "off,diloco-h8", "--leave", "2@6", "--steps", "16", "--eval-every", "8",
+    # ranks 0 and 1 re-form in place, DDP (in-process and through mccld) and DiLoCo alike, and finish
+    # with fewer samples a step.
+    res = _lm("--ranks", "3", "--variants", "off,off-daemon,diloco-h8", "--leave", "2@6", "--steps", "16", "--eval-every", "8",
               "--calibrate-steps", "3", *TINY, "--out-dir", str(tmp_path / "out"), "--timeout", "180", timeout=220)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     doc = json.loads((tmp_path / "out" / "results.json").read_text())
     assert doc["meta"]["config"]["leave"] == [2, 6]
-    for name in ("off", "diloco-h8"):
+    for name in ("off", "off-daemon", "diloco-h8"):
         r = doc["results"][name]
         assert r["ok"] and r["replicas"]["identical"], r
         assert r["left"] == [{"rank": 2, "after_step": 5}]
@@ -169,6 +170,8 @@ def test_a_host_that_leaves_mid_run_leaves_the_others_training_in_place(tmp_path
         assert [p["samples"] for p in r["curve"]] == [0, 6 * 12 + 2 * 8, 6 * 12 + 10 * 8]
         assert r["curve"][-1]["val_loss"] < r["curve"][0]["val_loss"] - 0.5
     assert doc["results"]["diloco-h8"]["diloco"]["syncs"] == 2
+    for a, b in zip(doc["results"]["off"]["curve"], doc["results"]["off-daemon"]["curve"], strict=True):
+        assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-4)     # the same sums, fp32 order aside
     assert "A host leaves" in (tmp_path / "out" / "README.md").read_text()
 
 

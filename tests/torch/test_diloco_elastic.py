@@ -7,6 +7,7 @@ test_elastic_reform.py."""
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -45,7 +46,8 @@ def _train(rank: int, world: int, ckpt: str, split: bool, delay: int, alpha: flo
         return {"exit": exc.code}
     glob = [g.tolist() for f in d.state_dict()["fragment_state"] for g in f["global"].values()]
     dist.destroy_process_group()
-    return {"exit": None, "worlds": worlds, "global": glob, "syncs": d.syncs}
+    return {"exit": None, "worlds": worlds, "global": glob, "syncs": d.syncs,
+            "via_daemon": "libmccl.daemon.client" in sys.modules}
 
 
 @pytest.mark.parametrize(("split", "delay", "alpha"), [(False, 0, 0.0), (True, 1, 0.5)],
@@ -54,10 +56,22 @@ def test_a_host_leaving_mid_round_leaves_the_average_to_the_ranks_that_finish(tm
                                                                             alpha) -> None:
     """Streaming: fragment 1 is sent at step 6 by all three ranks, the host leaves after that
     step and the all-reduce, started on the old group, completes at step 7 in the new world."""
+    _leave_and_check(run_ranks(_train, 3, str(tmp_path), split, delay, alpha, timeout_s=170), split, delay, alpha)
+
+
+def test_through_mccld_a_host_leaving_mid_round_re_forms_in_place_too(tmp_path, daemon) -> None:
+    """The same leave with every rank attached to mccld (MCCL_DAEMON=1): the in-place re-form
+    makes the new group through the daemon, and the numbers are the in-process run's."""
+    _, env = daemon
+    out = run_ranks(_train, 3, str(tmp_path), True, 1, 0.5, timeout_s=170, env=dict(env, MCCL_DAEMON="1"))
+    assert out[0]["via_daemon"] and out[1]["via_daemon"]
+    _leave_and_check(out, True, 1, 0.5)
+
+
+def _leave_and_check(out: list, split: bool, delay: int, alpha: float) -> None:
     import torch
     from support.diloco_ref import simulate
 
-    out = run_ranks(_train, 3, str(tmp_path), split, delay, alpha, timeout_s=170)
     assert out[2] == {"exit": 0}
     want = simulate(3, STEPS, H, split, delay, alpha, lambda t: [0, 1, 2] if t <= LEAVES_AT else [0, 1])
     for r in (0, 1):
