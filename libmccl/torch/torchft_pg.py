@@ -15,7 +15,7 @@ the quorum changes, through a ``torchft.process_group.ProcessGroupWrapper`` subc
 
 Each quorum gets one mccl communicator over the store torchft hands over, made as any mccl group
 is, so the engine's settings, its sealed links and its job-key check apply (with MCCL_DAEMON=1 it
-would go through the host's mccld: not yet tested under torchft); the previous quorum's
+goes through the host's mccld, tested with torchft's DiLoCo); the previous quorum's
 communicator is aborted first (torchft's own order), which closes its links and fails whatever it
 still had pending.
 

@@ -3,7 +3,8 @@
 under torchft's Lighthouse and Managers, with ``Manager(pg=libmccl.torchft_process_group())``.
 Their parameters after three rounds equal torchft's Gloo process group's bit for bit and a plain
 reference of the algorithm within float32 noise; torchft committing every round is checked too,
-since torchft swallows a process group's errors and goes on without syncing."""
+since torchft swallows a process group's errors and goes on without syncing. DiLoCo runs through
+mccld (MCCL_DAEMON=1) too."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ LIGHTHOUSE = ("import sys; from torchft._torchft import LighthouseServer; "
               "sys.stdin.read(); lh.shutdown()")
 
 
-def _train(tmp_path, backend: str, algorithm: str) -> list[dict]:
+def _train(tmp_path, backend: str, algorithm: str, env: dict | None = None) -> list[dict]:
     lighthouse = subprocess.Popen([sys.executable, "-c", LIGHTHOUSE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   stderr=subprocess.DEVNULL, text=True)
     procs, outs = [], []
@@ -45,7 +46,7 @@ def _train(tmp_path, backend: str, algorithm: str) -> list[dict]:
                     "timeout_s": 60, "lighthouse": address, "out": str(out)}
             log = open(tmp_path / f"{algorithm}-{backend}-{r}.log", "w")
             procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "torchft_replica.py"), json.dumps(plan)],
-                                          stdout=log, stderr=subprocess.STDOUT))
+                                          stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}))
             log.close()
             outs.append(out)
         for r, p in enumerate(procs):
@@ -117,6 +118,18 @@ def test_torchft_diloco_on_mccl_equals_gloo_and_the_published_algorithm(tmp_path
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     start = [p.detach().flatten() for p in build_model().parameters()]
     assert any(not torch.equal(a, s) for a, s in zip(got, start)), "the outer steps moved nothing"
+
+
+@pytest.mark.timeout(300)
+def test_torchft_diloco_through_mccld_equals_the_published_algorithm(tmp_path, daemon):
+    """Both replicas attach to one mccld (MCCL_DAEMON=1): each quorum's group is a daemon
+    communicator, and the rounds end on the reference's parameters as in-process."""
+    _, env = daemon
+    res = _train(tmp_path, "mccl", "diloco", env=dict(env, MCCL_DAEMON="1"))
+    assert [r["step"] for r in res] == [ROUNDS, ROUNDS] and all(r["via_daemon"] for r in res)
+    assert res[0]["params"] == res[1]["params"]
+    for a, b in zip([torch.tensor(p) for p in res[0]["params"]], _reference("diloco")):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.timeout(300)

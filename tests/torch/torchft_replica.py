@@ -67,7 +67,8 @@ def main() -> int:
                 if used is None and getattr(pg, "_pg", None) is not None:
                     used = type(pg._pg).__name__   # the communicator torchft built for this quorum
         result = {"params": [p.detach().flatten().tolist() for p in model.parameters()],
-                  "step": manager.current_step(), "pg": pg.getBackendName(), "inner_pg": used}
+                  "step": manager.current_step(), "pg": pg.getBackendName(), "inner_pg": used,
+                  "via_daemon": "libmccl.daemon.client" in sys.modules}
     finally:
         manager.shutdown(wait=False)
     with open(plan["out"], "w") as f:
