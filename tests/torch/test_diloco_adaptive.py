@@ -5,6 +5,9 @@ reference of the step-weighted average; misuse is refused by name."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 
 from mccl_common.errors import ConfigError
@@ -104,6 +107,8 @@ def _slow_rank(rank: int, world: int, backend: str) -> None:
         got = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(got, mine, group=gloo)
         assert all(torch.equal(g, mine) for g in got)
+        if os.environ.get("MCCL_DAEMON") == "1":
+            assert "libmccl.daemon.client" in sys.modules, "the group did not go through mccld"
     finally:
         dist.destroy_process_group()
 
@@ -112,6 +117,13 @@ def _slow_rank(rank: int, world: int, backend: str) -> None:
 @pytest.mark.parametrize("backend", ["mccl", "gloo"])
 def test_slow_rank_makes_fewer_steps_and_the_update_is_the_weighted_average(backend: str, ranks) -> None:
     ranks(_slow_rank, 2, backend, timeout_s=100)
+
+
+@pytest.mark.timeout(120)
+def test_through_mccld_the_slow_rank_makes_fewer_steps_and_the_update_is_the_weighted_average(daemon,
+                                                                                              ranks) -> None:
+    _, env = daemon
+    ranks(_slow_rank, 2, "mccl", timeout_s=100, env=dict(env, MCCL_DAEMON="1"))
 
 
 def _misuse_rank(rank: int, world: int) -> None:
