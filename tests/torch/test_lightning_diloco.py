@@ -5,6 +5,8 @@ rounds, and streaming (2 fragments, a delay, a mixing factor), on mccl and on Gl
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 pytestmark = pytest.mark.timeout(120)
@@ -61,7 +63,8 @@ def _rank(rank: int, world: int, backend: str) -> dict:
                             [list(model[0].parameters()), list(model[2].parameters())], delay, alpha, gloo)
             _close(mine, ref)
             streaming = d.syncs
-        return {"syncs": syncs, "streaming": streaming, "params": [p.tolist() for p in mine]}
+        return {"syncs": syncs, "streaming": streaming, "params": [p.tolist() for p in mine],
+                "via_daemon": "libmccl.daemon.client" in sys.modules}
     finally:
         dist.destroy_process_group()
 
@@ -75,6 +78,45 @@ def test_lightning_diloco_equals_reference(backend: str, ranks) -> None:
     if backend == "mccl":
         assert [o["streaming"] for o in out] == [8, 8]   # 2 fragments, each every 4 of 16 steps
     assert out[0]["params"] == out[1]["params"]
+
+
+def test_lightning_diloco_through_mccld_equals_reference(daemon, ranks) -> None:
+    _, env = daemon
+    out = ranks(_rank, 2, "mccl", timeout_s=100, env=dict(env, MCCL_DAEMON="1"))
+    assert [o["syncs"] for o in out] == [ROUNDS, ROUNDS] and [o["streaming"] for o in out] == [8, 8]
+    assert out[0]["params"] == out[1]["params"] and all(o["via_daemon"] for o in out)
+
+
+def _compressed_rank(rank: int, world: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from support.diloco_ref import make_model, optimizers, reference
+    from support.ranks import init_pg
+
+    init_pg(rank, world)
+    try:
+        gloo = dist.new_group(backend="gloo")
+        mine, d = _fit(rank, world, "mccl", H * ROUNDS, sync_every=H, compression="bf16")
+        model = make_model()
+        inner, outer = optimizers(model)
+        ref = reference(model, inner, outer, rank, H * ROUNDS, H, [list(model.parameters())], 0, 0.0, gloo)
+        # bf16 outer gradients (8 bits of mantissa): near the fp32 reference, not equal to it
+        err = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-6)) for a, b in zip(mine, ref))
+        return {"syncs": d.syncs, "compression": d.compression, "err": err,
+                "exact": all(torch.equal(a, b) for a, b in zip(mine, ref)), "params": [p.tolist() for p in mine]}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_lightning_diloco_passes_compression_through(ranks) -> None:
+    # the group compresses (DiLoCo refuses bf16 over a group that would send fp32); the tiny model
+    # is below the default threshold, so every size is compressed here
+    out = ranks(_compressed_rank, 2, timeout_s=100,
+                env={"MCCL_COMPRESSION": "bf16", "MCCL_COMPRESSION_MIN_BYTES": "0"})
+    assert [o["syncs"] for o in out] == [ROUNDS, ROUNDS] and out[0]["params"] == out[1]["params"]
+    assert {o["compression"] for o in out} == {"bf16"}
+    assert all(0 < o["err"] < 0.02 for o in out) and not any(o["exact"] for o in out), out[0]["err"]
 
 
 def _misuse(rank: int, world: int) -> str:
