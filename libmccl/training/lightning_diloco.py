@@ -47,6 +47,15 @@ def lightning_diloco_callback(sync_every: int, outer_optimizer: Callable[[Any], 
     if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
         raise ConfigError(f"[diloco] sync_every={sync_every!r}: H must be an integer >= 1 (inner steps "
                           "between two syncs)")
+    if adaptive:
+        # A Trainer ends every rank at max_steps (or the loader's end); adaptive ranks make different
+        # numbers of steps per round, so the fast ones would end rounds early and the others wait at
+        # a sync no one else reaches, until the group's timeout.
+        raise ConfigError("[diloco] adaptive=True is not available under Lightning: the Trainer stops every rank "
+                          "at the same step count, and adaptive ranks make different numbers of steps per round, "
+                          "so the ranks would end at different rounds and the last sync would wait out the group's "
+                          "timeout; use libmccl.DiLoCo(..., adaptive=True) in a loop counted in rounds "
+                          "(docs/diloco.md), or adaptive=False here")
     if outer_optimizer is not None and not callable(outer_optimizer) and \
             not isinstance(outer_optimizer, torch.optim.Optimizer):
         raise ConfigError(f"[diloco] outer_optimizer must be None, an optimizer or a function of the parameters "

@@ -151,6 +151,9 @@ def test_lightning_diloco_refuses_two_optimizers(ranks) -> None:
         import libmccl
 
         libmccl.lightning_diloco_callback(sync_every=0)
+    # adaptive ranks would end the fit at different rounds: refused when the callback is made
+    with pytest.raises(Exception, match="adaptive=True is not available under Lightning"):
+        libmccl.lightning_diloco_callback(sync_every=4, adaptive=True)
 
 
 def _resume_rank(rank: int, world: int, ckpt: str) -> dict:
