@@ -205,7 +205,7 @@ def run(plan: dict) -> dict:
         torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
         rounds_before = diloco.rounds() if diloco is not None else 0
         opt.step()                   # DiLoCo: its hook may sync here
-        samples_so_far += b * dist.get_world_size()
+        samples_so_far += plan["batch"] * dist.get_world_size()    # the global batch (a balanced one splits it)
         if elastic is not None:
             try:
                 if elastic.step_done(step):
