@@ -49,6 +49,10 @@ _SPEED_SCALE = 1_000_000
 _SPEED_EMA = 0.5
 _HISTORY = 1024     # adaptive syncs kept in DiLoCo.history (a long run makes many)
 _STATE_VERSION = 1
+# The fragment column of a rank leaving the ``with`` under adaptive=True (__exit__): ranks make
+# different numbers of inner steps there, so a loop that ends on a step count ends them at
+# different rounds, and the one still training must learn it at its next sync, not wait.
+_LEAVING = -2
 
 
 @dataclass
@@ -279,6 +283,11 @@ class DiLoCo:
             for frag in self._fragments:
                 if frag.pending is not None:
                     self._complete(frag)
+            if self.adaptive:
+                # Every rank says it leaves, in the sync table's shape: where all leave together
+                # (a loop counted in rounds) that is one small all-gather; where one leaves while
+                # another trains on, its row meets that rank's next sync and both raise.
+                self._check_leaving(self._table(reduce_group.resolve_group(self.group), _LEAVING, (0, 1)))
         else:
             for frag in self._fragments:
                 if frag.pending is not None:
@@ -408,7 +417,19 @@ class DiLoCo:
                              "plan": list(self._plan)})
         del self.history[:-_HISTORY]
 
+    def _check_leaving(self, table: torch.Tensor) -> None:
+        leaving = table[:, _FRAGMENT] == _LEAVING
+        if bool(leaving.any()) and not bool(leaving.all()):
+            at = ", ".join(f"rank {r} {'left the loop' if gone else 'syncs'} after {int(row[_ROUND])} rounds and "
+                           f"{int(row[_IN_ROUND])} inner steps" for r, (gone, row) in
+                           enumerate(zip(leaving.tolist(), table.tolist())))
+            raise ConfigError(f"[diloco] with adaptive=True the ranks left the loop at different rounds ({at}): "
+                              "adaptive ranks make different numbers of inner steps, so end the loop on the "
+                              "rounds done (while len(diloco.history) < rounds), not on a step count")
+
     def _check_table(self, table: torch.Tensor, frag_index: int) -> None:
+        if self.adaptive:
+            self._check_leaving(table)
         have = table[:, _HAS_STATE] > 0
         if not bool(have.any()):
             raise ConfigError("[diloco] no rank of the group has DiLoCo's state: join=True is for a process "

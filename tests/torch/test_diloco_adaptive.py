@@ -162,3 +162,37 @@ def _misuse_rank(rank: int, world: int) -> None:
 @pytest.mark.timeout(120)
 def test_adaptive_misuse_is_refused_by_name(ranks) -> None:
     ranks(_misuse_rank, 2, timeout_s=100)
+
+
+def _step_counted_rank(rank: int, world: int) -> str:
+    import time
+
+    import torch.distributed as dist
+
+    import libmccl
+    from support.diloco_ref import inner_step, make_model, optimizers
+
+    init_pg(rank, world)
+    try:
+        model = make_model()
+        inner, outer = optimizers(model)
+        # Both ranks run 2H + 1 steps; after the first round rank 0 (fast) plans 2H a round and rank 1
+        # (slow) about 1, so rank 0 leaves the loop in round 2 while rank 1 syncs that round.
+        with pytest.raises(ConfigError, match="left the loop at different rounds") as err:
+            with libmccl.DiLoCo(model, inner, outer, sync_every=H, adaptive=True):
+                for t in range(1, 2 * H + 2):
+                    if rank == 1:
+                        time.sleep(0.05)
+                    inner_step(model, inner, rank, t)
+        return str(err.value)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_an_adaptive_loop_ended_on_a_step_count_is_named_on_every_rank_not_a_hang(ranks) -> None:
+    # Without the leaving row rank 1 would wait at its round-2 sync for the group's timeout (60 s here).
+    out = ranks(_step_counted_rank, 2, timeout_s=100)
+    for msg in out:
+        assert "rank 0 left the loop after 1 rounds" in msg and "rank 1 syncs after 1 rounds" in msg, msg
+        assert "len(diloco.history)" in msg
