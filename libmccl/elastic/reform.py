@@ -83,8 +83,14 @@ def blocker(model: torch.nn.Module, optimizer: Any) -> str | None:
 def _ddp_blocker(ddp: DDP, default: Any) -> str | None:
     if ddp.process_group is not default:
         return "the DDP model was given its own process group"
-    if getattr(ddp, "_comm_hooks", None) or getattr(ddp, "_comm_hook_registered", False):
-        return "the DDP model has a communication hook, which a rebuilt DDP would not have"
+    hooks = getattr(ddp, "_comm_hooks", None)
+    if hooks is None and getattr(ddp, "_comm_hook_registered", False):
+        return "the DDP model has a communication hook this torch does not list, which a rebuilt DDP would not have"
+    for hook, state in hooks or ():
+        if not getattr(state, "follows_default_group", False):
+            return (f"the DDP model has a communication hook ({getattr(hook, '__qualname__', hook)!r}) whose state "
+                    "may hold the old group; a rebuilt DDP re-registers only hooks whose state follows the default "
+                    "group (libmccl.training.SpeedBalancer's does)")
     if getattr(ddp, "_delay_all_reduce_params", None) or getattr(ddp, "device_mesh", None) is not None:
         return "the DDP model was built with delay_all_reduce_named_params or a device_mesh"
     if len(set(getattr(ddp, "bucket_bytes_cap_list", ()) or ())) > 1:
@@ -159,8 +165,14 @@ def reform(plan: Plan, old_rank: int, backend: str, timeout_s: float) -> None:
 
 def rewrap(ddp: DDP) -> None:
     """Re-creates ``ddp`` on the new default group with the same options, in place: the script
-    keeps using its object. The old reducer goes with the old state (its gradient hooks with it)."""
+    keeps using its object. The old reducer goes with the old state (its gradient hooks with it).
+    Communication hooks that follow the default group (``blocker`` let only those through) are
+    registered again and told of the new world (a SpeedBalancer re-plans its shares)."""
+    hooks = list(getattr(ddp, "_comm_hooks", None) or ())
     fresh = DDP(ddp.module, **_ddp_options(ddp))
+    for hook, state in hooks:
+        fresh.register_comm_hook(state, hook)
+        state.new_world()
     # One state for both objects: hooks bound to either see the same attributes.
     ddp.__dict__ = fresh.__dict__
 

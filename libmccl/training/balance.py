@@ -51,6 +51,15 @@ class _HookState:
         self.last_call: float | None = None
         self.calls = 0
 
+    # What an in-place re-form (libmccl.elastic.reform) asks of a DDP comm hook's state: a
+    # balancer over the default group follows it into the new world and re-plans there.
+    @property
+    def follows_default_group(self) -> bool:
+        return self.balancer.group is None
+
+    def new_world(self) -> None:
+        self.balancer.new_world(None)
+
 
 class SpeedBalancer:
     def __init__(self, global_batch: int, group=None, *, every: int = 2, alpha: float = 0.3, jump: float = 0.25,

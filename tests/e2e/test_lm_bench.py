@@ -176,7 +176,22 @@ def test_a_host_that_leaves_mid_run_leaves_the_others_training_in_place(tmp_path
 
 
 def test_leave_is_refused_where_the_world_cannot_shrink_in_place():
-    res = _lm("--ranks", "3", "--variants", "balanced", "--leave", "2@6", "--steps", "16", timeout=60)
-    assert res.returncode == 2 and "--leave with variant balanced" in res.stderr, res.stderr[-2000:]
+    res = _lm("--ranks", "3", "--variants", "diloco-h8-adaptive", "--leave", "2@6", "--steps", "16", timeout=60)
+    assert res.returncode == 2 and "--leave with variant diloco-h8-adaptive" in res.stderr, res.stderr[-2000:]
     res = _lm("--ranks", "2", "--variants", "off", "--leave", "1@6", "--steps", "16", timeout=60)
     assert res.returncode == 2 and "at least 2 hosts must stay" in res.stderr, res.stderr[-2000:]
+
+
+@pytest.mark.timeout(240)
+def test_a_balanced_run_keeps_its_global_batch_when_a_host_leaves(tmp_path):
+    # Issue 37 item 1 with ElasticState: the SpeedBalancer's comm hook follows the default group, so
+    # DDP re-forms in place (the hook re-registered) and the two ranks left split the same 12 samples.
+    res = _lm("--ranks", "3", "--variants", "balanced", "--leave", "2@6", "--steps", "16", "--eval-every", "8",
+              "--calibrate-steps", "3", *TINY, "--json", str(tmp_path / "r.json"), "--timeout", "180", timeout=220)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    bal = json.loads((tmp_path / "r.json").read_text())["results"]["balanced"]
+    assert bal["ok"] and bal["replicas"]["identical"] and bal["left"] == [{"rank": 2, "after_step": 5}]
+    assert [p["samples"] for p in bal["curve"]] == [0, 8 * 12, 16 * 12]
+    assert len(bal["shares"]) == 16 and all(sum(s) == 12 for s in bal["shares"])
+    assert [len(s) for s in bal["shares"]] == [3] * 6 + [2] * 10       # two ranks from step 7 on
+    assert bal["curve"][-1]["val_loss"] < bal["curve"][0]["val_loss"] - 0.5

@@ -103,6 +103,54 @@ def test_ddp_options_survive_the_rebuild(tmp_path):
             torch.testing.assert_close(torch.tensor(got), ref, rtol=1e-5, atol=1e-6)
 
 
+def _train_balanced(rank: int, world: int, ckpt: str) -> dict:
+    from libmccl.training import SpeedBalancer
+
+    os.environ[DRAIN_ENV] = os.path.join(ckpt, f"drain-{rank}")
+    os.environ["GROUP_RANK"] = str(rank)
+    init_pg(rank, world)
+    net = DDP(_model())
+    bal = SpeedBalancer(GLOBAL)
+    net.register_comm_hook(bal.state, bal.hook)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    state = ElasticState(ckpt, model=net, optimizer=opt, every=100, keep_workers=True)
+    shares = []
+    try:
+        for step in range(state.resume(), STEPS):
+            x, y = _batch(step)
+            b = bal.batch_size()
+            me = dist.get_rank()
+            lo = sum(bal.shares[:me])
+            shares.append(bal.shares)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(net(x[lo:lo + b]), y[lo:lo + b]).backward()
+            opt.step()
+            if step == LEAVES_AFTER and rank == 2:
+                open(os.environ[DRAIN_ENV], "w").close()
+            state.step_done(step)
+    except SystemExit as exc:
+        return {"exit": exc.code}
+    params = [p.detach().tolist() for p in net.parameters()]
+    hooked = len(net._comm_hooks)
+    dist.destroy_process_group()
+    return {"exit": None, "params": params, "shares": shares, "hooks": hooked}
+
+
+def test_a_speed_balancer_hook_re_forms_in_place_and_the_update_stays_exact(tmp_path):
+    """The SpeedBalancer's comm hook follows the default group: DDP is rebuilt with the hook
+    registered again, the balancer re-plans the same global batch over the two ranks left, and
+    the weighted update is still the one-process update on the whole batch."""
+    out = run_ranks(_train_balanced, 3, str(tmp_path))
+    assert out[2] == {"exit": 0}
+    want = _reference()
+    for r in (0, 1):
+        assert out[r]["exit"] is None and out[r]["hooks"] == 1, out[r]
+        assert [len(s) for s in out[r]["shares"]] == [3] * (LEAVES_AFTER + 1) + [2] * (STEPS - LEAVES_AFTER - 1)
+        assert all(sum(s) == GLOBAL for s in out[r]["shares"])
+        for got, ref in zip(out[r]["params"], want):
+            torch.testing.assert_close(torch.tensor(got), ref, rtol=1e-5, atol=1e-6)
+
+
 def test_a_job_with_its_own_groups_restarts_its_workers_instead(tmp_path):
     """A group made with new_group holds the old world; the ranks cannot re-form it in place,
     so every rank that stays exits for torchrun to restart it (as without keep_workers)."""
@@ -118,17 +166,23 @@ def _blockers(rank: int, world: int) -> list:
         net.register_comm_hook(None, lambda _s, bucket: dist.all_reduce(bucket.buffer(), async_op=True).get_future())
         hooked = elastic_reform.blocker(net, None)
         bare = elastic_reform.blocker(_model(), None)
+        from libmccl.training import SpeedBalancer
+
+        balanced = DDP(_model())
+        bal = SpeedBalancer(4)
+        balanced.register_comm_hook(bal.state, bal.hook)
+        follows = elastic_reform.blocker(balanced, None)
         dist.new_group([0])
         grouped = elastic_reform.blocker(_model(), None)
-        return [plain, hooked, bare, grouped]
+        return [plain, hooked, bare, grouped, follows]
     finally:
         dist.destroy_process_group()
 
 
 def test_blocker_names_what_holds_the_old_world():
-    (plain, hooked, bare, grouped), = run_ranks(_blockers, 1)
-    assert plain is None and bare is None
-    assert "communication hook" in hooked
+    (plain, hooked, bare, grouped, follows), = run_ranks(_blockers, 1)
+    assert plain is None and bare is None and follows is None     # a SpeedBalancer's hook follows the group
+    assert "communication hook" in hooked and "may hold the old group" in hooked
     assert "1 more process group" in grouped
 
 

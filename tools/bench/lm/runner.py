@@ -120,8 +120,7 @@ class LMConfig:
         variants = resolve(self.variants)
         if self.leave is not None:
             for v in variants:
-                why = ("its shares are planned for a fixed world" if v.balanced else
-                       "its rounds are planned for a fixed world" if (v.diloco or {}).get("adaptive") else None)
+                why = "its rounds are planned for a fixed world" if (v.diloco or {}).get("adaptive") else None
                 if why:
                     raise ConfigError(f"[bench] --leave with variant {v.name}: {why}; run it without --leave")
         ref = self.reference_name([v.name for v in variants])

@@ -195,7 +195,9 @@ def run(plan: dict) -> dict:
         b = balancer.batch_size() if balancer is not None else plan["batch"]   # exchanges speeds every few steps
         shares.append(balancer.shares if balancer is not None else None)
         if draw_global is not None:
-            x, y = draw_global(balancer.shares if balancer is not None else [plan["batch"]] * world, rank)
+            # the world now (a host may have left): slices of one global batch by the current ranks
+            x, y = draw_global(balancer.shares if balancer is not None else [plan["batch"]] * dist.get_world_size(),
+                               dist.get_rank())
         else:
             x, y = draw(b)
         opt.zero_grad(set_to_none=True)
@@ -205,7 +207,8 @@ def run(plan: dict) -> dict:
         torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
         rounds_before = diloco.rounds() if diloco is not None else 0
         opt.step()                   # DiLoCo: its hook may sync here
-        samples_so_far += plan["batch"] * dist.get_world_size()    # the global batch (a balanced one splits it)
+        # the global batch: a balancer keeps its B as hosts leave (the others split it), DDP is b x world
+        samples_so_far += balancer.global_batch if balancer is not None else plan["batch"] * dist.get_world_size()
         if elastic is not None:
             try:
                 if elastic.step_done(step):
