@@ -65,12 +65,17 @@ class CpuGroup:
             raise ConfigError("[cpucap] capping a host's CPU needs root (it creates a cgroup); run as root or use "
                               "--slow (the compute stand-in) instead")
         self.kind, self.root = _hierarchy()
-        if self.kind == "v2":
-            sub = self.root / "cgroup.subtree_control"
-            if "cpu" not in sub.read_text().split():
-                sub.write_text("+cpu")
         self.path = self.root / name
-        self.path.mkdir(exist_ok=True)
+        try:
+            if self.kind == "v2":
+                sub = self.root / "cgroup.subtree_control"
+                if "cpu" not in sub.read_text().split():
+                    sub.write_text("+cpu")
+            self.path.mkdir(exist_ok=True)
+        except OSError as e:
+            # e.g. a container whose cgroup root holds processes: v2 then refuses to enable cpu below it
+            raise ConfigError(f"[cpucap] cannot create the cgroup {self.path} with the cpu controller ({e}); likely "
+                              "cause: a container without its own cgroup tree; run on a host or use --slow") from e
 
     def set(self, cores: float | None, idle: bool) -> None:
         quota = None if cores is None else int(cores * PERIOD_US)
