@@ -68,6 +68,8 @@
 #                    last two hosts at half speed, alternating, ROUND_REPEATS times (default "1 2")
 #   27-n8-lm         issue 38/35's time to loss: the lm workload at 8 hosts (the studio's ratio), LM_RUNS runs
 #                    of SEED:VARIANTS (default "1:gloo,off,int8,diloco-h8 2:gloo,int8"), --steps LM_STEPS (128)
+#   28-n8-leave      issue 35's fault target: the lm workload at 8 hosts, off and diloco-h8, without a fault and
+#                    with the last host leaving at 40 % of LM_STEPS (--leave), survivors re-forming in place
 #   25-n8-slow       issue 37 on the lm workload, 8 hosts, link at 0.25x the compute: DiLoCo H=8 on a uniform
 #                    fleet, then DiLoCo and adaptive DiLoCo with the last two hosts at half speed (round times), then
 #                    speed-balanced DDP with the last host halved at step 16 (how soon it is rebalanced)
@@ -282,6 +284,15 @@ if timeout 45 $PY -m tools.fleet selftest --rate 1gbit > "$RESULTS/fleet-selftes
       seed=${run%%:*} variants=${run#*:}
       bench "27-n$H8-lm-seed$seed" "${LM_LIMIT_S:-300}" --workload lm --hosts "$H8" --variants "$variants" --seed "$seed" \
         --steps "${LM_STEPS:-128}" --eval-every 16 --warmup-steps 8 --out-dir "$RESULTS/27-n$H8-lm-seed$seed"
+    done
+  fi
+  if want 28; then
+    at=$(( ${LM_STEPS:-128} * 2 / 5 ))
+    for fault in none leave; do
+      extra=()
+      [ "$fault" = leave ] && extra=(--leave "$((H8 - 1))@$at")
+      bench "28-n$H8-lm-$fault" "${LM_LIMIT_S:-300}" --workload lm --hosts "$H8" --variants off,diloco-h8 \
+        --steps "${LM_STEPS:-128}" --eval-every 16 --warmup-steps 8 "${extra[@]}" --out-dir "$RESULTS/28-n$H8-lm-$fault"
     done
   fi
   # Issue 26's hierarchy: 2 switches x 16 hosts, uplinks 2:1 oversubscribed (16 x TOPO_RATE / 2), ranks
