@@ -153,7 +153,7 @@ def run(plan: dict) -> dict:
                         f"--eval-every a multiple of it (got {plan['steps']} and {plan['eval_every']}): "
                         "an adaptive DiLoCo is evaluated at round ends")
 
-    samples_so_far = 0      # every rank's batch, summed over the steps: the world may shrink mid-run
+    samples_so_far = 0      # the global batches drawn so far, counted per step: the world may shrink mid-run
 
     def samples_drawn(step: int) -> int:
         if not adaptive:
@@ -211,8 +211,7 @@ def run(plan: dict) -> dict:
         samples_so_far += balancer.global_batch if balancer is not None else plan["batch"] * dist.get_world_size()
         if elastic is not None:
             try:
-                if elastic.step_done(step):
-                    ddp = elastic.state.model          # DDP was re-wrapped on the new group
+                elastic.step_done(step)      # a re-form rebuilds DDP in place: `ddp` is still the object to use
             except SystemExit:
                 # this host left: ElasticState destroyed its group; the others go on without it
                 out.update(left_after_step=step, curve=curve, step_s=step_s, grad_bytes=grad_bytes,
