@@ -82,10 +82,12 @@ def test_status_targets_come_from_the_local_daemons_table_and_a_hung_host_costs_
         assert [t.host for t in found] == ["far0", "far1", "far2", "hung"]
         assert found[0].status_addr == f"127.0.0.1:{remote[0].port}"
 
-        # 40 asks, 10 of them hung. The deadline is each ask's, and the hung ones are open at once,
-        # so a generous one costs the test one deadline; 1 s let a real server's answer miss it on
-        # a loaded 2-core CI machine (ci23).
-        replies = targets.fetch(found * 10, KEY, "status", timeout_s=5.0)
+        # Each real host asked once, as mcclctl does, and the hung one ten times. Ten asks at once to
+        # one real server were more unauthenticated connections from one address than its gate
+        # allows (MCCL_MAX_UNAUTH_PER_PEER, 8): on a loaded machine the oldest were closed (ci25).
+        # The deadline is each ask's, and the hung ones are open at once, so a generous one costs
+        # the test one deadline; 1 s let a real server's answer miss it (ci23).
+        replies = targets.fetch(found[:3] + [found[3]] * 10, KEY, "status", timeout_s=5.0)
         # The event, where a wall-clock bound (< 6 s) stood: the ten hung asks were all open at
         # once (in turn, at most one would be).
         assert hung.most_open == 10, f"{hung.most_open} hung asks in flight at once: they were waited for in turn"
