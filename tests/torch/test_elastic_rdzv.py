@@ -285,7 +285,8 @@ def test_a_waiting_host_is_taken_in_at_the_workers_next_step_boundary(rdzv_handl
         # Seen twice, only with the whole suite on four workers beside more load (ci10, ci13),
         # never in the file alone beside three busy loops: say what the round looked like.
         t.join(40)
-        pytest.fail(f"{exc}\nthe run's state as A saw it: {_round_state(a)}\nB: {joined or 'no round'}")
+        b_got = [f"rank {i.rank} of {i.world_size}" for i in joined] or "no round"
+        pytest.fail(f"{exc}\nthe run's state as A saw it: {_round_state(a)}\nB (after A gave up): {b_got}")
     t.join(40)
     assert again.world_size == 2 and joined and joined[0].world_size == 2
     assert not os.path.exists(a.reform_file)    # answered: the next workers must not see it
