@@ -259,7 +259,13 @@ def test_a_waiting_host_is_taken_in_at_the_workers_next_step_boundary(rdzv_handl
     # B waits from its join until A's second round. That round did not form within 10 s (the
     # fixture's join timeout) in ci10; it did not within 40 s either in ci13, so the time is
     # not the cause: the failure below says the round's state.
-    slow = {"join_timeout": "40"}
+    # What lost it (ci25, ci26: the round B completed was the only one left, with B alone): when A
+    # leaves round 0 to re-join, the round resets and B, waiting, joins it first; min_nodes is 1, so
+    # a last call of 0.5 s let B complete it alone when A's join came later under load, and A then
+    # waited for a round B never asks for. (torchrun heals it: B's agent restarts for the waiting A.)
+    # A last call of 5 s lets both in (a round of max_nodes completes at once; A's first round, alone,
+    # now waits its 5 s).
+    slow = {"join_timeout": "40", "last_call_timeout": "5"}
     a = rdzv_handlers(port, 1, 2, is_host="1", join_at_step_timeout="1", **slow)
     a.reform_file = str(tmp_path / "reform-a")
     assert a.next_rendezvous().world_size == 1
