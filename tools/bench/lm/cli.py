@@ -32,28 +32,25 @@ def _csv(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
-def _slow(text: str) -> dict[int, tuple[float, int]]:
+def _host_values(text: str, flag: str, value: str, example: str) -> dict[int, tuple[float, int]]:
+    """``HOST:VALUE[@STEP],...`` -> {host: (value, step)}, the step 0 when left out."""
     out = {}
     for item in _csv(text):
         try:
             host, _, rest = item.partition(":")
-            factor, _, at = rest.partition("@")
-            out[int(host)] = (float(factor), int(at or 0))
+            number, _, at = rest.partition("@")
+            out[int(host)] = (float(number), int(at or 0))
         except ValueError:
-            raise argparse.ArgumentTypeError(f"--slow {item!r}: expected HOST:FACTOR[@STEP], e.g. 3:2@20") from None
+            raise argparse.ArgumentTypeError(f"{flag} {item!r}: expected HOST:{value}[@STEP], e.g. {example}") from None
     return out
+
+
+def _slow(text: str) -> dict[int, tuple[float, int]]:
+    return _host_values(text, "--slow", "FACTOR", "3:2@20")
 
 
 def _cpu_cap(text: str) -> dict[int, tuple[float, int]]:
-    out = {}
-    for item in _csv(text):
-        try:
-            host, _, rest = item.partition(":")
-            cores, _, at = rest.partition("@")
-            out[int(host)] = (float(cores), int(at or 0))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"--cpu-cap {item!r}: expected HOST:CORES[@STEP], e.g. 3:0.25@20") from None
-    return out
+    return _host_values(text, "--cpu-cap", "CORES", "3:0.25@20")
 
 
 def _background(text: str) -> dict[int, int]:

@@ -379,7 +379,7 @@ def run_lm(cfg: LMConfig, checkpoint=None) -> dict:
         for v in variants:
             t0 = time.time()
             try:
-                caps = getattr(launcher, "cpu", None)
+                caps = launcher.cpu
                 if caps is not None:
                     caps.reset()
                     held0 = caps.throttled_s()

@@ -257,8 +257,8 @@ class Leave:
     default group at its next sync. ElasticState checkpoints only at the leave (every is
     beyond the run): the state a restart would need, written where a real job writes it."""
 
-    def __init__(self, state, host: int, at: int) -> None:
-        self.state, self.host, self.at = state, host, at
+    def __init__(self, state, drain_file: str, leaves: bool, at: int) -> None:
+        self.state, self.drain_file, self.leaves, self.at = state, drain_file, leaves, at
 
     @classmethod
     def from_plan(cls, plan: dict, rank: int, model, opt, diloco) -> "Leave | None":
@@ -267,19 +267,18 @@ class Leave:
             return None
         from libmccl.elastic.state import DRAIN_ENV, ElasticState
 
-        os.environ[DRAIN_ENV] = os.path.join(plan["out_dir"], f"drain-h{rank}")
+        drain_file = os.path.join(plan["out_dir"], f"drain-h{rank}")
+        os.environ[DRAIN_ENV] = drain_file
         os.environ["GROUP_RANK"] = str(rank)      # one rank per host: the host index
         replicated = {"diloco": diloco.d} if diloco is not None else None
         state = ElasticState(os.path.join(plan["out_dir"], "ckpt"), model=model, optimizer=opt,
                              every=plan["steps"] + 1, keep_workers=True, replicated=replicated)
-        return cls(state, int(spec[0]), int(spec[1]))
+        return cls(state, drain_file, rank == int(spec[0]), int(spec[1]))
 
     def step_done(self, step: int) -> bool:
         """Call after step ``step`` (0-based); True when the world changed; SystemExit on the leaver."""
-        from libmccl.elastic.state import DRAIN_ENV
-
-        if step + 1 == self.at and int(os.environ["GROUP_RANK"]) == self.host:
-            open(os.environ[DRAIN_ENV], "w").close()
+        if self.leaves and step + 1 == self.at:
+            open(self.drain_file, "w").close()
         return self.state.step_done(step)
 
 
